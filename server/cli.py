@@ -1,0 +1,47 @@
+"""The ``kvserve`` command: ``serve``, ``plan`` and ``quant report``.
+
+Each subcommand's module owns its flags (``add_arguments``) and its work (``run``); this file only
+dispatches, and imports each module lazily so ``kvserve plan`` starts without loading a model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand path -> (module, help)
+_COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
+    ("serve",): ("server.serve", "serve a model over an OpenAI-compatible HTTP API"),
+    ("plan",): ("kvcache.planner", "capacity planner: how much context, for how many users"),
+    ("quant", "report"): ("quant.report", "quantization quality report (error, perplexity, agreement)"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The full argument parser (each module adds its own flags)."""
+    parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference server")
+    top = parser.add_subparsers(dest="command", required=True)
+    groups: dict[str, argparse._SubParsersAction] = {}
+    for path, (module_name, help_text) in _COMMANDS.items():
+        subparsers = top
+        for word in path[:-1]:
+            if word not in groups:
+                groups[word] = top.add_parser(word, help=f"{word} tools").add_subparsers(dest="subcommand",
+                                                                                         required=True)
+            subparsers = groups[word]
+        sub = subparsers.add_parser(path[-1], help=help_text, description=help_text)
+        module = importlib.import_module(module_name)
+        module.add_arguments(sub)
+        sub.set_defaults(_run=module.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``kvserve`` console script; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    return int(args._run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
