@@ -18,8 +18,8 @@ _COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser (each module adds its own flags)."""
+def build_parser(argv: list[str]) -> argparse.ArgumentParser:
+    """The argument parser; only the chosen subcommand's module is imported to add its flags."""
     parser = argparse.ArgumentParser(prog="kvserve", description="kvserve: LLM inference server")
     top = parser.add_subparsers(dest="command", required=True)
     groups: dict[str, argparse._SubParsersAction] = {}
@@ -31,15 +31,17 @@ def build_parser() -> argparse.ArgumentParser:
                                                                                          required=True)
             subparsers = groups[word]
         sub = subparsers.add_parser(path[-1], help=help_text, description=help_text)
-        module = importlib.import_module(module_name)
-        module.add_arguments(sub)
-        sub.set_defaults(_run=module.run)
+        if tuple(argv[:len(path)]) == path:
+            module = importlib.import_module(module_name)
+            module.add_arguments(sub)
+            sub.set_defaults(_run=module.run)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvserve`` console script; returns the exit status."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     return int(args._run(args) or 0)
 
 

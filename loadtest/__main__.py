@@ -1,0 +1,39 @@
+"""``python -m loadtest COMMAND``: load runs, static vs continuous, the simulator, engine tables, peers.
+
+Each command's module owns its flags (``add_arguments``) and its work (``run``); this file only dispatches,
+importing each module lazily so ``run`` starts without torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# command -> (module, help)
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "run": ("loadtest.runcmd", "drive a workload at an OpenAI-compatible server"),
+    "compare": ("loadtest.compare", "kvserve static vs continuous batching on seed64, measured"),
+    "simulate": ("loadtest.simulate", "static vs continuous on seed64, replayed at measured step costs"),
+    "tables": ("loadtest.tables", "the chapter's KV-cache tables, measured on our engine"),
+    "peers": ("loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv`` and run the chosen command; returns the exit status."""
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (_module, help_text) in _COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] not in _COMMANDS:
+        parser.parse_args(argv)  # prints usage and exits
+    module = importlib.import_module(_COMMANDS[argv[0]][0])
+    command = argparse.ArgumentParser(prog=f"python -m loadtest {argv[0]}", description=_COMMANDS[argv[0]][1])
+    module.add_arguments(command)
+    return int(module.run(command.parse_args(argv[1:])) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""Weight quantizers in pure PyTorch: symmetric absmax int8/int4 and NF4. The reference for every kernel.
+
+A weight ``W [out, in]`` is cut along ``in`` into groups; each group gets one scale ``s = max|w| / qmax``
+and each weight becomes ``q = round(w / s)``, so ``w_hat = q * s``. Granularity sets the group:
+
+    TENSOR  one scale for the whole matrix      scales []
+    ROW     one scale per output row            scales [out]
+    GROUP   one scale per ``g`` weights of a row scales [in // g, out]   (gpt-fast's layout)
+
+NF4 (Dettmers et al. 2023, QLoRA) replaces the 16 evenly spaced int4 levels with the 16 quantiles of a
+normal distribution, scaled by the absmax of each block of 64 weights.
+
+4-bit codes are packed two to a byte along ``in``: byte ``j`` of a row holds weight ``2j`` in its low
+nibble and weight ``2j+1`` in its high nibble.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class Scheme(enum.Enum):
+    """``--quantization`` choices: what a weight is stored as."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+    NF4 = "nf4"
+
+
+class Granularity(enum.Enum):
+    """Which weights share one scale."""
+
+    TENSOR = "tensor"
+    ROW = "row"
+    GROUP = "group"
+
+
+# The 16 NF4 levels: normal quantiles normalised to [-1, 1], with an exact zero (QLoRA, appendix E;
+# the values bitsandbytes ships).
+NF4_LEVELS = (-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+              -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+              0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941,
+              0.7229568362236023, 1.0)
+INT4_OFFSET = 8  # a signed int4 code q in [-7, 7] is stored as the nibble q + 8
+_SCALE_FLOOR = 2.0 ** -14  # smallest normal float16: a group of zeros still gets a usable 16-bit scale
+
+
+@dataclass(slots=True, frozen=True)
+class QuantSpec:
+    """One quantization recipe.
+
+    Attributes:
+        scheme: INT8, INT4 or NF4.
+        granularity: which weights share a scale.
+        group_size: weights per scale along ``in`` for GROUP (a wish: see ``group_for``).
+
+    Raises:
+        ValueError: GROUP without a positive group size, or NONE.
+    """
+
+    scheme: Scheme
+    granularity: Granularity
+    group_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.scheme is Scheme.NONE:
+            raise ValueError("Scheme.NONE has no quantization spec")
+        if self.granularity is Granularity.GROUP and (self.group_size is None or self.group_size < 2):
+            raise ValueError("GROUP granularity needs group_size >= 2")
+        if self.scheme is Scheme.NF4 and self.granularity is not Granularity.GROUP:
+            raise ValueError("NF4 is defined per block (GROUP granularity)")
+
+    @property
+    def bits(self) -> int:
+        """Bits per stored code."""
+        return 8 if self.scheme is Scheme.INT8 else 4
+
+    @property
+    def label(self) -> str:
+        """Short name for tables, e.g. ``int4/group128``."""
+        if self.granularity is Granularity.GROUP:
+            return f"{self.scheme.value}/group{self.group_size}"
+        return f"{self.scheme.value}/{self.granularity.value}"
+
+    def group_for(self, in_features: int) -> int:
+        """The group actually used for a row of ``in_features`` weights.
+
+        GROUP takes the largest divisor of ``in_features`` not above ``group_size`` (SmolLM2's 576 gets 96
+        instead of 128), so no padding bytes are stored; TENSOR and ROW span the row.
+        """
+        if self.granularity is not Granularity.GROUP:
+            return in_features
+        wanted = min(self.group_size, in_features)
+        return max(d for d in range(1, wanted + 1) if in_features % d == 0)
+
+    def bits_per_weight(self, in_features: int) -> float:
+        """Stored bits per weight including 16-bit group scales (ROW and TENSOR scales are negligible)."""
+        if self.granularity is not Granularity.GROUP:
+            return float(self.bits)
+        return self.bits + 16 / self.group_for(in_features)
+
+
+# Serving defaults for ``--quantization``.
+SERVING_SPECS = {
+    Scheme.INT8: QuantSpec(Scheme.INT8, Granularity.ROW),
+    Scheme.INT4: QuantSpec(Scheme.INT4, Granularity.GROUP, 128),
+    Scheme.NF4: QuantSpec(Scheme.NF4, Granularity.GROUP, 64),
+}
+
+
+def _absmax(w: torch.Tensor, granularity: Granularity, group: int) -> torch.Tensor:
+    """max |w| per scale: ``[]``, ``[out]`` or ``[in // group, out]`` (float32)."""
+    w = w.float().abs()  # [out, in]
+    if granularity is Granularity.TENSOR:
+        return w.amax()
+    if granularity is Granularity.ROW:
+        return w.amax(dim=1)
+    out_features, in_features = w.shape
+    return w.view(out_features, in_features // group, group).amax(dim=2).t().contiguous()  # [in//g, out]
+
+
+def _expand(scales: torch.Tensor, shape: torch.Size, group: int) -> torch.Tensor:
+    """Broadcast scales of any granularity to ``[out, in]``."""
+    if scales.dim() == 0:
+        return scales.expand(shape)
+    if scales.dim() == 1:
+        return scales[:, None].expand(shape)
+    return scales.t().repeat_interleave(group, dim=1)  # [out, in]
+
+
+def quantize_int(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric absmax quantization to ``spec.bits`` signed levels ``[-qmax, qmax]``.
+
+    Args:
+        w: ``[out, in]`` float weight.
+        spec: INT8 or INT4 spec.
+
+    Returns:
+        ``(q, scales)``: ``q`` int8 ``[out, in]`` in ``[-qmax, qmax]``; scales float32 for TENSOR/ROW,
+        float16 ``[in // g, out]`` for GROUP (rounded to 16 bits before ``q`` is computed, so ``q * s`` is exact).
+    """
+    qmax = 2 ** (spec.bits - 1) - 1  # 127 or 7
+    group = spec.group_for(w.shape[1])
+    scales = (_absmax(w, spec.granularity, group) / qmax).clamp_min(_SCALE_FLOOR)
+    if spec.granularity is Granularity.GROUP:
+        scales = scales.half()
+    q = torch.round(w.float() / _expand(scales.float(), w.shape, group)).clamp_(-qmax, qmax)  # [out, in]
+    return q.to(torch.int8), scales
+
+
+def dequantize_int(q: torch.Tensor, scales: torch.Tensor, group: int) -> torch.Tensor:
+    """``q * s`` as float32 ``[out, in]`` (inverse of ``quantize_int``)."""
+    return q.float() * _expand(scales.float(), q.shape, group)
+
+
+def quantize_nf4(w: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """NF4: normalise each block of ``block`` weights by its absmax, take the nearest NF4 level.
+
+    Args:
+        w: ``[out, in]`` float weight; ``block`` must divide ``in``.
+
+    Returns:
+        ``(codes, absmax)``: codes uint8 ``[out, in]`` in 0..15 (indices into NF4_LEVELS), absmax float16
+        ``[in // block, out]``.
+    """
+    absmax = _absmax(w, Granularity.GROUP, block).clamp_min(_SCALE_FLOOR).half()  # [in//block, out]
+    normalised = w.float() / _expand(absmax.float(), w.shape, block)  # [out, in] in [-1, 1]
+    levels = torch.tensor(NF4_LEVELS)
+    midpoints = (levels[1:] + levels[:-1]) / 2  # [15]: nearest level by bucketing on midpoints
+    codes = torch.bucketize(normalised, midpoints.to(w.device))
+    return codes.to(torch.uint8), absmax
+
+
+def dequantize_nf4(codes: torch.Tensor, absmax: torch.Tensor, block: int) -> torch.Tensor:
+    """``NF4_LEVELS[code] * absmax`` as float32 ``[out, in]``."""
+    levels = torch.tensor(NF4_LEVELS, device=codes.device)
+    return levels[codes.long()] * _expand(absmax.float(), codes.shape, block)
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 ``[out, in]`` -> ``[out, in // 2]``: even index in the low nibble, odd in the high."""
+    codes = codes.to(torch.uint8)
+    return codes[:, 0::2] | (codes[:, 1::2] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_nibbles``: ``[out, in // 2]`` -> uint8 ``[out, in]``."""
+    low = packed & 0x0F
+    high = packed >> 4
+    return torch.stack((low, high), dim=2).view(packed.shape[0], packed.shape[1] * 2)
+
+
+def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """``W_hat = dequantize(quantize(W))`` as float32 ``[out, in]``: what a quantized layer computes with."""
+    group = spec.group_for(w.shape[1])
+    if spec.scheme is Scheme.NF4:
+        return dequantize_nf4(*quantize_nf4(w, group), group)
+    return dequantize_int(*quantize_int(w, spec), group)
+
+
+def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """``||W - W_hat||_F / ||W||_F`` (Frobenius norms, float64 sums)."""
+    w = w.double()
+    return float(torch.linalg.norm(w - w_hat.double()) / torch.linalg.norm(w))

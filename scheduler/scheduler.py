@@ -1,0 +1,223 @@
+"""The scheduling policy: which sequences compute which tokens in the next step.
+
+Policy, in one place: running sequences first (in admission order), each taking the tokens it still
+needs (1 for a decode, up to the remaining budget for a prefill in progress: chunked prefill), then
+waiting sequences in arrival order while slots (max_num_seqs), the per-step token budget
+(max_num_batched_tokens) and free blocks allow; a prefix-cache hit shrinks a newcomer's prefill. When the
+pool cannot hold the next step of a running sequence, the most recently admitted running sequence is
+preempted: its blocks are freed and it goes back to the head of the waiting queue to be recomputed.
+
+``Policy.STATIC`` admits a group of up to max_num_seqs waiting sequences only when the previous group
+has entirely finished, and holds the final event of every member until the last member finishes.
+
+Works on token counts and block ids only; never touches a tensor.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from engine.plan import SeqResult, SeqWork, StepPlan
+from kvcache.block_manager import BlockManager
+from scheduler.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
+
+
+@dataclass(slots=True)
+class SchedulerConfig:
+    """Limits of the scheduler.
+
+    Raises:
+        ValueError: from ``__post_init__`` on inconsistent limits.
+    """
+
+    max_num_seqs: int = 32               # slots: sequences running at once
+    max_num_batched_tokens: int = 512    # tokens per step (chunked prefill splits longer prompts)
+    max_model_len: int = 2048            # context limit (tokens): prompt + output
+    static: bool = False                 # the static-batching baseline instead of continuous batching
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_model_len < 1:
+            raise ValueError("max_num_seqs and max_model_len must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
+
+
+class Scheduler:
+    """Plans steps and applies their results. Synchronous; owned by one asyncio task (SchedulerService).
+
+    Args:
+        config: limits and policy.
+        blocks: the block manager of the KV pool.
+    """
+
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+        self.config = config
+        self.blocks = blocks
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.group: set[int] = set()           # STATIC: ids of the current group
+        self.held: list[tuple[Sequence, SeqEvent]] = []  # STATIC: final events waiting for the group
+        self.num_preemptions = 0
+        self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0                   # of which found cached
+        self.finish_times: deque[float] = deque(maxlen=64)  # for the measured drain rate
+
+    # -- queue ---------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
+        """End a sequence wherever it is; returns it, or None if it is unknown or already finished."""
+        for seq in self.waiting:
+            if seq.seq_id == seq_id:
+                self.waiting.remove(seq)
+                self._finish(seq, reason)
+                return seq
+        for seq in self.running:
+            if seq.seq_id == seq_id:
+                self._finish(seq, reason)
+                return seq
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- planning ------------------------------------------------------------------------------------
+    def schedule(self) -> StepPlan:
+        """Choose the next step's work (possibly empty when nothing fits)."""
+        budget = self.config.max_num_batched_tokens
+        work: list[SeqWork] = []
+        for seq in list(self.running):
+            if budget == 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_uncomputed, budget)
+            if not self._reserve(seq, num_new):
+                continue
+            work.append(self._work(seq, num_new))
+            budget -= num_new
+        self._admit(work, budget)
+        return StepPlan(work)
+
+    def _reserve(self, seq: Sequence, num_new: int) -> bool:
+        """Make room for ``num_new`` more tokens of a running sequence, preempting the newest if needed."""
+        while not self.blocks.allocate(seq.block_table, seq.num_computed + num_new):
+            victim = self.running[-1]
+            self._preempt(victim)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.num_computed = 0
+        seq.status = SeqStatus.WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    def _group_active(self) -> bool:
+        """STATIC: some member of the current group is still running or waiting (preempted)."""
+        return any(s.seq_id in self.group for s in self.running) or any(s.seq_id in self.group for s in self.waiting)
+
+    def _admissible(self, seq: Sequence) -> bool:
+        if not self.config.static:
+            return True
+        if not self._group_active() and not self.held:
+            self.group = {s.seq_id for s in list(self.waiting)[:self.config.max_num_seqs]}
+        return seq.seq_id in self.group
+
+    def _admit(self, work: list[SeqWork], budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            if not self._admissible(seq):
+                break
+            first_time = seq.num_cached_tokens is None
+            cached = [] if seq.params.prompt_logprobs else self.blocks.find_cached_prefix(seq.all_ids)
+            num_cached = len(cached) * self.blocks.block_size
+            num_new = min(seq.num_tokens - num_cached, budget)
+            if not self.blocks.allocate(seq.block_table, num_cached + num_new, cached):
+                break  # no room: wait for blocks to free (FIFO, no overtaking)
+            self.waiting.popleft()
+            seq.num_computed = num_cached
+            seq.status = SeqStatus.RUNNING
+            if first_time:
+                seq.num_cached_tokens = num_cached
+                seq.first_scheduled_time = time.perf_counter()
+                self.prefix_queries += len(seq.prompt_ids)
+                self.prefix_hits += num_cached
+            self.running.append(seq)
+            work.append(self._work(seq, num_new))
+            budget -= num_new
+
+    def _work(self, seq: Sequence, num_new: int) -> SeqWork:
+        start = seq.num_computed
+        bs = self.blocks.block_size
+        slots = [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
+        return SeqWork(seq_id=seq.seq_id, token_ids=seq.all_ids[start:start + num_new], start_pos=start,
+                       block_table=list(seq.block_table), slot_mapping=slots,
+                       sample=start + num_new == seq.num_tokens, params=seq.params,
+                       prompt_ids=seq.prompt_ids, output_ids=list(seq.output_ids), suppress_ids=seq.suppress_ids)
+
+    # -- results -------------------------------------------------------------------------------------
+    def update(self, plan: StepPlan, results: list[SeqResult]) -> list[tuple[Sequence, SeqEvent]]:
+        """Apply a step's results; returns the events to deliver (finished sequences' blocks are freed)."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        events: list[tuple[Sequence, SeqEvent]] = []
+        for w, result in zip(plan.work, results):
+            seq = by_id.get(w.seq_id)
+            if seq is None:
+                continue  # aborted or preempted during the step
+            seq.num_computed += len(w.token_ids)
+            self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed)
+            if result.token is None:
+                if result.prompt_logprobs:
+                    events.append((seq, SeqEvent(seq.seq_id, prompt_logprobs=result.prompt_logprobs)))
+                continue
+            seq.output_ids.append(result.token.token_id)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+            reason = self._stop_reason(seq, result.token.token_id)
+            event = SeqEvent(seq.seq_id, token=result.token, finish=reason, prompt_logprobs=result.prompt_logprobs)
+            if reason is not None:
+                self._finish(seq, reason)
+                if self.config.static:
+                    self.held.append((seq, event))
+                    continue
+            events.append((seq, event))
+        return events + self._release_group()
+
+    def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
+        if token_id in seq.stop_token_ids and len(seq.output_ids) > seq.min_tokens - 1:
+            return FinishReason.STOP
+        if len(seq.output_ids) >= seq.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        self.blocks.free(seq.block_table)
+        seq.status = SeqStatus.FINISHED
+        seq.finish_reason = reason
+        self.finish_times.append(time.perf_counter())
+
+    def _release_group(self) -> list[tuple[Sequence, SeqEvent]]:
+        """STATIC: once no member of the group is left running or waiting, deliver the held final events."""
+        if not self.config.static or not self.held or self._group_active():
+            return []
+        released, self.held = self.held, []
+        return released
+
+    # -- figures -------------------------------------------------------------------------------------
+    def drain_rate(self) -> float | None:
+        """Measured finishes per second over the recent window, or None before two finishes."""
+        if len(self.finish_times) < 2:
+            return None
+        span = self.finish_times[-1] - self.finish_times[0]
+        return (len(self.finish_times) - 1) / span if span > 0 else None

@@ -1,0 +1,106 @@
+"""One request's generation state: token ids, progress through the cache, block table, status."""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.plan import SamplingParams, TokenLogprob
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    """Why a sequence ended; the first two are OpenAI's finish_reason values."""
+
+    STOP = "stop"        # EOS, a stop token id, or a stop string
+    LENGTH = "length"    # max_tokens or the context limit
+    ABORT = "abort"      # the client went away
+    ERROR = "error"      # the engine step failed
+
+
+@dataclass(slots=True)
+class SeqEvent:
+    """What the scheduler tells a request's stream after a step.
+
+    Attributes:
+        seq_id: the sequence it belongs to (the choices of one request share a queue).
+        token: the new token (None when only finishing or failing).
+        finish: set on the sequence's last event.
+        error: a message when the step failed.
+        prompt_logprobs: prompt-token logprobs computed in this step.
+        time: when the event was produced (``time.perf_counter()`` seconds).
+    """
+
+    seq_id: int
+    token: TokenLogprob | None = None
+    finish: FinishReason | None = None
+    error: str | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    time: float = field(default_factory=time.perf_counter)
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """A request (one choice) moving through the scheduler.
+
+    Attributes:
+        seq_id: unique id.
+        prompt_ids: the prompt's tokens.
+        params: sampling settings.
+        max_tokens: generated-token limit (tokens).
+        stop_token_ids: tokens that end the sequence (EOS unless ignore_eos, plus stop_token_ids).
+        min_tokens: stop tokens are suppressed until this many tokens are generated.
+        output_ids: generated tokens.
+        num_computed: tokens whose K/V are in the cache.
+        block_table: the sequence's blocks, in order.
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+        events: the request's stream of SeqEvents (consumed by the server).
+    """
+
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    min_tokens: int = 0
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SeqStatus = SeqStatus.WAITING
+    finish_reason: FinishReason | None = None
+    num_cached_tokens: int | None = None
+    num_preemptions: int = 0
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+
+    @property
+    def all_ids(self) -> list[int]:
+        """Prompt then output tokens (what a recompute after preemption must prefill)."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def num_uncomputed(self) -> int:
+        """Tokens still to run through the model before the next sample."""
+        return self.num_tokens - self.num_computed
+
+    @property
+    def suppress_ids(self) -> list[int]:
+        """Stop tokens may not be sampled while fewer than min_tokens are generated."""
+        return sorted(self.stop_token_ids) if len(self.output_ids) < self.min_tokens else []
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SeqStatus.FINISHED

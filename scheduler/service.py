@@ -1,0 +1,169 @@
+"""The scheduler as an asyncio actor: one task owns all scheduling state.
+
+HTTP handlers never touch the Scheduler: they ``submit`` a sequence (admitted to the inbox or refused
+at once with QueueFull) and ``abort`` it; both are commands the loop applies between steps. The model
+step runs in a single worker thread, so the event loop keeps answering HTTP during a step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from engine.plan import SeqResult, StepPlan
+from scheduler.scheduler import Scheduler
+from scheduler.sequence import FinishReason, SeqEvent, Sequence
+
+log = logging.getLogger("kvserve.scheduler")
+
+_COLD_START_S_PER_REQUEST = 1.0  # Retry-After estimate before two requests have finished (s/request)
+
+
+class QueueFull(Exception):
+    """The waiting queue is at ``max_queue``; ``retry_after_s`` comes from the measured drain rate."""
+
+    def __init__(self, queue_len: int, retry_after_s: int) -> None:
+        super().__init__(f"server is at capacity: {queue_len} requests are waiting; retry after {retry_after_s} s")
+        self.queue_len = queue_len
+        self.retry_after_s = retry_after_s
+
+
+class _Command(enum.Enum):
+    ADD = "add"
+    ABORT = "abort"
+
+
+@dataclass(slots=True)
+class StepStats:
+    """Counters the metrics endpoint reads (tokens, steps)."""
+
+    steps: int = 0
+    prompt_tokens: int = 0       # prompt tokens computed (prefix-cache hits excluded)
+    generation_tokens: int = 0
+
+
+class SchedulerService:
+    """Runs the scheduling loop.
+
+    Args:
+        scheduler: the planning core (owned by this service's task from now on).
+        execute: computes a StepPlan (the model runner's ``execute``); runs in a worker thread.
+        max_queue: waiting sequences beyond which ``submit`` raises QueueFull.
+    """
+
+    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResult]], max_queue: int) -> None:
+        self.scheduler = scheduler
+        self.execute = execute
+        self.max_queue = max_queue
+        self.stats = StepStats()
+        self.dead: BaseException | None = None
+        self._inbox: asyncio.Queue[tuple[_Command, object]] = asyncio.Queue()
+        self._pending_adds = 0
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._task: asyncio.Task | None = None
+
+    # -- commands (called from handlers) -------------------------------------------------------------
+    def submit(self, seqs: list[Sequence]) -> None:
+        """Queue sequences (the choices of one request) or refuse them all at once.
+
+        Raises:
+            QueueFull: the waiting queue would exceed max_queue.
+            RuntimeError: the loop has died.
+        """
+        if self.dead is not None:
+            raise RuntimeError(f"engine loop has died: {self.dead!r}")
+        queued = len(self.scheduler.waiting) + self._pending_adds
+        if queued + len(seqs) > self.max_queue:
+            raise QueueFull(queued, self.retry_after_s(queued))
+        self._pending_adds += len(seqs)
+        for seq in seqs:
+            self._inbox.put_nowait((_Command.ADD, seq))
+
+    def abort(self, seq_id: int) -> None:
+        """Ask the loop to drop a sequence (queued or running); it is removed before the next step."""
+        self._inbox.put_nowait((_Command.ABORT, seq_id))
+
+    def retry_after_s(self, queued: int) -> int:
+        """Seconds until ``queued`` waiting requests should have drained, from the measured finish rate."""
+        rate = self.scheduler.drain_rate()
+        seconds = (queued + 1) / rate if rate else (queued + 1) * _COLD_START_S_PER_REQUEST
+        return max(1, min(600, math.ceil(seconds)))
+
+    # -- lifecycle -----------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="kvserve-scheduler")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):
+                pass
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def healthy(self) -> bool:
+        return self.dead is None and self._task is not None and not self._task.done()
+
+    # -- the loop ------------------------------------------------------------------------------------
+    def _apply(self, command: _Command, payload: object) -> None:
+        if command is _Command.ADD:
+            self._pending_adds -= 1
+            self.scheduler.add(payload)
+        else:
+            seq = self.scheduler.abort(payload)
+            if seq is not None:
+                seq.events.put_nowait(SeqEvent(seq.seq_id, finish=FinishReason.ABORT))
+
+    def _drain_inbox(self) -> None:
+        while not self._inbox.empty():
+            self._apply(*self._inbox.get_nowait())
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                if not self.scheduler.has_work and self._inbox.empty():
+                    self._apply(*await self._inbox.get())
+                self._drain_inbox()
+                plan = self.scheduler.schedule()
+                if not plan.work:
+                    if self.scheduler.has_work:
+                        await asyncio.sleep(0.005)  # nothing fits now (only possible transiently)
+                    continue
+                try:
+                    results = await loop.run_in_executor(self._executor, self.execute, plan)
+                except Exception as exc:  # a failed step fails only its own sequences
+                    log.exception("engine step failed")
+                    self._fail(plan, exc)
+                    continue
+                self.stats.steps += 1
+                self._count(plan)
+                for seq, event in self.scheduler.update(plan, results):
+                    seq.events.put_nowait(event)
+        except asyncio.CancelledError:
+            raise
+        except BaseException as exc:
+            self.dead = exc
+            log.exception("scheduler loop died")
+            for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
+                seq.events.put_nowait(SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine loop died: {exc!r}"))
+            raise
+
+    def _count(self, plan: StepPlan) -> None:
+        for w in plan.work:
+            prompt_part = max(0, min(w.context_len, len(w.prompt_ids)) - w.start_pos)
+            self.stats.prompt_tokens += prompt_part
+            self.stats.generation_tokens += int(w.sample)
+
+    def _fail(self, plan: StepPlan, exc: Exception) -> None:
+        for w in plan.work:
+            seq = self.scheduler.abort(w.seq_id, FinishReason.ERROR)
+            if seq is not None:
+                seq.events.put_nowait(SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine step failed: {exc}"))

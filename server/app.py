@@ -1,0 +1,192 @@
+"""The FastAPI app: OpenAI-compatible routes, SSE streaming, health, metrics, tokenize.
+
+Every request is validated, tokenized, checked against the limits and admitted (or refused with 429)
+before a response starts, so a bad streaming request gets the same JSON error as a non-streaming one and
+no SSE byte is ever sent for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import uuid
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sse_starlette.sse import EventSourceResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from scheduler.service import QueueFull
+from server.errors import ApiError
+from server.generation import Generation, prepare, prompt_ids_of
+from server.openai_format import Formatter
+from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from server.state import ServerState
+
+_DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+
+
+def _validation_error(exc: RequestValidationError) -> ApiError:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    param = ".".join(loc) or None
+    message = first.get("msg", "invalid request")
+    return ApiError(400, f"{param}: {message}" if param else message, param=param)
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """Build the app around a ServerState; the scheduler loop runs for the app's lifetime."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.service.start()
+        yield
+        await state.service.stop()
+
+    app = FastAPI(title="kvserve", lifespan=lifespan)
+    app.state.kvserve = state
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        return ApiError(exc.status_code, str(exc.detail)).response()
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next):
+        key = state.config.api_key
+        if key and request.url.path.startswith("/v1"):
+            if request.headers.get("authorization", "") != f"Bearer {key}":
+                return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                                code="invalid_api_key").response()
+        return await call_next(request)
+
+    @app.get("/health")
+    async def health():
+        if not state.service.healthy:
+            return JSONResponse({"status": "unhealthy", "error": repr(state.service.dead)}, status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
+                                            "owned_by": "kvserve", "max_model_len": state.max_model_len}]}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        if body.messages is not None:
+            ids = prompt_ids_of(state, ChatCompletionRequest(messages=body.messages))
+        else:
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        vocab = len(state.tokenizer)
+        if any(not 0 <= t < vocab for t in body.tokens):
+            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(body: ChatCompletionRequest, request: Request):
+        return await _complete(state, body, request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        return await _complete(state, body, request, chat=False)
+
+    return app
+
+
+def _admit(state: ServerState, body) -> Generation:
+    """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine)."""
+    if body.model is not None and body.model not in (state.model_name, "default"):
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    generation = Generation(state, prepare(state, body))
+    try:
+        generation.start()
+    except QueueFull as exc:
+        state.metrics.rejected.labels(reason="queue_full").inc()
+        raise ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from exc
+    except RuntimeError as exc:
+        raise ApiError(503, str(exc)) from exc
+    return generation
+
+
+async def _complete(state: ServerState, body, request: Request, chat: bool):
+    generation = _admit(state, body)
+    prefix = "chatcmpl-" if chat else "cmpl-"
+    fmt = Formatter(generation, chat, prefix + uuid.uuid4().hex, state.model_name, state.tokenizer)
+    want_logprobs = body.num_logprobs is not None
+    echo = (not chat) and body.echo
+    prompt_text = body.prompt if echo and isinstance(body.prompt, str) else (
+        state.tokenizer.decode(generation.prepared.prompt_ids) if echo else "")
+    if body.stream:
+        return EventSourceResponse(_stream(generation, fmt, body, want_logprobs, echo, prompt_text),
+                                   ping=state.config.sse_ping_s or None, sep="\n")
+    return await _collect(generation, fmt, request, want_logprobs, echo, prompt_text)
+
+
+async def _stream(generation: Generation, fmt: Formatter, body, want_logprobs: bool, echo: bool, prompt_text: str):
+    echoed: set[int] = set()
+    try:
+        async for update in generation.updates():
+            if update.error is not None:
+                yield {"data": json.dumps(ApiError(500, update.error, code="engine_error").body())}
+                return
+            if not (update.text or update.tokens or update.finish_reason):
+                continue
+            echo_part = None
+            if echo and update.index not in echoed:
+                echoed.add(update.index)
+                echo_part = fmt.echo_prefix(update.index, prompt_text, want_logprobs)
+            yield {"data": json.dumps(fmt.chunk(update, want_logprobs, echo_part))}
+        if body.include_usage:
+            yield {"data": json.dumps(fmt.usage_chunk())}
+        yield {"data": "[DONE]"}
+    finally:
+        generation.abort()  # no-op for finished choices; frees a disconnected client's blocks
+
+
+async def _collect(generation: Generation, fmt: Formatter, request: Request, want_logprobs: bool, echo: bool,
+                   prompt_text: str):
+    n = generation.prepared.n
+    texts = {i: "" for i in range(n)}
+    tokens: dict[int, list] = {i: [] for i in range(n)}
+    reasons: dict[int, str] = {}
+
+    async def consume() -> None:
+        async for update in generation.updates():
+            if update.error is not None:
+                raise ApiError(500, update.error, code="engine_error")
+            texts[update.index] += update.text
+            tokens[update.index].extend(update.tokens)
+            if update.finish_reason is not None:
+                reasons[update.index] = update.finish_reason
+
+    task = asyncio.create_task(consume())
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return Response(status_code=499)  # client gone: nobody reads this
+        task.result()
+    finally:
+        generation.abort()
+    echoes = {i: fmt.echo_prefix(i, prompt_text, want_logprobs) for i in range(n)} if echo else {}
+    return JSONResponse(fmt.full(texts, tokens, reasons, want_logprobs, echoes))

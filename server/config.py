@@ -1,0 +1,60 @@
+"""Serving configuration: one validated dataclass, filled from CLI flags (or directly by tests)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvcache.pool import parse_bytes
+
+
+class Policy(enum.Enum):
+    """Admission policy (``--scheduler``)."""
+
+    CONTINUOUS = "continuous"  # token-level slots: a slot freed at step k is refilled at step k+1
+    STATIC = "static"          # the naive baseline: a group runs until its last member finishes
+
+
+@dataclass(slots=True)
+class ServeConfig:
+    """Everything ``kvserve serve`` can be told. Units are in the field comments.
+
+    Raises:
+        ValueError: from ``__post_init__`` on an out-of-range value.
+    """
+
+    model: str | None = None            # None: the embedded SmolLM2; else a local HF model directory
+    host: str = "127.0.0.1"             # loopback unless told otherwise (the container sets 0.0.0.0)
+    port: int = 8000
+    device: str = "auto"                # auto | cpu | cuda
+    dtype: str = "auto"                 # auto | float32 | bfloat16; auto picks bf16 where the CPU has it
+    quantization: str = "none"          # none | int8 | int4 | nf4 (weight-only, linear projections)
+    kv_cache_memory: str = "1GiB"       # KV pool budget; blocks = budget // (block_size * bytes/token)
+    num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use tiny pools)
+    block_size: int = 16                # tokens per KV block
+    max_num_seqs: int = 32              # slots: sequences decoding at once
+    max_num_batched_tokens: int = 512   # per-step token budget (chunked prefill splits longer prompts)
+    max_queue: int = 256                # waiting requests before 429
+    max_model_len: int | None = None    # context limit (tokens); default: the model's
+    policy: Policy = Policy.CONTINUOUS
+    enable_prefix_caching: bool = True  # share full blocks of common prefixes
+    api_key: str | None = None          # if set, /v1 routes need "Authorization: Bearer <key>"
+    served_model_name: str | None = None  # name in /v1/models; default from the model
+    sse_ping_s: float = 15.0            # keep-alive comment interval on idle streams (s); 0 disables
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be >= 1")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
+        if self.max_queue < 0:
+            raise ValueError("max_queue must be >= 0")
+        if self.quantization not in ("none", "int8", "int4", "nf4"):
+            raise ValueError(f"unknown quantization {self.quantization!r}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError("num_kv_blocks must be >= 1")
+        parse_bytes(self.kv_cache_memory)
+        if isinstance(self.policy, str):
+            self.policy = Policy(self.policy)

@@ -1,0 +1,97 @@
+"""Token ids to text deltas: incremental detokenization and stop strings.
+
+Both streamed and non-streamed responses are built from the same deltas, so they agree by construction;
+the tests also compare with ``tokenizer.decode`` of all the output ids.
+"""
+
+from __future__ import annotations
+
+from transformers import PreTrainedTokenizerBase
+
+_CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so a first word keeps its leading space
+_INCOMPLETE = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters.
+
+    Method: decode a small window before and after the newest token and emit only the new suffix once it
+    no longer ends in U+FFFD (vLLM's ``detokenize_incrementally``, after TGI). A byte-level BPE token can
+    hold part of a multi-byte character (an emoji is often split over 2-4 tokens); SentencePiece drops a
+    word's leading space when a token is decoded alone, hence the prompt context.
+
+    Args:
+        tokenizer: the model's tokenizer.
+        prompt_ids: the prompt (its last tokens give context).
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
+        self.prefix_offset = 0
+        self.read_offset = len(self.ids)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
+    def add(self, token_id: int) -> str:
+        """Add one token; return the text it completes (possibly empty)."""
+        self.ids.append(token_id)
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return new_text[len(prefix_text):]
+
+    def flush(self) -> str:
+        """Text still held at the end, without a trailing incomplete character (never sent as U+FFFD)."""
+        prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        new_text = self._decode(self.ids[self.prefix_offset:]).rstrip(_INCOMPLETE)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+
+
+class StopStringMatcher:
+    """Holds back text that could begin a stop string; cuts the text at the first stop string.
+
+    No part of a stop string is ever emitted, even across several tokens; the text before it in the same
+    token is. Works on characters, after detokenization.
+
+    Args:
+        stops: up to 4 non-empty stop strings.
+    """
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buffer = ""
+
+    def _held_suffix_len(self) -> int:
+        """Length of the longest suffix of the buffer that is a proper prefix of some stop string."""
+        longest = 0
+        for stop in self.stops:
+            for size in range(min(len(stop) - 1, len(self.buffer)), longest, -1):
+                if self.buffer.endswith(stop[:size]):
+                    longest = size
+                    break
+        return longest
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add detokenized text; return (text safe to emit, whether a stop string was found)."""
+        self.buffer += text
+        if not self.stops:
+            out, self.buffer = self.buffer, ""
+            return out, False
+        found = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
+        if found:
+            out, self.buffer = self.buffer[:min(found)], ""
+            return out, True
+        keep = self._held_suffix_len()
+        cut = len(self.buffer) - keep
+        out, self.buffer = self.buffer[:cut], self.buffer[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        """At the end of generation without a stop string, the held text is real output."""
+        out, self.buffer = self.buffer, ""
+        return out

@@ -1,0 +1,230 @@
+"""From a validated request to a stream of per-choice text updates.
+
+``prepare`` tokenizes and checks limits (raising ApiError before anything is queued); ``Generation``
+submits one Sequence per choice and turns their SeqEvents into ChoiceUpdates: detokenized, cut at stop
+strings, with logprobs, timings and metrics. Streamed and non-streamed responses both consume it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from engine.plan import SamplingParams, TokenLogprob
+from scheduler.sequence import FinishReason, SeqEvent, Sequence
+from server.detok import IncrementalDetokenizer, StopStringMatcher
+from server.errors import ApiError
+from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.state import ServerState
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request reduced to what the scheduler needs."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    n: int
+    stop_strings: list[str]
+    stop_token_ids: frozenset[int]
+    min_tokens: int
+
+
+def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    """Tokenize the prompt (chat template for chat). Raises ApiError on bad token ids."""
+    tokenizer = state.tokenizer
+    if isinstance(request, ChatCompletionRequest):
+        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
+                    for m in request.messages]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    if isinstance(request.prompt, str):
+        return tokenizer(request.prompt)["input_ids"]
+    vocab = len(tokenizer)
+    bad = [t for t in request.prompt if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+    return list(request.prompt)
+
+
+def prepare(state: ServerState, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
+    """Tokenize and check a request against the context and the pool.
+
+    Raises:
+        ApiError: 400 when the prompt is empty, or prompt + max_tokens exceeds the model's context or
+            can never fit the KV pool (the message gives the token counts and the limit).
+    """
+    prompt_ids = prompt_ids_of(state, request)
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", param="prompt")
+    limit = min(state.max_model_len, state.pool_tokens)
+    field_name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+    max_tokens = request.token_limit
+    if max_tokens is None:
+        max_tokens = limit - len(prompt_ids)
+        if max_tokens < 1:
+            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                                f"{len(prompt_ids)} tokens.", param="prompt")
+    total = len(prompt_ids) + max_tokens
+    if total > state.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+                            f"requested {total} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+                            f"completion). Please reduce the prompt or {field_name}.", param=field_name)
+    if total > state.pool_tokens:
+        raise ApiError(400, f"The KV cache holds at most {state.pool_tokens} tokens. However, you requested {total} "
+                            f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the completion).",
+                       param=field_name)
+    echo_logprobs = isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None
+    params = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=max(request.top_k, 0),
+                            min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
+                            frequency_penalty=request.frequency_penalty,
+                            repetition_penalty=request.repetition_penalty, logprobs=request.num_logprobs,
+                            prompt_logprobs=echo_logprobs)
+    stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(state.eos_ids))
+    return Prepared(prompt_ids=prompt_ids, max_tokens=max_tokens, params=params, n=request.n,
+                    stop_strings=request.stop_strings, stop_token_ids=frozenset(stop_ids),
+                    min_tokens=min(request.min_tokens, max_tokens))
+
+
+@dataclass(slots=True)
+class ChoiceUpdate:
+    """New output of one choice: text, the tokens behind it, and the finish reason on the last update."""
+
+    index: int
+    text: str = ""
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Choice:
+    seq: Sequence
+    detok: IncrementalDetokenizer
+    matcher: StopStringMatcher
+    completion_tokens: int = 0
+    finish_reason: str | None = None
+    last_token_time: float | None = None
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class Generation:
+    """One request's choices in flight.
+
+    Args:
+        state: the server.
+        prepared: the prepared request.
+
+    Raises:
+        QueueFull: from ``start`` when the waiting queue is full.
+    """
+
+    def __init__(self, state: ServerState, prepared: Prepared) -> None:
+        self.state = state
+        self.prepared = prepared
+        self.events: asyncio.Queue[SeqEvent] = asyncio.Queue()
+        self.choices: dict[int, tuple[int, _Choice]] = {}
+        for index in range(prepared.n):
+            params = prepared.params
+            if params.seed is not None and index:
+                params = dataclasses.replace(params, seed=params.seed + index)  # n choices must differ
+            seq = Sequence(seq_id=state.next_id(), prompt_ids=prepared.prompt_ids, params=params,
+                           max_tokens=prepared.max_tokens, stop_token_ids=prepared.stop_token_ids,
+                           min_tokens=prepared.min_tokens, events=self.events)
+            choice = _Choice(seq=seq, detok=IncrementalDetokenizer(state.tokenizer, prepared.prompt_ids),
+                             matcher=StopStringMatcher(prepared.stop_strings))
+            self.choices[seq.seq_id] = (index, choice)
+        self.created = int(time.time())
+
+    def start(self) -> None:
+        self.state.service.submit([c.seq for _, c in self.choices.values()])
+
+    def abort(self) -> None:
+        """Drop every unfinished choice (client gone)."""
+        for _, choice in self.choices.values():
+            if choice.finish_reason is None:
+                self.state.service.abort(choice.seq.seq_id)
+
+    @property
+    def done(self) -> bool:
+        return all(c.finish_reason is not None for _, c in self.choices.values())
+
+    async def updates(self) -> AsyncIterator[ChoiceUpdate]:
+        """Yield updates until every choice has finished."""
+        while not self.done:
+            event = await self.events.get()
+            update = self._on_event(event)
+            if update is not None:
+                yield update
+
+    def _on_event(self, event: SeqEvent) -> ChoiceUpdate | None:
+        index, choice = self.choices[event.seq_id]
+        if choice.finish_reason is not None:
+            return None  # tokens computed after a stop string matched
+        choice.prompt_logprobs.extend(event.prompt_logprobs)
+        update = ChoiceUpdate(index=index)
+        if event.token is not None:
+            self._observe_token(choice, event.time)
+            choice.completion_tokens += 1
+            update.tokens.append(event.token)
+            update.text, hit = choice.matcher.feed(choice.detok.add(event.token.token_id))
+            if hit:
+                self.state.service.abort(choice.seq.seq_id)
+                return self._finish(choice, update, "stop")
+        if event.finish is FinishReason.ERROR:
+            update.error = event.error or "engine error"
+            return self._finish(choice, update, "error")
+        if event.finish is FinishReason.ABORT:
+            choice.finish_reason = "abort"
+            return None
+        if event.finish is not None:
+            tail, hit = choice.matcher.feed(choice.detok.flush())
+            update.text += tail + ("" if hit else choice.matcher.flush())
+            return self._finish(choice, update, "stop" if hit else event.finish.value)
+        return update
+
+    def _observe_token(self, choice: _Choice, now: float) -> None:
+        metrics = self.state.metrics
+        if choice.last_token_time is None:
+            metrics.ttft.observe(now - choice.seq.arrival_time)
+        else:
+            metrics.itl.observe(now - choice.last_token_time)
+        choice.last_token_time = now
+
+    def _finish(self, choice: _Choice, update: ChoiceUpdate, reason: str) -> ChoiceUpdate:
+        choice.finish_reason = reason
+        update.finish_reason = reason
+        metrics, seq = self.state.metrics, choice.seq
+        if reason != "error":
+            metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
+            if seq.first_scheduled_time is not None:
+                metrics.queue.observe(seq.first_scheduled_time - seq.arrival_time)
+        metrics.success.labels(finished_reason=reason).inc()
+        return update
+
+    # -- figures for responses -----------------------------------------------------------------------
+    def prompt_logprobs(self, index: int) -> list[TokenLogprob]:
+        return next(c.prompt_logprobs for i, c in self.choices.values() if i == index)
+
+    def usage(self) -> dict:
+        completion = sum(c.completion_tokens for _, c in self.choices.values())
+        prompt = len(self.prepared.prompt_ids)
+        cached = max((c.seq.num_cached_tokens or 0 for _, c in self.choices.values()), default=0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def timings(self, index: int) -> dict:
+        """Queue time, TTFT (ms) and decode tokens/s of one choice, as measured by the server."""
+        choice = next(c for i, c in self.choices.values() if i == index)
+        seq = choice.seq
+        queue_ms = ((seq.first_scheduled_time or seq.arrival_time) - seq.arrival_time) * 1000
+        ttft_ms = ((seq.first_token_time or seq.arrival_time) - seq.arrival_time) * 1000
+        decode_s = (choice.last_token_time or 0) - (seq.first_token_time or 0)
+        tps = (choice.completion_tokens - 1) / decode_s if choice.completion_tokens > 1 and decode_s > 0 else 0.0
+        return {"queue_ms": round(queue_ms, 3), "ttft_ms": round(ttft_ms, 3), "decode_tokens_per_s": round(tps, 3),
+                "prompt_tokens": len(self.prepared.prompt_ids), "completion_tokens": choice.completion_tokens,
+                "cached_tokens": seq.num_cached_tokens or 0}

@@ -1,0 +1,107 @@
+"""OpenAI response shapes: chat and completion objects and chunks, logprobs in each API's format."""
+
+from __future__ import annotations
+
+from engine.plan import TokenLogprob
+from server.generation import ChoiceUpdate, Generation
+
+
+class Formatter:
+    """Builds response dicts for one request.
+
+    Args:
+        generation: the request in flight.
+        chat: chat.completion(s) shapes when True, text_completion otherwise.
+        request_id: the id shared by every chunk of the response.
+        model: the served model name.
+        tokenizer: for token strings in logprobs.
+    """
+
+    def __init__(self, generation: Generation, chat: bool, request_id: str, model: str, tokenizer) -> None:
+        self.generation = generation
+        self.chat = chat
+        self.id = request_id
+        self.model = model
+        self.tokenizer = tokenizer
+        self.text_offset: dict[int, int] = {}
+        self.sent_role: set[int] = set()
+
+    def _token_str(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _chat_logprobs(self, tokens: list[TokenLogprob]) -> dict:
+        def entry(token_id: int, logprob: float) -> dict:
+            text = self._token_str(token_id)
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+        return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
+                            for t in tokens]}
+
+    def _completion_logprobs(self, index: int, tokens: list[TokenLogprob], first_is_none: bool = False) -> dict:
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for position, t in enumerate(tokens):
+            text = self._token_str(t.token_id)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(None if first_is_none and position == 0 else t.logprob)
+            out["top_logprobs"].append(None if first_is_none and position == 0
+                                       else {self._token_str(i): lp for i, lp in t.top})
+            out["text_offset"].append(self.text_offset.get(index, 0))
+            self.text_offset[index] = self.text_offset.get(index, 0) + len(text)
+        return out
+
+    def echo_prefix(self, index: int, prompt_text: str, want_logprobs: bool) -> tuple[str, dict | None]:
+        """Completions ``echo``: the prompt text and, with logprobs, its tokens (the first has logprob None)."""
+        if not want_logprobs:
+            return prompt_text, None
+        prompt_ids = self.generation.prepared.prompt_ids
+        first = TokenLogprob(token_id=prompt_ids[0], logprob=0.0)
+        return prompt_text, self._completion_logprobs(index, [first] + self.generation.prompt_logprobs(index), True)
+
+    def chunk(self, update: ChoiceUpdate, want_logprobs: bool, echo: tuple[str, dict | None] | None = None) -> dict:
+        """One streamed chunk for one choice update."""
+        if self.chat:
+            delta: dict = {"content": update.text}
+            if update.index not in self.sent_role:
+                self.sent_role.add(update.index)
+                delta = {"role": "assistant", "content": update.text}
+            choice = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": update.finish_reason}
+            if want_logprobs and update.tokens:
+                choice["logprobs"] = self._chat_logprobs(update.tokens)
+            obj = "chat.completion.chunk"
+        else:
+            text, logprobs = update.text, None
+            if want_logprobs:
+                logprobs = self._completion_logprobs(update.index, update.tokens)
+            if echo is not None:
+                text = echo[0] + text
+                if echo[1] is not None and logprobs is not None:
+                    logprobs = {k: echo[1][k] + logprobs[k] for k in logprobs}
+            choice = {"index": update.index, "text": text, "logprobs": logprobs, "finish_reason": update.finish_reason}
+            obj = "text_completion"
+        body = {"id": self.id, "object": obj, "created": self.generation.created, "model": self.model,
+                "choices": [choice]}
+        if update.finish_reason is not None:
+            body["timings"] = self.generation.timings(update.index)
+        return body
+
+    def usage_chunk(self) -> dict:
+        obj = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": obj, "created": self.generation.created, "model": self.model,
+                "choices": [], "usage": self.generation.usage()}
+
+    def full(self, texts: dict[int, str], tokens: dict[int, list[TokenLogprob]], reasons: dict[int, str],
+             want_logprobs: bool, echoes: dict[int, tuple[str, dict | None]]) -> dict:
+        """The non-streamed response."""
+        choices = []
+        for index in sorted(texts):
+            if self.chat:
+                choice = {"index": index, "message": {"role": "assistant", "content": texts[index]},
+                          "logprobs": self._chat_logprobs(tokens[index]) if want_logprobs else None,
+                          "finish_reason": reasons[index]}
+            else:
+                update = ChoiceUpdate(index=index, text=texts[index], tokens=tokens[index])
+                chunk = self.chunk(update, want_logprobs, echoes.get(index))
+                choice = chunk["choices"][0] | {"finish_reason": reasons[index]}
+            choices.append(choice)
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.generation.created, "model": self.model, "choices": choices,
+                "usage": self.generation.usage(), "timings": self.generation.timings(0)}  # first choice's

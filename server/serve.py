@@ -1,0 +1,71 @@
+"""``kvserve serve``: load the model, build the stack, run uvicorn."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from server.config import Policy, ServeConfig
+
+log = logging.getLogger("kvserve")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``kvserve serve`` (each maps to a ServeConfig field)."""
+    d = ServeConfig()
+    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2)")
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--port", type=int, default=d.port)
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype)
+    parser.add_argument("--quantization", choices=["none", "int8", "int4", "nf4"], default=d.quantization)
+    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget, e.g. 1GiB")
+    parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size in blocks (overrides memory)")
+    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="slots (sequences per step)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
+                        help="token budget per step (chunked prefill)")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting requests before 429")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (tokens)")
+    parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> ServeConfig:
+    return ServeConfig(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
+                       quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
+                       num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
+                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       max_queue=args.max_queue, max_model_len=args.max_model_len, policy=Policy(args.scheduler),
+                       enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
+                       served_model_name=args.served_model_name)
+
+
+def build_state(config: ServeConfig):
+    """Load and (optionally) quantize the model, then build the ServerState."""
+    from engine.loader import Device, DType, load_model
+    from server.state import ServerState
+
+    loaded = load_model(config.model, DType(config.dtype), Device(config.device))
+    log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
+    if config.quantization != "none":
+        import quant
+
+        summary = quant.quantize_model(loaded.model, config.quantization)
+        log.info("quantized: %s", summary)
+    return ServerState(loaded, config)
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = config_from_args(args)
+    app = create_app(build_state(config))
+    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)
+    return 0

@@ -1,0 +1,78 @@
+"""Build one serving stack from a loaded model and a ServeConfig: pool, runner, blocks, scheduler, metrics."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+from engine.loader import LoadedModel
+from engine.runner import ModelRunner
+from kvcache.block_manager import BlockManager
+from kvcache.pool import KVPool, num_blocks_for_budget, parse_bytes
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.service import SchedulerService
+from server.config import Policy, ServeConfig
+from server.metrics import Metrics
+
+log = logging.getLogger("kvserve.server")
+
+_PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line
+
+
+class ServerState:
+    """Everything a request handler needs; one per app.
+
+    Args:
+        loaded: the model (wired to paged attention, quantized if asked).
+        config: serving configuration.
+    """
+
+    def __init__(self, loaded: LoadedModel, config: ServeConfig) -> None:
+        self.loaded = loaded
+        self.config = config
+        self.tokenizer = loaded.tokenizer
+        self.model_name = config.served_model_name or loaded.name
+        shape = loaded.kv_shape()
+        num_blocks = config.num_kv_blocks or num_blocks_for_budget(shape, config.block_size,
+                                                                   parse_bytes(config.kv_cache_memory))
+        self.pool = KVPool(shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
+        self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
+                                              max_num_batched_tokens=config.max_num_batched_tokens,
+                                              max_model_len=self.max_model_len,
+                                              static=config.policy is Policy.STATIC), blocks)
+        self.runner = ModelRunner(loaded, self.pool)
+        self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue)
+        self.metrics = Metrics(self.service)
+        self._ids = itertools.count()
+        self.eos_ids = self._eos_ids()
+        self.log_capacity()
+
+    def next_id(self) -> int:
+        return next(self._ids)
+
+    def _eos_ids(self) -> frozenset[int]:
+        ids = set()
+        for source in (self.loaded.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
+            if isinstance(source, int):
+                ids.add(source)
+            elif source:
+                ids.update(source)
+        return frozenset(ids)
+
+    @property
+    def pool_tokens(self) -> int:
+        """Token capacity of the KV pool."""
+        return self.pool.num_slots
+
+    def log_capacity(self) -> None:
+        """Log the KV formula, allocated bytes per token (must equal it), blocks and sequences that fit."""
+        shape = self.pool.shape
+        per_token_allocated = self.pool.nbytes / self.pool.num_slots
+        log.info("KV cache: %s", shape.formula())
+        log.info("KV pool: %s bytes allocated / %s tokens = %s bytes/token (%s)", f"{self.pool.nbytes:,}",
+                 f"{self.pool.num_slots:,}", f"{per_token_allocated:,.0f}",
+                 "equal" if per_token_allocated == shape.bytes_per_token else "MISMATCH")
+        log.info("KV pool: %d blocks of %d tokens; %d sequences of %d tokens fit", self.pool.num_blocks,
+                 self.pool.block_size, self.pool.num_slots // _PLANNING_CONTEXT, _PLANNING_CONTEXT)

@@ -1,0 +1,23 @@
+"""Session fixtures: the real SmolLM2 (loaded once, float32) and a live server on 127.0.0.1."""
+
+from __future__ import annotations
+
+import pytest
+
+from server.config import ServeConfig
+from tests.serverutil import running_server
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The embedded SmolLM2-135M-Instruct in float32 on CPU, wired to paged attention. Never mutate it."""
+    from engine.loader import Device, DType, load_model
+
+    return load_model(None, DType.FLOAT32, Device.CPU)
+
+
+@pytest.fixture(scope="session")
+def server_url(smollm2):
+    """Base URL of a live server on SmolLM2 with the default configuration (256 MiB KV pool)."""
+    with running_server(smollm2, ServeConfig(kv_cache_memory="256MiB")) as url:
+        yield url

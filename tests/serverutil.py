@@ -1,0 +1,52 @@
+"""Run a real kvserve server in-process (uvicorn in a thread) on a free 127.0.0.1 port."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import httpx
+import uvicorn
+
+from engine.loader import LoadedModel
+from server.app import create_app
+from server.config import ServeConfig
+from server.state import ServerState
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(loaded: LoadedModel, config: ServeConfig | None = None):
+    """Yield the base URL of a live server for ``loaded``; the model's weights are shared, not copied.
+
+    The server gets its own KV pool, scheduler and metrics; it stops when the block exits.
+    """
+    config = config or ServeConfig()
+    config.port = free_port()
+    state = ServerState(loaded, config)
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=config.port,
+                                           log_level="warning", timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{config.port}"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.05)
+    else:
+        raise RuntimeError("server did not become healthy within 30 s")
+    try:
+        yield url
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
