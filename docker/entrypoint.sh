@@ -12,8 +12,8 @@ set -euo pipefail
 
 # Flags that take a value; each is read from KVSERVE_<FLAG> with '-' -> '_' and upper case.
 VALUE_FLAGS=(
-  model host port device dtype quantization kv-cache-memory block-size max-num-seqs
-  max-num-batched-tokens max-queue max-model-len scheduler api-key served-model-name
+  model host port device dtype quantization kv-cache-memory num-kv-blocks block-size max-num-seqs
+  max-num-batched-tokens max-queue max-model-len scheduler api-key served-model-name log-level
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
 SWITCH_FLAGS=(no-prefix-caching)

@@ -14,7 +14,7 @@ mask); each prefill is attended on its own with a causal mask offset by its cach
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -62,9 +62,15 @@ class AttentionMetadata:
     decode_slots: torch.Tensor
     decode_lens: torch.Tensor
     prefills: list[PrefillSpan]
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built once a step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         """``[num_decodes, 1, 1, max_context]`` bool: True where a decode may attend."""
+        if sliding_window not in self.masks:
+            self.masks[sliding_window] = self._build_decode_mask(sliding_window)
+        return self.masks[sliding_window]
+
+    def _build_decode_mask(self, sliding_window: int | None) -> torch.Tensor:
         key_pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)  # [max_context]
         query_pos = (self.decode_lens - 1)[:, None]  # [num_decodes, 1]
         allowed = key_pos[None, :] <= query_pos

@@ -11,9 +11,19 @@ from engine.sampling import sample_token, token_logprob
 from kvcache.pool import KVPool
 
 
-def context_slots(work: SeqWork, block_size: int) -> list[int]:
-    """Pool slots of positions ``0 .. context_len-1`` of a sequence, from its block table."""
-    return [work.block_table[pos // block_size] * block_size + pos % block_size for pos in range(work.context_len)]
+def context_slots(tables: list[list[int]], lengths: list[int], block_size: int, device) -> torch.Tensor:
+    """Pool slots of positions ``0 .. length-1`` of each sequence, from its block table.
+
+    Returns:
+        ``[num_seqs, max_length]`` slots; entries past a sequence's length point into its last block or
+        block 0 and must be masked by the caller.
+    """
+    max_len = max(lengths)
+    max_blocks = -(-max_len // block_size)
+    padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
+    table = torch.tensor(padded, dtype=torch.long, device=device)  # [num_seqs, max_blocks]
+    offsets = torch.arange(block_size, device=device)  # [block_size]
+    return (table[:, :, None] * block_size + offsets).flatten(1)[:, :max_len]  # [num_seqs, max_len]
 
 
 class ModelRunner:
@@ -33,27 +43,28 @@ class ModelRunner:
         device, block_size = self.device, self.pool.block_size
         slot_mapping = [slot for w in plan.work for slot in w.slot_mapping]
         decode_rows: list[int] = []
-        decode_ctx: list[list[int]] = []
+        decodes: list[SeqWork] = []
         prefills: list[PrefillSpan] = []
         row = 0
         for w in plan.work:
             n = len(w.token_ids)
             if n == 1 and w.start_pos > 0:
                 decode_rows.append(row)
-                decode_ctx.append(context_slots(w, block_size))
+                decodes.append(w)
             else:
-                slots = torch.tensor(context_slots(w, block_size) if w.start_pos else [], dtype=torch.long,
-                                     device=device)
+                slots = (context_slots([w.block_table], [w.context_len], block_size, device)[0] if w.start_pos
+                         else torch.empty(0, dtype=torch.long, device=device))
                 prefills.append(PrefillSpan(start=row, end=row + n, context_slots=slots, start_pos=w.start_pos))
             row += n
-        max_ctx = max((len(c) for c in decode_ctx), default=0)
-        padded = [c + [0] * (max_ctx - len(c)) for c in decode_ctx]
+        lens = [w.context_len for w in decodes]
+        decode_slots = (context_slots([w.block_table for w in decodes], lens, block_size, device) if decodes
+                        else torch.empty(0, 0, dtype=torch.long, device=device))
         return AttentionMetadata(
             pool=self.pool,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_slots=torch.tensor(padded, dtype=torch.long, device=device).view(len(padded), max_ctx),
-            decode_lens=torch.tensor([len(c) for c in decode_ctx], dtype=torch.long, device=device),
+            decode_slots=decode_slots,
+            decode_lens=torch.tensor(lens, dtype=torch.long, device=device),
             prefills=prefills,
         )
 

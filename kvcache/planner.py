@@ -21,9 +21,14 @@ import json
 import math
 import struct
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.markup import escape
+from rich.table import Table
 
 if TYPE_CHECKING:
     from kvcache.pool import KVShape
@@ -160,11 +165,18 @@ def spec_from_hf_dir(model_dir: str | Path) -> ModelSpec:
 
     Raises:
         FileNotFoundError: no config.json in ``model_dir``.
-        KeyError: config.json lacks a required field (num_hidden_layers, num_attention_heads, hidden_size, ...).
+        ValueError: config.json lacks a required field (num_hidden_layers, num_attention_heads, hidden_size, ...).
     """
     path = Path(model_dir)
     config = json.loads((path / "config.json").read_text())
     config = config.get("text_config", config)  # multimodal configs nest the decoder's
+    try:
+        return _spec_from_config(path, config)
+    except KeyError as error:
+        raise ValueError(f"{path / 'config.json'} has no field {error}") from error
+
+
+def _spec_from_config(path: Path, config: dict[str, Any]) -> ModelSpec:
     heads = config["num_attention_heads"]
     return ModelSpec(
         name=path.name, num_layers=config["num_hidden_layers"], num_heads=heads,
@@ -231,8 +243,10 @@ def plan(spec: ModelSpec, config: PlanConfig) -> list[PlanRow]:
     return rows
 
 
-def _comma_list(parse):
-    def parse_list(text: str) -> list:
+def _comma_list(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
+    """An argparse type for a comma-separated list of ``parse``-able items."""
+
+    def parse_list(text: str) -> list[Any]:
         try:
             return [parse(item) for item in text.split(",") if item.strip()]
         except ValueError as error:
@@ -283,12 +297,9 @@ def _size(num_bytes: int) -> str:
 
 
 def _print_tables(data: dict[str, Any], config: PlanConfig) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
     console = Console(highlight=False, soft_wrap=True)
     model, kv = data["model"], data["kv"]
-    console.print(f"[bold]{model['name']}[/]: {model['num_layers']} layers, {model['num_heads']} heads, "
+    console.print(f"[bold]{escape(model['name'])}[/]: {model['num_layers']} layers, {model['num_heads']} heads, "
                   f"{model['num_kv_heads']} KV heads, head_dim {model['head_dim']}, "
                   f"{model['params']:,} parameters ({model['params_source']})")
     console.print(f"KV cache ({kv['dtype']}): {kv['formula']} ({kv['bytes_per_token'] / 1024:,.1f} KiB)")
@@ -296,7 +307,8 @@ def _print_tables(data: dict[str, Any], config: PlanConfig) -> None:
         console.print(f"  without GQA ({model['num_heads']} KV heads): {kv['bytes_per_token_without_gqa']:,} "
                       f"bytes/token, {model['num_heads'] // model['num_kv_heads']}x more")
     console.print(f"Reserved: {config.reserve_fraction:.0%} of memory for activations and runtime; "
-                  f"KV in blocks of {config.block_size} tokens; int4 = 4.25 bits/weight (group 128 scales)")
+                  f"KV in blocks of {config.block_size} tokens; int4 = {WeightDType.INT4.bits_per_weight} bits/weight "
+                  "(group 128 scales and zeros)")
     for memory in config.memories:
         table = Table(title=f"{_size(memory)}: how much context, for how many users")
         for header in ("weights", "size", "KV pool", "tokens\nthat fit",
@@ -317,7 +329,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         spec = spec_from_hf_dir(args.model) if args.model else PRESETS[ALIASES.get(args.preset, args.preset)]
         config = PlanConfig(args.memory, args.context, args.kv_dtype, args.reserve_fraction, args.block_size)
-    except (OSError, KeyError, ValueError) as error:
+    except (OSError, ValueError) as error:
         print(f"kvserve plan: {error}", file=sys.stderr)
         return 2
     data = report(spec, config)

@@ -83,7 +83,7 @@ def print_table(summaries: list[Summary], console: Console | None = None) -> Non
                       str(s.output_tokens), f"{s.tokens_per_s:.1f}", *(f"{1000 * v:.0f}" for v in (
                           s.e2e_mean_s, s.e2e_p99_s, s.ttft_mean_s, s.ttft_p99_s)),
                       f"{1000 * s.itl_mean_s:.1f}", f"{1000 * s.itl_p99_s:.1f}")
-    (console or Console()).print(table)
+    (console or Console(width=200)).print(table)
 
 
 def write_json(runs: list[RunResult], path: Path, extra: dict | None = None) -> Path:

@@ -79,21 +79,33 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// MT activation rows share each widened weight vector (batched decode reads W once per MT rows).
+// MT activation rows share each widened weight vector (batched decode reads W once per MT rows). Four
+// accumulators per row hide the FMA latency: one chain would retire 8 weights per 4 cycles.
 template <int MT>
 __attribute__((target("avx2,fma"))) void int8_rows_avx2(const float* x, const int8_t* w, const float* s,
                                                         float* y, int64_t N, int64_t K, int64_t n0,
                                                         int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
     const int8_t* row = w + n * K;
-    __m256 acc[MT];
-    for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8) {
-      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k));
-      const __m256 wv = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));  // 8 weights as float
-      for (int m = 0; m < MT; ++m) acc[m] = _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + m * K + k), acc[m]);
+    __m256 acc[MT][4];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 32) {
+      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
+      const __m128i lo = _mm256_castsi256_si128(bytes);
+      const __m128i hi = _mm256_extracti128_si256(bytes, 1);
+      const __m256 wv[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),  // 8 weights each, as float
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
+                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)))};
+      for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < 4; ++j)
+          acc[m][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + m * K + k + 8 * j), acc[m][j]);
     }
-    for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(acc[m]) * s[n];
+    for (int m = 0; m < MT; ++m) {
+      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
+      y[m * N + n] = hsum(sum) * s[n];
+    }
   }
 }
 
@@ -120,26 +132,26 @@ __attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const u
     __m256 total[MT];
     for (int m = 0; m < MT; ++m) total[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < K / G; ++g) {
-      __m256 acc[MT];
-      for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_ps();
+      __m256 acc[MT][4];  // four chains per row, as in int8_rows_avx2
+      for (int m = 0; m < MT; ++m)
+        for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
       for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
         const __m128i even = _mm_and_si128(bytes, low_mask);
         const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
-        const __m256 w0 = lut8(even, lut_lo, lut_hi);                      // k, k+2, .., k+14
-        const __m256 w1 = lut8(_mm_unpackhi_epi64(even, even), lut_lo, lut_hi);  // k+16, .., k+30
-        const __m256 w2 = lut8(odd, lut_lo, lut_hi);                       // k+1, .., k+15
-        const __m256 w3 = lut8(_mm_unpackhi_epi64(odd, odd), lut_lo, lut_hi);    // k+17, .., k+31
-        for (int m = 0; m < MT; ++m) {
-          const float* xb = xd + m * K + k;
-          acc[m] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xb), acc[m]);
-          acc[m] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), acc[m]);
-          acc[m] = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), acc[m]);
-          acc[m] = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), acc[m]);
-        }
+        const __m256 wv[4] = {lut8(even, lut_lo, lut_hi),                      // k, k+2, .., k+14
+                              lut8(_mm_unpackhi_epi64(even, even), lut_lo, lut_hi),  // k+16, .., k+30
+                              lut8(odd, lut_lo, lut_hi),                       // k+1, .., k+15
+                              lut8(_mm_unpackhi_epi64(odd, odd), lut_lo, lut_hi)};   // k+17, .., k+31
+        for (int m = 0; m < MT; ++m)
+          for (int j = 0; j < 4; ++j)
+            acc[m][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xd + m * K + k + 8 * j), acc[m][j]);
       }
       const __m256 scale = _mm256_set1_ps(static_cast<float>(s[g * N + n]));
-      for (int m = 0; m < MT; ++m) total[m] = _mm256_fmadd_ps(acc[m], scale, total[m]);
+      for (int m = 0; m < MT; ++m) {
+        const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
+        total[m] = _mm256_fmadd_ps(sum, scale, total[m]);
+      }
     }
     for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(total[m]);
   }
@@ -175,7 +187,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool vec = has_avx2() && K % 8 == 0;
+  const bool vec = has_avx2() && K % 32 == 0;
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
 #ifdef QL_X86
     if (vec) {

@@ -28,14 +28,19 @@ def running_server(loaded: LoadedModel, config: ServeConfig | None = None):
 
     The server gets its own KV pool, scheduler and metrics; it stops when the block exits.
     """
-    config = config or ServeConfig()
-    config.port = free_port()
-    state = ServerState(loaded, config)
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=config.port,
+    with serving(ServerState(loaded, config or ServeConfig())) as url:
+        yield url
+
+
+@contextlib.contextmanager
+def serving(state: ServerState):
+    """Yield the base URL of a live server around an existing ServerState (tests that inspect its state)."""
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
                                            log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    url = f"http://127.0.0.1:{config.port}"
+    url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:

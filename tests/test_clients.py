@@ -261,3 +261,104 @@ def test_live_server_stream_matches_non_streamed(server_url):
     assert result.server_timings.prompt_tokens == result.usage["prompt_tokens"] > 0
     assert result.server_timings.ttft_ms > 0
     assert result.ttft_s is not None and result.tokens_per_s is not None
+
+
+def test_live_full_queue_gives_429_with_retry_after(smollm2, capsys):
+    from server.config import ServeConfig
+    from tests.serverutil import running_server
+
+    with running_server(smollm2, ServeConfig(kv_cache_memory="16MiB", max_queue=0)) as url:
+        with KVServeClient(url) as client, pytest.raises(KVServeError) as caught:
+            client.chat("hi", max_tokens=2)
+        assert cli_main(["chat", "hi", "--url", url]) == 1
+    assert caught.value.status_code == 429 and caught.value.code == "queue_full"
+    assert caught.value.retry_after_s is not None and caught.value.retry_after_s >= 1
+    assert f"retry after {caught.value.retry_after_s:g} s" in capsys.readouterr().err
+
+
+# The official openai SDK against the live server: the shapes tools built on the OpenAI API rely on.
+
+@pytest.fixture(scope="module")
+def sdk(server_url):
+    from openai import OpenAI
+
+    with OpenAI(base_url=f"{server_url}/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client, client.models.list().data[0].id
+
+
+GREEDY = {"temperature": 0.0, "max_tokens": 16}
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a large river."}]
+
+
+def test_sdk_chat_streamed_equals_non_streamed_with_usage_chunk(sdk):
+    client, model = sdk
+    full = client.chat.completions.create(model=model, messages=CHAT, **GREEDY)
+    chunks = list(client.chat.completions.create(model=model, messages=CHAT, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == full.choices[0].message.content != ""
+    assert len({c.id for c in chunks}) == 1
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == [full.choices[0].finish_reason]
+    assert chunks[-1].choices == []
+    counts = ("prompt_tokens", "completion_tokens", "total_tokens")  # cached_tokens differ: the 2nd run hits
+    assert [getattr(chunks[-1].usage, key) for key in counts] == [getattr(full.usage, key) for key in counts]
+    assert all(c.usage is None for c in chunks[:-1])
+    usage = full.usage
+    assert usage.prompt_tokens + usage.completion_tokens == usage.total_tokens
+    assert full.timings["completion_tokens"] == usage.completion_tokens  # the extra field rides along
+    without = list(client.chat.completions.create(model=model, messages=CHAT, stream=True, **GREEDY))
+    assert all(c.usage is None and c.choices for c in without)
+
+
+def test_sdk_completions_text_and_token_ids_agree(sdk, server_url):
+    client, model = sdk
+    prompt = "The three primary colors are"
+    full = client.completions.create(model=model, prompt=prompt, **GREEDY)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(model=model, prompt=prompt,
+                                                                              stream=True, **GREEDY))
+    ids = httpx.post(f"{server_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    by_ids = client.completions.create(model=model, prompt=ids, **GREEDY)
+    assert streamed == full.choices[0].text == by_ids.choices[0].text != ""
+    assert full.usage.prompt_tokens == by_ids.usage.prompt_tokens == len(ids)
+
+
+def test_sdk_stop_string_cuts_before_it(sdk):
+    client, model = sdk
+    prompt = "Count: one, two, three,"
+    text = client.completions.create(model=model, prompt=prompt, temperature=0.0, max_tokens=24,
+                                     extra_body={"ignore_eos": True}).choices[0].text
+    stop = text.strip().split()[1]  # a word a few tokens into the greedy answer
+    expected = text[:text.index(stop)]
+    cut = client.completions.create(model=model, prompt=prompt, temperature=0.0, max_tokens=24, stop=[stop])
+    streamed = list(client.completions.create(model=model, prompt=prompt, temperature=0.0, max_tokens=24,
+                                              stop=[stop], stream=True))
+    assert cut.choices[0].text == expected == "".join(c.choices[0].text for c in streamed)
+    assert cut.choices[0].finish_reason == "stop" == streamed[-1].choices[0].finish_reason
+
+
+def test_sdk_n2_greedy_choices_match_n1(sdk):
+    client, model = sdk
+    one = client.chat.completions.create(model=model, messages=CHAT, **GREEDY)
+    two = client.chat.completions.create(model=model, messages=CHAT, n=2, **GREEDY)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.message.content for c in two.choices] == [one.choices[0].message.content] * 2
+    assert two.usage.completion_tokens == 2 * one.usage.completion_tokens
+    assert two.usage.prompt_tokens == one.usage.prompt_tokens  # the prompt is counted once
+
+
+def test_sdk_logprobs(sdk):
+    client, model = sdk
+    chat = client.chat.completions.create(model=model, messages=CHAT, logprobs=True, top_logprobs=2, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    for entry in content:
+        assert entry.logprob <= 0 and len(entry.top_logprobs) == 2
+        assert entry.logprob == pytest.approx(max(top.logprob for top in entry.top_logprobs))  # greedy: top-1
+    assert "".join(entry.token for entry in content) == chat.choices[0].message.content
+    scored = client.completions.create(model=model, prompt="The sky is blue.", max_tokens=1, temperature=0.0,
+                                       echo=True, logprobs=1)
+    logprobs = scored.choices[0].logprobs
+    assert len(logprobs.tokens) == scored.usage.prompt_tokens + 1
+    assert logprobs.token_logprobs[0] is None and all(lp <= 0 for lp in logprobs.token_logprobs[1:])
+    assert scored.choices[0].text.startswith("The sky is blue.")

@@ -1,0 +1,204 @@
+"""Overload and disconnect drills against a kvserve server on 127.0.0.1 (bounded in time, stops by itself).
+
+``python -m loadtest.backpressure`` starts ``kvserve serve`` with small limits, then:
+- overload: keeps ``4 x (slots + queue)`` closed-loop clients busy for ``--seconds``; counts requests sent,
+  admitted, 429s (each checked for Retry-After and an OpenAI error body), 5xx and other failures, TTFT
+  percentiles of admitted requests, /health answers during the run, and the server's RSS before/after;
+- disconnect: opens 20 streams, closes each after its first chunk, then reads ``kv_cache_usage_perc``
+  until it is 0 and times a new request's first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+
+@dataclass(slots=True)
+class OverloadReport:
+    """Counts over one overload run; TTFTs in seconds."""
+
+    sent: int = 0
+    admitted: int = 0
+    completed: int = 0
+    rejected_429: int = 0
+    rejected_without_retry_after: int = 0
+    server_errors: int = 0
+    other_failures: int = 0
+    health_checks: int = 0
+    health_failures: int = 0
+    ttfts: list[float] = field(default_factory=list)
+
+    def percentile(self, q: float) -> float:
+        if not self.ttfts:
+            return float("nan")
+        ordered = sorted(self.ttfts)
+        return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+    def summary(self) -> dict:
+        return {"sent": self.sent, "admitted": self.admitted, "completed": self.completed,
+                "rejected_429": self.rejected_429, "429_without_retry_after": self.rejected_without_retry_after,
+                "5xx": self.server_errors, "other_failures": self.other_failures,
+                "health_checks": self.health_checks, "health_failures": self.health_failures,
+                "ttft_p50_s": round(self.percentile(0.5), 3), "ttft_p99_s": round(self.percentile(0.99), 3)}
+
+
+async def _one_request(client: httpx.AsyncClient, body: dict, report: OverloadReport) -> None:
+    report.sent += 1
+    start = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+            if response.status_code == 429:
+                report.rejected_429 += 1
+                payload = json.loads(await response.aread())
+                if not response.headers.get("retry-after", "").isdigit() or "error" not in payload:
+                    report.rejected_without_retry_after += 1
+                return
+            if response.status_code >= 500:
+                report.server_errors += 1
+                return
+            if response.status_code != 200:
+                report.other_failures += 1
+                return
+            report.admitted += 1
+            first = True
+            finished = False
+            async for line in response.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    report.other_failures += 1
+                    return
+                if first:
+                    report.ttfts.append(time.perf_counter() - start)
+                    first = False
+                finished = finished or chunk["choices"][0]["finish_reason"] is not None
+            report.completed += int(finished)
+    except httpx.HTTPError:
+        report.other_failures += 1
+
+
+async def overload(url: str, clients: int, seconds: float, body: dict) -> OverloadReport:
+    """Run ``clients`` closed-loop clients for ``seconds`` and poll /health every 0.5 s meanwhile."""
+    report = OverloadReport()
+    deadline = time.perf_counter() + seconds
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=httpx.Timeout(seconds + 120), limits=limits) as client:
+        async def user() -> None:
+            while time.perf_counter() < deadline:
+                before = report.rejected_429
+                await _one_request(client, body, report)
+                if report.rejected_429 > before:
+                    await asyncio.sleep(0.2)  # a polite client backs off a little (not the full Retry-After)
+
+        async def health() -> None:
+            while time.perf_counter() < deadline:
+                report.health_checks += 1
+                try:
+                    ok = (await client.get("/health", timeout=5)).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                report.health_failures += int(not ok)
+                await asyncio.sleep(0.5)
+
+        await asyncio.gather(health(), *(user() for _ in range(clients)))
+    return report
+
+
+async def disconnect_drill(url: str, clients: int, body: dict, usage_of) -> dict:
+    """Open ``clients`` streams, drop each after its first chunk; time until the KV pool is empty again.
+
+    Args:
+        usage_of: async callable returning the server's KV usage in [0, 1].
+    """
+    async with httpx.AsyncClient(base_url=url, timeout=120) as client:
+        async def drop_after_first_chunk() -> None:
+            async with client.stream("POST", "/v1/completions", json=body | {"stream": True}) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: "):
+                        return  # closing the stream mid-flight: the server must abort
+
+        await asyncio.gather(*(drop_after_first_chunk() for _ in range(clients)))
+        closed = time.perf_counter()
+        while await usage_of() > 0 and time.perf_counter() - closed < 10:
+            await asyncio.sleep(0.02)
+        freed_s = time.perf_counter() - closed
+        start = time.perf_counter()
+        async with client.stream("POST", "/v1/completions",
+                                 json={"prompt": "Hello", "max_tokens": 2, "stream": True}) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: "):
+                    break
+        return {"clients": clients, "blocks_free_after_s": round(freed_s, 3),
+                "new_request_ttft_s": round(time.perf_counter() - start, 3)}
+
+
+async def _metric(client: httpx.AsyncClient, name: str) -> float:
+    for line in (await client.get("/metrics")).text.splitlines():
+        if line.startswith(name + " "):
+            return float(line.split()[1])
+    raise KeyError(name)
+
+
+def _rss_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--seconds", type=float, default=60.0)
+    parser.add_argument("--port", type=int, default=8765)
+    parser.add_argument("--max-num-seqs", type=int, default=8)
+    parser.add_argument("--max-queue", type=int, default=8)
+    parser.add_argument("--max-tokens", type=int, default=32)
+    args = parser.parse_args(argv)
+    url = f"http://127.0.0.1:{args.port}"
+    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(args.port),
+                               "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue),
+                               "--log-level", "warning"])
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.5)
+        clients = 4 * (args.max_num_seqs + args.max_queue)
+        body = {"prompt": "Write a long essay about the history of the sea. " * 8, "max_tokens": args.max_tokens,
+                "ignore_eos": True}
+        rss_before = _rss_mib(server.pid)
+        report = asyncio.run(overload(url, clients, args.seconds, body))
+        rss_after = _rss_mib(server.pid)
+        print(json.dumps({"overload": report.summary() | {"clients": clients, "seconds": args.seconds,
+                                                          "rss_mib_before": round(rss_before),
+                                                          "rss_mib_after": round(rss_after)}}, indent=1))
+
+        async def usage() -> float:
+            async with httpx.AsyncClient(base_url=url) as client:
+                return await _metric(client, "kvserve:kv_cache_usage_perc")
+
+        drill = asyncio.run(disconnect_drill(url, 20, {"prompt": "Count from 1 to 10000:", "max_tokens": 4000},
+                                             usage))
+        print(json.dumps({"disconnect": drill}, indent=1))
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

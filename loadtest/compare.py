@@ -1,0 +1,121 @@
+"""``python -m loadtest compare``: kvserve's static vs continuous batching on seed64, measured and simulated.
+
+Starts ``kvserve serve --scheduler static --max-num-seqs 8`` on a free 127.0.0.1 port, sends all 64 seed64
+requests at once (each pinned to its length), stops it, then does the same with ``--scheduler continuous``.
+Prints wall time, output tokens/s, mean and p99 end-to-end latency and mean TTFT of each, the ratios, and the
+ratios that ``simulate`` predicts from step costs measured on the engine; the two must agree within 15%.
+Writes the ``compare`` section of BENCHMARKS.md and ``loadtest/out/compare.json`` / ``compare-latency.png``.
+
+    flock /tmp/kvserve-cpu.lock python -m loadtest compare
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from pathlib import Path
+
+from loadtest import report, simulate, workloads
+from loadtest.benchmarks_md import BENCHMARKS, update_section
+from loadtest.generator import LoadConfig, Mode, RunResult, run_sync
+from loadtest.runcmd import server_model
+from loadtest.serverproc import kvserve_command, launch
+
+POLICIES = ("static", "continuous")
+TOLERANCE = 0.15  # measured ratio within 15% of the simulated one
+CHECKED = ("throughput", "mean_e2e")
+
+
+def measured_ratios(static: report.Summary, continuous: report.Summary) -> dict[str, float]:
+    """Continuous over static, the same keys as ``simulate.ratios`` (less batch return, which needs groups)."""
+    return {"throughput": continuous.tokens_per_s / static.tokens_per_s,
+            "mean_e2e": static.e2e_mean_s / continuous.e2e_mean_s,
+            "p99_e2e": static.e2e_p99_s / continuous.e2e_p99_s,
+            "mean_ttft": static.ttft_mean_s / continuous.ttft_mean_s}
+
+
+def agreement(measured: dict[str, float], simulated: dict[str, float]) -> dict[str, float]:
+    """Relative error of each checked measured ratio against the simulated one (0.1 = 10%)."""
+    return {key: abs(measured[key] / simulated[key] - 1) for key in CHECKED}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--slots", type=int, default=8, help="--max-num-seqs of both servers")
+    parser.add_argument("--server-cmd", default=None,
+                        help="server command with {port} (default: kvserve serve); --scheduler and "
+                             "--max-num-seqs are appended")
+    parser.add_argument("--server-args", default="", help="extra flags for both servers, e.g. '--dtype float32'")
+    parser.add_argument("--flat-sim", action="store_true", help="simulate with a flat step cost (no engine)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per step mix for the simulator")
+    parser.add_argument("--timeout", type=float, default=900.0, help="limit per run (s)")
+    parser.add_argument("--out", type=Path, default=report.OUT_DIR)
+    parser.add_argument("--benchmarks", type=Path, default=BENCHMARKS, help="BENCHMARKS.md to update")
+    parser.add_argument("--img", type=Path, default=None, help="also save the latency plot here (e.g. docs/img)")
+    parser.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def _simulated(args: argparse.Namespace, lengths: list[int]) -> tuple[dict[str, float], str]:
+    if args.flat_sim:
+        cost, how = simulate.flat_cost, "flat step cost"
+    else:
+        prompt_len = simulate.seed64_prompt_len()
+        costs = simulate.measure_step_costs(args.slots, prompt_len, prompt_len + 32, args.reps)
+        cost = simulate.table_cost(costs)
+        how = (f"engine step costs: 1 decode {1000 * costs[(0, 1)]:.0f} ms, {args.slots} decodes "
+               f"{1000 * costs[(0, args.slots)]:.0f} ms, {args.slots} prefills of {prompt_len} tokens "
+               f"{1000 * costs[(args.slots, 0)]:.0f} ms")
+    static, continuous = simulate.run_both(lengths, args.slots, cost)
+    simulate.print_results(static, continuous)
+    return simulate.ratios(static, continuous), how
+
+
+def run(args: argparse.Namespace) -> int:
+    specs = workloads.seed64()
+    simulated, how = _simulated(args, [s.max_tokens for s in specs])
+    base = shlex.split(args.server_cmd) if args.server_cmd else kvserve_command([])
+    runs: list[RunResult] = []
+    for policy in POLICIES:
+        command = base + ["--scheduler", policy, "--max-num-seqs", str(args.slots), *shlex.split(args.server_args)]
+        with launch(command, name=f"compare-{policy}") as server:
+            config = LoadConfig(url=server.url, mode=Mode.CLOSED, concurrency=len(specs), count=len(specs),
+                                duration_s=args.timeout, timeout_s=args.timeout, model=server_model(server.url),
+                                progress=not args.no_progress)
+            runs.append(run_sync(specs, config, policy))
+    static, continuous = (report.summarize(r) for r in runs)
+    report.print_table([static, continuous])
+    measured = measured_ratios(static, continuous)
+    errors = agreement(measured, simulated)
+    ok = all(e <= TOLERANCE for e in errors.values()) and static.ok == continuous.ok == len(specs)
+    for key in measured:
+        print(f"{key:>10}: measured {measured[key]:.2f}x  simulated {simulated[key]:.2f}x")
+    print(f"agreement within {TOLERANCE:.0%} on {', '.join(CHECKED)}: {'yes' if ok else 'NO'} "
+          f"({', '.join(f'{k} {100 * v:.1f}%' for k, v in errors.items())})")
+    paths = [report.write_json(runs, args.out / "compare.json", {"simulated": simulated, "measured": measured}),
+             report.plot_latency_cdfs(runs, args.out / "compare-latency.png", "seed64, 8 slots: static vs continuous")]
+    if args.img:
+        paths.append(report.plot_latency_cdfs(runs, args.img / "compare-latency.png",
+                                              "seed64, 8 slots: static vs continuous"))
+    print("wrote", *paths)
+    if not args.no_write:
+        update_section("compare", "Static vs continuous batching (seed64, 8 slots)", "python -m loadtest compare"
+                       + (f" --server-args '{args.server_args}'" if args.server_args else ""),
+                       _markdown(static, continuous, measured, simulated, errors, ok, how, args.img), args.benchmarks)
+    return 0 if ok else 2
+
+
+def _markdown(static: report.Summary, continuous: report.Summary, measured: dict, simulated: dict,
+              errors: dict, ok: bool, how: str, img: Path | None) -> str:
+    rows = ["| policy | wall s | output tok/s | mean e2e s | p99 e2e s | mean TTFT s |", "|---|---|---|---|---|---|"]
+    for s in (static, continuous):
+        rows.append(f"| {s.label} | {s.wall_s:.1f} | {s.tokens_per_s:.1f} | {s.e2e_mean_s:.2f} | {s.e2e_p99_s:.2f} "
+                    f"| {s.ttft_mean_s:.2f} |")
+    rows += ["", "| continuous vs static | measured | simulated |", "|---|---|---|"]
+    rows += [f"| {key} | {measured[key]:.2f}x | {simulated[key]:.2f}x |" for key in measured]
+    text = "\n".join(rows) + (
+        f"\n\nAll 64 requests sent at once, each pinned to its length ({static.output_tokens} output tokens). "
+        f"Simulator: {how}. Measured vs simulated within {TOLERANCE:.0%} on {', '.join(CHECKED)}: "
+        f"**{'yes' if ok else 'no'}** ({', '.join(f'{k} off by {100 * v:.1f}%' for k, v in errors.items())}).")
+    if img is not None:
+        text += f"\n\n![latency CDFs]({img.as_posix()}/compare-latency.png)"
+    return text

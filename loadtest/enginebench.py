@@ -1,0 +1,86 @@
+"""Timing steps of the real engine: ``engine.runner.ModelRunner`` over a ``kvcache.pool.KVPool``.
+
+Used by ``simulate`` (per-step costs) and ``tables`` (prefill, decode and batch sweeps). Each sequence gets
+its own contiguous run of blocks, so plans can be built without the scheduler:
+
+    sequence s, block_size 16, blocks_per_seq 20:  blocks 20*s .. 20*s+19
+    slot of position p = (20*s + p // 16) * 16 + p % 16
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from engine.loader import DType, LoadedModel, load_model
+from engine.plan import SamplingParams, SeqWork, StepPlan
+from engine.runner import ModelRunner
+from kvcache.pool import KVPool
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+class EngineBench:
+    """A runner over a pool with ``num_seqs`` sequences of up to ``max_len`` tokens each.
+
+    Args:
+        loaded: the model (from ``engine.loader.load_model``).
+        num_seqs: sequences the pool must hold at once.
+        max_len: longest context of any sequence (tokens).
+        block_size: tokens per block.
+    """
+
+    def __init__(self, loaded: LoadedModel, num_seqs: int, max_len: int, block_size: int = 16) -> None:
+        self.loaded = loaded
+        self.block_size = block_size
+        self.blocks_per_seq = -(-max_len // block_size)
+        self.pool = KVPool(loaded.kv_shape(), num_seqs * self.blocks_per_seq, block_size, loaded.dtype,
+                           loaded.device)
+        self.runner = ModelRunner(loaded, self.pool)
+
+    def table(self, seq: int) -> list[int]:
+        """Block table of sequence ``seq``."""
+        return list(range(seq * self.blocks_per_seq, (seq + 1) * self.blocks_per_seq))
+
+    def work(self, seq: int, token_ids: list[int], start_pos: int) -> SeqWork:
+        """Compute ``token_ids`` at positions ``start_pos ..`` for sequence ``seq`` and sample a token."""
+        table = self.table(seq)
+        slots = [table[p // self.block_size] * self.block_size + p % self.block_size
+                 for p in range(start_pos, start_pos + len(token_ids))]
+        return SeqWork(seq, list(token_ids), start_pos, table, slots, True, GREEDY, list(token_ids), [])
+
+    def prefill(self, seq: int, token_ids: list[int]) -> SeqWork:
+        return self.work(seq, token_ids, 0)
+
+    def decode(self, seq: int, context_len: int, token_id: int = 42) -> SeqWork:
+        """One decode token for a sequence whose first ``context_len`` positions are cached."""
+        return self.work(seq, [token_id], context_len)
+
+    def fill(self, seq: int, context_len: int) -> None:
+        """Write a real KV prefix of ``context_len`` tokens for ``seq`` (so decodes attend to real keys)."""
+        self.runner.execute(StepPlan([self.prefill(seq, dummy_ids(context_len))]))
+
+    def time_plan(self, work: list[SeqWork], reps: int = 5, warmup: int = 1) -> float:
+        """Median wall time of ``runner.execute`` on the plan (s). Rerunning rewrites the same slots."""
+        plan = StepPlan(work)
+        for _ in range(warmup):
+            self.runner.execute(plan)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            self.runner.execute(plan)
+            times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def dummy_ids(n: int, offset: int = 1000) -> list[int]:
+    """``n`` ordinary token ids (a fixed pattern: the content does not change the cost)."""
+    return [offset + (i * 37) % 5000 for i in range(n)]
+
+
+def load(dtype: DType = DType.AUTO) -> LoadedModel:
+    """The embedded model as ``kvserve serve`` loads it by default."""
+    torch.manual_seed(0)
+    return load_model(None, dtype)

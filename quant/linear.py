@@ -1,0 +1,166 @@
+"""Quantized replacements for ``nn.Linear``: one class per scheme, each quantize-then-forward.
+
+Every class holds its codes in ``weight`` and its scales in ``scales`` (buffers, so ``.to(device)`` and
+``state_dict`` carry them) and records its scheme and group size in the saved state (``_extra_state``).
+``forward`` runs the C++ kernel on CPU for up to ``KERNEL_MAX_ROWS`` tokens (decode); otherwise, and on
+any other device, it runs the reference: dequantize to the activation dtype, then ``F.linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quant import kernels
+from quant.schemes import (INT4_OFFSET, NF4_LEVELS, SERVING_SPECS, QuantSpec, Scheme, dequantize_int,
+                           dequantize_nf4, pack_nibbles, quantize_int, quantize_nf4, unpack_nibbles)
+
+# Above this many tokens per call (prefill) the step is compute-bound: a float GEMM on the dequantized
+# weight beats a matrix-vector kernel that re-reads activations per output row.
+KERNEL_MAX_ROWS = 16
+
+
+class QuantLinear(nn.Module):
+    """Base class: bookkeeping shared by the schemes.
+
+    Args:
+        linear: the float layer to quantize (its weight ``[out, in]`` is read, not kept).
+        spec: the recipe; its scheme must match the subclass.
+
+    Attributes:
+        group_size: weights per scale along ``in`` actually used (``in`` for per-row).
+        use_kernel: whether CPU calls may use the C++ kernel (tests turn it off to get the reference).
+    """
+
+    scheme: Scheme
+
+    def __init__(self, linear: nn.Linear, spec: QuantSpec) -> None:
+        super().__init__()
+        if spec.scheme is not self.scheme:
+            raise ValueError(f"{type(self).__name__} takes {self.scheme.value} specs, got {spec.label}")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.spec = spec
+        self.group_size = spec.group_for(linear.in_features)
+        self.use_kernel = True
+        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+
+    def dequantize(self) -> torch.Tensor:
+        """``W_hat`` as float32 ``[out, in]``."""
+        raise NotImplementedError
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        """``[M, in]`` float32 -> ``[M, out]`` float32 with the C++ kernel."""
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., in]`` -> ``[..., out]`` in the dtype of ``x``."""
+        rows = x.numel() // self.in_features
+        if self.use_kernel and x.is_cpu and rows <= KERNEL_MAX_ROWS and kernels.load() is not None:
+            flat = x.reshape(rows, self.in_features).float().contiguous()  # [M, in]
+            y = self._kernel(flat).to(x.dtype).view(*x.shape[:-1], self.out_features)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of codes and scales (what one decode step reads)."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.scales))
+
+    def get_extra_state(self) -> dict:
+        return {"scheme": self.scheme.value, "granularity": self.spec.granularity.value,
+                "group_size": self.group_size}
+
+    def set_extra_state(self, state: dict) -> None:
+        if state["scheme"] != self.scheme.value or state["group_size"] != self.group_size:
+            raise ValueError(f"state is {state['scheme']}/group {state['group_size']}, layer is "
+                             f"{self.scheme.value}/group {self.group_size}")
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_features}, {self.spec.label} (group {self.group_size})"
+
+
+class Int8Linear(QuantLinear):
+    """int8 codes ``weight [out, in]`` with float32 ``scales [out]`` (per output row)."""
+
+    scheme = Scheme.INT8
+
+    def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT8]) -> None:
+        super().__init__(linear, spec)
+        q, scales = quantize_int(linear.weight.detach(), spec)
+        self.register_buffer("weight", q)  # [out, in] int8
+        self.register_buffer("scales", scales.float().expand(self.out_features).contiguous())  # [out]
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_int(self.weight, self.scales, self.group_size)
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.load().int8_linear(x, self.weight, self.scales)
+
+
+class Nibble4Linear(QuantLinear):
+    """4-bit codes packed two per byte ``weight [out, in // 2]``, float16 ``scales [in // group, out]``.
+
+    A code ``c`` means ``lut[c] * scale``: ``c - 8`` for int4, ``NF4_LEVELS[c]`` for NF4, so one kernel
+    serves both.
+    """
+
+    def __init__(self, linear: nn.Linear, spec: QuantSpec) -> None:
+        super().__init__(linear, spec)
+        if self.in_features % 2:
+            raise ValueError(f"4-bit packing needs an even in_features, got {self.in_features}")
+        self.register_buffer("lut", self._levels(), persistent=False)  # [16] float32
+
+    @staticmethod
+    def _levels() -> torch.Tensor:
+        raise NotImplementedError
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return kernels.load().lut4_linear(x, self.weight, self.scales, self.group_size, self.lut)
+
+
+class Int4Linear(Nibble4Linear):
+    """Symmetric int4 (codes -7..7 stored as nibbles 1..15) with a 16-bit scale per group."""
+
+    scheme = Scheme.INT4
+
+    def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT4]) -> None:
+        super().__init__(linear, spec)
+        q, scales = quantize_int(linear.weight.detach(), spec)
+        self.register_buffer("weight", pack_nibbles((q + INT4_OFFSET).to(torch.uint8)))  # [out, in//2]
+        # Per-tensor and per-row scales are widened to the group layout so one kernel reads them all.
+        groups = self.in_features // self.group_size
+        self.register_buffer("scales", scales.half().expand(groups, self.out_features).contiguous()
+                             if scales.dim() < 2 else scales)  # [in//group, out]
+
+    @staticmethod
+    def _levels() -> torch.Tensor:
+        return torch.arange(16, dtype=torch.float32) - INT4_OFFSET
+
+    def dequantize(self) -> torch.Tensor:
+        q = unpack_nibbles(self.weight).to(torch.int8) - INT4_OFFSET  # [out, in]
+        return dequantize_int(q, self.scales, self.group_size)
+
+
+class NF4Linear(Nibble4Linear):
+    """NF4 (QLoRA): codes index the 16 normal-quantile levels, float16 absmax per block of 64."""
+
+    scheme = Scheme.NF4
+
+    def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.NF4]) -> None:
+        super().__init__(linear, spec)
+        codes, absmax = quantize_nf4(linear.weight.detach(), self.group_size)
+        self.register_buffer("weight", pack_nibbles(codes))  # [out, in//2]
+        self.register_buffer("scales", absmax)  # [in//block, out]
+
+    @staticmethod
+    def _levels() -> torch.Tensor:
+        return torch.tensor(NF4_LEVELS, dtype=torch.float32)
+
+    def dequantize(self) -> torch.Tensor:
+        return dequantize_nf4(unpack_nibbles(self.weight), self.scales, self.group_size)
+
+
+LAYER_CLASSES: dict[Scheme, type[QuantLinear]] = {Scheme.INT8: Int8Linear, Scheme.INT4: Int4Linear,
+                                                  Scheme.NF4: NF4Linear}

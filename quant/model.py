@@ -1,0 +1,109 @@
+"""Quantize a whole model in place: every ``nn.Linear`` projection becomes a QuantLinear.
+
+The input embedding and the LM head (tied to it in SmolLM2) stay in the model's dtype: the embedding is
+a table lookup, and the head's logits are the most sensitive output (the usual choice, e.g. llama.cpp's
+Q4_0 keeps ``output.weight`` at higher precision).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from quant.linear import LAYER_CLASSES, QuantLinear
+from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
+
+
+@dataclass(slots=True, frozen=True)
+class QuantSummary:
+    """What ``quantize_model`` did.
+
+    Attributes:
+        scheme: the scheme applied (NONE: nothing was changed).
+        spec_label: the recipe, e.g. ``int4/group128`` ("none" for NONE).
+        group_sizes: group sizes actually used (per-row int8 lists the row lengths), ascending.
+        num_layers: linear layers replaced.
+        bits_per_weight: stored bits per quantized weight, scales included (16 or 32 for NONE).
+        bytes_before: bytes of the replaced layers' float weights.
+        bytes_after: bytes of their codes and scales.
+    """
+
+    scheme: Scheme
+    spec_label: str
+    group_sizes: tuple[int, ...]
+    num_layers: int
+    bits_per_weight: float
+    bytes_before: int
+    bytes_after: int
+
+    def describe(self) -> str:
+        """One line for logs."""
+        if self.scheme is Scheme.NONE:
+            return "quantization: none"
+        return (f"quantization: {self.spec_label} on {self.num_layers} linear layers, group sizes "
+                f"{list(self.group_sizes)}, {self.bits_per_weight:.3f} bits/weight, "
+                f"{self.bytes_before / 2**20:.1f} MiB -> {self.bytes_after / 2**20:.1f} MiB")
+
+
+def projection_names(model: nn.Module) -> list[str]:
+    """Qualified names of the ``nn.Linear`` projections to quantize (all but the output embedding)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    return [name for name, module in model.named_modules()
+            if isinstance(module, nn.Linear) and module is not head]
+
+
+def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | None = None) -> QuantSummary:
+    """Replace every linear projection of ``model`` with its quantized layer, in place.
+
+    Works on any device and dtype: codes are computed from the float32 value of each weight on the weight's
+    device, and the new layer lives on that device.
+
+    Args:
+        model: a transformers causal LM (or any module; an ``nn.Linear`` that is the output embedding is kept).
+        scheme: ``Scheme`` or its value ("none", "int8", "int4", "nf4").
+        spec: override the serving default recipe of ``scheme`` (the report uses per-tensor/per-row).
+
+    Returns:
+        The summary (bits per weight measured from the stored bytes).
+
+    Raises:
+        ValueError: an unknown scheme, a spec for another scheme, or a layer the scheme cannot pack.
+    """
+    scheme = Scheme(scheme)
+    param = next(model.parameters())
+    if scheme is Scheme.NONE:
+        return QuantSummary(Scheme.NONE, "none", (), 0, float(param.element_size() * 8), 0, 0)
+    spec = spec or SERVING_SPECS[scheme]
+    if spec.scheme is not scheme:
+        raise ValueError(f"spec {spec.label} is not a {scheme.value} spec")
+    layer_class = LAYER_CLASSES[scheme]
+    bytes_before = bytes_after = num_weights = 0
+    groups: set[int] = set()
+    for name in projection_names(model):
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        linear: nn.Linear = getattr(parent, child)
+        quantized = layer_class(linear, spec).to(linear.weight.device)
+        setattr(parent, child, quantized)
+        bytes_before += linear.weight.numel() * linear.weight.element_size()
+        bytes_after += quantized.weight_bytes
+        num_weights += linear.weight.numel()
+        groups.add(quantized.group_size)
+    if not num_weights:
+        raise ValueError("the model has no linear projections to quantize")
+    return QuantSummary(scheme=scheme, spec_label=spec.label, group_sizes=tuple(sorted(groups)),
+                        num_layers=sum(isinstance(m, QuantLinear) for m in model.modules()),
+                        bits_per_weight=8 * bytes_after / num_weights, bytes_before=bytes_before,
+                        bytes_after=bytes_after)
+
+
+def weight_bytes_per_token(model: nn.Module) -> int:
+    """Bytes of weights one decode step reads: every linear layer (quantized or not) plus the LM head."""
+    total = 0
+    for module in model.modules():
+        if isinstance(module, QuantLinear):
+            total += module.weight_bytes
+        elif isinstance(module, nn.Linear):
+            total += module.weight.numel() * module.weight.element_size()
+    return total

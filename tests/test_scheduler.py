@@ -1,0 +1,140 @@
+"""Scheduling policy with a fake runner: budgets, chunked prefill, slot refill, preemption, static groups."""
+
+from __future__ import annotations
+
+from engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
+from kvcache.block_manager import BlockManager
+from scheduler.offline import run_offline
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import FinishReason, SeqStatus, Sequence
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def fake_execute(plan: StepPlan) -> list[SeqResult]:
+    """Samples token 7 for every sequence that reached the end of its known tokens."""
+    return [SeqResult(w.seq_id, TokenLogprob(7, 0.0) if w.sample else None) for w in plan.work]
+
+
+def make(seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
+    return Sequence(seq_id=seq_id, prompt_ids=list(range(1, prompt_len + 1)), params=GREEDY, max_tokens=max_tokens)
+
+
+def scheduler(num_blocks=64, block_size=4, max_num_seqs=4, budget=16, static=False, caching=True) -> Scheduler:
+    return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1024,
+                                     static=static), BlockManager(num_blocks, block_size, caching))
+
+
+def test_long_prompt_is_chunked_while_decodes_continue():
+    s = scheduler(budget=8)
+    short = make(0, 3, 20)
+    s.add(short)
+    s.update(p := s.schedule(), fake_execute(p))       # short prefilled, first token out
+    long = make(1, 30, 5)
+    s.add(long)
+    chunks = []
+    for _ in range(5):
+        plan = s.schedule()
+        by_id = {w.seq_id: len(w.token_ids) for w in plan.work}
+        assert by_id[0] == 1                              # the decode runs every step
+        assert plan.num_tokens <= 8
+        chunks.append(by_id.get(1, 0))
+        s.update(plan, fake_execute(plan))
+    assert chunks == [7, 7, 7, 7, 2]                     # 30 prompt tokens in chunks under the budget
+    assert len(long.output_ids) == 1                      # sampled only once the whole prompt is in
+
+
+def test_freed_slot_is_refilled_at_the_next_step():
+    s = scheduler(max_num_seqs=2)
+    a, b, c = make(0, 2, 1), make(1, 2, 5), make(2, 2, 5)
+    for seq in (a, b, c):
+        s.add(seq)
+    plan = s.schedule()
+    assert [w.seq_id for w in plan.work] == [0, 1]
+    s.update(plan, fake_execute(plan))                    # a finishes (max_tokens 1)
+    assert a.finish_reason is FinishReason.LENGTH
+    plan = s.schedule()
+    assert [w.seq_id for w in plan.work] == [1, 2]        # c takes a's slot at once
+
+
+def test_static_group_waits_for_its_last_member():
+    s = scheduler(max_num_seqs=2, static=True)
+    seqs = [make(0, 2, 1), make(1, 2, 4), make(2, 2, 1)]
+    for seq in seqs:
+        s.add(seq)
+    delivered: list[tuple[int, int]] = []                 # (step, seq_id) of final events
+    for step in range(8):
+        plan = s.schedule()
+        if not plan.work:
+            break
+        assert 2 not in {w.seq_id for w in plan.work} or seqs[1].is_finished
+        for seq, event in s.update(plan, fake_execute(plan)):
+            if event.finish is not None:
+                delivered.append((step, seq.seq_id))
+    # seq 0 finished at step 0 but is released with seq 1 at step 3; seq 2 runs only afterwards
+    assert delivered == [(3, 0), (3, 1), (4, 2)]
+
+
+def test_pool_exhaustion_preempts_the_newest_and_recomputes_it():
+    s = scheduler(num_blocks=4, block_size=4, max_num_seqs=2, budget=16, caching=False)
+    a, b = make(0, 4, 6), make(1, 4, 6)                   # each needs 3 blocks in the end; the pool has 4
+    recomputes = []
+    run_offline(s, fake_execute, {0: [a, b]},
+                on_step=lambda step, plan: recomputes.extend((w.seq_id, w.start_pos, len(w.token_ids))
+                                                             for w in plan.work if w.seq_id == 1 and step > 0
+                                                             and w.start_pos == 0))
+    assert s.num_preemptions == 1 and b.num_preemptions == 1 and a.num_preemptions == 0
+    assert recomputes == [(1, 0, 9)]                      # prompt + 5 generated tokens recomputed at once
+    assert a.output_ids == b.output_ids == [7] * 6
+    assert s.blocks.num_free_blocks == 4
+
+
+def test_preempted_sequence_recomputes_from_its_cached_blocks():
+    s = scheduler(num_blocks=4, block_size=4, max_num_seqs=2, budget=16, caching=True)
+    a, b = make(0, 4, 6), make(1, 4, 6)
+    plans = []
+    run_offline(s, fake_execute, {0: [a, b]}, on_step=lambda step, plan: plans.append(plan))
+    assert s.num_preemptions == 1
+    assert [(w.seq_id, w.start_pos) for w in plans[5].work] == [(0, 8), (1, 8)]  # b's freed blocks were hits
+    assert a.output_ids == b.output_ids == [7] * 6
+
+
+def test_abort_running_and_waiting_frees_blocks():
+    s = scheduler(num_blocks=8, max_num_seqs=1)
+    a, b = make(0, 8, 50), make(1, 8, 50)
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    s.update(plan, fake_execute(plan))
+    assert a.status is SeqStatus.RUNNING and s.blocks.num_free_blocks == 6
+    assert s.abort(1) is b and b.finish_reason is FinishReason.ABORT and not s.waiting
+    assert s.abort(0) is a and not s.running
+    assert s.blocks.num_free_blocks == 8
+    assert s.abort(0) is None
+
+
+def test_prefix_hit_shrinks_prefill_and_is_counted():
+    s = scheduler(num_blocks=32, block_size=4, budget=64)
+    first = make(0, 10, 1)
+    run_offline(s, fake_execute, {0: [first]})
+    second = make(1, 10, 1)
+    s.add(second)
+    plan = s.schedule()
+    assert plan.work[0].start_pos == 8 and len(plan.work[0].token_ids) == 2
+    assert second.num_cached_tokens == 8
+    assert (s.prefix_queries, s.prefix_hits) == (20, 8)
+
+
+def test_stop_token_respects_min_tokens():
+    s = scheduler()
+    seq = Sequence(seq_id=0, prompt_ids=[1, 2], params=GREEDY, max_tokens=10, stop_token_ids=frozenset({7}),
+                   min_tokens=3)
+    run_offline(s, fake_execute, {0: [seq]})
+    assert seq.output_ids == [7, 7, 7] and seq.finish_reason is FinishReason.STOP
+
+
+def test_drain_rate_is_measured():
+    s = scheduler()
+    assert s.drain_rate() is None
+    s.finish_times.extend([10.0, 10.5, 11.0])
+    assert s.drain_rate() == 2.0

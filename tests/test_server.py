@@ -1,0 +1,237 @@
+"""The live server on 127.0.0.1 with a real HTTP client: SSE shape, text integrity, stops, usage, errors.
+
+Each kind from ../shared/cases/api_cases.json is a test here, with our own prompts as well.
+"""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+def sse_events(url: str, path: str, body: dict) -> tuple[httpx.Response, list[str]]:
+    """POST a streaming request; return the response and the raw data payloads, checking the SSE framing."""
+    with httpx.stream("POST", url + path, json=body, timeout=120) as response:
+        raw = response.read().decode() if response.status_code != 200 else "".join(response.iter_text())
+    if response.status_code != 200:
+        return response, []
+    payloads = []
+    for block in raw.replace("\r\n", "\n").split("\n\n"):
+        lines = [line for line in block.split("\n") if line and not line.startswith(":")]
+        if not lines:
+            continue
+        assert len(lines) == 1 and lines[0].startswith("data: "), block
+        payloads.append(lines[0][len("data: "):])
+    return response, payloads
+
+
+def stream_chunks(url: str, path: str, body: dict) -> list[dict]:
+    response, payloads = sse_events(url, path, body | {"stream": True})
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("text/event-stream")
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def joined(chunks: list[dict], chat: bool) -> str:
+    key = (lambda c: c["delta"].get("content") or "") if chat else (lambda c: c["text"])
+    return "".join(key(c) for chunk in chunks for c in chunk["choices"])
+
+
+def text_of(response: dict, chat: bool) -> str:
+    choice = response["choices"][0]
+    return choice["message"]["content"] if chat else choice["text"]
+
+
+def post(url: str, path: str, body: dict) -> httpx.Response:
+    return httpx.post(url + path, json=body, timeout=120)
+
+
+def chat_body(content: str, **kw) -> dict:
+    return {"messages": [{"role": "user", "content": content}], "temperature": 0} | kw
+
+
+def test_capital_of_france_streams_paris(server_url):
+    chunks = stream_chunks(server_url, CHAT, chat_body("What is the capital of France?", max_tokens=32))
+    assert "Paris" in joined(chunks, chat=True)
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_sse_shape_ids_and_finish_reason(server_url):
+    chunks = stream_chunks(server_url, CHAT, chat_body("Tell a long story.", max_tokens=24))
+    assert len({c["id"] for c in chunks}) == 1
+    reasons = [c["choices"][0]["finish_reason"] for c in chunks]
+    assert reasons[:-1] == [None] * (len(reasons) - 1)
+    assert reasons[-1] == "length"
+    timings = chunks[-1]["timings"]
+    assert timings["completion_tokens"] == 24 and timings["ttft_ms"] > 0 and timings["decode_tokens_per_s"] > 0
+
+
+def test_finish_reason_stop_on_eos(server_url):
+    chunks = stream_chunks(server_url, CHAT, chat_body("Say hello"))
+    finals = [c for c in chunks if c["choices"][0]["finish_reason"] is not None]
+    assert len(finals) == 1 and finals[0] is chunks[-1]
+    assert finals[0]["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("content", [
+    "Reply with only three emoji that express joy.",
+    "Write two sentences about the sea.",
+    "Translate 'good morning, my friend' into Chinese and Japanese.",
+    "Write a haiku about autumn leaves, then three flag emoji.",
+])
+def test_streamed_text_equals_non_streamed(server_url, content):
+    body = chat_body(content, max_tokens=48)
+    streamed = joined(stream_chunks(server_url, CHAT, body), chat=True)
+    whole = text_of(post(server_url, CHAT, body).json(), chat=True)
+    assert streamed == whole
+    assert "\ufffd" not in streamed
+    assert " " in streamed  # word spaces survive
+
+
+def test_stop_string_is_never_streamed(server_url):
+    body = {"prompt": "Here is the English alphabet: ABC", "max_tokens": 20, "temperature": 0}
+    free = text_of(post(server_url, COMPLETIONS, body).json(), chat=False)
+    stop = "DEFGHIJ" if "DEFGHIJ" in free else free[3:9]
+    assert stop and stop in free
+    stopped = body | {"stop": [stop]}
+    chunks = stream_chunks(server_url, COMPLETIONS, stopped)
+    streamed = joined(chunks, chat=False)
+    assert streamed == free[:free.index(stop)]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    whole = post(server_url, COMPLETIONS, stopped).json()
+    assert text_of(whole, chat=False) == streamed and whole["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("options, expect_usage", [({"include_usage": True}, True), ({}, False), (None, False)])
+def test_usage_chunk(server_url, options, expect_usage):
+    body = chat_body("Hi", max_tokens=5) | ({"stream_options": options} if options is not None else {})
+    chunks = stream_chunks(server_url, CHAT, body)
+    with_usage = [c for c in chunks if c.get("usage")]
+    if not expect_usage:
+        assert with_usage == []
+        return
+    assert with_usage == [chunks[-1]] and chunks[-1]["choices"] == []
+    usage = chunks[-1]["usage"]
+    assert 1 <= usage["completion_tokens"] <= 5
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == usage["total_tokens"]
+
+
+def test_non_streamed_carries_usage_and_timings(server_url):
+    body = post(server_url, COMPLETIONS, {"prompt": "The sky is", "max_tokens": 6, "temperature": 0,
+                                          "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 6
+    assert body["usage"]["total_tokens"] == body["usage"]["prompt_tokens"] + 6
+    assert body["timings"]["completion_tokens"] == 6
+
+
+def test_prompt_as_token_ids_equals_text_prompt(server_url):
+    ids = httpx.post(server_url + "/tokenize", json={"prompt": "The sky is"}).json()["tokens"]
+    by_ids = post(server_url, COMPLETIONS, {"prompt": ids, "max_tokens": 8, "temperature": 0}).json()
+    by_text = post(server_url, COMPLETIONS, {"prompt": "The sky is", "max_tokens": 8, "temperature": 0}).json()
+    assert text_of(by_ids, False) == text_of(by_text, False)
+    assert httpx.post(server_url + "/detokenize", json={"tokens": ids}).json()["prompt"] == "The sky is"
+
+
+def test_min_tokens_and_ignore_eos_give_exact_lengths(server_url):
+    for n in (1, 7, 19):
+        body = post(server_url, CHAT, chat_body("Say hi", max_tokens=n, min_tokens=n, ignore_eos=True)).json()
+        assert body["usage"]["completion_tokens"] == n
+
+
+def test_same_seed_same_sample_and_n_choices(server_url):
+    body = chat_body("Name a colour.", temperature=1.0, seed=1234, max_tokens=12, n=2)
+    first, second = post(server_url, CHAT, body).json(), post(server_url, CHAT, body).json()
+    texts = [c["message"]["content"] for c in first["choices"]]
+    assert texts == [c["message"]["content"] for c in second["choices"]]
+    assert [c["index"] for c in first["choices"]] == [0, 1]
+
+
+def test_logprobs_chat_and_completion_echo(server_url):
+    chat = post(server_url, CHAT, chat_body("Hi", max_tokens=4, logprobs=True, top_logprobs=2)).json()
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert len(content) == chat["usage"]["completion_tokens"]
+    assert all(len(t["top_logprobs"]) == 2 and t["logprob"] <= 0 for t in content)
+    assert content[0]["top_logprobs"][0]["logprob"] >= content[0]["logprob"] - 1e-6  # greedy picks the top
+    echo = post(server_url, COMPLETIONS, {"prompt": "The cat sat on the", "max_tokens": 1, "temperature": 0,
+                                          "echo": True, "logprobs": 1}).json()
+    lp = echo["choices"][0]["logprobs"]
+    prompt_len = echo["usage"]["prompt_tokens"]
+    assert echo["choices"][0]["text"].startswith("The cat sat on the")
+    assert len(lp["tokens"]) == prompt_len + 1
+    assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+
+
+@pytest.mark.parametrize("path, body, param", [
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "temperature": 5}, "temperature"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "top_p": 0}, "top_p"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "n": 0}, "n"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
+    (COMPLETIONS, {"prompt": [10**9]}, "prompt"),
+    (COMPLETIONS, {}, "prompt"),
+])
+def test_bad_input_is_a_400_naming_the_field(server_url, path, body, param):
+    for stream in (False, True):
+        response = post(server_url, path, body | {"stream": stream})
+        assert response.status_code == 400, response.text
+        assert response.headers["content-type"].startswith("application/json")
+        error = response.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"].startswith(param)
+
+
+def test_malformed_json_and_unknown_fields(server_url):
+    response = httpx.post(server_url + CHAT, content=b"{not json", headers={"content-type": "application/json"})
+    assert response.status_code == 400 and "error" in response.json()
+    ok = post(server_url, CHAT, chat_body("Hi", max_tokens=2, some_future_field={"x": 1}))
+    assert ok.status_code == 200
+
+
+def test_unknown_model_is_404(server_url):
+    response = post(server_url, CHAT, chat_body("Hi", model="gpt-17"))
+    assert response.status_code == 404 and response.json()["error"]["param"] == "model"
+
+
+def test_over_long_prompt_is_400_with_counts(server_url):
+    limit = httpx.get(server_url + "/v1/models").json()["data"][0]["max_model_len"]
+    response = post(server_url, COMPLETIONS, {"prompt": [42] * (limit + 1), "max_tokens": 16})
+    assert response.status_code == 400
+    message = response.json()["error"]["message"]
+    assert str(limit) in message and str(limit + 1) in message
+
+
+def test_validation_happens_before_any_sse_byte(server_url):
+    limit = httpx.get(server_url + "/v1/models").json()["data"][0]["max_model_len"]
+    body = chat_body("Hi", max_tokens=limit + 1)
+    streamed, plain = post(server_url, CHAT, body | {"stream": True}), post(server_url, CHAT, body)
+    assert streamed.status_code == plain.status_code == 400
+    assert streamed.headers["content-type"].startswith("application/json")
+    assert streamed.json() == plain.json()
+    assert str(limit) in plain.json()["error"]["message"]
+
+
+def test_models_health_metrics(server_url):
+    models = httpx.get(server_url + "/v1/models").json()
+    assert models["data"][0]["id"] == "SmolLM2-135M-Instruct"
+    assert httpx.get(server_url + "/health").json() == {"status": "ok"}
+    text = httpx.get(server_url + "/metrics").text
+    for name in ("kvserve:num_requests_running", "kvserve:kv_cache_usage_perc", "kvserve:num_preemptions_total",
+                 "kvserve:time_to_first_token_seconds_bucket", "kvserve:request_success_total",
+                 "kvserve:prefix_cache_hits_total", "kvserve:generation_tokens_total"):
+        assert name in text
+
+
+def test_prefix_cache_hit_is_reported(server_url):
+    system = "You are a meticulous assistant. " * 12
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "Hi"}],
+            "max_tokens": 2, "temperature": 0}
+    post(server_url, CHAT, body)
+    again = post(server_url, CHAT, body | {"messages": body["messages"][:1] + [{"role": "user", "content": "Yo"}]})
+    assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64

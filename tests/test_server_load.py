@@ -1,0 +1,243 @@
+"""The scheduler under load, through a live server: backpressure, disconnects, static groups, failures, metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import threading
+import time
+
+import httpx
+import pytest
+
+from loadtest.backpressure import disconnect_drill, overload
+from server.config import Policy, ServeConfig
+from server.state import ServerState
+from tests.serverutil import serving
+
+LONG = {"prompt": "Count from 1 to 10000:", "max_tokens": 400, "ignore_eos": True}
+
+
+def first_chunk_then(url: str, body: dict, ready: threading.Event, stop: threading.Event) -> None:
+    """Stream a request; set ``ready`` at the first chunk and hang up when ``stop`` is set."""
+    with httpx.stream("POST", url + "/v1/completions", json=body | {"stream": True}, timeout=120) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                ready.set()
+                if stop.wait(0):
+                    return
+            if stop.is_set():
+                return
+
+
+@pytest.fixture
+def state_factory(smollm2):
+    def make(**overrides) -> ServerState:
+        return ServerState(smollm2, ServeConfig(kv_cache_memory="64MiB", **overrides))
+    return make
+
+
+def test_twenty_disconnects_free_every_block(state_factory):
+    state = state_factory(max_num_seqs=32)
+    with serving(state) as url:
+        blocks = state.service.scheduler.blocks
+
+        async def usage() -> float:
+            return blocks.usage
+
+        drill = asyncio.run(disconnect_drill(url, 20, LONG, usage))
+        assert blocks.num_free_blocks == blocks.num_blocks
+        assert drill["blocks_free_after_s"] < 1.0
+        assert not state.service.scheduler.running and not state.service.scheduler.waiting
+
+
+def test_queued_client_that_leaves_is_never_scheduled(state_factory):
+    state = state_factory(max_num_seqs=1)
+    scheduled: set[int] = set()
+    execute = state.service.execute
+
+    def recording(plan):
+        scheduled.update(w.seq_id for w in plan.work)
+        return execute(plan)
+
+    state.service.execute = recording
+    with serving(state) as url:
+        ready, stop = threading.Event(), threading.Event()
+        holder = threading.Thread(target=first_chunk_then, args=(url, LONG, ready, stop))
+        holder.start()
+        assert ready.wait(60)
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "Tell a story.", "max_tokens": 200,
+                                                                 "stream": True}, timeout=30) as response:
+            assert response.status_code == 200  # admitted to the queue; we leave before any token
+        deadline = time.monotonic() + 5
+        while state.service.scheduler.waiting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert not state.service.scheduler.waiting
+        stop.set()
+        holder.join(timeout=60)
+    assert scheduled == {0}
+
+
+def test_full_queue_answers_429_with_retry_after_and_400_still_wins(state_factory):
+    state = state_factory(max_num_seqs=1, max_queue=2)
+    with serving(state) as url:
+        ready, stop = threading.Event(), threading.Event()
+        threads = [threading.Thread(target=first_chunk_then, args=(url, LONG, ready if i == 0 else threading.Event(),
+                                                                   stop)) for i in range(3)]
+        threads[0].start()
+        assert ready.wait(60)
+        for t in threads[1:]:
+            t.start()
+        deadline = time.monotonic() + 10
+        while len(state.service.scheduler.waiting) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "stream": True}, timeout=10)
+        assert response.status_code == 429
+        assert int(response.headers["retry-after"]) >= 1
+        assert response.json()["error"]["code"] == "queue_full"
+        bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "temperature": -1}, timeout=10)
+        assert bad.status_code == 400
+        assert 'kvserve:requests_rejected_total{reason="queue_full"} 1.0' in httpx.get(url + "/metrics").text
+        stop.set()
+        for t in threads:
+            t.join(timeout=60)
+
+
+def _rss_mib() -> float:
+    with open(f"/proc/{os.getpid()}/status") as status:
+        return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def test_four_times_overload_for_sixty_seconds(state_factory):
+    state = state_factory(max_num_seqs=4, max_queue=4)
+    with serving(state) as url:
+        body = {"prompt": "Write about the sea. " * 20, "max_tokens": 16, "ignore_eos": True}
+        asyncio.run(overload(url, 8, 3, body))  # warm up allocator pools before measuring memory
+        rss_before = _rss_mib()
+        report = asyncio.run(overload(url, 4 * (4 + 4), 60, body))
+        rss_after = _rss_mib()
+        summary = report.summary()
+        print(json.dumps(summary))
+        assert report.server_errors == 0 and report.other_failures == 0
+        assert report.rejected_429 > 0 and report.rejected_without_retry_after == 0
+        assert report.admitted > 0 and report.completed == report.admitted
+        assert report.health_failures == 0 and report.health_checks >= 100
+        assert rss_after - rss_before < 200, (rss_before, rss_after)
+        assert state.service.scheduler.blocks.num_free_blocks == state.service.scheduler.blocks.num_blocks
+
+
+def test_static_policy_holds_the_short_answer_until_the_group_finishes(state_factory):
+    state = state_factory(max_num_seqs=2, policy=Policy.STATIC)
+    order: list[tuple[str, int]] = []  # (request, tokens seen) in arrival order across both streams
+    lock = threading.Lock()
+
+    def run(name: str, max_tokens: int) -> None:
+        body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+        seen = 0
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    seen += 1
+                    with lock:
+                        order.append((name, chunk["choices"][0]["finish_reason"] is not None))
+
+    with serving(state) as url:
+        threads = [threading.Thread(target=run, args=("short", 4)), threading.Thread(target=run, args=("long", 40))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    short_final = order.index(("short", True))
+    long_chunks_before = sum(1 for name, _ in order[:short_final] if name == "long")
+    assert long_chunks_before >= 39  # nobody hears of the short answer before its neighbour is done
+
+
+def test_api_key_guards_v1_routes(state_factory):
+    state = state_factory(api_key="sekret")
+    with serving(state) as url:
+        body = {"prompt": "Hi", "max_tokens": 1}
+        assert httpx.post(url + "/v1/completions", json=body).status_code == 401
+        assert httpx.post(url + "/v1/completions", json=body,
+                          headers={"Authorization": "Bearer wrong"}).status_code == 401
+        assert httpx.post(url + "/v1/completions", json=body,
+                          headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_failed_step_fails_only_its_requests(state_factory):
+    state = state_factory()
+    execute = state.service.execute
+    poison = state.tokenizer("BOOM")["input_ids"]
+
+    def failing(plan):
+        if any(w.prompt_ids == poison for w in plan.work):
+            raise RuntimeError("kernel exploded")
+        return execute(plan)
+
+    state.service.execute = failing
+    with serving(state) as url:
+        with httpx.stream("POST", url + "/v1/completions", json={"prompt": "BOOM", "stream": True}) as response:
+            assert response.status_code == 200
+            lines = [line for line in response.iter_lines() if line.startswith("data: ")]
+        assert len(lines) == 1 and "kernel exploded" in json.loads(lines[0][6:])["error"]["message"]
+        ok = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
+        assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
+        assert httpx.get(url + "/health").status_code == 200
+        blocks = state.service.scheduler.blocks
+        assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_health_reports_a_dead_engine_loop(state_factory):
+    state = state_factory()
+    with serving(state) as url:
+        def broken_schedule():
+            raise SystemError("scheduler bug")
+
+        state.service.scheduler.schedule = broken_schedule
+        response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
+        assert response.status_code == 500 or "error" in response.text
+        assert httpx.get(url + "/health").status_code == 503
+
+
+def test_ttft_histogram_matches_what_clients_measured(state_factory, smollm2):
+    state = state_factory()
+    with serving(state) as url:
+        client_ttfts = []
+        for i in range(10):
+            prompt = [100 + i] + [200 + (j * 7919) % 40000 for j in range(1999)]  # ~2,000 distinct tokens
+            start = time.perf_counter()
+            with httpx.stream("POST", url + "/v1/completions",
+                              json={"prompt": prompt, "max_tokens": 2, "stream": True}, timeout=120) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        client_ttfts.append(time.perf_counter() - start)
+                        break
+        metrics = httpx.get(url + "/metrics").text
+    count = _sample(metrics, "kvserve:time_to_first_token_seconds_count")
+    total = _sample(metrics, "kvserve:time_to_first_token_seconds_sum")
+    buckets = [float(line.split()[-1]) for line in metrics.splitlines()
+               if line.startswith("kvserve:time_to_first_token_seconds_bucket")]
+    assert count == 10
+    assert total > 0 and abs(total - sum(client_ttfts)) <= 0.2 * sum(client_ttfts)
+    assert buckets == sorted(buckets) and buckets[-1] == 10
+
+
+def _sample(metrics: str, name: str) -> float:
+    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
+
+
+def test_batch_invariance_32_at_once_equals_alone(state_factory):
+    state = state_factory(max_num_seqs=32)
+    body = {"messages": [{"role": "user", "content": "List five prime numbers."}], "temperature": 0,
+            "max_tokens": 128}
+    with serving(state) as url:
+        alone = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]["message"]
+
+        async def many():
+            async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+                return await asyncio.gather(*(client.post("/v1/chat/completions", json=body) for _ in range(32)))
+
+        texts = {r.json()["choices"][0]["message"]["content"] for r in asyncio.run(many())}
+    assert texts == {alone["content"]}
