@@ -126,6 +126,9 @@ class Scheduler:
         return any(s.seq_id in self.group for s in self.running) or any(s.seq_id in self.group for s in self.waiting)
 
     def _admissible(self, seq: Sequence) -> bool:
+        source = seq.prefix_source
+        if source is not None and not source.is_finished and source.num_computed < len(source.prompt_ids):
+            return False  # wait one step for the sibling's prompt blocks, then share them
         if not self.config.static:
             return True
         if not self._group_active() and not self.held:

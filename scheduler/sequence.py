@@ -62,6 +62,8 @@ class Sequence:
         block_table: the sequence's blocks, in order.
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         events: the request's stream of SeqEvents (consumed by the server).
+        prefix_source: another choice of the same request; this one is admitted only once the source's
+            prompt is in the cache, so the prompt's full blocks are shared through the prefix cache.
     """
 
     seq_id: int
@@ -81,6 +83,7 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    prefix_source: Sequence | None = None
 
     @property
     def all_ids(self) -> list[int]:

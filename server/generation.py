@@ -128,13 +128,15 @@ class Generation:
         self.prepared = prepared
         self.events: asyncio.Queue[SeqEvent] = asyncio.Queue()
         self.choices: dict[int, tuple[int, _Choice]] = {}
+        first: Sequence | None = None
         for index in range(prepared.n):
             params = prepared.params
             if params.seed is not None and index:
                 params = dataclasses.replace(params, seed=params.seed + index)  # n choices must differ
             seq = Sequence(seq_id=state.next_id(), prompt_ids=prepared.prompt_ids, params=params,
                            max_tokens=prepared.max_tokens, stop_token_ids=prepared.stop_token_ids,
-                           min_tokens=prepared.min_tokens, events=self.events)
+                           min_tokens=prepared.min_tokens, events=self.events, prefix_source=first)
+            first = first or seq
             choice = _Choice(seq=seq, detok=IncrementalDetokenizer(state.tokenizer, prepared.prompt_ids),
                              matcher=StopStringMatcher(prepared.stop_strings))
             self.choices[seq.seq_id] = (index, choice)

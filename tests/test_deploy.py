@@ -44,7 +44,7 @@ DASHBOARD_SERIES = {
     "kvserve:prefix_cache_hits_total", "kvserve:prefix_cache_queries_total", "kvserve:num_preemptions_total",
     "kvserve:requests_rejected_total", "kvserve:request_success_total",
 }
-_SERIES = re.compile(r"kvserve:[a-z_]+")
+_SERIES = re.compile(r"kvserve:[a-z0-9_]+")
 
 
 def tool(name: str) -> str:

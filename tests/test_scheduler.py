@@ -138,3 +138,18 @@ def test_drain_rate_is_measured():
     assert s.drain_rate() is None
     s.finish_times.extend([10.0, 10.5, 11.0])
     assert s.drain_rate() == 2.0
+
+
+def test_choices_of_one_request_share_the_prompt_blocks():
+    s = scheduler(num_blocks=32, block_size=4, budget=64)
+    a, b = make(0, 10, 3), make(1, 10, 3)
+    b.prefix_source = a
+    s.add(a)
+    s.add(b)
+    plan = s.schedule()
+    assert [w.seq_id for w in plan.work] == [0]           # b waits one step for a's prompt blocks
+    s.update(plan, fake_execute(plan))
+    plan = s.schedule()
+    assert [(w.seq_id, w.start_pos) for w in plan.work] == [(0, 10), (1, 8)]
+    assert b.block_table[:2] == a.block_table[:2]
+    assert [s.blocks.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]

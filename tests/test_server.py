@@ -235,3 +235,12 @@ def test_prefix_cache_hit_is_reported(server_url):
     post(server_url, CHAT, body)
     again = post(server_url, CHAT, body | {"messages": body["messages"][:1] + [{"role": "user", "content": "Yo"}]})
     assert again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64
+
+
+def test_n_choices_share_the_prompt_blocks(server_url):
+    prompt = "A unique note about giraffes, their long necks and their quiet habits at dawn. " * 4
+    body = post(server_url, COMPLETIONS, {"prompt": prompt, "n": 3, "max_tokens": 4, "temperature": 0.8,
+                                          "seed": 3}).json()
+    assert [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
+    assert body["usage"]["completion_tokens"] <= 12

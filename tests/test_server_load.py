@@ -241,3 +241,21 @@ def test_batch_invariance_32_at_once_equals_alone(state_factory):
 
         texts = {r.json()["choices"][0]["message"]["content"] for r in asyncio.run(many())}
     assert texts == {alone["content"]}
+
+
+def test_long_shared_prefix_same_tokens_on_hit_miss_and_with_caching_off(state_factory):
+    prefix = [300 + (j * 104729) % 30000 for j in range(2000)]  # 2,000 tokens shared by both requests
+    body = {"prompt": prefix + [42, 43], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+    results = {}
+    for caching in (True, False):
+        state = state_factory(enable_prefix_caching=caching, max_num_batched_tokens=1024)
+        with serving(state) as url:
+            miss = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
+            hit = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
+        results[caching] = (miss, hit)
+    (miss, hit), (off_first, off_second) = results[True], results[False]
+    assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 2000
+    assert off_second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    texts = {r["choices"][0]["text"] for r in (miss, hit, off_first, off_second)}
+    assert len(texts) == 1
