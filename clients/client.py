@@ -1,4 +1,4 @@
-"""HTTP clients for kvserve, sync and async (httpx + httpx-sse): stream chat and completion text, get timings.
+"""HTTP client for kvserve (httpx + httpx-sse): stream chat and completion text, get timings.
 
     with KVServeClient("http://127.0.0.1:8000") as client:
         with client.stream_chat("Name three rivers.", max_tokens=64) as stream:
@@ -6,18 +6,19 @@
                 print(delta, end="", flush=True)
         print(stream.result.ttft_s, stream.result.tokens_per_s, stream.result.server_timings)
 
-HTTP only: nothing here imports torch or the server, so the package installs and runs on any machine.
+The asyncio twin is :mod:`clients.async_client`. HTTP only: nothing here imports torch or the server, so the
+package installs and runs on any machine.
 """
 
 from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import httpx
-from httpx_sse import aconnect_sse, connect_sse
+from httpx_sse import connect_sse
 
 from clients.stream import KVServeError, StreamAccumulator, StreamResult, parse_retry_after
 
@@ -37,18 +38,19 @@ def error_from_response(response: httpx.Response) -> KVServeError:
     return KVServeError.from_body(body, response.status_code, parse_retry_after(response.headers.get("retry-after")))
 
 
-def _decode_event(data: str) -> dict[str, Any] | None:
+def decode_event(data: str) -> dict[str, Any] | None:
     """One SSE ``data:`` payload as a chunk; None at ``[DONE]``."""
     if data.strip() == "[DONE]":
         return None
     return json.loads(data)
 
 
-def _truncated() -> KVServeError:
+def truncated_error() -> KVServeError:
+    """The error for a stream that ended without ``data: [DONE]``."""
     return KVServeError("the stream ended before data: [DONE] (server stopped or connection lost)")
 
 
-class _ClientBase:
+class ClientBase:
     """Request bodies and headers shared by the sync and async clients."""
 
     def __init__(self, base_url: str, api_key: str | None, model: str | None) -> None:
@@ -62,12 +64,12 @@ class _ClientBase:
         turns = [{"role": "user", "content": messages}] if isinstance(messages, str) else list(messages)
         if system is not None:
             turns.insert(0, {"role": "system", "content": system})
-        return _ClientBase._stream_body({"model": model, "messages": turns}, params)
+        return ClientBase._stream_body({"model": model, "messages": turns}, params)
 
     @staticmethod
     def completion_body(model: str, prompt: str | list[int], params: dict[str, Any]) -> dict[str, Any]:
         """A streamed ``/v1/completions`` body; ``prompt`` is text or a list of token ids."""
-        return _ClientBase._stream_body({"model": model, "prompt": prompt}, params)
+        return ClientBase._stream_body({"model": model, "prompt": prompt}, params)
 
     @staticmethod
     def _stream_body(body: dict[str, Any], params: dict[str, Any]) -> dict[str, Any]:
@@ -95,11 +97,11 @@ class TextStream:
                 source.response.read()
                 raise error_from_response(source.response)
             for event in source.iter_sse():
-                chunk = _decode_event(event.data)
+                chunk = decode_event(event.data)
                 if chunk is None:
                     return
                 yield chunk
-        raise _truncated()
+        raise truncated_error()
 
     def __iter__(self) -> Iterator[str]:
         for chunk in self._chunks:
@@ -126,7 +128,7 @@ class TextStream:
         self.close()
 
 
-class KVServeClient(_ClientBase):
+class KVServeClient(ClientBase):
     """Blocking client.
 
     Args:
@@ -197,116 +199,3 @@ class KVServeClient(_ClientBase):
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
-
-
-class AsyncTextStream:
-    """The async twin of :class:`TextStream`: ``async for delta in stream``, then ``stream.result``."""
-
-    def __init__(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], chat: bool) -> None:
-        self._accumulator = StreamAccumulator(time.perf_counter(), chat)
-        self._chunks = self._iter_chunks(client, path, body)
-        self._result: StreamResult | None = None
-
-    async def _iter_chunks(self, client: httpx.AsyncClient, path: str,
-                           body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
-        self._accumulator.started = time.perf_counter()
-        async with aconnect_sse(client, "POST", path, json=body) as source:
-            if source.response.is_error:
-                await source.response.aread()
-                raise error_from_response(source.response)
-            async for event in source.aiter_sse():
-                chunk = _decode_event(event.data)
-                if chunk is None:
-                    return
-                yield chunk
-        raise _truncated()
-
-    async def __aiter__(self) -> AsyncIterator[str]:
-        async for chunk in self._chunks:
-            delta = self._accumulator.add(chunk, time.perf_counter())
-            if delta:
-                yield delta
-        self._result = self._accumulator.finish(time.perf_counter())
-
-    @property
-    def result(self) -> StreamResult:
-        """The finished result. Raises RuntimeError before the stream has been read to its end."""
-        if self._result is None:
-            raise RuntimeError("the stream has not been read to its end")
-        return self._result
-
-    async def aclose(self) -> None:
-        """Drop the connection."""
-        await self._chunks.aclose()
-
-    async def __aenter__(self) -> AsyncTextStream:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()
-
-
-class AsyncKVServeClient(_ClientBase):
-    """Asyncio client; same arguments and methods as :class:`KVServeClient`, awaited."""
-
-    def __init__(self, base_url: str = DEFAULT_URL, api_key: str | None = None, model: str | None = None,
-                 timeout: httpx.Timeout | float = DEFAULT_TIMEOUT) -> None:
-        super().__init__(base_url, api_key, model)
-        self.http = httpx.AsyncClient(base_url=self.base_url, headers=self.headers, timeout=timeout)
-
-    async def _get(self, path: str) -> Any:
-        response = await self.http.get(path)
-        if response.is_error:
-            raise error_from_response(response)
-        return response.json()
-
-    async def models(self) -> list[str]:
-        """Ids listed by ``GET /v1/models``."""
-        return [entry["id"] for entry in (await self._get("/v1/models"))["data"]]
-
-    async def health(self) -> dict[str, Any]:
-        """``GET /health``; raises :class:`KVServeError` on 503."""
-        return await self._get("/health")
-
-    async def _model(self) -> str:
-        if self.model is None:
-            self.model = (await self.models())[0]
-        return self.model
-
-    async def stream_chat(self, messages: Messages, *, system: str | None = None, max_tokens: int | None = None,
-                          temperature: float | None = None, **params: Any) -> AsyncTextStream:
-        """Stream a chat completion (``stream = await client.stream_chat(...)``, then ``async for``)."""
-        params.update(max_tokens=max_tokens, temperature=temperature)
-        body = self.chat_body(await self._model(), messages, system, params)
-        return AsyncTextStream(self.http, "/v1/chat/completions", body, chat=True)
-
-    async def stream_completion(self, prompt: str | list[int], *, max_tokens: int | None = None,
-                                temperature: float | None = None, **params: Any) -> AsyncTextStream:
-        """Stream a text completion of ``prompt`` (text or token ids)."""
-        params.update(max_tokens=max_tokens, temperature=temperature)
-        body = self.completion_body(await self._model(), prompt, params)
-        return AsyncTextStream(self.http, "/v1/completions", body, chat=False)
-
-    async def chat(self, messages: Messages, **kwargs: Any) -> StreamResult:
-        """Stream a chat completion to its end and return the result."""
-        async with await self.stream_chat(messages, **kwargs) as stream:
-            async for _ in stream:
-                pass
-        return stream.result
-
-    async def complete(self, prompt: str | list[int], **kwargs: Any) -> StreamResult:
-        """Stream a text completion to its end and return the result."""
-        async with await self.stream_completion(prompt, **kwargs) as stream:
-            async for _ in stream:
-                pass
-        return stream.result
-
-    async def aclose(self) -> None:
-        """Close the connection pool."""
-        await self.http.aclose()
-
-    async def __aenter__(self) -> AsyncKVServeClient:
-        return self
-
-    async def __aexit__(self, *exc_info: object) -> None:
-        await self.aclose()

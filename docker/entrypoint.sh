@@ -13,7 +13,8 @@ set -euo pipefail
 # Flags that take a value; each is read from KVSERVE_<FLAG> with '-' -> '_' and upper case.
 VALUE_FLAGS=(
   model host port device dtype quantization kv-cache-memory num-kv-blocks block-size max-num-seqs
-  max-num-batched-tokens max-queue max-model-len scheduler api-key served-model-name log-level
+  max-num-batched-tokens max-queue max-model-len scheduler api-key served-model-name sse-ping-seconds
+  log-level
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
 SWITCH_FLAGS=(no-prefix-caching)
@@ -69,7 +70,8 @@ done < <(compgen -e | grep '^KVSERVE_' || true)
 
 args+=("$@")
 if [[ "${KVSERVE_DRY_RUN:-}" =~ ^(1|true|yes)$ ]]; then
-  printf '%q ' kvserve "${args[@]}"
+  printf 'kvserve'
+  printf ' %q' "${args[@]}"
   printf '\n'
   exit 0
 fi

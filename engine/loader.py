@@ -20,7 +20,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from engine import attention  # noqa: E402
-from kvcache.pool import KVShape  # noqa: E402
+from kvcache.sizing import KVShape  # noqa: E402
 
 log = logging.getLogger("kvserve.engine")
 

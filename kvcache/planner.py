@@ -24,14 +24,13 @@ import sys
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-if TYPE_CHECKING:
-    from kvcache.pool import KVShape
+from kvcache.sizing import KVShape, parse_bytes
 
 
 class WeightDType(enum.Enum):
@@ -44,7 +43,8 @@ class WeightDType(enum.Enum):
     @property
     def bits_per_weight(self) -> float:
         """Bits per parameter, scales included (int8's one scale per output row is under 0.1% and ignored)."""
-        return {WeightDType.FP16: 16.0, WeightDType.INT8: 8.0, WeightDType.INT4: 4.0 + 32 / 128}[self]
+        int4_scales = 32 / 128  # an fp16 scale and an fp16 zero per group of 128 weights
+        return {WeightDType.FP16: 16.0, WeightDType.INT8: 8.0, WeightDType.INT4: 4.0 + int4_scales}[self]
 
 
 class KVDType(enum.Enum):
@@ -88,7 +88,8 @@ class ModelSpec:
         if min(sizes) < 1:
             raise ValueError(f"{self.name}: every size must be >= 1, got {sizes}")
         if self.num_heads % self.num_kv_heads != 0:
-            raise ValueError(f"{self.name}: {self.num_heads} query heads not a multiple of {self.num_kv_heads} KV heads")
+            raise ValueError(f"{self.name}: {self.num_heads} query heads not a multiple of "
+                             f"{self.num_kv_heads} KV heads")
 
     @property
     def params(self) -> int:
@@ -112,8 +113,6 @@ class ModelSpec:
 
     def kv_shape(self, kv_dtype: KVDType, num_kv_heads: int | None = None) -> KVShape:
         """The KV cost of one token; ``num_kv_heads`` overrides the model's (e.g. the query heads, for no GQA)."""
-        from kvcache.pool import KVShape  # kvcache.pool imports torch for KVPool; keep `import planner` light
-
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
         return KVShape(self.num_layers, heads, self.head_dim, kv_dtype.nbytes)
 
@@ -255,7 +254,6 @@ def _comma_list(parse: Callable[[str], Any]) -> Callable[[str], list[Any]]:
 
 
 def _parse_bytes(text: str) -> int:
-    from kvcache.pool import parse_bytes  # torch-free at import, as above
 
     return parse_bytes(text)
 

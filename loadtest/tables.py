@@ -197,12 +197,15 @@ def render(results: dict, kv_bytes_per_token: int | None) -> str:
                      + "\n\nElbow (first B whose doubling costs >= sqrt(2) x latency, so throughput gains less "
                        f"than latency loses): **{elbow if elbow else 'not reached'}**.")
     if "memory" in results:
-        rows = ["| generation of 256 tokens | peak beyond weights |", "|---|---|"]
+        tokens = results["memory"][0]["tokens"]
+        rows = [f"| generation of {tokens} tokens | peak tensor bytes beyond weights | RSS high-water beyond load |",
+                "|---|---|---|"]
         rows += [f"| {'with KV cache' if r['mode'] == 'cache' else 'without cache (recompute)'} | "
-                 f"{_mb(r['extra_bytes'])} |" for r in results["memory"]]
+                 f"{_mb(r['peak_tensor_bytes'])} | {_mb(r['rss_extra_bytes'])} |" for r in results["memory"]]
         note = f" The cache itself: {kv_bytes_per_token:,} bytes/token." if kv_bytes_per_token else ""
         parts.append("### Peak memory beyond the weights (RSS high-water mark)\n\n" + "\n".join(rows) + "\n\n"
-                     "Method: `loadtest/memprobe.py` (VmHWM after a reset, minus VmRSS after loading)." + note)
+                     "Method: `loadtest/memprobe.py` (peak of live tensors created while generating; RSS is noisier "
+                     "because the allocator reuses memory freed while loading)." + note)
     return "\n\n".join(parts)
 
 

@@ -58,9 +58,13 @@ class QuantLinear(nn.Module):
         """``[..., in]`` -> ``[..., out]`` in the dtype of ``x``."""
         rows = x.numel() // self.in_features
         if self.use_kernel and x.is_cpu and rows <= KERNEL_MAX_ROWS and kernels.load() is not None:
-            flat = x.reshape(rows, self.in_features).float().contiguous()  # [M, in]
-            y = self._kernel(flat).to(x.dtype).view(*x.shape[:-1], self.out_features)
-            return y if self.bias is None else y + self.bias
+            flat = x.reshape(rows, self.in_features)  # [M, in]
+            if flat.dtype is not torch.float32 or not flat.is_contiguous():
+                flat = flat.float().contiguous()
+            y = self._kernel(flat).view(*x.shape[:-1], self.out_features)  # float32 [..., out]
+            if self.bias is not None:
+                y = y + self.bias
+            return y if x.dtype is torch.float32 else y.to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), self.bias)
 
     @property

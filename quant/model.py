@@ -107,3 +107,11 @@ def weight_bytes_per_token(model: nn.Module) -> int:
         elif isinstance(module, nn.Linear):
             total += module.weight.numel() * module.weight.element_size()
     return total
+
+
+def stored_bytes(model: nn.Module) -> int:
+    """Bytes of every distinct parameter and buffer (a tied embedding counts once)."""
+    seen: dict[int, int] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        seen[tensor.data_ptr()] = tensor.numel() * tensor.element_size()
+    return sum(seen.values())

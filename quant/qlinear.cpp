@@ -118,20 +118,33 @@ __attribute__((target("avx2,fma"))) inline __m256 lut8(__m128i codes, __m256 lut
   return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
+// Codes as plain integers 0..15, for an affine table lut[c] = c + lut[0] (int4): one convert instead of
+// two table lookups and a blend; the constant lut[0] * sum(x over the group) is added once per group.
+__attribute__((target("avx2,fma"))) inline __m256 codes8(__m128i codes) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+}
+
 // x here is de-interleaved per block of 32: [x0 x2 .. x30 | x1 x3 .. x31], matching the nibble order of
-// 16 packed bytes (low nibbles = even k, high nibbles = odd k).
-template <int MT>
-__attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const uint8_t* w, const c10::Half* s,
-                                                        const float* lut, float* y, int64_t N, int64_t K,
-                                                        int64_t G, int64_t n0, int64_t n1) {
+// 16 packed bytes (low nibbles = even k, high nibbles = odd k). xsum [MT rows, K/G] holds group sums of x
+// (read only when AFFINE).
+template <int MT, bool AFFINE>
+__attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const float* xsum, const uint8_t* w,
+                                                        const c10::Half* s, const float* lut, float* y,
+                                                        int64_t N, int64_t K, int64_t G, int64_t n0,
+                                                        int64_t n1) {
   const __m256 lut_lo = _mm256_loadu_ps(lut);
   const __m256 lut_hi = _mm256_loadu_ps(lut + 8);
   const __m128i low_mask = _mm_set1_epi8(0x0F);
+  const int64_t groups = K / G;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * (K / 2);
     __m256 total[MT];
-    for (int m = 0; m < MT; ++m) total[m] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < K / G; ++g) {
+    float offset_sum[MT];  // AFFINE: sum over groups of scale * lut[0] * sum(x in group)
+    for (int m = 0; m < MT; ++m) {
+      total[m] = _mm256_setzero_ps();
+      offset_sum[m] = 0.f;
+    }
+    for (int64_t g = 0; g < groups; ++g) {
       __m256 acc[MT][4];  // four chains per row, as in int8_rows_avx2
       for (int m = 0; m < MT; ++m)
         for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
@@ -139,21 +152,22 @@ __attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const u
         const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
         const __m128i even = _mm_and_si128(bytes, low_mask);
         const __m128i odd = _mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask);
-        const __m256 wv[4] = {lut8(even, lut_lo, lut_hi),                      // k, k+2, .., k+14
-                              lut8(_mm_unpackhi_epi64(even, even), lut_lo, lut_hi),  // k+16, .., k+30
-                              lut8(odd, lut_lo, lut_hi),                       // k+1, .., k+15
-                              lut8(_mm_unpackhi_epi64(odd, odd), lut_lo, lut_hi)};   // k+17, .., k+31
+        const __m128i parts[4] = {even, _mm_unpackhi_epi64(even, even),  // k, k+2, .., k+14 | k+16, .., k+30
+                                  odd, _mm_unpackhi_epi64(odd, odd)};    // k+1, .., k+15  | k+17, .., k+31
+        __m256 wv[4];
+        for (int j = 0; j < 4; ++j) wv[j] = AFFINE ? codes8(parts[j]) : lut8(parts[j], lut_lo, lut_hi);
         for (int m = 0; m < MT; ++m)
           for (int j = 0; j < 4; ++j)
             acc[m][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xd + m * K + k + 8 * j), acc[m][j]);
       }
-      const __m256 scale = _mm256_set1_ps(static_cast<float>(s[g * N + n]));
+      const float scale = static_cast<float>(s[g * N + n]);
       for (int m = 0; m < MT; ++m) {
         const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
-        total[m] = _mm256_fmadd_ps(sum, scale, total[m]);
+        total[m] = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale), total[m]);
+        if (AFFINE) offset_sum[m] += scale * xsum[m * groups + g];
       }
     }
-    for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(total[m]);
+    for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(total[m]) + (AFFINE ? lut[0] * offset_sum[m] : 0.f);
   }
 }
 
@@ -223,19 +237,30 @@ torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 #ifdef QL_X86
   if (vec) {
     // De-interleave x once per call (M*K floats) so the kernel's loads match the nibble order.
+    const int64_t groups = K / group;
     auto xd = torch::empty_like(x);
+    auto xsum = torch::zeros({M, groups}, x.options());
     auto xa = x.accessor<float, 2>();
     auto da = xd.accessor<float, 2>();
+    auto sa = xsum.accessor<float, 2>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; k += 32)
         for (int64_t j = 0; j < 16; ++j) {
           da[m][k + j] = xa[m][k + 2 * j];
           da[m][k + 16 + j] = xa[m][k + 2 * j + 1];
+          sa[m][k / group] += xa[m][k + 2 * j] + xa[m][k + 2 * j + 1];
         }
+    bool affine = true;
+    for (int c = 0; c < 16; ++c) affine = affine && lp[c] == lp[0] + static_cast<float>(c);
     const float* dp = xd.data_ptr<float>();
+    const float* xs = xsum.data_ptr<float>();
     at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
       for_row_tiles(M, [&](int64_t m, auto mt) {
-        lut4_rows_avx2<decltype(mt)::value>(dp + m * K, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
+        constexpr int T = decltype(mt)::value;
+        if (affine)
+          lut4_rows_avx2<T, true>(dp + m * K, xs + m * groups, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
+        else
+          lut4_rows_avx2<T, false>(dp + m * K, xs + m * groups, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
       });
     });
     return y;

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from kvcache.pool import parse_bytes
+from kvcache.sizing import parse_bytes
 
 
 class Policy(enum.Enum):

@@ -31,6 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--sse-ping-seconds", type=float, default=d.sse_ping_s,
+                        help="keep-alive comment interval on idle streams (0 disables)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -41,7 +43,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_queue=args.max_queue, max_model_len=args.max_model_len, policy=Policy(args.scheduler),
                        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
-                       served_model_name=args.served_model_name)
+                       served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds)
 
 
 def build_state(config: ServeConfig):

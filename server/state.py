@@ -8,7 +8,8 @@ import logging
 from engine.loader import LoadedModel
 from engine.runner import ModelRunner
 from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool, num_blocks_for_budget, parse_bytes
+from kvcache.pool import KVPool
+from kvcache.sizing import num_blocks_for_budget, parse_bytes
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.service import SchedulerService
 from server.config import Policy, ServeConfig

@@ -8,7 +8,8 @@ import transformers
 
 from engine.loader import kv_shape_of
 from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool, KVShape, num_blocks_for_budget, parse_bytes
+from kvcache.pool import KVPool
+from kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
 
 
 def test_allocate_takes_blocks_in_order_and_frees_tail_first():

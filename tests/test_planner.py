@@ -11,7 +11,7 @@ from safetensors.numpy import save_file
 
 from kvcache.planner import (ALIASES, PRESETS, KVDType, ModelSpec, PlanConfig, add_arguments, plan, run,
                              spec_from_hf_dir)
-from kvcache.pool import KVShape
+from kvcache.sizing import KVShape
 
 GiB = 2**30
 

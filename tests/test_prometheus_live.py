@@ -61,6 +61,7 @@ class Prom:
         """Starts Prometheus scraping each ``pod name -> host:port`` every second, with the shipped rules."""
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        self.instance = targets  # the rules aggregate by (job, instance): pod name -> instance label
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(RULES)],
@@ -162,8 +163,9 @@ def scraped(smollm2, tmp_path_factory):
             wait_for(lambda: prom.scalar("sum(kvserve:requests_rejected_total)") == N_REJECTED, "the 429s")
             wait_for(lambda: prom.scalar("sum(kvserve:request_success_total)") == N_STREAMS, "the finished requests")
             seen = time.time()
-            wait_for(lambda: (prom.scalar('timestamp(instance:kvserve_requests_rejected:ratio_rate5m{pod="kvserve-1"})')
-                              or 0) > seen, "the recording rules to evaluate on the last scrape")
+            ratio = f'instance:kvserve_requests_rejected:ratio_rate5m{{instance="{prom.instance["kvserve-1"]}"}}'
+            wait_for(lambda: (prom.scalar(f"timestamp({ratio})") or 0) > seen,
+                     "the recording rules to evaluate on the last scrape")
             yield prom, timings, refused
         finally:
             prom.stop()
@@ -202,7 +204,8 @@ def test_429s_counted_and_ratio_recorded(scraped):
     assert all(int(r.headers["retry-after"]) >= 1 for r in refused)
     assert prom.scalar('sum(kvserve:requests_rejected_total{reason="queue_full", pod="kvserve-1"})') == N_REJECTED
     # the recording rule behind KvserveRejectingRequests: every request to kvserve-1 was refused
-    assert prom.scalar('instance:kvserve_requests_rejected:ratio_rate5m{pod="kvserve-1"}') == 1.0
+    refusing = prom.instance["kvserve-1"]
+    assert prom.scalar(f'instance:kvserve_requests_rejected:ratio_rate5m{{instance="{refusing}"}}') == 1.0
 
 
 def test_shipped_alerts_load_and_the_429_alert_goes_pending(scraped):
@@ -219,7 +222,7 @@ def test_shipped_alerts_load_and_the_429_alert_goes_pending(scraped):
 
     (alert,) = wait_for(rejecting_alerts, "KvserveRejectingRequests to go pending")
     # pending, not firing: its 'for: 5m' has not passed
-    assert (alert["state"], alert["labels"]["pod"]) == ("pending", "kvserve-1")
+    assert (alert["state"], alert["labels"]["instance"]) == ("pending", prom.instance["kvserve-1"])
 
 
 def test_every_dashboard_query_evaluates(scraped):

@@ -34,12 +34,12 @@ def first_chunk_then(url: str, body: dict, ready: threading.Event, stop: threadi
 @pytest.fixture
 def state_factory(smollm2):
     def make(**overrides) -> ServerState:
-        return ServerState(smollm2, ServeConfig(kv_cache_memory="64MiB", **overrides))
+        return ServerState(smollm2, ServeConfig(**({"kv_cache_memory": "128MiB"} | overrides)))
     return make
 
 
 def test_twenty_disconnects_free_every_block(state_factory):
-    state = state_factory(max_num_seqs=32)
+    state = state_factory(max_num_seqs=32, kv_cache_memory="512MiB")
     with serving(state) as url:
         blocks = state.service.scheduler.blocks
 
@@ -229,7 +229,7 @@ def _sample(metrics: str, name: str) -> float:
 
 
 def test_batch_invariance_32_at_once_equals_alone(state_factory):
-    state = state_factory(max_num_seqs=32)
+    state = state_factory(max_num_seqs=32, kv_cache_memory="512MiB")
     body = {"messages": [{"role": "user", "content": "List five prime numbers."}], "temperature": 0,
             "max_tokens": 128}
     with serving(state) as url:

@@ -1,0 +1,177 @@
+"""``python -m quant.bench``: single-stream decode speed of each scheme on the real engine, side by side.
+
+For none (bfloat16 and float32), int8, int4 and NF4 on SmolLM2: decode tokens/s through
+``engine.runner.ModelRunner`` over a ``KVPool`` (batch 1, greedy), the weight bytes one step reads, the
+bound those bytes give at the read bandwidth measured in the same run, and a breakdown of a step into
+projections, LM head and the rest. Then the quality table of ``kvserve quant report``. Writes the
+"quant" section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+
+import torch
+
+from quant.linear import QuantLinear
+from quant.model import quantize_model, weight_bytes_per_token
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+VARIANTS = (("none", torch.bfloat16), ("none", torch.float32), ("int8", torch.float32),
+            ("int4", torch.float32), ("nf4", torch.float32))
+
+
+def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 7) -> float:
+    """Best-of-``repeats`` read bandwidth (bytes/s) of summing a float32 tensor far larger than the caches."""
+    data = torch.ones(num_bytes // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        data.sum()
+        best = min(best, time.perf_counter() - started)
+    return num_bytes / best
+
+
+def best_of(fn, repeats: int = 7) -> float:
+    """Fastest of ``repeats`` calls (s)."""
+    best = float("inf")
+    for _ in range(repeats):
+        started = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - started)
+    return best
+
+
+@torch.inference_mode()
+def decode_steps(loaded, num_tokens: int) -> tuple[list[float], list[int]]:
+    """Prefill PROMPT, then decode ``num_tokens`` greedy tokens one step at a time.
+
+    Returns:
+        Per-step wall times (s) and the generated token ids.
+    """
+    from engine.plan import SamplingParams, SeqWork, StepPlan
+    from engine.runner import ModelRunner
+    from kvcache.pool import KVPool
+
+    block_size = 16
+    prompt = loaded.tokenizer(PROMPT)["input_ids"]
+    num_blocks = (len(prompt) + num_tokens) // block_size + 1
+    runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), num_blocks, block_size, loaded.dtype))
+    table = list(range(num_blocks))
+    greedy = SamplingParams(temperature=0.0)
+    output: list[int] = []
+
+    def work(tokens: list[int], start: int) -> StepPlan:
+        slots = [table[p // block_size] * block_size + p % block_size for p in range(start, start + len(tokens))]
+        return StepPlan([SeqWork(0, tokens, start, table, slots, True, greedy, prompt, output)])
+
+    output.append(runner.execute(work(prompt, 0))[0].token.token_id)
+    times = []
+    for _ in range(num_tokens):
+        started = time.perf_counter()
+        result = runner.execute(work([output[-1]], len(prompt) + len(output) - 1))
+        times.append(time.perf_counter() - started)
+        output.append(result[0].token.token_id)
+    return times, output
+
+
+@torch.inference_mode()
+def layer_times(model, dtype: torch.dtype) -> tuple[float, float]:
+    """(all projections, LM head) of one decode step replayed alone with batch-1 inputs (s, best of 7)."""
+    head = model.get_output_embeddings()
+    projections = [m for m in model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head]
+    inputs = [torch.randn(1, 1, m.in_features, dtype=dtype) for m in projections]
+    x_head = torch.randn(1, 1, head.in_features, dtype=dtype)
+    return (best_of(lambda: [m(x) for m, x in zip(projections, inputs)]), best_of(lambda: head(x_head)))
+
+
+def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
+    """Measure every variant; one row dict each."""
+    from engine.loader import LoadedModel
+
+    rows = []
+    for scheme, dtype in VARIANTS:
+        model = copy.deepcopy(loaded.model).to(dtype)
+        summary = quantize_model(model, scheme)
+        variant = LoadedModel(model=model, tokenizer=loaded.tokenizer, name=loaded.name, device=loaded.device,
+                              dtype=dtype)
+        times, tokens = decode_steps(variant, num_tokens)
+        step = statistics.median(times)
+        projections, head = layer_times(model, dtype)
+        read = weight_bytes_per_token(model)
+        rows.append({"scheme": scheme, "dtype": str(dtype).removeprefix("torch."), "step_s": step,
+                     "tokens_per_s": 1 / step, "bytes_per_token": read, "bound_s": read / bandwidth,
+                     "projections_s": projections, "head_s": head, "bits": summary.bits_per_weight,
+                     "text": loaded.tokenizer.decode(tokens[:12])})
+        log(f"{scheme}/{rows[-1]['dtype']}: {1 / step:.1f} tokens/s, step {step * 1e3:.1f} ms "
+            f"(projections {projections * 1e3:.1f} ms, head {head * 1e3:.1f} ms), {rows[-1]['text']!r}")
+        del model, variant
+    return rows
+
+
+def speed_table(rows: list[dict], bandwidth: float) -> str:
+    """Markdown table of the speed rows."""
+    bf16 = next(r for r in rows if r["scheme"] == "none" and r["dtype"] == "bfloat16")
+    fp32 = next(r for r in rows if r["scheme"] == "none" and r["dtype"] == "float32")
+    lines = [f"Read bandwidth measured in the same run: {bandwidth / 1e9:.1f} GB/s.", "",
+             "| scheme | activations | tokens/s | vs bf16 | vs fp32 | step ms | projections ms | LM head ms "
+             "| rest ms | MB read/token | bound ms (bytes/bandwidth) | % of bound |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        rest = r["step_s"] - r["projections_s"] - r["head_s"]
+        lines.append(f"| {r['scheme']} | {r['dtype']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s'] / bf16['tokens_per_s']:.2f}x | {r['tokens_per_s'] / fp32['tokens_per_s']:.2f}x | "
+                     f"{r['step_s'] * 1e3:.1f} | {r['projections_s'] * 1e3:.1f} | {r['head_s'] * 1e3:.1f} | "
+                     f"{rest * 1e3:.1f} | {r['bytes_per_token'] / 1e6:.0f} | {r['bound_s'] * 1e3:.1f} | "
+                     f"{100 * r['bound_s'] / r['step_s']:.0f}% |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark, print it, and write the "quant" section of BENCHMARKS.md."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=32, help="decode steps per variant")
+    parser.add_argument("--skip-quality", action="store_true", help="speed only (no quality table)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+    args = parser.parse_args(argv)
+
+    from engine.loader import Device, DType, cpu_has_bf16, load_model
+    from loadtest.benchmarks_md import update_section
+    from quant import kernels
+    from quant.report import collect, quality_table
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    kernel = kernels.load()
+    path = "none (pure-PyTorch reference)" if kernel is None else (
+        "AVX2+FMA" if kernel.vectorized() else "scalar")
+    loaded = load_model(None, DType.FLOAT32, Device.CPU)
+    bandwidth = read_bandwidth()
+    rows = run_speed(loaded, args.tokens, bandwidth, log)
+    native_bf16 = "has" if cpu_has_bf16() else "has no"
+    body = [f"Single-stream decode through ModelRunner + KVPool (batch 1, greedy, {args.tokens} steps per "
+            f"variant, median step). C++ kernel path: {path}; torch threads: {torch.get_num_threads()}. "
+            f"This CPU {native_bf16} native bfloat16 (AVX-512 BF16 / AMX), so kvserve's auto dtype here is "
+            "float32 and the quantized variants run float32 activations; the embedding / tied LM head stays "
+            "in the model dtype. Projections and LM head are replayed alone (best of 7); rest = step - both "
+            "(attention, norms, sampling, Python).", "", speed_table(rows, bandwidth)]
+    if not args.skip_quality:
+        model = copy.deepcopy(loaded.model)
+        model.set_attn_implementation("sdpa")
+        data = collect(model, loaded.tokenizer, log)
+        body += ["", f"Quality (as `kvserve quant report`; perplexity on {data['heldout']}, greedy agreement over "
+                 f"{data['agreement_positions']} positions):", "", quality_table(data)]
+    text = "\n".join(body)
+    print(text)
+    if not args.no_write:
+        update_section("quant", "Quantized weights: decode speed and quality", "python -m quant.bench", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,155 @@
+"""Quantization: round trips, error ordering on SmolLM2's weights, the C++ kernel against the reference,
+saved state, and a quantized model that still answers."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from quant import kernels
+from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear
+from quant.model import projection_names, quantize_model
+from quant.schemes import (NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int, dequantize_nf4,
+                           fake_quantize, pack_nibbles, quantize_int, quantize_nf4, relative_error,
+                           unpack_nibbles)
+
+INT4_TENSOR = QuantSpec(Scheme.INT4, Granularity.TENSOR)
+INT4_ROW = QuantSpec(Scheme.INT4, Granularity.ROW)
+INT4_GROUP = QuantSpec(Scheme.INT4, Granularity.GROUP, 128)
+NF4_BLOCK = QuantSpec(Scheme.NF4, Granularity.GROUP, 64)
+
+
+def test_group_size_is_the_largest_divisor_not_above_the_wish():
+    assert INT4_GROUP.group_for(576) == 96
+    assert INT4_GROUP.group_for(1536) == 128
+    assert INT4_GROUP.bits_per_weight(576) == pytest.approx(4 + 16 / 96)
+    assert NF4_BLOCK.bits_per_weight(1536) == pytest.approx(4.25)
+    with pytest.raises(ValueError):
+        QuantSpec(Scheme.NF4, Granularity.ROW)
+    with pytest.raises(ValueError):
+        QuantSpec(Scheme.INT4, Granularity.GROUP)
+
+
+def test_nibbles_round_trip():
+    codes = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    packed = pack_nibbles(codes)
+    assert packed.shape == (5, 32)
+    assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)
+    assert torch.equal(unpack_nibbles(packed), codes)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(Scheme.INT8, Granularity.ROW), INT4_ROW, INT4_GROUP, INT4_TENSOR])
+def test_int_round_trip_error_is_at_most_half_a_step(spec):
+    torch.manual_seed(0)
+    w = torch.randn(24, 576)
+    q, scales = quantize_int(w, spec)
+    qmax = 2 ** (spec.bits - 1) - 1
+    assert int(q.abs().max()) == qmax  # absmax maps to the top level
+    group = spec.group_for(576)
+    w_hat = dequantize_int(q, scales, group)
+    step = dequantize_int(torch.ones_like(q), scales, group)  # [24, 576]: the scale of each weight
+    assert bool(((w - w_hat).abs() <= step / 2 + 1e-7).all())
+    # Re-quantizing the dequantized weight is exact: the codes are a fixed point.
+    assert torch.equal(quantize_int(w_hat, spec)[0], q)
+
+
+def test_nf4_levels_are_fixed_points():
+    levels = torch.tensor(NF4_LEVELS)
+    w = (levels * 0.5).repeat(3, 4)  # [3, 64]: one block per row, absmax 0.5
+    codes, absmax = quantize_nf4(w, 64)
+    assert absmax.shape == (1, 3) and absmax.dtype == torch.float16
+    assert codes[0, :16].tolist() == list(range(16))
+    assert torch.equal(dequantize_nf4(codes, absmax, 64), w)
+
+
+def test_error_ordering_on_smollm2_weights(smollm2):
+    names = [n for n in projection_names(smollm2.model) if n.startswith(("model.layers.0.", "model.layers.15.",
+                                                                          "model.layers.29."))]
+    modules = dict(smollm2.model.named_modules())
+    errors = {spec: [] for spec in (INT4_TENSOR, INT4_ROW, INT4_GROUP, NF4_BLOCK)}
+    for name in names:
+        w = modules[name].weight.detach()
+        for spec, found in errors.items():
+            found.append(relative_error(w, fake_quantize(w, spec)))
+    assert len(names) == 21
+    for tensor, row, group in zip(errors[INT4_TENSOR], errors[INT4_ROW], errors[INT4_GROUP]):
+        assert tensor > row > group
+    mean = {spec: sum(v) / len(v) for spec, v in errors.items()}
+    assert mean[NF4_BLOCK] < mean[INT4_GROUP]
+    assert 0.05 < mean[INT4_GROUP] < 0.2  # int4 has 15 levels: roughly 10% error, not 1% or 100%
+
+
+def _layers(in_features: int, out_features: int) -> list[QuantLinear]:
+    torch.manual_seed(in_features + out_features)
+    linear = nn.Linear(in_features, out_features, bias=True)
+    return [Int8Linear(linear), Int4Linear(linear), NF4Linear(linear)]
+
+
+@pytest.mark.parametrize("shape", [(576, 192), (1536, 64), (40, 24)])  # (40, 24) runs the scalar loops
+@pytest.mark.parametrize("rows", [1, 3, 5])
+def test_kernel_matches_reference(shape, rows):
+    if kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+    for layer in _layers(*shape):
+        x = torch.randn(rows, shape[0])
+        layer.use_kernel = False
+        reference = layer(x)
+        assert torch.allclose(reference, x @ layer.dequantize().t() + layer.bias, atol=1e-4, rtol=1e-4)
+        layer.use_kernel = True
+        fast = layer(x)
+        assert torch.allclose(fast, reference, atol=1e-4, rtol=1e-4), type(layer).__name__
+        # bfloat16 activations come back in bfloat16
+        assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_serving_layers_compute_with_the_reported_w_hat():
+    linear = nn.Linear(576, 32, bias=False)
+    for layer, spec in zip(_layers(576, 32), (None, INT4_GROUP, NF4_BLOCK)):
+        if spec is not None:
+            layer = type(layer)(linear, spec)
+            assert torch.equal(layer.dequantize(), fake_quantize(linear.weight.detach(), spec))
+
+
+def test_state_records_scheme_and_group_size():
+    layer = Int4Linear(nn.Linear(576, 8, bias=False))
+    state = layer.state_dict()
+    assert state["_extra_state"] == {"scheme": "int4", "granularity": "group", "group_size": 96}
+    assert state["weight"].dtype == torch.uint8 and state["weight"].shape == (8, 288)
+    assert state["scales"].dtype == torch.float16 and state["scales"].shape == (6, 8)  # [in // group, out]
+    other = Int4Linear(nn.Linear(576, 8, bias=False), QuantSpec(Scheme.INT4, Granularity.GROUP, 64))
+    with pytest.raises(ValueError, match="group"):
+        other.load_state_dict(state)
+    fresh = Int4Linear(nn.Linear(576, 8, bias=False))
+    fresh.load_state_dict(state)
+    assert torch.equal(fresh.dequantize(), layer.dequantize())
+
+
+def test_quantize_model_keeps_head_and_works_in_bfloat16():
+    model = nn.Sequential(nn.Linear(64, 128), nn.ReLU(), nn.Linear(128, 64)).bfloat16()
+    summary = quantize_model(model, "int8")
+    assert summary.num_layers == 2 and summary.group_sizes == (64, 128)
+    assert summary.bytes_before == 2 * 64 * 128 * 2
+    assert model(torch.randn(2, 64).bfloat16()).dtype == torch.bfloat16
+    with pytest.raises(ValueError):
+        quantize_model(model, "int3")
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4"])
+def test_quantized_smollm2_answers(smollm2, scheme):
+    model = copy.deepcopy(smollm2.model)
+    model.set_attn_implementation("sdpa")
+    summary = quantize_model(model, scheme)
+    assert summary.num_layers == 30 * 7
+    assert not isinstance(model.lm_head, QuantLinear)
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, still float32
+    expected_bits = {"int8": (8.0, 8.06), "int4": (4.125, 4.17), "nf4": (4.25, 4.25)}[scheme]
+    assert expected_bits[0] - 1e-6 <= summary.bits_per_weight <= expected_bits[1] + 1e-6
+    tokenizer = smollm2.tokenizer
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}],
+                                        add_generation_prompt=True, return_tensors="pt", return_dict=True)
+    out = model.generate(ids["input_ids"], max_new_tokens=12, do_sample=False)
+    answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert "Paris" in answer
