@@ -86,6 +86,8 @@ ENV VIRTUAL_ENV=/opt/venv \
 
 USER ${UID}:${UID}
 WORKDIR /home/kvserve
+# Fail the build, not the first request, if the prebuilt kernels would not load here, where no compiler is.
+RUN python -c "import sys; from quant.kernels import load; sys.exit(0 if load() else 'prebuilt quant kernels do not load')"
 EXPOSE 8000
 
 # start-period covers loading the model (seconds for SmolLM2; longer for a mounted larger model).

@@ -32,14 +32,18 @@ class PrefillSpan:
 
     Attributes:
         start, end: its rows in the flattened token axis.
-        context_slots: pool slots of its whole context after this step, ``[context_len]``.
+        block_table: ``[blocks]`` blocks holding its whole context after this step (empty if start_pos is 0).
         start_pos: position of its first new token (0 means no cached prefix).
     """
 
     start: int
     end: int
-    context_slots: torch.Tensor
+    block_table: torch.Tensor
     start_pos: int
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.end - self.start
 
 
 @dataclass(slots=True)
@@ -50,7 +54,7 @@ class AttentionMetadata:
         pool: the KV pool.
         slot_mapping: ``[num_tokens]`` pool slot for each new token.
         decode_rows: ``[num_decodes]`` rows of single-token sequences in the flattened batch.
-        decode_slots: ``[num_decodes, max_context]`` pool slots of each decode's context, padded with 0.
+        decode_tables: ``[num_decodes, max_blocks]`` block tables of the decodes, padded with block 0.
         decode_positions: ``[num_decodes, max_context]`` key positions (padding beyond the context).
         decode_lens: ``[num_decodes]`` context lengths (tokens).
         prefills: multi-token sequences.
@@ -59,19 +63,20 @@ class AttentionMetadata:
     pool: KVPool
     slot_mapping: torch.Tensor
     decode_rows: torch.Tensor
-    decode_slots: torch.Tensor
+    decode_tables: torch.Tensor
     decode_lens: torch.Tensor
     prefills: list[PrefillSpan]
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built once a step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        """``[num_decodes, 1, 1, max_context]`` bool: True where a decode may attend."""
+        """``[num_decodes, 1, 1, max_blocks * block_size]`` bool: True where a decode may attend."""
         if sliding_window not in self.masks:
             self.masks[sliding_window] = self._build_decode_mask(sliding_window)
         return self.masks[sliding_window]
 
     def _build_decode_mask(self, sliding_window: int | None) -> torch.Tensor:
-        key_pos = torch.arange(self.decode_slots.shape[1], device=self.decode_slots.device)  # [max_context]
+        num_keys = self.decode_tables.shape[1] * self.pool.block_size
+        key_pos = torch.arange(num_keys, device=self.decode_tables.device)  # [max_blocks * block_size]
         query_pos = (self.decode_lens - 1)[:, None]  # [num_decodes, 1]
         allowed = key_pos[None, :] <= query_pos
         if sliding_window is not None:
@@ -131,6 +136,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta: AttentionMetadata = kwargs["kvserve"]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     k_cache, v_cache = meta.pool.layer(module.layer_idx)  # [num_slots, H_kv, D]
+    k_blocks, v_blocks = meta.pool.layer_blocks(module.layer_idx)  # [num_blocks, block_size, H_kv, D]
     new_k = key[0].transpose(0, 1)  # [num_tokens, H_kv, D]
     new_v = value[0].transpose(0, 1)
     k_cache[meta.slot_mapping] = new_k.to(k_cache.dtype)
@@ -140,8 +146,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     out = torch.empty_like(q.transpose(0, 1))  # [num_tokens, H, D]
     if meta.decode_rows.numel():
         q_dec = q[:, meta.decode_rows].transpose(0, 1)[:, :, None, :]  # [B_dec, H, 1, D]
-        k_dec = k_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, max_ctx, D]
-        v_dec = v_cache[meta.decode_slots].transpose(1, 2).to(q.dtype)
+        # whole blocks are gathered (one copy per block, not per token); the mask hides what lies past a context
+        k_dec = k_blocks[meta.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, keys, D]
+        v_dec = v_blocks[meta.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
         o_dec = _attend(q_dec, k_dec, v_dec, meta.decode_mask(sliding_window), scale, softcap)
         out[meta.decode_rows] = o_dec[:, :, 0, :]  # [B_dec, H, D]
     for span in meta.prefills:
@@ -150,8 +157,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             k_i = key[0, :, span.start:span.end]  # [H_kv, t, D]: the whole context is new
             v_i = value[0, :, span.start:span.end]
         else:
-            k_i = k_cache[span.context_slots].transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
-            v_i = v_cache[span.context_slots].transpose(0, 1).to(q.dtype)
+            context = span.context_len
+            k_i = k_blocks[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
+            v_i = v_blocks[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(q.dtype)
         mask = _causal_mask(span.end - span.start, span.start_pos, sliding_window, q.device)
         out[span.start:span.end] = _attend(q_i, k_i, v_i, mask, scale, softcap).transpose(0, 1)
     return out[None], None

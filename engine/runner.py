@@ -11,19 +11,12 @@ from engine.sampling import sample_token, token_logprob
 from kvcache.pool import KVPool
 
 
-def context_slots(tables: list[list[int]], lengths: list[int], block_size: int, device) -> torch.Tensor:
-    """Pool slots of positions ``0 .. length-1`` of each sequence, from its block table.
-
-    Returns:
-        ``[num_seqs, max_length]`` slots; entries past a sequence's length point into its last block or
-        block 0 and must be masked by the caller.
-    """
-    max_len = max(lengths)
-    max_blocks = -(-max_len // block_size)
-    padded = [t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks])) for t in tables]
-    table = torch.tensor(padded, dtype=torch.long, device=device)  # [num_seqs, max_blocks]
-    offsets = torch.arange(block_size, device=device)  # [block_size]
-    return (table[:, :, None] * block_size + offsets).flatten(1)[:, :max_len]  # [num_seqs, max_len]
+def padded_tables(tables: list[list[int]], lengths: list[int], block_size: int, device) -> torch.Tensor:
+    """``[num_seqs, max_blocks]`` block tables cut to the blocks that hold each context, padded with block 0."""
+    counts = [-(-length // block_size) for length in lengths]
+    width = max(counts)
+    rows = [table[:count] + [0] * (width - count) for table, count in zip(tables, counts)]
+    return torch.tensor(rows, dtype=torch.long, device=device)
 
 
 class ModelRunner:
@@ -52,18 +45,18 @@ class ModelRunner:
                 decode_rows.append(row)
                 decodes.append(w)
             else:
-                slots = (context_slots([w.block_table], [w.context_len], block_size, device)[0] if w.start_pos
+                table = (padded_tables([w.block_table], [w.context_len], block_size, device)[0] if w.start_pos
                          else torch.empty(0, dtype=torch.long, device=device))
-                prefills.append(PrefillSpan(start=row, end=row + n, context_slots=slots, start_pos=w.start_pos))
+                prefills.append(PrefillSpan(start=row, end=row + n, block_table=table, start_pos=w.start_pos))
             row += n
         lens = [w.context_len for w in decodes]
-        decode_slots = (context_slots([w.block_table for w in decodes], lens, block_size, device) if decodes
-                        else torch.empty(0, 0, dtype=torch.long, device=device))
+        decode_tables = (padded_tables([w.block_table for w in decodes], lens, block_size, device) if decodes
+                         else torch.empty(0, 0, dtype=torch.long, device=device))
         return AttentionMetadata(
             pool=self.pool,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_slots=decode_slots,
+            decode_tables=decode_tables,
             decode_lens=torch.tensor(lens, dtype=torch.long, device=device),
             prefills=prefills,
         )

@@ -57,6 +57,10 @@ class KVPool:
         """Bytes actually allocated for the pool."""
         return self.data.numel() * self.data.element_size()
 
+    def layer_blocks(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's K and V by block, each ``[num_blocks, block_size, num_kv_heads, head_dim]``."""
+        return self.data[0, layer_idx], self.data[1, layer_idx]
+
     def layer(self, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Views of one layer's K and V, each ``[num_blocks * block_size, num_kv_heads, head_dim]``."""
         flat = (self.num_slots, self.shape.num_kv_heads, self.shape.head_dim)

@@ -17,6 +17,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("loadtest.simulate", "static vs continuous on seed64, replayed at measured step costs"),
     "tables": ("loadtest.tables", "the chapter's KV-cache tables, measured on our engine"),
     "peers": ("loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
+    "profile": ("loadtest.profile_step", "where a decode step's time goes on our engine"),
 }
 
 

@@ -55,24 +55,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _simulated(args: argparse.Namespace, lengths: list[int]) -> tuple[dict[str, float], str]:
+def _simulated(args: argparse.Namespace, lengths: list[int]) -> tuple[dict[str, float], str, dict[str, float]]:
+    """Simulated ratios, a sentence on the step cost used, and the measured costs (ms) by "prefills,decodes"."""
+    costs: dict[tuple[int, int], float] = {}
     if args.flat_sim:
         cost, how = simulate.flat_cost, "flat step cost"
     else:
         prompt_len = simulate.seed64_prompt_len()
         costs = simulate.measure_step_costs(args.slots, prompt_len, prompt_len + 32, args.reps)
-        cost = simulate.table_cost(costs)
-        how = (f"engine step costs: 1 decode {1000 * costs[(0, 1)]:.0f} ms, {args.slots} decodes "
-               f"{1000 * costs[(0, args.slots)]:.0f} ms, {args.slots} prefills of {prompt_len} tokens "
-               f"{1000 * costs[(args.slots, 0)]:.0f} ms")
+        fit = simulate.fit_cost(costs)
+        cost = simulate.linear_cost(*fit)
+        how = (f"engine step costs measured for every mix of prefills ({prompt_len}-token prompts) and decodes, "
+               f"fitted as {simulate.describe_fit(fit)}")
     static, continuous = simulate.run_both(lengths, args.slots, cost)
     simulate.print_results(static, continuous)
-    return simulate.ratios(static, continuous), how
+    return simulate.ratios(static, continuous), how, {f"{p},{d}": 1000 * t for (p, d), t in costs.items()}
 
 
 def run(args: argparse.Namespace) -> int:
     specs = workloads.seed64()
-    simulated, how = _simulated(args, [s.max_tokens for s in specs])
+    simulated, how, costs_ms = _simulated(args, [s.max_tokens for s in specs])
     base = shlex.split(args.server_cmd) if args.server_cmd else kvserve_command([])
     runs: list[RunResult] = []
     for policy in POLICIES:
@@ -91,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{key:>10}: measured {measured[key]:.2f}x  simulated {simulated[key]:.2f}x")
     print(f"agreement within {TOLERANCE:.0%} on {', '.join(CHECKED)}: {'yes' if ok else 'NO'} "
           f"({', '.join(f'{k} {100 * v:.1f}%' for k, v in errors.items())})")
-    paths = [report.write_json(runs, args.out / "compare.json", {"simulated": simulated, "measured": measured}),
+    paths = [report.write_json(runs, args.out / "compare.json", {"simulated": simulated, "measured": measured,
+                                                                    "step_costs_ms": costs_ms}),
              report.plot_latency_cdfs(runs, args.out / "compare-latency.png", "seed64, 8 slots: static vs continuous")]
     if args.img:
         paths.append(report.plot_latency_cdfs(runs, args.img / "compare-latency.png",

@@ -64,15 +64,24 @@ class EngineBench:
 
     def time_plan(self, work: list[SeqWork], reps: int = 5, warmup: int = 1) -> float:
         """Median wall time of ``runner.execute`` on the plan (s). Rerunning rewrites the same slots."""
-        plan = StepPlan(work)
+        return self.time_plans([work], reps, warmup)[0]
+
+    def time_plans(self, works: list[list[SeqWork]], reps: int = 5, warmup: int = 1) -> list[float]:
+        """Median wall time (s) of each plan, timed round-robin (one run of each plan per round).
+
+        On a shared machine a slow spell then lands on every plan alike instead of on a few points.
+        """
+        plans = [StepPlan(work) for work in works]
         for _ in range(warmup):
-            self.runner.execute(plan)
-        times = []
+            for plan in plans:
+                self.runner.execute(plan)
+        times: list[list[float]] = [[] for _ in plans]
         for _ in range(reps):
-            start = time.perf_counter()
-            self.runner.execute(plan)
-            times.append(time.perf_counter() - start)
-        return statistics.median(times)
+            for plan, bucket in zip(plans, times):
+                start = time.perf_counter()
+                self.runner.execute(plan)
+                bucket.append(time.perf_counter() - start)
+        return [statistics.median(bucket) for bucket in times]
 
 
 def dummy_ids(n: int, offset: int = 1000) -> list[int]:

@@ -4,7 +4,8 @@ It runs no model: one asyncio task plays the engine loop. Each step takes ``step
 (a flat step cost) and gives every running request one token; the policy decides who runs:
 
 - continuous: a slot freed at step k is refilled at step k+1;
-- static: a new group of up to ``max_num_seqs`` starts only when the whole previous group has finished.
+- static: a new group of up to ``max_num_seqs`` starts only when the whole previous group has finished,
+  and each member's last token is held until then (as kvserve's static policy does).
 
 With ``ignore_eos`` every request yields exactly ``max_tokens`` tokens, so the fake reproduces the ideal
 (flat-cost) behaviour of both policies. A full queue answers 429 with Retry-After.
@@ -51,6 +52,7 @@ class FakeEngine:
     max_queue: int = 256
     waiting: deque = field(default_factory=deque)
     running: list = field(default_factory=list)
+    held: list = field(default_factory=list)  # static: finished members whose last token waits for the group
     wake: asyncio.Event | None = None
 
     def submit(self, job: _Job) -> bool:
@@ -78,8 +80,15 @@ class FakeEngine:
             await asyncio.sleep(self.step_s)
             for job in self.running:
                 job.produced += 1
-                job.tokens.put_nowait(job.produced)
+                if job.produced < job.max_tokens or not self.static:
+                    job.tokens.put_nowait(job.produced)
+                else:
+                    self.held.append(job)
             self.running = [job for job in self.running if job.produced < job.max_tokens]
+            if not self.running:
+                for job in self.held:
+                    job.tokens.put_nowait(job.produced)
+                self.held.clear()
 
 
 def build_app(engine: FakeEngine) -> Starlette:

@@ -13,6 +13,7 @@ import asyncio
 import enum
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
@@ -123,7 +124,10 @@ async def run_load(specs: list[RequestSpec], config: LoadConfig, label: str = "r
     return RunResult(label=label, config=_config_json(config), wall_s=wall, records=records)
 
 
-async def _closed_loop(one, total: int, users: int, deadline: float, config: LoadConfig) -> None:
+SendOne = Callable[[int], Awaitable[None]]  # sends request i and records it
+
+
+async def _closed_loop(one: SendOne, total: int, users: int, deadline: float, config: LoadConfig) -> None:
     """``users`` workers take the next request index until none is left or the deadline passes."""
     next_index = iter(range(total))
 
@@ -136,7 +140,7 @@ async def _closed_loop(one, total: int, users: int, deadline: float, config: Loa
     await _bounded(asyncio.gather(*(user() for _ in range(min(users, total)))), deadline, config)
 
 
-async def _open_loop(one, total: int, rate: float, deadline: float, config: LoadConfig) -> None:
+async def _open_loop(one: SendOne, total: int, rate: float, deadline: float, config: LoadConfig) -> None:
     """Launch request i at the i-th arrival of a Poisson process of ``rate`` per second."""
     rng = random.Random(config.seed)
     tasks = []
@@ -151,7 +155,7 @@ async def _open_loop(one, total: int, rate: float, deadline: float, config: Load
     await _bounded(asyncio.gather(*tasks), deadline, config)
 
 
-async def _bounded(work, deadline: float, config: LoadConfig) -> None:
+async def _bounded(work: Awaitable, deadline: float, config: LoadConfig) -> None:
     """Await ``work`` but no later than ``deadline + timeout_s``; cancel what is left then."""
     remaining = deadline + config.timeout_s - time.perf_counter()
     try:

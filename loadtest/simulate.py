@@ -6,10 +6,14 @@ every admitted request that has not started is prefilled and samples its first t
 one decodes one token. A request of length n therefore runs 1 prefill step + (n - 1) decode steps.
 
 - static: when nothing runs, admit the next ``slots`` requests; admit nobody else until all of them end.
+  A member's slot idles once it is done, and its response ends with the group's (kvserve holds each
+  member's final event until the group ends, as ``generate`` returns a batch at once): its e2e is the
+  group's end.
 - continuous: before every step, fill every free slot from the queue.
 
 The step cost comes from the real engine (``engine.runner.ModelRunner``), measured for every
-(prefills, decodes) mix with ``prefills + decodes <= slots``; ``--flat`` uses 1 s per step instead.
+(prefills, decodes) mix with ``prefills + decodes <= slots`` and smoothed by a least-squares line
+``base + a * prefills + b * decodes``; ``--flat`` uses 1 s per step instead.
 """
 
 from __future__ import annotations
@@ -39,8 +43,6 @@ class SimResult:
     e2e_mean_s: float
     e2e_p99_s: float
     ttft_mean_s: float
-    batch_return_mean_s: float  # mean time until the request's whole admission group is done (static's
-    # latency when a batch's results come back together, as with ``generate``); continuous: its own end
     e2e_s: tuple[float, ...]
 
 
@@ -56,7 +58,6 @@ def simulate(lengths: list[int], slots: int, static: bool, cost: StepCost) -> Si
     running: dict[int, int] = {}  # request -> tokens produced
     ttft = [0.0] * len(lengths)
     e2e = [0.0] * len(lengths)
-    returned = [0.0] * len(lengths)
     group: list[int] = []
     clock, steps = 0.0, 0
     while waiting or running:
@@ -75,14 +76,13 @@ def simulate(lengths: list[int], slots: int, static: bool, cost: StepCost) -> Si
             running[r] += 1
             if running[r] == lengths[r]:
                 e2e[r] = clock
-                returned[r] = clock
                 del running[r]
         if static and not running:
-            for r in group:
-                returned[r] = clock
+            for r in group:  # the group's final events are released together
+                e2e[r] = clock
     p99 = float(np.percentile(e2e, 99))  # same definition as the load report's p99
     return SimResult("static" if static else "continuous", steps, clock, sum(lengths) / clock,
-                     statistics.fmean(e2e), p99, statistics.fmean(ttft), statistics.fmean(returned), tuple(e2e))
+                     statistics.fmean(e2e), p99, statistics.fmean(ttft), tuple(e2e))
 
 
 def ratios(static: SimResult, continuous: SimResult) -> dict[str, float]:
@@ -90,8 +90,7 @@ def ratios(static: SimResult, continuous: SimResult) -> dict[str, float]:
     return {"throughput": continuous.tokens_per_s / static.tokens_per_s,
             "mean_e2e": static.e2e_mean_s / continuous.e2e_mean_s,
             "p99_e2e": static.e2e_p99_s / continuous.e2e_p99_s,
-            "mean_ttft": static.ttft_mean_s / continuous.ttft_mean_s,
-            "mean_batch_return": static.batch_return_mean_s / continuous.batch_return_mean_s}
+            "mean_ttft": static.ttft_mean_s / continuous.ttft_mean_s}
 
 
 def flat_cost(_prefills: int, _decodes: int) -> float:
@@ -120,9 +119,22 @@ def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int 
     return costs
 
 
-def table_cost(costs: dict[tuple[int, int], float]) -> StepCost:
-    """A step-cost function that looks up a measured table."""
-    return lambda prefills, decodes: costs[(prefills, decodes)]
+def fit_cost(costs: dict[tuple[int, int], float]) -> tuple[float, float, float]:
+    """Least-squares fit ``cost = base + per_prefill * prefills + per_decode * decodes`` (s) to a measured grid.
+
+    One step is one forward pass: a fixed part (weights streamed once, Python and kernel launches) plus a
+    part per sequence; the fit smooths the noise of single grid points on a shared machine.
+    """
+    keys = sorted(costs)
+    design = np.array([[1.0, p, d] for p, d in keys])  # [points, 3]
+    target = np.array([costs[k] for k in keys])  # [points]
+    base, per_prefill, per_decode = np.linalg.lstsq(design, target, rcond=None)[0]
+    return float(base), float(per_prefill), float(per_decode)
+
+
+def linear_cost(base: float, per_prefill: float, per_decode: float) -> StepCost:
+    """The fitted model as a step-cost function."""
+    return lambda prefills, decodes: base + per_prefill * prefills + per_decode * decodes
 
 
 def seed64_prompt_len() -> int:
@@ -134,6 +146,12 @@ def seed64_prompt_len() -> int:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     lengths = [len(tokenizer(spec.prompt)["input_ids"]) for spec in workloads.seed64()]
     return round(statistics.fmean(lengths))
+
+
+def describe_fit(fit: tuple[float, float, float]) -> str:
+    base, per_prefill, per_decode = fit
+    return (f"step = {1000 * base:.1f} ms + {1000 * per_prefill:.1f} ms per prefill "
+            f"+ {1000 * per_decode:.1f} ms per decode")
 
 
 def run_both(lengths: list[int], slots: int, cost: StepCost) -> tuple[SimResult, SimResult]:
@@ -166,7 +184,9 @@ def run(args: argparse.Namespace) -> int:
         for (p, d), seconds in sorted(costs.items()):
             if p in (0, 1, args.slots) or d == 0:
                 print(f"  prefills {p} decodes {d}: {1000 * seconds:.1f} ms")
-        static, continuous = run_both(lengths, args.slots, table_cost(costs))
+        fit = fit_cost(costs)
+        print(f"fit: {describe_fit(fit)}")
+        static, continuous = run_both(lengths, args.slots, linear_cost(*fit))
     print_results(static, continuous)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({

@@ -11,7 +11,9 @@
 5. memory: peak memory beyond the weights for 256 generated tokens, with and without the cache
    (``loadtest.memprobe``, one subprocess each).
 
-Timings are medians of ``--reps`` runs after a warm-up. Writes the ``tables`` section of BENCHMARKS.md.
+Timings are medians of ``--reps`` runs after a warm-up, taken round-robin across the sizes of a table.
+Results are kept in ``loadtest/out/tables.json``, so ``--only NAME`` refreshes one table of the
+``tables`` section of BENCHMARKS.md and leaves the others.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 
 from loadtest import macs
 from loadtest.benchmarks_md import BENCHMARKS, update_section
+from loadtest.report import OUT_DIR
 from loadtest.serverproc import REPO
 
 TABLES = ("head", "macs", "prefill", "batch", "memory")
@@ -87,7 +90,8 @@ def count_macs(loaded, tokens: int) -> dict:
     from loadtest.enginebench import EngineBench
 
     g = macs.Geometry.of(loaded.model.config)
-    bench = EngineBench(loaded, 1, tokens + 1, block_size=4)
+    # Block size 1: decodes gather whole blocks and mask the tail, so larger blocks add masked keys to the count.
+    bench = EngineBench(loaded, 1, tokens + 1, block_size=1)
     with macs.MacCounter() as cached:
         ids = [1]
         for t in range(1, tokens + 1):
@@ -110,39 +114,37 @@ def prefill_decode_table(sizes: list[int], loaded, reps: int) -> list[dict]:
 
     bench = EngineBench(loaded, 2, max(sizes) + 1)
     bench.fill(1, max(sizes))  # sequence 1 holds the longest cache; a decode at C reads its first C slots
-    rows = []
-    for n in sizes:
-        t_prefill = bench.time_plan([bench.prefill(0, dummy_ids(n))], reps=reps)
-        t_decode = bench.time_plan([bench.decode(1, n)], reps=reps)
-        rows.append({"tokens": n, "prefill_ms": 1000 * t_prefill, "prefill_ms_per_token": 1000 * t_prefill / n,
-                     "decode_step_ms": 1000 * t_decode})
-    return rows
+    prefill_s = bench.time_plans([[bench.prefill(0, dummy_ids(n))] for n in sizes], reps=reps)
+    decode_s = bench.time_plans([[bench.decode(1, n)] for n in sizes], reps=reps)
+    return [{"tokens": n, "prefill_ms": 1000 * p, "prefill_ms_per_token": 1000 * p / n, "decode_step_ms": 1000 * d}
+            for n, p, d in zip(sizes, prefill_s, decode_s)]
 
 
 def batch_table(batches: list[int], loaded, reps: int, context: int = 64) -> tuple[list[dict], int | None]:
-    """Decode steps of B sequences with ``context``-token caches; returns rows and the elbow batch.
-
-    The elbow is the first B whose doubling multiplies step latency by sqrt(2) or more: past it the
-    throughput gained (2 / latency growth) is smaller than the latency paid.
-    """
+    """Decode steps of B sequences with ``context``-token caches; returns rows and the elbow (``find_elbow``)."""
     from loadtest.enginebench import EngineBench
 
     bench = EngineBench(loaded, max(batches), context + 1)
     for s in range(max(batches)):
         bench.fill(s, context)
-    rows = []
-    for b in batches:
-        latency = bench.time_plan([bench.decode(s, context) for s in range(b)], reps=reps)
-        rows.append({"B": b, "step_ms": 1000 * latency, "tokens_per_s": b / latency})
+    latencies = bench.time_plans([[bench.decode(s, context) for s in range(b)] for b in batches], reps=reps)
+    rows = [{"B": b, "step_ms": 1000 * latency, "tokens_per_s": b / latency} for b, latency in zip(batches, latencies)]
     for row in rows:
         row["latency_x"] = row["step_ms"] / rows[0]["step_ms"]
         row["throughput_x"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
-    elbow = None
-    for row, nxt in zip(rows, rows[1:]):
-        if nxt["B"] == 2 * row["B"] and nxt["step_ms"] / row["step_ms"] >= math.sqrt(2):
-            elbow = row["B"]
-            break
-    return rows, elbow
+    return rows, find_elbow([(r["B"], r["step_ms"]) for r in rows])
+
+
+def find_elbow(points: list[tuple[int, float]]) -> int | None:
+    """First batch B (of (B, step latency) points, B doubling) whose doubling costs >= sqrt(2) x latency.
+
+    Doubling B multiplies throughput by 2 / g when latency grows by g; past g = sqrt(2) the throughput
+    gained is smaller than the latency paid. None when every doubling in the sweep still pays.
+    """
+    for (b, latency), (b_next, latency_next) in zip(points, points[1:]):
+        if b_next == 2 * b and latency_next / latency >= math.sqrt(2):
+            return b
+    return None
 
 
 def memory_table(tokens: int) -> list[dict]:
@@ -165,8 +167,9 @@ def render(results: dict, kv_bytes_per_token: int | None) -> str:
     if "head" in results:
         rows = ["| n | cached step ms | recompute ms | time x | cached scores | recomputed scores |",
                 "|---|---|---|---|---|---|"]
-        rows += [f"| {r['n']} | {r['cached_ms']:.3f} | {r['recompute_ms']:.2f} | {r['recompute_ms'] / r['cached_ms']:.0f} "
-                 f"| {_mb(r['cached_score_bytes'])} | {_mb(r['recompute_score_bytes'])} |" for r in results["head"]]
+        rows += [f"| {r['n']} | {r['cached_ms']:.3f} | {r['recompute_ms']:.2f} "
+                 f"| {r['recompute_ms'] / r['cached_ms']:.0f} | {_mb(r['cached_score_bytes'])} "
+                 f"| {_mb(r['recompute_score_bytes'])} |" for r in results["head"]]
         parts.append("### One head (d = 64): decode step with a cache vs full recompute\n\n" + "\n".join(rows))
     if "macs" in results:
         rows_, check = results["macs"]
@@ -176,13 +179,14 @@ def render(results: dict, kv_bytes_per_token: int | None) -> str:
         agree = (check["counted_with_cache"] == check["formula_with_cache"]
                  and check["counted_without_cache"] == check["formula_without_cache"])
         parts.append("### MACs to generate T tokens from a cold start (SmolLM2-135M)\n\n" + "\n".join(rows)
-                     + f"\n\nCounted on the model at T = {check['T']} (ATen-level matmul/SDPA counter): "
+                     + f"\n\nCounted on the model at T = {check['T']} "
+                       "(ATen-level matmul/SDPA counter, 1-token blocks): "
                        f"{check['counted_with_cache']:,} with cache, {check['counted_without_cache']:,} without; "
                        f"the closed form {'agrees exactly' if agree else 'DISAGREES'}.")
     if "prefill" in results:
         rows = ["| P or C (tokens) | prefill ms | prefill ms/token | decode step ms (cache C) |", "|---|---|---|---|"]
-        rows += [f"| {r['tokens']} | {r['prefill_ms']:.1f} | {r['prefill_ms_per_token']:.2f} | {r['decode_step_ms']:.1f} |"
-                 for r in results["prefill"]]
+        rows += [f"| {r['tokens']} | {r['prefill_ms']:.1f} | {r['prefill_ms_per_token']:.2f} "
+                 f"| {r['decode_step_ms']:.1f} |" for r in results["prefill"]]
         first, last = results["prefill"][0], results["prefill"][-1]
         parts.append("### Prefill time per prompt token, decode step time per cache length\n\n" + "\n".join(rows)
                      + f"\n\nFrom {first['tokens']} to {last['tokens']} tokens prefill grows "
@@ -213,6 +217,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", default=",".join(TABLES), help=f"comma list of {', '.join(TABLES)}")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (CI smoke); does not touch BENCHMARKS.md")
     parser.add_argument("--reps", type=int, default=5, help="timed repetitions per point")
+    parser.add_argument("--results", type=Path, default=OUT_DIR / "tables.json",
+                        help="results kept across runs, so --only refreshes one table of the section")
     parser.add_argument("--benchmarks", type=Path, default=BENCHMARKS)
     parser.add_argument("--no-write", action="store_true")
 
@@ -240,11 +246,21 @@ def run(args: argparse.Namespace) -> int:
             results[name] = batch_table(sizes[name], loaded, args.reps)
         else:
             results[name] = memory_table(sizes[name])
+    if not args.quick:
+        results = _merge(results, args.results)
     text = render(results, loaded.kv_shape().bytes_per_token if loaded else None)
     print(text)
     if not (args.quick or args.no_write):
         dtype = str(loaded.dtype).removeprefix("torch.") if loaded else "float32"
         update_section("tables", f"The chapter's KV-cache tables on our engine (SmolLM2-135M, {dtype})",
-                       "python -m loadtest tables" + (f" --only {args.only}" if args.only != ",".join(TABLES) else ""),
-                       text, args.benchmarks)
+                       "python -m loadtest tables", text, args.benchmarks)
     return 0
+
+
+def _merge(results: dict, path: Path) -> dict:
+    """Overlay this run's tables on those kept in ``path`` and save; returns every table known."""
+    kept = json.loads(path.read_text()) if path.exists() else {}
+    kept.update(results)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(kept, indent=1))
+    return {name: kept[name] for name in TABLES if name in kept}

@@ -43,7 +43,9 @@ def load(build: bool = True) -> ModuleType | None:
 def _compile() -> ModuleType:
     from torch.utils import cpp_extension
 
-    return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3"], verbose=False)
+    # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread.
+    return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+                              extra_ldflags=["-fopenmp"], verbose=False)
 
 
 def _load_prebuilt() -> ModuleType | None:

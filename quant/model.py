@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from quant import kernels
 from quant.linear import LAYER_CLASSES, QuantLinear
 from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
 
@@ -77,6 +78,8 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
     spec = spec or SERVING_SPECS[scheme]
     if spec.scheme is not scheme:
         raise ValueError(f"spec {spec.label} is not a {scheme.value} spec")
+    if param.is_cpu:
+        kernels.load()  # build (or load) the CPU kernels now, at startup, not inside the first request
     layer_class = LAYER_CLASSES[scheme]
     bytes_before = bytes_after = num_weights = 0
     groups: set[int] = set()

@@ -174,7 +174,7 @@ def test_entrypoint_starts_the_real_server_and_hands_it_sigterm(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVSERVE_") or k == "KVSERVE_CACHE"}
     env.update(PATH=f"{bin_dir}:/usr/bin:/bin", KVSERVE_HOST="127.0.0.1", KVSERVE_PORT=port,
                KVSERVE_DEVICE="cpu", KVSERVE_DTYPE="float32", KVSERVE_KV_CACHE_MEMORY="64MiB",
-               KVSERVE_LOG_LEVEL="warning")
+               KVSERVE_LOG_LEVEL="info")
     log = tmp_path / "server.log"
     with log.open("w") as out:
         server = subprocess.Popen(["bash", str(ENTRYPOINT)], env=env, stdout=out, stderr=subprocess.STDOUT)
@@ -190,7 +190,9 @@ def test_entrypoint_starts_the_real_server_and_hands_it_sigterm(tmp_path):
             time.sleep(0.5)
         assert "kvserve:num_requests_waiting" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         server.send_signal(signal.SIGTERM)
-        assert server.wait(timeout=30) == 0, log.read_text()
+        # uvicorn shuts down, then re-raises the signal it caught, so the status reads "killed by SIGTERM"
+        assert server.wait(timeout=30) in (0, -signal.SIGTERM), log.read_text()
+        assert "Finished server process" in log.read_text()
     finally:
         if server.poll() is None:
             server.kill()
@@ -307,7 +309,7 @@ def test_docker_context_holds_every_package():
     sources = {word for op, args in dockerfile_instructions() if op == "COPY" and "--from" not in args
                for word in args.split()[:-1] if not word.startswith("--")}
     for source in sources:
-        assert (ROOT / source).exists() or source == "README.md", source
+        assert (ROOT / source).exists(), source
         assert source in allowed, f"{source} is copied but .dockerignore leaves it out"
 
 

@@ -1,0 +1,85 @@
+"""``python -m loadtest profile``: where one decode step's time goes on our engine (torch.profiler, CPU).
+
+Runs B sequences with a ``--context``-token cache through ``engine.runner.ModelRunner`` decoding one token,
+profiles ``--steps`` steps, and splits the wall time by ATen op (self CPU time, so nested ops are not
+counted twice) into: projections (linear/matmul, LM head included), attention (SDPA), paged-KV gather and
+scatter (index/index_put), other ops (norms, RoPE, activations, copies, sampling), and what no op accounts
+for: Python and dispatch overhead between ops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from loadtest.benchmarks_md import update_section
+
+_CATEGORIES = (
+    ("projections (linear/matmul)", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm")),
+    ("attention (SDPA)", ("scaled_dot_product",)),
+    ("paged KV gather/scatter", ("aten::index", "aten::index_put")),
+)
+
+
+def _category(name: str) -> str:
+    for label, prefixes in _CATEGORIES:
+        if any(name.startswith(p) or p in name for p in prefixes):
+            return label
+    return "other ops"
+
+
+def profile_decode(batch: int, context: int, steps: int) -> tuple[float, dict[str, float], list[tuple[str, float]]]:
+    """Returns (wall ms per step, ms per step by category, top ops by self CPU ms per step)."""
+    from engine.plan import StepPlan
+    from loadtest.enginebench import EngineBench, load
+
+    bench = EngineBench(load(), batch, context + 1)
+    for s in range(batch):
+        bench.fill(s, context)
+    plan = StepPlan([bench.decode(s, context) for s in range(batch)])
+    bench.runner.execute(plan)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        start = time.perf_counter()
+        for _ in range(steps):
+            bench.runner.execute(plan)
+        wall_ms = 1000 * (time.perf_counter() - start) / steps
+    by_category: dict[str, float] = {}
+    ops = []
+    for event in prof.key_averages():
+        self_ms = event.self_cpu_time_total / 1000 / steps
+        by_category[_category(event.key)] = by_category.get(_category(event.key), 0.0) + self_ms
+        ops.append((event.key, self_ms))
+    by_category["Python/dispatch overhead"] = max(0.0, wall_ms - sum(by_category.values()))
+    return wall_ms, by_category, sorted(ops, key=lambda op: -op[1])[:8]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--batch", default="1,8,32", help="comma list of batch sizes")
+    parser.add_argument("--context", type=int, default=64, help="cached tokens per sequence")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--no-write", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    torch.set_grad_enabled(False)
+    batches = [int(b) for b in args.batch.split(",") if b]
+    results = [(b, *profile_decode(b, args.context, args.steps)) for b in batches]
+    labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
+    rows = ["| share of a decode step | " + " | ".join(f"B = {b}" for b, *_ in results) + " |",
+            "|---" * (len(results) + 1) + "|"]
+    rows.append("| step wall ms | " + " | ".join(f"{wall:.1f}" for _, wall, _, _ in results) + " |")
+    for label in labels:
+        cells = [f"{cats.get(label, 0.0):.1f} ms ({100 * cats.get(label, 0.0) / wall:.0f}%)"
+                 for _, wall, cats, _ in results]
+        rows.append(f"| {label} | " + " | ".join(cells) + " |")
+    top = results[-1][3]
+    text = "\n".join(rows) + (f"\n\nTop ops at B = {results[-1][0]} (self ms per step): "
+                              + ", ".join(f"`{name}` {ms:.1f}" for name, ms in top) + ".")
+    print(text)
+    if not args.no_write:
+        update_section("profile", f"Where a decode step's time goes (our engine, {args.context}-token caches)",
+                       "python -m loadtest profile", text)
+    return 0

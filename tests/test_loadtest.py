@@ -1,0 +1,150 @@
+"""Smoke tests of the load generator, the simulator, compare and peers' report, against a fake SSE server.
+
+No timing asserts: every figure checked here is a count or follows from the step model.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import pytest
+
+from loadtest import compare, peers, report, simulate, workloads
+from loadtest.__main__ import main as loadtest_main
+from loadtest.fakeserver import FakeEngine, serve_in_thread
+from loadtest.generator import LoadConfig, Mode, run_sync
+
+
+@pytest.fixture(scope="module")
+def fake_url():
+    with serve_in_thread(FakeEngine(max_num_seqs=4, step_s=0.001)) as url:
+        yield url
+
+
+def test_seed64_workload_is_pinned_to_its_lengths():
+    specs = workloads.seed64()
+    lengths = [s.max_tokens for s in specs]
+    assert len(specs) == 64 and sum(lengths) == 1874 and max(lengths) == 231 and statistics.median(lengths) == 18
+    body = specs[0].body("m")
+    assert body["ignore_eos"] is True and body["min_tokens"] == body["max_tokens"] == lengths[0]
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+
+
+def test_chat_workload_shares_one_system_prompt():
+    specs = workloads.chat(count=5)
+    systems = {spec.body("m")["messages"][0]["content"] for spec in specs}
+    assert systems == {workloads.SYSTEM_PROMPT}
+    assert all(spec.endpoint is workloads.Endpoint.CHAT for spec in specs)
+
+
+def test_closed_loop_records_every_token(fake_url):
+    specs = workloads.seed64()[:10]
+    run = run_sync(specs, LoadConfig(url=fake_url, concurrency=10, model="fake", progress=False))
+    assert [r.index for r in run.records] == list(range(10))
+    for spec, record in zip(specs, run.records):
+        assert record.ok and record.output_tokens == spec.max_tokens
+        assert record.ttft_s is not None and len(record.itl_s) == spec.max_tokens - 1
+        assert record.server_ttft_ms is not None  # the kvserve-style timings field was read
+    summary = report.summarize(run)
+    assert summary.ok == 10 and summary.output_tokens == sum(s.max_tokens for s in specs)
+
+
+def test_open_loop_chat_is_bounded_by_count(fake_url):
+    specs = workloads.chat(count=3, max_tokens=20)
+    run = run_sync(specs, LoadConfig(url=fake_url, mode=Mode.OPEN, rate=50.0, count=7, model="fake",
+                                     progress=False))
+    assert len(run.records) == 7 and all(r.ok for r in run.records)
+    starts = [r.start_s for r in run.records]
+    assert starts == sorted(starts)
+    assert [r.output_tokens for r in run.records] == [specs[i % 3].max_tokens for i in range(7)]
+
+
+def test_429s_are_counted_apart_from_errors():
+    with serve_in_thread(FakeEngine(max_num_seqs=1, max_queue=0)) as url:
+        run = run_sync(workloads.fixed(3, 4), LoadConfig(url=url, concurrency=3, model="fake", progress=False))
+    summary = report.summarize(run)
+    assert (summary.ok, summary.rejected_429, summary.errors) == (0, 3, 0)
+
+
+def test_run_command_writes_json_and_plots(fake_url, tmp_path):
+    code = loadtest_main(["run", "--url", fake_url, "--workload", "fixed", "--count", "4", "--max-tokens", "3",
+                          "--concurrency", "1,2", "--label", "smoke", "--out", str(tmp_path), "--no-progress"])
+    assert code == 0
+    doc = json.loads((tmp_path / "smoke.json").read_text())
+    assert [run["summary"]["output_tokens"] for run in doc["runs"]] == [12, 12]
+    assert (tmp_path / "smoke-latency.png").stat().st_size > 0
+    assert (tmp_path / "smoke-throughput.png").stat().st_size > 0
+
+
+def test_simulator_by_hand_on_four_requests():
+    # lengths 1,3,2,2 and 2 slots. static: [1,3] for 3 steps, then [2,2] for 2; a group's responses end
+    # together. continuous: request 2 takes request 0's slot at step 2, both end at step 3, request 3
+    # runs steps 4-5.
+    static = simulate.simulate([1, 3, 2, 2], 2, True, simulate.flat_cost)
+    continuous = simulate.simulate([1, 3, 2, 2], 2, False, simulate.flat_cost)
+    assert static.e2e_s == (3, 3, 5, 5) and static.steps == 5 and static.ttft_mean_s == statistics.fmean([1, 1, 4, 4])
+    assert continuous.e2e_s == (1, 3, 3, 5) and continuous.steps == 5
+
+
+def test_simulator_flat_cost_matches_the_ideal_for_seed64():
+    lengths = workloads.seed64_lengths()
+    static, continuous = simulate.run_both(lengths, 8, simulate.flat_cost)
+    group_ends = []
+    clock = 0
+    for first in range(0, 64, 8):
+        clock += max(lengths[first:first + 8])
+        group_ends += [clock] * 8
+    assert static.steps == clock == 685
+    assert static.e2e_mean_s == statistics.fmean(group_ends) == 405.5
+    ratios = simulate.ratios(static, continuous)
+    assert ratios["throughput"] == pytest.approx(685 / continuous.steps)
+    assert ratios["throughput"] == pytest.approx(2.4, abs=0.05)
+    assert ratios["mean_e2e"] == pytest.approx(3.5, abs=0.1)
+
+
+def test_fit_cost_recovers_a_linear_step_cost():
+    costs = {(p, d): 0.01 + 0.002 * p + 0.0005 * d for p in range(4) for d in range(4 - p) if p + d}
+    assert simulate.fit_cost(costs) == pytest.approx((0.01, 0.002, 0.0005))
+
+
+def test_compare_against_fake_servers(tmp_path):
+    bench = tmp_path / "BENCHMARKS.md"
+    args = [sys.executable, "-m", "loadtest.fakeserver", "--port", "{port}", "--step-ms", "2"]
+    code = loadtest_main(["compare", "--flat-sim", "--server-cmd", " ".join(args), "--benchmarks", str(bench),
+                          "--out", str(tmp_path), "--no-progress"])
+    assert code in (0, 2)  # 2: the fake's per-step overhead may put it outside 15% of the flat ideal
+    doc = json.loads((tmp_path / "compare.json").read_text())
+    assert [run["summary"]["output_tokens"] for run in doc["runs"]] == [1874, 1874]
+    assert [run["summary"]["ok"] for run in doc["runs"]] == [64, 64]
+    text = bench.read_text()
+    assert "<!-- BEGIN compare -->" in text and "| static |" in text and "| continuous |" in text
+
+
+def test_agreement_is_relative_error():
+    errors = compare.agreement({"throughput": 2.2, "mean_e2e": 3.3}, {"throughput": 2.0, "mean_e2e": 3.0})
+    assert errors == pytest.approx({"throughput": 0.1, "mean_e2e": 0.1})
+
+
+def test_peers_report_shows_ratios_to_llamacpp_and_failures():
+    results = {
+        "llama.cpp": {"system": "llama.cpp", "single_decode_tps": 100.0, "ttft_512_s": 0.5,
+                      "aggregate_tps": {"1": 100.0, "8": 200.0, "32": 250.0}, "seed64_tps": 120.0, "error": None},
+        "kvserve-none": {"system": "kvserve-none", "single_decode_tps": 50.0, "ttft_512_s": 1.0,
+                         "aggregate_tps": {"1": 50.0, "8": 300.0, "32": 500.0}, "seed64_tps": 180.0, "error": None},
+        "kvserve-nf4": {"system": "kvserve-nf4", "error": "ServerStartError: exited with 1"},
+    }
+    text = peers.render(results)
+    row = next(line for line in text.splitlines() if line.startswith("| kvserve-none"))
+    assert "50.0 (0.50x)" in row and "1.00 s (0.50x)" in row and "500.0 (2.00x)" in row and "180.0 (1.50x)" in row
+    assert "| kvserve-nf4 | failed: ServerStartError" in text
+
+
+def test_peers_median_skips_failed_repeats():
+    good = peers.PeerFigures("kvserve-int8", 10.0, 1.0, {"1": 10.0}, 20.0)
+    better = peers.PeerFigures("kvserve-int8", 30.0, 3.0, {"1": 30.0}, 40.0)
+    failed = peers.PeerFigures("kvserve-int8", error="RuntimeError: boom")
+    merged = peers._median([good, failed, better])
+    assert merged["single_decode_tps"] == 20.0 and merged["aggregate_tps"] == {"1": 20.0}
+    assert merged["error"] is None

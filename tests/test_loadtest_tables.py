@@ -1,0 +1,66 @@
+"""The engine tables: MAC counts exact against the model, byte counts, the elbow rule, tiny sweeps on SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from engine.loader import wrap_model
+from loadtest import macs, tables
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    torch.manual_seed(0)
+    return wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")
+
+
+@pytest.mark.parametrize("tokens", [1, 3, 6])
+def test_mac_closed_form_equals_the_count_on_the_model(tiny, tokens):
+    counted = tables.count_macs(tiny, tokens)
+    assert counted["counted_with_cache"] == counted["formula_with_cache"]
+    assert counted["counted_without_cache"] == counted["formula_without_cache"]
+
+
+def test_mac_closed_form_by_hand(tiny):
+    g = macs.Geometry.of(tiny.model.config)
+    # per token: 2 layers x (q 32*32 + k,v 2*32*16 + o 32*32 + mlp 3*32*48) = 2 * 7680
+    assert g.per_token == 15360 and g.per_pair == 2 * 2 * 4 * 8
+    head = 32 * 64
+    assert macs.macs_with_cache(g, 2) == 2 * (15360 + head) + 128 * (1 + 2)
+    assert macs.macs_without_cache(g, 2) == 15360 * (1 + 2) + 2 * head + 128 * (1 + 4)
+    assert macs.macs_with_cache(g, 1) == macs.macs_without_cache(g, 1)
+
+
+def test_head_table_score_bytes():
+    rows = tables.head_table([8, 4096], reps=1)
+    assert [(r["cached_score_bytes"], r["recompute_score_bytes"]) for r in rows] == [(32, 256), (16384, 67108864)]
+
+
+def test_elbow_is_the_first_doubling_that_costs_sqrt2():
+    assert tables.find_elbow([(1, 10.0), (2, 11.0), (4, 13.0), (8, 19.0), (16, 40.0)]) == 4
+    assert tables.find_elbow([(1, 10.0), (2, 11.0), (4, 12.0)]) is None
+
+
+def test_engine_sweeps_on_smollm2(smollm2):
+    rows = tables.prefill_decode_table([4, 8], smollm2, reps=1)
+    assert [r["tokens"] for r in rows] == [4, 8]
+    assert rows[1]["prefill_ms_per_token"] == pytest.approx(rows[1]["prefill_ms"] / 8)
+    batch, _elbow = tables.batch_table([1, 2], smollm2, reps=1, context=8)
+    assert [r["B"] for r in batch] == [1, 2] and batch[0]["throughput_x"] == 1.0
+    assert batch[1]["tokens_per_s"] == pytest.approx(2000 / batch[1]["step_ms"])
+    text = tables.render({"prefill": rows, "batch": (batch, None)}, smollm2.kv_shape().bytes_per_token)
+    assert "| 8 |" in text and "not reached" in text
+
+
+def test_profile_categories():
+    from loadtest.profile_step import _category
+
+    assert _category("aten::addmm") == "projections (linear/matmul)"
+    assert _category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention (SDPA)"
+    assert _category("aten::index_put_") == "paged KV gather/scatter"
+    assert _category("aten::rsqrt") == "other ops"
