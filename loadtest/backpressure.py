@@ -13,13 +13,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 
 import httpx
+
+from loadtest.benchmarks_md import update_section
+from loadtest.serverproc import kvserve_command, launch
 
 
 @dataclass(slots=True)
@@ -160,43 +161,40 @@ def _rss_mib(pid: int) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seconds", type=float, default=60.0)
-    parser.add_argument("--port", type=int, default=8765)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     args = parser.parse_args(argv)
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(args.port),
-                               "--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue),
-                               "--log-level", "warning"])
-    try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.5)
+    flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue), "--log-level", "warning"]
+    with launch(kvserve_command(flags), name="backpressure") as server:
         clients = 4 * (args.max_num_seqs + args.max_queue)
         body = {"prompt": "Write a long essay about the history of the sea. " * 8, "max_tokens": args.max_tokens,
                 "ignore_eos": True}
         rss_before = _rss_mib(server.pid)
-        report = asyncio.run(overload(url, clients, args.seconds, body))
+        report = asyncio.run(overload(server.url, clients, args.seconds, body))
         rss_after = _rss_mib(server.pid)
         print(json.dumps({"overload": report.summary() | {"clients": clients, "seconds": args.seconds,
                                                           "rss_mib_before": round(rss_before),
                                                           "rss_mib_after": round(rss_after)}}, indent=1))
 
         async def usage() -> float:
-            async with httpx.AsyncClient(base_url=url) as client:
+            async with httpx.AsyncClient(base_url=server.url) as client:
                 return await _metric(client, "kvserve:kv_cache_usage_perc")
 
-        drill = asyncio.run(disconnect_drill(url, 20, {"prompt": "Count from 1 to 10000:", "max_tokens": 4000},
+        drill = asyncio.run(disconnect_drill(server.url, 20, {"prompt": "Count from 1 to 10000:", "max_tokens": 4000},
                                              usage))
         print(json.dumps({"disconnect": drill}, indent=1))
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+    o = report.summary()
+    table = (f"| clients | seconds | sent | admitted | completed | 429 | 429 without Retry-After | 5xx | other failures "
+             f"| /health failures | TTFT p50 s | TTFT p99 s | RSS MiB before -> after |\n|{'---|' * 13}\n"
+             f"| {clients} | {args.seconds:.0f} | {o['sent']} | {o['admitted']} | {o['completed']} | {o['rejected_429']} "
+             f"| {o['429_without_retry_after']} | {o['5xx']} | {o['other_failures']} | {o['health_failures']} of "
+             f"{o['health_checks']} | {o['ttft_p50_s']} | {o['ttft_p99_s']} | {rss_before:.0f} -> {rss_after:.0f} |\n\n"
+             f"Disconnects: {drill['clients']} streams closed after their first chunk; every KV block free again "
+             f"{drill['blocks_free_after_s']} s later; a new request's first token {drill['new_request_ttft_s']} s "
+             f"after that.\n\nServer: `--max-num-seqs {args.max_num_seqs} --max-queue {args.max_queue}`, "
+             f"{args.max_tokens} output tokens per request, clients back off 0.2 s after a 429.")
+    update_section("backpressure", "Overload (4x) and disconnects", "python -m loadtest.backpressure", table)
     return 0
 
 

@@ -10,13 +10,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import time
 
 import httpx
 
 from loadtest.benchmarks_md import update_section
+from loadtest.serverproc import kvserve_command, launch
 
 
 def ttft_s(url: str, prompt: list[int]) -> tuple[float, int]:
@@ -36,31 +36,16 @@ def ttft_s(url: str, prompt: list[int]) -> tuple[float, int]:
     return first, cached
 
 
-def wait_healthy(url: str, seconds: float = 300) -> None:
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError("server did not start")
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--port", type=int, default=8766)
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--extra", nargs="*", default=[], help="extra flags for kvserve serve, e.g. --dtype float32")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     args = parser.parse_args(argv)
-    url = f"http://127.0.0.1:{args.port}"
-    server = subprocess.Popen([sys.executable, "-m", "server.cli", "serve", "--port", str(args.port),
-                               "--max-num-batched-tokens", "2048", "--log-level", "warning", *args.extra])
-    try:
-        wait_healthy(url)
+    with launch(kvserve_command(["--max-num-batched-tokens", "2048", "--log-level", "warning", *args.extra]),
+                name="prefixbench") as server:
+        url = server.url
         ttft_s(url, [1000 + i for i in range(64)])  # warm-up: allocator, threads
         cold, warm = [], []
         for trial in range(args.trials):
@@ -70,9 +55,6 @@ def main(argv: list[str] | None = None) -> int:
             assert cold_cached == 0 and warm_cached >= args.prefix_tokens - 16, (cold_cached, warm_cached)
             cold.append(cold_s)
             warm.append(warm_s)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
     cold_ms, warm_ms = statistics.median(cold) * 1000, statistics.median(warm) * 1000
     table = (f"| prefix | cold TTFT (ms) | warm TTFT (ms) | speed-up |\n|---|---|---|---|\n"
              f"| {args.prefix_tokens} tokens | {cold_ms:.1f} | {warm_ms:.1f} | {cold_ms / warm_ms:.1f}x |\n\n"
