@@ -109,8 +109,10 @@ class SeqResult:
         seq_id: the sequence.
         token: the sampled token, or None if this step only advanced a prefill chunk.
         prompt_logprobs: logprobs of the prompt tokens computed in this step (position >= 1), in order.
+        error: why sampling failed for this sequence alone (its batch-mates are unaffected).
     """
 
     seq_id: int
     token: TokenLogprob | None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None

@@ -110,7 +110,11 @@ class ModelRunner:
             elif w.sample:
                 last = logits[k]
                 k += 1
-            token = sample_token(last, w) if w.sample else None
+            try:
+                token = sample_token(last, w) if w.sample else None
+            except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # one bad request, not the batch
+                results.append(SeqResult(seq_id=w.seq_id, token=None, error=f"sampling failed: {exc}"))
+                continue
             results.append(SeqResult(seq_id=w.seq_id, token=token, prompt_logprobs=prompt_lps))
         return results
 

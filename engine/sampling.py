@@ -10,6 +10,7 @@ import torch
 from engine.plan import SeqWork, TokenLogprob
 
 _SEED_STRIDE = 1_000_003  # mixes the output length into the seed: one generator per (seed, step)
+_SEED_MODULUS = 2**63 - 1  # torch generators take seeds below 2**64; stay in the signed range
 
 
 def apply_penalties(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
@@ -67,7 +68,7 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=logits.device)
-            generator.manual_seed(params.seed * _SEED_STRIDE + len(work.output_ids))
+            generator.manual_seed((params.seed * _SEED_STRIDE + len(work.output_ids)) % _SEED_MODULUS)
         token_id = int(torch.multinomial(probs, 1, generator=generator))
     return token_logprob(logits.log_softmax(-1), token_id, params.logprobs or 0)
 

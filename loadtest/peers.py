@@ -178,6 +178,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="per-system results, merged across runs")
     parser.add_argument("--benchmarks", type=Path, default=BENCHMARKS)
     parser.add_argument("--img", type=Path, default=None, help="also save the throughput plot here (e.g. docs/img)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="measure nothing: rebuild the section from --results")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -194,8 +196,8 @@ def run(args: argparse.Namespace) -> int:
     unknown = set(chosen) - set(SYSTEMS)
     if unknown:
         raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
-    passes: dict[str, list[PeerFigures]] = {s: [] for s in chosen}
-    for _ in range(args.repeats):
+    passes: dict[str, list[PeerFigures]] = {s: [] for s in chosen} if not args.render_only else {}
+    for _ in range(args.repeats if passes else 0):
         for system in chosen:
             passes[system].append(measure(system))
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
@@ -210,9 +212,9 @@ def run(args: argparse.Namespace) -> int:
         plot(results, args.img)
         text += f"\n\n![throughput vs concurrency]({args.img.as_posix()}/peers-throughput.png)"
     if not args.no_write:
+        # results merge across runs, so the command that reproduces the whole table is the plain one
         update_section("peers", "kvserve vs llama.cpp's server vs transformers generate (SmolLM2-135M)",
-                       "python -m loadtest peers" + (f" --systems {args.systems}" if args.systems != ",".join(SYSTEMS)
-                                                     else ""), text, args.benchmarks)
+                       "python -m loadtest peers", text, args.benchmarks)
     return 0
 
 

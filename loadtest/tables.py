@@ -136,15 +136,18 @@ def batch_table(batches: list[int], loaded, reps: int, context: int = 64) -> tup
 
 
 def find_elbow(points: list[tuple[int, float]]) -> int | None:
-    """First batch B (of (B, step latency) points, B doubling) whose doubling costs >= sqrt(2) x latency.
+    """The batch from which batching stops paying: the smallest B such that every doubling from B on
+    multiplies step latency by sqrt(2) or more. ``points`` are (B, step latency), B doubling each time.
 
-    Doubling B multiplies throughput by 2 / g when latency grows by g; past g = sqrt(2) the throughput
-    gained is smaller than the latency paid. None when every doubling in the sweep still pays.
+    Doubling B multiplies throughput by 2 / g when latency grows by g; from g = sqrt(2) on, the throughput
+    gained is no larger than the latency paid. None when the sweep's last doubling still pays.
     """
-    for (b, latency), (b_next, latency_next) in zip(points, points[1:]):
-        if b_next == 2 * b and latency_next / latency >= math.sqrt(2):
-            return b
-    return None
+    elbow = None
+    for (b, latency), (b_next, latency_next) in reversed(list(zip(points, points[1:]))):
+        if b_next != 2 * b or latency_next / latency < math.sqrt(2):
+            break
+        elbow = b
+    return elbow
 
 
 def memory_table(tokens: int) -> list[dict]:
@@ -193,13 +196,14 @@ def render(results: dict, kv_bytes_per_token: int | None) -> str:
                        f"{last['prefill_ms'] / first['prefill_ms']:.1f}x and a decode step "
                        f"{last['decode_step_ms'] / first['decode_step_ms']:.2f}x.")
     if "batch" in results:
-        rows_, elbow = results["batch"]
+        rows_ = results["batch"][0]
+        elbow = find_elbow([(r["B"], r["step_ms"]) for r in rows_])
         rows = ["| B | step ms | tokens/s | latency x B=1 | throughput x B=1 |", "|---|---|---|---|---|"]
         rows += [f"| {r['B']} | {r['step_ms']:.1f} | {r['tokens_per_s']:.1f} | {r['latency_x']:.2f} | "
                  f"{r['throughput_x']:.2f} |" for r in rows_]
         parts.append("### Batch sweep: B sequences with 64-token caches, one decode step\n\n" + "\n".join(rows)
-                     + "\n\nElbow (first B whose doubling costs >= sqrt(2) x latency, so throughput gains less "
-                       f"than latency loses): **{elbow if elbow else 'not reached'}**.")
+                     + "\n\nElbow (the B from which every doubling costs >= sqrt(2) x step latency, so "
+                       f"throughput gains no more than latency loses): **{elbow if elbow else 'not reached'}**.")
     if "memory" in results:
         tokens = results["memory"][0]["tokens"]
         rows = [f"| generation of {tokens} tokens | peak tensor bytes beyond weights | RSS high-water beyond load |",
@@ -207,7 +211,7 @@ def render(results: dict, kv_bytes_per_token: int | None) -> str:
         rows += [f"| {'with KV cache' if r['mode'] == 'cache' else 'without cache (recompute)'} | "
                  f"{_mb(r['peak_tensor_bytes'])} | {_mb(r['rss_extra_bytes'])} |" for r in results["memory"]]
         note = f" The cache itself: {kv_bytes_per_token:,} bytes/token." if kv_bytes_per_token else ""
-        parts.append("### Peak memory beyond the weights (RSS high-water mark)\n\n" + "\n".join(rows) + "\n\n"
+        parts.append("### Peak memory beyond the weights\n\n" + "\n".join(rows) + "\n\n"
                      "Method: `loadtest/memprobe.py` (peak of live tensors created while generating; RSS is noisier "
                      "because the allocator reuses memory freed while loading)." + note)
     return "\n\n".join(parts)
@@ -224,7 +228,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    chosen = [name for name in args.only.split(",") if name]
+    chosen = [name for name in args.only.split(",") if name]  # none: rebuild the section from --results
     unknown = set(chosen) - set(TABLES)
     if unknown:
         raise SystemExit(f"unknown tables: {', '.join(sorted(unknown))}")
@@ -248,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
             results[name] = memory_table(sizes[name])
     if not args.quick:
         results = _merge(results, args.results)
-    text = render(results, loaded.kv_shape().bytes_per_token if loaded else None)
+    text = render(results, _kv_bytes_per_token(loaded))
     print(text)
     if not (args.quick or args.no_write):
         dtype = str(loaded.dtype).removeprefix("torch.") if loaded else "float32"
@@ -264,3 +268,15 @@ def _merge(results: dict, path: Path) -> dict:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(kept, indent=1))
     return {name: kept[name] for name in TABLES if name in kept}
+
+
+def _kv_bytes_per_token(loaded) -> int:
+    """KV bytes per token of the model as loaded (or, without loading it, at the default dtype)."""
+    if loaded is not None:
+        return loaded.kv_shape().bytes_per_token
+    from transformers import AutoConfig
+
+    from engine.loader import DType, kv_shape_of, resolve_dtype, resolve_model_dir
+
+    config = AutoConfig.from_pretrained(resolve_model_dir(None))
+    return kv_shape_of(config, resolve_dtype(DType.AUTO, torch.device("cpu"))).bytes_per_token

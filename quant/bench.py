@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             "in the model dtype. Projections and LM head are replayed alone (best of 7); rest = step - both "
             "(attention, norms, sampling, Python).", "", speed_table(rows, bandwidth)]
     profile = next(r["profile"] for r in rows if r["scheme"] == PROFILED)
-    body += ["", f"Where a {PROFILED} decode step goes (torch.profiler, 8 steps; the kvserve_qlinear kernels are "
+    body += ["", f"Where one {PROFILED} decode step goes (torch.profiler, 8 steps; the kvserve_qlinear kernels are "
              "pybind calls, not aten operators, so they appear only as the projections column above):", "",
              "```", profile.strip(), "```"]
     if not args.skip_quality:

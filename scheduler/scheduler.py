@@ -178,6 +178,10 @@ class Scheduler:
                 continue  # aborted or preempted during the step
             seq.num_computed += len(w.token_ids)
             self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed)
+            if result.error is not None:
+                self._finish(seq, FinishReason.ERROR)
+                events.append((seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=result.error)))
+                continue
             if result.token is None:
                 if result.prompt_logprobs:
                     events.append((seq, SeqEvent(seq.seq_id, prompt_logprobs=result.prompt_logprobs)))

@@ -71,6 +71,9 @@ class SchedulerService:
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue sequences (the choices of one request) or refuse them all at once.
 
+        The bound counts sequences (a request with n choices counts n); with max_queue > 0 a request that
+        finds the queue empty is always accepted, so a large n cannot be refused forever.
+
         Raises:
             QueueFull: the waiting queue would exceed max_queue.
             RuntimeError: the loop has died.
@@ -78,7 +81,7 @@ class SchedulerService:
         if self.dead is not None:
             raise RuntimeError(f"engine loop has died: {self.dead!r}")
         queued = len(self.scheduler.waiting) + self._pending_adds
-        if queued + len(seqs) > self.max_queue:
+        if queued + len(seqs) > self.max_queue and (queued or self.max_queue == 0):
             raise QueueFull(queued, self.retry_after_s(queued))
         self._pending_adds += len(seqs)
         for seq in seqs:

@@ -12,7 +12,7 @@ import json
 import uuid
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -21,19 +21,28 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service import QueueFull
 from server.errors import ApiError
-from server.generation import Generation, prepare, prompt_ids_of
+from server.generation import Generation, chat_prompt_ids, prepare, text_prompt_ids
 from server.openai_format import Formatter
 from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.state import ServerState
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
+# pydantic names the member of a union that failed (``stop.str``); the client only needs the field
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
 def _validation_error(exc: RequestValidationError) -> ApiError:
+    """The first pydantic error as an OpenAI 400 naming the field (``messages.0.content``)."""
     first = exc.errors()[0] if exc.errors() else {}
+    if first.get("type") == "json_invalid":
+        return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
+    while loc and (loc[-1].split("[")[0] in _UNION_MEMBERS):
+        loc.pop()
     param = ".".join(loc) or None
-    message = first.get("msg", "invalid request")
+    message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if param is None and first.get("type") == "missing":
+        message = "the request body is required (a JSON object)"
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 
@@ -46,8 +55,15 @@ def create_app(state: ServerState) -> FastAPI:
         yield
         await state.service.stop()
 
+    def require_key(request: Request) -> None:
+        """/v1 routes need ``Authorization: Bearer <key>`` when the server has an API key."""
+        key = state.config.api_key
+        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
+    v1 = [Depends(require_key)]
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -59,18 +75,14 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
-        return ApiError(exc.status_code, str(exc.detail)).response()
+        return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
-    @app.middleware("http")
-    async def _auth(request: Request, call_next):
-        key = state.config.api_key
-        if key and request.url.path.startswith("/v1"):
-            if request.headers.get("authorization", "") != f"Bearer {key}":
-                return ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
-                                code="invalid_api_key").response()
-        return await call_next(request)
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        # a bug, never the client's fault: still an OpenAI-shaped body, never a plain-text 500
+        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         if not state.service.healthy:
             return JSONResponse({"status": "unhealthy", "error": repr(state.service.dead)}, status_code=503)
@@ -80,17 +92,25 @@ def create_app(state: ServerState) -> FastAPI:
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    model_card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+                  "max_model_len": state.max_model_len}
+
+    @app.get("/v1/models", dependencies=v1)
     async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "kvserve", "max_model_len": state.max_model_len}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=v1)
+    async def model(model_id: str):
+        if model_id != state.model_name:
+            raise ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
+        return model_card
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest):
         if body.messages is not None:
-            ids = prompt_ids_of(state, ChatCompletionRequest(messages=body.messages))
+            ids = chat_prompt_ids(state, body.messages)
         else:
-            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens)["input_ids"]
+            ids = text_prompt_ids(state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
     @app.post("/detokenize")
@@ -100,11 +120,11 @@ def create_app(state: ServerState) -> FastAPI:
             raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat(body: ChatCompletionRequest, request: Request):
         return await _complete(state, body, request, chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(body: CompletionRequest, request: Request):
         return await _complete(state, body, request, chat=False)
 

@@ -34,16 +34,36 @@ class Prepared:
     min_tokens: int
 
 
+def _check_text(text: str, param: str) -> None:
+    """Raise a 400 for text that is not valid Unicode (lone surrogates cannot be tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param} is not valid UTF-8 text: {exc.reason} at position {exc.start}",
+                       param=param) from exc
+
+
+def chat_prompt_ids(state: ServerState, messages: list) -> list[int]:
+    """Token ids of chat messages through the model's chat template, ready for the assistant's turn."""
+    for index, message in enumerate(messages):
+        _check_text(message.text, f"messages.{index}.content")
+    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+    text = state.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    return state.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def text_prompt_ids(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
+    _check_text(text, "prompt")
+    return state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
 def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
-    """Tokenize the prompt (chat template for chat). Raises ApiError on bad token ids."""
+    """Tokenize the prompt (chat template for chat). Raises ApiError on bad text or token ids."""
     tokenizer = state.tokenizer
     if isinstance(request, ChatCompletionRequest):
-        messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text}
-                    for m in request.messages]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_prompt_ids(state, request.messages)
     if isinstance(request.prompt, str):
-        return tokenizer(request.prompt)["input_ids"]
+        return text_prompt_ids(state, request.prompt)
     vocab = len(tokenizer)
     bad = [t for t in request.prompt if not 0 <= t < vocab]
     if bad:
@@ -59,16 +79,25 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
             can never fit the KV pool (the message gives the token counts and the limit).
     """
     prompt_ids = prompt_ids_of(state, request)
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     if not prompt_ids:
-        raise ApiError(400, "the prompt is empty", param="prompt")
+        raise ApiError(400, "the prompt is empty", param=prompt_param)
     limit = min(state.max_model_len, state.pool_tokens)
+    if len(prompt_ids) >= limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
+                            f"{len(prompt_ids)} tokens (at least 1 more is needed for the completion). "
+                            f"Please shorten the prompt.", param=prompt_param)
     field_name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
     max_tokens = request.token_limit
     if max_tokens is None:
         max_tokens = limit - len(prompt_ids)
-        if max_tokens < 1:
-            raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
-                                f"{len(prompt_ids)} tokens.", param="prompt")
+    if request.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({request.min_tokens}) must not exceed {field_name} ({max_tokens})",
+                       param="min_tokens")
+    vocab = len(state.tokenizer)
+    bad_stops = [t for t in request.stop_token_ids if not 0 <= t < vocab]
+    if bad_stops:
+        raise ApiError(400, f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}", param="stop_token_ids")
     total = len(prompt_ids) + max_tokens
     if total > state.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
@@ -167,7 +196,8 @@ class Generation:
         index, choice = self.choices[event.seq_id]
         if choice.finish_reason is not None:
             return None  # tokens computed after a stop string matched
-        choice.prompt_logprobs.extend(event.prompt_logprobs)
+        missing = len(self.prepared.prompt_ids) - 1 - len(choice.prompt_logprobs)  # a recompute repeats them
+        choice.prompt_logprobs.extend(event.prompt_logprobs[:max(missing, 0)])
         update = ChoiceUpdate(index=index)
         if event.token is not None:
             self._observe_token(choice, event.time)
@@ -205,7 +235,10 @@ class Generation:
             metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
             if seq.first_scheduled_time is not None:
                 metrics.queue.observe(seq.first_scheduled_time - seq.arrival_time)
-        metrics.success.labels(finished_reason=reason).inc()
+        if reason == "error":
+            metrics.failed.inc()
+        else:
+            metrics.success.labels(finished_reason=reason).inc()
         return update
 
     # -- figures for responses -----------------------------------------------------------------------

@@ -64,5 +64,6 @@ class Metrics:
                                buckets=_TTFT_BUCKETS, registry=r)
         self.success = Counter(_P + "request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
+        self.failed = Counter(_P + "request_failure", "Requests that failed in the engine.", registry=r)
         self.rejected = Counter(_P + "requests_rejected", "Requests refused before admission, by reason.",
                                 ["reason"], registry=r)

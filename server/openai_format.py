@@ -2,8 +2,35 @@
 
 from __future__ import annotations
 
+from functools import cache
+
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
 from engine.plan import TokenLogprob
 from server.generation import ChoiceUpdate, Generation
+
+
+@cache
+def _byte_of() -> dict[str, int]:
+    """Byte-level BPE (GPT-2, Llama 3, SmolLM2) spells each byte as one printable character; this inverts it."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The raw bytes of one token, also when it holds only part of a UTF-8 character."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    byte_of = _byte_of()
+    if piece and all(char in byte_of for char in piece):
+        return bytes(byte_of[char] for char in piece)
+    return tokenizer.decode([token_id]).encode()
+
+
+def token_text(raw: bytes) -> str:
+    """OpenAI's token string: the text, or ``bytes:\\xf0\\x9f`` for a partial character."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
 
 class Formatter:
@@ -27,12 +54,12 @@ class Formatter:
         self.sent_role: set[int] = set()
 
     def _token_str(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id])
+        return token_text(token_bytes(self.tokenizer, token_id))
 
     def _chat_logprobs(self, tokens: list[TokenLogprob]) -> dict:
         def entry(token_id: int, logprob: float) -> dict:
-            text = self._token_str(token_id)
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+            raw = token_bytes(self.tokenizer, token_id)
+            return {"token": token_text(raw), "logprob": logprob, "bytes": list(raw)}
         return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in tokens]}
 
@@ -45,7 +72,8 @@ class Formatter:
             out["top_logprobs"].append(None if first_is_none and position == 0
                                        else {self._token_str(i): lp for i, lp in t.top})
             out["text_offset"].append(self.text_offset.get(index, 0))
-            self.text_offset[index] = self.text_offset.get(index, 0) + len(text)
+            if not text.startswith("bytes:"):  # a partial character adds no text until it completes
+                self.text_offset[index] = self.text_offset.get(index, 0) + len(text)
         return out
 
     def echo_prefix(self, index: int, prompt_text: str, want_logprobs: bool) -> tuple[str, dict | None]:

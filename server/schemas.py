@@ -19,7 +19,7 @@ class StreamOptions(BaseModel):
 class _SamplingRequest(BaseModel):
     """Fields shared by chat and completions."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -55,12 +55,6 @@ class _SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
-
-    @model_validator(mode="after")
-    def _min_not_above_max(self):
-        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError("min_tokens must not exceed max_tokens")
-        return self
 
 
 class ContentPart(BaseModel):
@@ -98,9 +92,14 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default
+    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default, also when null
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _null_is_default(cls, value: int | None) -> int:
+        return 16 if value is None else value
 
     @field_validator("prompt")
     @classmethod
@@ -126,7 +125,7 @@ class TokenizeRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True
 
     @model_validator(mode="after")

@@ -153,3 +153,22 @@ def test_choices_of_one_request_share_the_prompt_blocks():
     assert [(w.seq_id, w.start_pos) for w in plan.work] == [(0, 10), (1, 8)]
     assert b.block_table[:2] == a.block_table[:2]
     assert [s.blocks.blocks[i].ref_count for i in a.block_table[:2]] == [2, 2]
+
+
+def test_a_sampling_error_ends_only_its_own_sequence():
+    s = scheduler()
+    good, bad = make(0, 3, 4), make(1, 3, 4)
+    s.add(good)
+    s.add(bad)
+
+    def execute(plan: StepPlan) -> list[SeqResult]:
+        return [SeqResult(w.seq_id, None, error="sampling failed: boom") if w.seq_id == 1
+                else SeqResult(w.seq_id, TokenLogprob(7, 0.0)) for w in plan.work]
+
+    plan = s.schedule()
+    events = s.update(plan, execute(plan))
+    assert [(seq.seq_id, e.finish, e.error) for seq, e in events] == [
+        (0, None, None), (1, FinishReason.ERROR, "sampling failed: boom")]
+    run_offline(s, execute, {})
+    assert good.output_ids == [7] * 4 and good.finish_reason is FinishReason.LENGTH
+    assert s.blocks.num_free_blocks == s.blocks.num_blocks

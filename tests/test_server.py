@@ -49,7 +49,9 @@ def text_of(response: dict, chat: bool) -> str:
 
 
 def post(url: str, path: str, body: dict) -> httpx.Response:
-    return httpx.post(url + path, json=body, timeout=120)
+    """POST JSON as a careless client may: lone surrogates escaped, NaN allowed (httpx's json= refuses both)."""
+    return httpx.post(url + path, content=json.dumps(body).encode(), timeout=120,
+                      headers={"content-type": "application/json"})
 
 
 def chat_body(content: str, **kw) -> dict:
@@ -177,6 +179,12 @@ def test_logprobs_chat_and_completion_echo(server_url):
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
     (COMPLETIONS, {"prompt": [10**9]}, "prompt"),
     (COMPLETIONS, {}, "prompt"),
+    (COMPLETIONS, {"prompt": "Hi", "stop_token_ids": [10**9], "min_tokens": 2}, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "hi \ud800"}]}, "messages.0.content"),
+    (COMPLETIONS, {"prompt": "hi \ud800"}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "temperature": float("nan")}, "temperature"),
+    (COMPLETIONS, {"prompt": None}, "prompt"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server_url, path, body, param):
     for stream in (False, True):
@@ -189,7 +197,8 @@ def test_bad_input_is_a_400_naming_the_field(server_url, path, body, param):
 
 def test_malformed_json_and_unknown_fields(server_url):
     response = httpx.post(server_url + CHAT, content=b"{not json", headers={"content-type": "application/json"})
-    assert response.status_code == 400 and "error" in response.json()
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] is None and "not valid JSON" in response.json()["error"]["message"]
     ok = post(server_url, CHAT, chat_body("Hi", max_tokens=2, some_future_field={"x": 1}))
     assert ok.status_code == 200
 
@@ -244,3 +253,37 @@ def test_n_choices_share_the_prompt_blocks(server_url):
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
     assert body["usage"]["completion_tokens"] <= 12
+
+
+def test_huge_seed_is_sampled_not_a_500(server_url):
+    body = chat_body("Hi", temperature=1.0, seed=2**63 - 1, max_tokens=4)
+    response = post(server_url, CHAT, body)
+    assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
+
+
+def test_completions_max_tokens_null_means_16(server_url):
+    body = post(server_url, COMPLETIONS, {"prompt": "Once", "max_tokens": None, "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 16
+
+
+def test_tokenize_bad_input_is_400(server_url):
+    for body in ({"messages": []}, {"prompt": "a \ud800"}, {}):
+        response = post(server_url, "/tokenize", body)
+        assert response.status_code == 400 and "error" in response.json()
+
+
+def test_model_card_and_head_health(server_url):
+    assert httpx.get(server_url + "/v1/models/SmolLM2-135M-Instruct").json()["id"] == "SmolLM2-135M-Instruct"
+    assert httpx.get(server_url + "/v1/models/nope").status_code == 404
+    assert httpx.head(server_url + "/health").status_code == 200
+
+
+def test_logprobs_give_the_raw_bytes_of_partial_characters(server_url):
+    ids = httpx.post(server_url + "/tokenize", json={"prompt": "😀", "add_special_tokens": False}).json()["tokens"]
+    body = post(server_url, COMPLETIONS, {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True,
+                                          "logprobs": 0}).json()
+    tokens = body["choices"][0]["logprobs"]["tokens"][:len(ids)]
+    assert tokens[0] == "bytes:\\xf0\\x9f" and all(t.startswith("bytes:") for t in tokens)
+    chat = post(server_url, CHAT, chat_body("Reply with one emoji: 😀", max_tokens=8, logprobs=True)).json()
+    raw = b"".join(bytes(t["bytes"]) for t in chat["choices"][0]["logprobs"]["content"])
+    assert b"\xef\xbf\xbd" not in raw  # the bytes are real, never U+FFFD

@@ -259,3 +259,30 @@ def test_long_shared_prefix_same_tokens_on_hit_miss_and_with_caching_off(state_f
     assert off_second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     texts = {r["choices"][0]["text"] for r in (miss, hit, off_first, off_second)}
     assert len(texts) == 1
+
+
+def test_non_streamed_client_that_leaves_is_cancelled(state_factory):
+    state = state_factory()
+    with serving(state) as url:
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(url + "/v1/completions", json=LONG, timeout=1.5)
+        deadline = time.monotonic() + 5
+        while state.service.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not state.service.scheduler.running
+        blocks = state.service.scheduler.blocks
+        assert blocks.num_free_blocks == blocks.num_blocks
+
+
+def test_many_choices_fit_an_idle_small_queue_and_prompt_logprobs_survive_preemption(state_factory):
+    state = state_factory(max_queue=2, num_kv_blocks=40)
+    with serving(state) as url:
+        body = {"prompt": "cat " * 140, "max_tokens": 40, "echo": True, "logprobs": 1, "n": 4, "ignore_eos": True,
+                "temperature": 0}
+        response = httpx.post(url + "/v1/completions", json=body, timeout=600)
+        assert response.status_code == 200, response.text
+        result = response.json()
+    assert state.service.scheduler.num_preemptions > 0
+    expected = result["usage"]["prompt_tokens"] + 40
+    assert [len(c["logprobs"]["tokens"]) for c in result["choices"]] == [expected] * 4
+    assert {c["text"] for c in result["choices"]} == {result["choices"][0]["text"]}
