@@ -67,3 +67,7 @@ class Metrics:
         self.failed = Counter(_P + "request_failure", "Requests that failed in the engine.", registry=r)
         self.rejected = Counter(_P + "requests_rejected", "Requests refused before admission, by reason.",
                                 ["reason"], registry=r)
+        # series exist from the start, so rate() sees the first increase too
+        self.rejected.labels(reason="queue_full")
+        for reason in ("stop", "length"):
+            self.success.labels(finished_reason=reason)
