@@ -57,7 +57,7 @@ def build_state(config: ServeConfig):
         import quant
 
         summary = quant.quantize_model(loaded.model, config.quantization)
-        log.info("quantized: %s", summary)
+        log.info("quantized: %s", summary.describe())
     return ServerState(loaded, config)
 
 
