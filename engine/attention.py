@@ -40,10 +40,18 @@ class PrefillSpan:
     end: int
     block_table: torch.Tensor
     start_pos: int
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built once a step
 
     @property
     def context_len(self) -> int:
         return self.start_pos + self.end - self.start
+
+    def causal_mask(self, sliding_window: int | None) -> torch.Tensor:
+        """``[new_tokens, context_len]`` bool, shared by every layer with the same window."""
+        if sliding_window not in self.masks:
+            self.masks[sliding_window] = _causal_mask(self.end - self.start, self.start_pos, sliding_window,
+                                                      self.block_table.device)
+        return self.masks[sliding_window]
 
 
 @dataclass(slots=True)
@@ -160,7 +168,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             context = span.context_len
             k_i = k_blocks[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
             v_i = v_blocks[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(q.dtype)
-        mask = _causal_mask(span.end - span.start, span.start_pos, sliding_window, q.device)
+        if span.start_pos == 0 and sliding_window is None and softcap is None:
+            # a whole prompt from position 0: SDPA's own causal kernel, no mask tensor
+            out[span.start:span.end] = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+            continue
+        mask = span.causal_mask(sliding_window)
         out[span.start:span.end] = _attend(q_i, k_i, v_i, mask, scale, softcap).transpose(0, 1)
     return out[None], None
 
