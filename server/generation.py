@@ -82,11 +82,12 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param=prompt_param)
+    for limit, what in ((state.max_model_len, "This model's maximum context length"),
+                        (state.pool_tokens, "This server's KV cache")):
+        if len(prompt_ids) >= limit:
+            raise ApiError(400, f"{what} is {limit} tokens, but the prompt has {len(prompt_ids)} tokens (at least "
+                                f"1 more is needed for the completion). Please shorten the prompt.", param=prompt_param)
     limit = min(state.max_model_len, state.pool_tokens)
-    if len(prompt_ids) >= limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the prompt has "
-                            f"{len(prompt_ids)} tokens (at least 1 more is needed for the completion). "
-                            f"Please shorten the prompt.", param=prompt_param)
     field_name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
     max_tokens = request.token_limit
     if max_tokens is None:
