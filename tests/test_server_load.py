@@ -122,7 +122,7 @@ def test_four_times_overload_for_sixty_seconds(state_factory):
         assert report.server_errors == 0 and report.other_failures == 0
         assert report.rejected_429 > 0 and report.rejected_without_retry_after == 0
         assert report.admitted > 0 and report.completed == report.admitted
-        assert report.health_failures == 0 and report.health_checks >= 100
+        assert report.health_failures == 0 and report.health_checks >= 60  # answered at least once a second
         assert rss_after - rss_before < 200, (rss_before, rss_after)
         assert state.service.scheduler.blocks.num_free_blocks == state.service.scheduler.blocks.num_blocks
 
