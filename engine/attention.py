@@ -103,6 +103,13 @@ def _causal_mask(num_queries: int, start_pos: int, sliding_window: int | None,
     return allowed
 
 
+def _gather_blocks(blocks: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Whole blocks of each table ``[num_seqs, n]``, as ``[num_seqs, n * block_size, H_kv, D]``."""
+    num_seqs, width = tables.shape
+    picked = blocks.index_select(0, tables.flatten())  # [num_seqs * n, block_size, H_kv, D]
+    return picked.view(num_seqs, width * blocks.shape[1], *blocks.shape[2:])
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float, softcap: float | None) -> torch.Tensor:
     """Scaled dot-product attention with GQA; q ``[..., H, t, D]``, k/v ``[..., H_kv, L, D]``."""
@@ -147,16 +154,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     k_blocks, v_blocks = meta.pool.layer_blocks(module.layer_idx)  # [num_blocks, block_size, H_kv, D]
     new_k = key[0].transpose(0, 1)  # [num_tokens, H_kv, D]
     new_v = value[0].transpose(0, 1)
-    k_cache[meta.slot_mapping] = new_k.to(k_cache.dtype)
-    v_cache[meta.slot_mapping] = new_v.to(v_cache.dtype)
+    k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
+    v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))  # than advanced indexing on CPU
 
     q = query[0]  # [H, num_tokens, D]
     out = torch.empty_like(q.transpose(0, 1))  # [num_tokens, H, D]
     if meta.decode_rows.numel():
         q_dec = q[:, meta.decode_rows].transpose(0, 1)[:, :, None, :]  # [B_dec, H, 1, D]
         # whole blocks are gathered (one copy per block, not per token); the mask hides what lies past a context
-        k_dec = k_blocks[meta.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, keys, D]
-        v_dec = v_blocks[meta.decode_tables].flatten(1, 2).transpose(1, 2).to(q.dtype)
+        k_dec = _gather_blocks(k_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, keys, D]
+        v_dec = _gather_blocks(v_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)
         o_dec = _attend(q_dec, k_dec, v_dec, meta.decode_mask(sliding_window), scale, softcap)
         out[meta.decode_rows] = o_dec[:, :, 0, :]  # [B_dec, H, D]
     for span in meta.prefills:
@@ -166,8 +173,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             v_i = value[0, :, span.start:span.end]
         else:
             context = span.context_len
-            k_i = k_blocks[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
-            v_i = v_blocks[span.block_table].flatten(0, 1)[:context].transpose(0, 1).to(q.dtype)
+            k_i = _gather_blocks(k_blocks, span.block_table[None])[0, :context]  # [context, H_kv, D]
+            v_i = _gather_blocks(v_blocks, span.block_table[None])[0, :context]
+            k_i, v_i = k_i.transpose(0, 1).to(q.dtype), v_i.transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
         if span.start_pos == 0 and sliding_window is None and softcap is None:
             # a whole prompt from position 0: SDPA's own causal kernel, no mask tensor
             out[span.start:span.end] = F.scaled_dot_product_attention(
