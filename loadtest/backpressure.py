@@ -33,10 +33,15 @@ class OverloadReport:
     rejected_429: int = 0
     rejected_without_retry_after: int = 0
     server_errors: int = 0
-    other_failures: int = 0
+    other_failures: int = 0       # an HTTP status other than 200/429/5xx, or an error event in a stream
+    transport_errors: int = 0     # the connection broke (client side or server side): not an HTTP answer
+    failure_kinds: dict[str, int] = field(default_factory=dict)
     health_checks: int = 0
     health_failures: int = 0
     ttfts: list[float] = field(default_factory=list)
+
+    def note(self, kind: str) -> None:
+        self.failure_kinds[kind] = self.failure_kinds.get(kind, 0) + 1
 
     def percentile(self, q: float) -> float:
         if not self.ttfts:
@@ -48,6 +53,7 @@ class OverloadReport:
         return {"sent": self.sent, "admitted": self.admitted, "completed": self.completed,
                 "rejected_429": self.rejected_429, "429_without_retry_after": self.rejected_without_retry_after,
                 "5xx": self.server_errors, "other_failures": self.other_failures,
+                "transport_errors": self.transport_errors, "failure_kinds": self.failure_kinds,
                 "health_checks": self.health_checks, "health_failures": self.health_failures,
                 "ttft_p50_s": round(self.percentile(0.5), 3), "ttft_p99_s": round(self.percentile(0.99), 3)}
 
@@ -68,6 +74,7 @@ async def _one_request(client: httpx.AsyncClient, body: dict, report: OverloadRe
                 return
             if response.status_code != 200:
                 report.other_failures += 1
+                report.note(f"HTTP {response.status_code}")
                 return
             report.admitted += 1
             first = True
@@ -78,14 +85,16 @@ async def _one_request(client: httpx.AsyncClient, body: dict, report: OverloadRe
                 chunk = json.loads(line[6:])
                 if "error" in chunk:
                     report.other_failures += 1
+                    report.note("error event: " + str(chunk["error"].get("message"))[:80])
                     return
                 if first:
                     report.ttfts.append(time.perf_counter() - start)
                     first = False
                 finished = finished or chunk["choices"][0]["finish_reason"] is not None
             report.completed += int(finished)
-    except httpx.HTTPError:
-        report.other_failures += 1
+    except httpx.HTTPError as exc:
+        report.transport_errors += 1
+        report.note(f"{type(exc).__name__}: {exc}"[:120])
 
 
 async def overload(url: str, clients: int, seconds: float, body: dict) -> OverloadReport:

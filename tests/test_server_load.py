@@ -119,7 +119,8 @@ def test_four_times_overload_for_sixty_seconds(state_factory):
         rss_after = _rss_mib()
         summary = report.summary()
         print(json.dumps(summary))
-        assert report.server_errors == 0 and report.other_failures == 0
+        assert report.server_errors == 0 and report.other_failures == 0, summary["failure_kinds"]
+        assert report.transport_errors <= report.sent // 1000, summary["failure_kinds"]  # keep-alive races only
         assert report.rejected_429 > 0 and report.rejected_without_retry_after == 0
         assert report.admitted > 0 and report.completed == report.admitted
         assert report.health_failures == 0 and report.health_checks >= 60  # answered at least once a second
