@@ -28,7 +28,6 @@ class AsyncTextStream:
     def __init__(self, client: httpx.AsyncClient, path: str, body: dict[str, Any], chat: bool) -> None:
         self._accumulator = StreamAccumulator(time.perf_counter(), chat)
         self._chunks = self._iter_chunks(client, path, body)
-        self._result: StreamResult | None = None
 
     async def _iter_chunks(self, client: httpx.AsyncClient, path: str,
                            body: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
@@ -49,14 +48,12 @@ class AsyncTextStream:
             delta = self._accumulator.add(chunk, time.perf_counter())
             if delta:
                 yield delta
-        self._result = self._accumulator.finish(time.perf_counter())
+        self._accumulator.finish(time.perf_counter())
 
     @property
     def result(self) -> StreamResult:
         """The finished result. Raises RuntimeError before the stream has been read to its end."""
-        if self._result is None:
-            raise RuntimeError("the stream has not been read to its end")
-        return self._result
+        return self._accumulator.final()
 
     async def aclose(self) -> None:
         """Drop the connection."""

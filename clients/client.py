@@ -88,7 +88,6 @@ class TextStream:
     def __init__(self, client: httpx.Client, path: str, body: dict[str, Any], chat: bool) -> None:
         self._accumulator = StreamAccumulator(time.perf_counter(), chat)
         self._chunks = self._iter_chunks(client, path, body)
-        self._result: StreamResult | None = None
 
     def _iter_chunks(self, client: httpx.Client, path: str, body: dict[str, Any]) -> Iterator[dict[str, Any]]:
         self._accumulator.started = time.perf_counter()
@@ -104,18 +103,12 @@ class TextStream:
         raise truncated_error()
 
     def __iter__(self) -> Iterator[str]:
-        for chunk in self._chunks:
-            delta = self._accumulator.add(chunk, time.perf_counter())
-            if delta:
-                yield delta
-        self._result = self._accumulator.finish(time.perf_counter())
+        return self._accumulator.deltas(self._chunks)
 
     @property
     def result(self) -> StreamResult:
         """The finished result. Raises RuntimeError before the stream has been read to its end."""
-        if self._result is None:
-            raise RuntimeError("the stream has not been read to its end")
-        return self._result
+        return self._accumulator.final()
 
     def close(self) -> None:
         """Drop the connection (an unfinished request is aborted by the server on disconnect)."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import email.utils
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,6 +166,7 @@ class StreamAccumulator:
         self.started = started
         self.chat = chat
         self.result = StreamResult()
+        self.finished = False
 
     def add(self, chunk: dict[str, Any], now: float) -> str:
         """Fold one chunk in; return the text it adds to choice 0 ('' if none).
@@ -206,4 +208,19 @@ class StreamAccumulator:
     def finish(self, now: float) -> StreamResult:
         """Stamp the end of the stream and return the result."""
         self.result.elapsed_s = now - self.started
+        self.finished = True
+        return self.result
+
+    def deltas(self, chunks: Iterable[dict[str, Any]]) -> Iterator[str]:
+        """Fold every chunk in, yielding choice 0's non-empty text deltas, then stamp the end."""
+        for chunk in chunks:
+            delta = self.add(chunk, time.perf_counter())
+            if delta:
+                yield delta
+        self.finish(time.perf_counter())
+
+    def final(self) -> StreamResult:
+        """The finished result. Raises RuntimeError before the stream has been read to its end."""
+        if not self.finished:
+            raise RuntimeError("the stream has not been read to its end")
         return self.result
