@@ -66,6 +66,7 @@ class AttentionMetadata:
         decode_positions: ``[num_decodes, max_context]`` key positions (padding beyond the context).
         decode_lens: ``[num_decodes]`` context lengths (tokens).
         prefills: multi-token sequences.
+        all_decodes: True when there are no prefills (the decode rows are then every row, in order).
     """
 
     pool: KVPool
@@ -74,6 +75,7 @@ class AttentionMetadata:
     decode_tables: torch.Tensor
     decode_lens: torch.Tensor
     prefills: list[PrefillSpan]
+    all_decodes: bool = False  # every token is a decode, in row order (decode_rows is 0..n-1)
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built once a step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:
@@ -125,12 +127,64 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+    """Write this step's K/V into the pool at the slot mapping, then attend each token to its own context.
+
+    Args:
+        layer_idx: which layer's cache to use.
+        q: ``[num_tokens, num_heads, head_dim]`` queries (RoPE applied; any strides).
+        k, v: ``[num_tokens, num_kv_heads, head_dim]`` this step's keys (RoPE applied) and values.
+        meta: the step's AttentionMetadata.
+        scale: softmax scale (usually head_dim ** -0.5).
+        sliding_window: the layer's window (tokens), if any.
+        softcap: attention logit soft-cap (Gemma 2), if any.
+
+    Returns:
+        ``[num_tokens, num_heads, head_dim]`` attention output (contiguous).
+    """
+    k_cache, v_cache = meta.pool.layer(layer_idx)  # [num_slots, H_kv, D]
+    k_blocks, v_blocks = meta.pool.layer_blocks(layer_idx)  # [num_blocks, block_size, H_kv, D]
+    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
+    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # than advanced indexing on CPU
+
+    q = q.transpose(0, 1)  # [H, num_tokens, D]
+    out = torch.empty_like(q.transpose(0, 1))  # [num_tokens, H, D]
+    if meta.decode_rows.numel():
+        q_dec = (q.transpose(0, 1) if meta.all_decodes else q[:, meta.decode_rows].transpose(0, 1))[:, :, None, :]
+        # whole blocks are gathered (one copy per block, not per token); the mask hides what lies past a context
+        k_dec = _gather_blocks(k_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, keys, D]
+        v_dec = _gather_blocks(v_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)
+        o_dec = _attend(q_dec, k_dec, v_dec, meta.decode_mask(sliding_window), scale, softcap)  # [B_dec, H, 1, D]
+        if meta.all_decodes:
+            return o_dec.reshape(out.shape)
+        out[meta.decode_rows] = o_dec[:, :, 0, :]  # [B_dec, H, D]
+    for span in meta.prefills:
+        q_i = q[:, span.start:span.end]  # [H, t, D]
+        if span.start_pos == 0:
+            k_i = k[span.start:span.end].transpose(0, 1)  # [H_kv, t, D]: the whole context is new
+            v_i = v[span.start:span.end].transpose(0, 1)
+        else:
+            context = span.context_len
+            k_i = _gather_blocks(k_blocks, span.block_table[None])[0, :context]  # [context, H_kv, D]
+            v_i = _gather_blocks(v_blocks, span.block_table[None])[0, :context]
+            k_i, v_i = k_i.transpose(0, 1).to(q.dtype), v_i.transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
+        if span.start_pos == 0 and sliding_window is None and softcap is None:
+            # a whole prompt from position 0: SDPA's own causal kernel, no mask tensor
+            out[span.start:span.end] = F.scaled_dot_product_attention(
+                q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
+            continue
+        mask = span.causal_mask(sliding_window)
+        out[span.start:span.end] = _attend(q_i, k_i, v_i, mask, scale, softcap).transpose(0, 1)
+    return out
+
+
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
                             value: torch.Tensor, attention_mask: torch.Tensor | None,
                             scaling: float | None = None, dropout: float = 0.0,
                             sliding_window: int | None = None, softcap: float | None = None,
                             **kwargs) -> tuple[torch.Tensor, None]:
-    """transformers attention function for the paged KV cache.
+    """transformers attention function for the paged KV cache (adapts shapes for ``paged_attention``).
 
     Args:
         module: the attention module (gives ``layer_idx``).
@@ -150,39 +204,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     """
     meta: AttentionMetadata = kwargs["kvserve"]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    k_cache, v_cache = meta.pool.layer(module.layer_idx)  # [num_slots, H_kv, D]
-    k_blocks, v_blocks = meta.pool.layer_blocks(module.layer_idx)  # [num_blocks, block_size, H_kv, D]
-    new_k = key[0].transpose(0, 1)  # [num_tokens, H_kv, D]
-    new_v = value[0].transpose(0, 1)
-    k_cache.index_copy_(0, meta.slot_mapping, new_k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
-    v_cache.index_copy_(0, meta.slot_mapping, new_v.to(v_cache.dtype))  # than advanced indexing on CPU
-
-    q = query[0]  # [H, num_tokens, D]
-    out = torch.empty_like(q.transpose(0, 1))  # [num_tokens, H, D]
-    if meta.decode_rows.numel():
-        q_dec = q[:, meta.decode_rows].transpose(0, 1)[:, :, None, :]  # [B_dec, H, 1, D]
-        # whole blocks are gathered (one copy per block, not per token); the mask hides what lies past a context
-        k_dec = _gather_blocks(k_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, keys, D]
-        v_dec = _gather_blocks(v_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)
-        o_dec = _attend(q_dec, k_dec, v_dec, meta.decode_mask(sliding_window), scale, softcap)
-        out[meta.decode_rows] = o_dec[:, :, 0, :]  # [B_dec, H, D]
-    for span in meta.prefills:
-        q_i = q[:, span.start:span.end]  # [H, t, D]
-        if span.start_pos == 0:
-            k_i = key[0, :, span.start:span.end]  # [H_kv, t, D]: the whole context is new
-            v_i = value[0, :, span.start:span.end]
-        else:
-            context = span.context_len
-            k_i = _gather_blocks(k_blocks, span.block_table[None])[0, :context]  # [context, H_kv, D]
-            v_i = _gather_blocks(v_blocks, span.block_table[None])[0, :context]
-            k_i, v_i = k_i.transpose(0, 1).to(q.dtype), v_i.transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
-        if span.start_pos == 0 and sliding_window is None and softcap is None:
-            # a whole prompt from position 0: SDPA's own causal kernel, no mask tensor
-            out[span.start:span.end] = F.scaled_dot_product_attention(
-                q_i, k_i, v_i, is_causal=True, scale=scale, enable_gqa=True).transpose(0, 1)
-            continue
-        mask = span.causal_mask(sliding_window)
-        out[span.start:span.end] = _attend(q_i, k_i, v_i, mask, scale, softcap).transpose(0, 1)
+    out = paged_attention(module.layer_idx, query[0].transpose(0, 1), key[0].transpose(0, 1),
+                          value[0].transpose(0, 1), meta, scale, sliding_window, softcap)
     return out[None], None
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
+from engine.fastpath import fast_decoder
 from engine.loader import LoadedModel
 from engine.plan import SeqResult, SeqWork, StepPlan, TokenLogprob
 from engine.sampling import sample_token, token_logprob
@@ -22,8 +23,11 @@ def padded_tables(tables: list[list[int]], lengths: list[int], block_size: int, 
 class ModelRunner:
     """Runs steps of a transformers model over a paged KV pool.
 
+    Llama-family models run the lean forward of ``engine.fastpath`` (same weights, fewer ops); any other
+    architecture runs transformers' own modules with the ``kvserve`` attention function.
+
     Args:
-        loaded: the model (already wired to the ``kvserve`` attention).
+        loaded: the model (already wired to the ``kvserve`` attention, quantized if it is to be).
         pool: the KV pool; its geometry must match the model.
     """
 
@@ -31,6 +35,7 @@ class ModelRunner:
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
+        self.fast = fast_decoder(loaded.model)
 
     def _metadata(self, plan: StepPlan) -> AttentionMetadata:
         device, block_size = self.device, self.pool.block_size
@@ -59,6 +64,7 @@ class ModelRunner:
             decode_tables=decode_tables,
             decode_lens=torch.tensor(lens, dtype=torch.long, device=device),
             prefills=prefills,
+            all_decodes=not prefills,
         )
 
     @torch.inference_mode()
@@ -87,13 +93,18 @@ class ModelRunner:
                 keep.append(row + n - 1)
             row += n
         meta = self._metadata(plan)
-        if not keep:
+        keep_rows = torch.tensor(keep, dtype=torch.long, device=device)
+        if self.fast is not None:
+            logits = self.fast.forward(input_ids[0], positions[0], meta, keep_rows)  # [len(keep), vocab]
+        elif not keep:
             self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                               logits_to_keep=torch.tensor([0], device=device), kvserve=meta)
+        else:
+            logits = self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
+                                       logits_to_keep=keep_rows, kvserve=meta).logits[0]  # [len(keep), vocab]
+        if not keep:
             return [SeqResult(seq_id=w.seq_id, token=None) for w in plan.work]
-        out = self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                logits_to_keep=torch.tensor(keep, device=device), kvserve=meta)
-        logits = out.logits[0].float()  # [len(keep), vocab]
+        logits = logits.float()
         return self._sample(plan, logits)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[SeqResult]:

@@ -8,6 +8,8 @@ any other device, it runs the reference: dequantize to the activation dtype, the
 
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -168,3 +170,35 @@ class NF4Linear(Nibble4Linear):
 
 LAYER_CLASSES: dict[Scheme, type[QuantLinear]] = {Scheme.INT8: Int8Linear, Scheme.INT4: Int4Linear,
                                                   Scheme.NF4: NF4Linear}
+
+
+def concat_outputs(layers: list[QuantLinear]) -> QuantLinear:
+    """One layer whose output is the given layers' outputs side by side: ``[..., sum(out_i)]``.
+
+    Exact, not a requantization: every scheme stores its scales per output row (per-tensor scales are
+    widened to rows or groups at construction), so rows can be stacked as they are. The fused layer owns
+    the codes; each original layer's ``weight`` becomes a view of its rows, so memory is not doubled.
+
+    Args:
+        layers: layers of one class with the same ``in_features`` and group size (e.g. q, k, v projections).
+
+    Raises:
+        ValueError: mixed classes, input sizes or group sizes.
+    """
+    first = layers[0]
+    if any(type(m) is not type(first) or m.in_features != first.in_features or m.group_size != first.group_size
+           for m in layers):
+        raise ValueError("concat_outputs needs layers of one scheme, input size and group size")
+    fused = copy.copy(first)
+    fused._parameters, fused._buffers, fused._modules = dict(first._parameters), dict(first._buffers), {}
+    fused.out_features = sum(m.out_features for m in layers)
+    fused.weight = torch.cat([m.weight for m in layers])  # [sum(out), in] or [sum(out), in // 2]
+    fused.scales = torch.cat([m.scales for m in layers], dim=-1)  # [sum(out)] or [groups, sum(out)]
+    biases = [m.bias for m in layers if m.bias is not None]
+    fused.bias = None if not biases else nn.Parameter(torch.cat(
+        [m.bias if m.bias is not None else biases[0].new_zeros(m.out_features) for m in layers]), requires_grad=False)
+    start = 0
+    for m in layers:
+        m.weight = fused.weight[start:start + m.out_features]
+        start += m.out_features
+    return fused

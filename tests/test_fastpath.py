@@ -1,0 +1,120 @@
+"""The lean Llama-family forward (engine/fastpath.py) computes what transformers' modules compute."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import transformers
+
+from engine.loader import wrap_model
+from engine.plan import SamplingParams, SeqWork, StepPlan
+from engine.runner import ModelRunner
+from kvcache.pool import KVPool
+from quant.linear import Int4Linear, Int8Linear, concat_outputs
+from quant.model import quantize_model
+from tests.test_exactness import engine_greedy, reference_greedy, reference_model
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 4
+
+
+def tiny(arch: str, **overrides):
+    torch.manual_seed(0)
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig, "gemma": transformers.GemmaConfig}[arch]
+    config = config_class(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def mixed_plan() -> list[SeqWork]:
+    """Seq 0 prefills 9 tokens from 0; seq 1 decodes at position 6; seq 2 prefills a 5-token chunk at 4."""
+    def work(seq, ids, start, context):
+        table = list(range(seq * 8, seq * 8 + 8))
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(ids))]
+        return SeqWork(seq, ids, start, table, slots, True, GREEDY, list(range(3, 3 + context)), [])
+    return [work(0, list(range(10, 19)), 0, 9), work(1, [77], 6, 7), work(2, list(range(40, 45)), 4, 9)]
+
+
+def run_both(loaded) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of the plan's sampled rows and the written KV pool, with the fast path and without it."""
+    results = []
+    for fast in (True, False):
+        pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)
+        runner = ModelRunner(loaded, pool)
+        assert runner.fast is not None
+        if not fast:
+            runner.fast = None
+        captured = []
+        runner._sample = lambda plan, logits, captured=captured: captured.append(logits) or []
+        # prefill the cached part of seqs 1 and 2 first, then the mixed step
+        warm = [SeqWork(1, list(range(3, 9)), 0, list(range(8, 16)), [32 + p for p in range(6)], False, GREEDY,
+                        list(range(3, 10)), []),
+                SeqWork(2, list(range(3, 7)), 0, list(range(16, 24)), [64 + p for p in range(4)], False, GREEDY,
+                        list(range(3, 12)), [])]
+        runner.execute(StepPlan(warm))
+        runner.execute(StepPlan(mixed_plan()))
+        results.append((captured[0], pool.data.clone()))
+    return results[0], results[1]
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"attention_bias": True}), ("qwen2", {}),
+                                            ("mistral", {"sliding_window": 6})])
+def test_fast_path_equals_transformers_modules_on_a_mixed_step(arch, overrides):
+    loaded = wrap_model(tiny(arch, **overrides), tokenizer=None, name=arch)
+    (fast_logits, fast_kv), (ref_logits, ref_kv) = run_both(loaded)
+    assert fast_logits.shape == ref_logits.shape == (3, 256)
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_kv, ref_kv, rtol=1e-5, atol=1e-5)
+
+
+def test_fast_path_with_quantized_fused_projections():
+    model = tiny("llama")
+    quantize_model(model, "int8")
+    loaded = wrap_model(model, tokenizer=None, name="llama-int8")
+    (fast_logits, _), (ref_logits, _) = run_both(loaded)
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
+
+
+def test_sliding_window_greedy_matches_generate():
+    model = tiny("mistral", sliding_window=8)
+    loaded = wrap_model(copy.deepcopy(model), tokenizer=None, name="mistral-w8")
+    prompts = [[5 + (3 * i + j) % 200 for j in range(n)] for i, n in enumerate((3, 13))]
+    ours, _ = engine_greedy(loaded, prompts, 20, block_size=4, num_blocks=64, budget=8, max_num_seqs=4)
+    ref = reference_model(model)
+    assert ours == [reference_greedy(ref, p, 20) for p in prompts]
+
+
+def test_other_architectures_keep_the_transformers_forward(monkeypatch):
+    gemma = wrap_model(tiny("gemma"), tokenizer=None, name="gemma")
+    assert ModelRunner(gemma, KVPool(gemma.kv_shape(), 8, BLOCK, gemma.dtype)).fast is None
+    llama = wrap_model(tiny("llama"), tokenizer=None, name="llama")
+    monkeypatch.setenv("KVSERVE_FASTPATH", "0")
+    assert ModelRunner(llama, KVPool(llama.kv_shape(), 8, BLOCK, llama.dtype)).fast is None
+
+
+def test_smollm2_takes_the_fast_path(smollm2):
+    runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 8, 16, smollm2.dtype))
+    assert runner.fast is not None
+    layer = runner.fast.layers[0]
+    assert layer.qkv.out_features == 576 + 2 * 192
+    # the original projections read the fused rows: no second copy of the weights
+    assert layer.k_proj.weight.data_ptr() == layer.qkv.weight.data_ptr() + 576 * 576 * 4
+
+
+@pytest.mark.parametrize("layer_class", [Int8Linear, Int4Linear])
+def test_concat_outputs_is_exact_and_shares_codes(layer_class):
+    torch.manual_seed(1)
+    linears = [torch.nn.Linear(256, out, bias=True) for out in (64, 32, 32)]
+    layers = [layer_class(lin) for lin in linears]
+    x = torch.randn(3, 256)
+    separate = torch.cat([layer(x) for layer in layers], dim=-1)
+    fused = concat_outputs(layers)
+    assert fused.out_features == 128
+    assert torch.equal(fused(x), separate)
+    assert layers[1].weight.data_ptr() == fused.weight[64:].data_ptr()
+    with pytest.raises(ValueError):
+        concat_outputs([Int8Linear(linears[0]), Int4Linear(linears[1])])
