@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 import shlex
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
 from pathlib import Path
 
 from loadtest import report, simulate, workloads
@@ -39,6 +42,20 @@ def agreement(measured: dict[str, float], simulated: dict[str, float]) -> dict[s
     return {key: abs(measured[key] / simulated[key] - 1) for key in CHECKED}
 
 
+SERVER_COUNTERS = ("engine_steps", "engine_step_seconds", "scheduler_loop_seconds")
+
+
+def server_counters(url: str) -> dict[str, float]:
+    """The server's own step counters from /metrics: steps, seconds inside the runner, seconds between steps."""
+    text = httpx.get(url + "/metrics", timeout=10).text
+    values = {}
+    for family in text_string_to_metric_families(text):
+        name = family.name.removeprefix("kvserve:")
+        if name in SERVER_COUNTERS:
+            values[name] = family.samples[0].value
+    return values
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--slots", type=int, default=8, help="--max-num-seqs of both servers")
     parser.add_argument("--server-cmd", default=None,
@@ -55,8 +72,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _simulated(args: argparse.Namespace, lengths: list[int]) -> tuple[dict[str, float], str, dict[str, float]]:
-    """Simulated ratios, a sentence on the step cost used, and the measured costs (ms) by "prefills,decodes"."""
+def _simulated(args: argparse.Namespace, lengths: list[int]) -> tuple[dict[str, float], str, dict[str, float],
+                                                                      dict[str, simulate.SimResult]]:
+    """Simulated ratios, a sentence on the step cost used, the measured costs (ms) by "prefills,decodes", and
+    each policy's simulated run."""
     costs: dict[tuple[int, int], float] = {}
     if args.flat_sim:
         cost, how = simulate.flat_cost, "flat step cost"
@@ -69,14 +88,16 @@ def _simulated(args: argparse.Namespace, lengths: list[int]) -> tuple[dict[str, 
                f"fitted as {simulate.describe_fit(fit)}")
     static, continuous = simulate.run_both(lengths, args.slots, cost)
     simulate.print_results(static, continuous)
-    return simulate.ratios(static, continuous), how, {f"{p},{d}": 1000 * t for (p, d), t in costs.items()}
+    return (simulate.ratios(static, continuous), how, {f"{p},{d}": 1000 * t for (p, d), t in costs.items()},
+            {"static": static, "continuous": continuous})
 
 
 def run(args: argparse.Namespace) -> int:
     specs = workloads.seed64()
-    simulated, how, costs_ms = _simulated(args, [s.max_tokens for s in specs])
+    simulated, how, costs_ms, sims = _simulated(args, [s.max_tokens for s in specs])
     base = shlex.split(args.server_cmd) if args.server_cmd else kvserve_command([])
     runs: list[RunResult] = []
+    counters: dict[str, dict[str, float]] = {}
     for policy in POLICIES:
         command = base + ["--scheduler", policy, "--max-num-seqs", str(args.slots), *shlex.split(args.server_args)]
         with launch(command, name=f"compare-{policy}") as server:
@@ -84,6 +105,7 @@ def run(args: argparse.Namespace) -> int:
                                 duration_s=args.timeout, timeout_s=args.timeout, model=server_model(server.url),
                                 progress=not args.no_progress)
             runs.append(run_sync(specs, config, policy))
+            counters[policy] = server_counters(server.url)
     static, continuous = (report.summarize(r) for r in runs)
     report.print_table([static, continuous])
     measured = measured_ratios(static, continuous)
@@ -91,10 +113,13 @@ def run(args: argparse.Namespace) -> int:
     ok = all(e <= TOLERANCE for e in errors.values()) and static.ok == continuous.ok == len(specs)
     for key in measured:
         print(f"{key:>10}: measured {measured[key]:.2f}x  simulated {simulated[key]:.2f}x")
+    steps = step_table(sims, counters)
+    print(steps)
     print(f"agreement within {TOLERANCE:.0%} on {', '.join(CHECKED)}: {'yes' if ok else 'NO'} "
           f"({', '.join(f'{k} {100 * v:.1f}%' for k, v in errors.items())})")
     paths = [report.write_json(runs, args.out / "compare.json", {"simulated": simulated, "measured": measured,
-                                                                    "step_costs_ms": costs_ms}),
+                                                                    "step_costs_ms": costs_ms,
+                                                                    "server_counters": counters}),
              report.plot_latency_cdfs(runs, args.out / "compare-latency.png", "seed64, 8 slots: static vs continuous")]
     if args.img:
         paths.append(report.plot_latency_cdfs(runs, args.img / "compare-latency.png",
@@ -103,18 +128,33 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_write:
         update_section("compare", "Static vs continuous batching (seed64, 8 slots)", "python -m loadtest compare"
                        + (f" --server-args '{args.server_args}'" if args.server_args else ""),
-                       _markdown(static, continuous, measured, simulated, errors, ok, how, args.img), args.benchmarks)
+                       _markdown(static, continuous, measured, simulated, errors, ok, how, args.img, steps),
+                       args.benchmarks)
     return 0 if ok else 2
 
 
+def step_table(sims: dict[str, simulate.SimResult], counters: dict[str, dict[str, float]]) -> str:
+    """Markdown: steps and mean step time, simulated vs what each server counted (where they part ways)."""
+    rows = ["| policy | steps simulated | steps served | ms/step simulated | ms/step in the runner (served) "
+            "| ms between steps (served) |", "|---|---|---|---|---|---|"]
+    for policy, sim in sims.items():
+        c = counters.get(policy, {})
+        served = c.get("engine_steps", 0) or float("nan")
+        rows.append(f"| {policy} | {sim.steps} | {served:.0f} | {1000 * sim.wall_s / sim.steps:.1f} "
+                    f"| {1000 * c.get('engine_step_seconds', float('nan')) / served:.1f} "
+                    f"| {1000 * c.get('scheduler_loop_seconds', float('nan')) / served:.2f} |")
+    return "\n".join(rows)
+
+
 def _markdown(static: report.Summary, continuous: report.Summary, measured: dict, simulated: dict,
-              errors: dict, ok: bool, how: str, img: Path | None) -> str:
+              errors: dict, ok: bool, how: str, img: Path | None, steps: str) -> str:
     rows = ["| policy | wall s | output tok/s | mean e2e s | p99 e2e s | mean TTFT s |", "|---|---|---|---|---|---|"]
     for s in (static, continuous):
         rows.append(f"| {s.label} | {s.wall_s:.1f} | {s.tokens_per_s:.1f} | {s.e2e_mean_s:.2f} | {s.e2e_p99_s:.2f} "
                     f"| {s.ttft_mean_s:.2f} |")
     rows += ["", "| continuous vs static | measured | simulated |", "|---|---|---|"]
     rows += [f"| {key} | {measured[key]:.2f}x | {simulated[key]:.2f}x |" for key in measured]
+    rows += ["", steps]
     text = "\n".join(rows) + (
         f"\n\nAll 64 requests sent at once, each pinned to its length ({static.output_tokens} output tokens). "
         f"Simulator: {how}. Measured vs simulated within {TOLERANCE:.0%} on {', '.join(CHECKED)}: "

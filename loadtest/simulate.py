@@ -108,15 +108,11 @@ def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int 
     bench = EngineBench(load(), num_seqs=2 * slots, max_len=max(prompt_len, context_len) + 1)
     for s in range(slots):
         bench.fill(slots + s, context_len)
-    costs = {}
-    for prefills in range(slots + 1):
-        for decodes in range(slots + 1 - prefills):
-            if prefills + decodes == 0:
-                continue
-            work = [bench.prefill(s, dummy_ids(prompt_len, 1000 + s)) for s in range(prefills)]
-            work += [bench.decode(slots + s, context_len) for s in range(decodes)]
-            costs[(prefills, decodes)] = bench.time_plan(work, reps=reps)
-    return costs
+    mixes = [(p, d) for p in range(slots + 1) for d in range(slots + 1 - p) if p + d]
+    plans = [[bench.prefill(s, dummy_ids(prompt_len, 1000 + s)) for s in range(p)]
+             + [bench.decode(slots + s, context_len) for s in range(d)] for p, d in mixes]
+    # round-robin over every mix, so a slow spell on a shared machine lands on all of them alike
+    return dict(zip(mixes, bench.time_plans(plans, reps=reps)))
 
 
 def fit_cost(costs: dict[tuple[int, int], float]) -> tuple[float, float, float]:

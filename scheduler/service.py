@@ -11,6 +11,7 @@ import asyncio
 import enum
 import logging
 import math
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,6 +46,9 @@ class StepStats:
     steps: int = 0
     prompt_tokens: int = 0       # prompt tokens computed (prefix-cache hits excluded)
     generation_tokens: int = 0
+    engine_s: float = 0.0        # wall time inside the model runner (s)
+    loop_s: float = 0.0          # wall time between consecutive steps while work was left (s): scheduling,
+                                 # applying results, waking the worker thread
 
 
 class SchedulerService:
@@ -54,17 +58,23 @@ class SchedulerService:
         scheduler: the planning core (owned by this service's task from now on).
         execute: computes a StepPlan (the model runner's ``execute``); runs in a worker thread.
         max_queue: waiting sequences beyond which ``submit`` raises QueueFull.
+        on_step: called after each successful step with its plan and wall time (s), e.g. to log step costs.
+        executor: the single worker thread that runs steps; pass the thread that loaded the model (see
+            ``server.serve.run``: one thread for all torch work keeps a single OpenMP team). Default: a new one.
     """
 
-    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResult]], max_queue: int) -> None:
+    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResult]], max_queue: int,
+                 on_step: Callable[[StepPlan, float], None] | None = None,
+                 executor: ThreadPoolExecutor | None = None) -> None:
         self.scheduler = scheduler
+        self.on_step = on_step
         self.execute = execute
         self.max_queue = max_queue
         self.stats = StepStats()
         self.dead: BaseException | None = None
         self._inbox: asyncio.Queue[tuple[_Command, object]] = asyncio.Queue()
         self._pending_adds = 0
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
+        self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._task: asyncio.Task | None = None
 
     # -- commands (called from handlers) -------------------------------------------------------------
@@ -130,6 +140,7 @@ class SchedulerService:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
+        last_end: float | None = None  # when the previous step ended, if work was left after it
         try:
             while True:
                 if not self.scheduler.has_work and self._inbox.empty():
@@ -140,16 +151,25 @@ class SchedulerService:
                     if self.scheduler.has_work:
                         await asyncio.sleep(0.005)  # nothing fits now (only possible transiently)
                     continue
+                if last_end is not None:
+                    self.stats.loop_s += time.perf_counter() - last_end
+                started = time.perf_counter()
                 try:
                     results = await loop.run_in_executor(self._executor, self.execute, plan)
                 except Exception as exc:  # a failed step fails only its own sequences
                     log.exception("engine step failed")
                     self._fail(plan, exc)
+                    last_end = None
                     continue
                 self.stats.steps += 1
+                seconds = time.perf_counter() - started
+                self.stats.engine_s += seconds
+                if self.on_step is not None:
+                    self.on_step(plan, seconds)
                 self._count(plan)
                 for seq, event in self.scheduler.update(plan, results):
                     seq.events.put_nowait(event)
+                last_end = time.perf_counter() if self.scheduler.has_work else None
         except asyncio.CancelledError:
             raise
         except BaseException as exc:

@@ -41,6 +41,7 @@ class ServeConfig:
     api_key: str | None = None          # if set, /v1 routes need "Authorization: Bearer <key>"
     served_model_name: str | None = None  # name in /v1/models; default from the model
     sse_ping_s: float = 15.0            # keep-alive comment interval on idle streams (s); 0 disables
+    step_log: str | None = None         # if set, append one JSON line per engine step to this file
 
     def __post_init__(self) -> None:
         if self.block_size < 1:

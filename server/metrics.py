@@ -45,6 +45,12 @@ class _SchedulerCollector:
                                   value=self.service.stats.prompt_tokens)
         yield CounterMetricFamily(_P + "generation_tokens", "Tokens generated.",
                                   value=self.service.stats.generation_tokens)
+        yield CounterMetricFamily(_P + "engine_steps", "Model steps run.", value=self.service.stats.steps)
+        yield CounterMetricFamily(_P + "engine_step_seconds", "Wall time inside the model runner (s).",
+                                  value=self.service.stats.engine_s)
+        yield CounterMetricFamily(_P + "scheduler_loop_seconds",
+                                  "Wall time between consecutive steps while work was left (s).",
+                                  value=self.service.stats.loop_s)
 
 
 class Metrics:

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import itertools
+import json
 import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from engine.loader import LoadedModel
+from engine.plan import StepPlan
 from engine.runner import ModelRunner
 from kvcache.block_manager import BlockManager
 from kvcache.pool import KVPool
@@ -20,15 +24,37 @@ log = logging.getLogger("kvserve.server")
 _PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line
 
 
+class StepLog:
+    """``--step-log``: one JSON line per engine step, the raw material of the simulator's step-cost fit.
+
+    Fields: ``prefills`` (sequences computing more than one token or starting at 0), ``decodes``,
+    ``prefill_tokens``, ``max_context`` (longest context among the decodes, tokens; the paged gather pads
+    every decode to it), ``seconds`` (wall time inside the runner).
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self._file = self.path.open("a", buffering=1)
+
+    def write(self, plan: StepPlan, seconds: float) -> None:
+        decodes = [w for w in plan.work if len(w.token_ids) == 1 and w.start_pos > 0]
+        prefills = [w for w in plan.work if not (len(w.token_ids) == 1 and w.start_pos > 0)]
+        self._file.write(json.dumps({
+            "prefills": len(prefills), "decodes": len(decodes),
+            "prefill_tokens": sum(len(w.token_ids) for w in prefills),
+            "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6)}) + "\n")
+
+
 class ServerState:
     """Everything a request handler needs; one per app.
 
     Args:
         loaded: the model (wired to paged attention, quantized if asked).
         config: serving configuration.
+        executor: the one thread that runs engine steps (default: a new thread).
     """
 
-    def __init__(self, loaded: LoadedModel, config: ServeConfig) -> None:
+    def __init__(self, loaded: LoadedModel, config: ServeConfig, executor: ThreadPoolExecutor | None = None) -> None:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -44,7 +70,9 @@ class ServerState:
                                               max_model_len=self.max_model_len,
                                               static=config.policy is Policy.STATIC), blocks)
         self.runner = ModelRunner(loaded, self.pool)
-        self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue)
+        self.step_log = StepLog(config.step_log) if config.step_log else None
+        self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
+                                        on_step=self.step_log.write if self.step_log else None, executor=executor)
         self.metrics = Metrics(self.service)
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
