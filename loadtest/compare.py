@@ -46,13 +46,21 @@ SERVER_COUNTERS = ("engine_steps", "engine_step_seconds", "scheduler_loop_second
 
 
 def server_counters(url: str) -> dict[str, float]:
-    """The server's own step counters from /metrics: steps, seconds inside the runner, seconds between steps."""
-    text = httpx.get(url + "/metrics", timeout=10).text
-    values = {}
-    for family in text_string_to_metric_families(text):
-        name = family.name.removeprefix("kvserve:")
-        if name in SERVER_COUNTERS:
-            values[name] = family.samples[0].value
+    """The server's own step counters from /metrics: steps, seconds inside the runner, seconds between steps.
+
+    Empty for a server without them (``--server-cmd`` may name any OpenAI-compatible server).
+    """
+    response = httpx.get(url + "/metrics", timeout=10)
+    values: dict[str, float] = {}
+    if response.status_code != 200:
+        return values
+    try:
+        for family in text_string_to_metric_families(response.text):
+            name = family.name.removeprefix("kvserve:")
+            if name in SERVER_COUNTERS and family.samples:
+                values[name] = family.samples[0].value
+    except ValueError:  # not Prometheus text
+        return {}
     return values
 
 
