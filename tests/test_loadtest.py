@@ -148,3 +148,26 @@ def test_peers_median_skips_failed_repeats():
     merged = peers._median([good, failed, better])
     assert merged["single_decode_tps"] == 20.0 and merged["aggregate_tps"] == {"1": 20.0}
     assert merged["error"] is None
+
+
+def test_simulated_queue_order_decides_the_tail():
+    lengths = [10, 1, 1, 1]
+    first = simulate.simulate(lengths, 2, False, simulate.flat_cost)
+    last = simulate.simulate(lengths, 2, False, simulate.flat_cost, order=[1, 2, 3, 0])
+    assert (first.steps, last.steps) == (10, 11)  # the long request admitted last runs on alone
+    with pytest.raises(ValueError):
+        simulate.simulate(lengths, 2, False, simulate.flat_cost, order=[0, 0, 1, 2])
+
+
+def test_admission_order_follows_server_queue_time():
+    from loadtest.client import RequestRecord
+    from loadtest.generator import RunResult
+    records = [RequestRecord(index=0, start_s=0.00, ttft_s=5.0, server_queue_ms=3000.0),
+               RequestRecord(index=1, start_s=0.01, ttft_s=1.0, server_queue_ms=10.0),
+               RequestRecord(index=2, start_s=0.02, ttft_s=2.0)]  # no server timings: first token
+    assert compare.admission_order(RunResult("x", {}, 1.0, records)) == [1, 2, 0]
+
+
+def test_grid_cost_uses_the_measured_points():
+    cost = simulate.grid_cost({(0, 1): 0.05, (1, 0): 0.2})
+    assert (cost(0, 1), cost(1, 0)) == (0.05, 0.2)
