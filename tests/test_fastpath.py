@@ -100,9 +100,10 @@ def test_smollm2_takes_the_fast_path(smollm2):
     runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 8, 16, smollm2.dtype))
     assert runner.fast is not None
     layer = runner.fast.layers[0]
-    assert layer.qkv.out_features == 576 + 2 * 192
+    assert layer.qkv.module.out_features == 576 + 2 * 192
     # the original projections read the fused rows: no second copy of the weights
-    assert layer.k_proj.weight.data_ptr() == layer.qkv.weight.data_ptr() + 576 * 576 * 4
+    assert layer.k_proj.module.weight.data_ptr() == layer.qkv.module.weight.data_ptr() + 576 * 576 * 4
+    assert layer.qkv.dense and runner.fast.lm_head.dense  # float32 decode rows take the f32_linear kernel
 
 
 @pytest.mark.parametrize("layer_class", [Int8Linear, Int4Linear])
@@ -118,3 +119,14 @@ def test_concat_outputs_is_exact_and_shares_codes(layer_class):
     assert layers[1].weight.data_ptr() == fused.weight[64:].data_ptr()
     with pytest.raises(ValueError):
         concat_outputs([Int8Linear(linears[0]), Int4Linear(linears[1])])
+
+
+@pytest.mark.parametrize("rows,k", [(1, 576), (5, 64), (32, 48), (3, 20)])
+def test_f32_linear_kernel_matches_torch(rows, k):
+    from quant import kernels
+    kernel = kernels.load()
+    if kernel is None:
+        pytest.skip("quant kernels not built on this machine")
+    torch.manual_seed(2)
+    w, x = torch.randn(70, k), torch.randn(rows, k)  # k = 20: not a multiple of 16, the scalar loop
+    torch.testing.assert_close(kernel.f32_linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
