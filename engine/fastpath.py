@@ -41,8 +41,9 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 DENSE_MAX_ROWS = 32
 
 
-class _Proj:
-    """A projection as the fast path calls it: ``[T, in]`` -> ``[T, out]``."""
+class Projection:
+    """A projection as the fast path calls it: ``[T, in]`` -> ``[T, out]`` (float32 rows <= DENSE_MAX_ROWS on
+    CPU: the f32_linear kernel; otherwise the module itself, e.g. a QuantLinear or a bf16 nn.Linear)."""
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
@@ -91,13 +92,13 @@ class _Layer:
         self.post_norm = layer.post_attention_layernorm.weight
         self.post_eps = layer.post_attention_layernorm.variance_epsilon
         fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
-        self.qkv = None if fused is None else _Proj(fused)
-        self.q_proj, self.k_proj, self.v_proj = _Proj(attn.q_proj), _Proj(attn.k_proj), _Proj(attn.v_proj)
-        self.o_proj = _Proj(attn.o_proj)
+        self.qkv = None if fused is None else Projection(fused)
+        self.q_proj, self.k_proj, self.v_proj = Projection(attn.q_proj), Projection(attn.k_proj), Projection(attn.v_proj)
+        self.o_proj = Projection(attn.o_proj)
         # gate and up stay separate: fused, the [2I, hidden] GEMM ran 10-20% slower here (measured with
         # MKL on 2 AVX2 cores, M = 1..32), unlike q/k/v, which gain from one call.
         self.gate_up = None
-        self.gate_proj, self.up_proj, self.down_proj = _Proj(mlp.gate_proj), _Proj(mlp.up_proj), _Proj(mlp.down_proj)
+        self.gate_proj, self.up_proj, self.down_proj = Projection(mlp.gate_proj), Projection(mlp.up_proj), Projection(mlp.down_proj)
         self.act = mlp.act_fn
         self.scale = attn.scaling
         self.sliding_window = sliding_window
@@ -162,7 +163,7 @@ class FastDecoder:
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
-        self.lm_head = _Proj(model.lm_head)
+        self.lm_head = Projection(model.lm_head)
         self.vocab_size = model.lm_head.out_features
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads

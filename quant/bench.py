@@ -87,12 +87,19 @@ def decode_steps(loaded, num_tokens: int, profile: bool = False) -> tuple[list[f
 
 @torch.inference_mode()
 def layer_times(model, dtype: torch.dtype) -> tuple[float, float]:
-    """(all projections, LM head) of one decode step replayed alone with batch-1 inputs (s, best of 7)."""
+    """(all projections, LM head) of one decode step replayed alone with batch-1 inputs (s, best of 7).
+
+    Each layer is called the way the runner's lean forward calls it (``engine.fastpath.Projection``: the
+    f32_linear kernel for float32 weights, the layer itself otherwise).
+    """
+    from engine.fastpath import Projection
+
     head = model.get_output_embeddings()
-    projections = [m for m in model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head]
-    inputs = [torch.randn(1, 1, m.in_features, dtype=dtype) for m in projections]
-    x_head = torch.randn(1, 1, head.in_features, dtype=dtype)
-    return (best_of(lambda: [m(x) for m, x in zip(projections, inputs)]), best_of(lambda: head(x_head)))
+    modules = [m for m in model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head]
+    projections = [Projection(m) for m in modules]
+    inputs = [torch.randn(1, m.in_features, dtype=dtype) for m in modules]
+    head_call, x_head = Projection(head), torch.randn(1, head.in_features, dtype=dtype)
+    return (best_of(lambda: [p(x) for p, x in zip(projections, inputs)]), best_of(lambda: head_call(x_head)))
 
 
 def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
