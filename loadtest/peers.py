@@ -21,6 +21,7 @@ Results are kept per system in ``loadtest/out/peers.json``, so the section can b
 from __future__ import annotations
 
 import argparse
+from datetime import datetime, timezone
 import json
 import statistics
 from dataclasses import asdict, dataclass, field
@@ -140,14 +141,14 @@ def render(results: dict[str, dict]) -> str:
     """Markdown: one row per system, each figure with its ratio to llama.cpp (higher is better throughout)."""
     base = results.get("llama.cpp")
     head = ("| system | decode tok/s (1 stream) | TTFT 512-token prompt | tok/s @1 | tok/s @8 | tok/s @32 "
-            "| seed64 tok/s (8 slots) |")
-    rows = [head, "|---" * 7 + "|"]
+            "| seed64 tok/s (8 slots) | measured (UTC) |")
+    rows = [head, "|---" * 8 + "|"]
     for name in SYSTEMS:
         r = results.get(name)
         if r is None:
             continue
         if r.get("error"):
-            rows.append(f"| {name} | failed: {r['error']} | | | | | |")
+            rows.append(f"| {name} | failed: {r['error']} | | | | | | {r.get('measured_utc', '?')} |")
             continue
 
         def cell(value, key_path, lower=False, unit=""):
@@ -163,7 +164,7 @@ def render(results: dict[str, dict]) -> str:
         rows.append(f"| {name} | {cell(r['single_decode_tps'], ['single_decode_tps'])} | "
                     f"{cell(r['ttft_512_s'], ['ttft_512_s'], lower=True, unit='s')} | "
                     + " | ".join(cell(agg.get(str(s)), ['aggregate_tps', str(s)]) for s in STREAMS)
-                    + f" | {cell(r['seed64_tps'], ['seed64_tps'])} |")
+                    + f" | {cell(r['seed64_tps'], ['seed64_tps'])} | {r.get('measured_utc', 'before 18:00')} |")
     return "\n".join(rows) + (
         "\n\nRatios in brackets are to llama.cpp's server (> 1 is better than llama.cpp; for TTFT the ratio is "
         "llama.cpp's TTFT over this one). llama.cpp serves the Q4_1 GGUF with 2 threads and continuous "
@@ -201,8 +202,9 @@ def run(args: argparse.Namespace) -> int:
         for system in chosen:
             passes[system].append(measure(system))
     results = json.loads(args.results.read_text()) if args.results.exists() else {}
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
     for system, figures in passes.items():
-        results[system] = _median(figures)
+        results[system] = _median(figures) | {"measured_utc": stamp}  # results merge across runs: say when
     args.results.parent.mkdir(parents=True, exist_ok=True)
     args.results.write_text(json.dumps(results, indent=1))
     text = render(results)
