@@ -148,8 +148,9 @@ def speed_table(rows: list[dict], bandwidth: float) -> str:
                      f"{_rest(r) * 1e3:.1f} | {r['bytes_per_token'] / 1e6:.0f} | {r['bound_s'] * 1e3:.1f} | "
                      f"{100 * r['bound_s'] / r['step_s']:.0f}% |")
     lines += ["", "What limits the speed-up: the rest of a step (attention over the paged pool, norms, RoPE, "
-              "sampling and Python/transformers module calls) does not shrink with the weights. With the "
-              "weights read at the measured bandwidth and that rest unchanged, the best each scheme could do is:"]
+              "sampling and the Python that dispatches some 40 small ops per layer) does not shrink with the "
+              "weights. With the weights read at the measured bandwidth and that rest unchanged, the best each "
+              "scheme could do is:"]
     for r in rows:
         if r["scheme"] != "none":
             ceiling = bf16["step_s"] / (r["bound_s"] + _rest(r))
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
             f"variant, median step). C++ kernel path: {path}; torch threads: {torch.get_num_threads()}. "
             f"This CPU {native_bf16} native bfloat16 (AVX-512 BF16 / AMX), so kvserve's auto dtype here is "
             "float32 and the quantized variants run float32 activations; the embedding / tied LM head stays "
-            "in the model dtype. Projections and LM head are replayed alone (best of 7); rest = step - both "
+            "in the model dtype (float32 weights at decode use kvserve's f32_linear kernel). Projections and LM head are replayed alone (best of 7); rest = step - both "
             "(attention, norms, sampling, Python).", "", speed_table(rows, bandwidth)]
     profile = next(r["profile"] for r in rows if r["scheme"] == PROFILED)
     body += ["", f"Where one {PROFILED} decode step goes (torch.profiler, 8 steps; the kvserve_qlinear kernels are "
