@@ -14,6 +14,7 @@ set -euo pipefail
 VALUE_FLAGS=(
   model host port device dtype quantization kv-cache-memory num-kv-blocks block-size max-num-seqs
   max-num-batched-tokens max-queue max-model-len scheduler api-key served-model-name sse-ping-seconds
+  step-log
   log-level
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.

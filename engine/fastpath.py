@@ -21,6 +21,7 @@ that both give the same greedy tokens, and ``KVSERVE_FASTPATH=0`` turns this pat
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -30,6 +31,7 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from quant import kernels
+from quant import linear as quant_linear
 from quant.linear import QuantLinear, concat_outputs
 
 log = logging.getLogger("kvserve.engine")
@@ -39,22 +41,55 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # reads each weight row once for all rows; measured against torch's GEMM on 2 AVX2 cores (60 SmolLM2-sized
 # projections): 2.2x faster at 1 row, 1.7x at 8, 1.2x at 32. Prefill chunks stay on torch's GEMM.
 DENSE_MAX_ROWS = 32
+PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)
+
+
+@contextlib.contextmanager
+def aten_projections():
+    """Within the block, float32 projections run torch's own ops instead of the f32_linear kernel, so
+    dispatch-level tools (``loadtest.macs.MacCounter``, the profiler's aten view) see every product."""
+    global DENSE_MAX_ROWS
+    saved, DENSE_MAX_ROWS = DENSE_MAX_ROWS, 0
+    try:
+        yield
+    finally:
+        DENSE_MAX_ROWS = saved
 
 
 class Projection:
-    """A projection as the fast path calls it: ``[T, in]`` -> ``[T, out]`` (float32 rows <= DENSE_MAX_ROWS on
-    CPU: the f32_linear kernel; otherwise the module itself, e.g. a QuantLinear or a bf16 nn.Linear)."""
+    """A projection as the fast path calls it: ``[T, in]`` -> ``[T, out]``.
+
+    On CPU with float32 rows, decode-sized calls go straight to a C++ kernel: ``f32_linear`` for float32
+    weights (up to DENSE_MAX_ROWS rows), the layer's own kernel for a QuantLinear (up to its
+    KERNEL_MAX_ROWS). Anything else calls the module (torch's GEMM, or a bf16 ``nn.Linear``).
+    """
 
     def __init__(self, module: nn.Module) -> None:
         self.module = module
+        self.bias = getattr(module, "bias", None)
+        self.kernel = None
+        self.dense = False
         weight = getattr(module, "weight", None)
-        self.dense = (type(module) is nn.Linear and weight.dtype is torch.float32 and weight.is_cpu
-                      and weight.is_contiguous() and kernels.load() is not None)
+        if (type(module) is nn.Linear and weight.dtype is torch.float32 and weight.is_cpu
+                and weight.is_contiguous() and kernels.load() is not None):
+            run = kernels.load().f32_linear
+            self.kernel, self.dense = (lambda x: run(x, weight)), True
+        elif isinstance(module, QuantLinear):
+            self.kernel = module.decode_kernel()
+
+    def _max_rows(self) -> int:
+        return DENSE_MAX_ROWS if self.dense else quant_linear.KERNEL_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.dense and x.shape[0] <= DENSE_MAX_ROWS and x.dtype is torch.float32:
-            y = kernels.load().f32_linear(x.contiguous(), self.module.weight)
-            return y if self.module.bias is None else y + self.module.bias
+        if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
+            with torch.profiler.record_function(PROFILE_LABEL):  # C++ kernels are not aten ops: label them
+                return self._forward(x)
+        return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype is torch.float32 and x.shape[0] <= self._max_rows():
+            y = self.kernel(x if x.is_contiguous() else x.contiguous())
+            return y if self.bias is None else y + self.bias
         return self.module(x)
 
 

@@ -18,7 +18,8 @@ from torch.profiler import ProfilerActivity, profile
 from loadtest.benchmarks_md import update_section
 
 _CATEGORIES = (
-    ("projections (linear/matmul)", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm")),
+    ("projections (linear/matmul)", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
+                                     "kvserve::projection")),
     ("attention (SDPA)", ("scaled_dot_product",)),
     ("paged KV gather/scatter", ("aten::index", "aten::index_put")),
 )

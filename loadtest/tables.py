@@ -92,7 +92,9 @@ def count_macs(loaded, tokens: int) -> dict:
     g = macs.Geometry.of(loaded.model.config)
     # Block size 1: decodes gather whole blocks and mask the tail, so larger blocks add masked keys to the count.
     bench = EngineBench(loaded, 1, tokens + 1, block_size=1)
-    with macs.MacCounter() as cached:
+    from engine.fastpath import aten_projections
+
+    with macs.MacCounter() as cached, aten_projections():  # the C++ projection kernel is invisible to dispatch
         ids = [1]
         for t in range(1, tokens + 1):
             work = bench.prefill(0, ids) if t == 1 else bench.decode(0, t - 1, ids[-1])

@@ -9,6 +9,7 @@ any other device, it runs the reference: dequantize to the activation dtype, the
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -56,6 +57,20 @@ class QuantLinear(nn.Module):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, in]`` float32 -> ``[M, out]`` float32 with the C++ kernel."""
+        raise NotImplementedError
+
+    def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """The C++ kernel bound to this layer's codes and scales (bias not added), or None where it cannot run.
+
+        For callers that already hold a contiguous float32 CPU ``[M, in]`` with ``M <= KERNEL_MAX_ROWS``:
+        it skips ``forward``'s checks and reshapes, about 13 us of Python per call (210 calls per SmolLM2 step).
+        """
+        module = kernels.load()
+        if not (self.use_kernel and self.weight.is_cpu) or module is None:
+            return None
+        return self._bind(module)
+
+    def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         raise NotImplementedError
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -106,6 +121,10 @@ class Int8Linear(QuantLinear):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.load().int8_linear(x, self.weight, self.scales)
 
+    def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight, scales, run = self.weight, self.scales, module.int8_linear
+        return lambda x: run(x, weight, scales)
+
 
 class Nibble4Linear(QuantLinear):
     """4-bit codes packed two per byte ``weight [out, in // 2]``, float16 ``scales [in // group, out]``.
@@ -126,6 +145,10 @@ class Nibble4Linear(QuantLinear):
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.load().lut4_linear(x, self.weight, self.scales, self.group_size, self.lut)
+
+    def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
+        weight, scales, group, lut, run = self.weight, self.scales, self.group_size, self.lut, module.lut4_linear
+        return lambda x: run(x, weight, scales, group, lut)
 
 
 class Int4Linear(Nibble4Linear):

@@ -122,6 +122,50 @@ __attribute__((target("avx2,fma"))) void int8_rows_avx2(const float* x, const in
   }
 }
 
+// Four output rows at a time for 1 or 2 activation rows (single-stream decode): the x vector is loaded once
+// for four weight rows, int8 codes are widened straight from memory (vpmovsxbd), and the four dot products are
+// reduced together (hadd tree) and scaled with one vector multiply. Rows left over go to int8_rows_avx2.
+__attribute__((target("avx2,fma"))) inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // [sum a0, .., sum a3]
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 widen8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <int MT>
+__attribute__((target("avx2,fma"))) void int8_rows4_avx2(const float* x, const int8_t* w, const float* s,
+                                                         float* y, int64_t N, int64_t K, int64_t n0,
+                                                         int64_t n1) {
+  constexpr int CH = MT == 1 ? 2 : 1;  // chains per (activation row, weight row): 8 accumulators either way
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) {
+    const int8_t* rows[4] = {w + n * K, w + (n + 1) * K, w + (n + 2) * K, w + (n + 3) * K};
+    __m256 acc[MT][4][CH];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < 4; ++j)
+        for (int c = 0; c < CH; ++c) acc[m][j][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 8 * CH) {
+      for (int c = 0; c < CH; ++c) {
+        __m256 xv[MT];
+        for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k + 8 * c);
+        for (int j = 0; j < 4; ++j) {
+          const __m256 wv = widen8(rows[j] + k + 8 * c);
+          for (int m = 0; m < MT; ++m) acc[m][j][c] = _mm256_fmadd_ps(wv, xv[m], acc[m][j][c]);
+        }
+      }
+    }
+    const __m128 scale = _mm_loadu_ps(s + n);
+    for (int m = 0; m < MT; ++m) {
+      __m256 r[4];
+      for (int j = 0; j < 4; ++j) r[j] = CH == 2 ? _mm256_add_ps(acc[m][j][0], acc[m][j][CH - 1]) : acc[m][j][0];
+      _mm_storeu_ps(y + m * N + n, _mm_mul_ps(hsum4(r[0], r[1], r[2], r[3]), scale));
+    }
+  }
+  if (n < n1) int8_rows_avx2<MT>(x, w, s, y, N, K, n, n1);
+}
+
 // Widen 8 nibble codes (the low 8 bytes of `codes`, one code per byte) to floats through the 16-entry table:
 // permutevar looks up the low 3 bits in each half of the table, bit 3 (moved to the sign) picks the half.
 __attribute__((target("avx2,fma"))) inline __m256 lut8(__m128i codes, __m256 lut_lo, __m256 lut_hi) {
@@ -241,7 +285,11 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 #ifdef QL_X86
     if (vec) {
       for_row_tiles(M, [&](int64_t m, auto mt) {
-        int8_rows_avx2<decltype(mt)::value>(xp + m * K, wp, sp, yp + m * N, N, K, n0, n1);
+        constexpr int T = decltype(mt)::value;
+        if constexpr (T <= 2)
+          int8_rows4_avx2<T>(xp + m * K, wp, sp, yp + m * N, N, K, n0, n1);
+        else
+          int8_rows_avx2<T>(xp + m * K, wp, sp, yp + m * N, N, K, n0, n1);
       });
       return;
     }

@@ -71,9 +71,10 @@ def test_fast_path_equals_transformers_modules_on_a_mixed_step(arch, overrides):
     torch.testing.assert_close(fast_kv, ref_kv, rtol=1e-5, atol=1e-5)
 
 
-def test_fast_path_with_quantized_fused_projections():
+@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4"])
+def test_fast_path_with_quantized_fused_projections(scheme):
     model = tiny("llama")
-    quantize_model(model, "int8")
+    quantize_model(model, scheme)
     loaded = wrap_model(model, tokenizer=None, name="llama-int8")
     (fast_logits, _), (ref_logits, _) = run_both(loaded)
     torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)

@@ -287,3 +287,23 @@ def test_logprobs_give_the_raw_bytes_of_partial_characters(server_url):
     chat = post(server_url, CHAT, chat_body("Reply with one emoji: 😀", max_tokens=8, logprobs=True)).json()
     raw = b"".join(bytes(t["bytes"]) for t in chat["choices"][0]["logprobs"]["content"])
     assert b"\xef\xbf\xbd" not in raw  # the bytes are real, never U+FFFD
+
+
+def test_step_log_and_step_counters(smollm2, tmp_path):
+    from server.config import ServeConfig
+    from tests.serverutil import running_server
+    log = tmp_path / "steps.jsonl"
+    with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB", step_log=str(log))) as url:
+        prompt = "Count the steps of this request, please."
+        post(url, COMPLETIONS, {"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True})
+        text = httpx.get(url + "/metrics").text
+    steps = [json.loads(line) for line in log.read_text().splitlines()]
+    # one prefill step (that samples the first token), then one decode step per further token
+    assert [(s["prefills"], s["decodes"]) for s in steps] == [(1, 0)] + [(0, 1)] * 4
+    assert steps[0]["prefill_tokens"] == len(smollm2.tokenizer(prompt)["input_ids"])
+    assert [s["max_context"] for s in steps[1:]] == [steps[0]["prefill_tokens"] + i for i in range(1, 5)]
+    assert all(s["seconds"] > 0 for s in steps)
+    counters = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+                if line.startswith(("kvserve:engine_steps_total", "kvserve:engine_step_seconds_total"))}
+    assert counters["kvserve:engine_steps_total"] == 5
+    assert counters["kvserve:engine_step_seconds_total"] == pytest.approx(sum(s["seconds"] for s in steps), rel=1e-3)
