@@ -1,8 +1,9 @@
 """A lean forward pass for Llama-family decoders (Llama, Mistral, Qwen2 and SmolLM, which is a Llama).
 
 Why: at batch 1 on a CPU, transformers' module stack costs about as much as the projections themselves
-(per layer: ~15 module calls, separate q/k/v and gate/up GEMMs, RoPE applied twice, the attention
-interface's reshapes). This module runs the same arithmetic with the same weights, in fewer ops:
+(per layer: ~15 module calls, separate q/k/v GEMMs, RoPE applied twice, the attention
+interface's reshapes). This module runs the same arithmetic with the same weights, in fewer ops, and sends
+decode-sized projections to C++ kernels that read each weight row once for the whole batch (``Projection``):
 
     x = embed(ids)                                          [T, hidden]
     per layer:  h = rms_norm(x)
@@ -10,8 +11,7 @@ interface's reshapes). This module runs the same arithmetic with the same weight
                 q, k = rope(q, k)        (one call for both)
                 x += o_proj(paged_attention(q, k, v))
                 h = rms_norm(x)
-                g, u = h @ W_gate_up^T   (gate, up fused)   [T, 2 I]
-                x += down_proj(act(g) * u)
+                x += down_proj(act(gate_proj(h)) * up_proj(h))
     logits = lm_head(rms_norm(x[keep]))                     [K, vocab]
 
 Weights are shared with the transformers model, not copied: each fused matrix owns the storage and the
@@ -132,7 +132,6 @@ class _Layer:
         self.o_proj = Projection(attn.o_proj)
         # gate and up stay separate: fused, the [2I, hidden] GEMM ran 10-20% slower here (measured with
         # MKL on 2 AVX2 cores, M = 1..32), unlike q/k/v, which gain from one call.
-        self.gate_up = None
         self.gate_proj, self.up_proj, self.down_proj = Projection(mlp.gate_proj), Projection(mlp.up_proj), Projection(mlp.down_proj)
         self.act = mlp.act_fn
         self.scale = attn.scaling
@@ -146,10 +145,7 @@ class _Layer:
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU: ``down(act(gate(h)) * up(h))``, ``[T, hidden]`` -> ``[T, hidden]``."""
-        if self.gate_up is None:
-            return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
-        gate, up = self.gate_up(h).chunk(2, dim=-1)
-        return self.down_proj(self.act(gate) * up)
+        return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -264,5 +260,5 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
         return cached
     decoder = FastDecoder(model)
     model._kvserve_fast = decoder
-    log.info("engine: lean Llama-family forward (fused q/k/v and gate/up)")
+    log.info("engine: lean Llama-family forward (fused q/k/v; C++ kernels for decode-sized projections)")
     return decoder
