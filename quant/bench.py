@@ -189,8 +189,8 @@ def main(argv: list[str] | None = None) -> int:
             "in the model dtype (float32 weights at decode use kvserve's f32_linear kernel). Projections and LM head are replayed alone (best of 7); rest = step - both "
             "(attention, norms, sampling, Python).", "", speed_table(rows, bandwidth)]
     profile = next(r["profile"] for r in rows if r["scheme"] == PROFILED)
-    body += ["", f"Where one {PROFILED} decode step goes (torch.profiler, 8 steps; the kvserve_qlinear kernels are "
-             "pybind calls, not aten operators, so they appear only as the projections column above):", "",
+    body += ["", f"Where one {PROFILED} decode step goes (torch.profiler, 8 steps; the C++ kernels are not aten "
+             "operators, so the runner labels each projection call `kvserve::projection`):", "",
              "```", profile.strip(), "```"]
     if not args.skip_quality:
         model = copy.deepcopy(loaded.model)
