@@ -72,12 +72,22 @@ def run(args: argparse.Namespace) -> int:
     from server.app import create_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        log.error("invalid option: %s", exc)
+        return 2
     # All torch work (loading, pool allocation, every step) runs on this one thread. A parallel region on
     # the main thread too would start a second OpenMP team; libgomp then counts more threads than CPUs,
     # stops spinning between regions and sleeps on futexes instead: measured here at batch 8, 157 ms per
     # decode step instead of 111 ms (CPU use 144% instead of 199%).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
-    app = create_app(engine_thread.submit(build_state, config, engine_thread).result())
+    try:
+        state = engine_thread.submit(build_state, config, engine_thread).result()
+    except (OSError, ValueError) as exc:  # a missing model directory, --device cuda without a GPU, --step-log
+        log.error("cannot start: %s", exc)
+        engine_thread.shutdown()
+        return 2
+    app = create_app(state)
     uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level)
     return 0

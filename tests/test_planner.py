@@ -155,3 +155,11 @@ def test_kvserve_plan_through_the_cli_dispatcher(capsys):
     assert data["rows"][0]["kv_pool_bytes"] == 0  # 138 GB of fp16 weights do not fit in 80 GiB
     assert main(["plan", "--memory", "16GiB"]) == 0  # the default preset: the served SmolLM2
     assert "smollm2-135m: 30 layers, 9 heads, 3 KV heads" in capsys.readouterr().out
+
+
+def test_serve_refuses_bad_options_with_a_message_not_a_traceback(tmp_path, caplog):
+    from server.cli import main as kvserve_main
+    assert kvserve_main(["serve", "--model", str(tmp_path / "missing")]) == 2
+    assert "not a Hugging Face model directory" in caplog.text
+    assert kvserve_main(["serve", "--block-size", "0"]) == 2
+    assert "block_size must be >= 1" in caplog.text
