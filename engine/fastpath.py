@@ -44,18 +44,6 @@ DENSE_MAX_ROWS = 32
 PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)
 
 
-@contextlib.contextmanager
-def aten_projections():
-    """Within the block, float32 projections run torch's own ops instead of the f32_linear kernel, so
-    dispatch-level tools (``loadtest.macs.MacCounter``, the profiler's aten view) see every product."""
-    global DENSE_MAX_ROWS
-    saved, DENSE_MAX_ROWS = DENSE_MAX_ROWS, 0
-    try:
-        yield
-    finally:
-        DENSE_MAX_ROWS = saved
-
-
 class Projection:
     """A projection as the fast path calls it: ``[T, in]`` -> ``[T, out]``.
 
@@ -69,16 +57,14 @@ class Projection:
         self.bias = getattr(module, "bias", None)
         self.kernel = None
         self.dense = False
+        self.max_rows = 0
         weight = getattr(module, "weight", None)
         if (type(module) is nn.Linear and weight.dtype is torch.float32 and weight.is_cpu
                 and weight.is_contiguous() and kernels.load() is not None):
             run = kernels.load().f32_linear
-            self.kernel, self.dense = (lambda x: run(x, weight)), True
+            self.kernel, self.dense, self.max_rows = (lambda x: run(x, weight)), True, DENSE_MAX_ROWS
         elif isinstance(module, QuantLinear):
-            self.kernel = module.decode_kernel()
-
-    def _max_rows(self) -> int:
-        return DENSE_MAX_ROWS if self.dense else quant_linear.KERNEL_MAX_ROWS
+            self.kernel, self.max_rows = module.decode_kernel(), quant_linear.KERNEL_MAX_ROWS
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
@@ -87,7 +73,7 @@ class Projection:
         return self._forward(x)
 
     def _forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype is torch.float32 and x.shape[0] <= self._max_rows():
+        if self.kernel is not None and x.dtype is torch.float32 and x.shape[0] <= self.max_rows:
             y = self.kernel(x if x.is_contiguous() else x.contiguous())
             return y if self.bias is None else y + self.bias
         return self.module(x)
@@ -128,14 +114,20 @@ class _Layer:
         self.post_eps = layer.post_attention_layernorm.variance_epsilon
         fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.qkv = None if fused is None else Projection(fused)
-        self.q_proj, self.k_proj, self.v_proj = Projection(attn.q_proj), Projection(attn.k_proj), Projection(attn.v_proj)
+        self.q_proj, self.k_proj, self.v_proj = (Projection(attn.q_proj), Projection(attn.k_proj),
+                                                 Projection(attn.v_proj))
         self.o_proj = Projection(attn.o_proj)
         # gate and up stay separate: fused, the [2I, hidden] GEMM ran 10-20% slower here (measured with
         # MKL on 2 AVX2 cores, M = 1..32), unlike q/k/v, which gain from one call.
-        self.gate_proj, self.up_proj, self.down_proj = Projection(mlp.gate_proj), Projection(mlp.up_proj), Projection(mlp.down_proj)
+        self.gate_proj, self.up_proj = Projection(mlp.gate_proj), Projection(mlp.up_proj)
+        self.down_proj = Projection(mlp.down_proj)
         self.act = mlp.act_fn
         self.scale = attn.scaling
         self.sliding_window = sliding_window
+
+    def projections(self) -> list[Projection]:
+        return [p for p in (self.qkv, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj,
+                            self.up_proj, self.down_proj) if p is not None]
 
     def qkv_states(self, h: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, (H + 2 H_kv) d]``."""
@@ -200,6 +192,20 @@ class FastDecoder:
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         self.layers = [_Layer(layer, self._window(config, layer)) for layer in inner.layers[:config.num_hidden_layers]]
+
+    @contextlib.contextmanager
+    def aten_projections(self):
+        """Within the block every projection runs torch's own ops instead of a C++ kernel, so dispatch-level
+        tools (``loadtest.macs.MacCounter``, the profiler's aten view) see every product."""
+        projections = [p for layer in self.layers for p in layer.projections()] + [self.lm_head]
+        saved = [p.max_rows for p in projections]
+        for p in projections:
+            p.max_rows = 0
+        try:
+            yield
+        finally:
+            for p, rows in zip(projections, saved):
+                p.max_rows = rows
 
     @staticmethod
     def _window(config, layer: nn.Module) -> int | None:

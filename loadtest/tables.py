@@ -19,6 +19,7 @@ Results are kept in ``loadtest/out/tables.json``, so ``--only NAME`` refreshes o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import statistics
@@ -92,9 +93,9 @@ def count_macs(loaded, tokens: int) -> dict:
     g = macs.Geometry.of(loaded.model.config)
     # Block size 1: decodes gather whole blocks and mask the tail, so larger blocks add masked keys to the count.
     bench = EngineBench(loaded, 1, tokens + 1, block_size=1)
-    from engine.fastpath import aten_projections
-
-    with macs.MacCounter() as cached, aten_projections():  # the C++ projection kernel is invisible to dispatch
+    fast = bench.runner.fast
+    # the C++ projection kernels are invisible to dispatch: count on torch's own ops
+    with macs.MacCounter() as cached, (fast.aten_projections() if fast else contextlib.nullcontext()):
         ids = [1]
         for t in range(1, tokens + 1):
             work = bench.prefill(0, ids) if t == 1 else bench.decode(0, t - 1, ids[-1])
