@@ -165,7 +165,7 @@ class SchedulerService:
                 seconds = time.perf_counter() - started
                 self.stats.engine_s += seconds
                 if self.on_step is not None:
-                    self.on_step(plan, seconds)
+                    self._observe(plan, seconds)
                 self._count(plan)
                 for seq, event in self.scheduler.update(plan, results):
                     seq.events.put_nowait(event)
@@ -178,6 +178,14 @@ class SchedulerService:
             for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
                 seq.events.put_nowait(SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine loop died: {exc!r}"))
             raise
+
+    def _observe(self, plan: StepPlan, seconds: float) -> None:
+        """Call ``on_step``; an observer that fails (a step log on a full disk) is dropped, never the loop."""
+        try:
+            self.on_step(plan, seconds)
+        except Exception:
+            log.exception("step observer failed; it is switched off, serving goes on")
+            self.on_step = None
 
     def _count(self, plan: StepPlan) -> None:
         for w in plan.work:

@@ -74,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         config = config_from_args(args)
-    except ValueError as exc:
+        if config.step_log:
+            open(config.step_log, "a").close()  # a bad path fails now, not after the model has loaded
+    except (OSError, ValueError) as exc:
         log.error("invalid option: %s", exc)
         return 2
     # All torch work (loading, pool allocation, every step) runs on this one thread. A parallel region on

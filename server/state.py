@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.loader import LoadedModel
-from engine.plan import StepPlan
+from engine.plan import SeqWork, StepPlan
 from engine.runner import ModelRunner
 from kvcache.block_manager import BlockManager
 from kvcache.pool import KVPool
@@ -27,9 +27,9 @@ _PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line
 class StepLog:
     """``--step-log``: one JSON line per engine step, the raw material of the simulator's step-cost fit.
 
-    Fields: ``prefills`` (sequences computing more than one token or starting at 0), ``decodes``,
-    ``prefill_tokens``, ``max_context`` (longest context among the decodes, tokens; the paged gather pads
-    every decode to it), ``seconds`` (wall time inside the runner).
+    Fields: ``prefills`` (sequences computing prompt tokens, or several tokens), ``decodes`` (one generated
+    token each), ``prefill_tokens``, ``max_context`` (longest context among the decodes, tokens; the paged
+    gather pads every decode to it), ``seconds`` (wall time inside the runner).
     """
 
     def __init__(self, path: str) -> None:
@@ -37,12 +37,22 @@ class StepLog:
         self._file = self.path.open("a", buffering=1)
 
     def write(self, plan: StepPlan, seconds: float) -> None:
-        decodes = [w for w in plan.work if len(w.token_ids) == 1 and w.start_pos > 0]
-        prefills = [w for w in plan.work if not (len(w.token_ids) == 1 and w.start_pos > 0)]
+        """Append the step's line.
+
+        Raises:
+            OSError: the file cannot be written (the service then stops calling this).
+        """
+        decodes = [w for w in plan.work if is_decode(w)]
+        prefills = [w for w in plan.work if not is_decode(w)]
         self._file.write(json.dumps({
             "prefills": len(prefills), "decodes": len(decodes),
             "prefill_tokens": sum(len(w.token_ids) for w in prefills),
             "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6)}) + "\n")
+
+
+def is_decode(work: SeqWork) -> bool:
+    """One generated token computed on top of its context (a 1-token prompt chunk is prefill work)."""
+    return len(work.token_ids) == 1 and work.start_pos >= len(work.prompt_ids)
 
 
 class ServerState:

@@ -307,3 +307,23 @@ def test_step_log_and_step_counters(smollm2, tmp_path):
                 if line.startswith(("kvserve:engine_steps_total", "kvserve:engine_step_seconds_total"))}
     assert counters["kvserve:engine_steps_total"] == 5
     assert counters["kvserve:engine_step_seconds_total"] == pytest.approx(sum(s["seconds"] for s in steps), rel=1e-3)
+
+
+def test_a_failing_step_log_never_stops_serving(smollm2):
+    from server.config import ServeConfig
+    from tests.serverutil import running_server
+    with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB", step_log="/dev/full")) as url:  # ENOSPC
+        for _ in range(2):
+            response = post(url, COMPLETIONS, {"prompt": "The capital of France is", "max_tokens": 3,
+                                               "temperature": 0})
+            assert response.status_code == 200
+        assert httpx.get(url + "/health").status_code == 200
+
+
+def test_a_one_token_prompt_chunk_is_prefill_not_decode():
+    from engine.plan import SamplingParams, SeqWork
+    from server.state import is_decode
+    greedy = SamplingParams(temperature=0.0)
+    chunk = SeqWork(0, [14], 4, [0], [4], True, greedy, [10, 11, 12, 13, 14], [])  # last prompt token
+    decode = SeqWork(0, [99], 5, [0], [5], True, greedy, [10, 11, 12, 13, 14], [99])
+    assert (is_decode(chunk), is_decode(decode)) == (False, True)
