@@ -1,4 +1,6 @@
-"""Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as OpenAI does.
+"""Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as OpenAI does; OpenAI
+fields that kvserve does not implement (tools, JSON mode, logit_bias, best_of, suffix, image parts) are refused
+with a 400 naming them whenever they would change the output, so a client never gets silently different text.
 
 Ranges follow OpenAI's API reference; vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids) are accepted too.
@@ -8,7 +10,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 
 class StreamOptions(BaseModel):
@@ -36,9 +38,30 @@ class _SamplingRequest(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = Field(default=0, ge=0)
-    stream: bool = False
+    stream: StrictBool = False  # "yes" is an error, not True
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # OpenAI fields not implemented here; see _refuse_unsupported
+    logit_bias: dict[str, float] | None = None
+    response_format: dict | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    best_of: int | None = None
+    suffix: str | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        unsupported = [name for name, used in (
+            ("logit_bias", bool(self.logit_bias)),
+            ("response_format", bool(self.response_format) and self.response_format.get("type", "text") != "text"),
+            ("tools", bool(self.tools)),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("best_of", self.best_of is not None and self.best_of != self.n),
+            ("suffix", bool(self.suffix)),
+        ) if used]
+        if unsupported:
+            raise ValueError(f"not supported by kvserve: {', '.join(unsupported)}")
+        return self
 
     @field_validator("stop")
     @classmethod
@@ -68,6 +91,15 @@ class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
 
+    @field_validator("content")
+    @classmethod
+    def _text_parts_only(cls, value):
+        if isinstance(value, list):
+            other = sorted({part.type for part in value if part.type != "text"})
+            if other:
+                raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
+        return value
+
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
@@ -80,6 +112,12 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
 
     @property
     def token_limit(self) -> int | None:

@@ -327,3 +327,28 @@ def test_a_one_token_prompt_chunk_is_prefill_not_decode():
     chunk = SeqWork(0, [14], 4, [0], [4], True, greedy, [10, 11, 12, 13, 14], [])  # last prompt token
     decode = SeqWork(0, [99], 5, [0], [5], True, greedy, [10, 11, 12, 13, 14], [99])
     assert (is_decode(chunk), is_decode(decode)) == (False, True)
+
+
+@pytest.mark.parametrize("path,extra,named", [
+    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (CHAT, {"logit_bias": {"42": 5}}, "logit_bias"),
+    (CHAT, {"top_logprobs": 3}, "top_logprobs requires logprobs"),
+    (CHAT, {"stream": "yes"}, "stream"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "image_url"),
+    (COMPLETIONS, {"best_of": 3}, "best_of"),
+    (COMPLETIONS, {"suffix": "end"}, "suffix"),
+])
+def test_unimplemented_openai_fields_are_refused_not_ignored(server_url, path, extra, named):
+    body = (chat_body("Hi", max_tokens=2) if path == CHAT else {"prompt": "Hi", "max_tokens": 2}) | extra
+    response = post(server_url, path, body)
+    assert response.status_code == 400
+    assert named in response.json()["error"]["message"]
+
+
+def test_harmless_values_of_those_fields_are_accepted(server_url):
+    body = chat_body("Hi", max_tokens=2) | {"response_format": {"type": "text"}, "tool_choice": "none",
+                                            "logit_bias": {}, "top_logprobs": 0}
+    assert post(server_url, CHAT, body).status_code == 200
+    assert post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "best_of": 1}).status_code == 200
