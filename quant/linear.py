@@ -20,10 +20,11 @@ from quant.schemes import (INT4_OFFSET, NF4_LEVELS, SERVING_SPECS, QuantSpec, Sc
                            dequantize_nf4, pack_nibbles, quantize_int, quantize_nf4, unpack_nibbles)
 
 # Above this many tokens per call (long prefill chunks) dequantizing once and running a float GEMM beats the
-# kernel, whose cost grows with the rows. Measured on 2 AVX2 cores, 60 SmolLM2-sized projections: int8 kernel
-# 30 / 43 / 80 ms at 24 / 32 / 64 rows against ~200 ms for dequantize + GEMM (int4: 55 / 78 / 139 ms against
-# ~150-210 ms), so decode batches up to 64 stay on the kernel.
-KERNEL_MAX_ROWS = 64
+# kernel, whose cost grows with the rows. Measured on 2 AVX2 cores, 60 SmolLM2-sized projections
+# (`python -m loadtest.kernelbench`, 21:30 UTC run): int8 kernel 33 / 50 / 99 ms at 24 / 32 / 64 rows against
+# 49 / 55 / 78 ms for dequantize + GEMM (int4: 62 / 59 / 134 ms against 87 / 106 / 109 ms), so decode batches up
+# to 32 stay on the kernel.
+KERNEL_MAX_ROWS = 32
 
 
 class QuantLinear(nn.Module):
@@ -63,7 +64,8 @@ class QuantLinear(nn.Module):
         """The C++ kernel bound to this layer's codes and scales (bias not added), or None where it cannot run.
 
         For callers that already hold a contiguous float32 CPU ``[M, in]`` with ``M <= KERNEL_MAX_ROWS``:
-        it skips ``forward``'s checks and reshapes, about 13 us of Python per call (210 calls per SmolLM2 step).
+        it skips ``forward``'s checks and reshapes: 25 us against 7 us for an int8 576->192 layer at one row
+        (``python -m loadtest.kernelbench``), and a SmolLM2 step makes 210 such calls.
         """
         module = kernels.load()
         if not (self.use_kernel and self.weight.is_cpu) or module is None:

@@ -81,8 +81,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # All torch work (loading, pool allocation, every step) runs on this one thread. A parallel region on
     # the main thread too would start a second OpenMP team; libgomp then counts more threads than CPUs,
-    # stops spinning between regions and sleeps on futexes instead: measured here at batch 8, 157 ms per
-    # decode step instead of 111 ms (CPU use 144% instead of 199%).
+    # stops spinning between regions and sleeps on futexes instead: at batch 8 on 2 cores, 93 ms per decode
+    # step instead of 66 ms, CPU use 137% instead of 199% (`python -m loadtest.kernelbench --threads`).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
     try:
         state = engine_thread.submit(build_state, config, engine_thread).result()

@@ -132,24 +132,29 @@ def test_static_policy_holds_the_short_answer_until_the_group_finishes(state_fac
     state = state_factory(max_num_seqs=2, policy=Policy.STATIC)
     order: list[tuple[str, int]] = []  # (request, tokens seen) in arrival order across both streams
     lock = threading.Lock()
+    blocker_running = threading.Event()
 
     def run(name: str, max_tokens: int) -> None:
         body = {"prompt": "Once upon a time", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
-        seen = 0
         with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as response:
             for line in response.iter_lines():
                 if line.startswith("data: {"):
                     chunk = json.loads(line[6:])
-                    seen += 1
+                    blocker_running.set()
                     with lock:
                         order.append((name, chunk["choices"][0]["finish_reason"] is not None))
 
     with serving(state) as url:
+        # A first group of one runs while "short" and "long" queue up behind it, so the next group holds both.
+        blocker = threading.Thread(target=run, args=("blocker", 30))
+        blocker.start()
+        assert blocker_running.wait(timeout=60)
         threads = [threading.Thread(target=run, args=("short", 4)), threading.Thread(target=run, args=("long", 40))]
         for t in threads:
             t.start()
-        for t in threads:
+        for t in threads + [blocker]:
             t.join(timeout=120)
+    assert order.index(("blocker", True)) < order.index(("long", False))  # the pair formed the second group
     short_final = order.index(("short", True))
     long_chunks_before = sum(1 for name, _ in order[:short_final] if name == "long")
     assert long_chunks_before >= 39  # nobody hears of the short answer before its neighbour is done
