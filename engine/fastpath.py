@@ -115,8 +115,9 @@ class _Layer:
         self.post_eps = layer.post_attention_layernorm.variance_epsilon
         fused = _fuse([attn.q_proj, attn.k_proj, attn.v_proj])
         self.qkv = None if fused is None else Projection(fused)
-        self.q_proj, self.k_proj, self.v_proj = (Projection(attn.q_proj), Projection(attn.k_proj),
-                                                 Projection(attn.v_proj))
+        # unfused fallback (e.g. q/k/v quantized with different group sizes): three calls
+        self.separate_qkv = (None if fused is not None
+                             else [Projection(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)])
         self.o_proj = Projection(attn.o_proj)
         # gate and up stay separate: a fused [2I, hidden] GEMM was not faster on this CPU (its weights
         # no longer fit the cache together), unlike q/k/v, which gain from one call.
@@ -127,14 +128,14 @@ class _Layer:
         self.sliding_window = sliding_window
 
     def projections(self) -> list[Projection]:
-        return [p for p in (self.qkv, self.q_proj, self.k_proj, self.v_proj, self.o_proj, self.gate_proj,
-                            self.up_proj, self.down_proj) if p is not None]
+        return [p for p in (self.qkv, *(self.separate_qkv or []), self.o_proj, self.gate_proj, self.up_proj,
+                            self.down_proj) if p is not None]
 
     def qkv_states(self, h: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, (H + 2 H_kv) d]``."""
         if self.qkv is not None:
             return self.qkv(h)
-        return torch.cat([self.q_proj(h), self.k_proj(h), self.v_proj(h)], dim=-1)
+        return torch.cat([proj(h) for proj in self.separate_qkv], dim=-1)
 
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
         """SwiGLU: ``down(act(gate(h)) * up(h))``, ``[T, hidden]`` -> ``[T, hidden]``."""

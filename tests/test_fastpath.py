@@ -103,7 +103,8 @@ def test_smollm2_takes_the_fast_path(smollm2):
     layer = runner.fast.layers[0]
     assert layer.qkv.module.out_features == 576 + 2 * 192
     # the original projections read the fused rows: no second copy of the weights
-    assert layer.k_proj.module.weight.data_ptr() == layer.qkv.module.weight.data_ptr() + 576 * 576 * 4
+    k_proj = smollm2.model.model.layers[0].self_attn.k_proj
+    assert k_proj.weight.data_ptr() == layer.qkv.module.weight.data_ptr() + 576 * 576 * 4
     assert layer.qkv.dense and runner.fast.lm_head.dense  # float32 decode rows take the f32_linear kernel
 
 
@@ -131,3 +132,12 @@ def test_f32_linear_kernel_matches_torch(rows, k):
     torch.manual_seed(2)
     w, x = torch.randn(70, k), torch.randn(rows, k)  # k = 20: not a multiple of 16, the scalar loop
     torch.testing.assert_close(kernel.f32_linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_unfused_qkv_fallback_equals_transformers_modules(monkeypatch):
+    from engine import fastpath
+    monkeypatch.setattr(fastpath, "_fuse", lambda linears: None)  # as when q/k/v cannot be stacked
+    loaded = wrap_model(tiny("llama", attention_bias=True), tokenizer=None, name="llama-unfused")
+    (fast_logits, fast_kv), (ref_logits, ref_kv) = run_both(loaded)
+    torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast_kv, ref_kv, rtol=1e-5, atol=1e-5)
