@@ -4,6 +4,12 @@ Every class holds its codes in ``weight`` and its scales in ``scales`` (buffers,
 ``state_dict`` carry them) and records its scheme and group size in the saved state (``_extra_state``).
 ``forward`` runs the C++ kernel on CPU for up to ``KERNEL_MAX_ROWS`` tokens (decode); otherwise, and on
 any other device, it runs the reference: dequantize to the activation dtype, then ``F.linear``.
+
+The int8 and int4 kernels multiply integers: they quantize the activations per block of 32 (``ACT_BLOCK``,
+llama.cpp's Q8_0) and use AVX2's 8-bit dot products, which stream the weights about twice as fast as
+widening them to floats. So that one model is served whatever the batch size, the reference path applies the
+same activation quantization (``quant.schemes.quantize_activations``); ``act_block = None`` turns it off
+(weight-only quantization, as the quality report's per-scheme rows measure), which also turns the kernel off.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from quant import kernels
-from quant.schemes import (INT4_OFFSET, NF4_LEVELS, SERVING_SPECS, QuantSpec, Scheme, dequantize_int,
-                           dequantize_nf4, pack_nibbles, quantize_int, quantize_nf4, unpack_nibbles)
+from quant.schemes import (ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, SERVING_SPECS, QuantSpec, Scheme, dequantize_int,
+                           dequantize_nf4, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
+                           unpack_nibbles)
 
 # Above this many tokens per call (long prefill chunks) dequantizing once and running a float GEMM beats the
 # kernel, whose cost grows with the rows. Measured on 2 AVX2 cores, 60 SmolLM2-sized projections
@@ -37,6 +44,9 @@ class QuantLinear(nn.Module):
     Attributes:
         group_size: weights per scale along ``in`` actually used (``in`` for per-row).
         use_kernel: whether CPU calls may use the C++ kernel (tests turn it off to get the reference).
+        act_block: activations are quantized per this many values before the product (``kernel_act_block``,
+            what the kernel does), or None for float activations (then only the reference path runs, unless
+            the kernel itself takes float activations, as NF4's does).
     """
 
     scheme: Scheme
@@ -50,11 +60,26 @@ class QuantLinear(nn.Module):
         self.spec = spec
         self.group_size = spec.group_for(linear.in_features)
         self.use_kernel = True
+        self.act_block = self.kernel_act_block
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
 
     def dequantize(self) -> torch.Tensor:
         """``W_hat`` as float32 ``[out, in]``."""
         raise NotImplementedError
+
+    @property
+    def kernel_act_block(self) -> int | None:
+        """The activation block the C++ kernel quantizes with (None: it takes float activations)."""
+        return None
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether a C++ kernel exists for this layer's shape (checked before ``act_block`` is compared)."""
+        return True
+
+    def _kernel_usable(self) -> bool:
+        return (self.use_kernel and self.weight.is_cpu and self.has_kernel and self.act_block == self.kernel_act_block
+                and kernels.load() is not None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, in]`` float32 -> ``[M, out]`` float32 with the C++ kernel."""
@@ -67,10 +92,9 @@ class QuantLinear(nn.Module):
         it skips ``forward``'s checks and reshapes: 25 us against 7 us for an int8 576->192 layer at one row
         (``python -m loadtest.kernelbench``), and a SmolLM2 step makes 210 such calls.
         """
-        module = kernels.load()
-        if not (self.use_kernel and self.weight.is_cpu) or module is None:
+        if not self._kernel_usable():
             return None
-        return self._bind(module)
+        return self._bind(kernels.load())
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         raise NotImplementedError
@@ -78,7 +102,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in]`` -> ``[..., out]`` in the dtype of ``x``."""
         rows = x.numel() // self.in_features
-        if self.use_kernel and x.is_cpu and rows <= KERNEL_MAX_ROWS and kernels.load() is not None:
+        if x.is_cpu and rows <= KERNEL_MAX_ROWS and self._kernel_usable():
             flat = x.reshape(rows, self.in_features)  # [M, in]
             if flat.dtype is not torch.float32 or not flat.is_contiguous():
                 flat = flat.float().contiguous()
@@ -86,7 +110,10 @@ class QuantLinear(nn.Module):
             if self.bias is not None:
                 y = y + self.bias
             return y if x.dtype is torch.float32 else y.to(x.dtype)
-        return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+        if self.act_block is not None:
+            x = quantize_activations(x, self.act_block)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        return F.linear(x, self.dequantize().to(x.dtype), bias)
 
     @property
     def weight_bytes(self) -> int:
@@ -119,6 +146,14 @@ class Int8Linear(QuantLinear):
 
     def dequantize(self) -> torch.Tensor:
         return dequantize_int(self.weight, self.scales, self.group_size)
+
+    @property
+    def kernel_act_block(self) -> int | None:
+        return ACT_BLOCK if self.has_kernel else None
+
+    @property
+    def has_kernel(self) -> bool:
+        return self.in_features % ACT_BLOCK == 0
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.load().int8_linear(x, self.weight, self.scales)
@@ -170,6 +205,20 @@ class Int4Linear(Nibble4Linear):
     @staticmethod
     def _levels() -> torch.Tensor:
         return torch.arange(16, dtype=torch.float32) - INT4_OFFSET
+
+    @property
+    def kernel_act_block(self) -> int | None:
+        """Groups made of whole activation blocks take the integer kernel; others the float table kernel."""
+        return ACT_BLOCK if self.group_size % ACT_BLOCK == 0 else None
+
+    def _kernel(self, x: torch.Tensor) -> torch.Tensor:
+        return self._bind(kernels.load())(x)
+
+    def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
+        if self.kernel_act_block is None:
+            return super()._bind(module)
+        weight, scales, group, run = self.weight, self.scales, self.group_size, module.int4_linear
+        return lambda x: run(x, weight, scales, group, INT4_OFFSET)
 
     def dequantize(self) -> torch.Tensor:
         q = unpack_nibbles(self.weight).to(torch.int8) - INT4_OFFSET  # [out, in]

@@ -15,6 +15,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <vector>
 
@@ -37,19 +39,6 @@ bool has_avx2() {
 }
 
 // ---------------------------------------------------------------- scalar reference loops
-void int8_rows_scalar(const float* x, const int8_t* w, const float* s, float* y, int64_t M, int64_t N,
-                      int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = w + n * K;
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * K;
-      float acc = 0.f;
-      for (int64_t k = 0; k < K; ++k) acc += xm[k] * static_cast<float>(row[k]);
-      y[m * N + n] = acc * s[n];
-    }
-  }
-}
-
 void lut4_rows_scalar(const float* x, const uint8_t* w, const c10::Half* s, const float* lut, float* y,
                       int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n) {
@@ -92,78 +81,10 @@ __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
   return _mm_cvtss_f32(lo);
 }
 
-// MT activation rows share each widened weight vector (batched decode reads W once per MT rows). Four
-// accumulators per row hide the FMA latency: one chain would retire 8 weights per 4 cycles.
-template <int MT>
-__attribute__((target("avx2,fma"))) void int8_rows_avx2(const float* x, const int8_t* w, const float* s,
-                                                        float* y, int64_t N, int64_t K, int64_t n0,
-                                                        int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const int8_t* row = w + n * K;
-    __m256 acc[MT][4];
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 32) {
-      const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + k));
-      const __m128i lo = _mm256_castsi256_si128(bytes);
-      const __m128i hi = _mm256_extracti128_si256(bytes, 1);
-      const __m256 wv[4] = {_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)),  // 8 weights each, as float
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(lo, lo))),
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)),
-                            _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(hi, hi)))};
-      for (int m = 0; m < MT; ++m)
-        for (int j = 0; j < 4; ++j)
-          acc[m][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(x + m * K + k + 8 * j), acc[m][j]);
-    }
-    for (int m = 0; m < MT; ++m) {
-      const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
-      y[m * N + n] = hsum(sum) * s[n];
-    }
-  }
-}
-
-// Four output rows at a time for 1 or 2 activation rows (single-stream decode): the x vector is loaded once
-// for four weight rows, int8 codes are widened straight from memory (vpmovsxbd), and the four dot products are
-// reduced together (hadd tree) and scaled with one vector multiply. Rows left over go to int8_rows_avx2.
+// The four sums of a0..a3 in one vector (hadd tree).
 __attribute__((target("avx2,fma"))) inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // [sum a0, .., sum a3]
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 widen8(const int8_t* p) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
-}
-
-template <int MT>
-__attribute__((target("avx2,fma"))) void int8_rows4_avx2(const float* x, const int8_t* w, const float* s,
-                                                         float* y, int64_t N, int64_t K, int64_t n0,
-                                                         int64_t n1) {
-  constexpr int CH = MT == 1 ? 2 : 1;  // chains per (activation row, weight row): 8 accumulators either way
-  int64_t n = n0;
-  for (; n + 4 <= n1; n += 4) {
-    const int8_t* rows[4] = {w + n * K, w + (n + 1) * K, w + (n + 2) * K, w + (n + 3) * K};
-    __m256 acc[MT][4][CH];
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < 4; ++j)
-        for (int c = 0; c < CH; ++c) acc[m][j][c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 8 * CH) {
-      for (int c = 0; c < CH; ++c) {
-        __m256 xv[MT];
-        for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k + 8 * c);
-        for (int j = 0; j < 4; ++j) {
-          const __m256 wv = widen8(rows[j] + k + 8 * c);
-          for (int m = 0; m < MT; ++m) acc[m][j][c] = _mm256_fmadd_ps(wv, xv[m], acc[m][j][c]);
-        }
-      }
-    }
-    const __m128 scale = _mm_loadu_ps(s + n);
-    for (int m = 0; m < MT; ++m) {
-      __m256 r[4];
-      for (int j = 0; j < 4; ++j) r[j] = CH == 2 ? _mm256_add_ps(acc[m][j][0], acc[m][j][CH - 1]) : acc[m][j][0];
-      _mm_storeu_ps(y + m * N + n, _mm_mul_ps(hsum4(r[0], r[1], r[2], r[3]), scale));
-    }
-  }
-  if (n < n1) int8_rows_avx2<MT>(x, w, s, y, N, K, n, n1);
 }
 
 // Widen 8 nibble codes (the low 8 bytes of `codes`, one code per byte) to floats through the 16-entry table:
@@ -175,20 +96,12 @@ __attribute__((target("avx2,fma"))) inline __m256 lut8(__m128i codes, __m256 lut
   return _mm256_blendv_ps(lo, hi, _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28)));
 }
 
-// Codes as plain integers 0..15, for an affine table lut[c] = c + lut[0] (int4): one convert instead of
-// two table lookups and a blend; the constant lut[0] * sum(x over the group) is added once per group.
-__attribute__((target("avx2,fma"))) inline __m256 codes8(__m128i codes) {
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
-}
-
 // x here is de-interleaved per block of 32: [x0 x2 .. x30 | x1 x3 .. x31], matching the nibble order of
-// 16 packed bytes (low nibbles = even k, high nibbles = odd k). xsum [MT rows, K/G] holds group sums of x
-// (read only when AFFINE).
-template <int MT, bool AFFINE>
-__attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const float* xsum, const uint8_t* w,
-                                                        const c10::Half* s, const float* lut, float* y,
-                                                        int64_t N, int64_t K, int64_t G, int64_t n0,
-                                                        int64_t n1) {
+// 16 packed bytes (low nibbles = even k, high nibbles = odd k).
+template <int MT>
+__attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const uint8_t* w, const c10::Half* s,
+                                                        const float* lut, float* y, int64_t N, int64_t K,
+                                                        int64_t G, int64_t n0, int64_t n1) {
   const __m256 lut_lo = _mm256_loadu_ps(lut);
   const __m256 lut_hi = _mm256_loadu_ps(lut + 8);
   const __m128i low_mask = _mm_set1_epi8(0x0F);
@@ -196,13 +109,9 @@ __attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const f
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * (K / 2);
     __m256 total[MT];
-    float offset_sum[MT];  // AFFINE: sum over groups of scale * lut[0] * sum(x in group)
-    for (int m = 0; m < MT; ++m) {
-      total[m] = _mm256_setzero_ps();
-      offset_sum[m] = 0.f;
-    }
+    for (int m = 0; m < MT; ++m) total[m] = _mm256_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
-      __m256 acc[MT][4];  // four chains per row, as in int8_rows_avx2
+      __m256 acc[MT][4];  // four chains per row hide the FMA latency
       for (int m = 0; m < MT; ++m)
         for (int j = 0; j < 4; ++j) acc[m][j] = _mm256_setzero_ps();
       for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
@@ -212,53 +121,263 @@ __attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const f
         const __m128i parts[4] = {even, _mm_unpackhi_epi64(even, even),  // k, k+2, .., k+14 | k+16, .., k+30
                                   odd, _mm_unpackhi_epi64(odd, odd)};    // k+1, .., k+15  | k+17, .., k+31
         __m256 wv[4];
-        for (int j = 0; j < 4; ++j) wv[j] = AFFINE ? codes8(parts[j]) : lut8(parts[j], lut_lo, lut_hi);
+        for (int j = 0; j < 4; ++j) wv[j] = lut8(parts[j], lut_lo, lut_hi);
         for (int m = 0; m < MT; ++m)
           for (int j = 0; j < 4; ++j)
             acc[m][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xd + m * K + k + 8 * j), acc[m][j]);
       }
-      const float scale = static_cast<float>(s[g * N + n]);
+      const __m256 scale = _mm256_set1_ps(static_cast<float>(s[g * N + n]));
       for (int m = 0; m < MT; ++m) {
         const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
-        total[m] = _mm256_fmadd_ps(sum, _mm256_set1_ps(scale), total[m]);
-        if (AFFINE) offset_sum[m] += scale * xsum[m * groups + g];
+        total[m] = _mm256_fmadd_ps(sum, scale, total[m]);
       }
     }
-    for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(total[m]) + (AFFINE ? lut[0] * offset_sum[m] : 0.f);
+    for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(total[m]);
   }
 }
 
-// float32 weights, MT activation rows per pass over a weight row: at small M the weights are read once
-// (memory-bound), where a general GEMM packs both operands and ran at 6-8 GB/s here for M = 8.
-// Two accumulator chains per row keep 2 * MT FMAs in flight within 16 registers.
-template <int MT>
-__attribute__((target("avx2,fma"))) void f32_rows_avx2(const float* x, const float* w, float* y, int64_t N,
-                                                       int64_t K, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* row = w + n * K;
-    __m256 acc[MT][2];
-    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m256 w0 = _mm256_loadu_ps(row + k);
-      const __m256 w1 = _mm256_loadu_ps(row + k + 8);
+// float32 weights, a tile of MT activation rows x NT weight rows: MT * NT accumulators (one FMA chain each)
+// fed by MT + NT loads per 8 k, so at 3 x 4 the loop is bound by FMAs, not loads. At small M the weights are
+// read once (memory-bound), where a general GEMM packs both operands and ran at 6-8 GB/s here for M = 8.
+template <int MT, int NT>
+__attribute__((target("avx2,fma"))) void f32_tile_avx2(const float* x, const float* w, float* y, int64_t N,
+                                                       int64_t K, int64_t n) {
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < K; k += 8) {
+    __m256 xv[MT];
+    for (int m = 0; m < MT; ++m) xv[m] = _mm256_loadu_ps(x + m * K + k);
+    for (int j = 0; j < NT; ++j) {
+      const __m256 wv = _mm256_loadu_ps(w + (n + j) * K + k);
+      for (int m = 0; m < MT; ++m) acc[m][j] = _mm256_fmadd_ps(wv, xv[m], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    if constexpr (NT == 4)
+      _mm_storeu_ps(y + m * N + n, hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]));
+    else
+      for (int j = 0; j < NT; ++j) y[m * N + n + j] = hsum(acc[m][j]);
+  }
+}
+
+// Every (activation tile, weight tile) of rows [n0, n1): weight tiles of NT rows (then single rows), each
+// paired with activation tiles of MTMAX, .., 1 rows; a weight tile stays in L1 while the activations stream.
+template <int MTMAX, int NT, typename Fn>
+void for_tiles(int64_t M, int64_t n0, int64_t n1, Fn&& fn) {
+  auto rows = [&](int64_t n, auto nt) {
+    int64_t m = 0;
+    if constexpr (MTMAX >= 3)
+      for (; m + 3 <= M; m += 3) fn(m, n, std::integral_constant<int, 3>{}, nt);
+    for (; m + 2 <= M; m += 2) fn(m, n, std::integral_constant<int, 2>{}, nt);
+    for (; m < M; ++m) fn(m, n, std::integral_constant<int, 1>{}, nt);
+  };
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) rows(n, std::integral_constant<int, NT>{});
+  for (; n < n1; ++n) rows(n, std::integral_constant<int, 1>{});
+}
+
+// ---------------------------------------------------------------- int8 activations (AVX2 integer dot products)
+// Activations are quantized per block of 32 (QK) to int8 with a float32 scale, as llama.cpp's Q8_0: one
+// vpmaddubsw multiplies 32 int8 pairs, where widening int8 weights to floats retired 8 per convert and bound
+// the float kernels at ~10 GB/s of codes. Weights stay as stored; the result is exactly
+// W_hat @ Q8(x) up to float summation order (quant.schemes.quantize_activations is the reference).
+
+// Quantize x [M, K] per block of 32: q = round(x / d), d = max|x| / 127 (a zero block gives d = 0, q = 0),
+// with the same division and round-half-even as the PyTorch reference, so q matches it exactly. With
+// `deinterleave` each block is stored [even k | odd k] (the 4-bit nibble order). qsum[m, b] = sum of q.
+__attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, int64_t M, int64_t K,
+                                                              bool deinterleave, int8_t* q, float* d,
+                                                              int32_t* qsum) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  const int64_t nb = K / 32;
+  for (int64_t i = 0; i < M * nb; ++i) {
+    const float* xb = x + i * 32;
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    for (int j = 0; j < 4; ++j) {
+      v[j] = _mm256_loadu_ps(xb + 8 * j);
+      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+    const float scale = _mm_cvtss_f32(m4) / 127.f;
+    d[i] = scale;
+    int8_t* qb = q + i * 32;
+    if (scale == 0.f) {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
+      qsum[i] = 0;
+      continue;
+    }
+    const __m256 sv = _mm256_set1_ps(scale);
+    __m256i iv[4];
+    for (int j = 0; j < 4; ++j)
+      iv[j] = _mm256_cvtps_epi32(
+          _mm256_round_ps(_mm256_div_ps(v[j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    // pack 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane; the permute restores k order)
+    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+    packed = _mm256_permutevar8x32_epi32(packed, order);
+    if (deinterleave)
+      packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, even_odd), 0xD8);  // qwords 0, 2, 1, 3
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), packed);
+    const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
+                                           _mm256_set1_epi16(1));  // 8 partial sums of q
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+    s4 = _mm_hadd_epi32(s4, s4);
+    qsum[i] = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 dot_block(__m256i u, __m256i s, __m256 scale, __m256 acc) {
+  // u: 32 unsigned bytes, s: 32 signed bytes; sum of the 32 products (in 8 lanes) * scale + acc
+  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // 16 int16: no saturation for |u|, |s| <= 127
+  const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 int32
+  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads), scale, acc);
+}
+
+// int8 weights (per-row scale s) x Q8 activations: a tile of MT activation rows x NT weight rows. The signed
+// product uses llama.cpp's sign trick: |q| * (w with q's sign), so vpmaddubsw gets an unsigned operand.
+template <int MT, int NT>
+__attribute__((target("avx2,fma"))) void q8_int8_tile_avx2(const int8_t* q, const float* d, const int8_t* w,
+                                                           const float* s, float* y, int64_t N, int64_t K,
+                                                           int64_t n) {
+  const int64_t nb = K / 32;
+  __m256 acc[MT][NT];
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i xq[MT], xa[MT];
+    __m256 dv[MT];
+    for (int m = 0; m < MT; ++m) {
+      xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + 32 * b));
+      xa[m] = _mm256_abs_epi8(xq[m]);
+      dv[m] = _mm256_broadcast_ss(d + m * nb + b);
+    }
+    for (int j = 0; j < NT; ++j) {
+      // software prefetch 8 blocks ahead: ~15% faster from DRAM at one row (60 SmolLM2-sized layers)
+      _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * K + 32 * b + 256), _MM_HINT_T0);
+      const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (n + j) * K + 32 * b));
+      for (int m = 0; m < MT; ++m) acc[m][j] = dot_block(xa[m], _mm256_sign_epi8(wv, xq[m]), dv[m], acc[m][j]);
+    }
+  }
+  for (int m = 0; m < MT; ++m) {
+    if constexpr (NT == 4)
+      _mm_storeu_ps(y + m * N + n, _mm_mul_ps(hsum4(acc[m][0], acc[m][1], acc[m][2], acc[m][3]), _mm_loadu_ps(s + n)));
+    else
+      for (int j = 0; j < NT; ++j) y[m * N + n + j] = hsum(acc[m][j]) * s[n + j];
+  }
+}
+
+// int4 codes c (w = c - offset, scale per group of G) x Q8 activations de-interleaved per block. The codes are
+// unsigned (0..15), so vpmaddubsw takes them as they are; the offset comes back as offset * d_b * sum(q_b).
+template <int MT, int NT>
+__attribute__((target("avx2,fma"))) void q8_int4_tile_avx2(const int8_t* q, const float* d, const int32_t* qsum,
+                                                           const uint8_t* w, const c10::Half* s, int64_t offset,
+                                                           float* y, int64_t N, int64_t K, int64_t G,
+                                                           int64_t n) {
+  const int64_t nb = K / 32, per_group = G / 32;
+  const __m128i low_mask = _mm_set1_epi8(0x0F);
+  __m256 total[MT][NT];
+  float shift[MT][NT];  // sum over groups of scale * sum_b d_b * qsum_b
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) {
+      total[m][j] = _mm256_setzero_ps();
+      shift[m][j] = 0.f;
+    }
+  for (int64_t g = 0; g < K / G; ++g) {
+    __m256 acc[MT][NT];
+    float xshift[MT];
+    for (int m = 0; m < MT; ++m) {
+      xshift[m] = 0.f;
+      for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+    }
+    for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
+      __m256i xq[MT];
+      __m256 dv[MT];
       for (int m = 0; m < MT; ++m) {
-        acc[m][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + m * K + k), acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + m * K + k + 8), acc[m][1]);
+        xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + 32 * b));
+        dv[m] = _mm256_broadcast_ss(d + m * nb + b);
+        xshift[m] += d[m * nb + b] * static_cast<float>(qsum[m * nb + b]);
+      }
+      for (int j = 0; j < NT; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * (K / 2) + 16 * b + 256), _MM_HINT_T0);
+        const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + (n + j) * (K / 2) + 16 * b));
+        const __m256i codes = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low_mask),  // odd k
+                                               _mm_and_si128(bytes, low_mask));                    // even k
+        for (int m = 0; m < MT; ++m) acc[m][j] = dot_block(codes, xq[m], dv[m], acc[m][j]);
       }
     }
-    for (int m = 0; m < MT; ++m) y[m * N + n] = hsum(_mm256_add_ps(acc[m][0], acc[m][1]));
+    for (int j = 0; j < NT; ++j) {
+      const float scale = static_cast<float>(s[g * N + n + j]);
+      for (int m = 0; m < MT; ++m) {
+        total[m][j] = _mm256_fmadd_ps(acc[m][j], _mm256_set1_ps(scale), total[m][j]);
+        shift[m][j] += scale * xshift[m];
+      }
+    }
   }
-}
-
-template <typename Fn>
-void for_row_tiles(int64_t M, Fn&& fn) {
-  // Rows of x in tiles of 4, then 2, then 1: each tile widens every weight once.
-  int64_t m = 0;
-  for (; m + 4 <= M; m += 4) fn(m, std::integral_constant<int, 4>{});
-  for (; m + 2 <= M; m += 2) fn(m, std::integral_constant<int, 2>{});
-  for (; m < M; ++m) fn(m, std::integral_constant<int, 1>{});
+  for (int m = 0; m < MT; ++m)
+    for (int j = 0; j < NT; ++j) y[m * N + n + j] = hsum(total[m][j]) - static_cast<float>(offset) * shift[m][j];
 }
 #endif
+
+// Scalar twins of the above (CPUs without AVX2): same quantized activations, same integer products.
+void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, bool deinterleave, int8_t* q, float* d,
+                            int32_t* qsum) {
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
+    const float* xb = x + i * 32;
+    float amax = 0.f;
+    for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
+    const float scale = amax / 127.f;
+    d[i] = scale;
+    int32_t sum = 0;
+    for (int k = 0; k < 32; ++k) {
+      const int v = scale == 0.f ? 0 : static_cast<int>(std::nearbyint(xb[k] / scale));
+      q[i * 32 + (deinterleave ? (k % 2) * 16 + k / 2 : k)] = static_cast<int8_t>(v);
+      sum += v;
+    }
+    qsum[i] = sum;
+  }
+}
+
+void q8_int8_rows_scalar(const int8_t* q, const float* d, const int8_t* w, const float* s, float* y, int64_t M,
+                         int64_t N, int64_t K, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < K / 32; ++b) {
+        int32_t dot = 0;
+        for (int k = 0; k < 32; ++k) dot += q[m * K + 32 * b + k] * w[n * K + 32 * b + k];
+        acc += static_cast<float>(dot) * d[m * (K / 32) + b];
+      }
+      y[m * N + n] = acc * s[n];
+    }
+}
+
+void q8_int4_rows_scalar(const int8_t* q, const float* d, const uint8_t* w, const c10::Half* s, int64_t offset,
+                         float* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float total = 0.f;
+      for (int64_t g = 0; g < K / G; ++g) {
+        float acc = 0.f;
+        for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); ++b) {
+          int32_t dot = 0;
+          for (int k = 0; k < 16; ++k) {  // q is de-interleaved: [even k | odd k]
+            const uint8_t byte = w[n * (K / 2) + 16 * b + k];
+            dot += (static_cast<int32_t>(byte & 0x0F) - offset) * q[m * K + 32 * b + k] +
+                   (static_cast<int32_t>(byte >> 4) - offset) * q[m * K + 32 * b + 16 + k];
+          }
+          acc += static_cast<float>(dot) * d[m * (K / 32) + b];
+        }
+        total += acc * static_cast<float>(s[g * N + n]);
+      }
+      y[m * N + n] = total;
+    }
+}
 
 void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
@@ -266,40 +385,101 @@ void check_x(const torch::Tensor& x, int64_t K) {
   TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
 }
 
+// Q8 activations of one call: q int8 [M, K], d float32 [M, K / 32], qsum int32 [M, K / 32]. The buffers are
+// reused across calls (per thread): three torch::empty calls cost about as much as a small layer's product.
+struct QuantizedX {
+  std::vector<int8_t> q;
+  std::vector<float> d;
+  std::vector<int32_t> qsum;
+};
+
+const QuantizedX& quantize_x(const torch::Tensor& x, bool deinterleave) {
+  thread_local QuantizedX out;
+  const int64_t M = x.size(0), K = x.size(1);
+  out.q.resize(M * K);
+  out.d.resize(M * K / 32);
+  out.qsum.resize(M * K / 32);
+  const float* xp = x.data_ptr<float>();
+#ifdef QL_X86
+  if (has_avx2()) {
+    quantize_blocks_avx2(xp, M, K, deinterleave, out.q.data(), out.d.data(), out.qsum.data());
+    return out;
+  }
+#endif
+  quantize_blocks_scalar(xp, M, K, deinterleave, out.q.data(), out.d.data(), out.qsum.data());
+  return out;
+}
+
 }  // namespace
 
-// y [M, N] = x [M, K] @ (w * s)^T for int8 weights with one float32 scale per output row.
+// y [M, N] = Q8(x) [M, K] @ (w * s)^T: int8 weights with one float32 scale per output row, activations
+// quantized per block of 32 (K must be a multiple of 32).
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be int8 [N, K]");
   TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == w.size(0) && scales.is_contiguous(),
               "scales must be float32 [N]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_x(x, K);
+  TORCH_CHECK(K % 32 == 0, "int8_linear quantizes activations per block of 32; K = ", K);
+  const QuantizedX& qx = quantize_x(x, false);
   auto y = torch::empty({M, N}, x.options());
-  const float* xp = x.data_ptr<float>();
+  const int8_t* qp = qx.q.data();
+  const float* dp = qx.d.data();
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool vec = has_avx2() && K % 32 == 0;
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
 #ifdef QL_X86
-    if (vec) {
-      for_row_tiles(M, [&](int64_t m, auto mt) {
-        constexpr int T = decltype(mt)::value;
-        if constexpr (T <= 2)
-          int8_rows4_avx2<T>(xp + m * K, wp, sp, yp + m * N, N, K, n0, n1);
-        else
-          int8_rows_avx2<T>(xp + m * K, wp, sp, yp + m * N, N, K, n0, n1);
+    if (has_avx2()) {
+      for_tiles<2, 4>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
+        q8_int8_tile_avx2<decltype(mt)::value, decltype(nt)::value>(qp + m * K, dp + m * (K / 32), wp, sp,
+                                                                    yp + m * N, N, K, n);
       });
       return;
     }
 #endif
-    int8_rows_scalar(xp, wp, sp, yp, M, N, K, n0, n1);
+    q8_int8_rows_scalar(qp, dp, wp, sp, yp, M, N, K, n0, n1);
   });
   return y;
 }
 
-// y [M, N] = x [M, K] @ W_hat^T for packed 4-bit codes: W_hat[n, k] = lut[code] * scales[k / G, n].
+// y [M, N] = Q8(x) [M, K] @ W_hat^T for int4 codes packed two per byte (k even: low nibble):
+// W_hat[n, k] = (code - offset) * scales[k / G, n]; G must be a multiple of 32.
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                          int64_t group, int64_t offset) {
+  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be uint8 [N, K/2]");
+  const int64_t M = x.size(0), N = w.size(0), K = w.size(1) * 2;
+  check_x(x, K);
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "group ", group,
+              " must be a multiple of 32 that divides ", K);
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == K / group && scales.size(1) == N,
+              "scales must be float16 [K / group, N]");
+  const QuantizedX& qx = quantize_x(x, true);
+  auto y = torch::empty({M, N}, x.options());
+  const int8_t* qp = qx.q.data();
+  const float* dp = qx.d.data();
+  const int32_t* qs = qx.qsum.data();
+  const uint8_t* wp = w.data_ptr<uint8_t>();
+  const c10::Half* sp = scales.data_ptr<c10::Half>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+#ifdef QL_X86
+    if (has_avx2()) {
+      for_tiles<2, 2>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
+        q8_int4_tile_avx2<decltype(mt)::value, decltype(nt)::value>(
+            qp + m * K, dp + m * (K / 32), qs + m * (K / 32), wp, sp, offset, yp + m * N, N, K, group, n);
+      });
+      return;
+    }
+#endif
+    q8_int4_rows_scalar(qp, dp, wp, sp, offset, yp, M, N, K, group, n0, n1);
+  });
+  return y;
+}
+
+// y [M, N] = x [M, K] @ W_hat^T for packed 4-bit codes with float activations (NF4, or int4 groups that are
+// not a multiple of 32): W_hat[n, k] = lut[code] * scales[k / G, n].
 torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                           int64_t group, const torch::Tensor& lut) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be uint8 [N, K/2]");
@@ -316,35 +496,24 @@ torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   const float* lp = lut.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool vec = has_avx2() && group % 32 == 0;
 #ifdef QL_X86
-  if (vec) {
+  if (has_avx2() && group % 32 == 0) {
     // De-interleave x once per call (M*K floats) so the kernel's loads match the nibble order.
-    const int64_t groups = K / group;
     auto xd = torch::empty_like(x);
-    auto xsum = torch::zeros({M, groups}, x.options());
     auto xa = x.accessor<float, 2>();
     auto da = xd.accessor<float, 2>();
-    auto sa = xsum.accessor<float, 2>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t k = 0; k < K; k += 32)
         for (int64_t j = 0; j < 16; ++j) {
           da[m][k + j] = xa[m][k + 2 * j];
           da[m][k + 16 + j] = xa[m][k + 2 * j + 1];
-          sa[m][k / group] += xa[m][k + 2 * j] + xa[m][k + 2 * j + 1];
         }
-    bool affine = true;
-    for (int c = 0; c < 16; ++c) affine = affine && lp[c] == lp[0] + static_cast<float>(c);
     const float* dp = xd.data_ptr<float>();
-    const float* xs = xsum.data_ptr<float>();
     at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-      for_row_tiles(M, [&](int64_t m, auto mt) {
-        constexpr int T = decltype(mt)::value;
-        if (affine)
-          lut4_rows_avx2<T, true>(dp + m * K, xs + m * groups, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
-        else
-          lut4_rows_avx2<T, false>(dp + m * K, xs + m * groups, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
-      });
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) lut4_rows_avx2<4>(dp + m * K, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
+      for (; m + 2 <= M; m += 2) lut4_rows_avx2<2>(dp + m * K, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
+      for (; m < M; ++m) lut4_rows_avx2<1>(dp + m * K, wp, sp, lp, yp + m * N, N, K, group, n0, n1);
     });
     return y;
   }
@@ -365,12 +534,12 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w) {
   const float* xp = x.data_ptr<float>();
   const float* wp = w.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const bool vec = has_avx2() && K % 16 == 0;
+  const bool vec = has_avx2() && K % 8 == 0;
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
 #ifdef QL_X86
     if (vec) {
-      for_row_tiles(M, [&](int64_t m, auto mt) {
-        f32_rows_avx2<decltype(mt)::value>(xp + m * K, wp, yp + m * N, N, K, n0, n1);
+      for_tiles<3, 4>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
+        f32_tile_avx2<decltype(mt)::value, decltype(nt)::value>(xp + m * K, wp, yp + m * N, N, K, n);
       });
       return;
     }
@@ -383,7 +552,9 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w) {
 bool vectorized() { return has_avx2(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "x [M,K] f32, w int8 [N,K], scales f32 [N] -> [M,N]");
+  m.def("int8_linear", &int8_linear, "x [M,K] f32, w int8 [N,K], scales f32 [N] -> [M,N] (x as Q8 blocks of 32)");
+  m.def("int4_linear", &int4_linear,
+        "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, offset -> [M,N] (x as Q8 blocks of 32)");
   m.def("lut4_linear", &lut4_linear, "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, lut f32 [16] -> [M,N]");
   m.def("f32_linear", &f32_linear, "x [M,K] f32, w f32 [N,K] -> [M,N] (small M)");
   m.def("vectorized", &vectorized, "True when the AVX2+FMA path runs on this CPU");

@@ -206,3 +206,26 @@ def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     """``||W - W_hat||_F / ||W||_F`` (Frobenius norms, float64 sums)."""
     w = w.double()
     return float(torch.linalg.norm(w - w_hat.double()) / torch.linalg.norm(w))
+
+
+# Activations enter the int8 and int4 kernels quantized per block of this many values (Q8_0 in llama.cpp).
+ACT_BLOCK = 32
+
+
+def quantize_activations(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
+    """Fake-quantize activations as the int8/int4 kernels see them: ``Q8(x)``, same shape and dtype as ``x``.
+
+    Each run of ``block`` values along the last dim gets ``d = max|x| / 127`` and becomes ``round(x / d) * d``
+    (round half to even; an all-zero block stays zero). This is the reference the C++ kernels are tested
+    against: they compute ``W_hat @ Q8(x)`` with integer dot products (llama.cpp's Q8_0 scheme).
+
+    Raises:
+        ValueError: the last dim is not a multiple of ``block``.
+    """
+    features = x.shape[-1]
+    if features % block:
+        raise ValueError(f"{features} features are not a multiple of the activation block {block}")
+    xb = x.float().reshape(-1, features // block, block)  # [rows, blocks, block]
+    d = xb.abs().amax(-1, keepdim=True) / 127
+    q = torch.where(d == 0, 0.0, torch.round(xb / d))
+    return (q * d).reshape(x.shape).to(x.dtype)

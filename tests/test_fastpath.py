@@ -130,8 +130,9 @@ def test_f32_linear_kernel_matches_torch(rows, k):
     if kernel is None:
         pytest.skip("quant kernels not built on this machine")
     torch.manual_seed(2)
-    w, x = torch.randn(70, k), torch.randn(rows, k)  # k = 20: not a multiple of 16, the scalar loop
-    torch.testing.assert_close(kernel.f32_linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5)
+    w, x = torch.randn(70, k), torch.randn(rows, k)  # k = 20: not a multiple of 8, the scalar loop
+    # outputs are sums of k unit-normal products (|y| ~ sqrt(k)); summation order differs from torch's
+    torch.testing.assert_close(kernel.f32_linear(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=5e-5)
 
 
 def test_unfused_qkv_fallback_equals_transformers_modules(monkeypatch):

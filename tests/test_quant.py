@@ -12,9 +12,9 @@ from torch import nn
 from quant import kernels
 from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear
 from quant.model import projection_names, quantize_model
-from quant.schemes import (NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int, dequantize_nf4,
-                           fake_quantize, pack_nibbles, quantize_int, quantize_nf4, relative_error,
-                           unpack_nibbles)
+from quant.schemes import (ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int, dequantize_nf4,
+                           fake_quantize, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
+                           relative_error, unpack_nibbles)
 
 INT4_TENSOR = QuantSpec(Scheme.INT4, Granularity.TENSOR)
 INT4_ROW = QuantSpec(Scheme.INT4, Granularity.ROW)
@@ -95,14 +95,44 @@ def test_kernel_matches_reference(shape, rows):
         pytest.skip("C++ kernels could not be built here")
     for layer in _layers(*shape):
         x = torch.randn(rows, shape[0])
+        x[0, :min(32, shape[0])] = 0  # an all-zero activation block (scale 0)
         layer.use_kernel = False
         reference = layer(x)
-        assert torch.allclose(reference, x @ layer.dequantize().t() + layer.bias, atol=1e-4, rtol=1e-4)
+        # the served product: W_hat @ Q8(x) for int8 and int4 (per block of 32), W_hat @ x for NF4
+        x_seen = x if layer.act_block is None else quantize_activations(x, layer.act_block)
+        assert torch.allclose(reference, x_seen @ layer.dequantize().t() + layer.bias, atol=1e-4, rtol=1e-4)
         layer.use_kernel = True
         fast = layer(x)
         assert torch.allclose(fast, reference, atol=1e-4, rtol=1e-4), type(layer).__name__
         # bfloat16 activations come back in bfloat16
         assert layer(x.bfloat16()).dtype == torch.bfloat16
+
+
+def test_activation_quantization_reference():
+    x = torch.tensor([[0.0] * 32 + [1.27, -0.635, 0.3, 0.0049] + [0.0] * 28])  # [1, 64]: a zero block, then max 1.27
+    q = quantize_activations(x)
+    assert torch.equal(q[0, :32], torch.zeros(32))
+    # d = 1.27 / 127 = 0.01: 1.27 -> 127 d, -0.635 -> -63.5 -> -64 d (half to even), 0.0049 -> 0
+    torch.testing.assert_close(q[0, 32:36], torch.tensor([1.27, -0.64, 0.3, 0.0]), rtol=1e-6, atol=1e-7)
+    y = torch.randn(4, 96) * torch.rand(4, 96) * 10
+    error = (quantize_activations(y) - y).abs().view(4, 3, 32)
+    half_step = y.abs().view(4, 3, 32).amax(-1, keepdim=True) / 254  # rounding error <= d / 2 per block
+    assert (error <= half_step * (1 + 1e-5)).all() and error.amax() > 0
+    with pytest.raises(ValueError, match="multiple"):
+        quantize_activations(torch.randn(2, 40))
+
+
+def test_act_block_of_each_layer_and_weight_only_mode():
+    int8, int4, nf4 = _layers(576, 64)
+    assert (int8.act_block, int4.act_block, nf4.act_block) == (ACT_BLOCK, ACT_BLOCK, None)
+    assert _layers(40, 8)[0].act_block is None and _layers(40, 8)[0].decode_kernel() is None  # no int8 kernel
+    x = torch.randn(2, 576)
+    for layer in (int8, int4):
+        layer.act_block = None  # weight-only: the kernel (which quantizes activations) must not run
+        assert layer.decode_kernel() is None
+        torch.testing.assert_close(layer(x), x @ layer.dequantize().t() + layer.bias, rtol=1e-4, atol=1e-4)
+        layer.act_block = ACT_BLOCK
+        assert not torch.allclose(layer(x), x @ layer.dequantize().t() + layer.bias, rtol=1e-6, atol=1e-6)
 
 
 def test_serving_layers_compute_with_the_reported_w_hat():
