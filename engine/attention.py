@@ -22,6 +22,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcache.pool import KVPool
+from quant import kernels
 
 ATTN_IMPLEMENTATION = "kvserve"
 
@@ -127,6 +128,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def _fused_ops(q: torch.Tensor, k_cache: torch.Tensor):
+    """engine/decode_ops.cpp's ops when this step can use them (float32 on CPU), else None."""
+    if q.dtype is not torch.float32 or k_cache.dtype is not torch.float32 or not q.is_cpu:
+        return None
+    return kernels.load_ops()
+
+
 def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                     scale: float, sliding_window: int | None = None, softcap: float | None = None) -> torch.Tensor:
     """Write this step's K/V into the pool at the slot mapping, then attend each token to its own context.
@@ -142,15 +150,28 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
 
     Returns:
         ``[num_tokens, num_heads, head_dim]`` attention output (contiguous).
+
+    float32 on CPU uses the C++ ops (engine/decode_ops.cpp) for the KV write and the decode rows; prefill
+    spans and other dtypes/devices use torch (SDPA).
     """
     k_cache, v_cache = meta.pool.layer(layer_idx)  # [num_slots, H_kv, D]
     k_blocks, v_blocks = meta.pool.layer_blocks(layer_idx)  # [num_blocks, block_size, H_kv, D]
-    k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
-    v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # than advanced indexing on CPU
+    ops = _fused_ops(q, k_cache) if softcap is None else None
+    if ops is not None:
+        ops.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+    else:
+        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
+        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # than advanced indexing on CPU
 
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, H, D]
+    if meta.decode_rows.numel() and ops is not None:
+        # reads each context through its block table in place: no gathered copy, no mask
+        ops.paged_decode_attention(q, meta.decode_rows, meta.decode_tables, meta.decode_lens, k_blocks, v_blocks,
+                                   scale, sliding_window or 0, out)
+        if meta.all_decodes:
+            return out
     q = q.transpose(0, 1)  # [H, num_tokens, D]
-    out = torch.empty_like(q.transpose(0, 1))  # [num_tokens, H, D]
-    if meta.decode_rows.numel():
+    if meta.decode_rows.numel() and ops is None:
         q_dec = (q.transpose(0, 1) if meta.all_decodes else q[:, meta.decode_rows].transpose(0, 1))[:, :, None, :]
         # whole blocks are gathered (one copy per block, not per token); the mask hides what lies past a context
         k_dec = _gather_blocks(k_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, keys, D]

@@ -1,8 +1,10 @@
-"""The fast CPU kernels (quant/qlinear.cpp), built once with torch's C++ extension tooling.
+"""The fast CPU kernels, built once with torch's C++ extension tooling.
 
-``python -m quant.kernels --build`` compiles them (the install step runs it); otherwise the first
-quantized layer on CPU builds them (about a minute on 2 cores). If the build fails, layers fall back to the
-pure-PyTorch reference and one warning is logged. Set ``KVSERVE_QUANT_KERNELS=0`` to force the reference.
+Two extensions: ``quant/qlinear.cpp`` (projection kernels: ``load()``) and ``engine/decode_ops.cpp`` (the
+fast path's fused RMSNorm, RoPE, KV write and paged decode attention: ``load_ops()``).
+``python -m quant.kernels --build`` compiles both (the install step runs it); otherwise the first use
+builds them (about a minute each on 2 cores). If a build fails, callers fall back to the pure-PyTorch
+reference and one warning is logged. Set ``KVSERVE_QUANT_KERNELS=0`` to force the reference everywhere.
 """
 
 from __future__ import annotations
@@ -16,45 +18,55 @@ from types import ModuleType
 
 log = logging.getLogger("kvserve.quant")
 
-_SOURCE = Path(__file__).with_name("qlinear.cpp")
-_NAME = "kvserve_qlinear"
+_ROOT = Path(__file__).resolve().parent.parent
+_SOURCES = {"kvserve_qlinear": _ROOT / "quant" / "qlinear.cpp", "kvserve_decode_ops": _ROOT / "engine" / "decode_ops.cpp"}
 _state: dict[str, ModuleType | None] = {}
 
 
 def load(build: bool = True) -> ModuleType | None:
-    """The compiled extension, or None when disabled or it cannot be built (cached after the first call).
+    """The projection kernels (quant/qlinear.cpp), or None when disabled or unbuildable (cached).
 
     Args:
         build: compile if no up-to-date build exists (otherwise return None in that case).
     """
-    if "module" in _state:
-        return _state["module"]
+    return _load("kvserve_qlinear", build)
+
+
+def load_ops(build: bool = True) -> ModuleType | None:
+    """The fast path's fused ops (engine/decode_ops.cpp), or None when disabled or unbuildable (cached)."""
+    return _load("kvserve_decode_ops", build)
+
+
+def _load(name: str, build: bool) -> ModuleType | None:
+    if name in _state:
+        return _state[name]
     module = None
     if os.environ.get("KVSERVE_QUANT_KERNELS", "1") != "0":
         try:
-            module = _compile() if build else _load_prebuilt()
+            module = _compile(name) if build else _load_prebuilt(name)
         except Exception as exc:  # a missing compiler or headers: serve with the reference path
-            log.warning("quant kernels unavailable (%s); using the pure-PyTorch reference", exc)
+            log.warning("%s unavailable (%s); using the pure-PyTorch reference", name, exc)
     if module is not None or build:
-        _state["module"] = module
+        _state[name] = module
     return module
 
 
-def _compile() -> ModuleType:
+def _compile(name: str) -> ModuleType:
     from torch.utils import cpp_extension
 
-    # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread.
-    return cpp_extension.load(name=_NAME, sources=[str(_SOURCE)], extra_cflags=["-O3", "-fopenmp"],
+    # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
+    # (and `omp simd` reductions stay scalar).
+    return cpp_extension.load(name=name, sources=[str(_SOURCES[name])], extra_cflags=["-O3", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
-def _load_prebuilt() -> ModuleType | None:
+def _load_prebuilt(name: str) -> ModuleType | None:
     from torch.utils import cpp_extension
 
-    build_dir = Path(cpp_extension._get_build_directory(_NAME, verbose=False))
-    if not (build_dir / f"{_NAME}.so").exists():
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    if not (build_dir / f"{name}.so").exists():
         return None
-    return _compile()  # ninja sees the build is current and only imports it
+    return _compile(name)  # ninja sees the build is current and only imports it
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,6 +82,8 @@ def main(argv: list[str] | None = None) -> int:
         print("quant kernels: not built (the pure-PyTorch reference will be used)", file=sys.stderr)
         return 0  # the install must not fail over an optional speed-up
     print(f"quant kernels: built, {'AVX2+FMA' if module.vectorized() else 'scalar'} path")
+    ops = load_ops(build=True)
+    print("engine decode ops: " + ("built" if ops is not None else "not built (torch ops will be used)"))
     return 0
 
 

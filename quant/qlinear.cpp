@@ -169,7 +169,8 @@ void for_tiles(int64_t M, int64_t n0, int64_t n1, Fn&& fn) {
     int64_t m = 0;
     if constexpr (MTMAX >= 3)
       for (; m + 3 <= M; m += 3) fn(m, n, std::integral_constant<int, 3>{}, nt);
-    for (; m + 2 <= M; m += 2) fn(m, n, std::integral_constant<int, 2>{}, nt);
+    if constexpr (MTMAX >= 2)
+      for (; m + 2 <= M; m += 2) fn(m, n, std::integral_constant<int, 2>{}, nt);
     for (; m < M; ++m) fn(m, n, std::integral_constant<int, 1>{}, nt);
   };
   int64_t n = n0;

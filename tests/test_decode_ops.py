@@ -1,0 +1,62 @@
+"""engine/decode_ops.cpp (fused RMSNorm, RoPE, KV write, paged decode attention) computes what the torch ops do."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import fastpath
+from engine.loader import wrap_model
+from quant import kernels
+from tests.test_fastpath import run_both, tiny
+
+ops = kernels.load_ops()
+pytestmark = pytest.mark.skipif(ops is None, reason="engine decode ops could not be built here")
+
+
+def _torch_only(monkeypatch) -> None:
+    monkeypatch.setattr(kernels, "load_ops", lambda build=True: None)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"attention_bias": True}), ("qwen2", {}),
+                                            ("mistral", {"sliding_window": 4})])
+def test_fused_ops_equal_torch_ops_on_a_mixed_step(arch, overrides, monkeypatch):
+    # a step with a 9-token prefill, a decode at position 6 (its window of 4 drops 3 keys for Mistral) and a
+    # 5-token chunk over a cached prefix: logits and every written K/V, with the ops and with torch's
+    (fast, fast_kv), (ref, ref_kv) = run_both(wrap_model(tiny(arch, **overrides), tokenizer=None, name=arch))
+    _torch_only(monkeypatch)
+    (fast_t, fast_kv_t), (ref_t, ref_kv_t) = run_both(wrap_model(tiny(arch, **overrides), tokenizer=None, name=arch))
+    for ours, theirs in ((fast, fast_t), (ref, ref_t), (fast_kv, fast_kv_t), (ref_kv, ref_kv_t)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_norms_and_rope_equal_torch():
+    torch.manual_seed(0)
+    x, r, w = torch.randn(5, 64), torch.randn(5, 64), torch.rand(64) + 0.5
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (64,), w, 1e-5))
+    stream = x.clone()
+    out = ops.add_rms_norm_(stream, r, w, 1e-5)
+    torch.testing.assert_close(stream, x + r)  # the residual stream is updated in place
+    torch.testing.assert_close(out, torch.nn.functional.rms_norm(x + r, (64,), w, 1e-5))
+
+    qkv = torch.randn(3, 6 * 16 + 2 * 16)  # [T, (H + H_kv) d + H_kv d]: RoPE on the first 6 heads only
+    angles = torch.rand(3, 8) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, d]
+    expected = fastpath._Rope(cos, sin, None)(qkv[:, :96].view(3, 6, 16))
+    rotated = ops.rope_(qkv[:, :96].view(3, 6, 16), cos, sin)
+    assert rotated is None  # in place
+    torch.testing.assert_close(qkv[:, :96].view(3, 6, 16), expected)
+
+
+def test_bad_indices_raise_instead_of_reading_out_of_bounds():
+    k_cache, v_cache = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
+    k = torch.randn(1, 2, 16)
+    with pytest.raises(RuntimeError, match="out of range"):
+        ops.write_kv(k_cache, v_cache, torch.tensor([8]), k, k)
+    blocks = torch.zeros(2, 4, 2, 16)  # 2 blocks of 4 slots
+    q, out = torch.randn(1, 4, 16), torch.empty(1, 4, 16)
+    rows, lens = torch.tensor([0]), torch.tensor([5])
+    with pytest.raises(RuntimeError, match="block id"):
+        ops.paged_decode_attention(q, rows, torch.tensor([[0, 7]]), lens, blocks, blocks, 0.25, 0, out)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        ops.paged_decode_attention(q, rows, torch.tensor([[0]]), lens, blocks, blocks, 0.25, 0, out)
