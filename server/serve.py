@@ -61,7 +61,7 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     if config.quantization != "none":
         import quant
 
-        summary = quant.quantize_model(loaded.model, config.quantization)
+        summary = quant.quantize_model(loaded.model, config.quantization, head=True)
         log.info("quantized: %s", summary.describe())
     return ServerState(loaded, config, executor)
 

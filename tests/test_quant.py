@@ -165,16 +165,25 @@ def test_quantize_model_keeps_head_and_works_in_bfloat16():
     assert model(torch.randn(2, 64).bfloat16()).dtype == torch.bfloat16
     with pytest.raises(ValueError):
         quantize_model(model, "int3")
+    weight_only = nn.Sequential(nn.Linear(64, 32))
+    quantize_model(weight_only, "int4", activations=False)
+    assert weight_only[0].act_block is None and weight_only[0].decode_kernel() is None
 
 
-@pytest.mark.parametrize("scheme", ["int8", "int4", "nf4"])
-def test_quantized_smollm2_answers(smollm2, scheme):
+@pytest.mark.parametrize("scheme,head", [("int8", False), ("int4", True), ("nf4", True)])
+def test_quantized_smollm2_answers(smollm2, scheme, head):
     model = copy.deepcopy(smollm2.model)
     model.set_attn_implementation("sdpa")
-    summary = quantize_model(model, scheme)
+    embedding = model.model.embed_tokens.weight.clone()
+    summary = quantize_model(model, scheme, head=head)
     assert summary.num_layers == 30 * 7
-    assert not isinstance(model.lm_head, QuantLinear)
-    assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, still float32
+    if head:  # as served: an int8 copy of the head; the embedding keeps its float32 rows
+        assert isinstance(model.lm_head, Int8Linear) and model.lm_head.out_features == 49152
+        assert summary.head.startswith("int8/row") and "LM head int8/row" in summary.describe()
+        assert torch.equal(model.model.embed_tokens.weight, embedding)
+    else:
+        assert not isinstance(model.lm_head, QuantLinear)
+        assert model.lm_head.weight is model.model.embed_tokens.weight  # still tied, still float32
     expected_bits = {"int8": (8.0, 8.06), "int4": (4.125, 4.17), "nf4": (4.25, 4.25)}[scheme]
     assert expected_bits[0] - 1e-6 <= summary.bits_per_weight <= expected_bits[1] + 1e-6
     tokenizer = smollm2.tokenizer
