@@ -1,4 +1,4 @@
-"""Weight-only quantization (int8, int4, NF4) for kvserve's linear projections.
+"""Weight quantization (int8, int4, NF4) for kvserve's linear projections, with CPU kernels.
 
 ``quantize_model`` and ``QuantSummary`` are imported lazily so ``kvserve`` subcommands that never quantize
 do not pay for torch at import time.

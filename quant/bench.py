@@ -19,7 +19,7 @@ import time
 import torch
 
 from quant.linear import QuantLinear
-from quant.model import quantize_model, weight_bytes_per_token
+from quant.model import quantize_model, serving_quantizes_head, weight_bytes_per_token
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 VARIANTS = (("none", torch.bfloat16), ("none", torch.float32), ("int8", torch.float32),
@@ -109,7 +109,7 @@ def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
     rows = []
     for scheme, dtype in VARIANTS:
         model = copy.deepcopy(loaded.model).to(dtype)
-        summary = quantize_model(model, scheme, head=True)  # as `kvserve serve` does
+        summary = quantize_model(model, scheme, head=serving_quantizes_head(scheme))  # as `kvserve serve` does
         variant = LoadedModel(model=model, tokenizer=loaded.tokenizer, name=loaded.name, device=loaded.device,
                               dtype=dtype)
         times, tokens, _ = decode_steps(variant, num_tokens)
@@ -188,8 +188,8 @@ def main(argv: list[str] | None = None) -> int:
             f"This CPU {native_bf16} native bfloat16 (AVX-512 BF16 / AMX), so kvserve's auto dtype here is "
             "float32. Quantized variants are served as `kvserve serve --quantization` serves them: int8 and "
             "int4 projections multiply int8 activations (quantized per block of 32) with integer dot products, "
-            "NF4 multiplies float32 activations through a 16-level table, and the LM head gets an int8 per-row "
-            "copy (the embedding keeps float32). Float32 runs use kvserve's f32_linear kernel and the fused "
+            "NF4 multiplies float32 activations through a 16-level table; with the 4-bit schemes the LM head "
+            "gets an int8 per-row copy (the embedding keeps float32), with int8 it stays float32. Float32 runs use kvserve's f32_linear kernel and the fused "
             "C++ norms / RoPE / paged attention (engine/decode_ops.cpp); bfloat16 runs torch's bf16 matmuls "
             "and torch ops throughout (the fused ops are float32-only), so on this CPU the fair baseline is "
             "the float32 column. Projections and LM head are replayed alone (best of 7); rest = step - both "

@@ -36,7 +36,7 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     import copy
 
     from quant import quality
-    from quant.model import quantize_model, stored_bytes
+    from quant.model import quantize_model, serving_quantizes_head, stored_bytes
     from quant.schemes import SERVING_SPECS, Granularity, QuantSpec, Scheme
 
     ids = quality.heldout_ids(tokenizer)
@@ -54,7 +54,7 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     rows = []
     # Per-scheme rows: weight-only (float activations, float LM head), the granularity study the chapter makes.
     # "as served" rows: what `kvserve serve --quantization X` computes: activations quantized per block of 32
-    # for the int8/int4 kernels and an int8 LM head.
+    # for the int8/int4 kernels, and an int8 LM head for the 4-bit schemes.
     recipes = [(QuantSpec(Scheme(s), Granularity(g), group), False) for s, g, group in RECIPES]
     recipes += [(spec, True) for spec in SERVING_SPECS.values()]
     for spec, served in recipes:
@@ -62,7 +62,8 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
         log(f"{label}: quantizing and measuring")
         started = time.perf_counter()
         quantized = copy.deepcopy(model)
-        summary = quantize_model(quantized, spec.scheme, spec, head=served, activations=served)
+        summary = quantize_model(quantized, spec.scheme, spec, head=served and serving_quantizes_head(spec.scheme),
+                                 activations=served)
         error = quality.weight_errors(model, quantized)
         row = measure(quantized)
         row.update(label=label, serving=SERVING_SPECS[spec.scheme] == spec and not served, served=served,
@@ -107,8 +108,8 @@ def render(data: dict) -> str:
         "(full-precision greedy continuations, teacher-forced). Weight MiB counts every linear layer plus the "
         "float32 embedding / tied LM head. Rows named by recipe are weight-only (float activations, float LM "
         "head); rows \"as served\" are what `kvserve serve --quantization` computes: int8/int4 activations "
-        "quantized per block of 32 (the integer kernels), and an int8 per-row copy of the LM head (its error "
-        "counts in the relative-error columns; bits/weight are the projections'). Group sizes are the largest "
+        "quantized per block of 32 (the integer kernels), and for the 4-bit schemes an int8 per-row copy of the "
+        "LM head (its error counts in the relative-error columns; bits/weight are the projections'). Group sizes are the largest "
         "divisor of the row not above the asked group (576 -> 96 for group 128), so bits/weight are measured, "
         "not nominal.", "",
         quality_table(data), "",

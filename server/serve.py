@@ -59,9 +59,9 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     loaded = load_model(config.model, DType(config.dtype), Device(config.device))
     log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
     if config.quantization != "none":
-        import quant
+        from quant.model import quantize_model, serving_quantizes_head
 
-        summary = quant.quantize_model(loaded.model, config.quantization, head=True)
+        summary = quantize_model(loaded.model, config.quantization, head=serving_quantizes_head(config.quantization))
         log.info("quantized: %s", summary.describe())
     return ServerState(loaded, config, executor)
 

@@ -11,7 +11,7 @@ from torch import nn
 
 from quant import kernels
 from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear
-from quant.model import projection_names, quantize_model
+from quant.model import projection_names, quantize_model, serving_quantizes_head
 from quant.schemes import (ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int, dequantize_nf4,
                            fake_quantize, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
                            relative_error, unpack_nibbles)
@@ -165,6 +165,7 @@ def test_quantize_model_keeps_head_and_works_in_bfloat16():
     assert model(torch.randn(2, 64).bfloat16()).dtype == torch.bfloat16
     with pytest.raises(ValueError):
         quantize_model(model, "int3")
+    assert [serving_quantizes_head(s) for s in ("int8", "int4", "nf4")] == [False, True, True]
     weight_only = nn.Sequential(nn.Linear(64, 32))
     quantize_model(weight_only, "int4", activations=False)
     assert weight_only[0].act_block is None and weight_only[0].decode_kernel() is None
