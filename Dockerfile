@@ -22,7 +22,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# A C++ compiler for the quantized-layer kernels (quant/qlinear.cpp); only this stage has one.
+# A C++ compiler for the CPU kernels (quant/qlinear.cpp, engine/decode_ops.cpp); only this stage has one.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
  && rm -rf /var/lib/apt/lists/*
@@ -47,12 +47,12 @@ COPY loadtest ./loadtest
 RUN pip install .
 
 # Convert the GGUF to safetensors once, here, so a container never converts (or downloads) at start, and
-# compile the quant kernels, so a container needs no compiler (at load torch's ninja finds them up to date).
+# compile the C++ kernels, so a container needs no compiler (at load torch's ninja finds them up to date).
 ENV KVSERVE_CACHE=/opt/kvserve/cache \
     TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
 WORKDIR /
 RUN python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
- && python -c "import sys; from quant.kernels import load; sys.exit(0 if load() else 'quant kernels did not build')"
+ && python -c "import sys; from quant.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')"
 
 # ---- runtime: the venv and the converted model, nothing else ------------------------------------------
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
@@ -87,7 +87,7 @@ ENV VIRTUAL_ENV=/opt/venv \
 USER ${UID}:${UID}
 WORKDIR /home/kvserve
 # Fail the build, not the first request, if the prebuilt kernels would not load here, where no compiler is.
-RUN python -c "import sys; from quant.kernels import load; sys.exit(0 if load() else 'prebuilt quant kernels do not load')"
+RUN python -c "import sys; from quant.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
 EXPOSE 8000
 
 # start-period covers loading the model (seconds for SmolLM2; longer for a mounted larger model).

@@ -14,6 +14,7 @@ mask); each prefill is attended on its own with a causal mask offset by its cach
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -128,6 +129,13 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tenso
     return torch.matmul(scores.softmax(dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
+def op_label(name: str):
+    """A torch.profiler label around a C++ op call (they are not aten ops, so the profiler would not see them)."""
+    if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
+        return torch.profiler.record_function(name)
+    return contextlib.nullcontext()
+
+
 def _fused_ops(q: torch.Tensor, k_cache: torch.Tensor):
     """engine/decode_ops.cpp's ops when this step can use them (float32 on CPU), else None."""
     if q.dtype is not torch.float32 or k_cache.dtype is not torch.float32 or not q.is_cpu:
@@ -158,7 +166,8 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     k_blocks, v_blocks = meta.pool.layer_blocks(layer_idx)  # [num_blocks, block_size, H_kv, D]
     ops = _fused_ops(q, k_cache) if softcap is None else None
     if ops is not None:
-        ops.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
+        with op_label("kvserve::kv_write"):
+            ops.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
     else:
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # than advanced indexing on CPU
@@ -166,8 +175,9 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)  # [num_tokens, H, D]
     if meta.decode_rows.numel() and ops is not None:
         # reads each context through its block table in place: no gathered copy, no mask
-        ops.paged_decode_attention(q, meta.decode_rows, meta.decode_tables, meta.decode_lens, k_blocks, v_blocks,
-                                   scale, sliding_window or 0, out)
+        with op_label("kvserve::paged_attention"):
+            ops.paged_decode_attention(q, meta.decode_rows, meta.decode_tables, meta.decode_lens, k_blocks,
+                                       v_blocks, scale, sliding_window or 0, out)
         if meta.all_decodes:
             return out
     q = q.transpose(0, 1)  # [H, num_tokens, D]

@@ -54,15 +54,47 @@ KV_CLONES void rope_row(float* v, const float* cos, const float* sin, int64_t ha
   }
 }
 
-KV_CLONES float dot(const float* a, const float* b, int64_t n) {
+// dot and axpy are inlined into the attention task (a call per key row through target_clones' dispatch cost
+// more than the 64-wide product itself).
+inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
   for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
   return s;
 }
 
-KV_CLONES void axpy(float alpha, const float* x, float* y, int64_t n) {
+inline __attribute__((always_inline)) void axpy(float alpha, const float* x, float* y, int64_t n) {
   for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+
+// The `group` query heads (rows q, q + q_head_stride, ...) that share KV head g, against keys first..len-1 of
+// one sequence read through its block table; out: `group` rows of D (contiguous).
+KV_CLONES void attend_kv_head(const float* q, int64_t q_head_stride, const int64_t* table, int64_t first,
+                              int64_t len, const float* kp, const float* vp, int64_t bs, int64_t H_kv, int64_t g,
+                              int64_t D, int64_t group, float scale, float* scores, float* out) {
+  const int64_t span = len - first;
+  for (int64_t j = 0; j < group; ++j) {
+    const float* qh = q + j * q_head_stride;
+    float* sj = scores + j * span;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t t = first; t < len; ++t) {
+      const int64_t slot = table[t / bs] * bs + t % bs;
+      sj[t - first] = dot(qh, kp + (slot * H_kv + g) * D, D) * scale;
+      mx = std::max(mx, sj[t - first]);
+    }
+    float sum = 0.f;
+    for (int64_t i = 0; i < span; ++i) {
+      sj[i] = std::exp(sj[i] - mx);
+      sum += sj[i];
+    }
+    float* oh = out + j * D;
+    std::fill_n(oh, D, 0.f);
+    const float inv = 1.f / sum;
+    for (int64_t t = first; t < len; ++t) {
+      const int64_t slot = table[t / bs] * bs + t % bs;
+      axpy(sj[t - first] * inv, vp + (slot * H_kv + g) * D, oh, D);
+    }
+  }
 }
 
 }  // namespace
@@ -176,30 +208,9 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / H_kv, g = task % H_kv, len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
-      const int64_t span = len - first;
-      scores.resize(group * span);
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t h = g * group + j;
-        const float* qh = qp + rp[b] * q.stride(0) + h * q.stride(1);
-        float* sj = scores.data() + j * span;
-        float mx = -std::numeric_limits<float>::infinity();
-        for (int64_t t = first; t < len; ++t) {
-          const int64_t slot = tp[b * width + t / bs] * bs + t % bs;
-          sj[t - first] = dot(qh, kp + (slot * H_kv + g) * D, D) * sc;
-          mx = std::max(mx, sj[t - first]);
-        }
-        float sum = 0.f;
-        for (int64_t i = 0; i < span; ++i) {
-          sj[i] = std::exp(sj[i] - mx);
-          sum += sj[i];
-        }
-        float* oh = op + (rp[b] * H + h) * D;
-        std::fill_n(oh, D, 0.f);
-        for (int64_t t = first; t < len; ++t) {
-          const int64_t slot = tp[b * width + t / bs] * bs + t % bs;
-          axpy(sj[t - first] / sum, vp + (slot * H_kv + g) * D, oh, D);
-        }
-      }
+      scores.resize(group * (len - first));
+      attend_kv_head(qp + rp[b] * q.stride(0) + g * group * q.stride(1), q.stride(1), tp + b * width, first, len,
+                     kp, vp, bs, H_kv, g, D, group, sc, scores.data(), op + (rp[b] * H + g * group) * D);
     }
   });
 }

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
+from engine.attention import AttentionMetadata, op_label, paged_attention
 from quant import kernels
 from quant import linear as quant_linear
 from quant.linear import QuantLinear, concat_outputs
@@ -151,7 +151,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops=None) -> to
     """
     if x.dtype is torch.float32 and weight.dtype is torch.float32:
         if ops is not None:
-            return ops.rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
+            with op_label("kvserve::rms_norm"):
+                return ops.rms_norm(x if x.is_contiguous() else x.contiguous(), weight, eps)
         return F.rms_norm(x, weight.shape, weight, eps)
     variance = x.float().pow(2).mean(-1, keepdim=True)
     return weight * (x.float() * torch.rsqrt(variance + eps)).to(x.dtype)
@@ -160,7 +161,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops=None) -> to
 def _add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, eps: float, ops=None) -> torch.Tensor:
     """``x += update`` in place (the residual stream), then ``rms_norm(x)``; one C++ call with ``ops``."""
     if ops is not None and weight.dtype is torch.float32 and update.dtype is torch.float32:
-        return ops.add_rms_norm_(x, update if update.is_contiguous() else update.contiguous(), weight, eps)
+        with op_label("kvserve::rms_norm"):
+            return ops.add_rms_norm_(x, update if update.is_contiguous() else update.contiguous(), weight, eps)
     x += update
     return _rms_norm(x, weight, eps)
 
@@ -207,15 +209,16 @@ class FastDecoder:
         self.layers = [_Layer(layer, self._window(config, layer)) for layer in inner.layers[:config.num_hidden_layers]]
 
     @contextlib.contextmanager
-    def aten_projections(self):
-        """Within the block every projection runs torch's own ops instead of a C++ kernel, so dispatch-level
-        tools (``loadtest.macs.MacCounter``, the profiler's aten view) see every product."""
+    def aten_ops(self):
+        """Within the block every projection runs torch's own ops instead of a C++ kernel, and so do the norms,
+        RoPE and attention, so dispatch-level tools (``loadtest.macs.MacCounter``) see every product."""
         projections = [p for layer in self.layers for p in layer.projections()] + [self.lm_head]
         saved = [p.max_rows for p in projections]
         for p in projections:
             p.max_rows = 0
         try:
-            yield
+            with kernels.torch_ops_only():
+                yield
         finally:
             for p, rows in zip(projections, saved):
                 p.max_rows = rows
@@ -286,7 +289,8 @@ class _Rope:
 
     def __call__(self, qk: torch.Tensor) -> torch.Tensor:
         if self.ops is not None:
-            self.ops.rope_(qk, self.cos, self.sin)
+            with op_label("kvserve::rope"):
+                self.ops.rope_(qk, self.cos, self.sin)
             return qk
         return qk * self.cos + qk.roll(self.half, -1) * self.sin
 

@@ -2,9 +2,10 @@
 
 Runs B sequences with a ``--context``-token cache through ``engine.runner.ModelRunner`` decoding one token,
 profiles ``--steps`` steps, and splits the wall time by ATen op (self CPU time, so nested ops are not
-counted twice) into: projections (linear/matmul, LM head included), attention (SDPA), paged-KV gather and
-scatter (index/index_put), other ops (norms, RoPE, activations, copies, sampling), and what no op accounts
-for: Python and dispatch overhead between ops.
+counted twice) into: projections (linear/matmul, LM head included), attention (SDPA, or kvserve's C++ paged
+decode attention), paged-KV gather and scatter (index/index_put, or the C++ KV write), other ops (norms, RoPE,
+activations, copies, sampling), and what no op accounts for: Python and dispatch overhead between ops. The C++
+calls are labelled with ``torch.profiler.record_function`` (``kvserve::...``) so they are counted.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from loadtest.benchmarks_md import update_section
 _CATEGORIES = (
     ("projections (linear/matmul)", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
                                      "kvserve::projection")),
-    ("attention (SDPA)", ("scaled_dot_product",)),
-    ("paged KV gather/scatter", ("aten::index", "aten::index_put")),
+    ("attention (SDPA)", ("scaled_dot_product", "kvserve::paged_attention")),
+    ("paged KV gather/scatter", ("aten::index", "aten::index_put", "kvserve::kv_write")),
 )
 
 

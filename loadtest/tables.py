@@ -95,7 +95,7 @@ def count_macs(loaded, tokens: int) -> dict:
     bench = EngineBench(loaded, 1, tokens + 1, block_size=1)
     fast = bench.runner.fast
     # the C++ projection kernels are invisible to dispatch: count on torch's own ops
-    with macs.MacCounter() as cached, (fast.aten_projections() if fast else contextlib.nullcontext()):
+    with macs.MacCounter() as cached, (fast.aten_ops() if fast else contextlib.nullcontext()):
         ids = [1]
         for t in range(1, tokens + 1):
             work = bench.prefill(0, ids) if t == 1 else bench.decode(0, t - 1, ids[-1])

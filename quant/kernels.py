@@ -10,6 +10,7 @@ reference and one warning is logged. Set ``KVSERVE_QUANT_KERNELS=0`` to force th
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -34,7 +35,22 @@ def load(build: bool = True) -> ModuleType | None:
 
 def load_ops(build: bool = True) -> ModuleType | None:
     """The fast path's fused ops (engine/decode_ops.cpp), or None when disabled or unbuildable (cached)."""
+    if _torch_only:
+        return None
     return _load("kvserve_decode_ops", build)
+
+
+_torch_only: list[bool] = []
+
+
+@contextlib.contextmanager
+def torch_ops_only():
+    """Within the block ``load_ops()`` returns None, so callers run torch's own ops (MAC counting, profiling)."""
+    _torch_only.append(True)
+    try:
+        yield
+    finally:
+        _torch_only.pop()
 
 
 def _load(name: str, build: bool) -> ModuleType | None:
