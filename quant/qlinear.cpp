@@ -1,8 +1,12 @@
-// Weight-only quantized linear layers for CPU decode: y = x @ W_hat^T, reading the packed weights once.
+// Quantized (and float32) linear layers for CPU decode: y = x @ W_hat^T, reading the packed weights once.
 //
-// Decode at batch 1 is a matrix-vector product bound by the bytes of W, so the kernel streams the int8 or
-// packed 4-bit codes and widens them in registers; it never writes a float copy of W. Activations stay
-// float32 (weight-only quantization: the result matches dequantize-then-matmul up to summation order).
+// Decode at batch 1 is a matrix-vector product bound by the bytes of W, so the kernels stream the int8 or
+// packed 4-bit codes and never write a float copy of W.
+//   int8, int4:  activations are quantized per block of 32 to int8 (llama.cpp's Q8_0) and multiplied with the
+//                codes by AVX2 integer dot products (vpmaddubsw): y = W_hat @ Q8(x) up to float summation
+//                order. Widening int8 codes to floats instead capped the kernel at ~10 GB/s of codes.
+//   NF4:         float32 activations; the codes are widened through the 16-level table (lut4_linear).
+//   float32:     f32_linear, register tiles of 3 activation rows x 4 weight rows.
 //
 // Layouts (see quant/schemes.py):
 //   int8:  w int8 [N, K], scales float32 [N]                     w_hat[n,k] = w[n,k] * s[n]
