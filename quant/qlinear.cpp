@@ -35,7 +35,8 @@ constexpr int64_t kRowsPerTask = 8;  // output rows per parallel task: small eno
 
 bool has_avx2() {
 #ifdef QL_X86
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                         __builtin_cpu_supports("f16c");
   return ok;
 #else
   return false;
@@ -103,7 +104,7 @@ __attribute__((target("avx2,fma"))) inline __m256 lut8(__m128i codes, __m256 lut
 // x here is de-interleaved per block of 32: [x0 x2 .. x30 | x1 x3 .. x31], matching the nibble order of
 // 16 packed bytes (low nibbles = even k, high nibbles = odd k).
 template <int MT>
-__attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const uint8_t* w, const c10::Half* s,
+__attribute__((target("avx2,fma,f16c"))) void lut4_rows_avx2(const float* xd, const uint8_t* w, const c10::Half* s,
                                                         const float* lut, float* y, int64_t N, int64_t K,
                                                         int64_t G, int64_t n0, int64_t n1) {
   const __m256 lut_lo = _mm256_loadu_ps(lut);
@@ -130,7 +131,7 @@ __attribute__((target("avx2,fma"))) void lut4_rows_avx2(const float* xd, const u
           for (int j = 0; j < 4; ++j)
             acc[m][j] = _mm256_fmadd_ps(wv[j], _mm256_loadu_ps(xd + m * K + k + 8 * j), acc[m][j]);
       }
-      const __m256 scale = _mm256_set1_ps(static_cast<float>(s[g * N + n]));
+      const __m256 scale = _mm256_set1_ps(_cvtsh_ss(s[g * N + n].x));
       for (int m = 0; m < MT; ++m) {
         const __m256 sum = _mm256_add_ps(_mm256_add_ps(acc[m][0], acc[m][1]), _mm256_add_ps(acc[m][2], acc[m][3]));
         total[m] = _mm256_fmadd_ps(sum, scale, total[m]);
@@ -280,7 +281,7 @@ __attribute__((target("avx2,fma"))) void q8_int8_tile_avx2(const int8_t* q, cons
 // int4 codes c (w = c - offset, scale per group of G) x Q8 activations de-interleaved per block. The codes are
 // unsigned (0..15), so vpmaddubsw takes them as they are; the offset comes back as offset * d_b * sum(q_b).
 template <int MT, int NT>
-__attribute__((target("avx2,fma"))) void q8_int4_tile_avx2(const int8_t* q, const float* d, const int32_t* qsum,
+__attribute__((target("avx2,fma,f16c"))) void q8_int4_tile_avx2(const int8_t* q, const float* d, const int32_t* qsum,
                                                            const uint8_t* w, const c10::Half* s, int64_t offset,
                                                            float* y, int64_t N, int64_t K, int64_t G,
                                                            int64_t n) {
@@ -317,7 +318,7 @@ __attribute__((target("avx2,fma"))) void q8_int4_tile_avx2(const int8_t* q, cons
       }
     }
     for (int j = 0; j < NT; ++j) {
-      const float scale = static_cast<float>(s[g * N + n + j]);
+      const float scale = _cvtsh_ss(s[g * N + n + j].x);  // F16C: c10::Half's conversion is ~15 scalar ops
       for (int m = 0; m < MT; ++m) {
         total[m][j] = _mm256_fmadd_ps(acc[m][j], _mm256_set1_ps(scale), total[m][j]);
         shift[m][j] += scale * xshift[m];
