@@ -143,7 +143,9 @@ void rope_(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& k,
               const torch::Tensor& v) {
   check_f32(k_cache, "k_cache");
+  check_f32(v_cache, "v_cache");
   check_f32(k, "k");
+  check_f32(v, "v");
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [slots, H_kv, D]");
   TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
@@ -173,6 +175,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
                             double scale, int64_t window, torch::Tensor& out) {
   check_f32(q, "q");
   check_f32(k_blocks, "k_blocks");
+  check_f32(v_blocks, "v_blocks");
   check_f32(out, "out");
   TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with D contiguous");
   TORCH_CHECK(k_blocks.dim() == 4 && k_blocks.is_contiguous() && v_blocks.is_contiguous() &&

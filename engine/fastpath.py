@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,6 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, op_label, paged_attention
 from quant import kernels
-from quant import linear as quant_linear
 from quant.linear import QuantLinear, concat_outputs
 
 log = logging.getLogger("kvserve.engine")
@@ -48,9 +48,9 @@ PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a project
 class Projection:
     """A projection as the fast path calls it: ``[T, in]`` -> ``[T, out]``.
 
-    On CPU with float32 rows, decode-sized calls go straight to a C++ kernel: ``f32_linear`` for float32
-    weights (up to DENSE_MAX_ROWS rows), the layer's own kernel for a QuantLinear (up to its
-    KERNEL_MAX_ROWS). Anything else calls the module (torch's GEMM, or a bf16 ``nn.Linear``).
+    On CPU with float32 rows, calls go straight to a C++ kernel: ``f32_linear`` for float32 weights (up to
+    DENSE_MAX_ROWS rows), the layer's own kernel for a QuantLinear (up to its ``kernel_max_rows``: every call
+    for the integer kernels). Anything else calls the module (torch's GEMM, or a bf16 ``nn.Linear``).
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -65,7 +65,8 @@ class Projection:
             run = kernels.load().f32_linear
             self.kernel, self.dense, self.max_rows = (lambda x: run(x, weight)), True, DENSE_MAX_ROWS
         elif isinstance(module, QuantLinear):
-            self.kernel, self.max_rows = module.decode_kernel(), quant_linear.KERNEL_MAX_ROWS
+            limit = module.kernel_max_rows
+            self.kernel, self.max_rows = module.decode_kernel(), (limit if limit is not None else sys.maxsize)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):

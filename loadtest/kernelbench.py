@@ -2,7 +2,8 @@
 
 1. ``f32_linear`` (quant/qlinear.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
    576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 / 8 / 32 rows.
-2. Quantized layers: their kernel against dequantize + GEMM at 24 / 32 / 64 rows (``KERNEL_MAX_ROWS``).
+2. Quantized layers: the integer kernels against dequantize + GEMM at 32 to 512 rows (why they serve every
+   call, prefill chunks included).
 3. Python cost of calling a quantized layer as a module against calling its bound kernel.
 4. One OpenMP team or two (``--threads``): a batch-8 decode step with every torch call on one thread, and
    with the model loaded on the main thread but steps run on a worker thread (what the server did before
@@ -53,29 +54,29 @@ def dense_vs_gemm() -> None:
 @torch.inference_mode()
 def quant_kernel_vs_dequantize() -> None:
     import quant.linear as ql
+    from quant.schemes import quantize_activations
 
-    saved = ql.KERNEL_MAX_ROWS
-    try:
-        for cls in (ql.Int8Linear, ql.Int4Linear):
-            layers = ([cls(nn.Linear(576, 1536, bias=False)) for _ in range(30)]
-                      + [cls(nn.Linear(1536, 576, bias=False)) for _ in range(30)])
-            for rows in (24, 32, 64):
-                xs = [torch.randn(rows, layer.in_features) for layer in layers]
-                ql.KERNEL_MAX_ROWS = 0
-                dequant = _time(lambda: [layer(x) for layer, x in zip(layers, xs)], 5)
-                ql.KERNEL_MAX_ROWS = 10**6
-                ours = _time(lambda: [layer(x) for layer, x in zip(layers, xs)], 5)
-                print(f"{cls.__name__}, {rows} rows: dequantize + GEMM {1e3 * dequant:6.1f} ms, "
-                      f"kernel {1e3 * ours:6.1f} ms")
-            x = torch.randn(1, 576)
-            layer = cls(nn.Linear(576, 192, bias=False))
-            bound = layer.decode_kernel()
-            if bound is not None:
-                module_us = 1e6 * _time(lambda: layer(x), 2000)
-                bound_us = 1e6 * _time(lambda: bound(x), 2000)
-                print(f"{cls.__name__} 576->192, 1 row: module call {module_us:.1f} us, bound kernel {bound_us:.1f} us")
-    finally:
-        ql.KERNEL_MAX_ROWS = saved
+    for cls in (ql.Int8Linear, ql.Int4Linear):
+        layers = ([cls(nn.Linear(576, 1536, bias=False)) for _ in range(15)]
+                  + [cls(nn.Linear(1536, 576, bias=False)) for _ in range(15)])
+        kernels_ = [layer.decode_kernel() for layer in layers]
+        if any(k is None for k in kernels_):
+            print("quant kernels not built")
+            return
+        for rows in (32, 64, 128, 512):
+            xs = [torch.randn(rows, layer.in_features) for layer in layers]
+            ours = _time(lambda: [k(x) for k, x in zip(kernels_, xs)], 3)
+            # the reference the layer would otherwise run: the same activation quantization, then a float GEMM
+            dequant = _time(lambda: [F.linear(quantize_activations(x), layer.dequantize())
+                                     for layer, x in zip(layers, xs)], 3)
+            print(f"{cls.__name__}, {rows} rows (30 projections): kernel {1e3 * ours:6.1f} ms, "
+                  f"dequantize + GEMM {1e3 * dequant:6.1f} ms")
+        x = torch.randn(1, 576)
+        layer = cls(nn.Linear(576, 192, bias=False))
+        bound = layer.decode_kernel()
+        module_us = 1e6 * _time(lambda: layer(x), 2000)
+        bound_us = 1e6 * _time(lambda: bound(x), 2000)
+        print(f"{cls.__name__} 576->192, 1 row: module call {module_us:.1f} us, bound kernel {bound_us:.1f} us")
 
 
 def one_step_mode(mode: str) -> None:

@@ -2,8 +2,9 @@
 
 Every class holds its codes in ``weight`` and its scales in ``scales`` (buffers, so ``.to(device)`` and
 ``state_dict`` carry them) and records its scheme and group size in the saved state (``_extra_state``).
-``forward`` runs the C++ kernel on CPU for up to ``KERNEL_MAX_ROWS`` tokens (decode); otherwise, and on
-any other device, it runs the reference: dequantize to the activation dtype, then ``F.linear``.
+``forward`` runs the C++ kernel on CPU (every call for the integer kernels, up to ``KERNEL_MAX_ROWS`` tokens
+for NF4's); otherwise, and on any other device, it runs the reference: dequantize to the activation dtype,
+then ``F.linear``.
 
 The int8 and int4 kernels multiply integers: they quantize the activations per block of 32 (``ACT_BLOCK``,
 llama.cpp's Q8_0) and use AVX2's 8-bit dot products, which stream the weights about twice as fast as
@@ -26,11 +27,13 @@ from quant.schemes import (ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, SERVING_SPECS, Qu
                            dequantize_nf4, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
                            unpack_nibbles)
 
-# Above this many tokens per call (long prefill chunks) dequantizing once and running a float GEMM beats the
-# kernel, whose cost grows with the rows. Measured on 2 AVX2 cores, 60 SmolLM2-sized projections
-# (`python -m loadtest.kernelbench`, 21:30 UTC run): int8 kernel 33 / 50 / 99 ms at 24 / 32 / 64 rows against
-# 49 / 55 / 78 ms for dequantize + GEMM (int4: 62 / 59 / 134 ms against 87 / 106 / 109 ms), so decode batches up
-# to 32 stay on the kernel.
+# NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
+# dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 with groups of
+# whole activation blocks) serve every call instead: against dequantize + GEMM on 30 SmolLM2-sized projections
+# (`python -m loadtest.kernelbench`, 23:40 UTC run) int8 took 19 / 30 / 61 / 239 ms at 32 / 64 / 128 / 512 rows
+# against 63 / 57 / 112 / 404 ms, int4 30 / 60 / 116 / 451 ms against 83 / 109 / 140 / 295 ms. One code path for
+# every batch also keeps greedy output independent of what else is in the step: a prefill in the same step
+# no longer moves a sequence onto other arithmetic, which int8 activations could amplify into another token.
 KERNEL_MAX_ROWS = 32
 
 
@@ -77,6 +80,11 @@ class QuantLinear(nn.Module):
         """Whether a C++ kernel exists for this layer's shape (checked before ``act_block`` is compared)."""
         return True
 
+    @property
+    def kernel_max_rows(self) -> int | None:
+        """Most tokens per call the kernel serves (None: every call, as the integer kernels do)."""
+        return None if self.kernel_act_block is not None else KERNEL_MAX_ROWS
+
     def _kernel_usable(self) -> bool:
         return (self.use_kernel and self.weight.is_cpu and self.has_kernel and self.act_block == self.kernel_act_block
                 and kernels.load() is not None)
@@ -88,7 +96,7 @@ class QuantLinear(nn.Module):
     def decode_kernel(self) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """The C++ kernel bound to this layer's codes and scales (bias not added), or None where it cannot run.
 
-        For callers that already hold a contiguous float32 CPU ``[M, in]`` with ``M <= KERNEL_MAX_ROWS``:
+        For callers that already hold a contiguous float32 CPU ``[M, in]`` with ``M <= kernel_max_rows``:
         it skips ``forward``'s checks and reshapes: 25 us against 7 us for an int8 576->192 layer at one row
         (``python -m loadtest.kernelbench``), and a SmolLM2 step makes 210 such calls.
         """
@@ -102,7 +110,8 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in]`` -> ``[..., out]`` in the dtype of ``x``."""
         rows = x.numel() // self.in_features
-        if x.is_cpu and rows <= KERNEL_MAX_ROWS and self._kernel_usable():
+        limit = self.kernel_max_rows
+        if x.is_cpu and (limit is None or rows <= limit) and self._kernel_usable():
             flat = x.reshape(rows, self.in_features)  # [M, in]
             if flat.dtype is not torch.float32 or not flat.is_contiguous():
                 flat = flat.float().contiguous()

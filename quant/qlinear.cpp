@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -204,16 +205,24 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
     const float* xb = x + i * 32;
     __m256 v[4];
     __m256 amax = _mm256_setzero_ps();
+    __m256 bad = _mm256_setzero_ps();  // NaN or infinity somewhere in the block
     for (int j = 0; j < 4; ++j) {
       v[j] = _mm256_loadu_ps(xb + 8 * j);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
     }
     __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float scale = _mm_cvtss_f32(m4) / 127.f;
-    d[i] = scale;
     int8_t* qb = q + i * 32;
+    if (_mm256_movemask_ps(bad)) {  // as the reference: the block's products become NaN
+      d[i] = std::numeric_limits<float>::quiet_NaN();
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
+      qsum[i] = 0;
+      continue;
+    }
+    d[i] = scale;
     if (scale == 0.f) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
       qsum[i] = 0;
@@ -336,12 +345,16 @@ void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, bool deinterle
   for (int64_t i = 0; i < M * (K / 32); ++i) {
     const float* xb = x + i * 32;
     float amax = 0.f;
-    for (int k = 0; k < 32; ++k) amax = std::max(amax, std::fabs(xb[k]));
-    const float scale = amax / 127.f;
+    bool bad = false;  // NaN or infinity: the block's products become NaN, as in the reference
+    for (int k = 0; k < 32; ++k) {
+      amax = std::max(amax, std::fabs(xb[k]));
+      bad = bad || !std::isfinite(xb[k]);
+    }
+    const float scale = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
     d[i] = scale;
     int32_t sum = 0;
     for (int k = 0; k < 32; ++k) {
-      const int v = scale == 0.f ? 0 : static_cast<int>(std::nearbyint(xb[k] / scale));
+      const int v = (bad || scale == 0.f) ? 0 : static_cast<int>(std::nearbyint(xb[k] / scale));
       q[i * 32 + (deinterleave ? (k % 2) * 16 + k / 2 : k)] = static_cast<int8_t>(v);
       sum += v;
     }

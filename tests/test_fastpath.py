@@ -142,3 +142,31 @@ def test_unfused_qkv_fallback_equals_transformers_modules(monkeypatch):
     (fast_logits, fast_kv), (ref_logits, ref_kv) = run_both(loaded)
     torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_kv, ref_kv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_decode_row_does_not_depend_on_the_rest_of_the_step(scheme):
+    # The integer kernels serve every call, so a decode computed alone and computed next to a 40-token prefill
+    # (a 41-row step, past any small-batch limit) gets bitwise the same logits: int8 activations would turn a
+    # last-bit difference into a different greedy token now and then.
+    model = tiny("llama")
+    quantize_model(model, scheme, head=True)
+    loaded = wrap_model(model, tokenizer=None, name=f"llama-{scheme}")
+    logits = []
+    for with_prefill in (False, True):
+        pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)
+        runner = ModelRunner(loaded, pool)
+        captured = []
+        runner._sample = lambda plan, out, captured=captured: captured.append(out) or []
+        table = list(range(8))
+        warm = SeqWork(0, list(range(3, 9)), 0, table, list(range(6)), False, GREEDY, list(range(3, 10)), [])
+        runner.execute(StepPlan([warm]))
+        step = [SeqWork(0, [9], 6, table, [6], True, GREEDY, list(range(3, 10)), [])]
+        if with_prefill:
+            other = list(range(8, 32))
+            step.append(SeqWork(1, list(range(20, 60)), 0, other, [other[p // BLOCK] * BLOCK + p % BLOCK
+                                                                    for p in range(40)], False, GREEDY,
+                                list(range(20, 60)), []))
+        runner.execute(StepPlan(step))
+        logits.append(captured[-1][0])
+    assert torch.equal(logits[0], logits[1])

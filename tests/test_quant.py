@@ -193,3 +193,18 @@ def test_quantized_smollm2_answers(smollm2, scheme, head):
     out = model.generate(ids["input_ids"], max_new_tokens=12, do_sample=False)
     answer = tokenizer.decode(out[0, ids["input_ids"].shape[1]:], skip_special_tokens=True)
     assert "Paris" in answer
+
+
+def test_non_finite_activations_stay_non_finite():
+    # a NaN (or an infinity) must not be quantized into a plausible number: as in the reference, every output
+    # of a row whose activations hold one is NaN
+    if kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+    for layer in _layers(256, 8)[:2]:  # the integer kernels
+        x = torch.randn(3, 256)
+        x[0, 7], x[1, 200] = float("nan"), float("inf")
+        fast = layer(x)
+        layer.use_kernel = False
+        reference = layer(x)
+        assert fast[:2].isnan().all() and reference[:2].isnan().all(), type(layer).__name__
+        torch.testing.assert_close(fast[2], reference[2], rtol=1e-4, atol=1e-4)
