@@ -5,8 +5,8 @@ most sensitive output, is kept as it is by default; ``head=True`` gives it its o
 tied embedding keeps the float weights), as llama.cpp keeps ``output.weight`` at 6-8 bits in its 4-bit files.
 ``kvserve serve`` does that for the 4-bit schemes (``serving_quantizes_head``): there the float32 head is
 113 MB against 53 MB of projections, over half a decode step. With int8 projections it keeps the float head:
-measured on SmolLM2 (``kvserve quant report``), the int8 head moved perplexity from +0.96% to +1.03%, past
-the 1% the int8 scheme is held to.
+the int8 scheme is held to 1% perplexity, and on SmolLM2 (``kvserve quant report``, 2026-11-29 22:29 UTC) the
+int8 head added about 0.1 point to it (+0.96% -> +1.03%).
 """
 
 from __future__ import annotations
