@@ -16,6 +16,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include "../quant/kvcheck.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -31,7 +33,7 @@
 namespace {
 
 void check_f32(const torch::Tensor& t, const char* name) {
-  TORCH_CHECK(t.scalar_type() == torch::kFloat32 && t.is_cpu(), name, " must be a float32 CPU tensor");
+  KV_CHECK(t.scalar_type() == torch::kFloat32 && t.is_cpu(), name, " must be a float32 CPU tensor");
 }
 
 KV_CLONES void rms_row(const float* x, const float* w, float eps, float* y, int64_t n) {
@@ -103,7 +105,7 @@ KV_CLONES void attend_kv_head(const float* q, int64_t q_head_stride, const int64
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   check_f32(x, "x");
   check_f32(w, "w");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
+  KV_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
               "x must be contiguous [T, H] and w [H]");
   auto y = torch::empty_like(x);
   const int64_t n = x.size(1);
@@ -116,7 +118,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
 torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& r, const torch::Tensor& w, double eps) {
   check_f32(x, "x");
   check_f32(r, "r");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && r.sizes() == x.sizes(),
+  KV_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && r.sizes() == x.sizes(),
               "x and r must be contiguous [T, H]");
   const int64_t n = x.size(1);
   for (int64_t t = 0; t < x.size(0); ++t) add_row(x.data_ptr<float>() + t * n, r.data_ptr<float>() + t * n, n);
@@ -127,8 +129,8 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& r, const torc
 // rotary embedding returns them: out[:h] = a cos - b sin, out[h:] = b cos + a sin for a = x[:h], b = x[h:].
 void rope_(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin) {
   check_f32(qk, "qk");
-  TORCH_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.size(2) % 2 == 0, "qk must be [T, heads, D], D contiguous");
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
+  KV_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.size(2) % 2 == 0, "qk must be [T, heads, D], D contiguous");
+  KV_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
                   cos.size(0) == qk.size(0) && cos.size(1) == qk.size(2),
               "cos and sin must be contiguous [T, D]");
   const int64_t T = qk.size(0), heads = qk.size(1), D = qk.size(2);
@@ -146,17 +148,17 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   check_f32(v_cache, "v_cache");
   check_f32(k, "k");
   check_f32(v, "v");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
+  KV_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
               "caches must be contiguous [slots, H_kv, D]");
-  TORCH_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
+  KV_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
               "slots must be int64 [T]");
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2) &&
+  KV_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2) &&
                   k.stride(2) == 1 && v.stride(2) == 1,
               "k and v must be [T, H_kv, D] with D contiguous");
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2), num_slots = k_cache.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
-    TORCH_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
+    KV_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
     for (int64_t h = 0; h < H; ++h) {
       std::copy_n(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D,
                   k_cache.data_ptr<float>() + (sp[t] * H + h) * D);
@@ -177,28 +179,28 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
   check_f32(k_blocks, "k_blocks");
   check_f32(v_blocks, "v_blocks");
   check_f32(out, "out");
-  TORCH_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with D contiguous");
-  TORCH_CHECK(k_blocks.dim() == 4 && k_blocks.is_contiguous() && v_blocks.is_contiguous() &&
+  KV_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with D contiguous");
+  KV_CHECK(k_blocks.dim() == 4 && k_blocks.is_contiguous() && v_blocks.is_contiguous() &&
                   k_blocks.sizes() == v_blocks.sizes() && k_blocks.size(3) == q.size(2),
               "k_blocks and v_blocks must be contiguous [blocks, block_size, H_kv, D]");
-  TORCH_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
-  TORCH_CHECK(rows.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
+  KV_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
+  KV_CHECK(rows.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
                   lens.scalar_type() == torch::kLong && rows.is_contiguous() && tables.is_contiguous() &&
                   lens.is_contiguous() && tables.dim() == 2 && tables.size(0) == rows.numel() &&
                   lens.numel() == rows.numel(),
               "rows [B], tables [B, max_blocks], lens [B] must be contiguous int64");
   const int64_t B = rows.numel(), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_blocks.size(0), bs = k_blocks.size(1), H_kv = k_blocks.size(2);
-  TORCH_CHECK(H % H_kv == 0, "query heads ", H, " not a multiple of KV heads ", H_kv);
+  KV_CHECK(H % H_kv == 0, "query heads ", H, " not a multiple of KV heads ", H_kv);
   const int64_t group = H / H_kv, width = tables.size(1);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
   for (int64_t b = 0; b < B; ++b) {
-    TORCH_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "context length ", lp[b], " does not fit its block table");
-    TORCH_CHECK(rp[b] >= 0 && rp[b] < q.size(0), "row ", rp[b], " out of range");
+    KV_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "context length ", lp[b], " does not fit its block table");
+    KV_CHECK(rp[b] >= 0 && rp[b] < q.size(0), "row ", rp[b], " out of range");
     for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
-      TORCH_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
+      KV_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
   }
   const float* kp = k_blocks.data_ptr<float>();
   const float* vp = v_blocks.data_ptr<float>();

@@ -8,7 +8,7 @@ from engine.attention import AttentionMetadata, PrefillSpan
 from engine.fastpath import fast_decoder
 from engine.loader import LoadedModel
 from engine.plan import SeqResult, SeqWork, StepPlan, TokenLogprob
-from engine.sampling import sample_token, token_logprob
+from engine.sampling import greedy_tokens, plain_greedy, sample_token, token_logprob
 from kvcache.pool import KVPool
 
 
@@ -108,6 +108,7 @@ class ModelRunner:
         return self._sample(plan, logits)
 
     def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[SeqResult]:
+        batched = self._greedy_rows(plan, logits)
         results: list[SeqResult] = []
         k = 0
         for w in plan.work:
@@ -121,6 +122,9 @@ class ModelRunner:
             elif w.sample:
                 last = logits[k]
                 k += 1
+            if w.seq_id in batched:
+                results.append(SeqResult(seq_id=w.seq_id, token=batched[w.seq_id], prompt_logprobs=prompt_lps))
+                continue
             try:
                 token = sample_token(last, w) if w.sample else None
             except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # one bad request, not the batch
@@ -128,6 +132,28 @@ class ModelRunner:
                 continue
             results.append(SeqResult(seq_id=w.seq_id, token=token, prompt_logprobs=prompt_lps))
         return results
+
+    @staticmethod
+    def _greedy_rows(plan: StepPlan, logits: torch.Tensor) -> dict[int, TokenLogprob]:
+        """Tokens of the plain greedy sequences (most of a typical step), all picked in one batched call."""
+        rows: list[int] = []
+        works: list[SeqWork] = []
+        vocab = logits.shape[-1]
+        k = 0
+        for w in plan.work:
+            if w.params.prompt_logprobs:
+                k += len(w.token_ids)
+            elif w.sample:
+                # an out-of-range id stays with sample_token, which fails that sequence alone
+                if plain_greedy(w) and all(0 <= t < vocab for t in w.suppress_ids):
+                    rows.append(k)
+                    works.append(w)
+                k += 1
+        if len(rows) < 2:
+            return {}
+        picked = logits if len(rows) == logits.shape[0] else logits[rows]  # [len(rows), vocab]
+        tokens = greedy_tokens(picked, [w.suppress_ids for w in works])
+        return {w.seq_id: token for w, token in zip(works, tokens)}
 
     @staticmethod
     def _prompt_logprobs(w: SeqWork, rows: torch.Tensor) -> list[TokenLogprob]:

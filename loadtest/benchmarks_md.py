@@ -10,6 +10,7 @@ import datetime as _dt
 import os
 import platform
 import re
+import sys
 from pathlib import Path
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
@@ -27,7 +28,11 @@ def machine() -> str:
     except OSError:
         pass
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB"
+    text = f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB"
+    torch = sys.modules.get("torch")  # never imported just for this line
+    if torch is not None and torch.cuda.is_available():
+        text += f", GPU {torch.cuda.get_device_name()}"
+    return text
 
 
 def update_section(name: str, title: str, command: str, body_markdown: str, path: Path = BENCHMARKS) -> None:

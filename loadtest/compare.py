@@ -69,7 +69,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-cmd", default=None,
                         help="server command with {port} (default: kvserve serve); --scheduler and "
                              "--max-num-seqs are appended")
-    parser.add_argument("--server-args", default="", help="extra flags for both servers, e.g. '--dtype float32'")
+    parser.add_argument("--server-args", default="", help="extra flags for both servers, e.g. '--kv-cache-memory 1GiB'")
+    parser.add_argument("--model", default=None, help="--model of both servers and of the simulator's engine")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"],
+                        help="--device of both servers and of the simulator's engine")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="--dtype of both servers and of the simulator's engine")
+    parser.add_argument("--section", default="compare",
+                        help="BENCHMARKS.md section to write (e.g. compare-cuda for a GPU run)")
     parser.add_argument("--flat-sim", action="store_true", help="simulate with a flat step cost (no engine)")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per step mix for the simulator")
     parser.add_argument("--timeout", type=float, default=900.0, help="limit per run (s)")
@@ -84,12 +91,20 @@ def _step_cost(args: argparse.Namespace) -> tuple[simulate.StepCost, str, dict[s
     """The simulator's step cost, a sentence on it, and the measured costs (ms) by "prefills,decodes"."""
     if args.flat_sim:
         return simulate.flat_cost, "flat step cost", {}
-    prompt_len = simulate.seed64_prompt_len()
-    costs = simulate.measure_step_costs(args.slots, prompt_len, prompt_len + 32, args.reps)
+    prompt_len = simulate.seed64_prompt_len(args.model)
+    costs = simulate.measure_step_costs(args.slots, prompt_len, prompt_len + 32, args.reps, args.model, args.device,
+                                        args.dtype)
     how = (f"engine step costs measured for every mix of prefills ({prompt_len}-token prompts) and decodes "
            f"(median of {args.reps}, round-robin) and used as measured; for scale, a least-squares line through "
            f"them is {simulate.describe_fit(simulate.fit_cost(costs))}")
     return simulate.grid_cost(costs), how, {f"{p},{d}": 1000 * t for (p, d), t in costs.items()}
+
+
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The ``--model``/``--device``/``--dtype`` flags the servers get (only those given)."""
+    flags = ["--model", args.model] if args.model else []
+    flags += ["--device", args.device] if args.device != "auto" else []
+    return flags + (["--dtype", args.dtype] if args.dtype != "auto" else [])
 
 
 def admission_order(run: RunResult) -> list[int]:
@@ -114,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     runs: list[RunResult] = []
     counters: dict[str, dict[str, float]] = {}
     for policy in POLICIES:
-        command = base + ["--scheduler", policy, "--max-num-seqs", str(args.slots), *shlex.split(args.server_args)]
+        command = base + ["--scheduler", policy, "--max-num-seqs", str(args.slots), *engine_flags(args),
+                          *shlex.split(args.server_args)]
         with launch(command, name=f"compare-{policy}") as server:
             config = LoadConfig(url=server.url, mode=Mode.CLOSED, concurrency=len(specs), count=len(specs),
                                 duration_s=args.timeout, timeout_s=args.timeout, model=server_model(server.url),
@@ -146,7 +162,9 @@ def run(args: argparse.Namespace) -> int:
                                               "seed64, 8 slots: static vs continuous"))
     print("wrote", *paths)
     if not args.no_write:
-        update_section("compare", "Static vs continuous batching (seed64, 8 slots)", "python -m loadtest compare"
+        title = "Static vs continuous batching (seed64, 8 slots)" + (f": {args.section}" if args.section != "compare"
+                                                                       else "")
+        update_section(args.section, title, " ".join(["python -m loadtest compare", *engine_flags(args)])
                        + (f" --server-args '{args.server_args}'" if args.server_args else ""),
                        _markdown(static, continuous, measured, simulated, errors, ok, how, args.img, steps),
                        args.benchmarks)

@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from engine.loader import DType, LoadedModel, load_model
+from engine.loader import Device, DType, LoadedModel, load_model
 from engine.plan import SamplingParams, SeqWork, StepPlan
 from engine.runner import ModelRunner
 from kvcache.pool import KVPool
@@ -89,7 +89,7 @@ def dummy_ids(n: int, offset: int = 1000) -> list[int]:
     return [offset + (i * 37) % 5000 for i in range(n)]
 
 
-def load(dtype: DType = DType.AUTO) -> LoadedModel:
-    """The embedded model as ``kvserve serve`` loads it by default."""
+def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = Device.AUTO) -> LoadedModel:
+    """``model`` (default: the embedded one) as ``kvserve serve`` loads it with these ``--dtype``/``--device``."""
     torch.manual_seed(0)
-    return load_model(None, dtype)
+    return load_model(model, dtype, device)

@@ -33,19 +33,26 @@ def _category(name: str) -> str:
     return "other ops"
 
 
-def profile_decode(batch: int, context: int, steps: int) -> tuple[float, dict[str, float], list[tuple[str, float]]]:
+def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[float, dict[str, float],
+                                                                             list[tuple[str, float]]]:
     """Returns (median step ms without the profiler, share of the profiled step by category in [0, 1],
-    top ops by self CPU ms per profiled step)."""
+    top ops by self CPU ms per profiled step). ``loaded``: the model (default: the embedded one as served).
+
+    On a GPU the shares are of host time: kernels run asynchronously, and a wait for them shows up in the op
+    that synchronises (``aten::_local_scalar_dense``, ``cudaStreamSynchronize``, a device-to-host copy).
+    """
     from engine.plan import StepPlan
     from loadtest.enginebench import EngineBench, load
 
-    bench = EngineBench(load(), batch, context + 1)
+    bench = EngineBench(loaded or load(), batch, context + 1)
     for s in range(batch):
         bench.fill(s, context)
     work = [bench.decode(s, context) for s in range(batch)]
     wall_ms = 1000 * bench.time_plan(work, reps=steps, warmup=3)  # without the profiler's own overhead
     plan = StepPlan(work)
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
+    on_gpu = bench.runner.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         for _ in range(steps):
             bench.runner.execute(plan)
@@ -57,21 +64,31 @@ def profile_decode(batch: int, context: int, steps: int) -> tuple[float, dict[st
         by_category[_category(event.key)] = by_category.get(_category(event.key), 0.0) + self_ms
         ops.append((event.key, self_ms))
     by_category["Python/dispatch overhead"] = max(0.0, profiled_ms - sum(by_category.values()))
+    if on_gpu:  # how busy the GPU was: its kernels' time against the step's wall time
+        gpu_ms = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()) / 1000 / steps
+        print(f"B = {batch}: GPU kernels {gpu_ms:.2f} ms of a {profiled_ms:.2f} ms profiled step")
     shares = {label: ms / profiled_ms for label, ms in by_category.items()}
-    return wall_ms, shares, sorted(ops, key=lambda op: -op[1])[:8]
+    return wall_ms, shares, sorted(ops, key=lambda op: -op[1])[:12]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", default="1,8,32", help="comma list of batch sizes")
     parser.add_argument("--context", type=int, default=64, help="cached tokens per sequence")
     parser.add_argument("--steps", type=int, default=7, help="timed and profiled steps per batch size")
+    parser.add_argument("--model", default=None, help="as kvserve serve --model (default: the embedded SmolLM2)")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--no-write", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_grad_enabled(False)
+    from engine.loader import Device, DType
+    from loadtest.enginebench import load
+
     batches = [int(b) for b in args.batch.split(",") if b]
-    results = [(b, *profile_decode(b, args.context, args.steps)) for b in batches]
+    loaded = load(DType(args.dtype), args.model, Device(args.device))
+    results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
     rows = ["| share of a decode step | " + " | ".join(f"B = {b}" for b, *_ in results) + " |",
             "|---" * (len(results) + 1) + "|"]
@@ -84,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "
                               + ", ".join(f"`{name}` {ms:.1f}" for name, ms in top) + ".")
     print(text)
+    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}")
     if not args.no_write:
         update_section("profile", f"Where a decode step's time goes (our engine, {args.context}-token caches)",
                        "python -m loadtest profile", text)

@@ -110,14 +110,18 @@ def flat_cost(_prefills: int, _decodes: int) -> float:
     return 1.0
 
 
-def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int = 5) -> dict[tuple[int, int], float]:
+def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int = 5, model: str | None = None,
+                       device: str = "auto", dtype: str = "auto") -> dict[tuple[int, int], float]:
     """Median engine step time (s) for every (prefills, decodes) with 1 <= prefills + decodes <= slots.
 
-    Prefills are ``prompt_len`` tokens each; decodes attend to a real cache of ``context_len`` tokens.
+    Prefills are ``prompt_len`` tokens each; decodes attend to a real cache of ``context_len`` tokens. The
+    model is loaded as ``kvserve serve --model MODEL --device DEVICE --dtype DTYPE`` would load it.
     """
+    from engine.loader import Device, DType
     from loadtest.enginebench import EngineBench, dummy_ids, load
 
-    bench = EngineBench(load(), num_seqs=2 * slots, max_len=max(prompt_len, context_len) + 1)
+    loaded = load(DType(dtype), model, Device(device))
+    bench = EngineBench(loaded, num_seqs=2 * slots, max_len=max(prompt_len, context_len) + 1)
     for s in range(slots):
         bench.fill(slots + s, context_len)
     mixes = [(p, d) for p in range(slots + 1) for d in range(slots + 1 - p) if p + d]
@@ -152,13 +156,13 @@ def linear_cost(base: float, per_prefill: float, per_decode: float) -> StepCost:
     return lambda prefills, decodes: base + per_prefill * prefills + per_decode * decodes
 
 
-def seed64_prompt_len() -> int:
-    """Mean prompt length of seed64 in SmolLM2 tokens."""
+def seed64_prompt_len(model: str | None = None) -> int:
+    """Mean prompt length of seed64 in tokens of ``model``'s tokenizer (default: the embedded SmolLM2)."""
     from transformers import AutoTokenizer
 
     from engine.loader import resolve_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
     lengths = [len(tokenizer(spec.prompt)["input_ids"]) for spec in workloads.seed64()]
     return round(statistics.fmean(lengths))
 

@@ -19,6 +19,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
+#include "kvcheck.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -399,9 +401,9 @@ void q8_int4_rows_scalar(const int8_t* q, const float* d, const uint8_t* w, cons
 }
 
 void check_x(const torch::Tensor& x, int64_t K) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
+  KV_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
               "x must be a contiguous float32 CPU tensor [M, K]");
-  TORCH_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+  KV_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
 }
 
 // Q8 activations of one call: q int8 [M, K], d float32 [M, K / 32], qsum int32 [M, K / 32]. The buffers are
@@ -434,12 +436,12 @@ const QuantizedX& quantize_x(const torch::Tensor& x, bool deinterleave) {
 // y [M, N] = Q8(x) [M, K] @ (w * s)^T: int8 weights with one float32 scale per output row, activations
 // quantized per block of 32 (K must be a multiple of 32).
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be int8 [N, K]");
-  TORCH_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == w.size(0) && scales.is_contiguous(),
+  KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be int8 [N, K]");
+  KV_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == w.size(0) && scales.is_contiguous(),
               "scales must be float32 [N]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_x(x, K);
-  TORCH_CHECK(K % 32 == 0, "int8_linear quantizes activations per block of 32; K = ", K);
+  KV_CHECK(K % 32 == 0, "int8_linear quantizes activations per block of 32; K = ", K);
   const QuantizedX& qx = quantize_x(x, false);
   auto y = torch::empty({M, N}, x.options());
   const int8_t* qp = qx.q.data();
@@ -466,12 +468,12 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 // W_hat[n, k] = (code - offset) * scales[k / G, n]; G must be a multiple of 32.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                           int64_t group, int64_t offset) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be uint8 [N, K/2]");
+  KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be uint8 [N, K/2]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1) * 2;
   check_x(x, K);
-  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "group ", group,
+  KV_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "group ", group,
               " must be a multiple of 32 that divides ", K);
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+  KV_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == K / group && scales.size(1) == N,
               "scales must be float16 [K / group, N]");
   const QuantizedX& qx = quantize_x(x, true);
@@ -501,14 +503,14 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 // not a multiple of 32): W_hat[n, k] = lut[code] * scales[k / G, n].
 torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                           int64_t group, const torch::Tensor& lut) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be uint8 [N, K/2]");
+  KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be uint8 [N, K/2]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1) * 2;
   check_x(x, K);
-  TORCH_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "group ", group, " must be even and divide ", K);
-  TORCH_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
+  KV_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "group ", group, " must be even and divide ", K);
+  KV_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == K / group && scales.size(1) == N,
               "scales must be float16 [K / group, N]");
-  TORCH_CHECK(lut.scalar_type() == torch::kFloat32 && lut.numel() == 16 && lut.is_contiguous(),
+  KV_CHECK(lut.scalar_type() == torch::kFloat32 && lut.numel() == 16 && lut.is_contiguous(),
               "lut must be float32 [16]");
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
@@ -546,7 +548,7 @@ torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 
 // y [M, N] = x [M, K] @ w^T for float32 weights (small M: decode batches).
 torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w) {
-  TORCH_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "w must be float32 [N, K]");
+  KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kFloat32 && w.is_contiguous(), "w must be float32 [N, K]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_x(x, K);
   auto y = torch::empty({M, N}, x.options());

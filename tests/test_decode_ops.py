@@ -51,12 +51,29 @@ def test_norms_and_rope_equal_torch():
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     k_cache, v_cache = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
     k = torch.randn(1, 2, 16)
-    with pytest.raises(RuntimeError, match="out of range"):
+    with pytest.raises(RuntimeError, match="slot 8 out of range"):  # the number and the text after it
         ops.write_kv(k_cache, v_cache, torch.tensor([8]), k, k)
     blocks = torch.zeros(2, 4, 2, 16)  # 2 blocks of 4 slots
     q, out = torch.randn(1, 4, 16), torch.empty(1, 4, 16)
     rows, lens = torch.tensor([0]), torch.tensor([5])
     with pytest.raises(RuntimeError, match="block id"):
         ops.paged_decode_attention(q, rows, torch.tensor([[0, 7]]), lens, blocks, blocks, 0.25, 0, out)
-    with pytest.raises(RuntimeError, match="does not fit"):
+    with pytest.raises(RuntimeError, match="context length 5 does not fit"):
         ops.paged_decode_attention(q, rows, torch.tensor([[0]]), lens, blocks, blocks, 0.25, 0, out)
+
+
+def test_the_kernels_format_error_messages_without_iostreams():
+    # Where libstdc++ is linked statically into an extension (an H200 host: gcc 13, torch 2.11), a number
+    # formatted through TORCH_CHECK's ostringstream crashed the process instead of raising; quant/kvcheck.h
+    # builds messages from std::string. Every check in both sources must go through it.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    for source in (root / "quant" / "qlinear.cpp", root / "engine" / "decode_ops.cpp"):
+        text = source.read_text()
+        assert "TORCH_CHECK(" not in text and not re.search(r"ostream|stringstream|iostream|std::c(out|err)", text)
+        assert "KV_CHECK(" in text
+    qlinear = kernels.load()
+    with pytest.raises(RuntimeError, match="per block of 32; K = 30$"):
+        qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4))

@@ -214,7 +214,8 @@ def test_ci_system_deps_never_fails_ci(tmp_path, tools, reason):
     for name, body in {"bash": 'exec /bin/bash "$@"', **tools}.items():
         (tmp_path / name).write_text(f"#!/bin/sh\n{body}\n")
         (tmp_path / name).chmod(0o755)
-    proc = subprocess.run(["/bin/bash", str(ROOT / "scripts" / "ci_system_deps.sh")], env={"PATH": str(tmp_path)},
+    proc = subprocess.run(["/bin/bash", str(ROOT / "scripts" / "ci_system_deps.sh"),
+                           str(ROOT / "scripts" / "cuda_check.sh")], env={"PATH": str(tmp_path)},
                           capture_output=True, text=True, timeout=30)
     assert proc.returncode == 0
     assert reason in proc.stdout
@@ -222,7 +223,8 @@ def test_ci_system_deps_never_fails_ci(tmp_path, tools, reason):
 
 def test_shell_scripts_pass_shellcheck():
     shellcheck = tool("shellcheck")
-    proc = subprocess.run([shellcheck, str(ENTRYPOINT), str(ROOT / "scripts" / "ci_system_deps.sh")],
+    proc = subprocess.run([shellcheck, str(ENTRYPOINT), str(ROOT / "scripts" / "ci_system_deps.sh"),
+                           str(ROOT / "scripts" / "cuda_check.sh")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
 

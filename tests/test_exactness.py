@@ -43,7 +43,7 @@ def reference_model(model):
 
 def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """transformers' own generate, greedy, EOS suppressed until ``new_tokens`` (min_new_tokens)."""
-    out = ref.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+    out = ref.generate(torch.tensor([prompt_ids], device=ref.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                        do_sample=False, pad_token_id=0, eos_token_id=EOS)
     return out[0, len(prompt_ids):].tolist()
 
@@ -52,7 +52,7 @@ def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks:
                   max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
                   prefix_caching: bool = True) -> tuple[list[list[int]], Scheduler]:
     """Our engine end to end (scheduler + paged runner), greedy, ignoring EOS."""
-    pool = KVPool(loaded.kv_shape(), num_blocks, block_size, loaded.dtype)
+    pool = KVPool(loaded.kv_shape(), num_blocks, block_size, loaded.dtype, loaded.device)
     runner = ModelRunner(loaded, pool)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                           max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching))

@@ -43,7 +43,7 @@ def run_both(loaded) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Logits of the plan's sampled rows and the written KV pool, with the fast path and without it."""
     results = []
     for fast in (True, False):
-        pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)
+        pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype, loaded.device)
         runner = ModelRunner(loaded, pool)
         assert runner.fast is not None
         if not fast:

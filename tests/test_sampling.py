@@ -1,0 +1,67 @@
+"""Batched greedy picks (one device sync a step) give what per-row ``sample_token`` gives."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine import runner as runner_module
+from engine.plan import SamplingParams, SeqWork, StepPlan
+from engine.sampling import greedy_tokens, sample_token
+from tests.test_fastpath import tiny
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def work(seq_id: int, params: SamplingParams = GREEDY, suppress: list[int] | None = None) -> SeqWork:
+    return SeqWork(seq_id, [7], 3, [seq_id], [4 * seq_id + 3], True, params, [5, 6, 7], [9], suppress or [])
+
+
+def test_greedy_tokens_equal_sample_token_row_by_row():
+    torch.manual_seed(0)
+    logits = torch.randn(6, 50)
+    logits[1, [4, 9]] = 10.0  # a tie: the first index wins in both
+    logits[2, 3] = 20.0  # the maximum is suppressed: the runner-up is picked
+    logits[3] = float("-inf")
+    logits[3, 17] = 0.0  # a single finite logit: logprob 0
+    suppress = [[], [], [3], [], [0, 1, 2], []]
+    batched = greedy_tokens(logits, suppress)
+    for row, ids in enumerate(suppress):
+        alone = sample_token(logits[row], work(row, suppress=ids))
+        assert (batched[row].token_id, batched[row].logprob) == pytest.approx((alone.token_id, alone.logprob))
+    assert batched[1].token_id == 4 and batched[2].token_id != 3 and batched[3].token_id == 17
+    assert batched[3].logprob == 0.0
+
+
+def test_a_step_batches_plain_greedy_rows_and_samples_the_rest_alone(monkeypatch):
+    from engine.loader import wrap_model
+    from engine.runner import ModelRunner
+    from kvcache.pool import KVPool
+
+    loaded = wrap_model(tiny("llama"), tokenizer=None, name="llama")
+    runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 16, 4, loaded.dtype))
+    captured = {}
+    execute_sample = runner._sample
+
+    def capture(plan, logits):
+        captured["logits"] = logits
+        return execute_sample(plan, logits)
+
+    runner._sample = capture
+    alone: list[int] = []
+    real = runner_module.sample_token
+
+    def counting(logits, w):
+        alone.append(w.seq_id)
+        return real(logits, w)
+
+    monkeypatch.setattr(runner_module, "sample_token", counting)
+    plan = StepPlan([work(0), work(1, suppress=[2]), work(2, SamplingParams(temperature=0.7, seed=3)),
+                     work(3, SamplingParams(temperature=0.0, logprobs=2)), work(4, suppress=[10**6]), work(5)])
+    results = runner.execute(plan)
+    assert alone == [2, 3, 4]  # seeded, top alternatives, and an out-of-range id that fails alone
+    assert results[4].error is not None and results[4].token is None
+    for i in (0, 1, 5):
+        expected = real(captured["logits"][i], plan.work[i])
+        assert results[i].token.token_id == expected.token_id
+        assert results[i].token.logprob == pytest.approx(expected.logprob, abs=1e-6)
