@@ -37,10 +37,12 @@ def _numbers(text: str, kind) -> list:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--workload", type=workloads.WorkloadName, choices=list(workloads.WorkloadName),
-                        default=workloads.WorkloadName.SEED64)
+                        default=workloads.WorkloadName.SEED64,
+                        metavar="{" + ",".join(w.value for w in workloads.WorkloadName) + "}")
     parser.add_argument("--count", type=int, default=None, help="requests per run (default: the workload once)")
     parser.add_argument("--max-tokens", type=int, default=128, help="output length of the fixed workload")
-    parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.CLOSED)
+    parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.CLOSED,
+                        metavar="{" + ",".join(m.value for m in Mode) + "}")
     parser.add_argument("--concurrency", default="8", help="closed-loop users; a comma list runs a sweep")
     parser.add_argument("--rate", default="4", help="open-loop arrivals/s; a comma list runs a sweep")
     parser.add_argument("--duration", type=float, default=600.0, help="stop sending after this many seconds")

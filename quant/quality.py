@@ -116,16 +116,36 @@ def reference_continuations(model: nn.Module, tokenizer) -> list[tuple[list[int]
     return runs
 
 
-@torch.inference_mode()
-def greedy_agreement(model: nn.Module, runs: list[tuple[list[int], list[int]]]) -> float:
-    """Fraction of positions where ``model``'s argmax, given the reference prefix, is the reference token."""
-    agree = total = 0
+def _teacher_forced_logits(model: nn.Module, runs: list[tuple[list[int], list[int]]]) -> list[torch.Tensor]:
+    """Per run, ``[G, vocab]`` logits: row i is the model's prediction of ``generated[i]`` given the prefix."""
+    out = []
     for prompt, generated in runs:
         ids = torch.tensor([prompt + generated[:-1]])  # [1, P + G - 1]
-        logits = model(input_ids=ids).logits[0, len(prompt) - 1:]  # [G, vocab]: row i predicts generated[i]
-        agree += int((logits.argmax(dim=-1) == torch.tensor(generated)).sum())
-        total += len(generated)
-    return agree / total
+        out.append(model(input_ids=ids).logits[0, len(prompt) - 1:].float())
+    return out
+
+
+@torch.inference_mode()
+def agreement_by_position(model: nn.Module, runs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """bool ``[positions]``: where ``model``'s argmax, given the reference prefix, is the reference token."""
+    logits = _teacher_forced_logits(model, runs)
+    return torch.cat([rows.argmax(dim=-1) == torch.tensor(generated) for rows, (_, generated) in zip(logits, runs)])
+
+
+def greedy_agreement(model: nn.Module, runs: list[tuple[list[int], list[int]]]) -> float:
+    """Fraction of positions where ``model``'s argmax, given the reference prefix, is the reference token."""
+    return float(agreement_by_position(model, runs).float().mean())
+
+
+@torch.inference_mode()
+def reference_margins(model: nn.Module, runs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
+    """float ``[positions]``: the full-precision model's top-1 minus top-2 logit at each agreement position.
+
+    A position whose margin is small is a near-tie that any perturbation of the weights can flip; where a
+    quantized model disagrees, this says whether it flipped near-ties or confident choices.
+    """
+    top2 = torch.cat([rows.topk(2, dim=-1).values for rows in _teacher_forced_logits(model, runs)])  # [positions, 2]
+    return top2[:, 0] - top2[:, 1]
 
 
 @dataclass(slots=True)

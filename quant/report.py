@@ -35,23 +35,46 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     """
     import copy
 
+    import torch
+
     from quant import quality
-    from quant.model import quantize_model, serving_quantizes_head, stored_bytes
-    from quant.schemes import SERVING_SPECS, Granularity, QuantSpec, Scheme
+    from quant.model import projection_names, quantize_model, serving_quantizes_head, stored_bytes
+    from quant.schemes import SERVING_SPECS, Granularity, QuantSpec, Scheme, relative_error
 
     ids = quality.heldout_ids(tokenizer)
     log("full precision: greedy reference runs")
     runs = quality.reference_continuations(model, tokenizer)
+    margins = quality.reference_margins(model, runs)  # [positions]
 
     def measure(m) -> dict:
         facts = quality.factual_answers(m, tokenizer)
+        agrees = quality.agreement_by_position(m, runs)
         return {"perplexity": quality.perplexity(m, ids), "facts_right": sum(ok for _, _, ok in facts),
-                "facts": facts, "agreement": quality.greedy_agreement(m, runs),
-                "model_weight_bytes": stored_bytes(m)}
+                "facts": facts, "agreement": float(agrees.float().mean()),
+                "miss_margins": sorted(margins[~agrees].tolist()), "model_weight_bytes": stored_bytes(m)}
 
     baseline = measure(model)
-    baseline.update(label="float32", bits_per_weight=32.0)
+    baseline.update(label="float32", bits_per_weight=32.0, margins=sorted(margins.tolist()))
     rows = []
+    # A reference for how much agreement any small weight perturbation costs: every projection rounded to
+    # bfloat16 (8 significant bits, relative step 2^-8) and computed in float32, no integer grid.
+    log("bfloat16-rounded weights: measuring")
+    rounded = copy.deepcopy(model)
+    names = set(projection_names(rounded))
+    errors = {}
+    with torch.no_grad():
+        for name, module in rounded.named_modules():
+            if name in names:
+                original = module.weight.detach().clone()
+                module.weight.copy_(original.to(torch.bfloat16).float())
+                errors[name] = relative_error(original, module.weight)
+    worst = max(errors, key=errors.get)
+    row = measure(rounded)
+    row.update(label="bfloat16-rounded weights (reference)", serving=False, served=False, group_sizes=[],
+               bits_per_weight=16.0, rel_error_mean=sum(errors.values()) / len(errors),
+               rel_error_worst=errors[worst], worst_matrix=worst, seconds=0.0)
+    rows.append(row)
+    del rounded
     # Per-scheme rows: weight-only (float activations, float LM head), the granularity study the chapter makes.
     # "as served" rows: what `kvserve serve --quantization X` computes: activations quantized per block of 32
     # for the int8/int4 kernels, and an int8 LM head for the 4-bit schemes.
@@ -85,17 +108,27 @@ def quality_table(data: dict) -> str:
     """The per-recipe markdown table (also used by ``python -m quant.bench``)."""
     base = data["baseline"]
     lines = ["| recipe | bits/weight | weight MiB | rel. error mean | rel. error worst (matrix) | perplexity "
-             "| vs fp32 | facts /16 | greedy agreement |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|",
+             "| vs fp32 | facts /16 | greedy agreement | fp32 margin at misses |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
              f"| float32 (reference) | 32 | {base['model_weight_bytes'] / 2**20:.1f} | - | - | "
-             f"{base['perplexity']:.3f} | - | {base['facts_right']} | 100% |"]
+             f"{base['perplexity']:.3f} | - | {base['facts_right']} | 100% | - |"]
     for r in data["rows"]:
         name = r["label"] + (" (serving default)" if r["serving"] else "")
         lines.append(f"| {name} | {r['bits_per_weight']:.3f} | {r['model_weight_bytes'] / 2**20:.1f} | "
                      f"{r['rel_error_mean']:.4f} | {r['rel_error_worst']:.4f} ({r['worst_matrix']}) | "
                      f"{r['perplexity']:.3f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
-                     f"{r['facts_right']} | {100 * r['agreement']:.1f}% |")
+                     f"{r['facts_right']} | {100 * r['agreement']:.1f}% | {_margin_cell(r, base)} |")
     return "\n".join(lines)
+
+
+def _margin_cell(row: dict, base: dict) -> str:
+    """Median full-precision top-1 minus top-2 logit where ``row`` disagrees, and its rank among all positions."""
+    misses, everywhere = row.get("miss_margins"), base.get("margins")
+    if not misses or not everywhere:
+        return "-"
+    median = misses[len(misses) // 2]
+    below = sum(m <= median for m in everywhere) / len(everywhere)
+    return f"{median:.2f} (lowest {100 * below:.0f}%)"
 
 
 def render(data: dict) -> str:
@@ -111,7 +144,10 @@ def render(data: dict) -> str:
         "quantized per block of 32 (the integer kernels), and for the 4-bit schemes an int8 per-row copy of the "
         "LM head (its error counts in the relative-error columns; bits/weight are the projections'). Group sizes are the largest "
         "divisor of the row not above the asked group (576 -> 96 for group 128), so bits/weight are measured, "
-        "not nominal.", "",
+        "not nominal. \"fp32 margin at misses\": where a recipe disagrees with full precision, the median of "
+        "the full-precision top-1 minus top-2 logit there, and which share of all positions has a margin that "
+        "small (near-ties flip under any perturbation; see the bfloat16-rounded reference row). All positions: "
+        f"median margin {_median(data['baseline'].get('margins'))}.", "",
         quality_table(data), "",
         "## Outliers", "",
         f"Matrix `{o['matrix']}` ({o['numel']:,} weights): mean |w| {o['mean_abs']:.4f}, std {o['std']:.4f}, "
@@ -133,6 +169,10 @@ def render(data: dict) -> str:
         wrong = [f"{q} -> {a!r}" for q, a, ok in r["facts"] if not ok]
         parts.append(f"- {r['label']}: {r['facts_right']}/16" + (f"; wrong: {'; '.join(wrong)}" if wrong else ""))
     return "\n".join(parts) + "\n"
+
+
+def _median(values: list[float] | None) -> str:
+    return f"{values[len(values) // 2]:.2f} logits" if values else "-"
 
 
 def run(args: argparse.Namespace) -> int:

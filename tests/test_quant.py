@@ -208,3 +208,28 @@ def test_non_finite_activations_stay_non_finite():
         reference = layer(x)
         assert fast[:2].isnan().all() and reference[:2].isnan().all(), type(layer).__name__
         torch.testing.assert_close(fast[2], reference[2], rtol=1e-4, atol=1e-4)
+
+
+def test_agreement_and_reference_margins_on_a_tiny_model():
+    from quant import quality
+    from quant.report import _margin_cell
+    from tests.test_fastpath import tiny
+
+    model = tiny("llama").eval()
+    prompt = [5, 17, 33, 8]
+    runs = [(prompt, quality.greedy(model, prompt, 12, eos_id=None))]
+    margins = quality.reference_margins(model, runs)
+    assert margins.shape == (12,) and bool((margins >= 0).all())
+    assert quality.greedy_agreement(model, runs) == 1.0  # the model agrees with its own greedy run
+    # the same model with the two best logits swapped where the margin is smallest: exactly that one misses
+    smallest = int(margins.argmin())
+    flipped = copy.deepcopy(model)
+    head = flipped.lm_head.weight.data
+    ids = torch.tensor([runs[0][0] + runs[0][1][:-1]])
+    top2 = model(input_ids=ids).logits[0, len(prompt) - 1 + smallest].topk(2).indices
+    head[top2] = head[top2.flip(0)].clone()
+    agrees = quality.agreement_by_position(flipped, runs)
+    assert not agrees[smallest]
+    row = {"miss_margins": sorted(margins[~agrees].tolist())}
+    assert _margin_cell(row, {"margins": sorted(margins.tolist())}).endswith("%)")
+    assert _margin_cell({"miss_margins": []}, {"margins": [1.0]}) == "-"
