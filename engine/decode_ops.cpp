@@ -106,7 +106,7 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   check_f32(x, "x");
   check_f32(w, "w");
   KV_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
-              "x must be contiguous [T, H] and w [H]");
+           "x must be contiguous [T, H] and w [H]");
   auto y = torch::empty_like(x);
   const int64_t n = x.size(1);
   for (int64_t t = 0; t < x.size(0); ++t)
@@ -119,7 +119,7 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& r, const torc
   check_f32(x, "x");
   check_f32(r, "r");
   KV_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && r.sizes() == x.sizes(),
-              "x and r must be contiguous [T, H]");
+           "x and r must be contiguous [T, H]");
   const int64_t n = x.size(1);
   for (int64_t t = 0; t < x.size(0); ++t) add_row(x.data_ptr<float>() + t * n, r.data_ptr<float>() + t * n, n);
   return rms_norm(x, w, eps);
@@ -131,8 +131,8 @@ void rope_(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin
   check_f32(qk, "qk");
   KV_CHECK(qk.dim() == 3 && qk.stride(2) == 1 && qk.size(2) % 2 == 0, "qk must be [T, heads, D], D contiguous");
   KV_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
-                  cos.size(0) == qk.size(0) && cos.size(1) == qk.size(2),
-              "cos and sin must be contiguous [T, D]");
+               cos.size(0) == qk.size(0) && cos.size(1) == qk.size(2),
+           "cos and sin must be contiguous [T, D]");
   const int64_t T = qk.size(0), heads = qk.size(1), D = qk.size(2);
   float* base = qk.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
@@ -149,12 +149,12 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   check_f32(k, "k");
   check_f32(v, "v");
   KV_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
-              "caches must be contiguous [slots, H_kv, D]");
+           "caches must be contiguous [slots, H_kv, D]");
   KV_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == k.size(0),
-              "slots must be int64 [T]");
+           "slots must be int64 [T]");
   KV_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2) &&
-                  k.stride(2) == 1 && v.stride(2) == 1,
-              "k and v must be [T, H_kv, D] with D contiguous");
+               k.stride(2) == 1 && v.stride(2) == 1,
+           "k and v must be [T, H_kv, D] with D contiguous");
   const int64_t T = k.size(0), H = k.size(1), D = k.size(2), num_slots = k_cache.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) {
@@ -181,14 +181,14 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
   check_f32(out, "out");
   KV_CHECK(q.dim() == 3 && q.stride(2) == 1, "q must be [T, H, D] with D contiguous");
   KV_CHECK(k_blocks.dim() == 4 && k_blocks.is_contiguous() && v_blocks.is_contiguous() &&
-                  k_blocks.sizes() == v_blocks.sizes() && k_blocks.size(3) == q.size(2),
-              "k_blocks and v_blocks must be contiguous [blocks, block_size, H_kv, D]");
+               k_blocks.sizes() == v_blocks.sizes() && k_blocks.size(3) == q.size(2),
+           "k_blocks and v_blocks must be contiguous [blocks, block_size, H_kv, D]");
   KV_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
   KV_CHECK(rows.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
-                  lens.scalar_type() == torch::kLong && rows.is_contiguous() && tables.is_contiguous() &&
-                  lens.is_contiguous() && tables.dim() == 2 && tables.size(0) == rows.numel() &&
-                  lens.numel() == rows.numel(),
-              "rows [B], tables [B, max_blocks], lens [B] must be contiguous int64");
+               lens.scalar_type() == torch::kLong && rows.is_contiguous() && tables.is_contiguous() &&
+               lens.is_contiguous() && tables.dim() == 2 && tables.size(0) == rows.numel() &&
+               lens.numel() == rows.numel(),
+           "rows [B], tables [B, max_blocks], lens [B] must be contiguous int64");
   const int64_t B = rows.numel(), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_blocks.size(0), bs = k_blocks.size(1), H_kv = k_blocks.size(2);
   KV_CHECK(H % H_kv == 0, "query heads ", H, " not a multiple of KV heads ", H_kv);

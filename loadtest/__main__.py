@@ -33,7 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(_COMMANDS[argv[0]][0])
     command = argparse.ArgumentParser(prog=f"python -m loadtest {argv[0]}", description=_COMMANDS[argv[0]][1])
     module.add_arguments(command)
-    return int(module.run(command.parse_args(argv[1:])) or 0)
+    from loadtest.errors import UsageError
+
+    try:
+        return int(module.run(command.parse_args(argv[1:])) or 0)
+    except UsageError as exc:
+        command.error(str(exc))  # usage line and the message on stderr, exit status 2
 
 
 if __name__ == "__main__":

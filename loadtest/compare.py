@@ -75,8 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--device of both servers and of the simulator's engine")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="--dtype of both servers and of the simulator's engine")
-    parser.add_argument("--section", default="compare",
-                        help="BENCHMARKS.md section to write (e.g. compare-cuda for a GPU run)")
+    parser.add_argument("--section", default=None,
+                        help="BENCHMARKS.md section to write (default: compare, or compare-cuda on a GPU)")
     parser.add_argument("--flat-sim", action="store_true", help="simulate with a flat step cost (no engine)")
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions per step mix for the simulator")
     parser.add_argument("--timeout", type=float, default=900.0, help="limit per run (s)")
@@ -122,6 +122,9 @@ def admission_order(run: RunResult) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from loadtest.enginebench import check_engine_flags
+
+    check_engine_flags(args.model, args.device)
     specs = workloads.seed64()
     lengths = [s.max_tokens for s in specs]
     cost, how, costs_ms = _step_cost(args)
@@ -162,9 +165,12 @@ def run(args: argparse.Namespace) -> int:
                                               "seed64, 8 slots: static vs continuous"))
     print("wrote", *paths)
     if not args.no_write:
-        title = "Static vs continuous batching (seed64, 8 slots)" + (f": {args.section}" if args.section != "compare"
-                                                                       else "")
-        update_section(args.section, title, " ".join(["python -m loadtest compare", *engine_flags(args)])
+        from engine.loader import Device, resolve_device
+
+        device = resolve_device(Device(args.device)).type
+        section = args.section or ("compare" if device == "cpu" else f"compare-{device}")
+        title = "Static vs continuous batching (seed64, 8 slots)" + ("" if device == "cpu" else f" on {device}")
+        update_section(section, title, " ".join(["python -m loadtest compare", *engine_flags(args)])
                        + (f" --server-args '{args.server_args}'" if args.server_args else ""),
                        _markdown(static, continuous, measured, simulated, errors, ok, how, args.img, steps),
                        args.benchmarks)

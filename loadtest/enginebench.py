@@ -18,6 +18,7 @@ from engine.loader import Device, DType, LoadedModel, load_model
 from engine.plan import SamplingParams, SeqWork, StepPlan
 from engine.runner import ModelRunner
 from kvcache.pool import KVPool
+from loadtest.errors import UsageError
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -87,6 +88,22 @@ class EngineBench:
 def dummy_ids(n: int, offset: int = 1000) -> list[int]:
     """``n`` ordinary token ids (a fixed pattern: the content does not change the cost)."""
     return [offset + (i * 37) % 5000 for i in range(n)]
+
+
+def check_engine_flags(model: str | None, device: str) -> None:
+    """Fail fast, before any work, when ``--device`` or ``--model`` cannot be served here.
+
+    Raises:
+        UsageError: no such device (``--device cuda`` without a GPU) or no such model directory.
+    """
+    from engine.loader import resolve_device, resolve_model_dir
+
+    try:
+        resolve_device(Device(device))
+        if model is not None:
+            resolve_model_dir(model)
+    except (ValueError, FileNotFoundError) as exc:
+        raise UsageError(str(exc)) from exc
 
 
 def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = Device.AUTO) -> LoadedModel:

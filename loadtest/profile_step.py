@@ -84,8 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     torch.set_grad_enabled(False)
     from engine.loader import Device, DType
-    from loadtest.enginebench import load
+    from loadtest.enginebench import check_engine_flags, load
 
+    check_engine_flags(args.model, args.device)
     batches = [int(b) for b in args.batch.split(",") if b]
     loaded = load(DType(args.dtype), args.model, Device(args.device))
     results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
@@ -103,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     print(f"{loaded.name}, {loaded.dtype}, {loaded.device}")
     if not args.no_write:
-        update_section("profile", f"Where a decode step's time goes (our engine, {args.context}-token caches)",
-                       "python -m loadtest profile", text)
+        on_cpu = loaded.device.type == "cpu"  # a GPU run gets its own section
+        update_section("profile" if on_cpu else f"profile-{loaded.device.type}",
+                       f"Where a decode step's time goes (our engine, {args.context}-token caches"
+                       + ("" if on_cpu else f", {loaded.device.type}") + ")",
+                       "python -m loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}"), text)
     return 0

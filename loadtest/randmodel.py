@@ -57,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape_of is not None:
         from engine.loader import resolve_model_dir
 
-        source = resolve_model_dir(args.shape_of)
+        try:
+            source = resolve_model_dir(args.shape_of)
+        except FileNotFoundError as exc:
+            parser.error(str(exc))
         if args.shape_only:
             print(copy_shape(source, args.out))
             return 0
@@ -65,7 +68,10 @@ def main(argv: list[str] | None = None) -> int:
         source = args.source
     else:
         parser.error("give --shape-of or --from")
-    print(with_random_weights(source, args.out))
+    try:
+        print(with_random_weights(source, args.out))
+    except FileNotFoundError as exc:
+        parser.error(str(exc))
     return 0
 
 

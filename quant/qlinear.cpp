@@ -402,7 +402,7 @@ void q8_int4_rows_scalar(const int8_t* q, const float* d, const uint8_t* w, cons
 
 void check_x(const torch::Tensor& x, int64_t K) {
   KV_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
-              "x must be a contiguous float32 CPU tensor [M, K]");
+           "x must be a contiguous float32 CPU tensor [M, K]");
   KV_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
 }
 
@@ -438,7 +438,7 @@ const QuantizedX& quantize_x(const torch::Tensor& x, bool deinterleave) {
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
   KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be int8 [N, K]");
   KV_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == w.size(0) && scales.is_contiguous(),
-              "scales must be float32 [N]");
+           "scales must be float32 [N]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_x(x, K);
   KV_CHECK(K % 32 == 0, "int8_linear quantizes activations per block of 32; K = ", K);
@@ -472,10 +472,10 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1) * 2;
   check_x(x, K);
   KV_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "group ", group,
-              " must be a multiple of 32 that divides ", K);
+           " must be a multiple of 32 that divides ", K);
   KV_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == K / group && scales.size(1) == N,
-              "scales must be float16 [K / group, N]");
+               scales.size(0) == K / group && scales.size(1) == N,
+           "scales must be float16 [K / group, N]");
   const QuantizedX& qx = quantize_x(x, true);
   auto y = torch::empty({M, N}, x.options());
   const int8_t* qp = qx.q.data();
@@ -508,10 +508,10 @@ torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   check_x(x, K);
   KV_CHECK(group > 0 && group % 2 == 0 && K % group == 0, "group ", group, " must be even and divide ", K);
   KV_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
-                  scales.size(0) == K / group && scales.size(1) == N,
-              "scales must be float16 [K / group, N]");
+               scales.size(0) == K / group && scales.size(1) == N,
+           "scales must be float16 [K / group, N]");
   KV_CHECK(lut.scalar_type() == torch::kFloat32 && lut.numel() == 16 && lut.is_contiguous(),
-              "lut must be float32 [16]");
+           "lut must be float32 [16]");
   auto y = torch::empty({M, N}, x.options());
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();

@@ -82,7 +82,7 @@ tail -5 "$OUT/serve.log"
 
 stage "static vs continuous on CUDA (seed64, 8 slots), measured and simulated"
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
-timeout 240 "$PY" -m loadtest compare --model "$MODEL" --device "$DEVICE" --section compare-cuda --out "$OUT" \
+timeout 240 "$PY" -m loadtest compare --model "$MODEL" --device "$DEVICE" --out "$OUT" \
   --benchmarks "$OUT/BENCHMARKS.md" --no-progress || fail compare $?
 
 stage "done"

@@ -171,3 +171,23 @@ def test_admission_order_follows_server_queue_time():
 def test_grid_cost_uses_the_measured_points():
     cost = simulate.grid_cost({(0, 1): 0.05, (1, 0): 0.2})
     assert (cost(0, 1), cost(1, 0)) == (0.05, 0.2)
+
+
+@pytest.mark.parametrize("argv", [["profile", "--model", "{tmp}", "--no-write"],
+                                  ["compare", "--model", "{tmp}", "--no-write"]])
+def test_engine_commands_refuse_a_missing_model_in_one_line(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        loadtest_main([a.replace("{tmp}", str(tmp_path)) for a in argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "not a Hugging Face model directory" in err and "Traceback" not in err
+
+
+def test_engine_commands_refuse_cuda_without_a_gpu(capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(SystemExit) as exit_info:
+        loadtest_main(["profile", "--device", "cuda", "--no-write"])
+    assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
