@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.loader import Device, DType, cpu_has_bf16, load_model
     from loadtest.benchmarks_md import update_section
     from quant import kernels
-    from quant.report import collect, quality_table
+    from quant.report import collect, margin_note, quality_table
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -203,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         model.set_attn_implementation("sdpa")
         data = collect(model, loaded.tokenizer, log)
         body += ["", f"Quality (as `kvserve quant report`; perplexity on {data['heldout']}, greedy agreement over "
-                 f"{data['agreement_positions']} positions):", "", quality_table(data)]
+                 f"{data['agreement_positions']} positions):", "", quality_table(data), "", margin_note(data)]
     text = "\n".join(body)
     print(text)
     if not args.no_write:

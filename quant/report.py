@@ -144,10 +144,7 @@ def render(data: dict) -> str:
         "quantized per block of 32 (the integer kernels), and for the 4-bit schemes an int8 per-row copy of the "
         "LM head (its error counts in the relative-error columns; bits/weight are the projections'). Group sizes are the largest "
         "divisor of the row not above the asked group (576 -> 96 for group 128), so bits/weight are measured, "
-        "not nominal. \"fp32 margin at misses\": where a recipe disagrees with full precision, the median of "
-        "the full-precision top-1 minus top-2 logit there, and which share of all positions has a margin that "
-        "small (near-ties flip under any perturbation; see the bfloat16-rounded reference row). All positions: "
-        f"median margin {_median(data['baseline'].get('margins'))}.", "",
+        "not nominal. " + margin_note(data), "",
         quality_table(data), "",
         "## Outliers", "",
         f"Matrix `{o['matrix']}` ({o['numel']:,} weights): mean |w| {o['mean_abs']:.4f}, std {o['std']:.4f}, "
@@ -171,8 +168,14 @@ def render(data: dict) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _median(values: list[float] | None) -> str:
-    return f"{values[len(values) // 2]:.2f} logits" if values else "-"
+def margin_note(data: dict) -> str:
+    """The sentence that explains the table's last column (also printed by ``python -m quant.bench``)."""
+    margins = data["baseline"].get("margins")
+    median = f"{margins[len(margins) // 2]:.2f} logits" if margins else "-"
+    return ("\"fp32 margin at misses\": where a recipe disagrees with full precision, the median of the "
+            "full-precision top-1 minus top-2 logit there, and which share of all positions has a margin that "
+            f"small (the median over all positions is {median}); the bfloat16-rounded row shows what a weight "
+            "error far below int8's costs.")
 
 
 def run(args: argparse.Namespace) -> int:
