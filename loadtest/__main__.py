@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
 
 # command -> (module, help)
@@ -19,6 +20,10 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "peers": ("loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
     "profile": ("loadtest.profile_step", "where a decode step's time goes on our engine"),
 }
+
+
+def _terminated(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     module.add_arguments(command)
     from loadtest.errors import UsageError
 
+    # SIGTERM (timeout, docker stop, kill) unwinds like Ctrl-C: the servers a command started are stopped by
+    # its `finally` blocks instead of outliving it in their own sessions.
+    signal.signal(signal.SIGTERM, _terminated)
     try:
         return int(module.run(command.parse_args(argv[1:])) or 0)
     except UsageError as exc:

@@ -19,6 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pathlib import Path
 
 from loadtest import report, simulate, workloads
+from loadtest.argtypes import positive_int
 from loadtest.benchmarks_md import BENCHMARKS, update_section
 from loadtest.generator import LoadConfig, Mode, RunResult, run_sync
 from loadtest.runcmd import server_model
@@ -65,7 +66,7 @@ def server_counters(url: str) -> dict[str, float]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--slots", type=int, default=8, help="--max-num-seqs of both servers")
+    parser.add_argument("--slots", type=positive_int, default=8, help="--max-num-seqs of both servers")
     parser.add_argument("--server-cmd", default=None,
                         help="server command with {port} (default: kvserve serve); --scheduler and "
                              "--max-num-seqs are appended")
@@ -78,9 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--section", default=None,
                         help="BENCHMARKS.md section to write (default: compare, or compare-cuda on a GPU)")
     parser.add_argument("--flat-sim", action="store_true", help="simulate with a flat step cost (no engine)")
-    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per step mix for the simulator")
+    parser.add_argument("--reps", type=positive_int, default=3, help="timed repetitions per step mix for the simulator")
     parser.add_argument("--timeout", type=float, default=900.0, help="limit per run (s)")
-    parser.add_argument("--out", type=Path, default=report.OUT_DIR)
+    parser.add_argument("--out", type=Path, default=report.OUT_DIR,
+                        help="directory for compare.json, the latency plot and both servers' logs")
     parser.add_argument("--benchmarks", type=Path, default=BENCHMARKS, help="BENCHMARKS.md to update")
     parser.add_argument("--img", type=Path, default=None, help="also save the latency plot here (e.g. docs/img)")
     parser.add_argument("--no-write", action="store_true", help="do not touch BENCHMARKS.md")
@@ -122,9 +124,10 @@ def admission_order(run: RunResult) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.enginebench import check_engine_flags
+    from loadtest.enginebench import check_engine_flags, check_out_dir
 
     check_engine_flags(args.model, args.device)
+    check_out_dir(args.out)
     specs = workloads.seed64()
     lengths = [s.max_tokens for s in specs]
     cost, how, costs_ms = _step_cost(args)
@@ -134,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     for policy in POLICIES:
         command = base + ["--scheduler", policy, "--max-num-seqs", str(args.slots), *engine_flags(args),
                           *shlex.split(args.server_args)]
-        with launch(command, name=f"compare-{policy}") as server:
+        with launch(command, name=f"compare-{policy}", log_dir=args.out) as server:
             config = LoadConfig(url=server.url, mode=Mode.CLOSED, concurrency=len(specs), count=len(specs),
                                 duration_s=args.timeout, timeout_s=args.timeout, model=server_model(server.url),
                                 progress=not args.no_progress)

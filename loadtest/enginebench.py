@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -101,9 +102,24 @@ def check_engine_flags(model: str | None, device: str) -> None:
     try:
         resolve_device(Device(device))
         if model is not None:
-            resolve_model_dir(model)
+            path = resolve_model_dir(model)
+            if path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+                raise FileNotFoundError(f"--model {model!r} has a config.json but no weights (*.safetensors, "
+                                        "pytorch_model*.bin)")
     except (ValueError, FileNotFoundError) as exc:
         raise UsageError(str(exc)) from exc
+
+
+def check_out_dir(path: Path) -> None:
+    """Create ``path`` (an output directory) now, so a bad ``--out`` fails before any work.
+
+    Raises:
+        UsageError: it cannot be created or is not a directory.
+    """
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {str(path)!r}: {exc.strerror or exc}") from exc
 
 
 def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = Device.AUTO) -> LoadedModel:

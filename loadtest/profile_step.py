@@ -16,6 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from loadtest.argtypes import positive_int, positive_ints
 from loadtest.benchmarks_md import update_section
 
 _CATEGORIES = (
@@ -72,9 +73,9 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[f
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--batch", default="1,8,32", help="comma list of batch sizes")
-    parser.add_argument("--context", type=int, default=64, help="cached tokens per sequence")
-    parser.add_argument("--steps", type=int, default=7, help="timed and profiled steps per batch size")
+    parser.add_argument("--batch", type=positive_ints, default=[1, 8, 32], help="comma list of batch sizes")
+    parser.add_argument("--context", type=positive_int, default=64, help="cached tokens per sequence")
+    parser.add_argument("--steps", type=positive_int, default=7, help="timed and profiled steps per batch size")
     parser.add_argument("--model", default=None, help="as kvserve serve --model (default: the embedded SmolLM2)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     from loadtest.enginebench import check_engine_flags, load
 
     check_engine_flags(args.model, args.device)
-    batches = [int(b) for b in args.batch.split(",") if b]
+    batches = args.batch
     loaded = load(DType(args.dtype), args.model, Device(args.device))
     results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]

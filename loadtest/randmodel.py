@@ -49,29 +49,37 @@ def with_random_weights(shape_dir: Path, out: Path, seed: int = 0) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m loadtest.randmodel", description=__doc__.splitlines()[0])
-    parser.add_argument("--shape-of", default=None, help="model whose shape to copy ('smollm2' or a directory)")
-    parser.add_argument("--shape-only", action="store_true", help="copy config and tokenizer only")
-    parser.add_argument("--from", dest="source", type=Path, default=None, help="a shape directory")
-    parser.add_argument("out", type=Path)
+    source_group = parser.add_mutually_exclusive_group(required=True)
+    source_group.add_argument("--shape-of", default=None,
+                              help="model whose shape to copy ('smollm2' or a directory)")
+    source_group.add_argument("--from", dest="source", type=Path, default=None,
+                              help="a directory made with --shape-only (or any model directory)")
+    parser.add_argument("--shape-only", action="store_true", help="with --shape-of: copy config and tokenizer only")
+    parser.add_argument("out", type=Path, help="output directory (created)")
     args = parser.parse_args(argv)
+    if args.shape_only and args.shape_of is None:
+        parser.error("--shape-only goes with --shape-of")
+    if args.source is not None and not (args.source / "config.json").exists():
+        parser.error(f"--from {str(args.source)!r} has no config.json")
     if args.shape_of is not None:
         from engine.loader import resolve_model_dir
 
         try:
             source = resolve_model_dir(args.shape_of)
-        except FileNotFoundError as exc:
-            parser.error(str(exc))
-        if args.shape_only:
-            print(copy_shape(source, args.out))
-            return 0
-    elif args.source is not None:
-        source = args.source
+        except FileNotFoundError:
+            parser.error(f"--shape-of {args.shape_of!r}: not 'smollm2' and not a model directory with config.json")
     else:
-        parser.error("give --shape-of or --from")
+        source = args.source
+    if args.out.exists() and not args.out.is_dir():
+        parser.error(f"{args.out} exists and is not a directory")
     try:
-        print(with_random_weights(source, args.out))
-    except FileNotFoundError as exc:
-        parser.error(str(exc))
+        args.out.mkdir(parents=True, exist_ok=True)  # before any work: a bad path fails now
+    except OSError as exc:
+        parser.error(f"{args.out}: {exc.strerror or exc}")
+    if args.shape_only:
+        print(copy_shape(source, args.out))
+        return 0
+    print(with_random_weights(source, args.out))
     return 0
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from loadtest import report, workloads
+from loadtest.argtypes import positive_int
 
 StepCost = Callable[[int, int], float]  # (prefills, decodes) -> seconds
 
@@ -187,9 +188,9 @@ def print_results(static: SimResult, continuous: SimResult) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--slots", type=int, default=8, help="--max-num-seqs of both servers")
+    parser.add_argument("--slots", type=positive_int, default=8, help="--max-num-seqs of both servers")
     parser.add_argument("--flat", action="store_true", help="1 s per step instead of measured costs")
-    parser.add_argument("--reps", type=int, default=5, help="timed repetitions per step mix")
+    parser.add_argument("--reps", type=positive_int, default=5, help="timed repetitions per step mix")
     parser.add_argument("--out", type=Path, default=report.OUT_DIR / "simulate.json")
 
 

@@ -191,3 +191,55 @@ def test_engine_commands_refuse_cuda_without_a_gpu(capsys):
     with pytest.raises(SystemExit) as exit_info:
         loadtest_main(["profile", "--device", "cuda", "--no-write"])
     assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["profile", "--batch", "abc"], ["profile", "--batch", "0"], ["profile", "--steps", "0"],
+                                  ["compare", "--slots", "0"], ["simulate", "--reps", "0"]])
+def test_bad_numbers_are_usage_errors(argv):
+    with pytest.raises(SystemExit) as exit_info:
+        loadtest_main(argv)
+    assert exit_info.value.code == 2
+
+
+def test_randmodel_refuses_bad_arguments_before_any_work(tmp_path):
+    from loadtest import randmodel
+
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    for argv in (["--from", str(tmp_path / "missing"), str(tmp_path / "out")],
+                 ["--from", str(tmp_path), "--shape-only", str(tmp_path / "out")],
+                 ["--shape-of", "smollm2", "--shape-only", str(a_file)],
+                 ["--shape-of", str(tmp_path / "missing"), "--shape-only", str(tmp_path / "out")]):
+        with pytest.raises(SystemExit) as exit_info:
+            randmodel.main(argv)
+        assert exit_info.value.code == 2, argv
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_terminated_compare_stops_its_servers(tmp_path):
+    import subprocess
+    import time
+    from pathlib import Path
+
+    fake = f"{sys.executable} -m loadtest.fakeserver --port {{port}} --step-ms 50 --max-queue 25673"
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-m", "loadtest", "compare", "--flat-sim", "--server-cmd", fake,
+                             "--no-write", "--no-progress", "--out", str(tmp_path)], cwd=root,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def servers() -> str:
+        # the servers' command lines, not compare's own (which holds "{port}", not a number)
+        return subprocess.run(["pgrep", "-f", "fakeserver --port [0-9]+ .*25673"], capture_output=True,
+                              text=True).stdout.strip()
+
+    deadline = time.monotonic() + 60
+    while not servers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert servers(), "the fake server never started"
+    time.sleep(1.0)  # into the run
+    proc.terminate()
+    assert proc.wait(timeout=30) == 128 + 15
+    deadline = time.monotonic() + 20
+    while servers() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not servers()
