@@ -43,8 +43,8 @@ def reference_model(model):
 
 def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """transformers' own generate, greedy, EOS suppressed until ``new_tokens`` (min_new_tokens)."""
-    out = ref.generate(torch.tensor([prompt_ids], device=ref.device), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                       do_sample=False, pad_token_id=0, eos_token_id=EOS)
+    out = ref.generate(torch.tensor([prompt_ids], device=ref.device), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=EOS)
     return out[0, len(prompt_ids):].tolist()
 
 

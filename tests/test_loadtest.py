@@ -193,8 +193,8 @@ def test_engine_commands_refuse_cuda_without_a_gpu(capsys):
     assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["profile", "--batch", "abc"], ["profile", "--batch", "0"], ["profile", "--steps", "0"],
-                                  ["compare", "--slots", "0"], ["simulate", "--reps", "0"]])
+@pytest.mark.parametrize("argv", [["profile", "--batch", "abc"], ["profile", "--batch", "0"],
+                                  ["profile", "--steps", "0"], ["compare", "--slots", "0"], ["simulate", "--reps", "0"]])
 def test_bad_numbers_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exit_info:
         loadtest_main(argv)
