@@ -107,21 +107,30 @@ class ModelRunner:
         logits = logits.float()
         return self._sample(plan, logits)
 
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[SeqResult]:
-        batched = self._greedy_rows(plan, logits)
-        results: list[SeqResult] = []
+    @staticmethod
+    def _logit_spans(plan: StepPlan) -> list[tuple[int, int]]:
+        """Per SeqWork, ``(first row, rows)`` of its kept logits: every row with prompt logprobs, else its last
+        row when it samples, else none (the order ``execute`` keeps them in)."""
+        spans: list[tuple[int, int]] = []
         k = 0
         for w in plan.work:
-            n = len(w.token_ids)
+            n = len(w.token_ids) if w.params.prompt_logprobs else int(w.sample)
+            spans.append((k, n))
+            k += n
+        return spans
+
+    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[SeqResult]:
+        spans = self._logit_spans(plan)
+        batched = self._greedy_rows(plan, spans, logits)
+        results: list[SeqResult] = []
+        for w, (first, n) in zip(plan.work, spans):
             prompt_lps: list[TokenLogprob] = []
             if w.params.prompt_logprobs:
-                rows = logits[k:k + n]  # [n, vocab]
-                k += n
+                rows = logits[first:first + n]  # [n, vocab]
                 prompt_lps = self._prompt_logprobs(w, rows)
                 last = rows[-1]
             elif w.sample:
-                last = logits[k]
-                k += 1
+                last = logits[first]
             if w.seq_id in batched:
                 results.append(SeqResult(seq_id=w.seq_id, token=batched[w.seq_id], prompt_logprobs=prompt_lps))
                 continue
@@ -134,21 +143,17 @@ class ModelRunner:
         return results
 
     @staticmethod
-    def _greedy_rows(plan: StepPlan, logits: torch.Tensor) -> dict[int, TokenLogprob]:
+    def _greedy_rows(plan: StepPlan, spans: list[tuple[int, int]], logits: torch.Tensor) -> dict[int, TokenLogprob]:
         """Tokens of the plain greedy sequences (most of a typical step), all picked in one batched call."""
         rows: list[int] = []
         works: list[SeqWork] = []
         vocab = logits.shape[-1]
-        k = 0
-        for w in plan.work:
-            if w.params.prompt_logprobs:
-                k += len(w.token_ids)
-            elif w.sample:
-                # an out-of-range id stays with sample_token, which fails that sequence alone
-                if plain_greedy(w) and all(0 <= t < vocab for t in w.suppress_ids):
-                    rows.append(k)
-                    works.append(w)
-                k += 1
+        for w, (first, _) in zip(plan.work, spans):
+            # an out-of-range id stays with sample_token, which fails that sequence alone
+            if (not w.params.prompt_logprobs and plain_greedy(w)
+                    and all(0 <= t < vocab for t in w.suppress_ids)):
+                rows.append(first)
+                works.append(w)
         if len(rows) < 2:
             return {}
         picked = logits if len(rows) == logits.shape[0] else logits[rows]  # [len(rows), vocab]
