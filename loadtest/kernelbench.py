@@ -1,7 +1,7 @@
 """``python -m loadtest.kernelbench``: the measurements behind the engine's kernel choices, rerunnable.
 
 1. ``f32_linear`` (quant/qlinear.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
-   576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 / 8 / 32 rows.
+   576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 to 128 rows.
 2. Quantized layers: the integer kernels against dequantize + GEMM at 32 to 512 rows (why they serve every
    call, prefill chunks included).
 3. Python cost of calling a quantized layer as a module against calling its bound kernel.
@@ -43,7 +43,7 @@ def dense_vs_gemm() -> None:
         print("quant kernels not built")
         return
     weights = [torch.randn(1536, 576) for _ in range(30)] + [torch.randn(576, 1536) for _ in range(30)]
-    for rows in (1, 8, 32):
+    for rows in (1, 8, 32, 64, 96, 128):
         xs = [torch.randn(rows, w.shape[1]) for w in weights]
         gemm = _time(lambda: [F.linear(x, w) for x, w in zip(xs, weights)], 10)
         ours = _time(lambda: [kernel.f32_linear(x, w) for x, w in zip(xs, weights)], 10)
