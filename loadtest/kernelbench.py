@@ -2,7 +2,7 @@
 
 1. ``f32_linear`` (quant/qlinear.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
    576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 to 128 rows.
-2. Quantized layers: the integer kernels against dequantize + GEMM at 32 to 512 rows (why they serve every
+2. Quantized layers: the integer kernels against dequantize + GEMM at 1 to 512 rows (why they serve every
    call, prefill chunks included).
 3. Python cost of calling a quantized layer as a module against calling its bound kernel.
 4. One OpenMP team or two (``--threads``): a batch-8 decode step with every torch call on one thread, and
@@ -63,7 +63,7 @@ def quant_kernel_vs_dequantize() -> None:
         if any(k is None for k in kernels_):
             print("quant kernels not built")
             return
-        for rows in (32, 64, 128, 512):
+        for rows in (1, 8, 32, 128, 512):
             xs = [torch.randn(rows, layer.in_features) for layer in layers]
             ours = _time(lambda: [k(x) for k, x in zip(kernels_, xs)], 3)
             # the reference the layer would otherwise run: the same activation quantization, then a float GEMM
