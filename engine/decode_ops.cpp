@@ -10,7 +10,7 @@
 //   write_kv(k_cache, v_cache, slots, k, v)          the step's K/V into the pool at the slot mapping
 //   paged_decode_attention(q, rows, tables, lens, k_blocks, v_blocks, scale, window, out)
 //       one query token per sequence against its cached context, read block by block through its block
-//       table (no gathered copy, no mask tensor), with GQA; softmax in float32.
+//       table (no gathered copy, no mask tensor), with GQA; softmax in float32 (AVX2: vectorized exp).
 //
 // target_clones compiles each hot loop for AVX2+FMA and for plain x86-64 and picks one at load time.
 #include <torch/extension.h>
@@ -25,6 +25,8 @@
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KV_X86 1
 #define KV_CLONES __attribute__((target_clones("avx2,fma", "default")))
 #else
 #define KV_CLONES
@@ -98,6 +100,119 @@ KV_CLONES void attend_kv_head(const float* q, int64_t q_head_stride, const int64
     }
   }
 }
+
+#ifdef KV_X86
+bool has_avx2() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return ok;
+}
+
+__attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
+  return _mm_cvtss_f32(lo);
+}
+
+// exp(x) for 8 floats with x <= 0 (scores minus their maximum), after Cephes' expf: n = round(x / ln 2),
+// r = x - n ln 2 in two parts (Cody-Waite), exp(r) by its degree-6 polynomial, times 2^n built in the exponent
+// bits. Inputs below -87.3 give exp(-87.3) ~ 1e-38 instead of a denormal or 0: a weight that vanishes in the sum.
+// Attention outputs agree with a float64 softmax to ~1e-6 (tests/test_decode_ops.py).
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(pow2n));
+}
+
+constexpr int64_t kAhead = 4;  // key/value rows prefetched this many positions ahead
+
+// attend_kv_head for D a multiple of 8 with AVX2: each key and value row is read once for all `group` query
+// heads (key-major loops), the row kAhead positions on is prefetched (rows of one KV head are H_kv * D apart
+// and blocks are scattered, which the hardware prefetcher does not follow), and the softmax exponentials run
+// 8 at a time (exp8). Against attend_kv_head: 1.4x at 1 sequence x 64 keys, 1.9-3x at 8-32 sequences x
+// 160-400 keys (SmolLM2's 9 / 3 heads of 64).
+__attribute__((target("avx2,fma"))) void attend_kv_head_avx2(const float* q, int64_t q_head_stride,
+                                                             const int64_t* table, int64_t first, int64_t len,
+                                                             const float* kp, const float* vp, int64_t bs,
+                                                             int64_t H_kv, int64_t g, int64_t D, int64_t group,
+                                                             float scale, float* scores, float* out) {
+  const int64_t span = len - first;
+  for (int64_t t = first; t < len; ++t) {
+    const int64_t slot = table[t / bs] * bs + t % bs;
+    const float* k = kp + (slot * H_kv + g) * D;
+    if (t + kAhead < len) {  // the key row kAhead positions on (rows are H_kv * D apart within a block)
+      const float* next = kp + ((table[(t + kAhead) / bs] * bs + (t + kAhead) % bs) * H_kv + g) * D;
+      for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      const float* qh = q + j * q_head_stride;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t i = 0;
+      for (; i + 16 <= D; i += 16) {
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(k + i + 8), a1);
+      }
+      if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
+      scores[j * span + (t - first)] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+    }
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* sj = scores + j * span;
+    __m256 mx8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+    int64_t i = 0;
+    for (; i + 8 <= span; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(sj + i));
+    float mx = hmax8(mx8);
+    for (; i < span; ++i) mx = std::max(mx, sj[i]);
+    __m256 sum8 = _mm256_setzero_ps();
+    const __m256 mxv = _mm256_set1_ps(mx);
+    for (i = 0; i + 8 <= span; i += 8) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sj + i), mxv));
+      _mm256_storeu_ps(sj + i, e);
+      sum8 = _mm256_add_ps(sum8, e);
+    }
+    float sum = hsum8(sum8);
+    for (; i < span; ++i) {
+      sj[i] = std::exp(sj[i] - mx);
+      sum += sj[i];
+    }
+    const float inv = 1.f / sum;
+    for (i = 0; i < span; ++i) sj[i] *= inv;
+    std::fill_n(out + j * D, D, 0.f);
+  }
+  for (int64_t t = first; t < len; ++t) {
+    const int64_t slot = table[t / bs] * bs + t % bs;
+    const float* v = vp + (slot * H_kv + g) * D;
+    if (t + kAhead < len) {
+      const float* next = vp + ((table[(t + kAhead) / bs] * bs + (t + kAhead) % bs) * H_kv + g) * D;
+      for (int64_t i = 0; i < D; i += 16) _mm_prefetch(reinterpret_cast<const char*>(next + i), _MM_HINT_T0);
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      const __m256 w = _mm256_set1_ps(scores[j * span + (t - first)]);
+      float* oh = out + j * D;
+      for (int64_t i = 0; i < D; i += 8)
+        _mm256_storeu_ps(oh + i, _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i), _mm256_loadu_ps(oh + i)));
+    }
+  }
+}
+#endif
 
 }  // namespace
 
@@ -207,6 +322,9 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
   const float* qp = q.data_ptr<float>();
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
+#ifdef KV_X86
+  const bool avx2 = has_avx2() && D % 8 == 0;
+#endif
   // one task per (sequence, KV head): its `group` query heads share each K and V row read
   at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
@@ -214,8 +332,17 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
       const int64_t b = task / H_kv, g = task % H_kv, len = lp[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
       scores.resize(group * (len - first));
-      attend_kv_head(qp + rp[b] * q.stride(0) + g * group * q.stride(1), q.stride(1), tp + b * width, first, len,
-                     kp, vp, bs, H_kv, g, D, group, sc, scores.data(), op + (rp[b] * H + g * group) * D);
+      const float* qg = qp + rp[b] * q.stride(0) + g * group * q.stride(1);
+      float* og = op + (rp[b] * H + g * group) * D;
+#ifdef KV_X86
+      if (avx2) {
+        attend_kv_head_avx2(qg, q.stride(1), tp + b * width, first, len, kp, vp, bs, H_kv, g, D, group, sc,
+                            scores.data(), og);
+        continue;
+      }
+#endif
+      attend_kv_head(qg, q.stride(1), tp + b * width, first, len, kp, vp, bs, H_kv, g, D, group, sc,
+                     scores.data(), og);
     }
   });
 }

@@ -48,6 +48,44 @@ def test_norms_and_rope_equal_torch():
     torch.testing.assert_close(qkv[:, :96].view(3, 6, 16), expected)
 
 
+def _attention_reference(q, tables, lens, k_blocks, v_blocks, scale, window):
+    """Per sequence: gather its keys/values through the block table, softmax(q k^T * scale) v in float64."""
+    block_size, kv_heads = k_blocks.shape[1], k_blocks.shape[2]
+    group = q.shape[1] // kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    for b, length in enumerate(lens.tolist()):
+        slots = [tables[b, t // block_size].item() * block_size + t % block_size for t in range(length)]
+        first = max(0, length - window) if window > 0 else 0
+        keys = k_blocks.flatten(0, 1)[slots[first:]].double().repeat_interleave(group, dim=1)  # [S, H, D]
+        values = v_blocks.flatten(0, 1)[slots[first:]].double().repeat_interleave(group, dim=1)
+        weights = torch.softmax(torch.einsum("hd,shd->hs", q[b].double(), keys) * scale, dim=-1)  # [H, S]
+        out[b] = torch.einsum("hs,shd->hd", weights, values)
+    return out
+
+
+@pytest.mark.parametrize("batch,context,heads,kv_heads,dim,window", [
+    (1, 1, 4, 2, 16, 0),      # a single key
+    (3, 37, 9, 3, 64, 0),     # SmolLM2's heads, a tail of 5 keys after 32 (the vectorized exp and its tail)
+    (4, 300, 8, 1, 128, 0),   # long contexts (keys prefetched ahead), one KV head for all
+    (2, 90, 4, 4, 40, 16),    # no GQA, a sliding window of 16 keys
+    (2, 50, 6, 2, 20, 0),     # head size not a multiple of 8: the scalar loop
+])
+def test_paged_decode_attention_equals_a_float64_softmax(batch, context, heads, kv_heads, dim, window):
+    torch.manual_seed(batch * context + dim)
+    block_size = 16
+    per_seq = -(-context // block_size)
+    num_blocks = batch * per_seq + 3
+    k_blocks = torch.randn(num_blocks, block_size, kv_heads, dim)
+    v_blocks = torch.randn(num_blocks, block_size, kv_heads, dim)
+    tables = torch.randperm(num_blocks)[:batch * per_seq].view(batch, per_seq).contiguous()  # scattered blocks
+    lens = torch.tensor([max(1, context - 11 * b) for b in range(batch)])
+    q = torch.randn(batch, heads, dim) * 3  # peaked softmaxes: many weights far below the largest
+    out = torch.empty_like(q)
+    ops.paged_decode_attention(q, torch.arange(batch), tables, lens, k_blocks, v_blocks, dim ** -0.5, window, out)
+    expected = _attention_reference(q, tables, lens, k_blocks, v_blocks, dim ** -0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+
+
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     k_cache, v_cache = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
     k = torch.randn(1, 2, 16)
