@@ -3,7 +3,8 @@
 Starts ``kvserve serve --scheduler static --max-num-seqs 8`` on a free 127.0.0.1 port, sends all 64 seed64
 requests at once (each pinned to its length), stops it, then does the same with ``--scheduler continuous``.
 Prints wall time, output tokens/s, mean and p99 end-to-end latency and mean TTFT of each, the ratios, and the
-ratios that ``simulate`` predicts from step costs measured on the engine; the two must agree within 15%.
+ratios that ``simulate`` predicts from step costs measured on the engine (before the first run and after the
+last, averaged); the two must agree within 15%.
 Writes the ``compare`` section of BENCHMARKS.md and ``loadtest/out/compare.json`` / ``compare-latency.png``.
 
     flock /tmp/kvserve-cpu.lock python -m loadtest compare
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import statistics
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
@@ -89,16 +91,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", action="store_true")
 
 
-def _step_cost(args: argparse.Namespace) -> tuple[simulate.StepCost, str, dict[str, float]]:
-    """The simulator's step cost, a sentence on it, and the measured costs (ms) by "prefills,decodes"."""
+def _measure_costs(args: argparse.Namespace, prompt_len: int) -> dict[tuple[int, int], float] | None:
+    """Engine step costs (s) for every mix of prefills and decodes (None with ``--flat-sim``)."""
     if args.flat_sim:
+        return None
+    return simulate.measure_step_costs(args.slots, prompt_len, prompt_len + 32, args.reps, args.model, args.device,
+                                       args.dtype)
+
+
+def step_cost(before: dict[tuple[int, int], float] | None, after: dict[tuple[int, int], float] | None,
+              prompt_len: int, reps: int) -> tuple[simulate.StepCost, str, dict[str, float]]:
+    """The simulator's step cost, a sentence on it, and the costs used (ms) by "prefills,decodes".
+
+    ``before`` and ``after`` are the step costs (s) measured before the first served run and after the last;
+    the simulator uses their mean, so a machine whose speed drifts during the runs is priced at its mean speed
+    over them rather than at its speed in the minute before. Either None: a flat step cost.
+    """
+    if before is None or after is None:
         return simulate.flat_cost, "flat step cost", {}
-    prompt_len = simulate.seed64_prompt_len(args.model)
-    costs = simulate.measure_step_costs(args.slots, prompt_len, prompt_len + 32, args.reps, args.model, args.device,
-                                        args.dtype)
+    costs = {mix: (before[mix] + after[mix]) / 2 for mix in before}
+    drift = statistics.median(after[mix] / before[mix] for mix in before)
     how = (f"engine step costs measured for every mix of prefills ({prompt_len}-token prompts) and decodes "
-           f"(median of {args.reps}, round-robin) and used as measured; for scale, a least-squares line through "
-           f"them is {simulate.describe_fit(simulate.fit_cost(costs))}")
+           f"(median of {reps}, round-robin) before the served runs and again after them, and their mean used "
+           f"as measured (after / before: {drift:.2f}, median over the mixes); for scale, a least-squares line "
+           f"through them is {simulate.describe_fit(simulate.fit_cost(costs))}")
     return simulate.grid_cost(costs), how, {f"{p},{d}": 1000 * t for (p, d), t in costs.items()}
 
 
@@ -130,7 +146,8 @@ def run(args: argparse.Namespace) -> int:
     check_out_dir(args.out)
     specs = workloads.seed64()
     lengths = [s.max_tokens for s in specs]
-    cost, how, costs_ms = _step_cost(args)
+    prompt_len = 0 if args.flat_sim else simulate.seed64_prompt_len(args.model)
+    before = _measure_costs(args, prompt_len)
     base = shlex.split(args.server_cmd) if args.server_cmd else kvserve_command([])
     runs: list[RunResult] = []
     counters: dict[str, dict[str, float]] = {}
@@ -143,6 +160,7 @@ def run(args: argparse.Namespace) -> int:
                                 progress=not args.no_progress)
             runs.append(run_sync(specs, config, policy))
             counters[policy] = server_counters(server.url)
+    cost, how, costs_ms = step_cost(before, _measure_costs(args, prompt_len), prompt_len, args.reps)
     orders = tuple(admission_order(r) for r in runs)
     sims = dict(zip(POLICIES, simulate.run_both(lengths, args.slots, cost, orders)))
     simulate.print_results(sims["static"], sims["continuous"])

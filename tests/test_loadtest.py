@@ -109,6 +109,17 @@ def test_fit_cost_recovers_a_linear_step_cost():
     assert simulate.fit_cost(costs) == pytest.approx((0.01, 0.002, 0.0005))
 
 
+def test_compare_prices_steps_at_the_mean_of_costs_measured_before_and_after():
+    from loadtest.compare import step_cost
+    before = {(0, 1): 0.020, (1, 0): 0.050, (1, 1): 0.060}
+    after = {(0, 1): 0.030, (1, 0): 0.060, (1, 1): 0.066}  # the machine slowed down during the runs
+    cost, how, costs_ms = step_cost(before, after, 18, 3)
+    assert cost(0, 1) == pytest.approx(0.025) and cost(1, 1) == pytest.approx(0.063)
+    assert costs_ms == pytest.approx({"0,1": 25.0, "1,0": 55.0, "1,1": 63.0})
+    assert "after / before: 1.20" in how  # median of 1.5, 1.2 and 1.1
+    assert step_cost(None, None, 0, 3)[0] is simulate.flat_cost
+
+
 def test_compare_against_fake_servers(tmp_path):
     bench = tmp_path / "BENCHMARKS.md"
     args = [sys.executable, "-m", "loadtest.fakeserver", "--port", "{port}", "--step-ms", "2"]
