@@ -504,16 +504,13 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
 #ifdef QL_X86
     if (has_avx2()) {
-      auto tile = [&](int64_t m, int64_t n, auto mt, auto nt) {
+      // 2 weight rows per tile at every M: 4 rows were 1.15-1.3x faster at 8-32 activation rows, but the compiler
+      // schedules the scalar offset terms differently per tile shape, so a row's bits changed with the number
+      // of rows in the call, and with them greedy text under load (tests/test_quant.py, batch invariance)
+      for_tiles<2, 2>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
         q8_int4_tile_avx2<decltype(mt)::value, decltype(nt)::value>(
             qp + m * K, dp + m * (K / 32), qs + m * (K / 32), wp, sp, offset, yp + m * N, N, K, group, n);
-      };
-      // 2 weight rows per tile for 1-2 activation rows (4 made a one-row decode step ~15% slower), 4 above
-      // (1.15-1.3x faster at 8-32 rows); 60 SmolLM2-sized layers and `python -m quant.bench`
-      if (M <= 2)
-        for_tiles<2, 2>(M, n0, n1, tile);
-      else
-        for_tiles<2, 4>(M, n0, n1, tile);
+      });
       return;
     }
 #endif

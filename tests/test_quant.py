@@ -88,6 +88,25 @@ def _layers(in_features: int, out_features: int) -> list[QuantLinear]:
     return [Int8Linear(linear), Int4Linear(linear), NF4Linear(linear)]
 
 
+@pytest.mark.parametrize("shape", [(256, 8), (576, 192), (1536, 40)])  # int4: 2, 3 (group 192) and 12 groups a row
+def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):
+    # batch invariance: a request's greedy text must not depend on what shares its step, so a row's product
+    # may not change with the number of rows in the call (tile shapes are chosen by that number)
+    if kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+    torch.manual_seed(shape[0])
+    x = torch.randn(9, shape[0])
+    for layer in _layers(*shape):
+        alone = torch.cat([layer(x[i:i + 1]) for i in range(9)])
+        for rows in range(2, 10):
+            assert torch.equal(layer(x[:rows]), alone[:rows]), (type(layer).__name__, rows)
+    dense = kernels.load().f32_linear
+    w = torch.randn(shape[1], shape[0])
+    alone = torch.cat([dense(x[i:i + 1], w) for i in range(9)])
+    for rows in range(2, 10):
+        assert torch.equal(dense(x[:rows], w), alone[:rows]), ("f32_linear", rows)
+
+
 @pytest.mark.parametrize("shape", [(576, 192), (1536, 64), (40, 24)])  # (40, 24) runs the scalar loops
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_kernel_matches_reference(shape, rows):
