@@ -328,7 +328,7 @@ __attribute__((target("avx2,fma,f16c"))) void q8_int4_tile_avx2(const int8_t* q,
       for (int m = 0; m < MT; ++m) {
         xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + 32 * b));
         dv[m] = _mm256_broadcast_ss(d + m * nb + b);
-        xshift[m] += d[m * nb + b] * static_cast<float>(qsum[m * nb + b]);
+        xshift[m] = std::fma(d[m * nb + b], static_cast<float>(qsum[m * nb + b]), xshift[m]);
       }
       for (int j = 0; j < NT; ++j) {
         _mm_prefetch(reinterpret_cast<const char*>(w + (n + j) * (K / 2) + 16 * b + 256), _MM_HINT_T0);
@@ -342,12 +342,12 @@ __attribute__((target("avx2,fma,f16c"))) void q8_int4_tile_avx2(const int8_t* q,
       const float scale = _cvtsh_ss(s[g * N + n + j].x);  // F16C: c10::Half's conversion is ~15 scalar ops
       for (int m = 0; m < MT; ++m) {
         total[m][j] = _mm256_fmadd_ps(acc[m][j], _mm256_set1_ps(scale), total[m][j]);
-        shift[m][j] += scale * xshift[m];
+        shift[m][j] = std::fma(scale, xshift[m], shift[m][j]);
       }
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) y[m * N + n + j] = hsum(total[m][j]) - static_cast<float>(offset) * shift[m][j];
+    for (int j = 0; j < NT; ++j) y[m * N + n + j] = std::fma(-static_cast<float>(offset), shift[m][j], hsum(total[m][j]));
 }
 #endif
 
@@ -504,13 +504,17 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
 #ifdef QL_X86
     if (has_avx2()) {
-      // 2 weight rows per tile at every M: 4 rows were 1.15-1.3x faster at 8-32 activation rows, but the compiler
-      // schedules the scalar offset terms differently per tile shape, so a row's bits changed with the number
-      // of rows in the call, and with them greedy text under load (tests/test_quant.py, batch invariance)
-      for_tiles<2, 2>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
+      auto tile = [&](int64_t m, int64_t n, auto mt, auto nt) {
         q8_int4_tile_avx2<decltype(mt)::value, decltype(nt)::value>(
             qp + m * K, dp + m * (K / 32), qs + m * (K / 32), wp, sp, offset, yp + m * N, N, K, group, n);
-      });
+      };
+      // 2 weight rows per tile for 1-2 activation rows (4 made a one-row decode step ~15% slower), 4 above
+      // (1.15-1.3x faster at 8-32 rows). A row's bits do not depend on the tile shape: the tile's scalar
+      // multiply-adds are explicit std::fma, so the compiler cannot contract them differently per shape.
+      if (M <= 2)
+        for_tiles<2, 2>(M, n0, n1, tile);
+      else
+        for_tiles<2, 4>(M, n0, n1, tile);
       return;
     }
 #endif
