@@ -347,7 +347,8 @@ __attribute__((target("avx2,fma,f16c"))) void q8_int4_tile_avx2(const int8_t* q,
     }
   }
   for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) y[m * N + n + j] = std::fma(-static_cast<float>(offset), shift[m][j], hsum(total[m][j]));
+    for (int j = 0; j < NT; ++j)
+      y[m * N + n + j] = std::fma(-static_cast<float>(offset), shift[m][j], hsum(total[m][j]));
 }
 #endif
 
