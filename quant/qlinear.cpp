@@ -193,6 +193,12 @@ void for_tiles(int64_t M, int64_t n0, int64_t n1, Fn&& fn) {
   for (; n < n1; ++n) rows(n, std::integral_constant<int, 1>{});
 }
 
+// Weight rows a tile (activation rows from m, weight rows from n, in a task ending at n1) prefetches: the NT rows
+// of the tile after next, during a weight tile's first activation tile, when there are several (f32_tile_avx2).
+inline int64_t rows_ahead(int64_t m, int64_t M, int64_t n, int64_t n1, int64_t NT) {
+  return m == 0 && M > 1 ? std::max<int64_t>(std::min(n1 - (n + 2 * NT), NT), 0) : 0;
+}
+
 // ---------------------------------------------------------------- int8 activations (AVX2 integer dot products)
 // Activations are quantized per block of 32 (QK) to int8 with a float32 scale, as llama.cpp's Q8_0: one
 // vpmaddubsw multiplies 32 int8 pairs, where widening int8 weights to floats retired 8 per convert and bound
@@ -465,11 +471,11 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
     if (has_avx2()) {
       constexpr int64_t NT = 4;
       for_tiles<2, NT>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
-        const int64_t from = n + 2 * NT, rows = m == 0 && M > 1 ? std::min(n1 - from, NT) : 0;
+        const int64_t rows = rows_ahead(m, M, n, n1, NT);
         constexpr int MT_ = decltype(mt)::value, NT_ = decltype(nt)::value;
         if (rows > 0)
           q8_int8_tile_avx2<MT_, NT_, true>(qp + m * K, dp + m * (K / 32), wp, sp, yp + m * N, N, K, n,
-                                            wp + from * K, rows);
+                                            wp + (n + 2 * NT) * K, rows);
         else
           q8_int8_tile_avx2<MT_, NT_, false>(qp + m * K, dp + m * (K / 32), wp, sp, yp + m * N, N, K, n,
                                              nullptr, 0);
@@ -586,11 +592,10 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w) {
     if (vec) {
       constexpr int64_t NT = 4;
       for_tiles<3, NT>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
-        // rows of the weight tile after next (within this task), prefetched by its first activation tile
-        const int64_t from = n + 2 * NT, rows = m == 0 && M > 1 ? std::min(n1 - from, NT) : 0;
+        const int64_t rows = rows_ahead(m, M, n, n1, NT);
         constexpr int MT_ = decltype(mt)::value, NT_ = decltype(nt)::value;
         if (rows > 0)
-          f32_tile_avx2<MT_, NT_, true>(xp + m * K, wp, yp + m * N, N, K, n, wp + from * K, rows);
+          f32_tile_avx2<MT_, NT_, true>(xp + m * K, wp, yp + m * N, N, K, n, wp + (n + 2 * NT) * K, rows);
         else
           f32_tile_avx2<MT_, NT_, false>(xp + m * K, wp, yp + m * N, N, K, n, nullptr, 0);
       });
