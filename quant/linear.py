@@ -6,11 +6,13 @@ Every class holds its codes in ``weight`` and its scales in ``scales`` (buffers,
 for NF4's); otherwise, and on any other device, it runs the reference: dequantize to the activation dtype,
 then ``F.linear``.
 
-The int8 and int4 kernels multiply integers: they quantize the activations per block of 32 (``ACT_BLOCK``,
-llama.cpp's Q8_0) and use AVX2's 8-bit dot products, which stream the weights about twice as fast as
-widening them to floats. So that one model is served whatever the batch size, the reference path applies the
-same activation quantization (``quant.schemes.quantize_activations``); ``act_block = None`` turns it off
-(weight-only quantization, as the quality report's per-scheme rows measure), which also turns the kernel off.
+The int8 and int4 kernels multiply integers, which streams the weights about twice as fast as widening them
+to floats: int4 quantizes the activations to int8 per block of 32 (``ACT_BLOCK``, llama.cpp's Q8_0) for
+AVX2's 8-bit dot products, int8 to int16 per block of 64 (``ACT16_BLOCK``) for its 16-bit ones (an int16 step
+is far below the int8 weights' error, so the served int8 layer is as accurate as weight-only int8). So that
+one model is served whatever the batch size, the reference path applies the same activation quantization
+(``quant.schemes.quantize_activations``); ``act_block = None`` turns it off (weight-only quantization, as the
+quality report's per-scheme rows measure), which also turns the kernel off.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from quant import kernels
-from quant.schemes import (ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, SERVING_SPECS, QuantSpec, Scheme, dequantize_int,
-                           dequantize_nf4, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
-                           unpack_nibbles)
+from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, Q8_MAX, Q16_MAX, SERVING_SPECS, QuantSpec,
+                           Scheme, dequantize_int, dequantize_nf4, pack_nibbles, quantize_activations, quantize_int,
+                           quantize_nf4, unpack_nibbles)
 
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 with groups of
@@ -51,9 +53,11 @@ class QuantLinear(nn.Module):
         act_block: activations are quantized per this many values before the product (``kernel_act_block``,
             what the kernel does), or None for float activations (then only the reference path runs, unless
             the kernel itself takes float activations, as NF4's does).
+        act_qmax: the largest activation code: 127 (int8 activations) or 32767 (int16).
     """
 
     scheme: Scheme
+    act_qmax = Q8_MAX
 
     def __init__(self, linear: nn.Linear, spec: QuantSpec) -> None:
         super().__init__()
@@ -121,7 +125,7 @@ class QuantLinear(nn.Module):
                 y = y + self.bias
             return y if x.dtype is torch.float32 else y.to(x.dtype)
         if self.act_block is not None:
-            x = quantize_activations(x, self.act_block)
+            x = quantize_activations(x, self.act_block, self.act_qmax)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, self.dequantize().to(x.dtype), bias)
 
@@ -144,9 +148,10 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """int8 codes ``weight [out, in]`` with float32 ``scales [out]`` (per output row)."""
+    """int8 codes ``weight [out, in]`` with float32 ``scales [out]`` (per output row); int16 activations."""
 
     scheme = Scheme.INT8
+    act_qmax = Q16_MAX
 
     def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT8]) -> None:
         super().__init__(linear, spec)
@@ -159,11 +164,11 @@ class Int8Linear(QuantLinear):
 
     @property
     def kernel_act_block(self) -> int | None:
-        return ACT_BLOCK if self.has_kernel else None
+        return ACT16_BLOCK if self.has_kernel else None
 
     @property
     def has_kernel(self) -> bool:
-        return self.in_features % ACT_BLOCK == 0
+        return self.in_features % ACT16_BLOCK == 0
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return kernels.load().int8_linear(x, self.weight, self.scales)

@@ -76,8 +76,9 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     rows.append(row)
     del rounded
     # Per-scheme rows: weight-only (float activations, float LM head), the granularity study the chapter makes.
-    # "as served" rows: what `kvserve serve --quantization X` computes: activations quantized per block of 32
-    # for the int8/int4 kernels, and an int8 LM head for the 4-bit schemes.
+    # "as served" rows: what `kvserve serve --quantization X` computes: activations quantized as the integer
+    # kernels do (int16 per block of 64 for int8, int8 per block of 32 for int4), and an int8 LM head for the
+    # 4-bit schemes.
     recipes = [(QuantSpec(Scheme(s), Granularity(g), group), False) for s, g, group in RECIPES]
     recipes += [(spec, True) for spec in SERVING_SPECS.values()]
     for spec, served in recipes:
@@ -140,8 +141,9 @@ def render(data: dict) -> str:
         f"Perplexity: {data['heldout']}. Greedy agreement: {data['agreement_positions']} positions "
         "(full-precision greedy continuations, teacher-forced). Weight MiB counts every linear layer plus the "
         "float32 embedding / tied LM head. Rows named by recipe are weight-only (float activations, float LM "
-        "head); rows \"as served\" are what `kvserve serve --quantization` computes: int8/int4 activations "
-        "quantized per block of 32 (the integer kernels), and for the 4-bit schemes an int8 per-row copy of the "
+        "head); rows \"as served\" are what `kvserve serve --quantization` computes: activations quantized as "
+        "the integer kernels do (int8: to int16 per block of 64; int4: to int8 per block of 32), and for the "
+        "4-bit schemes an int8 per-row copy of the "
         "LM head (its error counts in the relative-error columns; bits/weight are the projections'). Group sizes are the largest "
         "divisor of the row not above the asked group (576 -> 96 for group 128), so bits/weight are measured, "
         "not nominal. " + margin_note(data), "",

@@ -208,16 +208,22 @@ def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
     return float(torch.linalg.norm(w - w_hat.double()) / torch.linalg.norm(w))
 
 
-# Activations enter the int8 and int4 kernels quantized per block of this many values (Q8_0 in llama.cpp).
+# Activations enter the int4 kernel quantized to int8 per block of this many values (Q8_0 in llama.cpp) ...
 ACT_BLOCK = 32
+# ... and the int8 kernel quantized to int16 per block of ACT16_BLOCK: a step of 1/32767 of the block's max,
+# far below the int8 weights' own error, so int8 is served as accurately as weight-only int8.
+ACT16_BLOCK = 64
+Q8_MAX = 127
+Q16_MAX = 32767
 
 
-def quantize_activations(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tensor:
-    """Fake-quantize activations as the int8/int4 kernels see them: ``Q8(x)``, same shape and dtype as ``x``.
+def quantize_activations(x: torch.Tensor, block: int = ACT_BLOCK, qmax: int = Q8_MAX) -> torch.Tensor:
+    """Fake-quantize activations as the integer kernels see them, same shape and dtype as ``x``.
 
-    Each run of ``block`` values along the last dim gets ``d = max|x| / 127`` and becomes ``round(x / d) * d``
-    (round half to even; an all-zero block stays zero). This is the reference the C++ kernels are tested
-    against: they compute ``W_hat @ Q8(x)`` with integer dot products (llama.cpp's Q8_0 scheme).
+    Each run of ``block`` values along the last dim gets ``d = max|x| / qmax`` and becomes ``round(x / d) * d``
+    (round half to even; an all-zero block stays zero). ``qmax`` 127 is ``Q8(x)`` (the int4 kernel, llama.cpp's
+    Q8_0 scheme), 32767 is ``Q16(x)`` (the int8 kernel). This is the reference the C++ kernels are tested
+    against: they compute ``W_hat @ Q(x)`` with integer dot products.
 
     Raises:
         ValueError: the last dim is not a multiple of ``block``.
@@ -226,6 +232,6 @@ def quantize_activations(x: torch.Tensor, block: int = ACT_BLOCK) -> torch.Tenso
     if features % block:
         raise ValueError(f"{features} features are not a multiple of the activation block {block}")
     xb = x.float().reshape(-1, features // block, block)  # [rows, blocks, block]
-    d = xb.abs().amax(-1, keepdim=True) / 127
+    d = xb.abs().amax(-1, keepdim=True) / qmax
     q = torch.where(d == 0, 0.0, torch.round(xb / d))
     return (q * d).reshape(x.shape).to(x.dtype)

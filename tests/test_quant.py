@@ -12,9 +12,9 @@ from torch import nn
 from quant import kernels
 from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear
 from quant.model import projection_names, quantize_model, serving_quantizes_head
-from quant.schemes import (ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int, dequantize_nf4,
-                           fake_quantize, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
-                           relative_error, unpack_nibbles)
+from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
+                           dequantize_nf4, fake_quantize, pack_nibbles, quantize_activations, quantize_int,
+                           quantize_nf4, relative_error, unpack_nibbles)
 
 INT4_TENSOR = QuantSpec(Scheme.INT4, Granularity.TENSOR)
 INT4_ROW = QuantSpec(Scheme.INT4, Granularity.ROW)
@@ -114,11 +114,12 @@ def test_kernel_matches_reference(shape, rows):
         pytest.skip("C++ kernels could not be built here")
     for layer in _layers(*shape):
         x = torch.randn(rows, shape[0])
-        x[0, :min(32, shape[0])] = 0  # an all-zero activation block (scale 0)
+        x[0, :min(64, shape[0])] = 0  # an all-zero activation block (scale 0)
         layer.use_kernel = False
         reference = layer(x)
-        # the served product: W_hat @ Q8(x) for int8 and int4 (per block of 32), W_hat @ x for NF4
-        x_seen = x if layer.act_block is None else quantize_activations(x, layer.act_block)
+        # the served product: W_hat @ Q16(x) for int8 (per block of 64), W_hat @ Q8(x) for int4 (per block of
+        # 32), W_hat @ x for NF4
+        x_seen = x if layer.act_block is None else quantize_activations(x, layer.act_block, layer.act_qmax)
         assert torch.allclose(reference, x_seen @ layer.dequantize().t() + layer.bias, atol=1e-4, rtol=1e-4)
         layer.use_kernel = True
         fast = layer(x)
@@ -139,18 +140,40 @@ def test_activation_quantization_reference():
     assert (error <= half_step * (1 + 1e-5)).all() and error.amax() > 0
     with pytest.raises(ValueError, match="multiple"):
         quantize_activations(torch.randn(2, 40))
+    # Q16 (the int8 kernel's): d = 3.2767 / 32767 = 1e-4 per block of 64; half a step is 5e-5
+    x16 = torch.tensor([[3.2767, -1.00005, 0.00004] + [0.0] * 61])
+    torch.testing.assert_close(quantize_activations(x16, 64, 32767)[0, :3], torch.tensor([3.2767, -1.0, 0.0]),
+                               rtol=1e-6, atol=1e-8)
+
+
+def test_int8_layer_as_served_is_as_accurate_as_weight_only():
+    # Activations with outlier channels, as in the residual stream: the int16 activation step must stay far below
+    # the int8 weights' own error, where int8 activations (Q8, what the int4 kernel uses) would not.
+    torch.manual_seed(3)
+    linear = nn.Linear(576, 192, bias=False)
+    x = torch.randn(16, 576)
+    x[:, ::97] *= 40
+    exact = linear(x).double()
+    layer = Int8Linear(linear)
+    weight_only = (x @ layer.dequantize().t()).double()
+    served = layer(x).double()
+    q8 = (quantize_activations(x, 32) @ layer.dequantize().t()).double()
+    weight_error = (weight_only - exact).norm()
+    assert (served - weight_only).norm() < 0.05 * weight_error  # measured 0.017
+    assert (q8 - weight_only).norm() > weight_error  # measured 3.1x
 
 
 def test_act_block_of_each_layer_and_weight_only_mode():
     int8, int4, nf4 = _layers(576, 64)
-    assert (int8.act_block, int4.act_block, nf4.act_block) == (ACT_BLOCK, ACT_BLOCK, None)
+    assert (int8.act_block, int4.act_block, nf4.act_block) == (ACT16_BLOCK, ACT_BLOCK, None)
+    assert (int8.act_qmax, int4.act_qmax) == (32767, 127)
     assert _layers(40, 8)[0].act_block is None and _layers(40, 8)[0].decode_kernel() is None  # no int8 kernel
     x = torch.randn(2, 576)
     for layer in (int8, int4):
         layer.act_block = None  # weight-only: the kernel (which quantizes activations) must not run
         assert layer.decode_kernel() is None
         torch.testing.assert_close(layer(x), x @ layer.dequantize().t() + layer.bias, rtol=1e-4, atol=1e-4)
-        layer.act_block = ACT_BLOCK
+        layer.act_block = layer.kernel_act_block
         assert not torch.allclose(layer(x), x @ layer.dequantize().t() + layer.bias, rtol=1e-6, atol=1e-6)
 
 
