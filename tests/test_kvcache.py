@@ -143,6 +143,18 @@ def test_pool_bytes_equal_formula_for_tiny_configs(config):
     assert pool.nbytes == 10 * 8 * shape.bytes_per_token
 
 
+def test_pool_layer_views_write_through_to_the_pool():
+    # the per-layer views are made once; a write through either must land in the pool's own slots
+    pool = KVPool(KVShape(num_layers=3, num_kv_heads=2, head_dim=4, bytes_per_element=4), 5, 4, torch.float32)
+    k_flat, v_flat = pool.layer(1)
+    k_blocks, v_blocks = pool.layer_blocks(1)
+    assert k_flat.shape == (20, 2, 4) and k_blocks.shape == (5, 4, 2, 4)
+    k_flat[9] = 1.0  # slot 9 = block 2, offset 1
+    v_blocks[4, 3] = 2.0  # slot 19
+    assert torch.equal(pool.data[0, 1, 2, 1], torch.ones(2, 4)) and torch.equal(v_flat[19], torch.full((2, 4), 2.0))
+    assert pool.data[:, [0, 2]].abs().sum() == 0 and pool.data.abs().sum() == 8 + 16
+
+
 def test_parse_bytes():
     assert parse_bytes("1GiB") == 2**30
     assert parse_bytes("512MiB") == 512 * 2**20
