@@ -254,13 +254,22 @@ class FastDecoder:
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, d] each
         rope = _Rope(cos[0], sin[0], ops)
         layers = self.layers
+        # an all-decode float32 CPU step: RoPE, the KV write and attention in one C++ call per layer
+        fused = ops is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
         h = _rms_norm(x, layers[0].in_norm, layers[0].in_eps, ops)
         for index, layer in enumerate(layers):
             qkv = layer.qkv_states(h)  # [T, (H + 2 H_kv) d]
-            qk = rope(qkv[:, :qk_width].view(num_tokens, heads + kv_heads, head_dim))
-            v = qkv[:, qk_width:].view(num_tokens, kv_heads, head_dim)
-            attn = paged_attention(index, qk[:, :heads], qk[:, heads:], v, meta, layer.scale,
-                                   layer.sliding_window)  # [T, H, d]
+            if fused:
+                k_blocks, v_blocks = meta.pool.layer_blocks(index)
+                with op_label("kvserve::decode_attention"):
+                    attn = ops.decode_attention_(qkv, heads, kv_heads, rope.cos, rope.sin, meta.slot_mapping,
+                                                 k_blocks, v_blocks, meta.decode_rows, meta.decode_tables,
+                                                 meta.decode_lens, layer.scale, layer.sliding_window or 0)
+            else:
+                qk = rope(qkv[:, :qk_width].view(num_tokens, heads + kv_heads, head_dim))
+                v = qkv[:, qk_width:].view(num_tokens, kv_heads, head_dim)
+                attn = paged_attention(index, qk[:, :heads], qk[:, heads:], v, meta, layer.scale,
+                                       layer.sliding_window)  # [T, H, d]
             h = _add_rms_norm(x, layer.o_proj(attn.view(num_tokens, heads * head_dim)), layer.post_norm,
                               layer.post_eps, ops)  # x += attention output
             mlp_out = layer.mlp(h)

@@ -22,7 +22,7 @@ from loadtest.benchmarks_md import update_section
 _CATEGORIES = (
     ("projections (linear/matmul)", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
                                      "kvserve::projection")),
-    ("attention (SDPA)", ("scaled_dot_product", "kvserve::paged_attention")),
+    ("attention (SDPA)", ("scaled_dot_product", "kvserve::paged_attention", "kvserve::decode_attention")),
     ("paged KV gather/scatter", ("aten::index", "aten::index_put", "kvserve::kv_write")),
 )
 

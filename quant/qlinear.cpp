@@ -203,18 +203,16 @@ inline int64_t rows_ahead(int64_t m, int64_t M, int64_t n, int64_t n1, int64_t N
   return m == 0 && M > 1 ? std::max<int64_t>(std::min(n1 - (n + 2 * NT), NT), 0) : 0;
 }
 
-// ---------------------------------------------------------------- int8 activations (AVX2 integer dot products)
+// ---------------------------------------------------------------- int8 activations (the int4 kernel's)
 // Activations are quantized per block of 32 (QK) to int8 with a float32 scale, as llama.cpp's Q8_0: one
-// vpmaddubsw multiplies 32 int8 pairs, where widening int8 weights to floats retired 8 per convert and bound
-// the float kernels at ~10 GB/s of codes. Weights stay as stored; the result is exactly
+// vpmaddubsw multiplies 32 int8 x 4-bit pairs. Weights stay as stored; the result is exactly
 // W_hat @ Q8(x) up to float summation order (quant.schemes.quantize_activations is the reference).
 
 // Quantize x [M, K] per block of 32: q = round(x / d), d = max|x| / 127 (a zero block gives d = 0, q = 0),
-// with the same division and round-half-even as the PyTorch reference, so q matches it exactly. With
-// `deinterleave` each block is stored [even k | odd k] (the 4-bit nibble order). qsum[m, b] = sum of q.
-__attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, int64_t M, int64_t K,
-                                                              bool deinterleave, int8_t* q, float* d,
-                                                              int32_t* qsum) {
+// with the same division and round-half-even as the PyTorch reference, so q matches it exactly. Each block
+// is stored [even k | odd k] (the 4-bit nibble order). qsum[m, b] = sum of q.
+__attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, int64_t M, int64_t K, int8_t* q,
+                                                              float* d, int32_t* qsum) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
@@ -255,8 +253,7 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
     // pack 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane; the permute restores k order)
     __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
     packed = _mm256_permutevar8x32_epi32(packed, order);
-    if (deinterleave)
-      packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, even_odd), 0xD8);  // qwords 0, 2, 1, 3
+    packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, even_odd), 0xD8);  // qwords 0, 2, 1, 3
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), packed);
     const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
                                            _mm256_set1_epi16(1));  // 8 partial sums of q
@@ -304,9 +301,10 @@ __attribute__((target("avx2,fma"))) void quantize16_blocks_avx2(const float* x, 
       continue;
     }
     const __m256 sv = _mm256_set1_ps(scale);
+    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
     for (int j = 0; j < 8; j += 2) {
-      const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      const __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[j + 1], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[j], sv), kNearest));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[j + 1], sv), kNearest));
       // packs works per 128-bit lane ([a0-3 b0-3 | a4-7 b4-7]); qwords 0, 2, 1, 3 restore k order
       const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 8 * j), packed);
@@ -410,7 +408,7 @@ __attribute__((target("avx2,fma,f16c"))) void q8_int4_tile_avx2(const int8_t* q,
 #endif
 
 // Scalar twins of the above (CPUs without AVX2): same quantized activations, same integer products.
-void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, bool deinterleave, int8_t* q, float* d,
+void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, int8_t* q, float* d,
                             int32_t* qsum) {
   for (int64_t i = 0; i < M * (K / 32); ++i) {
     const float* xb = x + i * 32;
@@ -425,7 +423,7 @@ void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, bool deinterle
     int32_t sum = 0;
     for (int k = 0; k < 32; ++k) {
       const int v = (bad || scale == 0.f) ? 0 : static_cast<int>(std::nearbyint(xb[k] / scale));
-      q[i * 32 + (deinterleave ? (k % 2) * 16 + k / 2 : k)] = static_cast<int8_t>(v);
+      q[i * 32 + (k % 2) * 16 + k / 2] = static_cast<int8_t>(v);
       sum += v;
     }
     qsum[i] = sum;
@@ -498,7 +496,7 @@ struct QuantizedX {
   std::vector<int32_t> qsum;
 };
 
-const QuantizedX& quantize_x(const torch::Tensor& x, bool deinterleave) {
+const QuantizedX& quantize_x(const torch::Tensor& x) {
   thread_local QuantizedX out;
   const int64_t M = x.size(0), K = x.size(1);
   out.q.resize(M * K);
@@ -507,11 +505,11 @@ const QuantizedX& quantize_x(const torch::Tensor& x, bool deinterleave) {
   const float* xp = x.data_ptr<float>();
 #ifdef QL_X86
   if (has_avx2()) {
-    quantize_blocks_avx2(xp, M, K, deinterleave, out.q.data(), out.d.data(), out.qsum.data());
+    quantize_blocks_avx2(xp, M, K, out.q.data(), out.d.data(), out.qsum.data());
     return out;
   }
 #endif
-  quantize_blocks_scalar(xp, M, K, deinterleave, out.q.data(), out.d.data(), out.qsum.data());
+  quantize_blocks_scalar(xp, M, K, out.q.data(), out.d.data(), out.qsum.data());
   return out;
 }
 
@@ -602,7 +600,7 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   KV_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
                scales.size(0) == K / group && scales.size(1) == N,
            "scales must be float16 [K / group, N]");
-  const QuantizedX& qx = quantize_x(x, true);
+  const QuantizedX& qx = quantize_x(x);
   const float* xs = group_shifts(qx, M, K, group);
   auto y = torch::empty({M, N}, x.options());
   const int8_t* qp = qx.q.data();

@@ -86,6 +86,37 @@ def test_paged_decode_attention_equals_a_float64_softmax(batch, context, heads, 
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, 0), (4, 4, 16, 5)])
+def test_decode_attention_is_rope_kv_write_and_attention_in_one_call(heads, kv_heads, dim, window):
+    # the fused all-decode op must give the bits of the three separate calls: out, rotated qkv and the pool
+    torch.manual_seed(heads)
+    batch, block_size, num_blocks = 3, 4, 12
+    qkv = torch.randn(batch, (heads + 2 * kv_heads) * dim)
+    angles = torch.rand(batch, dim // 2) * 6
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, d]
+    k_blocks = torch.randn(num_blocks, block_size, kv_heads, dim)
+    v_blocks = torch.randn(num_blocks, block_size, kv_heads, dim)
+    tables = torch.randperm(num_blocks)[:9].view(batch, 3).contiguous()
+    lens = torch.tensor([9, 12, 1])
+    slots = torch.stack([tables[b, (n - 1) // block_size] * block_size + (n - 1) % block_size
+                         for b, n in enumerate(lens.tolist())])  # each query's own position
+    rows = torch.arange(batch)
+    expected_qkv, expected_k, expected_v = qkv.clone(), k_blocks.clone(), v_blocks.clone()
+    x = expected_qkv.view(batch, heads + 2 * kv_heads, dim)
+    ops.rope_(x[:, :heads + kv_heads], cos, sin)
+    ops.write_kv(expected_k.view(-1, kv_heads, dim), expected_v.view(-1, kv_heads, dim), slots,
+                 x[:, heads:heads + kv_heads], x[:, heads + kv_heads:])
+    expected = torch.empty(batch, heads, dim)
+    ops.paged_decode_attention(x[:, :heads], rows, tables, lens, expected_k, expected_v, 0.3, window, expected)
+    out = ops.decode_attention_(qkv, heads, kv_heads, cos, sin, slots, k_blocks, v_blocks, rows, tables, lens, 0.3,
+                                window)
+    assert torch.equal(out, expected) and torch.equal(qkv, expected_qkv)
+    assert torch.equal(k_blocks, expected_k) and torch.equal(v_blocks, expected_v)
+    with pytest.raises(RuntimeError, match="qkv must be contiguous"):
+        ops.decode_attention_(qkv[:, 1:], heads, kv_heads, cos, sin, slots, k_blocks, v_blocks, rows, tables, lens,
+                              0.3, window)
+
+
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():
     k_cache, v_cache = torch.zeros(8, 2, 16), torch.zeros(8, 2, 16)
     k = torch.randn(1, 2, 16)
