@@ -172,7 +172,7 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # than advanced indexing on CPU
 
-    out = q.new_empty(q.shape)  # [num_tokens, H, D] contiguous (torch.empty with dtype/device kwargs: ~3x slower)
+    out = q.new_empty(q.shape)  # [num_tokens, H, D], contiguous
     if meta.decode_rows.numel() and ops is not None:
         # reads each context through its block table in place: no gathered copy, no mask
         with op_label("kvserve::paged_attention"):

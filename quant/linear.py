@@ -8,9 +8,10 @@ then ``F.linear``.
 
 The int8 and int4 kernels multiply integers, which streams the weights about twice as fast as widening them
 to floats: int4 quantizes the activations to int8 per block of 32 (``ACT_BLOCK``, llama.cpp's Q8_0) for
-AVX2's 8-bit dot products, int8 to int16 per block of 64 (``ACT16_BLOCK``) for its 16-bit ones (an int16 step
-is far below the int8 weights' error, so the served int8 layer is as accurate as weight-only int8). So that
-one model is served whatever the batch size, the reference path applies the same activation quantization
+AVX2's 8-bit dot products, int8 to int16 per block of 64 (``ACT16_BLOCK``; 32 where the row is not a multiple
+of 64) for its 16-bit ones (an int16 step is far below the int8 weights' error, so the served int8 layer is as
+accurate as weight-only int8). So that one model is served whatever the batch size, the reference path applies
+the same activation quantization
 (``quant.schemes.quantize_activations``); ``act_block = None`` turns it off (weight-only quantization, as the
 quality report's per-scheme rows measure), which also turns the kernel off.
 """
@@ -164,18 +165,21 @@ class Int8Linear(QuantLinear):
 
     @property
     def kernel_act_block(self) -> int | None:
-        return ACT16_BLOCK if self.has_kernel else None
+        """int16 activation blocks of 64 values, or 32 where ``in_features`` is not a multiple of 64."""
+        if self.in_features % ACT16_BLOCK == 0:
+            return ACT16_BLOCK
+        return ACT_BLOCK if self.has_kernel else None
 
     @property
     def has_kernel(self) -> bool:
-        return self.in_features % ACT16_BLOCK == 0
+        return self.in_features % ACT_BLOCK == 0
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.load().int8_linear(x, self.weight, self.scales)
+        return self._bind(kernels.load())(x)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
-        weight, scales, run = self.weight, self.scales, module.int8_linear
-        return lambda x: run(x, weight, scales)
+        weight, scales, block, run = self.weight, self.scales, self.kernel_act_block, module.int8_linear
+        return lambda x: run(x, weight, scales, block)
 
 
 class Nibble4Linear(QuantLinear):

@@ -2,7 +2,7 @@
 //
 // Decode at batch 1 is a matrix-vector product bound by the bytes of W, so the kernels stream the int8 or
 // packed 4-bit codes and never write a float copy of W.
-//   int8:        activations are quantized per block of 64 to int16 (QB16) and multiplied with the widened
+//   int8:        activations are quantized per block of 64 (or 32) to int16 and multiplied with the widened
 //                codes by AVX2 16-bit dot products (vpmaddwd): y = W_hat @ Q16(x) up to float summation order.
 //                Q16's step is 1/32767 of a block's max, ~250x finer than the weights' own int8 grid, so the
 //                layer is as accurate as weight-only int8 (Q8 activations had cost 1.6 points of greedy
@@ -86,11 +86,11 @@ void f32_rows_scalar(const float* x, const float* w, float* y, int64_t M, int64_
 
 #ifdef QL_X86
 // ---------------------------------------------------------------- AVX2 + FMA
+// The sum of v's 8 lanes in hsum4's order, ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), so a row's bits do
+// not depend on whether it was summed alone (the tail of a thread's rows) or in a group of 4.
 __attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
-  __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-  lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-  return _mm_cvtss_f32(lo);
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v, v), v);  // lane 0: v0 + v1 + v2 + v3 (as pairs), lane 4: v4..v7
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
 }
 
 // The four sums of a0..a3 in one vector (hadd tree).
@@ -208,9 +208,9 @@ inline int64_t rows_ahead(int64_t m, int64_t M, int64_t n, int64_t n1, int64_t N
 // vpmaddubsw multiplies 32 int8 x 4-bit pairs. Weights stay as stored; the result is exactly
 // W_hat @ Q8(x) up to float summation order (quant.schemes.quantize_activations is the reference).
 
-// Quantize x [M, K] per block of 32: q = round(x / d), d = max|x| / 127 (a zero block gives d = 0, q = 0),
-// with the same division and round-half-even as the PyTorch reference, so q matches it exactly. Each block
-// is stored [even k | odd k] (the 4-bit nibble order). qsum[m, b] = sum of q.
+// Quantize x [M, K] per block of 32: q = round(x / d) clamped to +-127, d = max|x| / 127 (a zero block gives
+// d = 0, q = 0), with the same division, round-half-even and clamp as the PyTorch reference, so q matches it.
+// Each block is stored [even k | odd k] (the 4-bit nibble order). qsum[m, b] = sum of q.
 __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, int64_t M, int64_t K, int8_t* q,
                                                               float* d, int32_t* qsum) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
@@ -247,9 +247,11 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
     }
     const __m256 sv = _mm256_set1_ps(scale);
     __m256i iv[4];
+    const __m256 limit = _mm256_set1_ps(127.f);  // reached past 127 only where d is subnormal (the reference clamps)
     for (int j = 0; j < 4; ++j)
-      iv[j] = _mm256_cvtps_epi32(
-          _mm256_round_ps(_mm256_div_ps(v[j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      iv[j] = _mm256_cvtps_epi32(_mm256_max_ps(
+          _mm256_min_ps(_mm256_round_ps(_mm256_div_ps(v[j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                        limit), -limit));
     // pack 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane; the permute restores k order)
     __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
     packed = _mm256_permutevar8x32_epi32(packed, order);
@@ -271,20 +273,23 @@ __attribute__((target("avx2,fma"))) inline __m256 dot_block(__m256i u, __m256i s
 }
 
 // ---------------------------------------------------------------- int16 activations (int8 weights)
-// x [M, K] per block of 64 (QB16) to int16: q = round(x / d), d = max|x| / 32767 (a zero block: d = 0, q = 0; a
-// block with NaN or infinity: d = NaN), the same float32 division and round-half-even as the PyTorch reference
-// (quant.schemes.quantize_activations with qmax 32767), so q matches it exactly.
-constexpr int64_t QB16 = 64;
-
-__attribute__((target("avx2,fma"))) void quantize16_blocks_avx2(const float* x, int64_t M, int64_t K, int16_t* q,
-                                                                float* d) {
+// x [M, K] per block of QB = 64 values (32 where K is not a multiple of 64) to int16: q = round(x / d) clamped
+// to +-32767, d = max|x| / 32767 (a zero block: d = 0, q = 0; a block with NaN or infinity: d = NaN), the same
+// float32 division, round-half-even and clamp as the PyTorch reference (quant.schemes.quantize_activations
+// with qmax 32767), so q matches it exactly (the clamp matters only where d is subnormal, max|x| < ~4e-34).
+// Blocks of 64 halve the per-block convert and scale of the tile: 1.2-1.25x faster at 8-32 rows than 32.
+__attribute__((target("avx2,fma"))) void quantize16_blocks_avx2(const float* x, int64_t M, int64_t K, int64_t qb,
+                                                                int16_t* q, float* d) {
   const __m256 sign_bit = _mm256_set1_ps(-0.0f);
-  for (int64_t i = 0; i < M * (K / QB16); ++i) {
-    const float* xb = x + i * QB16;
+  const __m256 limit = _mm256_set1_ps(32767.f);
+  constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  const int vectors = static_cast<int>(qb / 8);
+  for (int64_t i = 0; i < M * (K / qb); ++i) {
+    const float* xb = x + i * qb;
     __m256 v[8];
     __m256 amax = _mm256_setzero_ps();
     __m256 bad = _mm256_setzero_ps();  // NaN or infinity somewhere in the block
-    for (int j = 0; j < 8; ++j) {
+    for (int j = 0; j < vectors; ++j) {
       v[j] = _mm256_loadu_ps(xb + 8 * j);
       amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
       bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
@@ -293,55 +298,58 @@ __attribute__((target("avx2,fma"))) void quantize16_blocks_avx2(const float* x, 
     m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
     m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
     const float scale = _mm_cvtss_f32(m4) / 32767.f;
-    int16_t* qb = q + i * QB16;
+    int16_t* out = q + i * qb;
     const bool is_bad = _mm256_movemask_ps(bad) != 0;
     d[i] = is_bad ? std::numeric_limits<float>::quiet_NaN() : scale;
     if (is_bad || scale == 0.f) {
-      std::fill(qb, qb + QB16, int16_t{0});
+      std::fill(out, out + qb, int16_t{0});
       continue;
     }
     const __m256 sv = _mm256_set1_ps(scale);
-    constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
-    for (int j = 0; j < 8; j += 2) {
-      const __m256i a = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[j], sv), kNearest));
-      const __m256i b = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_div_ps(v[j + 1], sv), kNearest));
+    for (int j = 0; j < vectors; j += 2) {
+      const __m256 ra = _mm256_round_ps(_mm256_div_ps(v[j], sv), kNearest);
+      const __m256 rb = _mm256_round_ps(_mm256_div_ps(v[j + 1], sv), kNearest);
+      const __m256i a = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(ra, limit), -limit));
+      const __m256i b = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(rb, limit), -limit));
       // packs works per 128-bit lane ([a0-3 b0-3 | a4-7 b4-7]); qwords 0, 2, 1, 3 restore k order
       const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + 8 * j), packed);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * j), packed);
     }
   }
 }
 
-// int8 weights (per-row scale s) x Q16 activations: a tile of MT activation rows x NT weight rows. Each weight
-// block of 64 codes is widened to int16 once (vpmovsxbw) for the MT rows; vpmaddwd sums pairs of products into
-// int32 (|sum| <= 64 * 32767 * 127 < 2^31), converted and scaled once per block.
-template <int MT, int NT, bool PF>
+// int8 weights (per-row scale s) x Q16 activations in blocks of QB: a tile of MT activation rows x NT weight
+// rows. Each weight block is widened to int16 once (vpmovsxbw) for the MT rows; vpmaddwd sums pairs of
+// products into int32 (|sum| <= 64 * 32767 * 127 < 2^31), converted and scaled once per block.
+template <int QB, int MT, int NT, bool PF>
 __attribute__((target("avx2,fma"))) void q16_int8_tile_avx2(const int16_t* q, const float* d, const int8_t* w,
                                                             const float* s, float* y, int64_t N, int64_t K,
                                                             int64_t n, const int8_t* ahead, int64_t ahead_rows) {
-  const int64_t nb = K / QB16;
+  constexpr int H = QB / 16;  // 16-code halves of a block
+  const int64_t nb = K / QB;
   __m256 acc[MT][NT];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    if (PF)
+    const bool line = QB == 64 || b % 2 == 0;  // the block starts a new 64-byte stretch of the row
+    if (PF && line)
       for (int64_t j = 0; j < ahead_rows; ++j)
-        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * K + QB16 * b), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(ahead + j * K + QB * b), _MM_HINT_T0);
     for (int j = 0; j < NT; ++j) {
-      const int8_t* wb = w + (n + j) * K + QB16 * b;
-      // software prefetch 4 blocks (cache lines) ahead of this row
-      _mm_prefetch(reinterpret_cast<const char*>(wb + 4 * QB16), _MM_HINT_T0);
-      __m256i wv[4];
-      for (int h = 0; h < 4; ++h)
+      const int8_t* wb = w + (n + j) * K + QB * b;
+      if (line)  // software prefetch 4 cache lines ahead of this row
+        _mm_prefetch(reinterpret_cast<const char*>(wb + 256), _MM_HINT_T0);
+      __m256i wv[H];
+      for (int h = 0; h < H; ++h)
         wv[h] = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 16 * h)));
       for (int m = 0; m < MT; ++m) {
-        const __m256i* xb = reinterpret_cast<const __m256i*>(q + m * K + QB16 * b);
-        const __m256i p01 = _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xb)),
-                                             _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xb + 1)));
-        const __m256i p23 = _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xb + 2)),
-                                             _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xb + 3)));
-        acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(p01, p23)),
-                                    _mm256_broadcast_ss(d + m * nb + b), acc[m][j]);
+        const __m256i* xb = reinterpret_cast<const __m256i*>(q + m * K + QB * b);
+        __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(wv[0], _mm256_loadu_si256(xb)),
+                                       _mm256_madd_epi16(wv[1], _mm256_loadu_si256(xb + 1)));
+        if constexpr (H == 4)
+          dot = _mm256_add_epi32(dot, _mm256_add_epi32(_mm256_madd_epi16(wv[2], _mm256_loadu_si256(xb + 2)),
+                                                       _mm256_madd_epi16(wv[3], _mm256_loadu_si256(xb + 3))));
+        acc[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_broadcast_ss(d + m * nb + b), acc[m][j]);
       }
     }
   }
@@ -422,7 +430,8 @@ void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, int8_t* q, flo
     d[i] = scale;
     int32_t sum = 0;
     for (int k = 0; k < 32; ++k) {
-      const int v = (bad || scale == 0.f) ? 0 : static_cast<int>(std::nearbyint(xb[k] / scale));
+      const float r = (bad || scale == 0.f) ? 0.f : std::clamp(std::nearbyint(xb[k] / scale), -127.f, 127.f);
+      const int v = static_cast<int>(r);
       q[i * 32 + (k % 2) * 16 + k / 2] = static_cast<int8_t>(v);
       sum += v;
     }
@@ -430,31 +439,33 @@ void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, int8_t* q, flo
   }
 }
 
-void quantize16_blocks_scalar(const float* x, int64_t M, int64_t K, int16_t* q, float* d) {
-  for (int64_t i = 0; i < M * (K / QB16); ++i) {
-    const float* xb = x + i * QB16;
+void quantize16_blocks_scalar(const float* x, int64_t M, int64_t K, int64_t qb, int16_t* q, float* d) {
+  for (int64_t i = 0; i < M * (K / qb); ++i) {
+    const float* xb = x + i * qb;
     float amax = 0.f;
     bool bad = false;
-    for (int k = 0; k < QB16; ++k) {
+    for (int64_t k = 0; k < qb; ++k) {
       amax = std::max(amax, std::fabs(xb[k]));
       bad = bad || !std::isfinite(xb[k]);
     }
     const float scale = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 32767.f;
     d[i] = scale;
-    for (int k = 0; k < QB16; ++k)
-      q[i * QB16 + k] = (bad || scale == 0.f) ? 0 : static_cast<int16_t>(std::nearbyint(xb[k] / scale));
+    for (int64_t k = 0; k < qb; ++k) {
+      const float r = (bad || scale == 0.f) ? 0.f : std::clamp(std::nearbyint(xb[k] / scale), -32767.f, 32767.f);
+      q[i * qb + k] = static_cast<int16_t>(r);
+    }
   }
 }
 
 void q16_int8_rows_scalar(const int16_t* q, const float* d, const int8_t* w, const float* s, float* y, int64_t M,
-                          int64_t N, int64_t K, int64_t n0, int64_t n1) {
+                          int64_t N, int64_t K, int64_t qb, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
-      for (int64_t b = 0; b < K / QB16; ++b) {
+      for (int64_t b = 0; b < K / qb; ++b) {
         int32_t dot = 0;
-        for (int k = 0; k < QB16; ++k) dot += q[m * K + QB16 * b + k] * w[n * K + QB16 * b + k];
-        acc += static_cast<float>(dot) * d[m * (K / QB16) + b];
+        for (int64_t k = 0; k < qb; ++k) dot += q[m * K + qb * b + k] * w[n * K + qb * b + k];
+        acc += static_cast<float>(dot) * d[m * (K / qb) + b];
       }
       y[m * N + n] = acc * s[n];
     }
@@ -513,25 +524,25 @@ const QuantizedX& quantize_x(const torch::Tensor& x) {
   return out;
 }
 
-// Q16 activations of one call: q int16 [M, K], d float32 [M, K / 64], reused across calls (per thread).
+// Q16 activations of one call: q int16 [M, K], d float32 [M, K / qb], reused across calls (per thread).
 struct QuantizedX16 {
   std::vector<int16_t> q;
   std::vector<float> d;
 };
 
-const QuantizedX16& quantize_x16(const torch::Tensor& x) {
+const QuantizedX16& quantize_x16(const torch::Tensor& x, int64_t qb) {
   thread_local QuantizedX16 out;
   const int64_t M = x.size(0), K = x.size(1);
   out.q.resize(M * K);
-  out.d.resize(M * K / QB16);
+  out.d.resize(M * K / qb);
   const float* xp = x.data_ptr<float>();
 #ifdef QL_X86
   if (has_avx2()) {
-    quantize16_blocks_avx2(xp, M, K, out.q.data(), out.d.data());
+    quantize16_blocks_avx2(xp, M, K, qb, out.q.data(), out.d.data());
     return out;
   }
 #endif
-  quantize16_blocks_scalar(xp, M, K, out.q.data(), out.d.data());
+  quantize16_blocks_scalar(xp, M, K, qb, out.q.data(), out.d.data());
   return out;
 }
 
@@ -551,15 +562,18 @@ const float* group_shifts(const QuantizedX& qx, int64_t M, int64_t K, int64_t G)
 }  // namespace
 
 // y [M, N] = Q16(x) [M, K] @ (w * s)^T: int8 weights with one float32 scale per output row, activations
-// quantized to int16 per block of 64 (K must be a multiple of 64).
-torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales) {
+// quantized to int16 per block of `block` (64, or 32 where K is not a multiple of 64; quant.linear.Int8Linear
+// passes its act_block).
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                          int64_t block) {
   KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be int8 [N, K]");
   KV_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == w.size(0) && scales.is_contiguous(),
            "scales must be float32 [N]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1);
   check_x(x, K);
-  KV_CHECK(K % QB16 == 0, "int8_linear quantizes activations per block of 64; K = ", K);
-  const QuantizedX16& qx = quantize_x16(x);
+  KV_CHECK((block == 32 || block == 64) && K % block == 0, "int8_linear quantizes activations per block of 32 or 64 "
+           "that divides K; block = ", block, ", K = ", K);
+  const QuantizedX16& qx = quantize_x16(x, block);
   auto y = torch::empty({M, N}, x.options());
   const int16_t* qp = qx.q.data();
   const float* dp = qx.d.data();
@@ -570,20 +584,27 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 #ifdef QL_X86
     if (has_avx2()) {
       constexpr int64_t NT = 4;
-      for_tiles<2, NT>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
-        const int64_t rows = rows_ahead(m, M, n, n1, NT);
-        constexpr int MT_ = decltype(mt)::value, NT_ = decltype(nt)::value;
-        if (rows > 0)
-          q16_int8_tile_avx2<MT_, NT_, true>(qp + m * K, dp + m * (K / QB16), wp, sp, yp + m * N, N, K, n,
-                                             wp + (n + 2 * NT) * K, rows);
-        else
-          q16_int8_tile_avx2<MT_, NT_, false>(qp + m * K, dp + m * (K / QB16), wp, sp, yp + m * N, N, K, n,
-                                              nullptr, 0);
-      });
+      auto run = [&](auto qb) {
+        constexpr int QB = decltype(qb)::value;
+        for_tiles<2, NT>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
+          const int64_t rows = rows_ahead(m, M, n, n1, NT);
+          constexpr int MT_ = decltype(mt)::value, NT_ = decltype(nt)::value;
+          if (rows > 0)
+            q16_int8_tile_avx2<QB, MT_, NT_, true>(qp + m * K, dp + m * (K / QB), wp, sp, yp + m * N, N, K, n,
+                                                   wp + (n + 2 * NT) * K, rows);
+          else
+            q16_int8_tile_avx2<QB, MT_, NT_, false>(qp + m * K, dp + m * (K / QB), wp, sp, yp + m * N, N, K, n,
+                                                    nullptr, 0);
+        });
+      };
+      if (block == 64)
+        run(std::integral_constant<int, 64>{});
+      else
+        run(std::integral_constant<int, 32>{});
       return;
     }
 #endif
-    q16_int8_rows_scalar(qp, dp, wp, sp, yp, M, N, K, n0, n1);
+    q16_int8_rows_scalar(qp, dp, wp, sp, yp, M, N, K, block, n0, n1);
   });
   return y;
 }
@@ -710,7 +731,8 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w) {
 bool vectorized() { return has_avx2(); }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int8_linear", &int8_linear, "x [M,K] f32, w int8 [N,K], scales f32 [N] -> [M,N] (x as Q16 blocks of 64)");
+  m.def("int8_linear", &int8_linear,
+        "x [M,K] f32, w int8 [N,K], scales f32 [N], block (32 or 64) -> [M,N] (x as Q16 blocks)");
   m.def("int4_linear", &int4_linear,
         "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, offset -> [M,N] (x as Q8 blocks of 32)");
   m.def("lut4_linear", &lut4_linear, "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, lut f32 [16] -> [M,N]");

@@ -210,8 +210,9 @@ def relative_error(w: torch.Tensor, w_hat: torch.Tensor) -> float:
 
 # Activations enter the int4 kernel quantized to int8 per block of this many values (Q8_0 in llama.cpp) ...
 ACT_BLOCK = 32
-# ... and the int8 kernel quantized to int16 per block of ACT16_BLOCK: a step of 1/32767 of the block's max,
-# far below the int8 weights' own error, so int8 is served as accurately as weight-only int8.
+# ... and the int8 kernel quantized to int16 per block of ACT16_BLOCK (ACT_BLOCK where a row is not a multiple
+# of it): a step of 1/32767 of the block's max, far below the int8 weights' own error, so int8 is served as
+# accurately as weight-only int8.
 ACT16_BLOCK = 64
 Q8_MAX = 127
 Q16_MAX = 32767
@@ -220,8 +221,9 @@ Q16_MAX = 32767
 def quantize_activations(x: torch.Tensor, block: int = ACT_BLOCK, qmax: int = Q8_MAX) -> torch.Tensor:
     """Fake-quantize activations as the integer kernels see them, same shape and dtype as ``x``.
 
-    Each run of ``block`` values along the last dim gets ``d = max|x| / qmax`` and becomes ``round(x / d) * d``
-    (round half to even; an all-zero block stays zero). ``qmax`` 127 is ``Q8(x)`` (the int4 kernel, llama.cpp's
+    Each run of ``block`` values along the last dim gets ``d = max|x| / qmax`` and becomes ``q * d`` with
+    ``q = round(x / d)`` clamped to ``[-qmax, qmax]`` (round half to even; an all-zero block stays zero; the clamp
+    acts only where ``d`` is subnormal, max|x| below ~1e-34, and ``x / d`` rounds past qmax). ``qmax`` 127 is ``Q8(x)`` (the int4 kernel, llama.cpp's
     Q8_0 scheme), 32767 is ``Q16(x)`` (the int8 kernel). This is the reference the C++ kernels are tested
     against: they compute ``W_hat @ Q(x)`` with integer dot products.
 
@@ -233,5 +235,5 @@ def quantize_activations(x: torch.Tensor, block: int = ACT_BLOCK, qmax: int = Q8
         raise ValueError(f"{features} features are not a multiple of the activation block {block}")
     xb = x.float().reshape(-1, features // block, block)  # [rows, blocks, block]
     d = xb.abs().amax(-1, keepdim=True) / qmax
-    q = torch.where(d == 0, 0.0, torch.round(xb / d))
+    q = torch.where(d == 0, 0.0, torch.round(xb / d).clamp(-qmax, qmax))
     return (q * d).reshape(x.shape).to(x.dtype)

@@ -144,5 +144,5 @@ def test_the_kernels_format_error_messages_without_iostreams():
         assert "TORCH_CHECK(" not in text and not re.search(r"ostream|stringstream|iostream|std::c(out|err)", text)
         assert "KV_CHECK(" in text
     qlinear = kernels.load()
-    with pytest.raises(RuntimeError, match="per block of 64; K = 30$"):
-        qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4))
+    with pytest.raises(RuntimeError, match="per block of 32 or 64 that divides K; block = 32, K = 30$"):
+        qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32)

@@ -88,8 +88,8 @@ def _layers(in_features: int, out_features: int) -> list[QuantLinear]:
     return [Int8Linear(linear), Int4Linear(linear), NF4Linear(linear)]
 
 
-@pytest.mark.parametrize("shape", [(256, 8), (576, 192), (1536, 40)])  # int4: 2, 3 (group 192) and 12 groups a row
-def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):
+@pytest.mark.parametrize("shape", [(256, 8), (576, 192), (1536, 40), (96, 16)])  # int4: 2, 3 (group 192), 12
+def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):  # groups a row; int8 at K = 3 blocks of 32
     # batch invariance: a request's greedy text must not depend on what shares its step, so a row's product
     # may not change with the number of rows in the call (tile shapes are chosen by that number)
     if kernels.load() is None:
@@ -105,6 +105,25 @@ def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):
     alone = torch.cat([dense(x[i:i + 1], w) for i in range(9)])
     for rows in range(2, 10):
         assert torch.equal(dense(x[:rows], w), alone[:rows]), ("f32_linear", rows)
+
+
+@pytest.mark.parametrize("out_features", [13, 67])
+def test_kernels_give_the_same_bits_on_one_thread_and_two(out_features):
+    # a thread's rows that do not fill a tile of 4 are summed one at a time: same order as the 4-row tiles
+    if kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+    torch.manual_seed(out_features)
+    x, w = torch.randn(3, 576), torch.randn(out_features, 576)
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            results.append([layer(x) for layer in _layers(576, out_features)] + [kernels.load().f32_linear(x, w)])
+    finally:
+        torch.set_num_threads(threads)
+    for one, two in zip(*results):
+        assert torch.equal(one, two)
 
 
 @pytest.mark.parametrize("shape", [(576, 192), (1536, 64), (40, 24)])  # (40, 24) runs the scalar loops
@@ -140,10 +159,30 @@ def test_activation_quantization_reference():
     assert (error <= half_step * (1 + 1e-5)).all() and error.amax() > 0
     with pytest.raises(ValueError, match="multiple"):
         quantize_activations(torch.randn(2, 40))
-    # Q16 (the int8 kernel's): d = 3.2767 / 32767 = 1e-4 per block of 64; half a step is 5e-5
-    x16 = torch.tensor([[3.2767, -1.00005, 0.00004] + [0.0] * 61])
-    torch.testing.assert_close(quantize_activations(x16, 64, 32767)[0, :3], torch.tensor([3.2767, -1.0, 0.0]),
+    # Q16 (the int8 kernel's; blocks of 32 where a row is not a multiple of 64): d = 3.2767 / 32767 = 1e-4;
+    # half a step is 5e-5
+    x16 = torch.tensor([[3.2767, -1.00005, 0.00004] + [0.0] * 29])
+    torch.testing.assert_close(quantize_activations(x16, 32, 32767)[0, :3], torch.tensor([3.2767, -1.0, 0.0]),
                                rtol=1e-6, atol=1e-8)
+    # a block whose max is so small that d is subnormal: x / d can round past qmax, and the codes are clamped
+    tiny = torch.tensor([[40000 * 2.0 ** -149] + [0.0] * 31])
+    d = tiny.abs().amax() / 32767
+    assert float(tiny[0, 0] / d) > 32767
+    assert quantize_activations(tiny, 32, 32767)[0, 0] == 32767 * d
+
+
+def test_kernels_clamp_codes_like_the_reference_where_the_block_scale_is_subnormal():
+    if kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+    torch.manual_seed(5)
+    x = torch.randn(3, 64) * 1e-38  # subnormal block scales; a wrapped int16 code would flip a sign
+    x[1] = torch.randn(64)  # and an ordinary row
+    for layer in _layers(64, 16)[:2]:  # int8 (Q16) and int4 (Q8) kernels
+        layer.use_kernel = False
+        reference = layer(x.double().float())
+        layer.use_kernel = True
+        fast = layer(x)
+        assert torch.allclose(fast, reference, rtol=1e-4, atol=0), type(layer).__name__
 
 
 def test_int8_layer_as_served_is_as_accurate_as_weight_only():
@@ -166,6 +205,7 @@ def test_int8_layer_as_served_is_as_accurate_as_weight_only():
 def test_act_block_of_each_layer_and_weight_only_mode():
     int8, int4, nf4 = _layers(576, 64)
     assert (int8.act_block, int4.act_block, nf4.act_block) == (ACT16_BLOCK, ACT_BLOCK, None)
+    assert _layers(96, 8)[0].act_block == ACT_BLOCK  # int8 rows of 3 blocks of 32 keep the kernel
     assert (int8.act_qmax, int4.act_qmax) == (32767, 127)
     assert _layers(40, 8)[0].act_block is None and _layers(40, 8)[0].decode_kernel() is None  # no int8 kernel
     x = torch.randn(2, 576)
