@@ -67,8 +67,8 @@ def quant_kernel_vs_dequantize() -> None:
             xs = [torch.randn(rows, layer.in_features) for layer in layers]
             ours = _time(lambda: [k(x) for k, x in zip(kernels_, xs)], 3)
             # the reference the layer would otherwise run: the same activation quantization, then a float GEMM
-            dequant = _time(lambda: [F.linear(quantize_activations(x), layer.dequantize())
-                                     for layer, x in zip(layers, xs)], 3)
+            dequant = _time(lambda: [F.linear(quantize_activations(x, layer.act_block, layer.act_qmax),
+                                              layer.dequantize()) for layer, x in zip(layers, xs)], 3)
             print(f"{cls.__name__}, {rows} rows (30 projections): kernel {1e3 * ours:6.1f} ms, "
                   f"dequantize + GEMM {1e3 * dequant:6.1f} ms")
         x = torch.randn(1, 576)
