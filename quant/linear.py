@@ -33,9 +33,9 @@ from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, Q8_M
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 with groups of
 # whole activation blocks) serve every call instead: against dequantize + GEMM on 30 SmolLM2-sized projections
-# (`python -m loadtest.kernelbench`, 23:44 UTC run) int8 took 15 / 25 / 43 / 217 ms at 32 / 64 / 128 / 512 rows
-# against 30 / 44 / 81 / 433 ms, int4 27 / 45 / 90 / 358 ms against 73 / 83 / 107 / 280 ms (slower only for
-# int4 chunks of several hundred tokens, a prefill cost accepted for the next point). One code path for
+# (`python -m loadtest.kernelbench`, 2026-11-30 07:42 UTC run) int8 took 14 / 63 / 258 ms at 32 / 128 / 512 rows
+# against 53 / 97 / 309 ms, int4 25 / 95 / 423 ms against 99 / 143 / 282 ms (slower only for int4 chunks of
+# several hundred tokens, a prefill cost accepted for the next point). One code path for
 # every batch also keeps greedy output independent of what else is in the step: a prefill in the same step
 # no longer moves a sequence onto other arithmetic, which int8 activations could amplify into another token.
 KERNEL_MAX_ROWS = 32
