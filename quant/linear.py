@@ -11,9 +11,8 @@ to floats: int4 quantizes the activations to int8 per block of 32 (``ACT_BLOCK``
 AVX2's 8-bit dot products, int8 to int16 per block of 64 (``ACT16_BLOCK``; 32 where the row is not a multiple
 of 64) for its 16-bit ones (an int16 step is far below the int8 weights' error, so the served int8 layer is as
 accurate as weight-only int8). So that one model is served whatever the batch size, the reference path applies
-the same activation quantization
-(``quant.schemes.quantize_activations``); ``act_block = None`` turns it off (weight-only quantization, as the
-quality report's per-scheme rows measure), which also turns the kernel off.
+the same activation quantization (``quant.schemes.quantize_activations``); ``act_block = None`` turns it off
+(weight-only quantization, as the quality report's per-scheme rows measure), which also turns the kernel off.
 """
 
 from __future__ import annotations
@@ -35,9 +34,9 @@ from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, Q8_M
 # whole activation blocks) serve every call instead: against dequantize + GEMM on 30 SmolLM2-sized projections
 # (`python -m loadtest.kernelbench`, 2026-11-30 07:42 UTC run) int8 took 14 / 63 / 258 ms at 32 / 128 / 512 rows
 # against 53 / 97 / 309 ms, int4 25 / 95 / 423 ms against 99 / 143 / 282 ms (slower only for int4 chunks of
-# several hundred tokens, a prefill cost accepted for the next point). One code path for
-# every batch also keeps greedy output independent of what else is in the step: a prefill in the same step
-# no longer moves a sequence onto other arithmetic, which int8 activations could amplify into another token.
+# several hundred tokens, a prefill cost accepted for the next point). One code path for every batch also
+# keeps greedy output independent of what else is in the step: a prefill in the same step no longer moves a
+# sequence onto other arithmetic, which quantized activations could amplify into another token.
 KERNEL_MAX_ROWS = 32
 
 

@@ -208,12 +208,30 @@ inline int64_t rows_ahead(int64_t m, int64_t M, int64_t n, int64_t n1, int64_t N
 // vpmaddubsw multiplies 32 int8 x 4-bit pairs. Weights stay as stored; the result is exactly
 // W_hat @ Q8(x) up to float summation order (quant.schemes.quantize_activations is the reference).
 
+// Loads a block of `vectors` x 8 floats into v and returns its max |x|; `bad` becomes true if the block holds a
+// NaN or an infinity (both activation quantizers then give the block d = NaN, as the reference does).
+__attribute__((target("avx2,fma"))) inline float load_block_absmax(const float* xb, int vectors, __m256* v,
+                                                                   bool& bad) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
+  __m256 amax = _mm256_setzero_ps();
+  __m256 nonfinite = _mm256_setzero_ps();
+  for (int j = 0; j < vectors; ++j) {
+    v[j] = _mm256_loadu_ps(xb + 8 * j);
+    amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
+    nonfinite = _mm256_or_ps(nonfinite, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+  }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  bad = _mm256_movemask_ps(nonfinite) != 0;
+  return _mm_cvtss_f32(m4);
+}
+
 // Quantize x [M, K] per block of 32: q = round(x / d) clamped to +-127, d = max|x| / 127 (a zero block gives
 // d = 0, q = 0), with the same division, round-half-even and clamp as the PyTorch reference, so q matches it.
 // Each block is stored [even k | odd k] (the 4-bit nibble order). qsum[m, b] = sum of q.
 __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, int64_t M, int64_t K, int8_t* q,
                                                               float* d, int32_t* qsum) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
                                             0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
@@ -221,19 +239,10 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * 32;
     __m256 v[4];
-    __m256 amax = _mm256_setzero_ps();
-    __m256 bad = _mm256_setzero_ps();  // NaN or infinity somewhere in the block
-    for (int j = 0; j < 4; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float scale = _mm_cvtss_f32(m4) / 127.f;
+    bool bad = false;
+    const float scale = load_block_absmax(xb, 4, v, bad) / 127.f;
     int8_t* qb = q + i * 32;
-    if (_mm256_movemask_ps(bad)) {  // as the reference: the block's products become NaN
+    if (bad) {  // as the reference: the block's products become NaN
       d[i] = std::numeric_limits<float>::quiet_NaN();
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
       qsum[i] = 0;
@@ -280,28 +289,17 @@ __attribute__((target("avx2,fma"))) inline __m256 dot_block(__m256i u, __m256i s
 // Blocks of 64 halve the per-block convert and scale of the tile: 1.2-1.25x faster at 8-32 rows than 32.
 __attribute__((target("avx2,fma"))) void quantize16_blocks_avx2(const float* x, int64_t M, int64_t K, int64_t qb,
                                                                 int16_t* q, float* d) {
-  const __m256 sign_bit = _mm256_set1_ps(-0.0f);
   const __m256 limit = _mm256_set1_ps(32767.f);
   constexpr int kNearest = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
   const int vectors = static_cast<int>(qb / 8);
   for (int64_t i = 0; i < M * (K / qb); ++i) {
     const float* xb = x + i * qb;
     __m256 v[8];
-    __m256 amax = _mm256_setzero_ps();
-    __m256 bad = _mm256_setzero_ps();  // NaN or infinity somewhere in the block
-    for (int j = 0; j < vectors; ++j) {
-      v[j] = _mm256_loadu_ps(xb + 8 * j);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[j]));
-      bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    const float scale = _mm_cvtss_f32(m4) / 32767.f;
+    bool bad = false;
+    const float scale = load_block_absmax(xb, vectors, v, bad) / 32767.f;
     int16_t* out = q + i * qb;
-    const bool is_bad = _mm256_movemask_ps(bad) != 0;
-    d[i] = is_bad ? std::numeric_limits<float>::quiet_NaN() : scale;
-    if (is_bad || scale == 0.f) {
+    d[i] = bad ? std::numeric_limits<float>::quiet_NaN() : scale;
+    if (bad || scale == 0.f) {
       std::fill(out, out + qb, int16_t{0});
       continue;
     }

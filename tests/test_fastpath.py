@@ -12,6 +12,7 @@ from engine.loader import wrap_model
 from engine.plan import SamplingParams, SeqWork, StepPlan
 from engine.runner import ModelRunner
 from kvcache.pool import KVPool
+from quant import kernels
 from quant.linear import Int4Linear, Int8Linear, concat_outputs
 from quant.model import quantize_model
 from tests.test_exactness import engine_greedy, reference_greedy, reference_model
@@ -72,10 +73,15 @@ def test_fast_path_equals_transformers_modules_on_a_mixed_step(arch, overrides):
 
 
 @pytest.mark.parametrize("scheme", ["int8", "int4", "nf4"])
-def test_fast_path_with_quantized_fused_projections(scheme):
+def test_fast_path_with_quantized_fused_projections(scheme, monkeypatch):
+    # The fused q/k/v projection and the lean forward against transformers' modules, both on the quantized
+    # kernels. The fast path's C++ norms and attention round differently from torch's in the last bits, and
+    # int4's int8 activations (a step of 1/127 of a block's max) can turn that into another activation code
+    # downstream, so torch's ops are used here; test_decode_ops checks the C++ ops against torch's.
+    monkeypatch.setattr(kernels, "load_ops", lambda build=True: None)
     model = tiny("llama")
     quantize_model(model, scheme)
-    loaded = wrap_model(model, tokenizer=None, name="llama-int8")
+    loaded = wrap_model(model, tokenizer=None, name=f"llama-{scheme}")
     (fast_logits, _), (ref_logits, _) = run_both(loaded)
     torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
 
