@@ -99,7 +99,9 @@ def run(args: argparse.Namespace) -> int:
         cells = [f"{100 * shares.get(label, 0.0):.0f}%" for _, _, shares, _ in results]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     top = results[-1][3]
-    text = "\n".join(rows) + (f"\n\nShares are of a profiled step (self CPU time per op). "
+    text = "\n".join(rows) + (f"\n\nShares are of a profiled step (self CPU time per op); on float32 CPU steps "
+                              "of decodes only, `kvserve::decode_attention` (counted as attention) also applies "
+                              "RoPE and writes the step's K/V. "
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "
                               + ", ".join(f"`{name}` {ms:.1f}" for name, ms in top) + ".")
     print(text)
