@@ -43,7 +43,10 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # 1.70x faster at 1 row, 2.05x at 8, 1.37x at 32, 1.07x at 64, 0.88x at 96 (1.04x in another run), 0.97x at
 # 128. Longer prefill chunks stay on torch's GEMM.
 DENSE_MAX_ROWS = 64
-PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)
+PROFILE_LABEL = "kvserve::projection"
+# RoPE types whose cos/sin depend on the position alone (others, e.g. "dynamic", rescale with the length)
+STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
+ROPE_TABLE_POSITIONS = 8192  # positions in the cos/sin table (2 x 8192 x d x 4 bytes: 4 MiB at d = 64)  # what torch.profiler shows for a projection (kernel time is its self time)
 
 
 class Projection:
@@ -63,11 +66,13 @@ class Projection:
         weight = getattr(module, "weight", None)
         if (type(module) is nn.Linear and weight.dtype is torch.float32 and weight.is_cpu
                 and weight.is_contiguous() and kernels.load() is not None):
-            run = kernels.load().f32_linear
-            self.kernel, self.dense, self.max_rows = (lambda x: run(x, weight)), True, DENSE_MAX_ROWS
+            self.kernel, self.dense, self.max_rows = kernels.load().bind_f32(weight), True, DENSE_MAX_ROWS
         elif isinstance(module, QuantLinear):
             limit = module.kernel_max_rows
             self.kernel, self.max_rows = module.decode_kernel(), (limit if limit is not None else sys.maxsize)
+        # The kernel alone, for callers that know their input is contiguous float32 with <= max_rows rows
+        # (FastDecoder's all-decode steps): no checks, no Python frame. None where a bias must be added.
+        self.direct = self.kernel if self.bias is None else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if getattr(torch.autograd.profiler, "_is_profiler_enabled", False):
@@ -110,7 +115,7 @@ def _fuse(linears: list[nn.Module]) -> nn.Module | None:
 class _Layer:
     """One decoder layer's weights, fused where possible."""
 
-    def __init__(self, layer: nn.Module, sliding_window: int | None) -> None:
+    def __init__(self, layer: nn.Module, config, sliding_window: int | None) -> None:
         attn, mlp = layer.self_attn, layer.mlp
         self.in_norm, self.in_eps = layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon
         self.post_norm = layer.post_attention_layernorm.weight
@@ -121,17 +126,36 @@ class _Layer:
         self.separate_qkv = (None if fused is not None
                              else [Projection(m) for m in (attn.q_proj, attn.k_proj, attn.v_proj)])
         self.o_proj = Projection(attn.o_proj)
-        # gate and up stay separate: a fused [2I, hidden] GEMM was not faster on this CPU (its weights
-        # no longer fit the cache together), unlike q/k/v, which gain from one call.
-        self.gate_proj, self.up_proj = Projection(mlp.gate_proj), Projection(mlp.up_proj)
+        # float32 gate and up stay separate: a fused [2I, hidden] GEMM was not faster on this CPU (its weights
+        # no longer fit the cache together), unlike q/k/v, which gain from one call. Quantized ones are fused:
+        # their kernels stream the codes either way, and one call quantizes the activations once.
+        self.intermediate = mlp.gate_proj.out_features
+        fused_mlp = _fuse([mlp.gate_proj, mlp.up_proj]) if isinstance(mlp.gate_proj, QuantLinear) else None
+        self.gate_up = None if fused_mlp is None else Projection(fused_mlp)
+        self.gate_proj, self.up_proj = ((None, None) if fused_mlp is not None
+                                        else (Projection(mlp.gate_proj), Projection(mlp.up_proj)))
         self.down_proj = Projection(mlp.down_proj)
         self.act = mlp.act_fn
+        self.silu = getattr(config, "hidden_act", None) == "silu"  # then ops.silu_mul applies SwiGLU in one call
         self.scale = attn.scaling
         self.sliding_window = sliding_window
+        # (qkv, o, gate/up, down) as bare kernels, for all-decode steps (FastDecoder.forward); None if any lacks one
+        mlp_in = (self.gate_up,) if self.gate_up is not None else (self.gate_proj, self.up_proj)
+        needed = (self.qkv, self.o_proj, *mlp_in, self.down_proj)
+        self.direct = None
+        if self.silu and all(p is not None and p.direct is not None for p in needed):
+            gate_up, gate, up = ((self.gate_up.direct, None, None) if self.gate_up is not None
+                                 else (None, self.gate_proj.direct, self.up_proj.direct))
+            self.direct = (self.qkv.direct, self.o_proj.direct, gate_up, gate, up, self.down_proj.direct)
+        self.direct_max_rows = min(p.max_rows for p in self.projections())
+
+    def direct_labelled(self) -> tuple:
+        """``direct`` with each kernel under the projections' profiler label (None entries stay None)."""
+        return tuple(None if fn is None else _labelled(fn, PROFILE_LABEL) for fn in self.direct)
 
     def projections(self) -> list[Projection]:
-        return [p for p in (self.qkv, *(self.separate_qkv or []), self.o_proj, self.gate_proj, self.up_proj,
-                            self.down_proj) if p is not None]
+        return [p for p in (self.qkv, *(self.separate_qkv or []), self.o_proj, self.gate_up, self.gate_proj,
+                            self.up_proj, self.down_proj) if p is not None]
 
     def qkv_states(self, h: torch.Tensor) -> torch.Tensor:
         """``[T, hidden]`` -> ``[T, (H + 2 H_kv) d]``."""
@@ -139,9 +163,17 @@ class _Layer:
             return self.qkv(h)
         return torch.cat([proj(h) for proj in self.separate_qkv], dim=-1)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        """SwiGLU: ``down(act(gate(h)) * up(h))``, ``[T, hidden]`` -> ``[T, hidden]``."""
-        return self.down_proj(self.act(self.gate_proj(h)) * self.up_proj(h))
+    def mlp(self, h: torch.Tensor, ops=None) -> torch.Tensor:
+        """SwiGLU: ``down(act(gate(h)) * up(h))``, ``[T, hidden]`` -> ``[T, hidden]``; ``ops``: the fused C++ ops."""
+        if self.gate_up is not None:
+            gate_up = self.gate_up(h)  # [T, 2I]
+            gate, up = gate_up[:, :self.intermediate], gate_up[:, self.intermediate:]
+        else:
+            gate, up = self.gate_proj(h), self.up_proj(h)
+        if ops is not None and self.silu and gate.dtype is torch.float32:
+            with op_label("kvserve::silu_mul"):
+                return self.down_proj(ops.silu_mul(gate, up))
+        return self.down_proj(self.act(gate) * up)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, ops=None) -> torch.Tensor:
@@ -202,13 +234,19 @@ class FastDecoder:
         self.signature = module_signature(model)
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
+        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
+        self.rope_static = rope_type in STATIC_ROPE_TYPES
+        self._rope_table: tuple | None = None  # ((dtype, device), cos [P, d], sin [P, d]), built on first use
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head = Projection(model.lm_head)
         self.vocab_size = model.lm_head.out_features
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.layers = [_Layer(layer, self._window(config, layer)) for layer in inner.layers[:config.num_hidden_layers]]
+        self.layers = [_Layer(layer, config, self._window(config, layer)) for layer in inner.layers[:config.num_hidden_layers]]
+        # all-decode steps of up to this many sequences take _decode_layers (0: none, a layer lacks kernels)
+        self.direct_max_rows = (min(layer.direct_max_rows for layer in self.layers)
+                                if all(layer.direct is not None for layer in self.layers) else 0)
 
     @contextlib.contextmanager
     def aten_ops(self):
@@ -224,6 +262,25 @@ class FastDecoder:
         finally:
             for p, rows in zip(projections, saved):
                 p.max_rows = rows
+
+    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE's cos and sin ``[T, d]`` for ``positions`` ``[T]``, as the model's rotary module gives them.
+
+        On a CPU, where they depend on the position alone (static RoPE types), rows of a table the module
+        filled once for positions below ROPE_TABLE_POSITIONS: the same values (each is an elementwise function
+        of one position) for one index_select each instead of the module's ~10 ops.
+        """
+        if self.rope_static and x.is_cpu:
+            key = (x.dtype, x.device)
+            if self._rope_table is None or self._rope_table[0] != key:
+                every = torch.arange(ROPE_TABLE_POSITIONS, device=x.device)
+                cos, sin = self.rotary(x[:0][None], every[None])  # [1, P, d] each
+                self._rope_table = (key, cos[0], sin[0])
+            _, cos, sin = self._rope_table
+            if positions.numel() and int(positions.max()) < ROPE_TABLE_POSITIONS:
+                return cos.index_select(0, positions), sin.index_select(0, positions)
+        cos, sin = self.rotary(x[None], positions[None])  # [1, T, d] each
+        return cos[0], sin[0]
 
     @staticmethod
     def _window(config, layer: nn.Module) -> int | None:
@@ -245,21 +302,30 @@ class FastDecoder:
         Returns:
             ``[K, vocab]`` logits in the model dtype.
         """
-        num_tokens = input_ids.shape[0]
-        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qk_width = (heads + kv_heads) * head_dim
         x = self.embed(input_ids)  # [T, hidden]
         # fused RMSNorm / RoPE ops (engine/decode_ops.cpp) for float32 CPU steps; None: torch ops
         ops = kernels.load_ops() if x.dtype is torch.float32 and x.is_cpu else None
-        cos, sin = self.rotary(x[None], positions[None])  # [1, T, d] each
-        rope = _Rope(cos[0], sin[0], ops)
-        layers = self.layers
+        rope = _Rope(*self._cos_sin(x, positions), ops)
         # an all-decode float32 CPU step: RoPE, the KV write and attention in one C++ call per layer
-        fused = ops is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
+        all_decodes = ops is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
+        if all_decodes and self.direct_max_rows >= x.shape[0]:
+            self._decode_layers(x, rope, meta, ops)
+        else:
+            self._layers(x, rope, meta, ops, all_decodes)
+        if keep.numel() == 0:
+            return x.new_empty(0, self.vocab_size)
+        return self.lm_head(_rms_norm(x.index_select(0, keep), self.norm, self.norm_eps, ops))  # [K, vocab]
+
+    def _layers(self, x: torch.Tensor, rope: _Rope, meta: AttentionMetadata, ops, all_decodes: bool) -> None:
+        """Every decoder layer on the residual stream ``x`` ``[T, hidden]`` (updated in place), any step."""
+        num_tokens = x.shape[0]
+        heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qk_width = (heads + kv_heads) * head_dim
+        layers = self.layers
         h = _rms_norm(x, layers[0].in_norm, layers[0].in_eps, ops)
         for index, layer in enumerate(layers):
             qkv = layer.qkv_states(h)  # [T, (H + 2 H_kv) d]
-            if fused:
+            if all_decodes:
                 k_blocks, v_blocks = meta.pool.layer_blocks(index)
                 with op_label("kvserve::decode_attention"):
                     attn = ops.decode_attention_(qkv, heads, kv_heads, rope.cos, rope.sin, meta.slot_mapping,
@@ -272,14 +338,61 @@ class FastDecoder:
                                        layer.sliding_window)  # [T, H, d]
             h = _add_rms_norm(x, layer.o_proj(attn.view(num_tokens, heads * head_dim)), layer.post_norm,
                               layer.post_eps, ops)  # x += attention output
-            mlp_out = layer.mlp(h)
+            mlp_out = layer.mlp(h, ops)
             if index + 1 < len(layers):
                 h = _add_rms_norm(x, mlp_out, layers[index + 1].in_norm, layers[index + 1].in_eps, ops)
             else:
                 x += mlp_out
-        if keep.numel() == 0:
-            return x.new_empty(0, self.vocab_size)
-        return self.lm_head(_rms_norm(x.index_select(0, keep), self.norm, self.norm_eps, ops))  # [K, vocab]
+
+    def _decode_layers(self, x: torch.Tensor, rope: _Rope, meta: AttentionMetadata, ops) -> None:
+        """``_layers`` for an all-decode float32 CPU step whose layers all have ``direct`` kernels.
+
+        The same calls in the same order, so the same bits, minus the Python around them: each projection is
+        its bare C++ kernel (its input here is always a fresh contiguous float32 ``[T, in]``), with profiler
+        labels only while a profiler runs. At batch 1 a step makes ~240 C++ calls, so each Python frame and
+        check saved per call counts.
+        """
+        num_tokens = x.shape[0]
+        heads, kv_heads = self.num_heads, self.num_kv_heads
+        attn_width = heads * self.head_dim
+        profiling = _profiling()
+        attention, add_rms_norm, silu_mul = ops.decode_attention_, ops.add_rms_norm_, ops.silu_mul
+        if profiling:
+            attention = _labelled(attention, "kvserve::decode_attention")
+            add_rms_norm = _labelled(add_rms_norm, "kvserve::rms_norm")
+            silu_mul = _labelled(silu_mul, "kvserve::silu_mul")
+        cos, sin, slots = rope.cos, rope.sin, meta.slot_mapping
+        rows, tables, lens = meta.decode_rows, meta.decode_tables, meta.decode_lens
+        layers, pool = self.layers, meta.pool
+        h = ops.rms_norm(x, layers[0].in_norm, layers[0].in_eps)
+        for index, layer in enumerate(layers):
+            qkv, o_proj, gate_up, gate, up, down = layer.direct if not profiling else layer.direct_labelled()
+            k_blocks, v_blocks = pool.layer_blocks(index)
+            attn = attention(qkv(h), heads, kv_heads, cos, sin, slots, k_blocks, v_blocks, rows, tables, lens,
+                             layer.scale, layer.sliding_window or 0)  # [T, H, d]
+            h = add_rms_norm(x, o_proj(attn.view(num_tokens, attn_width)), layer.post_norm, layer.post_eps)
+            if gate_up is not None:
+                both = gate_up(h)  # [T, 2I]
+                mlp_out = down(silu_mul(both[:, :layer.intermediate], both[:, layer.intermediate:]))
+            else:
+                mlp_out = down(silu_mul(gate(h), up(h)))
+            if index + 1 < len(layers):
+                following = layers[index + 1]
+                h = add_rms_norm(x, mlp_out, following.in_norm, following.in_eps)
+            else:
+                x += mlp_out
+
+
+def _profiling() -> bool:
+    return getattr(torch.autograd.profiler, "_is_profiler_enabled", False)
+
+
+def _labelled(fn, label: str):
+    """``fn`` inside a torch.profiler label (C++ calls are not aten ops: unlabelled, a profile would not see them)."""
+    def call(*args):
+        with torch.profiler.record_function(label):
+            return fn(*args)
+    return call
 
 
 class _Rope:

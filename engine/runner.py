@@ -144,7 +144,7 @@ class ModelRunner:
 
     @staticmethod
     def _greedy_rows(plan: StepPlan, spans: list[tuple[int, int]], logits: torch.Tensor) -> dict[int, TokenLogprob]:
-        """Tokens of the plain greedy sequences (most of a typical step), all picked in one batched call."""
+        """Tokens of the plain greedy sequences (most of a typical step), all picked in one call."""
         rows: list[int] = []
         works: list[SeqWork] = []
         vocab = logits.shape[-1]
@@ -154,7 +154,7 @@ class ModelRunner:
                     and all(0 <= t < vocab for t in w.suppress_ids)):
                 rows.append(first)
                 works.append(w)
-        if len(rows) < 2:
+        if not rows:
             return {}
         picked = logits if len(rows) == logits.shape[0] else logits[rows]  # [len(rows), vocab]
         tokens = greedy_tokens(picked, [w.suppress_ids for w in works])

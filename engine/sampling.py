@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.plan import SeqWork, TokenLogprob
+from quant import kernels
 
 _SEED_STRIDE = 1_000_003  # mixes the output length into the seed: one generator per (seed, step)
 _SEED_MODULUS = 2**63 - 1  # torch generators take seeds below 2**64; stay in the signed range
@@ -83,7 +84,8 @@ def greedy_tokens(logits: torch.Tensor, suppress: list[list[int]]) -> list[Token
     """Greedy tokens for many rows at once: what ``sample_token`` gives each row, with one device sync.
 
     On a GPU, ``sample_token`` per row costs a few synchronisations each (argmax, then the logprob); a
-    32-sequence decode step would wait on ~100 of them.
+    32-sequence decode step would wait on ~100 of them. On a CPU with the C++ ops, ``greedy_pick`` (same
+    token; the logprob's float sum runs in another order, within ~1e-5).
 
     Args:
         logits: ``[rows, vocab]`` float32 logits, one row per sequence.
@@ -98,8 +100,12 @@ def greedy_tokens(logits: torch.Tensor, suppress: list[list[int]]) -> list[Token
         logits = logits.clone()
         rows, tokens = zip(*pairs)
         logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
-    picked = logits.argmax(-1)  # [rows]
-    chosen = logits.log_softmax(-1).gather(1, picked[:, None])[:, 0]  # [rows]
+    ops = kernels.load_ops() if logits.dtype is torch.float32 and logits.is_cpu else None
+    if ops is not None:  # both in one C++ call, ~3x faster on a CPU (argmax is not vectorized in torch)
+        picked, chosen = ops.greedy_pick(logits.contiguous())  # [rows] each
+    else:
+        picked = logits.argmax(-1)  # [rows]
+        chosen = logits.log_softmax(-1).gather(1, picked[:, None])[:, 0]  # [rows]
     return [TokenLogprob(token_id=t, logprob=lp) for t, lp in zip(picked.tolist(), chosen.tolist())]
 
 

@@ -174,11 +174,10 @@ class Int8Linear(QuantLinear):
         return self.in_features % ACT_BLOCK == 0
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return self._bind(kernels.load())(x)
+        return kernels.load().int8_linear(x, self.weight, self.scales, self.kernel_act_block)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
-        weight, scales, block, run = self.weight, self.scales, self.kernel_act_block, module.int8_linear
-        return lambda x: run(x, weight, scales, block)
+        return module.bind_int8(self.weight, self.scales, self.kernel_act_block)
 
 
 class Nibble4Linear(QuantLinear):
@@ -202,8 +201,7 @@ class Nibble4Linear(QuantLinear):
         return kernels.load().lut4_linear(x, self.weight, self.scales, self.group_size, self.lut)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
-        weight, scales, group, lut, run = self.weight, self.scales, self.group_size, self.lut, module.lut4_linear
-        return lambda x: run(x, weight, scales, group, lut)
+        return module.bind_lut4(self.weight, self.scales, self.group_size, self.lut)
 
 
 class Int4Linear(Nibble4Linear):
@@ -230,13 +228,14 @@ class Int4Linear(Nibble4Linear):
         return ACT_BLOCK if self.group_size % ACT_BLOCK == 0 else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return self._bind(kernels.load())(x)
+        if self.kernel_act_block is None:
+            return super()._kernel(x)
+        return kernels.load().int4_linear(x, self.weight, self.scales, self.group_size, INT4_OFFSET)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.kernel_act_block is None:
             return super()._bind(module)
-        weight, scales, group, run = self.weight, self.scales, self.group_size, module.int4_linear
-        return lambda x: run(x, weight, scales, group, INT4_OFFSET)
+        return module.bind_int4(self.weight, self.scales, self.group_size, INT4_OFFSET)
 
     def dequantize(self) -> torch.Tensor:
         q = unpack_nibbles(self.weight).to(torch.int8) - INT4_OFFSET  # [out, in]

@@ -146,3 +146,29 @@ def test_the_kernels_format_error_messages_without_iostreams():
     qlinear = kernels.load()
     with pytest.raises(RuntimeError, match="per block of 32 or 64 that divides K; block = 32, K = 30$"):
         qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32)
+
+
+def test_silu_mul_is_torch_bits_on_contiguous_and_strided_halves():
+    ops = kernels.load_ops()
+    torch.manual_seed(0)
+    both = torch.randn(5, 2 * 96) * 4
+    gate, up = both[:, :96], both[:, 96:]
+    assert torch.equal(ops.silu_mul(gate, up), torch.nn.functional.silu(gate) * up)
+    assert torch.equal(ops.silu_mul(gate.contiguous(), up.contiguous()), torch.nn.functional.silu(gate) * up)
+    with pytest.raises(RuntimeError, match="gate and up"):
+        ops.silu_mul(gate, up[:, :95])
+
+
+@pytest.mark.parametrize("vocab", [49152, 61])  # SmolLM2's; and one that leaves a scalar tail
+def test_greedy_pick_is_argmax_and_its_log_softmax(vocab):
+    torch.manual_seed(vocab)
+    logits = torch.randn(5, vocab) * 6
+    logits[1, [vocab - 3, 9]] = 40.0  # a tie: the first index wins, as with torch.argmax
+    logits[2, 5], logits[2, 11] = float("nan"), float("nan")  # NaN counts as the maximum, as in torch
+    logits[3, :] = float("-inf")
+    logits[3, vocab - 1] = 2.0  # one finite logit (the rest suppressed): logprob 0
+    tokens, logprobs = ops.greedy_pick(logits)
+    assert tokens.tolist() == logits.argmax(-1).tolist()
+    expected = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
+    torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
+    assert logprobs[3] == 0.0 and tokens[1] == 9

@@ -176,3 +176,65 @@ def test_quantized_decode_row_does_not_depend_on_the_rest_of_the_step(scheme):
         runner.execute(StepPlan(step))
         logits.append(captured[-1][0])
     assert torch.equal(logits[0], logits[1])
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4", "nf4"])
+def test_direct_decode_loop_gives_the_bits_of_the_general_loop(scheme, monkeypatch):
+    # All-decode float32 steps run _decode_layers (bare kernels, no checks); it must compute exactly what
+    # _layers computes, logits and written K/V alike, at the batch sizes a server sees.
+    from engine import fastpath
+    model = tiny("llama")
+    if scheme != "none":
+        quantize_model(model, scheme, head=True)
+    loaded = wrap_model(model, tokenizer=None, name=f"llama-{scheme}")
+    taken = []
+    original = fastpath.FastDecoder._decode_layers
+    monkeypatch.setattr(fastpath.FastDecoder, "_decode_layers",
+                        lambda self, *args: taken.append(1) or original(self, *args))
+    outputs = []
+    for direct in (True, False):
+        pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)
+        runner = ModelRunner(loaded, pool)
+        assert runner.fast.direct_max_rows > 0
+        if not direct:
+            monkeypatch.setattr(runner.fast, "direct_max_rows", 0)
+        captured = []
+        runner._sample = lambda plan, out, captured=captured: captured.append(out) or []
+        tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
+        runner.execute(StepPlan([SeqWork(s, list(range(3 + s, 9 + s)), 0, tables[s],
+                                         [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in range(6)], False,
+                                         GREEDY, list(range(3, 10)), []) for s in range(3)]))
+        taken.clear()
+        runner.execute(StepPlan([SeqWork(s, [20 + s], 6, tables[s], [tables[s][1] * BLOCK + 2], True, GREEDY,
+                                         list(range(3, 10)), []) for s in range(3)]))
+        assert taken == ([1] if direct else [])
+        outputs.append((captured[-1], pool.data.clone()))
+    assert torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_quantized_gate_and_up_are_one_kernel_call_sharing_the_codes():
+    model = tiny("llama")
+    quantize_model(model, "int4")
+    loaded = wrap_model(model, tokenizer=None, name="llama-int4")
+    layer = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast.layers[0]
+    mlp = model.model.layers[0].mlp
+    assert layer.gate_up is not None and layer.gate_proj is None
+    assert mlp.up_proj.weight.data_ptr() == layer.gate_up.module.weight.data_ptr() + 128 * 64 // 2
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(layer.mlp(x, kernels.load_ops()), mlp(x), rtol=1e-5, atol=1e-5)
+
+
+def test_rope_table_rows_are_the_rotary_modules_values():
+    from engine import fastpath
+    loaded = wrap_model(tiny("llama"), tokenizer=None, name="llama")
+    fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast
+    assert fast.rope_static
+    positions = torch.tensor([0, 5, 4095, fastpath.ROPE_TABLE_POSITIONS - 1, 17])
+    x = torch.zeros(5, 64)
+    cos, sin = fast._cos_sin(x, positions)
+    ref_cos, ref_sin = fast.rotary(x[None], positions[None])
+    assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
+    beyond = torch.tensor([3, fastpath.ROPE_TABLE_POSITIONS + 2])  # past the table: the module itself
+    cos, _ = fast._cos_sin(x[:2], beyond)
+    assert torch.equal(cos, fast.rotary(x[None, :2], beyond[None])[0][0])

@@ -107,6 +107,20 @@ def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):  # groups a row; 
         assert torch.equal(dense(x[:rows], w), alone[:rows]), ("f32_linear", rows)
 
 
+def test_bound_kernels_give_the_bits_of_the_layer_call():
+    # decode_kernel() binds a layer's codes and scales in C++ once (what the fast path calls); it must be the
+    # layer's own product, bias aside
+    if kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+    x = torch.randn(3, 576)
+    for layer in _layers(576, 40):
+        assert torch.equal(layer.decode_kernel()(x) + layer.bias, layer(x)), type(layer).__name__
+    w = torch.randn(40, 576)
+    assert torch.equal(kernels.load().bind_f32(w)(x), kernels.load().f32_linear(x, w))
+    with pytest.raises(RuntimeError, match="576"):  # the bound kernel still checks its input
+        _layers(576, 40)[0].decode_kernel()(torch.randn(3, 64))
+
+
 @pytest.mark.parametrize("out_features", [13, 67])
 def test_kernels_give_the_same_bits_on_one_thread_and_two(out_features):
     # a thread's rows that do not fill a tile of 4 are summed one at a time: same order as the 4-row tiles
