@@ -466,16 +466,19 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   return y;
 }
 
+// Without the GIL, as torch's own ops (see quant/qlinear.cpp).
+using NoGil = py::call_guard<py::gil_scoped_release>;
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "x [T,H] f32, w [H], eps -> rms_norm(x) * w");
-  m.def("add_rms_norm_", &add_rms_norm_, "x += r in place; returns rms_norm(x) * w");
-  m.def("rope_", &rope_, "RoPE in place on qk [T, heads, D] with cos, sin [T, D]");
-  m.def("write_kv", &write_kv, "k_cache/v_cache [slots, H_kv, D] <- k/v [T, H_kv, D] at slots [T]");
-  m.def("paged_decode_attention", &paged_decode_attention,
+  m.def("rms_norm", &rms_norm, NoGil(), "x [T,H] f32, w [H], eps -> rms_norm(x) * w");
+  m.def("add_rms_norm_", &add_rms_norm_, NoGil(), "x += r in place; returns rms_norm(x) * w");
+  m.def("rope_", &rope_, NoGil(), "RoPE in place on qk [T, heads, D] with cos, sin [T, D]");
+  m.def("write_kv", &write_kv, NoGil(), "k_cache/v_cache [slots, H_kv, D] <- k/v [T, H_kv, D] at slots [T]");
+  m.def("paged_decode_attention", &paged_decode_attention, NoGil(),
         "q [T,H,D], rows [B], tables [B,nb], lens [B], k_blocks/v_blocks [nb,bs,H_kv,D], scale, window, out [T,H,D]");
-  m.def("decode_attention_", &decode_attention_,
+  m.def("decode_attention_", &decode_attention_, NoGil(),
         "qkv [T,(H+2H_kv)D], H, H_kv, cos/sin [T,D], slots [T], k_blocks/v_blocks, rows, tables, lens, scale, window "
         "-> out [T,H,D] (RoPE in place, K/V written, paged decode attention)");
-  m.def("silu_mul", &silu_mul, "gate, up [T,I] f32 -> silu(gate) * up [T,I]");
-  m.def("greedy_pick", &greedy_pick, "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
+  m.def("silu_mul", &silu_mul, NoGil(), "gate, up [T,I] f32 -> silu(gate) * up [T,I]");
+  m.def("greedy_pick", &greedy_pick, NoGil(), "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
 }
