@@ -13,7 +13,7 @@
 //       table (no gathered copy, no mask tensor), with GQA; softmax in float32 (AVX2: vectorized exp).
 //   decode_attention_(qkv, ...)            RoPE, the KV write and paged decode attention for one layer
 //   silu_mul(gate, up)                     silu(gate) * up (SwiGLU), with torch's own kernels
-//   greedy_pick(logits)                    per row: argmax and its log-softmax value, in two passes
+//   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
 //
 // target_clones compiles each hot loop for AVX2+FMA and for plain x86-64 and picks one at load time.
 #include <torch/extension.h>
@@ -410,8 +410,8 @@ torch::Tensor decode_attention_(torch::Tensor& qkv, int64_t heads, int64_t kv_he
 
 // Per row of logits [R, V]: the greedy token, the first index of the row's maximum (torch.argmax's pick; a NaN
 // counts as the maximum, as there), and its log-probability x_t - m - log(sum_j exp(x_j - m)), m the maximum
-// (log_softmax's formula). One pass for the maximum, one for the sum; torch's argmax alone took 51 us on a
-// 49,152-token row here (it is not vectorized), log_softmax another 49.
+// (log_softmax's formula). Passes for the maximum, its first index and the sum; torch's argmax alone took
+// 51 us on a 49,152-token row here (it is not vectorized), log_softmax another 49.
 static void greedy_row(const float* x, int64_t V, int64_t* token, float* logprob) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
@@ -438,9 +438,6 @@ static void greedy_row(const float* x, int64_t V, int64_t* token, float* logprob
   *logprob = (x[*token] - mx) - std::log(sum);
 }
 
-// SwiGLU's gate (Shazeer 2020): silu(gate) * up, gate and up [T, I] (any row stride, e.g. the two halves of a
-// fused gate/up projection's output). torch's own silu and mul kernels, so the bits are torch's; one call from
-// Python where silu, mul and the activation module's call were three.
 // logits [R, V] float32 (contiguous) -> (tokens int64 [R], logprobs float32 [R]); see greedy_row.
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits) {
   check_f32(logits, "logits");
@@ -457,6 +454,9 @@ std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits
   return {tokens, logprobs};
 }
 
+// SwiGLU's gate (Shazeer 2020): silu(gate) * up, gate and up [T, I] (any row stride, e.g. the two halves of a
+// fused gate/up projection's output). torch's own silu and mul kernels, so the bits are torch's; one call from
+// Python where silu, mul and the activation module's call were three.
 torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
   check_f32(gate, "gate");
   check_f32(up, "up");
@@ -480,5 +480,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "qkv [T,(H+2H_kv)D], H, H_kv, cos/sin [T,D], slots [T], k_blocks/v_blocks, rows, tables, lens, scale, window "
         "-> out [T,H,D] (RoPE in place, K/V written, paged decode attention)");
   m.def("silu_mul", &silu_mul, NoGil(), "gate, up [T,I] f32 -> silu(gate) * up [T,I]");
-  m.def("greedy_pick", &greedy_pick, NoGil(), "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
+  m.def("greedy_pick", &greedy_pick, NoGil(),
+        "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
 }

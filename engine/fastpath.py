@@ -16,10 +16,12 @@ decode-sized projections to C++ kernels that read each weight row once for the w
 
 Weights are shared with the transformers model, not copied: each fused matrix owns the storage and the
 original projections become views of its rows. Quantized gate and up projections are fused too. A step of
-decodes only (float32 on a CPU, the serving case) runs ``_decode_layers``: the same calls as the general loop
-``_layers``, but each projection is its bare C++ kernel bound to its weights, with no Python between calls
-beyond the loop itself (at batch 1 a step makes ~240 calls, and each Python frame saved counts). The transformers path stays the reference; tests check
-that both give the same greedy tokens, and ``KVSERVE_FASTPATH=0`` turns this path off.
+decodes only (float32 on a CPU, the serving case) of a model without projection biases and with SiLU runs
+``_decode_layers``: the same calls as the general loop ``_layers``, but each projection is its bare C++ kernel
+bound to its weights, with no Python between calls beyond the loop itself (a SmolLM2 step at batch 1 makes
+~270 C++ calls, so each Python frame saved counts). Other steps and models run ``_layers``. The transformers
+path stays the reference; tests check that both give the same greedy tokens, and ``KVSERVE_FASTPATH=0`` turns
+this path off.
 """
 
 from __future__ import annotations
@@ -46,10 +48,10 @@ SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # 1.70x faster at 1 row, 2.05x at 8, 1.37x at 32, 1.07x at 64, 0.88x at 96 (1.04x in another run), 0.97x at
 # 128. Longer prefill chunks stay on torch's GEMM.
 DENSE_MAX_ROWS = 64
-PROFILE_LABEL = "kvserve::projection"
+PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)
 # RoPE types whose cos/sin depend on the position alone (others, e.g. "dynamic", rescale with the length)
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
-ROPE_TABLE_POSITIONS = 8192  # positions in the cos/sin table (2 x 8192 x d x 4 bytes: 4 MiB at d = 64)  # what torch.profiler shows for a projection (kernel time is its self time)
+ROPE_TABLE_POSITIONS = 8192  # positions in the cos/sin table (2 x 8192 x d x 4 bytes: 4 MiB at d = 64)
 
 
 class Projection:
@@ -237,8 +239,7 @@ class FastDecoder:
         self.signature = module_signature(model)
         self.embed = inner.embed_tokens
         self.rotary = inner.rotary_emb
-        rope_type = (getattr(config, "rope_parameters", None) or {}).get("rope_type", "default")
-        self.rope_static = rope_type in STATIC_ROPE_TYPES
+        self.rope_static = getattr(self.rotary, "rope_type", None) in STATIC_ROPE_TYPES
         self._rope_table: tuple | None = None  # ((dtype, device), cos [P, d], sin [P, d]), built on first use
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head = Projection(model.lm_head)
@@ -246,7 +247,8 @@ class FastDecoder:
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
-        self.layers = [_Layer(layer, config, self._window(config, layer)) for layer in inner.layers[:config.num_hidden_layers]]
+        self.layers = [_Layer(layer, config, self._window(config, layer))
+                       for layer in inner.layers[:config.num_hidden_layers]]
         # all-decode steps of up to this many sequences take _decode_layers (0: none, a layer lacks kernels)
         self.direct_max_rows = (min(layer.direct_max_rows for layer in self.layers)
                                 if all(layer.direct is not None for layer in self.layers) else 0)
@@ -352,8 +354,7 @@ class FastDecoder:
 
         The same calls in the same order, so the same bits, minus the Python around them: each projection is
         its bare C++ kernel (its input here is always a fresh contiguous float32 ``[T, in]``), with profiler
-        labels only while a profiler runs. At batch 1 a step makes ~240 C++ calls, so each Python frame and
-        check saved per call counts.
+        labels only while a profiler runs.
         """
         num_tokens = x.shape[0]
         heads, kv_heads = self.num_heads, self.num_kv_heads
@@ -367,7 +368,8 @@ class FastDecoder:
         cos, sin, slots = rope.cos, rope.sin, meta.slot_mapping
         rows, tables, lens = meta.decode_rows, meta.decode_tables, meta.decode_lens
         layers, pool = self.layers, meta.pool
-        h = ops.rms_norm(x, layers[0].in_norm, layers[0].in_eps)
+        rms_norm = _labelled(ops.rms_norm, "kvserve::rms_norm") if profiling else ops.rms_norm
+        h = rms_norm(x, layers[0].in_norm, layers[0].in_eps)
         for index, layer in enumerate(layers):
             qkv, o_proj, gate_up, gate, up, down = layer.direct if not profiling else layer.direct_labelled()
             k_blocks, v_blocks = pool.layer_blocks(index)

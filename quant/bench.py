@@ -89,15 +89,20 @@ def decode_steps(loaded, num_tokens: int, profile: bool = False) -> tuple[list[f
 def layer_times(model, dtype: torch.dtype) -> tuple[float, float]:
     """(all projections, LM head) of one decode step replayed alone with batch-1 inputs (s, best of 7).
 
-    Each layer is called the way the runner's lean forward calls it (``engine.fastpath.Projection``: the
-    f32_linear kernel for float32 weights, the layer itself otherwise).
+    The projections are the runner's lean forward's own (``engine.fastpath``: q/k/v fused, and gate/up when
+    quantized; the f32_linear kernel for float32 weights, the layer's kernel otherwise); for a model without
+    the lean forward, every linear layer alone.
     """
-    from engine.fastpath import Projection
+    from engine.fastpath import Projection, fast_decoder
 
     head = model.get_output_embeddings()
-    modules = [m for m in model.modules() if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head]
-    projections = [Projection(m) for m in modules]
-    inputs = [torch.randn(1, m.in_features, dtype=dtype) for m in modules]
+    decoder = fast_decoder(model)
+    if decoder is not None:
+        projections = [p for layer in decoder.layers for p in layer.projections()]
+    else:
+        projections = [Projection(m) for m in model.modules()
+                       if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head]
+    inputs = [torch.randn(1, p.module.in_features, dtype=dtype) for p in projections]
     head_call, x_head = Projection(head), torch.randn(1, head.in_features, dtype=dtype)
     return (best_of(lambda: [p(x) for p, x in zip(projections, inputs)]), best_of(lambda: head_call(x_head)))
 

@@ -737,21 +737,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "x [M,K] f32, w int8 [N,K], scales f32 [N], block (32 or 64) -> [M,N] (x as Q16 blocks)");
   m.def("int4_linear", &int4_linear, NoGil(),
         "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, offset -> [M,N] (x as Q8 blocks of 32)");
-  m.def("lut4_linear", &lut4_linear, NoGil(), "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, lut f32 [16] -> [M,N]");
+  m.def("lut4_linear", &lut4_linear, NoGil(),
+        "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, lut f32 [16] -> [M,N]");
   m.def("f32_linear", &f32_linear, NoGil(), "x [M,K] f32, w f32 [N,K] -> [M,N] (small M)");
   m.def("vectorized", &vectorized, "True when the AVX2+FMA path runs on this CPU");
   // A layer's kernel bound to its weights once: f(x) -> y. A call then converts one argument and runs no
-  // Python frame (a Python lambda around the kernel cost both, on each of a decode step's 150-210 calls).
+  // Python frame (a Python lambda around the kernel cost both, on each of a decode step's ~120-210 calls).
   m.def("bind_int8", [](torch::Tensor w, torch::Tensor scales, int64_t block) {
-    return py::cpp_function([w, scales, block](const torch::Tensor& x) { return int8_linear(x, w, scales, block); }, NoGil());
+    return py::cpp_function(
+        [w, scales, block](const torch::Tensor& x) { return int8_linear(x, w, scales, block); }, NoGil());
   }, "int8_linear bound to (w, scales, block)");
   m.def("bind_int4", [](torch::Tensor w, torch::Tensor scales, int64_t group, int64_t offset) {
     return py::cpp_function(
-        [w, scales, group, offset](const torch::Tensor& x) { return int4_linear(x, w, scales, group, offset); }, NoGil());
+        [w, scales, group, offset](const torch::Tensor& x) { return int4_linear(x, w, scales, group, offset); },
+        NoGil());
   }, "int4_linear bound to (w, scales, group, offset)");
   m.def("bind_lut4", [](torch::Tensor w, torch::Tensor scales, int64_t group, torch::Tensor lut) {
     return py::cpp_function(
-        [w, scales, group, lut](const torch::Tensor& x) { return lut4_linear(x, w, scales, group, lut); }, NoGil());
+        [w, scales, group, lut](const torch::Tensor& x) { return lut4_linear(x, w, scales, group, lut); },
+        NoGil());
   }, "lut4_linear bound to (w, scales, group, lut)");
   m.def("bind_f32", [](torch::Tensor w) {
     return py::cpp_function([w](const torch::Tensor& x) { return f32_linear(x, w); }, NoGil());

@@ -159,16 +159,25 @@ def test_silu_mul_is_torch_bits_on_contiguous_and_strided_halves():
         ops.silu_mul(gate, up[:, :95])
 
 
-@pytest.mark.parametrize("vocab", [49152, 61])  # SmolLM2's; and one that leaves a scalar tail
+@pytest.mark.parametrize("vocab", [49152, 61, 5])  # SmolLM2's; a scalar tail; no full vector at all
 def test_greedy_pick_is_argmax_and_its_log_softmax(vocab):
     torch.manual_seed(vocab)
-    logits = torch.randn(5, vocab) * 6
-    logits[1, [vocab - 3, 9]] = 40.0  # a tie: the first index wins, as with torch.argmax
-    logits[2, 5], logits[2, 11] = float("nan"), float("nan")  # NaN counts as the maximum, as in torch
+    logits = torch.randn(7, vocab) * 6
+    logits[1, [vocab - 3, 1]] = 40.0  # a tie: the first index wins, as with torch.argmax
+    logits[2, 1], logits[2, 3] = float("nan"), float("nan")  # NaN counts as the maximum, as in torch
     logits[3, :] = float("-inf")
     logits[3, vocab - 1] = 2.0  # one finite logit (the rest suppressed): logprob 0
+    logits[4, :] = float("-inf")  # nothing left: token 0, logprob NaN, as torch
+    logits[5, 2] = float("inf")  # +inf: picked, logprob NaN, as torch
     tokens, logprobs = ops.greedy_pick(logits)
     assert tokens.tolist() == logits.argmax(-1).tolist()
     expected = logits.log_softmax(-1).gather(1, tokens[:, None])[:, 0]
     torch.testing.assert_close(logprobs, expected, rtol=1e-5, atol=1e-5, equal_nan=True)
-    assert logprobs[3] == 0.0 and tokens[1] == 9
+    assert logprobs[3] == 0.0 and tokens[1] == 1 and tokens[2] == 1
+
+
+def test_greedy_pick_of_no_rows_and_bad_input():
+    tokens, logprobs = ops.greedy_pick(torch.empty(0, 10))
+    assert tokens.shape == logprobs.shape == (0,)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        ops.greedy_pick(torch.randn(10, 4).t())

@@ -178,39 +178,63 @@ def test_quantized_decode_row_does_not_depend_on_the_rest_of_the_step(scheme):
     assert torch.equal(logits[0], logits[1])
 
 
-@pytest.mark.parametrize("scheme", ["none", "int8", "int4", "nf4"])
-def test_direct_decode_loop_gives_the_bits_of_the_general_loop(scheme, monkeypatch):
-    # All-decode float32 steps run _decode_layers (bare kernels, no checks); it must compute exactly what
-    # _layers computes, logits and written K/V alike, at the batch sizes a server sees.
+def decode_step_both_loops(loaded, monkeypatch) -> tuple[list[bool], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An all-decode step of 3 sequences run with the direct loop allowed and forbidden: whether
+    ``_decode_layers`` ran, and the (logits, KV pool) of each."""
     from engine import fastpath
-    model = tiny("llama")
-    if scheme != "none":
-        quantize_model(model, scheme, head=True)
-    loaded = wrap_model(model, tokenizer=None, name=f"llama-{scheme}")
-    taken = []
+    taken: list[bool] = []
     original = fastpath.FastDecoder._decode_layers
     monkeypatch.setattr(fastpath.FastDecoder, "_decode_layers",
-                        lambda self, *args: taken.append(1) or original(self, *args))
-    outputs = []
+                        lambda self, *args: taken.append(True) or original(self, *args))
+    ran, outputs = [], []
     for direct in (True, False):
         pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)
         runner = ModelRunner(loaded, pool)
-        assert runner.fast.direct_max_rows > 0
         if not direct:
             monkeypatch.setattr(runner.fast, "direct_max_rows", 0)
         captured = []
         runner._sample = lambda plan, out, captured=captured: captured.append(out) or []
         tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
-        runner.execute(StepPlan([SeqWork(s, list(range(3 + s, 9 + s)), 0, tables[s],
-                                         [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in range(6)], False,
-                                         GREEDY, list(range(3, 10)), []) for s in range(3)]))
+        runner.execute(StepPlan([SeqWork(s, list(range(3 + s, 12 + s)), 0, tables[s],
+                                         [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in range(9)], False,
+                                         GREEDY, list(range(3, 13)), []) for s in range(3)]))
         taken.clear()
-        runner.execute(StepPlan([SeqWork(s, [20 + s], 6, tables[s], [tables[s][1] * BLOCK + 2], True, GREEDY,
-                                         list(range(3, 10)), []) for s in range(3)]))
-        assert taken == ([1] if direct else [])
+        runner.execute(StepPlan([SeqWork(s, [20 + s], 9, tables[s], [tables[s][2] * BLOCK + 1], True, GREEDY,
+                                         list(range(3, 13)), []) for s in range(3)]))
+        ran.append(bool(taken))
         outputs.append((captured[-1], pool.data.clone()))
+    return ran, outputs
+
+
+@pytest.mark.parametrize("scheme", ["none", "int8", "int4", "nf4"])
+def test_direct_decode_loop_gives_the_bits_of_the_general_loop(scheme, monkeypatch):
+    # All-decode float32 steps run _decode_layers (bare kernels, no checks); it must compute exactly what
+    # _layers computes, logits and written K/V alike.
+    model = tiny("llama")
+    if scheme != "none":
+        quantize_model(model, scheme, head=True)
+    ran, outputs = decode_step_both_loops(wrap_model(model, tokenizer=None, name=f"llama-{scheme}"), monkeypatch)
+    assert ran == [True, False]
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_direct_decode_loop_with_a_sliding_window(monkeypatch):
+    # a 4-token window over 10-token contexts: the window reaches the direct loop's attention call
+    loaded = wrap_model(tiny("mistral", sliding_window=4), tokenizer=None, name="mistral-w4")
+    ran, outputs = decode_step_both_loops(loaded, monkeypatch)
+    assert ran == [True, False]
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize("arch,overrides", [("qwen2", {}), ("llama", {"attention_bias": True}),
+                                            ("llama", {"hidden_act": "gelu"})])
+def test_models_the_direct_loop_cannot_serve_take_the_general_loop(arch, overrides, monkeypatch):
+    # projection biases (Qwen2's q/k/v) and non-SiLU activations are not in the direct loop: those steps
+    # must run _layers, with the same results
+    ran, outputs = decode_step_both_loops(wrap_model(tiny(arch, **overrides), tokenizer=None, name=arch),
+                                          monkeypatch)
+    assert ran == [False, False]
     assert torch.equal(outputs[0][0], outputs[1][0])
-    assert torch.equal(outputs[0][1], outputs[1][1])
 
 
 def test_quantized_gate_and_up_are_one_kernel_call_sharing_the_codes():
@@ -222,7 +246,7 @@ def test_quantized_gate_and_up_are_one_kernel_call_sharing_the_codes():
     assert layer.gate_up is not None and layer.gate_proj is None
     assert mlp.up_proj.weight.data_ptr() == layer.gate_up.module.weight.data_ptr() + 128 * 64 // 2
     x = torch.randn(3, 64)
-    torch.testing.assert_close(layer.mlp(x, kernels.load_ops()), mlp(x), rtol=1e-5, atol=1e-5)
+    assert torch.equal(layer.mlp(x, kernels.load_ops()), mlp(x))  # per output row, one call or two: same bits
 
 
 def test_rope_table_rows_are_the_rotary_modules_values():
