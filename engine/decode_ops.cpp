@@ -14,6 +14,7 @@
 //   decode_attention_(qkv, ...)            RoPE, the KV write and paged decode attention for one layer
 //   silu_mul(gate, up)                     silu(gate) * up (SwiGLU), with torch's own kernels
 //   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
+//   log_softmax(logits)                    the same log-softmax for every token (sampled and top tokens)
 //
 // target_clones compiles each hot loop for AVX2+FMA and for plain x86-64 and picks one at load time.
 #include <torch/extension.h>
@@ -408,11 +409,16 @@ torch::Tensor decode_attention_(torch::Tensor& qkv, int64_t heads, int64_t kv_he
   return out;
 }
 
-// Per row of logits [R, V]: the greedy token, the first index of the row's maximum (torch.argmax's pick; a NaN
-// counts as the maximum, as there), and its log-probability x_t - m - log(sum_j exp(x_j - m)), m the maximum
-// (log_softmax's formula). Passes for the maximum, its first index and the sum; torch's argmax alone took
-// 51 us on a 49,152-token row here (it is not vectorized), log_softmax another 49.
-static void greedy_row(const float* x, int64_t V, int64_t* token, float* logprob) {
+// One row's log-softmax normalizer: m = max_j x_j and log(sum_j exp(x_j - m)), so that log_softmax(x)_j =
+// (x_j - m) - log_sum (log_softmax's formula); nan: some x_j is NaN (then every logprob is NaN, as in torch).
+// greedy_pick and log_softmax below both use it, so a token's logprob has the same bits from either.
+struct Normalizer {
+  float mx;
+  float log_sum;
+  bool nan;
+};
+
+static Normalizer row_normalizer(const float* x, int64_t V) {
   float mx = -std::numeric_limits<float>::infinity();
   int64_t i = 0;
   bool nan = false;
@@ -423,19 +429,48 @@ static void greedy_row(const float* x, int64_t V, int64_t* token, float* logprob
     mx = std::max(mx, x[i]);
     nan = nan || std::isnan(x[i]);
   }
-  if (nan) {
-    *token = std::find_if(x, x + V, [](float v) { return std::isnan(v); }) - x;
-    *logprob = std::numeric_limits<float>::quiet_NaN();
-    return;
-  }
-  *token = std::find(x, x + V, mx) - x;
+  if (nan) return {mx, std::numeric_limits<float>::quiet_NaN(), true};
   float sum = 0.f;
   i = 0;
 #ifdef KV_X86
   if (has_avx2()) sum = sum_exp_avx2(x, V, mx, &i);
 #endif
   for (; i < V; ++i) sum += std::exp(x[i] - mx);
-  *logprob = (x[*token] - mx) - std::log(sum);
+  return {mx, std::log(sum), false};
+}
+
+// Per row of logits [R, V]: the greedy token, the first index of the row's maximum (torch.argmax's pick; a NaN
+// counts as the maximum, as there), and its logprob (x_t - m) - log_sum. Passes for the maximum, its first
+// index and the sum; torch's argmax alone took 51 us on a 49,152-token row here (it is not vectorized),
+// log_softmax another 49.
+static void greedy_row(const float* x, int64_t V, int64_t* token, float* logprob) {
+  const Normalizer n = row_normalizer(x, V);
+  if (n.nan) {
+    *token = std::find_if(x, x + V, [](float v) { return std::isnan(v); }) - x;
+    *logprob = std::numeric_limits<float>::quiet_NaN();
+    return;
+  }
+  *token = std::find(x, x + V, n.mx) - x;
+  *logprob = (x[*token] - n.mx) - n.log_sum;
+}
+
+// logits [R, V] float32 (contiguous) -> log_softmax over V, with greedy_pick's normalizer (same bits for a
+// token from either; within ~1e-5 of torch's log_softmax, whose exponentials and sum order differ).
+torch::Tensor log_softmax(const torch::Tensor& logits) {
+  check_f32(logits, "logits");
+  KV_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "logits must be contiguous [R, V]");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  auto out = torch::empty_like(logits);
+  const float* x = logits.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const Normalizer n = row_normalizer(x + r * V, V);
+      for (int64_t j = 0; j < V; ++j)
+        y[r * V + j] = n.nan ? std::numeric_limits<float>::quiet_NaN() : (x[r * V + j] - n.mx) - n.log_sum;
+    }
+  });
+  return out;
 }
 
 // logits [R, V] float32 (contiguous) -> (tokens int64 [R], logprobs float32 [R]); see greedy_row.
@@ -482,4 +517,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, NoGil(), "gate, up [T,I] f32 -> silu(gate) * up [T,I]");
   m.def("greedy_pick", &greedy_pick, NoGil(),
         "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
+  m.def("log_softmax", &log_softmax, NoGil(), "logits [R,V] f32 -> log_softmax [R,V] (greedy_pick's normalizer)");
 }

@@ -440,5 +440,7 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
         return cached
     decoder = FastDecoder(model)
     model._kvserve_fast = decoder
-    log.info("engine: lean Llama-family forward (fused q/k/v; C++ kernels for decode-sized projections)")
+    with_kernels = any(p.kernel is not None for layer in decoder.layers for p in layer.projections())
+    log.info("engine: lean Llama-family forward (fused q/k/v; %s)",
+             "C++ kernels for decode-sized projections" if with_kernels else "torch's ops: the C++ kernels are off")
     return decoder

@@ -8,7 +8,7 @@ from engine.attention import AttentionMetadata, PrefillSpan
 from engine.fastpath import fast_decoder
 from engine.loader import LoadedModel
 from engine.plan import SeqResult, SeqWork, StepPlan, TokenLogprob
-from engine.sampling import greedy_tokens, plain_greedy, sample_token, token_logprob
+from engine.sampling import greedy_tokens, log_softmax, plain_greedy, sample_token, token_logprob
 from kvcache.pool import KVPool
 
 
@@ -163,7 +163,7 @@ class ModelRunner:
     @staticmethod
     def _prompt_logprobs(w: SeqWork, rows: torch.Tensor) -> list[TokenLogprob]:
         """Logprob of each prompt token that the rows predict: row i (position p) predicts position p+1."""
-        logprobs = rows.log_softmax(-1)
+        logprobs = log_softmax(rows)
         result = []
         for i in range(rows.shape[0]):
             target_pos = w.start_pos + i + 1

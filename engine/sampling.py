@@ -71,7 +71,25 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
             generator = torch.Generator(device=logits.device)
             generator.manual_seed((params.seed * _SEED_STRIDE + len(work.output_ids)) % _SEED_MODULUS)
         token_id = int(torch.multinomial(probs, 1, generator=generator))
-    return token_logprob(logits.log_softmax(-1), token_id, params.logprobs or 0)
+    return token_logprob(log_softmax(logits), token_id, params.logprobs or 0)
+
+
+def _ops(logits: torch.Tensor):
+    """engine/decode_ops.cpp's ops for float32 CPU logits where the install step built them, else None
+    (build=False: never a compile inside a request)."""
+    return kernels.load_ops(build=False) if logits.dtype is torch.float32 and logits.is_cpu else None
+
+
+def log_softmax(logits: torch.Tensor) -> torch.Tensor:
+    """Log-probabilities over the last dimension of ``logits`` ``[..., vocab]``.
+
+    Every logprob kvserve reports comes from here or from ``greedy_pick``, which share one normalizer on a CPU,
+    so a token's logprob is the same whether or not the request asked for alternatives.
+    """
+    ops = _ops(logits)
+    if ops is None or logits.numel() == 0:
+        return logits.log_softmax(-1)
+    return ops.log_softmax(logits.reshape(-1, logits.shape[-1]).contiguous()).view(logits.shape)
 
 
 def plain_greedy(work: SeqWork) -> bool:
@@ -85,8 +103,7 @@ def greedy_tokens(logits: torch.Tensor, suppress: list[list[int]]) -> list[Token
 
     On a GPU, ``sample_token`` per row costs a few synchronisations each (argmax, then the logprob); a
     32-sequence decode step would wait on ~100 of them. On a CPU with the C++ ops, ``greedy_pick`` picks
-    in one call (~3x faster than torch's argmax and log_softmax here): the same token; the logprob's
-    exponentials and sum differ from torch's in the last bits (within ~1e-5).
+    in one call (~3x faster than torch's argmax and log_softmax here), with ``log_softmax``'s normalizer.
 
     Args:
         logits: ``[rows, vocab]`` float32 logits, one row per sequence.
@@ -94,16 +111,14 @@ def greedy_tokens(logits: torch.Tensor, suppress: list[list[int]]) -> list[Token
 
     Returns:
         Per row, the argmax token (first of equal maxima, as ``torch.argmax``) and its logprob under the
-        distribution with the suppressed ids at minus infinity, as ``sample_token`` reports it (up to the last
-        bits, see above).
+        distribution with the suppressed ids at minus infinity, as ``sample_token`` reports it.
     """
     pairs = [(row, token) for row, ids in enumerate(suppress) for token in ids]
     if pairs:
         logits = logits.clone()
         rows, tokens = zip(*pairs)
         logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
-    # build=False: only where the install step built the ops (never a compile inside a request)
-    ops = kernels.load_ops(build=False) if logits.dtype is torch.float32 and logits.is_cpu else None
+    ops = _ops(logits)
     if ops is not None:  # both in one C++ call, ~3x faster on a CPU (argmax is not vectorized in torch)
         picked, chosen = ops.greedy_pick(logits.contiguous())  # [rows] each
     else:

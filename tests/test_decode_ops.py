@@ -176,6 +176,19 @@ def test_greedy_pick_is_argmax_and_its_log_softmax(vocab):
     assert logprobs[3] == 0.0 and tokens[1] == 1 and tokens[2] == 1
 
 
+@pytest.mark.parametrize("vocab", [49152, 61, 5])
+def test_log_softmax_is_torchs_and_gives_greedy_picks_bits(vocab):
+    torch.manual_seed(vocab + 1)
+    logits = torch.randn(4, vocab) * 6
+    logits[1, 2] = float("-inf")  # a suppressed token: -inf, as torch
+    logits[2, 0] = float("nan")  # a NaN row: all NaN, as torch
+    out = ops.log_softmax(logits)
+    torch.testing.assert_close(out, logits.log_softmax(-1), rtol=1e-5, atol=1e-5, equal_nan=True)
+    tokens, logprobs = ops.greedy_pick(logits)
+    for row in (0, 1, 3):
+        assert out[row, tokens[row]].item() == logprobs[row].item()
+
+
 def test_greedy_pick_of_no_rows_and_bad_input():
     tokens, logprobs = ops.greedy_pick(torch.empty(0, 10))
     assert tokens.shape == logprobs.shape == (0,)
