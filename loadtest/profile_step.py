@@ -79,6 +79,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None, help="as kvserve serve --model (default: the embedded SmolLM2)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "nf4"],
+                        help="as kvserve serve --quantization")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -90,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
     check_engine_flags(args.model, args.device)
     batches = args.batch
     loaded = load(DType(args.dtype), args.model, Device(args.device))
+    if args.quantization != "none":
+        from quant.model import quantize_model, serving_quantizes_head
+
+        quantize_model(loaded.model, args.quantization, head=serving_quantizes_head(args.quantization))
     results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
     rows = ["| share of a decode step | " + " | ".join(f"B = {b}" for b, *_ in results) + " |",
@@ -105,11 +111,14 @@ def run(args: argparse.Namespace) -> int:
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "
                               + ", ".join(f"`{name}` {ms:.1f}" for name, ms in top) + ".")
     print(text)
-    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}")
+    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization}")
     if not args.no_write:
-        on_cpu = loaded.device.type == "cpu"  # a GPU run gets its own section
-        update_section("profile" if on_cpu else f"profile-{loaded.device.type}",
-                       f"Where a decode step's time goes (our engine, {args.context}-token caches"
-                       + ("" if on_cpu else f", {loaded.device.type}") + ")",
-                       "python -m loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}"), text)
+        # each device and quantization gets its own section
+        on_cpu, scheme = loaded.device.type == "cpu", args.quantization
+        key = "profile" + ("" if on_cpu else f"-{loaded.device.type}") + ("" if scheme == "none" else f"-{scheme}")
+        what = ", ".join(["our engine", f"{args.context}-token caches"] + ([] if on_cpu else [loaded.device.type])
+                         + ([] if scheme == "none" else [f"{scheme} weights"]))
+        update_section(key, f"Where a decode step's time goes ({what})",
+                       "python -m loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
+                       + ("" if scheme == "none" else f" --quantization {scheme}"), text)
     return 0

@@ -67,3 +67,28 @@ def test_profile_categories():
     assert _category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention (SDPA)"
     assert _category("aten::index_put_") == "paged KV gather/scatter"
     assert _category("aten::rsqrt") == "other ops"
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkeypatch, capsys):
+    """`python -m loadtest profile --quantization X` quantizes as serve does, and the C++ kernels' time lands
+    in the projections row (labelled, not lost in the Python/dispatch remainder)."""
+    from loadtest import enginebench
+    from loadtest.__main__ import main as loadtest_main
+    from quant import kernels
+    from quant.linear import QuantLinear
+
+    if kernels.load() is None:
+        pytest.skip("no C++ kernels here")
+    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    loaded = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")  # the bench feeds ids up to 6000
+    monkeypatch.setattr(enginebench, "load", lambda *args: loaded)
+    assert loadtest_main(["profile", "--quantization", scheme, "--batch", "1", "--context", "8", "--steps", "2",
+                          "--no-write"]) == 0
+    out = capsys.readouterr().out
+    assert f"quantization {scheme}" in out and "`kvserve::projection`" in out
+    assert any(isinstance(m, QuantLinear) for m in loaded.model.modules())
+    projections = next(line for line in out.splitlines() if line.startswith("| projections"))
+    assert projections != "| projections (linear/matmul) | 0% |"
