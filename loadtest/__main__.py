@@ -19,6 +19,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "tables": ("loadtest.tables", "the chapter's KV-cache tables, measured on our engine"),
     "peers": ("loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
     "profile": ("loadtest.profile_step", "where a decode step's time goes on our engine"),
+    "overhead": ("loadtest.overhead", "where a served token's time and CPU go beyond the model step"),
 }
 
 

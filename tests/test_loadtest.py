@@ -254,3 +254,42 @@ def test_a_terminated_compare_stops_its_servers(tmp_path):
     while servers() and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not servers()
+
+
+def test_thread_cpu_splits_the_main_thread_from_the_others():
+    import os
+    import threading
+    import time
+
+    from loadtest.overhead import thread_cpu_s
+
+    def spin(seconds=0.3):
+        end = time.thread_time() + seconds
+        while time.thread_time() < end:
+            pass
+
+    spun, done = threading.Event(), threading.Event()
+    worker = threading.Thread(target=lambda: (spin(), spun.set(), done.wait()))
+    before = thread_cpu_s(os.getpid())
+    worker.start()
+    spun.wait()  # the main thread sleeps while the worker spins
+    mid = thread_cpu_s(os.getpid())  # the worker is alive, so /proc still lists it
+    done.set()
+    worker.join()
+    spin()
+    after = thread_cpu_s(os.getpid())
+    assert mid["other"] - before["other"] >= 0.25 and mid["main"] - before["main"] < 0.15
+    assert after["main"] - mid["main"] >= 0.25
+
+
+def test_overhead_measures_a_served_run(server_url):
+    import os
+
+    from loadtest.overhead import measure, render
+
+    row = measure(server_url, os.getpid(), streams=2, tokens=8)  # the server runs in this process here
+    assert row.streams == 2 and row.tokens_per_s > 0 and row.itl_ms > 0
+    assert 1.0 < row.tokens_per_step <= 2.0  # 16 tokens: a prefill step and decode steps of at most 2 tokens
+    assert row.runner_ms_per_step > 0 and row.between_ms_per_step >= 0
+    assert min(row.cpu_event_loop, row.cpu_engine, row.cpu_client) >= 0 and row.cpu_client > 0
+    assert "| 2 |" in render([row], "none", 8)
