@@ -19,12 +19,15 @@ measures that step without a server). Linux only (``/proc``).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import resource
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+import httpx
 
 from loadtest import report, workloads
 from loadtest.argtypes import positive_int, positive_ints
@@ -41,27 +44,38 @@ _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 def thread_cpu_s(pid: int) -> dict[str, float]:
     """CPU seconds (user + system) of process ``pid``: ``{"main": its main thread, "other": all other threads}``.
 
-    Threads that ended since are not counted (their CPU time leaves ``/proc/<pid>/task`` with them).
+    "other" is the whole process (``/proc/<pid>/stat``, which keeps the time of threads that have exited) minus
+    the main thread, so a thread ending between two readings cannot make a difference negative.
 
     Raises:
         OSError: no such process, or no ``/proc`` (not Linux).
     """
-    totals = {"main": 0.0, "other": 0.0}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        try:
-            stat = Path(f"/proc/{pid}/task/{tid}/stat").read_text()
-        except FileNotFoundError:  # the thread ended between listdir and read
-            continue
-        fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; utime, stime are fields 14, 15
-        seconds = (int(fields[11]) + int(fields[12])) * _TICK_S
-        totals["main" if int(tid) == pid else "other"] += seconds
-    return totals
+    main, total = (_cpu_s(Path(f"/proc/{pid}/{where}stat")) for where in (f"task/{pid}/", ""))
+    return {"main": main, "other": total - main}
+
+
+def _cpu_s(stat: Path) -> float:
+    text = stat.read_text()
+    fields = text[text.rindex(")") + 2:].split()  # after "pid (comm) ": utime and stime are fields 14 and 15
+    return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
 def own_cpu_s() -> float:
     """CPU seconds (user + system) of this process, all threads."""
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def client_setup_cpu_s(url: str) -> float:
+    """CPU seconds this process spends on a load run's fixed part: an event loop and an HTTP client set up and
+    closed (``run_load`` does both once per run; httpx builds an SSL context even for http URLs)."""
+    async def setup() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=None):
+            pass
+
+    start = own_cpu_s()
+    asyncio.run(setup())
+    return own_cpu_s() - start
 
 
 @dataclass(slots=True)
@@ -81,17 +95,22 @@ class Overhead:
 
 
 def measure(url: str, pid: int, streams: int, tokens: int) -> Overhead:
-    """Run ``streams`` concurrent completions of ``tokens`` tokens each (two when ``streams`` is 1) and split it.
+    """Run ``max(streams, 4)`` completions of ``tokens`` tokens each, ``streams`` at a time, and split the run.
 
     Raises:
         RuntimeError: a request failed.
     """
-    count = max(streams, 2)
+    count = max(streams, 4)  # at 1 stream, enough tokens for the 10 ms ticks of the server's CPU times
     config = LoadConfig(url=url, concurrency=streams, count=count, duration_s=900, timeout_s=900,
                         model=server_model(url), progress=False)
-    counters0, threads0, client0 = server_counters(url), thread_cpu_s(pid), own_cpu_s()
-    summary = report.summarize(run_sync(workloads.fixed(count, tokens), config, f"streams={streams}"))
-    counters1, threads1, client1 = server_counters(url), thread_cpu_s(pid), own_cpu_s()
+    specs = workloads.fixed(count, tokens)
+    client_fixed = client_setup_cpu_s(url)  # taken out of the load generator's CPU below
+    # the /metrics scrapes stay outside the CPU windows (each costs the client and the event loop CPU too)
+    counters0 = server_counters(url)
+    threads0, client0 = thread_cpu_s(pid), own_cpu_s()
+    summary = report.summarize(run_sync(specs, config, f"streams={streams}"))
+    client1, threads1 = own_cpu_s(), thread_cpu_s(pid)
+    counters1 = server_counters(url)
     if summary.ok != summary.sent:
         raise RuntimeError(f"streams={streams}: {summary.sent - summary.ok} of {summary.sent} requests failed")
     steps = counters1["engine_steps"] - counters0["engine_steps"]
@@ -105,7 +124,7 @@ def measure(url: str, pid: int, streams: int, tokens: int) -> Overhead:
         tokens_per_step=summary.output_tokens / steps,
         cpu_event_loop=per_token * (threads1["main"] - threads0["main"]),
         cpu_engine=per_token * (threads1["other"] - threads0["other"]),
-        cpu_client=per_token * (client1 - client0))
+        cpu_client=per_token * max(0.0, client1 - client0 - client_fixed))
 
 
 def render(rows: list[Overhead], scheme: str, tokens: int) -> str:
@@ -116,13 +135,15 @@ def render(rows: list[Overhead], scheme: str, tokens: int) -> str:
     for r in rows:
         lines.append(f"| {r.streams} | {r.tokens_per_s:.1f} | {r.itl_ms:.2f} | {r.runner_ms_per_step:.2f} | "
                      f"{r.between_ms_per_step:.2f} | {r.other_ms_per_step:.2f} | {r.tokens_per_step:.1f} | "
-                     f"{r.cpu_event_loop:.3f} | {r.cpu_engine:.3f} | {r.cpu_client:.3f} |")
+                     f"{r.cpu_event_loop:.2f} | {r.cpu_engine:.2f} | {r.cpu_client:.2f} |")
     return "\n".join(lines) + (
         f"\n\n`kvserve serve --quantization {scheme}`, greedy completions of {tokens} tokens through the load "
         "generator (same process as this command). Runner and between-steps times are the server's own counters "
         "(/metrics); \"no step running\" is the rest of the run's wall time per step. CPU per output token: the "
         "server's main thread (uvicorn's event loop: HTTP, SSE, detokenizing, JSON), its other threads (the engine "
-        "thread and its OpenMP team), and the load generator. On this machine every CPU ms outside the engine "
+        "thread and its OpenMP team), and the load generator (less its fixed cost: an HTTP client's setup, measured "
+        "just before). The server's CPU times come in clock ticks (10 ms), so use runs of a few thousand tokens. On "
+        "this machine every CPU ms outside the engine "
         "competes with its threads, so it shows up in the runner's ms per step (`python -m loadtest profile` "
         "times the same step without a server).")
 

@@ -38,7 +38,8 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[f
                                                                              list[tuple[str, float]]]:
     """Returns (median step ms without the profiler, mean step ms under it, share of the profiled step by category
     in [0, 1], top ops by self CPU ms per profiled step). ``loaded``: the model (default: the embedded one as
-    served). What no op accounts for ("Python/dispatch overhead") includes the profiler's own cost per call.
+    served). The profiler's own cost per call inflates the profiled step: most of it lands in what no op accounts
+    for ("Python/dispatch overhead") and in the short ops.
 
     On a GPU the shares are of host time: kernels run asynchronously, and a wait for them shows up in the op
     that synchronises (``aten::_local_scalar_dense``, ``cudaStreamSynchronize``, a device-to-host copy).
@@ -107,10 +108,12 @@ def run(args: argparse.Namespace) -> int:
         cells = [f"{100 * shares.get(label, 0.0):.0f}%" for _, _, _, shares, _ in results]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     top = results[-1][4]
-    text = "\n".join(rows) + ("\n\nShares are of a profiled step (self CPU time per op). The profiler costs "
-                              "time per call, and that time lands in Python/dispatch overhead: where the step "
-                              "under the profiler is much longer than without it (batch 1: a step makes ~300 "
-                              "short calls), that row overstates the engine's own overhead. On float32 CPU steps "
+    text = "\n".join(rows) + ("\n\nShares are of a profiled step (self CPU time per op; the step without the "
+                              "profiler is a median, the one under it a mean). The profiler costs time per call, "
+                              "spread over every row (Python/dispatch overhead and the small ops most): where the "
+                              "step under the profiler is much longer than without it (batch 1: a step makes ~300 "
+                              "short calls), the shares are of that longer step, and the projections' real share "
+                              "is larger (`python -m quant.bench` replays them alone). On float32 CPU steps "
                               "of decodes only, `kvserve::decode_attention` (counted as attention) also applies "
                               "RoPE and writes the step's K/V. "
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "
