@@ -62,10 +62,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which found cached
-        self.finish_times: deque[float] = deque(maxlen=64)  # for the measured drain rate
+        self.finish_times: deque[float] = deque(maxlen=64)  # busy_clock() at recent finishes: the drain rate
+        self._busy_s = 0.0                     # seconds with work, up to _busy_since
+        self._busy_since: float | None = None  # perf_counter() when work last appeared; None while idle
 
     # -- queue ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
+        if self._busy_since is None:
+            self._busy_since = time.perf_counter()
         self.waiting.append(seq)
 
     def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
@@ -212,7 +216,10 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.finish_times.append(time.perf_counter())
+        self.finish_times.append(self.busy_clock())
+        if not self.has_work and self._busy_since is not None:  # idle from now: the busy clock stops
+            self._busy_s = self.busy_clock()
+            self._busy_since = None
 
     def _release_group(self) -> list[tuple[Sequence, SeqEvent]]:
         """STATIC: once no member of the group is left running or waiting, deliver the held final events."""
@@ -222,8 +229,22 @@ class Scheduler:
         return released
 
     # -- figures -------------------------------------------------------------------------------------
+    def free_slots(self) -> int:
+        """Slots a waiting sequence could take at the next step: ``max_num_seqs`` minus the running sequences
+        (STATIC: none while the current group is active; the next group starts when it has finished)."""
+        if self.config.static and self._group_active():
+            return 0
+        return max(0, self.config.max_num_seqs - len(self.running))
+
+    def busy_clock(self) -> float:
+        """Seconds during which this scheduler has had work (waiting or running sequences); idle time is not
+        counted, so a rate measured on this clock is the rate while serving."""
+        since = self._busy_since
+        return self._busy_s + (time.perf_counter() - since if since is not None else 0.0)
+
     def drain_rate(self) -> float | None:
-        """Measured finishes per second over the recent window, or None before two finishes."""
+        """Finishes per second of busy time over the last 64 finishes (``busy_clock``: minutes of idleness
+        between them do not dilute it), or None before two finishes."""
         if len(self.finish_times) < 2:
             return None
         span = self.finish_times[-1] - self.finish_times[0]

@@ -81,8 +81,10 @@ class SchedulerService:
     def submit(self, seqs: list[Sequence]) -> None:
         """Queue sequences (the choices of one request) or refuse them all at once.
 
-        The bound counts sequences (a request with n choices counts n); with max_queue > 0 a request that
-        finds the queue empty is always accepted, so a large n cannot be refused forever.
+        The bound counts sequences (a request with n choices counts n) that will wait: those beyond the slots
+        free at the next step, so a burst into idle slots is not refused. With max_queue > 0 a request that
+        finds nobody waiting is always accepted, so a large n cannot be refused forever; max_queue = 0 refuses
+        every request.
 
         Raises:
             QueueFull: the waiting queue would exceed max_queue.
@@ -90,9 +92,11 @@ class SchedulerService:
         """
         if self.dead is not None:
             raise RuntimeError(f"engine loop has died: {self.dead!r}")
-        queued = len(self.scheduler.waiting) + self._pending_adds
-        if queued + len(seqs) > self.max_queue and (queued or self.max_queue == 0):
-            raise QueueFull(queued, self.retry_after_s(queued))
+        queued = len(self.scheduler.waiting) + self._pending_adds  # not running yet
+        free = self.scheduler.free_slots()
+        waiting = max(0, queued - free)
+        if self.max_queue == 0 or (waiting and queued + len(seqs) - free > self.max_queue):
+            raise QueueFull(waiting, self.retry_after_s(waiting))
         self._pending_adds += len(seqs)
         for seq in seqs:
             self._inbox.put_nowait((_Command.ADD, seq))

@@ -131,12 +131,27 @@ def create_app(state: ServerState) -> FastAPI:
     return app
 
 
-def _admit(state: ServerState, body) -> Generation:
+# Prompts longer than this (characters) are tokenized on a worker thread: megabytes take seconds to tokenize, and
+# on the event loop that would stall every other stream (the tokenizer releases the GIL while it works).
+_TOKENIZE_OFF_LOOP_CHARS = 32_768
+
+
+def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(message.text) for message in body.messages)
+    return len(body.prompt) if isinstance(body.prompt, str) else 0
+
+
+async def _admit(state: ServerState, body) -> Generation:
     """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine)."""
     if body.model is not None and body.model not in (state.model_name, "default"):
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
-    generation = Generation(state, prepare(state, body))
+    if _prompt_chars(body) > _TOKENIZE_OFF_LOOP_CHARS:
+        prepared = await asyncio.to_thread(prepare, state, body)
+    else:
+        prepared = prepare(state, body)
+    generation = Generation(state, prepared)
     try:
         generation.start()
     except QueueFull as exc:
@@ -148,7 +163,7 @@ def _admit(state: ServerState, body) -> Generation:
 
 
 async def _complete(state: ServerState, body, request: Request, chat: bool):
-    generation = _admit(state, body)
+    generation = await _admit(state, body)
     prefix = "chatcmpl-" if chat else "cmpl-"
     fmt = Formatter(generation, chat, prefix + uuid.uuid4().hex, state.model_name, state.tokenizer)
     want_logprobs = body.num_logprobs is not None

@@ -172,3 +172,38 @@ def test_a_sampling_error_ends_only_its_own_sequence():
     run_offline(s, execute, {})
     assert good.output_ids == [7] * 4 and good.finish_reason is FinishReason.LENGTH
     assert s.blocks.num_free_blocks == s.blocks.num_blocks
+
+
+def test_drain_rate_ignores_idle_time(monkeypatch):
+    """Retry-After divides the queue by this rate: time with nothing to do must not dilute it."""
+    import scheduler.scheduler as scheduler_module
+
+    now = [100.0]
+    monkeypatch.setattr(scheduler_module.time, "perf_counter", lambda: now[0])
+    s = scheduler()
+    for start in (0.0, 60.0):  # two bursts a minute apart, the server idle between them
+        now[0] = 100.0 + start
+        seqs = [make(int(start) * 10 + i, 4, 4) for i in range(2)]
+        for seq in seqs:
+            s.add(seq)
+        for seq in seqs:
+            now[0] += 0.5
+            s.abort(seq.seq_id)
+        assert not s.has_work
+    assert s.drain_rate() == 3 / 1.5  # 4 finishes, 0.5 s apart while busy; the idle minute does not count
+
+
+def test_free_slots_counts_what_the_next_step_can_admit():
+    s = scheduler(max_num_seqs=4)
+    assert s.free_slots() == 4
+    for i in range(6):
+        s.add(make(i, 4, 4))
+    s.schedule()
+    assert len(s.running) == 4 and s.free_slots() == 0
+    s.abort(0)
+    assert s.free_slots() == 1
+    static = scheduler(max_num_seqs=4, static=True)
+    for i in range(2):
+        static.add(make(i, 4, 4))
+    static.schedule()
+    assert len(static.running) == 2 and static.free_slots() == 0  # the next group waits for this one
