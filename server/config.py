@@ -34,7 +34,7 @@ class ServeConfig:
     block_size: int = 16                # tokens per KV block
     max_num_seqs: int = 32              # slots: sequences decoding at once
     max_num_batched_tokens: int = 512   # per-step token budget (chunked prefill splits longer prompts)
-    max_queue: int = 256                # waiting requests before 429
+    max_queue: int = 256                # sequences waiting beyond the free slots before 429
     max_model_len: int | None = None    # context limit (tokens); default: the model's
     policy: Policy = Policy.CONTINUOUS
     enable_prefix_caching: bool = True  # share full blocks of common prefixes

@@ -27,7 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="slots (sequences per step)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
                         help="token budget per step (chunked prefill)")
-    parser.add_argument("--max-queue", type=int, default=d.max_queue, help="waiting sequences before 429 (a request with n choices counts n)")
+    parser.add_argument("--max-queue", type=int, default=d.max_queue,
+                        help="sequences waiting beyond the free slots before 429 (a request with n choices counts n)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (tokens)")
     parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
     parser.add_argument("--no-prefix-caching", action="store_true")
