@@ -25,9 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from quant import kernels
-from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, Q8_MAX, Q16_MAX, SERVING_SPECS, QuantSpec,
-                           Scheme, dequantize_int, dequantize_nf4, pack_nibbles, quantize_activations, quantize_int,
-                           quantize_nf4, unpack_nibbles)
+from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, PANEL_ROWS, Q8_MAX, Q16_MAX, SERVING_SPECS,
+                           QuantSpec, Scheme, dequantize_int, dequantize_nf4, pack_nibbles, pack_panels,
+                           quantize_activations, quantize_int, quantize_nf4, unpack_nibbles, unpack_panels)
 
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 with groups of
@@ -74,6 +74,11 @@ class QuantLinear(nn.Module):
     def dequantize(self) -> torch.Tensor:
         """``W_hat`` as float32 ``[out, in]``."""
         raise NotImplementedError
+
+    @property
+    def layout(self) -> str:
+        """How ``weight`` orders its codes: ``"rows"`` (row-major) or ``"panels"`` (``quant.schemes.pack_panels``)."""
+        return "rows"
 
     @property
     def kernel_act_block(self) -> int | None:
@@ -136,12 +141,13 @@ class QuantLinear(nn.Module):
 
     def get_extra_state(self) -> dict:
         return {"scheme": self.scheme.value, "granularity": self.spec.granularity.value,
-                "group_size": self.group_size}
+                "group_size": self.group_size, "layout": self.layout}
 
     def set_extra_state(self, state: dict) -> None:
-        if state["scheme"] != self.scheme.value or state["group_size"] != self.group_size:
-            raise ValueError(f"state is {state['scheme']}/group {state['group_size']}, layer is "
-                             f"{self.scheme.value}/group {self.group_size}")
+        layout = state.get("layout", "rows")
+        if state["scheme"] != self.scheme.value or state["group_size"] != self.group_size or layout != self.layout:
+            raise ValueError(f"state is {state['scheme']}/group {state['group_size']}/{layout}, layer is "
+                             f"{self.scheme.value}/group {self.group_size}/{self.layout}")
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.spec.label} (group {self.group_size})"
@@ -205,14 +211,20 @@ class Nibble4Linear(QuantLinear):
 
 
 class Int4Linear(Nibble4Linear):
-    """Symmetric int4 (codes -7..7 stored as nibbles 1..15) with a 16-bit scale per group."""
+    """Symmetric int4 (codes -7..7 stored as nibbles 1..15) with a 16-bit scale per group.
+
+    Where the integer kernel serves the layer (groups of whole activation blocks, ``out`` a multiple of 8) the
+    codes are stored in its panel order (``quant.schemes.pack_panels``), otherwise row-major for the float
+    table kernel; ``dequantize`` reads either.
+    """
 
     scheme = Scheme.INT4
 
     def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT4]) -> None:
         super().__init__(linear, spec)
         q, scales = quantize_int(linear.weight.detach(), spec)
-        self.register_buffer("weight", pack_nibbles((q + INT4_OFFSET).to(torch.uint8)))  # [out, in//2]
+        codes = (q + INT4_OFFSET).to(torch.uint8)
+        self.register_buffer("weight", pack_panels(codes) if self.layout == "panels" else pack_nibbles(codes))
         # Per-tensor and per-row scales are widened to the group layout so one kernel reads them all.
         groups = self.in_features // self.group_size
         self.register_buffer("scales", scales.half().expand(groups, self.out_features).contiguous()
@@ -223,9 +235,13 @@ class Int4Linear(Nibble4Linear):
         return torch.arange(16, dtype=torch.float32) - INT4_OFFSET
 
     @property
+    def layout(self) -> str:
+        return "panels" if self.group_size % ACT_BLOCK == 0 and self.out_features % PANEL_ROWS == 0 else "rows"
+
+    @property
     def kernel_act_block(self) -> int | None:
-        """Groups made of whole activation blocks take the integer kernel; others the float table kernel."""
-        return ACT_BLOCK if self.group_size % ACT_BLOCK == 0 else None
+        """Panels (groups of whole activation blocks) take the integer kernel; others the float table kernel."""
+        return ACT_BLOCK if self.layout == "panels" else None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_act_block is None:
@@ -238,7 +254,8 @@ class Int4Linear(Nibble4Linear):
         return module.bind_int4(self.weight, self.scales, self.group_size, INT4_OFFSET)
 
     def dequantize(self) -> torch.Tensor:
-        q = unpack_nibbles(self.weight).to(torch.int8) - INT4_OFFSET  # [out, in]
+        codes = unpack_panels(self.weight) if self.layout == "panels" else unpack_nibbles(self.weight)
+        q = codes.to(torch.int8) - INT4_OFFSET  # [out, in]
         return dequantize_int(q, self.scales, self.group_size)
 
 
@@ -273,15 +290,16 @@ def concat_outputs(layers: list[QuantLinear]) -> QuantLinear:
     the codes; each original layer's ``weight`` becomes a view of its rows, so memory is not doubled.
 
     Args:
-        layers: layers of one class with the same ``in_features`` and group size (e.g. q, k, v projections).
+        layers: layers of one class with the same ``in_features``, group size and layout (e.g. q, k, v
+            projections).
 
     Raises:
-        ValueError: mixed classes, input sizes or group sizes.
+        ValueError: mixed classes, input sizes, group sizes or layouts.
     """
     first = layers[0]
     if any(type(m) is not type(first) or m.in_features != first.in_features or m.group_size != first.group_size
-           for m in layers):
-        raise ValueError("concat_outputs needs layers of one scheme, input size and group size")
+           or m.layout != first.layout for m in layers):
+        raise ValueError("concat_outputs needs layers of one scheme, input size, group size and layout")
     fused = copy.copy(first)
     fused._parameters, fused._buffers, fused._modules = dict(first._parameters), dict(first._buffers), {}
     fused.out_features = sum(m.out_features for m in layers)

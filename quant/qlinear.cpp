@@ -8,7 +8,7 @@
 //                layer is as accurate as weight-only int8 (Q8 activations had cost 1.6 points of greedy
 //                agreement on SmolLM2); widening int8 codes to floats instead capped the kernel at ~10 GB/s.
 //   int4:        activations quantized per block of 32 to int8 (llama.cpp's Q8_0), AVX2 8-bit dot products
-//                (vpmaddubsw): y = W_hat @ Q8(x) up to float summation order.
+//                (vpmaddubsw) over panels of 8 weight rows: y = W_hat @ Q8(x) up to float summation order.
 //   NF4:         float32 activations; the codes are widened through the 16-level table (lut4_linear).
 //   float32:     f32_linear, register tiles of 3 activation rows x 4 weight rows.
 //
@@ -16,6 +16,9 @@
 //   int8:  w int8 [N, K], scales float32 [N]                     w_hat[n,k] = w[n,k] * s[n]
 //   4-bit: w uint8 [N, K/2] (k even: low nibble, k odd: high),   w_hat[n,k] = lut[code] * s[k/G, n]
 //          scales float16 [K/G, N], lut float32 [16]            (int4: lut[c] = c - 8; NF4: the NF4 levels)
+//   int4 panels (int4_linear): w uint8 [N, K/2] holding N/8 panels of 8 rows, each K * 4 contiguous bytes in
+//          chunks of 8 k: byte 4r + i of chunk t = code(r, 8t + i) | code(r, 8t + 4 + i) << 4
+//          (quant.schemes.pack_panels), scales float16 [K/G, N]  w_hat[n,k] = (code - offset) * s[k/G, n]
 //
 // The AVX2+FMA paths are compiled with target attributes and chosen at run time, so one build runs on any
 // x86-64 CPU; elsewhere the scalar loops run.
@@ -197,11 +200,11 @@ void for_tiles(int64_t M, int64_t n0, int64_t n1, Fn&& fn) {
   for (; n < n1; ++n) rows(n, std::integral_constant<int, 1>{});
 }
 
-// How far ahead of the weight bytes being read the int8 and int4 tiles prefetch. A task's weight rows are
-// contiguous (at::parallel_for hands each thread one run of rows), so an address a few KB on is a row this thread
-// reads soon. Chosen by interleaved A/Bs of a decode step's projections (SmolLM2's 30 layers, 2 threads): 256
-// bytes (less than one row) was the slowest distance tried at 1 activation row; at 32 rows the int4 tile is
-// compute-bound and indifferent, the int8 tile gained at 2 KB as well.
+// How far ahead of the weight bytes being read the int8 tiles and int4 panels prefetch. A task's weight rows
+// (panels) are contiguous (at::parallel_for hands each thread one run of them), so an address a few KB on is one
+// this thread reads soon. Chosen by interleaved A/Bs of a decode step's projections (SmolLM2's 30 layers, 2
+// threads): 256 bytes (less than one row) was the slowest distance tried at 1 activation row; the int8 tile
+// gained at 2 KB at 32 rows as well; the int4 panels were level or slightly faster at 4 KB than at 1 KB.
 constexpr int64_t kInt8Ahead = 2048;
 constexpr int64_t kInt4Ahead = 4096;
 
@@ -237,12 +240,10 @@ __attribute__((target("avx2,fma"))) inline float load_block_absmax(const float* 
 
 // Quantize x [M, K] per block of 32: q = round(x / d) clamped to +-127, d = max|x| / 127 (a zero block gives
 // d = 0, q = 0), with the same division, round-half-even and clamp as the PyTorch reference, so q matches it.
-// Each block is stored [even k | odd k] (the 4-bit nibble order). qsum[m, b] = sum of q.
+// qsum[m, b] = sum of q.
 __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, int64_t M, int64_t K, int8_t* q,
                                                               float* d, int32_t* qsum) {
   const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const __m256i even_odd = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
-                                            0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
   const int64_t nb = K / 32;
   for (int64_t i = 0; i < M * nb; ++i) {
     const float* xb = x + i * 32;
@@ -272,7 +273,6 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
     // pack 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane; the permute restores k order)
     __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
     packed = _mm256_permutevar8x32_epi32(packed, order);
-    packed = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(packed, even_odd), 0xD8);  // qwords 0, 2, 1, 3
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), packed);
     const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
                                            _mm256_set1_epi16(1));  // 8 partial sums of q
@@ -280,13 +280,6 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
     s4 = _mm_hadd_epi32(s4, s4);
     qsum[i] = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
   }
-}
-
-__attribute__((target("avx2,fma"))) inline __m256 dot_block(__m256i u, __m256i s, __m256 scale, __m256 acc) {
-  // u: 32 unsigned bytes, s: 32 signed bytes; sum of the 32 products (in 8 lanes) * scale + acc
-  const __m256i pairs = _mm256_maddubs_epi16(u, s);  // 16 int16: no saturation for |u|, |s| <= 127
-  const __m256i quads = _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));  // 8 int32
-  return _mm256_fmadd_ps(_mm256_cvtepi32_ps(quads), scale, acc);
 }
 
 // ---------------------------------------------------------------- int16 activations (int8 weights)
@@ -367,57 +360,59 @@ __attribute__((target("avx2,fma"))) void q16_int8_tile_avx2(const int16_t* q, co
   }
 }
 
-// int4 codes c (w = c - offset, scale per group of G) x Q8 activations de-interleaved per block. The codes are
-// unsigned (0..15), so vpmaddubsw takes them as they are; the offset comes back as offset * xs_g per group,
-// xs_g = sum over the group's blocks of d_b * sum(q_b) (group_shifts, once per activation row).
-// A block's 16 code bytes are broadcast to both 128-bit lanes and one variable shift (0 | 4 bits) plus a mask
-// gives low nibbles (even k) in lane 0 and high nibbles (odd k) in lane 1: 3 ops where split + insert took 5.
-template <int MT, int NT>
-__attribute__((target("avx2,fma,f16c"))) void q8_int4_tile_avx2(const int8_t* q, const float* d, const float* xs,
-                                                           const uint8_t* w, const c10::Half* s, int64_t offset,
-                                                           float* y, int64_t N, int64_t K, int64_t G,
-                                                           int64_t n) {
+// int4 codes c (w = c - offset, scale per group of G) x Q8 activations: MT activation rows x one panel of 8
+// weight rows (see the layout above), outer-product style, so each lane of a vector is one output row and no
+// horizontal sums are needed. A 32-byte chunk holds 8 rows x 8 k: its low nibbles are k 0-3 of each row, its
+// high nibbles k 4-7, and 4 activation codes broadcast as one int32 meet them in one vpmaddubsw (codes are
+// unsigned, 0..15, so they take its unsigned side). A block's 8 products per row accumulate in int16:
+// |sum| <= 8 * 2 * 15 * 127 = 30480 < 2^15. The offset comes back as offset * xs_g per group,
+// xs_g = sum over the group's blocks of d_b * sum(q_b) (group_shifts, once per activation row). Each output's
+// float operations are the same whatever MT is, so a row's bits do not depend on the batch.
+// Against the earlier per-row tiles over [N, K/2] rows: 1.4x at 1 activation row, 2x at 8-32 rows (ad-hoc
+// interleaved A/B, 30 SmolLM2-shaped layers).
+template <int MT>
+__attribute__((target("avx2,fma,f16c"))) void q8_int4_panel_avx2(const int8_t* q, const float* d, const float* xs,
+                                                            const uint8_t* w, const c10::Half* s, int64_t offset,
+                                                            float* y, int64_t N, int64_t K, int64_t G, int64_t p) {
   const int64_t nb = K / 32, per_group = G / 32, ng = K / G;
   const __m256i low_mask = _mm256_set1_epi8(0x0F);
-  const __m256i lane_shift = _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4);
-  __m256 total[MT][NT];
-  float shift[MT][NT];  // sum over groups of scale * xs_g
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j) {
-      total[m][j] = _mm256_setzero_ps();
-      shift[m][j] = 0.f;
-    }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const uint8_t* panel = w + p * 4 * K;
+  __m256 total[MT], shift[MT];
+  for (int m = 0; m < MT; ++m) total[m] = shift[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; ++g) {
-    __m256 acc[MT][NT];
-    for (int m = 0; m < MT; ++m)
-      for (int j = 0; j < NT; ++j) acc[m][j] = _mm256_setzero_ps();
+    __m256 gacc[MT];
+    for (int m = 0; m < MT; ++m) gacc[m] = _mm256_setzero_ps();
     for (int64_t b = g * per_group; b < (g + 1) * per_group; ++b) {
-      __m256i xq[MT];
-      __m256 dv[MT];
-      for (int m = 0; m < MT; ++m) {
-        xq[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + m * K + 32 * b));
-        dv[m] = _mm256_broadcast_ss(d + m * nb + b);
+      const uint8_t* wb = panel + 128 * b;  // 4 chunks of 32 bytes: 8 rows x 32 k
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kInt4Ahead), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wb + kInt4Ahead + 64), _MM_HINT_T0);
+      __m256i acc[MT];
+      for (int m = 0; m < MT; ++m) acc[m] = _mm256_setzero_si256();
+      for (int t = 0; t < 4; ++t) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + 32 * t));
+        const __m256i lo = _mm256_and_si256(bytes, low_mask);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_mask);
+        for (int m = 0; m < MT; ++m) {
+          const float* xq = reinterpret_cast<const float*>(q + m * K + 32 * b + 8 * t);  // 4 codes as one float
+          const __m256i x_lo = _mm256_castps_si256(_mm256_broadcast_ss(xq));
+          const __m256i x_hi = _mm256_castps_si256(_mm256_broadcast_ss(xq + 1));
+          acc[m] = _mm256_add_epi16(acc[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, x_lo),
+                                                             _mm256_maddubs_epi16(hi, x_hi)));
+        }
       }
-      for (int j = 0; j < NT; ++j) {
-        const uint8_t* wb = w + (n + j) * (K / 2) + 16 * b;
-        if (b % 4 == 0)  // one cache line (4 blocks of 16 bytes) kInt4Ahead bytes on
-          _mm_prefetch(reinterpret_cast<const char*>(wb + kInt4Ahead), _MM_HINT_T0);
-        const __m256i bytes = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb)));
-        const __m256i codes = _mm256_and_si256(_mm256_srlv_epi32(bytes, lane_shift), low_mask);
-        for (int m = 0; m < MT; ++m) acc[m][j] = dot_block(codes, xq[m], dv[m], acc[m][j]);
-      }
+      for (int m = 0; m < MT; ++m)
+        gacc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(acc[m], ones)),
+                                  _mm256_broadcast_ss(d + m * nb + b), gacc[m]);
     }
-    for (int j = 0; j < NT; ++j) {
-      const float scale = _cvtsh_ss(s[g * N + n + j].x);  // F16C: c10::Half's conversion is ~15 scalar ops
-      for (int m = 0; m < MT; ++m) {
-        total[m][j] = _mm256_fmadd_ps(acc[m][j], _mm256_set1_ps(scale), total[m][j]);
-        shift[m][j] = std::fma(scale, xs[m * ng + g], shift[m][j]);
-      }
+    const __m256 scale = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s + g * N + 8 * p)));
+    for (int m = 0; m < MT; ++m) {
+      total[m] = _mm256_fmadd_ps(gacc[m], scale, total[m]);
+      shift[m] = _mm256_fmadd_ps(scale, _mm256_broadcast_ss(xs + m * ng + g), shift[m]);
     }
   }
-  for (int m = 0; m < MT; ++m)
-    for (int j = 0; j < NT; ++j)
-      y[m * N + n + j] = std::fma(-static_cast<float>(offset), shift[m][j], hsum(total[m][j]));
+  const __m256 minus_offset = _mm256_set1_ps(-static_cast<float>(offset));
+  for (int m = 0; m < MT; ++m) _mm256_storeu_ps(y + m * N + 8 * p, _mm256_fmadd_ps(minus_offset, shift[m], total[m]));
 }
 #endif
 
@@ -438,7 +433,7 @@ void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, int8_t* q, flo
     for (int k = 0; k < 32; ++k) {
       const float r = (bad || scale == 0.f) ? 0.f : std::clamp(std::nearbyint(xb[k] / scale), -127.f, 127.f);
       const int v = static_cast<int>(r);
-      q[i * 32 + (k % 2) * 16 + k / 2] = static_cast<int8_t>(v);
+      q[i * 32 + k] = static_cast<int8_t>(v);
       sum += v;
     }
     qsum[i] = sum;
@@ -477,26 +472,33 @@ void q16_int8_rows_scalar(const int16_t* q, const float* d, const int8_t* w, con
     }
 }
 
-void q8_int4_rows_scalar(const int8_t* q, const float* d, const uint8_t* w, const c10::Half* s, int64_t offset,
-                         float* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t m = 0; m < M; ++m) {
-      float total = 0.f;
-      for (int64_t g = 0; g < K / G; ++g) {
-        float acc = 0.f;
-        for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); ++b) {
-          int32_t dot = 0;
-          for (int k = 0; k < 16; ++k) {  // q is de-interleaved: [even k | odd k]
-            const uint8_t byte = w[n * (K / 2) + 16 * b + k];
-            dot += (static_cast<int32_t>(byte & 0x0F) - offset) * q[m * K + 32 * b + k] +
-                   (static_cast<int32_t>(byte >> 4) - offset) * q[m * K + 32 * b + 16 + k];
+// q8_int4_panel_avx2's arithmetic one output at a time (the same integer block sums, the same fma order), for
+// panels [p0, p1).
+void q8_int4_panels_scalar(const int8_t* q, const float* d, const float* xs, const uint8_t* w, const c10::Half* s,
+                           int64_t offset, float* y, int64_t M, int64_t N, int64_t K, int64_t G, int64_t p0,
+                           int64_t p1) {
+  const int64_t nb = K / 32, ng = K / G;
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < 8; ++r) {
+        float total = 0.f, shift = 0.f;
+        for (int64_t g = 0; g < ng; ++g) {
+          float gacc = 0.f;
+          for (int64_t b = g * (G / 32); b < (g + 1) * (G / 32); ++b) {
+            int32_t dot = 0;
+            for (int t = 0; t < 4; ++t)
+              for (int i = 0; i < 4; ++i) {
+                const uint8_t byte = w[p * 4 * K + 128 * b + 32 * t + 4 * r + i];
+                dot += (byte & 0x0F) * q[m * K + 32 * b + 8 * t + i] + (byte >> 4) * q[m * K + 32 * b + 8 * t + 4 + i];
+              }
+            gacc = std::fma(static_cast<float>(dot), d[m * nb + b], gacc);
           }
-          acc += static_cast<float>(dot) * d[m * (K / 32) + b];
+          const float scale = static_cast<float>(s[g * N + 8 * p + r]);
+          total = std::fma(gacc, scale, total);
+          shift = std::fma(scale, xs[m * ng + g], shift);
         }
-        total += acc * static_cast<float>(s[g * N + n]);
+        y[m * N + 8 * p + r] = std::fma(-static_cast<float>(offset), shift, total);
       }
-      y[m * N + n] = total;
-    }
 }
 
 void check_x(const torch::Tensor& x, int64_t K) {
@@ -615,13 +617,14 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   return y;
 }
 
-// y [M, N] = Q8(x) [M, K] @ W_hat^T for int4 codes packed two per byte (k even: low nibble):
-// W_hat[n, k] = (code - offset) * scales[k / G, n]; G must be a multiple of 32.
+// y [M, N] = Q8(x) [M, K] @ W_hat^T for int4 codes in panels of 8 rows (see the layout at the top):
+// W_hat[n, k] = (code - offset) * scales[k / G, n]; G must be a multiple of 32 and N of 8.
 torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                           int64_t group, int64_t offset) {
   KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kUInt8 && w.is_contiguous(), "w must be uint8 [N, K/2]");
   const int64_t M = x.size(0), N = w.size(0), K = w.size(1) * 2;
   check_x(x, K);
+  KV_CHECK(N % 8 == 0, "int4_linear reads panels of 8 rows; N = ", N);
   KV_CHECK(group > 0 && group % 32 == 0 && K % group == 0, "group ", group,
            " must be a multiple of 32 that divides ", K);
   KV_CHECK(scales.scalar_type() == torch::kHalf && scales.is_contiguous() && scales.dim() == 2 &&
@@ -635,24 +638,24 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const uint8_t* wp = w.data_ptr<uint8_t>();
   const c10::Half* sp = scales.data_ptr<c10::Half>();
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+  at::parallel_for(0, N / 8, 1, [&](int64_t p0, int64_t p1) {
 #ifdef QL_X86
     if (has_avx2()) {
-      auto tile = [&](int64_t m, int64_t n, auto mt, auto nt) {
-        q8_int4_tile_avx2<decltype(mt)::value, decltype(nt)::value>(
-            qp + m * K, dp + m * (K / 32), xs + m * (K / group), wp, sp, offset, yp + m * N, N, K, group, n);
-      };
-      // 2 weight rows per tile for 1-2 activation rows (4 made a one-row decode step ~15% slower), 4 above
-      // (1.15-1.3x faster at 8-32 rows). A row's bits do not depend on the tile shape: the tile's scalar
-      // multiply-adds are explicit std::fma, so the compiler cannot contract them differently per shape.
-      if (M <= 2)
-        for_tiles<2, 2>(M, n0, n1, tile);
-      else
-        for_tiles<2, 4>(M, n0, n1, tile);
+      // 3 activation rows per tile (4 was slower at 8-32 rows: the accumulators no longer fit 16 registers)
+      for (int64_t p = p0; p < p1; ++p) {
+        int64_t m = 0;
+        auto tile = [&](auto mt) {
+          q8_int4_panel_avx2<decltype(mt)::value>(qp + m * K, dp + m * (K / 32), xs + m * (K / group), wp, sp,
+                                                  offset, yp + m * N, N, K, group, p);
+        };
+        for (; m + 3 <= M; m += 3) tile(std::integral_constant<int, 3>{});
+        for (; m + 2 <= M; m += 2) tile(std::integral_constant<int, 2>{});
+        for (; m < M; ++m) tile(std::integral_constant<int, 1>{});
+      }
       return;
     }
 #endif
-    q8_int4_rows_scalar(qp, dp, wp, sp, offset, yp, M, N, K, group, n0, n1);
+    q8_int4_panels_scalar(qp, dp, xs, wp, sp, offset, yp, M, N, K, group, p0, p1);
   });
   return y;
 }

@@ -11,7 +11,8 @@ NF4 (Dettmers et al. 2023, QLoRA) replaces the 16 evenly spaced int4 levels with
 normal distribution, scaled by the absmax of each block of 64 weights.
 
 4-bit codes are packed two to a byte along ``in``: byte ``j`` of a row holds weight ``2j`` in its low
-nibble and weight ``2j+1`` in its high nibble.
+nibble and weight ``2j+1`` in its high nibble (``pack_nibbles``). int4 layers served by the integer kernel
+store the same bytes in panels of 8 rows instead (``pack_panels``), the order that kernel reads.
 """
 
 from __future__ import annotations
@@ -192,6 +193,37 @@ def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     low = packed & 0x0F
     high = packed >> 4
     return torch.stack((low, high), dim=2).view(packed.shape[0], packed.shape[1] * 2)
+
+
+PANEL_ROWS = 8  # output rows per panel (pack_panels): one AVX2 vector of float32 outputs
+
+
+def pack_panels(codes: torch.Tensor) -> torch.Tensor:
+    """uint8 codes 0..15 ``[out, in]`` -> ``[out, in // 2]`` bytes in panels of ``PANEL_ROWS`` rows.
+
+    Rows ``8p .. 8p + 7`` become one run of ``in * 4`` bytes, in chunks of 8 inputs: byte ``4r + i`` of chunk
+    ``t`` holds ``codes[8p + r, 8t + i]`` in its low nibble and ``codes[8p + r, 8t + 4 + i]`` in its high one.
+    So one 32-byte load gives the int4 kernel 8 rows x 8 inputs, each output row in its own lane (an outer
+    product, no horizontal sums), and a panel is read front to back. The tensor keeps the shape of
+    ``pack_nibbles``'s, so a slice of whole panels (rows ``8a .. 8b``) is still a view of those rows.
+
+    Raises:
+        ValueError: ``out`` not a multiple of 8 or ``in`` not a multiple of 8.
+    """
+    out, inp = codes.shape
+    if out % PANEL_ROWS or inp % 8:
+        raise ValueError(f"panels need out and in to be multiples of 8, got [{out}, {inp}]")
+    c = codes.to(torch.uint8).reshape(out // PANEL_ROWS, PANEL_ROWS, inp // 8, 2, 4)  # [panel, r, t, half, i]
+    c = c.permute(0, 2, 1, 4, 3)  # [panel, t, r, i, half]
+    return (c[..., 0] | (c[..., 1] << 4)).contiguous().view(out, inp // 2)
+
+
+def unpack_panels(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of ``pack_panels``: ``[out, in // 2]`` -> uint8 codes ``[out, in]``."""
+    out, inp = packed.shape[0], packed.shape[1] * 2
+    v = packed.reshape(out // PANEL_ROWS, inp // 8, PANEL_ROWS, 4)  # [panel, t, r, i]
+    c = torch.stack((v & 0x0F, v >> 4), dim=-1)  # [panel, t, r, i, half]
+    return c.permute(0, 2, 1, 4, 3).reshape(out, inp)
 
 
 def fake_quantize(w: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

@@ -10,11 +10,11 @@ import torch
 from torch import nn
 
 from quant import kernels
-from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear
+from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear, concat_outputs
 from quant.model import projection_names, quantize_model, serving_quantizes_head
 from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
-                           dequantize_nf4, fake_quantize, pack_nibbles, quantize_activations, quantize_int,
-                           quantize_nf4, relative_error, unpack_nibbles)
+                           dequantize_nf4, fake_quantize, pack_nibbles, pack_panels, quantize_activations,
+                           quantize_int, quantize_nf4, relative_error, unpack_nibbles, unpack_panels)
 
 INT4_TENSOR = QuantSpec(Scheme.INT4, Granularity.TENSOR)
 INT4_ROW = QuantSpec(Scheme.INT4, Granularity.ROW)
@@ -39,6 +39,32 @@ def test_nibbles_round_trip():
     assert packed.shape == (5, 32)
     assert packed[0, 0] == codes[0, 0] | (codes[0, 1] << 4)
     assert torch.equal(unpack_nibbles(packed), codes)
+
+
+def test_panels_round_trip_and_place_each_code_where_the_kernel_reads_it():
+    codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
+    packed = pack_panels(codes)
+    assert packed.shape == (16, 32) and torch.equal(unpack_panels(packed), codes)
+    flat = packed.view(-1)
+    # panel 1 (rows 8-15) starts at byte 64 * 4; chunk t = 2 (inputs 16-23); row r = 3, input i = 1:
+    # low nibble = codes[11, 17], high nibble = codes[11, 21]
+    byte = flat[1 * 64 * 4 + 2 * 32 + 4 * 3 + 1]
+    assert byte == codes[11, 17] | (codes[11, 21] << 4)
+    assert torch.equal(unpack_panels(packed[8:]), codes[8:])  # whole panels slice as rows
+    with pytest.raises(ValueError, match="multiples of 8"):
+        pack_panels(codes[:12])
+
+
+def test_int4_layers_use_panels_only_where_the_integer_kernel_serves_them():
+    linears = nn.Linear(576, 24), nn.Linear(576, 20)  # 20 output rows: not whole panels (float table kernel)
+    panels, rows = (Int4Linear(linear) for linear in linears)
+    assert (panels.layout, panels.kernel_act_block) == ("panels", ACT_BLOCK)
+    assert (rows.layout, rows.kernel_act_block) == ("rows", None)
+    for layer, linear in zip((panels, rows), linears):
+        assert layer.weight.shape == (layer.out_features, 288)
+        assert torch.equal(layer.dequantize(), fake_quantize(linear.weight.detach(), INT4_GROUP))
+    with pytest.raises(ValueError, match="layout"):  # q/k/v fusion falls back to separate calls
+        concat_outputs([Int4Linear(nn.Linear(576, 8)), Int4Linear(nn.Linear(576, 4))])
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(Scheme.INT8, Granularity.ROW), INT4_ROW, INT4_GROUP, INT4_TENSOR])
@@ -242,7 +268,7 @@ def test_serving_layers_compute_with_the_reported_w_hat():
 def test_state_records_scheme_and_group_size():
     layer = Int4Linear(nn.Linear(576, 8, bias=False))
     state = layer.state_dict()
-    assert state["_extra_state"] == {"scheme": "int4", "granularity": "group", "group_size": 96}
+    assert state["_extra_state"] == {"scheme": "int4", "granularity": "group", "group_size": 96, "layout": "panels"}
     assert state["weight"].dtype == torch.uint8 and state["weight"].shape == (8, 288)
     assert state["scales"].dtype == torch.float16 and state["scales"].shape == (6, 8)  # [in // group, out]
     other = Int4Linear(nn.Linear(576, 8, bias=False), QuantSpec(Scheme.INT4, Granularity.GROUP, 64))
@@ -251,6 +277,8 @@ def test_state_records_scheme_and_group_size():
     fresh = Int4Linear(nn.Linear(576, 8, bias=False))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.dequantize(), layer.dequantize())
+    with pytest.raises(ValueError, match="rows"):  # codes in another order must not load silently
+        fresh.load_state_dict({**state, "_extra_state": {**state["_extra_state"], "layout": "rows"}})
 
 
 def test_quantize_model_keeps_head_and_works_in_bfloat16():
