@@ -25,9 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from quant import kernels
-from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, PANEL_ROWS, Q8_MAX, Q16_MAX, SERVING_SPECS,
-                           QuantSpec, Scheme, dequantize_int, dequantize_nf4, pack_nibbles, pack_panels,
-                           quantize_activations, quantize_int, quantize_nf4, unpack_nibbles, unpack_panels)
+from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS, INT8_PANEL_ROWS, NF4_LEVELS, Q8_MAX,
+                           Q16_MAX, SERVING_SPECS, QuantSpec, Scheme, dequantize_int, dequantize_nf4, pack_int8_panels,
+                           pack_nibble_panels, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
+                           unpack_int8_panels, unpack_nibble_panels, unpack_nibbles)
 
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 with groups of
@@ -77,7 +78,8 @@ class QuantLinear(nn.Module):
 
     @property
     def layout(self) -> str:
-        """How ``weight`` orders its codes: ``"rows"`` (row-major) or ``"panels"`` (``quant.schemes.pack_panels``)."""
+        """How ``weight`` orders its codes: ``"rows"`` (row-major) or ``"panels"`` (the integer kernels' order:
+        ``quant.schemes.pack_int8_panels``, ``pack_nibble_panels``)."""
         return "rows"
 
     @property
@@ -154,7 +156,11 @@ class QuantLinear(nn.Module):
 
 
 class Int8Linear(QuantLinear):
-    """int8 codes ``weight [out, in]`` with float32 ``scales [out]`` (per output row); int16 activations."""
+    """int8 codes ``weight [out, in]`` with float32 ``scales [out]`` (per output row); int16 activations.
+
+    Where the kernel serves the layer and ``out`` is a multiple of 16, the codes are stored in its panel order
+    (``quant.schemes.pack_int8_panels``); ``dequantize`` reads either order.
+    """
 
     scheme = Scheme.INT8
     act_qmax = Q16_MAX
@@ -162,11 +168,16 @@ class Int8Linear(QuantLinear):
     def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT8]) -> None:
         super().__init__(linear, spec)
         q, scales = quantize_int(linear.weight.detach(), spec)
-        self.register_buffer("weight", q)  # [out, in] int8
+        self.register_buffer("weight", pack_int8_panels(q) if self.layout == "panels" else q)  # [out, in] int8
         self.register_buffer("scales", scales.float().expand(self.out_features).contiguous())  # [out]
 
+    @property
+    def layout(self) -> str:
+        return "panels" if self.has_kernel and self.out_features % INT8_PANEL_ROWS == 0 else "rows"
+
     def dequantize(self) -> torch.Tensor:
-        return dequantize_int(self.weight, self.scales, self.group_size)
+        codes = unpack_int8_panels(self.weight) if self.layout == "panels" else self.weight
+        return dequantize_int(codes, self.scales, self.group_size)
 
     @property
     def kernel_act_block(self) -> int | None:
@@ -180,10 +191,10 @@ class Int8Linear(QuantLinear):
         return self.in_features % ACT_BLOCK == 0
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.load().int8_linear(x, self.weight, self.scales, self.kernel_act_block)
+        return kernels.load().int8_linear(x, self.weight, self.scales, self.kernel_act_block, self.layout == "panels")
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
-        return module.bind_int8(self.weight, self.scales, self.kernel_act_block)
+        return module.bind_int8(self.weight, self.scales, self.kernel_act_block, self.layout == "panels")
 
 
 class Nibble4Linear(QuantLinear):
@@ -214,7 +225,7 @@ class Int4Linear(Nibble4Linear):
     """Symmetric int4 (codes -7..7 stored as nibbles 1..15) with a 16-bit scale per group.
 
     Where the integer kernel serves the layer (groups of whole activation blocks, ``out`` a multiple of 8) the
-    codes are stored in its panel order (``quant.schemes.pack_panels``), otherwise row-major for the float
+    codes are stored in its panel order (``quant.schemes.pack_nibble_panels``), otherwise row-major for the float
     table kernel; ``dequantize`` reads either.
     """
 
@@ -224,7 +235,8 @@ class Int4Linear(Nibble4Linear):
         super().__init__(linear, spec)
         q, scales = quantize_int(linear.weight.detach(), spec)
         codes = (q + INT4_OFFSET).to(torch.uint8)
-        self.register_buffer("weight", pack_panels(codes) if self.layout == "panels" else pack_nibbles(codes))
+        packed = pack_nibble_panels(codes) if self.layout == "panels" else pack_nibbles(codes)
+        self.register_buffer("weight", packed)  # [out, in // 2]
         # Per-tensor and per-row scales are widened to the group layout so one kernel reads them all.
         groups = self.in_features // self.group_size
         self.register_buffer("scales", scales.half().expand(groups, self.out_features).contiguous()
@@ -236,7 +248,7 @@ class Int4Linear(Nibble4Linear):
 
     @property
     def layout(self) -> str:
-        return "panels" if self.group_size % ACT_BLOCK == 0 and self.out_features % PANEL_ROWS == 0 else "rows"
+        return "panels" if self.group_size % ACT_BLOCK == 0 and self.out_features % INT4_PANEL_ROWS == 0 else "rows"
 
     @property
     def kernel_act_block(self) -> int | None:
@@ -254,7 +266,7 @@ class Int4Linear(Nibble4Linear):
         return module.bind_int4(self.weight, self.scales, self.group_size, INT4_OFFSET)
 
     def dequantize(self) -> torch.Tensor:
-        codes = unpack_panels(self.weight) if self.layout == "panels" else unpack_nibbles(self.weight)
+        codes = unpack_nibble_panels(self.weight) if self.layout == "panels" else unpack_nibbles(self.weight)
         q = codes.to(torch.int8) - INT4_OFFSET  # [out, in]
         return dequantize_int(q, self.scales, self.group_size)
 

@@ -14,11 +14,13 @@
 //
 // Layouts (see quant/schemes.py):
 //   int8:  w int8 [N, K], scales float32 [N]                     w_hat[n,k] = w[n,k] * s[n]
+//   int8 panels (int8_linear with panels): w int8 [N, K] holding N/16 panels of 16 rows, each 16 * K contiguous
+//          bytes in k pairs: byte 2r + j of pair i = w[16p + r, 2i + j] (quant.schemes.pack_int8_panels)
 //   4-bit: w uint8 [N, K/2] (k even: low nibble, k odd: high),   w_hat[n,k] = lut[code] * s[k/G, n]
 //          scales float16 [K/G, N], lut float32 [16]            (int4: lut[c] = c - 8; NF4: the NF4 levels)
 //   int4 panels (int4_linear): w uint8 [N, K/2] holding N/8 panels of 8 rows, each K * 4 contiguous bytes in
 //          chunks of 8 k: byte 4r + i of chunk t = code(r, 8t + i) | code(r, 8t + 4 + i) << 4
-//          (quant.schemes.pack_panels), scales float16 [K/G, N]  w_hat[n,k] = (code - offset) * s[k/G, n]
+//          (quant.schemes.pack_nibble_panels), scales float16 [K/G, N]  w_hat[n,k] = (code - offset) * s[k/G, n]
 //
 // The AVX2+FMA paths are compiled with target attributes and chosen at run time, so one build runs on any
 // x86-64 CPU; elsewhere the scalar loops run.
@@ -206,6 +208,7 @@ void for_tiles(int64_t M, int64_t n0, int64_t n1, Fn&& fn) {
 // threads): 256 bytes (less than one row) was the slowest distance tried at 1 activation row; the int8 tile
 // gained at 2 KB at 32 rows as well; the int4 panels were level or slightly faster at 4 KB than at 1 KB.
 constexpr int64_t kInt8Ahead = 2048;
+constexpr int64_t kInt8PanelAhead = 1024;
 constexpr int64_t kInt4Ahead = 4096;
 
 // Weight rows a tile (activation rows from m, weight rows from n, in a task ending at n1) prefetches: the NT rows
@@ -360,6 +363,51 @@ __attribute__((target("avx2,fma"))) void q16_int8_tile_avx2(const int16_t* q, co
   }
 }
 
+// int8 weights x Q16 activations over one panel of 16 weight rows (see the layout at the top), outer-product
+// style: each lane of the two accumulators per activation row is one output row. A k pair of the 16 rows is
+// 32 bytes, widened to two vectors of int16 (rows 0-7, 8-15); the activation's two int16 codes for that pair
+// are broadcast as one int32, and vpmaddwd gives each row w[k] x[k] + w[k+1] x[k+1]. Block sums stay in int32
+// (|sum| <= 64 * 32767 * 127 < 2^31) and are converted and scaled once per block, in block order, so an
+// output's float operations do not depend on MT (batch invariance). Against the row tiles: 1.2-1.4x at
+// 1 activation row, 1.1x at 8-32 (ad-hoc interleaved A/B, 30 SmolLM2-shaped layers); with 8-row panels it
+// was slower than the row tiles (above), which serve layers whose rows do not fill panels.
+template <int QB, int MT>
+__attribute__((target("avx2,fma"))) void q16_int8_panel_avx2(const int16_t* q, const float* d, const int8_t* w,
+                                                             const float* s, float* y, int64_t N, int64_t K,
+                                                             int64_t p) {
+  const int64_t nb = K / QB;
+  const int8_t* panel = w + p * 16 * K;
+  __m256 total[MT][2];
+  for (int m = 0; m < MT; ++m) total[m][0] = total[m][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256i acc[MT][2];
+    for (int m = 0; m < MT; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+    const int8_t* wb = panel + 16 * QB * b;
+    for (int i = 0; i < QB / 2; ++i) {
+      if (i % 2 == 0)  // one cache line per two pairs
+        _mm_prefetch(reinterpret_cast<const char*>(wb + 32 * i + kInt8PanelAhead), _MM_HINT_T0);
+      const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 32 * i)));
+      const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wb + 32 * i + 16)));
+      for (int m = 0; m < MT; ++m) {  // the pair's two int16 codes, broadcast as one 32-bit value
+        const __m256i xv = _mm256_castps_si256(
+            _mm256_broadcast_ss(reinterpret_cast<const float*>(q + m * K + QB * b + 2 * i)));
+        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(lo, xv));
+        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(hi, xv));
+      }
+    }
+    for (int m = 0; m < MT; ++m) {
+      const __m256 dv = _mm256_broadcast_ss(d + m * nb + b);
+      total[m][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][0]), dv, total[m][0]);
+      total[m][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][1]), dv, total[m][1]);
+    }
+  }
+  const __m256 s_lo = _mm256_loadu_ps(s + 16 * p), s_hi = _mm256_loadu_ps(s + 16 * p + 8);
+  for (int m = 0; m < MT; ++m) {
+    _mm256_storeu_ps(y + m * N + 16 * p, _mm256_mul_ps(total[m][0], s_lo));
+    _mm256_storeu_ps(y + m * N + 16 * p + 8, _mm256_mul_ps(total[m][1], s_hi));
+  }
+}
+
 // int4 codes c (w = c - offset, scale per group of G) x Q8 activations: MT activation rows x one panel of 8
 // weight rows (see the layout above), outer-product style, so each lane of a vector is one output row and no
 // horizontal sums are needed. A 32-byte chunk holds 8 rows x 8 k: its low nibbles are k 0-3 of each row, its
@@ -472,6 +520,23 @@ void q16_int8_rows_scalar(const int16_t* q, const float* d, const int8_t* w, con
     }
 }
 
+// q16_int8_panel_avx2's arithmetic one output at a time, for panels [p0, p1).
+void q16_int8_panels_scalar(const int16_t* q, const float* d, const int8_t* w, const float* s, float* y, int64_t M,
+                            int64_t N, int64_t K, int64_t qb, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; ++p)
+    for (int64_t m = 0; m < M; ++m)
+      for (int r = 0; r < 16; ++r) {
+        float total = 0.f;
+        for (int64_t b = 0; b < K / qb; ++b) {
+          int32_t dot = 0;
+          for (int64_t k = qb * b; k < qb * (b + 1); ++k)
+            dot += q[m * K + k] * w[p * 16 * K + 32 * (k / 2) + 2 * r + k % 2];
+          total = std::fma(static_cast<float>(dot), d[m * (K / qb) + b], total);
+        }
+        y[m * N + 16 * p + r] = total * s[16 * p + r];
+      }
+}
+
 // q8_int4_panel_avx2's arithmetic one output at a time (the same integer block sums, the same fma order), for
 // panels [p0, p1).
 void q8_int4_panels_scalar(const int8_t* q, const float* d, const float* xs, const uint8_t* w, const c10::Half* s,
@@ -573,7 +638,7 @@ const float* group_shifts(const QuantizedX& qx, int64_t M, int64_t K, int64_t G)
 // quantized to int16 per block of `block` (64, or 32 where K is not a multiple of 64; quant.linear.Int8Linear
 // passes its act_block).
 torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
-                          int64_t block) {
+                          int64_t block, bool panels) {
   KV_CHECK(w.dim() == 2 && w.scalar_type() == torch::kInt8 && w.is_contiguous(), "w must be int8 [N, K]");
   KV_CHECK(scales.scalar_type() == torch::kFloat32 && scales.numel() == w.size(0) && scales.is_contiguous(),
            "scales must be float32 [N]");
@@ -581,6 +646,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   check_x(x, K);
   KV_CHECK((block == 32 || block == 64) && K % block == 0, "int8_linear quantizes activations per block of 32 or 64 "
            "that divides K; block = ", block, ", K = ", K);
+  KV_CHECK(!panels || N % 16 == 0, "int8 panels hold 16 rows; N = ", N);
   const QuantizedX16& qx = quantize_x16(x, block);
   auto y = torch::empty({M, N}, x.options());
   const int16_t* qp = qx.q.data();
@@ -588,6 +654,34 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
   const int8_t* wp = w.data_ptr<int8_t>();
   const float* sp = scales.data_ptr<float>();
   float* yp = y.data_ptr<float>();
+  if (panels) {
+    at::parallel_for(0, N / 16, 1, [&](int64_t p0, int64_t p1) {
+#ifdef QL_X86
+      if (has_avx2()) {
+        auto run = [&](auto qb) {  // 4 activation rows per tile, then 2, then 1
+          constexpr int QB = decltype(qb)::value;
+          for (int64_t p = p0; p < p1; ++p) {
+            int64_t m = 0;
+            auto tile = [&](auto mt) {
+              q16_int8_panel_avx2<QB, decltype(mt)::value>(qp + m * K, dp + m * (K / QB), wp, sp, yp + m * N, N, K,
+                                                           p);
+            };
+            for (; m + 4 <= M; m += 4) tile(std::integral_constant<int, 4>{});
+            for (; m + 2 <= M; m += 2) tile(std::integral_constant<int, 2>{});
+            for (; m < M; ++m) tile(std::integral_constant<int, 1>{});
+          }
+        };
+        if (block == 64)
+          run(std::integral_constant<int, 64>{});
+        else
+          run(std::integral_constant<int, 32>{});
+        return;
+      }
+#endif
+      q16_int8_panels_scalar(qp, dp, wp, sp, yp, M, N, K, block, p0, p1);
+    });
+    return y;
+  }
   at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
 #ifdef QL_X86
     if (has_avx2()) {
@@ -745,7 +839,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // The kernels run without the GIL, as torch's own ops do: a server's event loop thread (SSE, HTTP) can run
   // its Python while a step's projections compute, instead of waiting for the step's Python to yield the GIL.
   m.def("int8_linear", &int8_linear, NoGil(),
-        "x [M,K] f32, w int8 [N,K], scales f32 [N], block (32 or 64) -> [M,N] (x as Q16 blocks)");
+        "x [M,K] f32, w int8 [N,K] (rows or panels of 16), scales f32 [N], block (32 or 64), panels -> [M,N] "
+        "(x as Q16 blocks)");
   m.def("int4_linear", &int4_linear, NoGil(),
         "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, offset -> [M,N] (x as Q8 blocks of 32)");
   m.def("lut4_linear", &lut4_linear, NoGil(),
@@ -754,10 +849,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("vectorized", &vectorized, "True when the AVX2+FMA path runs on this CPU");
   // A layer's kernel bound to its weights once: f(x) -> y. A call then converts one argument and runs no
   // Python frame (a Python lambda around the kernel cost both, on each of a decode step's ~120-210 calls).
-  m.def("bind_int8", [](torch::Tensor w, torch::Tensor scales, int64_t block) {
+  m.def("bind_int8", [](torch::Tensor w, torch::Tensor scales, int64_t block, bool panels) {
     return py::cpp_function(
-        [w, scales, block](const torch::Tensor& x) { return int8_linear(x, w, scales, block); }, NoGil());
-  }, "int8_linear bound to (w, scales, block)");
+        [w, scales, block, panels](const torch::Tensor& x) { return int8_linear(x, w, scales, block, panels); },
+        NoGil());
+  }, "int8_linear bound to (w, scales, block, panels)");
   m.def("bind_int4", [](torch::Tensor w, torch::Tensor scales, int64_t group, int64_t offset) {
     return py::cpp_function(
         [w, scales, group, offset](const torch::Tensor& x) { return int4_linear(x, w, scales, group, offset); },

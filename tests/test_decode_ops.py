@@ -145,7 +145,7 @@ def test_the_kernels_format_error_messages_without_iostreams():
         assert "KV_CHECK(" in text
     qlinear = kernels.load()
     with pytest.raises(RuntimeError, match="per block of 32 or 64 that divides K; block = 32, K = 30$"):
-        qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32)
+        qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32, False)
 
 
 def test_silu_mul_is_torch_bits_on_contiguous_and_strided_halves():

@@ -13,8 +13,9 @@ from quant import kernels
 from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear, concat_outputs
 from quant.model import projection_names, quantize_model, serving_quantizes_head
 from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
-                           dequantize_nf4, fake_quantize, pack_nibbles, pack_panels, quantize_activations,
-                           quantize_int, quantize_nf4, relative_error, unpack_nibbles, unpack_panels)
+                           dequantize_nf4, fake_quantize, pack_int8_panels, pack_nibble_panels, pack_nibbles,
+                           quantize_activations, quantize_int, quantize_nf4, relative_error, unpack_int8_panels,
+                           unpack_nibble_panels, unpack_nibbles)
 
 INT4_TENSOR = QuantSpec(Scheme.INT4, Granularity.TENSOR)
 INT4_ROW = QuantSpec(Scheme.INT4, Granularity.ROW)
@@ -43,16 +44,34 @@ def test_nibbles_round_trip():
 
 def test_panels_round_trip_and_place_each_code_where_the_kernel_reads_it():
     codes = torch.randint(0, 16, (16, 64), dtype=torch.uint8)
-    packed = pack_panels(codes)
-    assert packed.shape == (16, 32) and torch.equal(unpack_panels(packed), codes)
+    packed = pack_nibble_panels(codes)
+    assert packed.shape == (16, 32) and torch.equal(unpack_nibble_panels(packed), codes)
     flat = packed.view(-1)
     # panel 1 (rows 8-15) starts at byte 64 * 4; chunk t = 2 (inputs 16-23); row r = 3, input i = 1:
     # low nibble = codes[11, 17], high nibble = codes[11, 21]
     byte = flat[1 * 64 * 4 + 2 * 32 + 4 * 3 + 1]
     assert byte == codes[11, 17] | (codes[11, 21] << 4)
-    assert torch.equal(unpack_panels(packed[8:]), codes[8:])  # whole panels slice as rows
+    assert torch.equal(unpack_nibble_panels(packed[8:]), codes[8:])  # whole panels slice as rows
     with pytest.raises(ValueError, match="multiples of 8"):
-        pack_panels(codes[:12])
+        pack_nibble_panels(codes[:12])
+
+
+def test_int8_panels_round_trip_and_place_each_code_where_the_kernel_reads_it():
+    codes = torch.randint(-127, 128, (32, 8), dtype=torch.int8)
+    packed = pack_int8_panels(codes)
+    assert packed.shape == (32, 8) and torch.equal(unpack_int8_panels(packed), codes)
+    # panel 1 (rows 16-31) starts at byte 16 * 8; pair i = 3 (inputs 6, 7); row r = 5, j = 1: codes[21, 7]
+    assert packed.view(-1)[16 * 8 + 3 * 32 + 2 * 5 + 1] == codes[21, 7]
+    with pytest.raises(ValueError, match="multiple of 16"):
+        pack_int8_panels(codes[:24])
+    panels, rows = Int8Linear(nn.Linear(576, 48)), Int8Linear(nn.Linear(576, 40))
+    assert (panels.layout, rows.layout) == ("panels", "rows")  # both served by the kernel (rows: row tiles)
+    x = torch.randn(3, 576)
+    for layer in (panels, rows):
+        layer.use_kernel = False
+        reference = layer(x)
+        layer.use_kernel = True
+        assert torch.allclose(layer(x), reference, atol=1e-4, rtol=1e-4), layer.layout
 
 
 def test_int4_layers_use_panels_only_where_the_integer_kernel_serves_them():
