@@ -31,13 +31,12 @@ from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS,
                            unpack_int8_panels, unpack_nibble_panels, unpack_nibbles)
 
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
-# dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 with groups of
-# whole activation blocks) serve every call instead: against dequantize + GEMM on 30 SmolLM2-sized projections
-# (`python -m loadtest.kernelbench`, 2026-11-30 07:42 UTC run) int8 took 14 / 63 / 258 ms at 32 / 128 / 512 rows
-# against 53 / 97 / 309 ms, int4 25 / 95 / 423 ms against 99 / 143 / 282 ms (slower only for int4 chunks of
-# several hundred tokens, a prefill cost accepted for the next point). One code path for every batch also
-# keeps greedy output independent of what else is in the step: a prefill in the same step no longer moves a
-# sequence onto other arithmetic, which quantized activations could amplify into another token.
+# dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 in panels) serve
+# every call instead: against dequantize + GEMM on 30 SmolLM2-sized projections (`python -m loadtest.kernelbench`,
+# 2026-11-30 15:11 UTC run) int8 took 18 / 61 / 251 ms at 32 / 128 / 512 rows against 105 / 164 / 470 ms, int4
+# 12 / 45 / 208 ms against 172 / 228 / 512 ms. One code path for every batch also keeps greedy output independent
+# of what else is in the step: a prefill in the same step does not move a sequence onto other arithmetic, which
+# quantized activations could amplify into another token.
 KERNEL_MAX_ROWS = 32
 
 
