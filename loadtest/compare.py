@@ -78,8 +78,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--device of both servers and of the simulator's engine")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="--dtype of both servers and of the simulator's engine")
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "nf4"],
+                        help="--quantization of both servers and of the simulator's engine")
     parser.add_argument("--section", default=None,
-                        help="BENCHMARKS.md section to write (default: compare, or compare-cuda on a GPU)")
+                        help="BENCHMARKS.md section to write (default: compare, compare-cuda on a GPU, "
+                             "compare-int4 etc. with --quantization)")
     parser.add_argument("--flat-sim", action="store_true", help="simulate with a flat step cost (no engine)")
     parser.add_argument("--reps", type=positive_int, default=3, help="timed repetitions per step mix for the simulator")
     parser.add_argument("--timeout", type=float, default=900.0, help="limit per run (s)")
@@ -96,7 +99,7 @@ def _measure_costs(args: argparse.Namespace, prompt_len: int) -> dict[tuple[int,
     if args.flat_sim:
         return None
     return simulate.measure_step_costs(args.slots, prompt_len, prompt_len + 32, args.reps, args.model, args.device,
-                                       args.dtype)
+                                       args.dtype, args.quantization)
 
 
 def step_cost(before: dict[tuple[int, int], float] | None, after: dict[tuple[int, int], float] | None,
@@ -119,10 +122,19 @@ def step_cost(before: dict[tuple[int, int], float] | None, after: dict[tuple[int
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The ``--model``/``--device``/``--dtype`` flags the servers get (only those given)."""
+    """The ``--model``/``--device``/``--dtype``/``--quantization`` flags the servers get (only those given)."""
     flags = ["--model", args.model] if args.model else []
     flags += ["--device", args.device] if args.device != "auto" else []
-    return flags + (["--dtype", args.dtype] if args.dtype != "auto" else [])
+    flags += ["--dtype", args.dtype] if args.dtype != "auto" else []
+    return flags + (["--quantization", args.quantization] if args.quantization != "none" else [])
+
+
+def section_and_title(device: str, quantization: str) -> tuple[str, str]:
+    """BENCHMARKS.md section and title for a run: one section per device and weight scheme."""
+    suffixes = ([] if device == "cpu" else [device]) + ([] if quantization == "none" else [quantization])
+    title = "Static vs continuous batching (seed64, 8 slots" + ("" if quantization == "none" else
+                                                                f", {quantization} weights") + ")"
+    return "-".join(["compare", *suffixes]), title + ("" if device == "cpu" else f" on {device}")
 
 
 def admission_order(run: RunResult) -> list[int]:
@@ -189,8 +201,8 @@ def run(args: argparse.Namespace) -> int:
         from engine.loader import Device, resolve_device
 
         device = resolve_device(Device(args.device)).type
-        section = args.section or ("compare" if device == "cpu" else f"compare-{device}")
-        title = "Static vs continuous batching (seed64, 8 slots)" + ("" if device == "cpu" else f" on {device}")
+        section, title = section_and_title(device, args.quantization)
+        section = args.section or section
         update_section(section, title, " ".join(["python -m loadtest compare", *engine_flags(args)])
                        + (f" --server-args '{args.server_args}'" if args.server_args else ""),
                        _markdown(static, continuous, measured, simulated, errors, ok, how, args.img, steps),

@@ -112,16 +112,22 @@ def flat_cost(_prefills: int, _decodes: int) -> float:
 
 
 def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int = 5, model: str | None = None,
-                       device: str = "auto", dtype: str = "auto") -> dict[tuple[int, int], float]:
+                       device: str = "auto", dtype: str = "auto",
+                       quantization: str = "none") -> dict[tuple[int, int], float]:
     """Median engine step time (s) for every (prefills, decodes) with 1 <= prefills + decodes <= slots.
 
     Prefills are ``prompt_len`` tokens each; decodes attend to a real cache of ``context_len`` tokens. The
-    model is loaded as ``kvserve serve --model MODEL --device DEVICE --dtype DTYPE`` would load it.
+    model is loaded as ``kvserve serve --model MODEL --device DEVICE --dtype DTYPE --quantization Q`` would
+    load it.
     """
     from engine.loader import Device, DType
     from loadtest.enginebench import EngineBench, dummy_ids, load
 
     loaded = load(DType(dtype), model, Device(device))
+    if quantization != "none":
+        from quant.model import quantize_model, serving_quantizes_head
+
+        quantize_model(loaded.model, quantization, head=serving_quantizes_head(quantization))
     bench = EngineBench(loaded, num_seqs=2 * slots, max_len=max(prompt_len, context_len) + 1)
     for s in range(slots):
         bench.fill(slots + s, context_len)

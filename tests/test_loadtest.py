@@ -5,6 +5,8 @@ No timing asserts: every figure checked here is a count or follows from the step
 
 from __future__ import annotations
 
+import argparse
+
 import json
 import statistics
 import sys
@@ -131,6 +133,16 @@ def test_compare_against_fake_servers(tmp_path):
     assert [run["summary"]["ok"] for run in doc["runs"]] == [64, 64]
     text = bench.read_text()
     assert "<!-- BEGIN compare -->" in text and "| static |" in text and "| continuous |" in text
+
+
+def test_compare_gives_each_weight_scheme_its_flags_and_section():
+    args = argparse.Namespace(model=None, device="auto", dtype="auto", quantization="int4")
+    assert compare.engine_flags(args) == ["--quantization", "int4"]
+    assert compare.section_and_title("cpu", "int4") == ("compare-int4",
+                                                        "Static vs continuous batching (seed64, 8 slots, int4 weights)")
+    assert compare.section_and_title("cpu", "none") == ("compare", "Static vs continuous batching (seed64, 8 slots)")
+    assert compare.section_and_title("cuda", "none")[0] == "compare-cuda"
+    assert compare.section_and_title("cuda", "none")[1].endswith("on cuda")
 
 
 def test_agreement_is_relative_error():
