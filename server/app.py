@@ -20,6 +20,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service import QueueFull
+from server.bodylimit import BodyLimit
 from server.errors import ApiError
 from server.generation import Generation, chat_prompt_ids, prepare, text_prompt_ids
 from server.openai_format import Formatter
@@ -63,6 +64,7 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
+    app.add_middleware(BodyLimit, limit=state.max_request_bytes)
     v1 = [Depends(require_key)]
 
     @app.exception_handler(ApiError)

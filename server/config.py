@@ -36,6 +36,7 @@ class ServeConfig:
     max_num_batched_tokens: int = 512   # per-step token budget (chunked prefill splits longer prompts)
     max_queue: int = 256                # sequences waiting beyond the free slots before 429
     max_model_len: int | None = None    # context limit (tokens); default: the model's
+    max_request_bytes: int | None = None  # request body limit (bytes); default: 64 per token of context, >= 1 MiB
     policy: Policy = Policy.CONTINUOUS
     enable_prefix_caching: bool = True  # share full blocks of common prefixes
     api_key: str | None = None          # if set, /v1 routes need "Authorization: Bearer <key>"
@@ -54,6 +55,8 @@ class ServeConfig:
             raise ValueError("max_queue must be >= 0")
         if self.quantization not in ("none", "int8", "int4", "nf4"):
             raise ValueError(f"unknown quantization {self.quantization!r}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError("max_request_bytes must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         parse_bytes(self.kv_cache_memory)

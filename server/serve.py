@@ -7,6 +7,7 @@ import importlib.util
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from kvcache.sizing import parse_bytes
 from server.config import Policy, ServeConfig
 
 log = logging.getLogger("kvserve")
@@ -30,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queue", type=int, default=d.max_queue,
                         help="sequences waiting beyond the free slots before 429 (a request with n choices counts n)")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (tokens)")
+    parser.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
+                        help="request body limit, e.g. 4MiB; larger bodies get 413 before they are read or "
+                             "tokenized (default: 64 bytes per token of --max-model-len, at least 1MiB)")
     parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
@@ -47,7 +51,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_queue=args.max_queue, max_model_len=args.max_model_len, policy=Policy(args.scheduler),
+                       max_queue=args.max_queue, max_model_len=args.max_model_len,
+                       max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
                        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log)

@@ -28,6 +28,8 @@ import httpx
 import pytest
 import yaml
 
+from kvcache.sizing import parse_bytes
+
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
 K8S = DEPLOY / "k8s"
@@ -155,7 +157,7 @@ def test_entrypoint_covers_every_serve_flag(tmp_path):
         if action.nargs == 0:  # a switch
             env[name], expected[action.dest] = "yes", action.const
         else:
-            numeric = action.type in (int, float)
+            numeric = action.type in (int, float, parse_bytes)
             value = action.choices[-1] if action.choices else ("7" if numeric else "v-" + action.dest)
             env[name], expected[action.dest] = value, (action.type or str)(value)
     rc, argv, err = run_entrypoint(tmp_path, env)
