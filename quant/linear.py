@@ -67,6 +67,7 @@ class QuantLinear(nn.Module):
         self.out_features = linear.out_features
         self.spec = spec
         self.group_size = spec.group_for(linear.in_features)
+        self.layout = self._layout_for_shape()  # fixed here: concat_outputs keeps it for the stacked codes
         self.use_kernel = True
         self.act_block = self.kernel_act_block
         self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
@@ -75,10 +76,9 @@ class QuantLinear(nn.Module):
         """``W_hat`` as float32 ``[out, in]``."""
         raise NotImplementedError
 
-    @property
-    def layout(self) -> str:
-        """How ``weight`` orders its codes: ``"rows"`` (row-major) or ``"panels"`` (the integer kernels' order:
-        ``quant.schemes.pack_int8_panels``, ``pack_nibble_panels``)."""
+    def _layout_for_shape(self) -> str:
+        """How a new layer of this shape orders its codes (``layout``): ``"rows"`` (row-major) or ``"panels"``
+        (the integer kernels' order: ``quant.schemes.pack_int8_panels``, ``pack_nibble_panels``)."""
         return "rows"
 
     @property
@@ -150,6 +150,19 @@ class QuantLinear(nn.Module):
             raise ValueError(f"state is {state['scheme']}/group {state['group_size']}/{layout}, layer is "
                              f"{self.scheme.value}/group {self.group_size}/{self.layout}")
 
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        # torch copies the tensors first and calls set_extra_state last: check before any code is overwritten,
+        # and refuse codes without the state that says how to read them (strict=False would let them in)
+        extra = state_dict.get(prefix + "_extra_state")
+        if extra is None and prefix + "weight" in state_dict:
+            raise ValueError(f"{prefix}weight comes without its _extra_state (scheme, group size, layout), "
+                             "so its codes cannot be read")
+        if extra is not None:
+            self.set_extra_state(extra)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.spec.label} (group {self.group_size})"
 
@@ -170,8 +183,7 @@ class Int8Linear(QuantLinear):
         self.register_buffer("weight", pack_int8_panels(q) if self.layout == "panels" else q)  # [out, in] int8
         self.register_buffer("scales", scales.float().expand(self.out_features).contiguous())  # [out]
 
-    @property
-    def layout(self) -> str:
+    def _layout_for_shape(self) -> str:
         return "panels" if self.has_kernel and self.out_features % INT8_PANEL_ROWS == 0 else "rows"
 
     def dequantize(self) -> torch.Tensor:
@@ -245,14 +257,18 @@ class Int4Linear(Nibble4Linear):
     def _levels() -> torch.Tensor:
         return torch.arange(16, dtype=torch.float32) - INT4_OFFSET
 
-    @property
-    def layout(self) -> str:
+    def _layout_for_shape(self) -> str:
         return "panels" if self.group_size % ACT_BLOCK == 0 and self.out_features % INT4_PANEL_ROWS == 0 else "rows"
 
     @property
     def kernel_act_block(self) -> int | None:
         """Panels (groups of whole activation blocks) take the integer kernel; others the float table kernel."""
         return ACT_BLOCK if self.layout == "panels" else None
+
+    @property
+    def kernel_max_rows(self) -> int | None:
+        """Every call, for both kernels: a row's bits must not depend on how many rows share the call."""
+        return None
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_act_block is None:

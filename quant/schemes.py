@@ -75,6 +75,8 @@ class QuantSpec:
             raise ValueError("GROUP granularity needs group_size >= 2")
         if self.scheme is Scheme.NF4 and self.granularity is not Granularity.GROUP:
             raise ValueError("NF4 is defined per block (GROUP granularity)")
+        if self.scheme is Scheme.INT8 and self.granularity is Granularity.GROUP:
+            raise ValueError("int8 is per tensor or per row (TENSOR or ROW granularity)")
 
     @property
     def bits(self) -> int:

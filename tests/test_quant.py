@@ -32,6 +32,8 @@ def test_group_size_is_the_largest_divisor_not_above_the_wish():
         QuantSpec(Scheme.NF4, Granularity.ROW)
     with pytest.raises(ValueError):
         QuantSpec(Scheme.INT4, Granularity.GROUP)
+    with pytest.raises(ValueError, match="int8 is per tensor or per row"):
+        QuantSpec(Scheme.INT8, Granularity.GROUP, 64)
 
 
 def test_nibbles_round_trip():
@@ -84,6 +86,34 @@ def test_int4_layers_use_panels_only_where_the_integer_kernel_serves_them():
         assert torch.equal(layer.dequantize(), fake_quantize(linear.weight.detach(), INT4_GROUP))
     with pytest.raises(ValueError, match="layout"):  # q/k/v fusion falls back to separate calls
         concat_outputs([Int4Linear(nn.Linear(576, 8)), Int4Linear(nn.Linear(576, 4))])
+
+
+@pytest.mark.parametrize("layer_class,out_features", [(Int8Linear, 200), (Int8Linear, 24), (Int4Linear, 12),
+                                                      (Int4Linear, 36)])
+def test_stacking_row_major_layers_keeps_their_layout_even_when_the_sum_fills_panels(layer_class, out_features):
+    # a trial's report: 200 + 200 int8 rows (a gate/up fusion) made 400, a multiple of 16, and the fused layer
+    # read its row-major codes as panels
+    torch.manual_seed(out_features)
+    parts = [layer_class(nn.Linear(96, out_features)) for _ in range(2)]
+    fused = concat_outputs(parts)
+    assert fused.layout == "rows" and fused.out_features == 2 * out_features
+    assert torch.equal(fused.dequantize(), torch.cat([m.dequantize() for m in parts]))
+    x = torch.randn(5, 96)
+    assert torch.allclose(fused(x), torch.cat([m(x) for m in parts], dim=-1), atol=1e-5, rtol=1e-5)
+
+
+def test_row_major_int4_layers_give_a_row_the_same_bits_in_any_batch():
+    # int4 layers outside panels run the float table kernel on every call (not only up to 32 rows), so a
+    # prefill of 40 tokens in the step does not move a decode row onto other arithmetic
+    if kernels.load() is None:
+        pytest.skip("C++ kernels could not be built here")
+    torch.manual_seed(12)
+    layer = Int4Linear(nn.Linear(576, 12))
+    assert layer.layout == "rows" and layer.kernel_max_rows is None
+    x = torch.randn(64, 576)
+    alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
+    for rows in (33, 64):
+        assert torch.equal(layer(x[:rows]), alone[:rows])
 
 
 @pytest.mark.parametrize("spec", [QuantSpec(Scheme.INT8, Granularity.ROW), INT4_ROW, INT4_GROUP, INT4_TENSOR])
@@ -296,8 +326,15 @@ def test_state_records_scheme_and_group_size():
     fresh = Int4Linear(nn.Linear(576, 8, bias=False))
     fresh.load_state_dict(state)
     assert torch.equal(fresh.dequantize(), layer.dequantize())
+    rows_state = {**state, "_extra_state": {**state["_extra_state"], "layout": "rows"}}
+    rows_state["weight"] = torch.zeros_like(state["weight"])
     with pytest.raises(ValueError, match="rows"):  # codes in another order must not load silently
-        fresh.load_state_dict({**state, "_extra_state": {**state["_extra_state"], "layout": "rows"}})
+        fresh.load_state_dict(rows_state)
+    assert torch.equal(fresh.weight, state["weight"])  # refused before any tensor was copied
+    without_state = {k: v for k, v in rows_state.items() if k != "_extra_state"}
+    with pytest.raises(ValueError, match="_extra_state"):  # strict=False would otherwise let the codes in
+        fresh.load_state_dict(without_state, strict=False)
+    assert torch.equal(fresh.weight, state["weight"])
 
 
 def test_quantize_model_keeps_head_and_works_in_bfloat16():
