@@ -634,6 +634,15 @@ const float* group_shifts(const QuantizedX& qx, int64_t M, int64_t K, int64_t G)
 
 }  // namespace
 
+// run(std::integral_constant<int, QB>{}) for an activation block QB of 64 or 32 (a template argument of the tiles).
+template <typename Fn>
+void with_block(int64_t block, Fn&& run) {
+  if (block == 64)
+    run(std::integral_constant<int, 64>{});
+  else
+    run(std::integral_constant<int, 32>{});
+}
+
 // y [M, N] = Q16(x) [M, K] @ (w * s)^T: int8 weights with one float32 scale per output row, activations
 // quantized to int16 per block of `block` (64, or 32 where K is not a multiple of 64; quant.linear.Int8Linear
 // passes its act_block).
@@ -658,7 +667,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
     at::parallel_for(0, N / 16, 1, [&](int64_t p0, int64_t p1) {
 #ifdef QL_X86
       if (has_avx2()) {
-        auto run = [&](auto qb) {  // 4 activation rows per tile, then 2, then 1
+        with_block(block, [&](auto qb) {  // 4 activation rows per tile, then 2, then 1
           constexpr int QB = decltype(qb)::value;
           for (int64_t p = p0; p < p1; ++p) {
             int64_t m = 0;
@@ -670,11 +679,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
             for (; m + 2 <= M; m += 2) tile(std::integral_constant<int, 2>{});
             for (; m < M; ++m) tile(std::integral_constant<int, 1>{});
           }
-        };
-        if (block == 64)
-          run(std::integral_constant<int, 64>{});
-        else
-          run(std::integral_constant<int, 32>{});
+        });
         return;
       }
 #endif
@@ -686,7 +691,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 #ifdef QL_X86
     if (has_avx2()) {
       constexpr int64_t NT = 4;
-      auto run = [&](auto qb) {
+      with_block(block, [&](auto qb) {
         constexpr int QB = decltype(qb)::value;
         for_tiles<2, NT>(M, n0, n1, [&](int64_t m, int64_t n, auto mt, auto nt) {
           const int64_t rows = rows_ahead(m, M, n, n1, NT);
@@ -698,11 +703,7 @@ torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const 
             q16_int8_tile_avx2<QB, MT_, NT_, false>(qp + m * K, dp + m * (K / QB), wp, sp, yp + m * N, N, K, n,
                                                     nullptr, 0);
         });
-      };
-      if (block == 64)
-        run(std::integral_constant<int, 64>{});
-      else
-        run(std::integral_constant<int, 32>{});
+      });
       return;
     }
 #endif
