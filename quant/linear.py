@@ -1,8 +1,9 @@
 """Quantized replacements for ``nn.Linear``: one class per scheme, each quantize-then-forward.
 
 Every class holds its codes in ``weight`` and its scales in ``scales`` (buffers, so ``.to(device)`` and
-``state_dict`` carry them) and records its scheme and group size in the saved state (``_extra_state``).
-``forward`` runs the C++ kernel on CPU (every call for the integer kernels, up to ``KERNEL_MAX_ROWS`` tokens
+``state_dict`` carry them) and records its scheme, group size and code layout (row-major, or the integer
+kernels' panels) in the saved state (``_extra_state``).
+``forward`` runs the C++ kernel on CPU (every call for int8 and int4, up to ``KERNEL_MAX_ROWS`` tokens
 for NF4's); otherwise, and on any other device, it runs the reference: dequantize to the activation dtype,
 then ``F.linear``.
 
