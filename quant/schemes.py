@@ -144,13 +144,14 @@ def quantize_int(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.
         spec: INT8 or INT4 spec.
 
     Returns:
-        ``(q, scales)``: ``q`` int8 ``[out, in]`` in ``[-qmax, qmax]``; scales float32 for TENSOR/ROW,
-        float16 ``[in // g, out]`` for GROUP (rounded to 16 bits before ``q`` is computed, so ``q * s`` is exact).
+        ``(q, scales)``: ``q`` int8 ``[out, in]`` in ``[-qmax, qmax]``; scales float32 for int8 (TENSOR/ROW),
+        float16 for int4 (``[in // g, out]`` for GROUP), as ``Int4Linear`` stores them: rounded to 16 bits
+        before ``q`` is computed, so ``q * s`` is exactly what the layer computes with.
     """
     qmax = 2 ** (spec.bits - 1) - 1  # 127 or 7
     group = spec.group_for(w.shape[1])
     scales = (_absmax(w, spec.granularity, group) / qmax).clamp_min(_SCALE_FLOOR)
-    if spec.granularity is Granularity.GROUP:
+    if spec.granularity is Granularity.GROUP or spec.bits == 4:
         scales = scales.half()
     q = torch.round(w.float() / _expand(scales.float(), w.shape, group)).clamp_(-qmax, qmax)  # [out, in]
     return q.to(torch.int8), scales

@@ -4,6 +4,8 @@ saved state, and a quantized model that still answers."""
 from __future__ import annotations
 
 import copy
+import os
+import shutil
 
 import pytest
 import torch
@@ -100,6 +102,14 @@ def test_stacking_row_major_layers_keeps_their_layout_even_when_the_sum_fills_pa
     assert torch.equal(fused.dequantize(), torch.cat([m.dequantize() for m in parts]))
     x = torch.randn(5, 96)
     assert torch.allclose(fused(x), torch.cat([m(x) for m in parts], dim=-1), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(shutil.which("c++") is None or os.environ.get("KVSERVE_QUANT_KERNELS", "1") == "0",
+                    reason="no C++ compiler here (or kernels disabled): the reference path serves")
+def test_kernels_build_where_a_compiler_exists():
+    # the kernel tests below skip when the build fails, so a broken build must fail here instead of hiding
+    assert kernels.load() is not None
+    assert kernels.load_ops() is not None
 
 
 def test_row_major_int4_layers_give_a_row_the_same_bits_in_any_batch():
@@ -306,12 +316,16 @@ def test_act_block_of_each_layer_and_weight_only_mode():
         assert not torch.allclose(layer(x), x @ layer.dequantize().t() + layer.bias, rtol=1e-6, atol=1e-6)
 
 
-def test_serving_layers_compute_with_the_reported_w_hat():
-    linear = nn.Linear(576, 32, bias=False)
-    for layer, spec in zip(_layers(576, 32), (None, INT4_GROUP, NF4_BLOCK)):
-        if spec is not None:
-            layer = type(layer)(linear, spec)
-            assert torch.equal(layer.dequantize(), fake_quantize(linear.weight.detach(), spec))
+@pytest.mark.parametrize("spec", [QuantSpec(Scheme.INT8, Granularity.TENSOR), QuantSpec(Scheme.INT8, Granularity.ROW),
+                                  INT4_TENSOR, INT4_ROW, INT4_GROUP, NF4_BLOCK], ids=lambda spec: spec.label)
+@pytest.mark.parametrize("out_features", [32, 12])  # int4: panel and row-major codes
+def test_layers_compute_with_the_reported_w_hat(spec, out_features):
+    # the report's relative errors come from fake_quantize; every layer must compute with exactly that W_hat
+    # (int4 stores 16-bit scales at every granularity, so fake_quantize rounds them too)
+    torch.manual_seed(out_features)
+    linear = nn.Linear(576, out_features, bias=False)
+    layer = {Scheme.INT8: Int8Linear, Scheme.INT4: Int4Linear, Scheme.NF4: NF4Linear}[spec.scheme](linear, spec)
+    assert torch.equal(layer.dequantize(), fake_quantize(linear.weight.detach(), spec))
 
 
 def test_state_records_scheme_and_group_size():
