@@ -9,12 +9,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Temperatures below this sample greedily, as vLLM does (its _SAMPLING_EPS): logits / 1e-45 overflow float32
+# to inf, and softmax of inf - inf is NaN.
+GREEDY_TEMPERATURE = 1e-5
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling settings (OpenAI/vLLM semantics).
 
     Attributes:
-        temperature: 0 means greedy (argmax).
+        temperature: below ``GREEDY_TEMPERATURE`` (0 included) means greedy (argmax).
         top_p: nucleus mass in (0, 1]; 1 disables.
         top_k: keep the k most likely tokens; 0 disables.
         min_p: drop tokens whose probability is below min_p x the top probability; 0 disables.
@@ -39,7 +44,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def needs_penalties(self) -> bool:

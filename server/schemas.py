@@ -13,12 +13,26 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
 
-class StreamOptions(BaseModel):
+class _NullMeansDefault(BaseModel):
+    """An explicit ``null`` for a field with a default gives the default, as OpenAI's nullable fields and vLLM
+    do (SDKs and proxies send ``"temperature": null``); a required field stays required."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {key: value for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class StreamOptions(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
 
 
-class _SamplingRequest(BaseModel):
+class _SamplingRequest(_NullMeansDefault):
     """Fields shared by chat and completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
@@ -80,13 +94,13 @@ class _SamplingRequest(BaseModel):
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
 
 
-class ContentPart(BaseModel):
+class ContentPart(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
     type: str = "text"
     text: str = ""
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
@@ -130,14 +144,9 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    max_tokens: int | None = Field(default=16, ge=1)  # OpenAI's completions default, also when null
+    max_tokens: int = Field(default=16, ge=1)  # OpenAI's completions default, also when null
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
-
-    @field_validator("max_tokens")
-    @classmethod
-    def _null_is_default(cls, value: int | None) -> int:
-        return 16 if value is None else value
 
     @field_validator("prompt")
     @classmethod
@@ -159,7 +168,7 @@ class CompletionRequest(_SamplingRequest):
         return self.logprobs
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     prompt: str | None = None
@@ -173,7 +182,7 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
+class DetokenizeRequest(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
     model: str | None = None
     tokens: list[int]

@@ -70,3 +70,21 @@ def test_a_step_batches_plain_greedy_rows_and_samples_the_rest_alone(monkeypatch
     asked = real(captured["logits"][0], work(0, SamplingParams(temperature=0.0, logprobs=3)))
     assert (asked.token_id, asked.logprob) == (results[0].token.token_id, results[0].token.logprob)
     assert asked.top[0] == (asked.token_id, asked.logprob)
+
+
+@pytest.mark.parametrize("temperature", [1e-45, 1e-300, 9e-6])
+def test_a_temperature_near_zero_is_greedy(temperature):
+    # logits / 1e-45 overflow float32 to inf and softmax turns inf - inf into NaN: such a request got a 500
+    torch.manual_seed(1)
+    logits = torch.randn(50) * 30
+    picked = sample_token(logits, work(0, SamplingParams(temperature=temperature, seed=4)))
+    assert SamplingParams(temperature=temperature).greedy
+    assert picked.token_id == int(torch.argmax(logits))
+
+
+def test_a_small_temperature_above_the_cutoff_still_samples():
+    params = SamplingParams(temperature=1e-4)
+    assert not params.greedy
+    logits = torch.zeros(50)
+    logits[7] = 30.0
+    assert sample_token(logits, work(0, params)).token_id == 7  # finite: logits / 1e-4 stay below float32's max

@@ -266,6 +266,25 @@ def test_completions_max_tokens_null_means_16(server_url):
     assert body["usage"]["completion_tokens"] == 16
 
 
+NULLABLE = ("temperature", "top_p", "n", "presence_penalty", "frequency_penalty", "repetition_penalty", "top_k",
+            "min_p", "stop", "seed", "stream", "stream_options", "logprobs", "top_logprobs", "ignore_eos",
+            "min_tokens", "stop_token_ids", "user", "logit_bias", "tools")
+
+
+def test_null_means_the_default(server_url):
+    # OpenAI marks these fields nullable and SDKs/proxies send explicit nulls: null is the default, not a 400
+    body = {"messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6, "seed": 11}
+    nulls = {name: None for name in NULLABLE if name != "seed"}
+    alone, with_nulls = (post(server_url, CHAT, b) for b in (body, body | nulls))
+    assert with_nulls.status_code == 200, with_nulls.text
+    assert text_of(with_nulls.json(), True) == text_of(alone.json(), True)  # temperature 1.0: a seeded sample
+    done = post(server_url, COMPLETIONS, {"prompt": "Once", "max_tokens": 3, "echo": None, "logprobs": None,
+                                          "temperature": None, "seed": 2})
+    assert done.status_code == 200 and done.json()["usage"]["completion_tokens"] == 3
+    required = post(server_url, CHAT, {"messages": None})
+    assert required.status_code == 400 and required.json()["error"]["param"] == "messages"
+
+
 def test_tokenize_bad_input_is_400(server_url):
     for body in ({"messages": []}, {"prompt": "a \ud800"}, {}):
         response = post(server_url, "/tokenize", body)
