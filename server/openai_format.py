@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 from functools import cache
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
@@ -50,7 +51,8 @@ class Formatter:
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
-        self.text_offset: dict[int, int] = {}
+        self.text_offset: dict[int, int] = {}  # per choice: characters of text so far
+        self.utf8: dict[int, codecs.IncrementalDecoder] = {}  # per choice: bytes of a character not yet complete
         self.sent_role: set[int] = set()
 
     def _token_str(self, token_id: int) -> str:
@@ -71,9 +73,12 @@ class Formatter:
             out["token_logprobs"].append(None if first_is_none and position == 0 else t.logprob)
             out["top_logprobs"].append(None if first_is_none and position == 0
                                        else {self._token_str(i): lp for i, lp in t.top})
+            # a token holding part of a character starts where that character starts; the character's text
+            # counts once its last byte arrives
             out["text_offset"].append(self.text_offset.get(index, 0))
-            if not text.startswith("bytes:"):  # a partial character adds no text until it completes
-                self.text_offset[index] = self.text_offset.get(index, 0) + len(text)
+            decoder = self.utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+            completed = decoder.decode(token_bytes(self.tokenizer, t.token_id))
+            self.text_offset[index] = self.text_offset.get(index, 0) + len(completed)
         return out
 
     def echo_prefix(self, index: int, prompt_text: str, want_logprobs: bool) -> tuple[str, dict | None]:

@@ -308,6 +308,24 @@ def test_logprobs_give_the_raw_bytes_of_partial_characters(server_url):
     assert b"\xef\xbf\xbd" not in raw  # the bytes are real, never U+FFFD
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_text_offset_counts_characters_split_across_tokens(server_url, stream):
+    # " 🍕" arrives as three byte tokens: each starts where the character starts, and the character counts once
+    body = {"prompt": "I love 🍕 and 🌊 ok", "max_tokens": 6, "temperature": 0, "echo": True, "logprobs": 1}
+    if stream:
+        chunks = stream_chunks(server_url, COMPLETIONS, body)
+        text = joined(chunks, chat=False)
+        logprobs = {k: [v for c in chunks for v in c["choices"][0]["logprobs"][k]] for k in ("tokens", "text_offset")}
+    else:
+        choice = post(server_url, COMPLETIONS, body).json()["choices"][0]
+        text, logprobs = choice["text"], choice["logprobs"]
+    tokens, offsets = logprobs["tokens"], logprobs["text_offset"]
+    assert offsets == sorted(offsets) and offsets[tokens.index(" and")] == len("I love 🍕")
+    for token, offset in zip(tokens, offsets):
+        if not token.startswith("bytes:"):
+            assert text[offset:offset + len(token)] == token
+
+
 def test_step_log_and_step_counters(smollm2, tmp_path):
     from server.config import ServeConfig
     from tests.serverutil import running_server
