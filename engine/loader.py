@@ -21,6 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from engine import attention  # noqa: E402
 from kvcache.sizing import KVShape  # noqa: E402
+from quant import kernels  # noqa: E402
 
 log = logging.getLogger("kvserve.engine")
 
@@ -181,6 +182,9 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
                                                     attn_implementation=attention.ATTN_IMPLEMENTATION)
     hf_model.to(torch_device).eval()
+    if torch_device.type == "cpu":  # build (or load) the C++ kernels now, at startup, never inside a request
+        kernels.load()
+        kernels.load_ops()
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = SERVED_NAME if model in (None, DEFAULT_MODEL) else Path(model).name
     return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=torch_device, dtype=torch_dtype)

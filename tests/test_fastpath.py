@@ -262,3 +262,19 @@ def test_rope_table_rows_are_the_rotary_modules_values():
     beyond = torch.tensor([3, fastpath.ROPE_TABLE_POSITIONS + 2])  # past the table: the module itself
     cos, _ = fast._cos_sin(x[:2], beyond)
     assert torch.equal(cos, fast.rotary(x[None, :2], beyond[None])[0][0])
+
+
+@pytest.mark.skipif(kernels.load() is None or kernels.load_ops() is None, reason="C++ kernels could not be built here")
+def test_loading_a_model_on_cpu_loads_the_kernels_before_any_request(smollm2, tmp_path):
+    # a fresh process: load_model itself must bring in both extensions (a compile inside the first request
+    # cost it 50 s of TTFT)
+    import subprocess
+    import sys
+
+    tiny("llama").save_pretrained(tmp_path)
+    smollm2.tokenizer.save_pretrained(tmp_path)
+    code = ("from quant import kernels; from engine.loader import load_model, DType, Device; "
+            f"load_model({str(tmp_path)!r}, DType.FLOAT32, Device.CPU); "
+            "print(sorted(name for name, module in kernels._state.items() if module is not None))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.split("\n")[-2] == "['kvserve_decode_ops', 'kvserve_qlinear']"
