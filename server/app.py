@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import uuid
 from contextlib import asynccontextmanager
 
@@ -59,7 +60,11 @@ def create_app(state: ServerState) -> FastAPI:
     def require_key(request: Request) -> None:
         """/v1 routes need ``Authorization: Bearer <key>`` when the server has an API key."""
         key = state.config.api_key
-        if key and request.headers.get("authorization", "") != f"Bearer {key}":
+        if not key:
+            return
+        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
+        # the scheme is case-insensitive (RFC 7235); the token is compared in constant time
+        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
 
     app = FastAPI(title="kvserve", lifespan=lifespan)

@@ -169,6 +169,10 @@ def test_api_key_guards_v1_routes(state_factory):
                           headers={"Authorization": "Bearer wrong"}).status_code == 401
         assert httpx.post(url + "/v1/completions", json=body,
                           headers={"Authorization": "Bearer sekret"}).status_code == 200
+        for scheme in ("bearer", "BEARER"):  # the scheme is case-insensitive (RFC 7235), the key is not
+            assert httpx.get(url + "/v1/models", headers={"Authorization": f"{scheme} sekret"}).status_code == 200
+        for header in ("Bearer SEKRET", "Basic sekret", "Bearer", "sekret", "Bearer sekret2"):
+            assert httpx.get(url + "/v1/models", headers={"Authorization": header}).status_code == 401, header
         assert httpx.get(url + "/health").status_code == 200
 
 
