@@ -33,6 +33,12 @@ _DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its cli
 _UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
 
+def _is_json(content_type: str) -> bool:
+    """``application/json`` or ``application/*+json``, parameters ignored (what FastAPI parses as JSON)."""
+    media = content_type.split(";")[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
 def _validation_error(exc: RequestValidationError) -> ApiError:
     """The first pydantic error as an OpenAI 400 naming the field (``messages.0.content``)."""
     first = exc.errors()[0] if exc.errors() else {}
@@ -78,6 +84,13 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
+        content_type = request.headers.get("content-type")
+        if content_type is not None and not _is_json(content_type):
+            # the body was not parsed at all: say why (curl -d without -H sends a form). Refusing, not guessing,
+            # also keeps a web page's cross-origin form post from driving a local server.
+            return ApiError(415, f"the request body must be JSON: send 'Content-Type: application/json' "
+                                 f"(got {content_type.split(';')[0].strip()!r})",
+                            code="unsupported_media_type").response()
         return _validation_error(exc).response()
 
     @app.exception_handler(StarletteHTTPException)

@@ -203,6 +203,19 @@ def test_malformed_json_and_unknown_fields(server_url):
     assert ok.status_code == 200
 
 
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS, "/tokenize"])
+def test_a_body_that_is_not_sent_as_json_is_415_naming_the_content_type(server_url, path):
+    body = json.dumps({"prompt": "Hi"} if path == "/tokenize" else chat_body("Hi", max_tokens=2, prompt="Hi")).encode()
+    for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d without -H; a form post
+        response = httpx.post(server_url + path, content=body, headers={"content-type": content_type})
+        assert response.status_code == 415, response.text
+        error = response.json()["error"]
+        assert content_type in error["message"] and "application/json" in error["message"]
+    for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
+        response = httpx.post(server_url + path, content=body, headers={"content-type": content_type})
+        assert response.status_code == 200, response.text
+
+
 def test_unknown_model_is_404(server_url):
     response = post(server_url, CHAT, chat_body("Hi", model="gpt-17"))
     assert response.status_code == 404 and response.json()["error"]["param"] == "model"
