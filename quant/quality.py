@@ -65,11 +65,21 @@ def heldout_ids(tokenizer, num_tokens: int = HELDOUT_TOKENS) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def perplexity(model: nn.Module, ids: torch.Tensor) -> float:
-    """exp(mean next-token NLL) over ``ids [1, T]`` in one causal window (T - 1 predictions)."""
+def heldout_scores(model: nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+    """One causal forward over ``ids [1, T]`` (T - 1 predictions).
+
+    Returns:
+        ``(perplexity, top1)``: exp(mean next-token NLL), and the model's argmax at each position, int64
+        ``[T - 1]`` (compared with full precision's: top-1 agreement on the held-out text).
+    """
     logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, vocab]
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
-    return math.exp(float(nll))
+    return math.exp(float(nll)), logits.argmax(dim=-1)
+
+
+def perplexity(model: nn.Module, ids: torch.Tensor) -> float:
+    """exp(mean next-token NLL) over ``ids [1, T]`` in one causal window (T - 1 predictions)."""
+    return heldout_scores(model, ids)[0]
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:

@@ -45,16 +45,20 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     log("full precision: greedy reference runs")
     runs = quality.reference_continuations(model, tokenizer)
     margins = quality.reference_margins(model, runs)  # [positions]
+    reference_top1 = quality.heldout_scores(model, ids)[1]  # [T - 1]
 
     def measure(m) -> dict:
         facts = quality.factual_answers(m, tokenizer)
         agrees = quality.agreement_by_position(m, runs)
-        return {"perplexity": quality.perplexity(m, ids), "facts_right": sum(ok for _, _, ok in facts),
+        ppl, top1 = quality.heldout_scores(m, ids)
+        return {"perplexity": ppl, "facts_right": sum(ok for _, _, ok in facts),
                 "facts": facts, "agreement": float(agrees.float().mean()),
+                "heldout_top1": float((top1 == reference_top1).float().mean()),
                 "miss_margins": sorted(margins[~agrees].tolist()), "model_weight_bytes": stored_bytes(m)}
 
     baseline = measure(model)
-    baseline.update(label="float32", bits_per_weight=32.0, margins=sorted(margins.tolist()))
+    baseline.update(label="float32", bits_per_weight=32.0, margins=sorted(margins.tolist()),
+                    heldout_positions=int(reference_top1.numel()))
     rows = []
     # A reference for how much agreement any small weight perturbation costs: every projection rounded to
     # bfloat16 (8 significant bits, relative step 2^-8) and computed in float32, no integer grid.
@@ -109,17 +113,22 @@ def quality_table(data: dict) -> str:
     """The per-recipe markdown table (also used by ``python -m quant.bench``)."""
     base = data["baseline"]
     lines = ["| recipe | bits/weight | weight MiB | rel. error mean | rel. error worst (matrix) | perplexity "
-             "| vs fp32 | facts /16 | greedy agreement | fp32 margin at misses |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---|",
+             "| vs fp32 | facts /16 | greedy agreement | fp32 margin at misses | held-out top-1 agreement |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|",
              f"| float32 (reference) | 32 | {base['model_weight_bytes'] / 2**20:.1f} | - | - | "
-             f"{base['perplexity']:.3f} | - | {base['facts_right']} | 100% | - |"]
+             f"{base['perplexity']:.3f} | - | {base['facts_right']} | 100% | - | 100% |"]
     for r in data["rows"]:
         name = r["label"] + (" (serving default)" if r["serving"] else "")
         lines.append(f"| {name} | {r['bits_per_weight']:.3f} | {r['model_weight_bytes'] / 2**20:.1f} | "
                      f"{r['rel_error_mean']:.4f} | {r['rel_error_worst']:.4f} ({r['worst_matrix']}) | "
                      f"{r['perplexity']:.3f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
-                     f"{r['facts_right']} | {100 * r['agreement']:.1f}% | {_margin_cell(r, base)} |")
+                     f"{r['facts_right']} | {100 * r['agreement']:.1f}% | {_margin_cell(r, base)} | "
+                     f"{_percent(r.get('heldout_top1'))} |")
     return "\n".join(lines)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def _margin_cell(row: dict, base: dict) -> str:
@@ -177,7 +186,10 @@ def margin_note(data: dict) -> str:
     return ("\"fp32 margin at misses\": where a recipe disagrees with full precision, the median of the "
             "full-precision top-1 minus top-2 logit there, and which share of all positions has a margin that "
             f"small (the median over all positions is {median}); the bfloat16-rounded row shows what a weight "
-            "error far below int8's costs.")
+            "error far below int8's costs. \"held-out top-1 agreement\": where the recipe's argmax on the "
+            f"held-out text (the perplexity text, {data['baseline'].get('heldout_positions', '-')} positions, "
+            "teacher-forced) is full precision's: the same question as greedy agreement over five times the "
+            "positions, on text the model did not write.")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -427,3 +427,22 @@ def test_agreement_and_reference_margins_on_a_tiny_model():
     row = {"miss_margins": sorted(margins[~agrees].tolist())}
     assert _margin_cell(row, {"margins": sorted(margins.tolist())}).endswith("%)")
     assert _margin_cell({"miss_margins": []}, {"margins": [1.0]}) == "-"
+
+
+def test_heldout_top1_agreement_is_taken_from_the_perplexity_forward():
+    from quant import quality
+    from tests.test_fastpath import tiny
+
+    model = tiny("llama").eval()
+    ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(5))
+    ppl, top1 = quality.heldout_scores(model, ids)
+    logits = model(input_ids=ids).logits[0, :-1]
+    assert top1.shape == (23,) and torch.equal(top1, logits.argmax(-1))
+    assert ppl == pytest.approx(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).exp()), rel=1e-5)
+    # swap the LM-head rows of the first position's top two tokens: there, and only where either wins, top-1 moves
+    flipped = copy.deepcopy(model)
+    pair = logits[0].topk(2).indices  # [2]
+    head = flipped.lm_head.weight.data
+    head[pair] = head[pair.flip(0)].clone()
+    moved = quality.heldout_scores(flipped, ids)[1] != top1
+    assert moved[0] and bool((moved <= torch.isin(top1, pair)).all())
