@@ -7,7 +7,7 @@
 # Arguments given to the container come after the flags made from the environment, so they win
 # (argparse keeps the last value). A first argument that is not a flag is run as a command instead
 # (`docker run IMAGE kvserve plan ...`, `docker run -it IMAGE bash`).
-# KVSERVE_DRY_RUN=1 prints the command, shell-quoted, and exits 0 without running it.
+# KVSERVE_DRY_RUN=1 (or true/yes/on) prints the command, shell-quoted, and exits 0 without running it.
 set -euo pipefail
 
 # Flags that take a value; each is read from KVSERVE_<FLAG> with '-' -> '_' and upper case.
@@ -21,7 +21,7 @@ VALUE_FLAGS=(
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
 SWITCH_FLAGS=(no-prefix-caching)
 # KVSERVE_* variables that are read by kvserve itself (or by this script) rather than being flags.
-NOT_FLAGS=(KVSERVE_CACHE KVSERVE_DRY_RUN)
+NOT_FLAGS=(KVSERVE_CACHE KVSERVE_DRY_RUN KVSERVE_FASTPATH KVSERVE_QUANT_KERNELS KVSERVE_URL)
 
 die() {
   echo "kvserve entrypoint: $*" >&2
@@ -33,7 +33,17 @@ env_name() {  # max-num-seqs -> KVSERVE_MAX_NUM_SEQS
   echo "KVSERVE_${upper//-/_}"
 }
 
+dry_run() {  # KVSERVE_DRY_RUN=true|1|yes|on, any case
+  [[ "${KVSERVE_DRY_RUN:-}" =~ ^(1|[tT][rR][uU][eE]|[yY][eE][sS]|[oO][nN])$ ]]
+}
+
 if [[ $# -gt 0 && "$1" != -* ]]; then
+  if dry_run; then
+    printf '%q' "$1"
+    printf ' %q' "${@:2}"
+    printf '\n'
+    exit 0
+  fi
   exec "$@"
 fi
 
@@ -71,7 +81,7 @@ while IFS= read -r name; do
 done < <(compgen -e | grep '^KVSERVE_' || true)
 
 args+=("$@")
-if [[ "${KVSERVE_DRY_RUN:-}" =~ ^(1|true|yes)$ ]]; then
+if dry_run; then
   printf 'kvserve'
   printf ' %q' "${args[@]}"
   printf '\n'

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -48,9 +49,14 @@ def parse_bytes(text: str) -> int:
     stripped = text.strip().lower().replace(" ", "")
     number = stripped.rstrip("kmgtib")
     unit = stripped[len(number):]
-    if unit not in units or not number:
-        raise ValueError(f"cannot parse memory size {text!r}; use e.g. 1GiB, 512MiB, 2GB")
-    return int(float(number) * units[unit])
+    try:
+        value = float(number)
+    except ValueError:
+        value = None
+    if unit not in units or value is None or not math.isfinite(value) or value < 0:
+        raise ValueError(f"cannot parse memory size {text!r}: a number with an optional unit (B, KB, MB, GB, "
+                         "TB, KiB, MiB, GiB, TiB), e.g. 1GiB, 512MiB, 2GB")
+    return int(value * units[unit])
 
 
 def num_blocks_for_budget(shape: KVShape, block_size: int, budget_bytes: int) -> int:

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -67,9 +68,35 @@ def _load(name: str, build: bool) -> ModuleType | None:
     return module
 
 
+# torch's build lock is a bare file; a build killed midway (Ctrl-C or SIGTERM during the first start) leaves it,
+# and torch then waits for it forever. A build takes a few minutes here, so an older lock is a dead build's.
+STALE_LOCK_S = 600.0
+
+
+def _clear_stale_lock(build_dir: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 2.0) -> None:
+    """Wait while another process's build holds ``build_dir/lock``; remove the lock once it is ``stale_s`` old."""
+    lock = build_dir / "lock"
+    announced = False
+    while True:
+        try:
+            age = time.time() - lock.stat().st_mtime
+        except FileNotFoundError:
+            return
+        if age >= stale_s:
+            log.warning("removing a stale build lock %s (%.0f s old: a build that was killed)", lock, age)
+            lock.unlink(missing_ok=True)
+            return
+        if not announced:
+            log.warning("waiting for another build of %s (lock %s, %.0f s old; removed at %.0f s)",
+                        build_dir.name, lock, age, stale_s)
+            announced = True
+        time.sleep(poll_s)
+
+
 def _compile(name: str) -> ModuleType:
     from torch.utils import cpp_extension
 
+    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
     # (and `omp simd` reductions stay scalar).
     return cpp_extension.load(name=name, sources=[str(_SOURCES[name])], extra_cflags=["-O3", "-fopenmp"],

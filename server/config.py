@@ -45,6 +45,12 @@ class ServeConfig:
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
 
     def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port must be in 1..65535, got {self.port}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError("max_model_len must be >= 1")
+        if not self.sse_ping_s >= 0:
+            raise ValueError("sse_ping_s must be >= 0 (0 disables the keep-alive comments)")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:
@@ -59,6 +65,9 @@ class ServeConfig:
             raise ValueError("max_request_bytes must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
-        parse_bytes(self.kv_cache_memory)
+        try:
+            parse_bytes(self.kv_cache_memory)
+        except ValueError as exc:
+            raise ValueError(f"kv_cache_memory: {exc}") from None
         if isinstance(self.policy, str):
             self.policy = Policy(self.policy)

@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-log", default=None, metavar="PATH",
                         help="append one JSON line per engine step (its mix of prefills and decodes, tokens, "
                              "longest context, seconds) to PATH; the simulator fits its step cost to these")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:

@@ -74,6 +74,9 @@ class ServerState:
                                                                    parse_bytes(config.kv_cache_memory))
         self.pool = KVPool(shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
+        if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:
+            log.warning("--max-model-len %d is above the model's context of %d tokens; serving %d",
+                        config.max_model_len, loaded.max_model_len, loaded.max_model_len)
         # 64 bytes per token of context covers a full-length prompt as JSON-escaped text (6 bytes per "\uXXXX")
         # or as a list of token ids; 1 MiB at least, for short-context models with long sampling options
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)

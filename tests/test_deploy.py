@@ -145,6 +145,28 @@ def test_entrypoint_dry_run_prints_the_command(tmp_path):
     assert (proc.returncode, proc.stdout) == (0, "kvserve serve --max-num-seqs 4 --served-model-name a\\ b\n")
 
 
+@pytest.mark.parametrize("switch", ["1", "TRUE", "on"])
+def test_entrypoint_dry_run_prints_a_given_command_too(switch):
+    env = {"KVSERVE_DRY_RUN": switch, "KVSERVE_FASTPATH": "0", "KVSERVE_QUANT_KERNELS": "0"}
+    proc = subprocess.run(["bash", str(ENTRYPOINT), "kvserve", "plan", "--memory", "8 GiB"],
+                          env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
+    # variables kvserve reads itself are known, not reported as typos
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "kvserve plan --memory 8\\ GiB\n", "")
+
+
+def test_serve_refuses_out_of_range_values_in_one_line(caplog):
+    from server.cli import main as cli_main
+
+    for argv in (["--port", "83866"], ["--port", "0"], ["--max-model-len", "0"], ["--sse-ping-seconds", "-1"],
+                 ["--kv-cache-memory", "1XB"], ["--kv-cache-memory=-1GiB"]):
+        caplog.clear()
+        assert cli_main(["serve", *argv]) == 2, argv  # before any model is loaded
+        assert [r.getMessage().split(":")[0] for r in caplog.records] == ["invalid option"], argv
+    assert "kv_cache_memory" in caplog.text and "GiB" in caplog.text  # names the option and the units
+    parser = serve_parser()
+    assert parser.parse_args(["--log-level", "INFO"]).log_level == "info"  # KVSERVE_LOG_LEVEL=INFO works
+
+
 def test_entrypoint_covers_every_serve_flag(tmp_path):
     """Each option of the real parser has its KVSERVE_ variable, and the result parses to those values."""
     parser = serve_parser()

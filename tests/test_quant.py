@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import os
 import shutil
+import time
 
 import pytest
 import torch
@@ -446,3 +447,19 @@ def test_heldout_top1_agreement_is_taken_from_the_perplexity_forward():
     head[pair] = head[pair.flip(0)].clone()
     moved = quality.heldout_scores(flipped, ids)[1] != top1
     assert moved[0] and bool((moved <= torch.isin(top1, pair)).all())
+
+
+def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path, monkeypatch):
+    # torch waits forever on the lock file a killed build leaves; kvserve would hang at startup
+    lock = tmp_path / "lock"
+    lock.touch()
+    old = time.time() - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (old, old))
+    kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+    lock.touch()  # fresh: another build is running; it finishes (removes its lock) while we wait
+    sleeps = []
+    monkeypatch.setattr(kernels.time, "sleep", lambda s: (sleeps.append(s), lock.unlink()))
+    kernels._clear_stale_lock(tmp_path)
+    assert sleeps and not lock.exists()
+    kernels._clear_stale_lock(tmp_path)  # no lock: returns at once
