@@ -22,3 +22,22 @@ def positive_ints(text: str) -> list[int]:
     if not values:
         raise argparse.ArgumentTypeError("give at least one value")
     return values
+
+
+def positive_float(text: str) -> float:
+    """A finite number > 0 (seconds, arrivals/s)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a finite number above 0")
+    return value
+
+
+def positive_floats(text: str) -> list[float]:
+    """A comma list of numbers > 0, e.g. ``0.5,2,8``."""
+    values = [positive_float(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError("give at least one value")
+    return values

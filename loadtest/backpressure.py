@@ -173,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--disconnects", type=int, default=20, help="streams the disconnect drill opens and drops")
+    parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     args = parser.parse_args(argv)
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue), "--log-level", "warning"]
     with launch(kvserve_command(flags), name="backpressure") as server:
@@ -190,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
             async with httpx.AsyncClient(base_url=server.url) as client:
                 return await _metric(client, "kvserve:kv_cache_usage_perc")
 
-        drill = asyncio.run(disconnect_drill(server.url, 20, {"prompt": "Count from 1 to 10000:", "max_tokens": 4000},
+        drill = asyncio.run(disconnect_drill(server.url, args.disconnects, {"prompt": "Count from 1 to 10000:", "max_tokens": 4000},
                                              usage))
         print(json.dumps({"disconnect": drill}, indent=1))
     o = report.summary()
@@ -203,7 +205,9 @@ def main(argv: list[str] | None = None) -> int:
              f"{drill['blocks_free_after_s']} s later; a new request's first token {drill['new_request_ttft_s']} s "
              f"after that.\n\nServer: `--max-num-seqs {args.max_num_seqs} --max-queue {args.max_queue}`, "
              f"{args.max_tokens} output tokens per request, clients back off 0.2 s after a 429.")
-    update_section("backpressure", "Overload (4x) and disconnects", "python -m loadtest.backpressure", table)
+    print(table)
+    if not args.no_write:
+        update_section("backpressure", "Overload (4x) and disconnects", "python -m loadtest.backpressure", table)
     return 0
 
 

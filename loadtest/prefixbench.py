@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -36,13 +37,19 @@ def ttft_s(url: str, prompt: list[int]) -> tuple[float, int]:
     return first, cached
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m loadtest.prefixbench``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=5)
-    parser.add_argument("--extra", nargs="*", default=[], help="extra flags for kvserve serve, e.g. --dtype float32")
+    parser.add_argument("--extra", type=shlex.split, default=[],
+                        help="extra flags for kvserve serve, one quoted string: --extra '--dtype float32'")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     with launch(kvserve_command(["--max-num-batched-tokens", "2048", "--log-level", "warning", *args.extra]),
                 name="prefixbench") as server:
         url = server.url
@@ -63,7 +70,8 @@ def main(argv: list[str] | None = None) -> int:
              f"`--max-num-batched-tokens 2048 {' '.join(args.extra)}`.")
     print(table)
     if not args.no_write:
-        command = "python -m loadtest.prefixbench" + (" --extra " + " ".join(args.extra) if args.extra else "")
+        command = "python -m loadtest.prefixbench" + (f" --extra {shlex.quote(shlex.join(args.extra))}"
+                                                      if args.extra else "")
         update_section("prefix", "Prefix cache: TTFT cold vs warm", command, table)
     return 0
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from loadtest import report, workloads
+from loadtest.argtypes import positive_float, positive_floats, positive_int, positive_ints
 from loadtest.generator import LoadConfig, Mode, RunResult, run_sync
 
 
@@ -30,23 +31,19 @@ def server_model(url: str, api_key: str | None = None) -> str:
     return data[0]["id"] if data else "default"
 
 
-def _numbers(text: str, kind) -> list:
-    return [kind(part) for part in text.split(",") if part.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--workload", type=workloads.WorkloadName, choices=list(workloads.WorkloadName),
                         default=workloads.WorkloadName.SEED64,
                         metavar="{" + ",".join(w.value for w in workloads.WorkloadName) + "}")
-    parser.add_argument("--count", type=int, default=None, help="requests per run (default: the workload once)")
-    parser.add_argument("--max-tokens", type=int, default=128, help="output length of the fixed workload")
+    parser.add_argument("--count", type=positive_int, default=None, help="requests per run (default: the workload once)")
+    parser.add_argument("--max-tokens", type=positive_int, default=128, help="output length of the fixed workload")
     parser.add_argument("--mode", type=Mode, choices=list(Mode), default=Mode.CLOSED,
                         metavar="{" + ",".join(m.value for m in Mode) + "}")
-    parser.add_argument("--concurrency", default="8", help="closed-loop users; a comma list runs a sweep")
-    parser.add_argument("--rate", default="4", help="open-loop arrivals/s; a comma list runs a sweep")
-    parser.add_argument("--duration", type=float, default=600.0, help="stop sending after this many seconds")
-    parser.add_argument("--timeout", type=float, default=300.0, help="per-request limit (s)")
+    parser.add_argument("--concurrency", type=positive_ints, default=[8], help="closed-loop users; a comma list runs a sweep")
+    parser.add_argument("--rate", type=positive_floats, default=[4.0], help="open-loop arrivals/s; a comma list runs a sweep")
+    parser.add_argument("--duration", type=positive_float, default=600.0, help="stop sending after this many seconds")
+    parser.add_argument("--timeout", type=positive_float, default=300.0, help="per-request limit (s)")
     parser.add_argument("--model", default=None, help="model name (default: the server's first)")
     parser.add_argument("--api-key", default=None)
     parser.add_argument("--label", default="run", help="name of the output files")
@@ -58,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     model = args.model or server_model(args.url, args.api_key)
     specs = workloads.build(args.workload, args.count if args.workload is not workloads.WorkloadName.SEED64
                             else None, args.max_tokens)
-    levels = _numbers(args.concurrency, int) if args.mode is Mode.CLOSED else _numbers(args.rate, float)
+    levels = args.concurrency if args.mode is Mode.CLOSED else args.rate
     runs: list[RunResult] = []
     for level in levels:
         config = LoadConfig(url=args.url, mode=args.mode, model=model, count=args.count, duration_s=args.duration,

@@ -216,7 +216,10 @@ def test_engine_commands_refuse_cuda_without_a_gpu(capsys):
     assert exit_info.value.code == 2 and "no CUDA device" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv", [["profile", "--batch", "abc"], ["profile", "--batch", "0"],
+@pytest.mark.parametrize("argv", [["run", "--concurrency", "0"], ["run", "--concurrency", "abc"],
+                                  ["run", "--mode", "open", "--rate", "0"], ["run", "--rate", "-1"],
+                                  ["run", "--count", "0"], ["run", "--duration", "0"], ["run", "--timeout", "nan"],
+                                  ["profile", "--batch", "abc"], ["profile", "--batch", "0"],
                                   ["profile", "--steps", "0"], ["compare", "--slots", "0"], ["simulate", "--reps", "0"]])
 def test_bad_numbers_are_usage_errors(argv):
     with pytest.raises(SystemExit) as exit_info:
@@ -305,3 +308,13 @@ def test_overhead_measures_a_served_run(server_url):
     assert row.runner_ms_per_step > 0 and row.between_ms_per_step >= 0
     assert min(row.cpu_event_loop, row.cpu_engine, row.cpu_client) >= 0 and row.cpu_client > 0
     assert "| 2 |" in render([row], "none", 8)
+
+
+def test_prefixbench_takes_server_flags_as_one_quoted_string():
+    from loadtest.prefixbench import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args(["--extra", "--dtype float32 --quantization int8"]).extra == [
+        "--dtype", "float32", "--quantization", "int8"]
+    assert parser.parse_args(["--extra=--dtype float32"]).extra == ["--dtype", "float32"]
+    assert parser.parse_args([]).extra == []
