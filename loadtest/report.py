@@ -7,6 +7,7 @@ successful requests over the run's wall time (first send to last response).
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -84,6 +85,13 @@ def print_table(summaries: list[Summary], console: Console | None = None) -> Non
                           s.e2e_mean_s, s.e2e_p99_s, s.ttft_mean_s, s.ttft_p99_s)),
                       f"{1000 * s.itl_mean_s:.1f}", f"{1000 * s.itl_p99_s:.1f}")
     (console or Console(width=200)).print(table)
+
+
+def error_lines(runs: list[RunResult], most: int = 5) -> list[str]:
+    """The commonest reasons requests failed (429s are not failures), ``"3 x ConnectError: ..."``, most first."""
+    reasons = Counter(r.error or f"HTTP {r.status}" for run in runs for r in run.records
+                      if not r.ok and not r.rejected)
+    return [f"{count} x {reason}" for reason, count in reasons.most_common(most)]
 
 
 def write_json(runs: list[RunResult], path: Path, extra: dict | None = None) -> Path:

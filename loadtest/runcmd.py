@@ -65,6 +65,8 @@ def run(args: argparse.Namespace) -> int:
         runs.append(run_sync(specs, config, name))
     summaries = [report.summarize(r) for r in runs]
     report.print_table(summaries)
+    for line in report.error_lines(runs):
+        print("failed:", line)
     paths = [report.write_json(runs, args.out / f"{args.label}.json"),
              report.plot_latency_cdfs(runs, args.out / f"{args.label}-latency.png", f"{args.label}: latency")]
     if len(runs) > 1 and args.mode is Mode.CLOSED:

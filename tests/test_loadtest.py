@@ -80,6 +80,18 @@ def test_run_command_writes_json_and_plots(fake_url, tmp_path):
     assert (tmp_path / "smoke-throughput.png").stat().st_size > 0
 
 
+def test_run_against_a_dead_server_says_why(tmp_path, capsys):
+    import socket
+
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    code = loadtest_main(["run", "--url", url, "--workload", "fixed", "--count", "2", "--max-tokens", "2",
+                          "--concurrency", "1", "--out", str(tmp_path), "--no-progress", "--model", "m"])
+    assert code == 1
+    assert "failed: 2 x ConnectError" in capsys.readouterr().out
+
+
 def test_simulator_by_hand_on_four_requests():
     # lengths 1,3,2,2 and 2 slots. static: [1,3] for 3 steps, then [2,2] for 2; a group's responses end
     # together. continuous: request 2 takes request 0's slot at step 2, both end at step 3, request 3
