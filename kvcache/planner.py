@@ -81,6 +81,7 @@ class ModelSpec:
     tied_embeddings: bool     # lm_head shares the embedding matrix
     qkv_bias: bool = False    # Qwen2 has biases on q, k and v
     num_params: int | None = None  # exact count (safetensors headers); None: estimated from the shapes
+    max_context: int | None = None  # the model's context length (max_position_embeddings); None: unknown
 
     def __post_init__(self) -> None:
         sizes = (self.num_layers, self.num_heads, self.num_kv_heads, self.head_dim, self.hidden_size,
@@ -118,20 +119,21 @@ class ModelSpec:
 
 
 def _preset(name: str, layers: int, heads: int, kv_heads: int, head_dim: int, hidden: int, intermediate: int,
-            vocab: int, tied: bool, qkv_bias: bool = False) -> ModelSpec:
-    return ModelSpec(name, layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, tied, qkv_bias)
+            vocab: int, context: int, tied: bool, qkv_bias: bool = False) -> ModelSpec:
+    return ModelSpec(name, layers, heads, kv_heads, head_dim, hidden, intermediate, vocab, tied, qkv_bias,
+                     max_context=context)
 
 
 # Real configs (config.json of each model on the Hugging Face Hub): layers, heads, KV heads, head_dim, hidden,
-# MLP width, vocabulary.
+# MLP width, vocabulary, context (max_position_embeddings).
 PRESETS: dict[str, ModelSpec] = {spec.name: spec for spec in (
-    _preset("smollm2-135m", 30, 9, 3, 64, 576, 1536, 49152, tied=True),
-    _preset("qwen2.5-0.5b", 24, 14, 2, 64, 896, 4864, 151936, tied=True, qkv_bias=True),
-    _preset("llama-2-7b", 32, 32, 32, 128, 4096, 11008, 32000, tied=False),
-    _preset("mistral-7b", 32, 32, 8, 128, 4096, 14336, 32000, tied=False),
-    _preset("llama-3-8b", 32, 32, 8, 128, 4096, 14336, 128256, tied=False),
-    _preset("llama-2-13b", 40, 40, 40, 128, 5120, 13824, 32000, tied=False),
-    _preset("llama-2-70b", 80, 64, 8, 128, 8192, 28672, 32000, tied=False),
+    _preset("smollm2-135m", 30, 9, 3, 64, 576, 1536, 49152, 8192, tied=True),
+    _preset("qwen2.5-0.5b", 24, 14, 2, 64, 896, 4864, 151936, 32768, tied=True, qkv_bias=True),
+    _preset("llama-2-7b", 32, 32, 32, 128, 4096, 11008, 32000, 4096, tied=False),
+    _preset("mistral-7b", 32, 32, 8, 128, 4096, 14336, 32000, 32768, tied=False),
+    _preset("llama-3-8b", 32, 32, 8, 128, 4096, 14336, 128256, 8192, tied=False),
+    _preset("llama-2-13b", 40, 40, 40, 128, 5120, 13824, 32000, 4096, tied=False),
+    _preset("llama-2-70b", 80, 64, 8, 128, 8192, 28672, 32000, 4096, tied=False),
 )}
 ALIASES = {"0.5b": "qwen2.5-0.5b", "7b": "llama-2-7b", "13b": "llama-2-13b", "70b": "llama-2-70b"}
 
@@ -184,7 +186,7 @@ def _spec_from_config(path: Path, config: dict[str, Any]) -> ModelSpec:
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"], tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-        num_params=safetensors_param_count(path))
+        num_params=safetensors_param_count(path), max_context=config.get("max_position_embeddings"))
 
 
 @dataclass(slots=True)
@@ -318,8 +320,16 @@ def _print_tables(data: dict[str, Any], config: PlanConfig) -> None:
             fits = row["kv_pool_bytes"] > 0
             table.add_row(row["weight_dtype"], _size(row["weights_bytes"]),
                           _size(row["kv_pool_bytes"]) if fits else "[red]does not fit[/]", f"{row['tokens']:,}",
-                          *(f"{users:,}" for users in row["users"].values()))
+                          *("-" if _beyond(context, model) else f"{users:,}"
+                            for context, users in row["users"].items()))
         console.print(table)
+    beyond = [f"{context:,}" for context in config.contexts if _beyond(context, model)]
+    if beyond:
+        console.print(f"-: {', '.join(beyond)} tokens is more than the model's context of {model['max_context']:,}")
+
+
+def _beyond(context: int, model: dict[str, Any]) -> bool:
+    return model.get("max_context") is not None and context > model["max_context"]
 
 
 def run(args: argparse.Namespace) -> int:

@@ -146,6 +146,16 @@ def test_plan_tables_and_bad_input(tmp_path, capsys):
         _plan_cli(["--memory", "8XB"])
 
 
+def test_contexts_beyond_the_models_own_are_not_counted(tmp_path, capsys):
+    # llama-2-7b holds 4,096 tokens: "users at 8,192" would be a figure no server could serve
+    assert _plan_cli(["--preset", "7b", "--memory", "24GiB", "--context", "2048,8192"]) == 0
+    out = capsys.readouterr().out
+    assert "-: 8,192 tokens is more than the model's context of 4,096" in out
+    assert [line.split("│")[-2].strip() for line in out.splitlines() if line.startswith("│")] == ["-", "-", "-"]
+    _write_config(tmp_path, max_position_embeddings=1024)
+    assert spec_from_hf_dir(tmp_path).max_context == 1024
+
+
 def test_kvserve_plan_through_the_cli_dispatcher(capsys):
     from server.cli import main
 
