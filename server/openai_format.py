@@ -54,6 +54,7 @@ class Formatter:
         self.text_offset: dict[int, int] = {}  # per choice: characters of text so far
         self.utf8: dict[int, codecs.IncrementalDecoder] = {}  # per choice: bytes of a character not yet complete
         self.sent_role: set[int] = set()
+        self._special_ids = frozenset(tokenizer.all_special_ids)
 
     def _token_str(self, token_id: int) -> str:
         return token_text(token_bytes(self.tokenizer, token_id))
@@ -65,20 +66,24 @@ class Formatter:
         return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in tokens]}
 
-    def _completion_logprobs(self, index: int, tokens: list[TokenLogprob], first_is_none: bool = False) -> dict:
+    def _completion_logprobs(self, index: int, tokens: list[TokenLogprob], echoed_prompt: bool = False) -> dict:
+        """Completions logprobs of ``tokens``; an echoed prompt's first token has none."""
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for position, t in enumerate(tokens):
             text = self._token_str(t.token_id)
             out["tokens"].append(text)
-            out["token_logprobs"].append(None if first_is_none and position == 0 else t.logprob)
-            out["top_logprobs"].append(None if first_is_none and position == 0
+            out["token_logprobs"].append(None if echoed_prompt and position == 0 else t.logprob)
+            out["top_logprobs"].append(None if echoed_prompt and position == 0
                                        else {self._token_str(i): lp for i, lp in t.top})
             # a token holding part of a character starts where that character starts; the character's text
             # counts once its last byte arrives
             out["text_offset"].append(self.text_offset.get(index, 0))
-            decoder = self.utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
-            completed = decoder.decode(token_bytes(self.tokenizer, t.token_id))
-            self.text_offset[index] = self.text_offset.get(index, 0) + len(completed)
+            # generated special tokens are not in the text (the detokenizer skips them); echoed prompt text is
+            # the prompt as given, so there they count
+            if echoed_prompt or t.token_id not in self._special_ids:
+                decoder = self.utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+                completed = decoder.decode(token_bytes(self.tokenizer, t.token_id))
+                self.text_offset[index] = self.text_offset.get(index, 0) + len(completed)
         return out
 
     def echo_prefix(self, index: int, prompt_text: str, want_logprobs: bool) -> tuple[str, dict | None]:

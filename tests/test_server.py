@@ -339,6 +339,22 @@ def test_text_offset_counts_characters_split_across_tokens(server_url, stream):
             assert text[offset:offset + len(token)] == token
 
 
+def test_text_offset_skips_generated_special_tokens(server_url):
+    # the chat-template prompt makes the model emit <|im_end|> / <|im_start|>, which the text leaves out
+    body = {"prompt": "<|im_start|>user\nSay hi<|im_end|>\n<|im_start|>assistant\nHi<|im_end|>\n",
+            "max_tokens": 16, "logprobs": 0, "ignore_eos": True, "temperature": 0}
+    choice = post(server_url, COMPLETIONS, body).json()["choices"][0]
+    tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+    assert "<|im_end|>" in tokens or "<|im_start|>" in tokens  # the case this test is about
+    assert all(offset <= len(choice["text"]) for offset in offsets)
+    for token, offset in zip(tokens, offsets):
+        if not token.startswith("bytes:") and not token.startswith("<|"):
+            assert choice["text"][offset:offset + len(token)] == token
+    echoed = post(server_url, COMPLETIONS, body | {"echo": True, "max_tokens": 1}).json()["choices"][0]
+    prompt_offsets = echoed["logprobs"]["text_offset"]
+    assert echoed["text"][prompt_offsets[1]:].startswith("user")  # echoed special tokens are in the text
+
+
 def test_step_log_and_step_counters(smollm2, tmp_path):
     from server.config import ServeConfig
     from tests.serverutil import running_server
