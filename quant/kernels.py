@@ -69,26 +69,48 @@ def _load(name: str, build: bool) -> ModuleType | None:
 
 
 # torch's build lock is a bare file; a build killed midway (Ctrl-C or SIGTERM during the first start) leaves it,
-# and torch then waits for it forever. A build takes a few minutes here, so an older lock is a dead build's.
-STALE_LOCK_S = 600.0
+# and torch then waits for it forever. On Linux a live build has a process (ninja, the compiler) working in the
+# build directory; a lock with none there for LOCK_GRACE_S is a dead build's. Elsewhere only age can tell.
+LOCK_GRACE_S = 60.0
+STALE_LOCK_S = 1800.0
 
 
-def _clear_stale_lock(build_dir: Path, stale_s: float = STALE_LOCK_S, poll_s: float = 2.0) -> None:
-    """Wait while another process's build holds ``build_dir/lock``; remove the lock once it is ``stale_s`` old."""
+def _builders(build_dir: Path) -> int | None:
+    """Processes whose working directory is ``build_dir`` (torch runs ninja there); None where /proc cannot tell."""
+    proc = Path("/proc")
+    if not (proc / "self" / "cwd").exists():
+        return None
+    target, count = os.path.realpath(build_dir), 0
+    for entry in proc.iterdir():
+        if entry.name.isdigit():
+            try:
+                count += os.readlink(entry / "cwd") == target
+            except OSError:  # gone, or another user's
+                continue
+    return count
+
+
+def _clear_stale_lock(build_dir: Path, poll_s: float = 2.0) -> None:
+    """Wait while a live build holds ``build_dir/lock``; remove the lock of a dead one.
+
+    Dead: no process works in ``build_dir`` and the lock is older than ``LOCK_GRACE_S`` (torch creates it just
+    before starting ninja), or, where that cannot be seen, older than ``STALE_LOCK_S``.
+    """
     lock = build_dir / "lock"
     announced = False
     while True:
         try:
-            age = time.time() - lock.stat().st_mtime
+            age = abs(time.time() - lock.stat().st_mtime)  # abs: a clock step must not make it young for hours
         except FileNotFoundError:
             return
-        if age >= stale_s:
-            log.warning("removing a stale build lock %s (%.0f s old: a build that was killed)", lock, age)
+        builders = _builders(build_dir)
+        if (builders == 0 and age >= LOCK_GRACE_S) or age >= STALE_LOCK_S:
+            log.warning("removing the build lock %s of a build that was killed (%.0f s old, no build running)",
+                        lock, age)
             lock.unlink(missing_ok=True)
             return
         if not announced:
-            log.warning("waiting for another build of %s (lock %s, %.0f s old; removed at %.0f s)",
-                        build_dir.name, lock, age, stale_s)
+            log.warning("waiting for another build of %s to finish (lock %s)", build_dir.name, lock)
             announced = True
         time.sleep(poll_s)
 

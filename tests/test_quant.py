@@ -453,13 +453,41 @@ def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path, monke
     # torch waits forever on the lock file a killed build leaves; kvserve would hang at startup
     lock = tmp_path / "lock"
     lock.touch()
-    old = time.time() - kernels.STALE_LOCK_S - 1
+    old = time.time() - kernels.LOCK_GRACE_S - 1
     os.utime(lock, (old, old))
-    kernels._clear_stale_lock(tmp_path)
-    assert not lock.exists()
-    lock.touch()  # fresh: another build is running; it finishes (removes its lock) while we wait
+    if kernels._builders(tmp_path) is not None:  # Linux: no process works in tmp_path, so the build is dead
+        kernels._clear_stale_lock(tmp_path)
+        assert not lock.exists()
+        lock.touch()
+        os.utime(lock, (old, old))
+    # a live build (a process working in the directory) keeps its lock however old, until it removes it
+    monkeypatch.setattr(kernels, "_builders", lambda build_dir: 1)
     sleeps = []
     monkeypatch.setattr(kernels.time, "sleep", lambda s: (sleeps.append(s), lock.unlink()))
     kernels._clear_stale_lock(tmp_path)
     assert sleeps and not lock.exists()
     kernels._clear_stale_lock(tmp_path)  # no lock: returns at once
+    # where /proc cannot tell, only a lock older than STALE_LOCK_S is removed
+    monkeypatch.setattr(kernels, "_builders", lambda build_dir: None)
+    lock.touch()
+    ancient = time.time() - kernels.STALE_LOCK_S - 1
+    os.utime(lock, (ancient, ancient))
+    kernels._clear_stale_lock(tmp_path)
+    assert not lock.exists()
+
+
+def test_a_process_working_in_a_directory_counts_as_a_builder(tmp_path):
+    import subprocess
+
+    if kernels._builders(tmp_path) is None:
+        pytest.skip("no /proc here")
+    assert kernels._builders(tmp_path) == 0
+    sleeper = subprocess.Popen(["sleep", "30"], cwd=tmp_path)
+    try:
+        deadline = time.time() + 10
+        while kernels._builders(tmp_path) != 1 and time.time() < deadline:
+            time.sleep(0.05)
+        assert kernels._builders(tmp_path) == 1
+    finally:
+        sleeper.kill()
+        sleeper.wait()
