@@ -85,11 +85,12 @@ def create_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError):
         content_type = request.headers.get("content-type")
-        if content_type is not None and not _is_json(content_type):
+        has_body = request.headers.get("content-length", "0") != "0" or "transfer-encoding" in request.headers
+        if (content_type is None and has_body) or (content_type is not None and not _is_json(content_type)):
             # the body was not parsed at all: say why (curl -d without -H sends a form). Refusing, not guessing,
             # also keeps a web page's cross-origin form post from driving a local server.
-            return ApiError(415, f"the request body must be JSON: send 'Content-Type: application/json' "
-                                 f"(got {content_type.split(';')[0].strip()!r})",
+            got = "no Content-Type" if content_type is None else repr(content_type.split(";")[0].strip())
+            return ApiError(415, f"the request body must be JSON: send 'Content-Type: application/json' (got {got})",
                             code="unsupported_media_type").response()
         return _validation_error(exc).response()
 

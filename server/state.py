@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -55,6 +56,14 @@ def is_decode(work: SeqWork) -> bool:
     return len(work.token_ids) == 1 and work.start_pos >= len(work.prompt_ids)
 
 
+def _physical_memory() -> int | None:
+    """This machine's RAM (bytes), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
 class ServerState:
     """Everything a request handler needs; one per app.
 
@@ -72,7 +81,18 @@ class ServerState:
         shape = loaded.kv_shape()
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(shape, config.block_size,
                                                                    parse_bytes(config.kv_cache_memory))
-        self.pool = KVPool(shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
+        pool_bytes = num_blocks * config.block_size * shape.bytes_per_token
+        ram = _physical_memory()
+        if loaded.device.type == "cpu" and ram is not None and pool_bytes > ram:
+            # refused here: allocating it would have the kernel kill the process, not raise
+            raise ValueError(f"a KV pool of {pool_bytes:,} bytes is more than this machine's {ram:,} bytes of "
+                             "memory: lower --kv-cache-memory or --num-kv-blocks")
+        try:
+            self.pool = KVPool(shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
+        except (RuntimeError, TypeError, OverflowError) as exc:  # more than the machine has, or than torch indexes
+            raise ValueError(f"cannot allocate a KV pool of {num_blocks:,} blocks "
+                             f"({pool_bytes:,} bytes): lower "
+                             f"--kv-cache-memory or --num-kv-blocks ({type(exc).__name__})") from None
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:
             log.warning("--max-model-len %d is above the model's context of %d tokens; serving %d",

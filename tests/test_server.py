@@ -211,6 +211,9 @@ def test_a_body_that_is_not_sent_as_json_is_415_naming_the_content_type(server_u
         assert response.status_code == 415, response.text
         error = response.json()["error"]
         assert content_type in error["message"] and "application/json" in error["message"]
+    response = httpx.post(server_url + path, content=body)  # raw content: httpx sends no Content-Type
+    assert "content-type" not in response.request.headers
+    assert response.status_code == 415 and "no Content-Type" in response.json()["error"]["message"]
     for content_type in ("application/json; charset=utf-8", "application/vnd.api+json"):
         response = httpx.post(server_url + path, content=body, headers={"content-type": content_type})
         assert response.status_code == 200, response.text

@@ -160,6 +160,13 @@ def test_static_policy_holds_the_short_answer_until_the_group_finishes(state_fac
     assert long_chunks_before >= 39  # nobody hears of the short answer before its neighbour is done
 
 
+@pytest.mark.parametrize("memory", ["1e30TiB", "100TiB"])
+def test_a_kv_pool_beyond_the_machine_is_refused_in_one_line(state_factory, memory):
+    # 1e30 TiB overflowed torch.zeros into a TypeError traceback; 100 TiB would be an OOM kill, not an error
+    with pytest.raises(ValueError, match="lower --kv-cache-memory"):
+        state_factory(kv_cache_memory=memory)
+
+
 def test_api_key_guards_v1_routes(state_factory):
     state = state_factory(api_key="sekret")
     with serving(state) as url:
