@@ -33,15 +33,27 @@ env_name() {  # max-num-seqs -> KVSERVE_MAX_NUM_SEQS
   echo "KVSERVE_${upper//-/_}"
 }
 
-dry_run() {  # KVSERVE_DRY_RUN=true|1|yes|on, any case
-  [[ "${KVSERVE_DRY_RUN:-}" =~ ^(1|[tT][rR][uU][eE]|[yY][eE][sS]|[oO][nN])$ ]]
+dry_run() {  # KVSERVE_DRY_RUN: true|1|yes|on or false|0|no|off|empty, any case, like the switches
+  local value="${KVSERVE_DRY_RUN:-}"
+  case "${value,,}" in
+    true | 1 | yes | on) return 0 ;;
+    false | 0 | no | off | "") return 1 ;;
+    *) die "KVSERVE_DRY_RUN=${value}: expected true or false" ;;
+  esac
+}
+
+print_command() {  # shell-quoted, one line
+  local first=1 arg
+  for arg in "$@"; do
+    if ((first)); then first=0; else printf ' '; fi
+    printf '%q' "$arg"
+  done
+  printf '\n'
 }
 
 if [[ $# -gt 0 && "$1" != -* ]]; then
   if dry_run; then
-    printf '%q' "$1"
-    printf ' %q' "${@:2}"
-    printf '\n'
+    print_command "$@"
     exit 0
   fi
   exec "$@"
@@ -82,9 +94,7 @@ done < <(compgen -e | grep '^KVSERVE_' || true)
 
 args+=("$@")
 if dry_run; then
-  printf 'kvserve'
-  printf ' %q' "${args[@]}"
-  printf '\n'
+  print_command kvserve "${args[@]}"
   exit 0
 fi
 exec kvserve "${args[@]}"

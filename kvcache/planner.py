@@ -186,7 +186,12 @@ def _spec_from_config(path: Path, config: dict[str, Any]) -> ModelSpec:
         hidden_size=config["hidden_size"], intermediate_size=config["intermediate_size"],
         vocab_size=config["vocab_size"], tied_embeddings=bool(config.get("tie_word_embeddings", False)),
         qkv_bias=bool(config.get("attention_bias", config.get("model_type") == "qwen2")),
-        num_params=safetensors_param_count(path), max_context=config.get("max_position_embeddings"))
+        num_params=safetensors_param_count(path), max_context=_positive_int(config.get("max_position_embeddings")))
+
+
+def _positive_int(value: Any) -> int | None:
+    """``value`` if it is an integer >= 1 (bool excluded), else None: a malformed field is treated as absent."""
+    return value if isinstance(value, int) and not isinstance(value, bool) and value >= 1 else None
 
 
 @dataclass(slots=True)

@@ -43,7 +43,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--extra", type=shlex.split, default=[],
-                        help="extra flags for kvserve serve, one quoted string: --extra '--dtype float32'")
+                        help="extra flags for kvserve serve, one quoted string: --extra '--dtype float32' "
+                             "(a single flag: --extra=--no-prefix-caching)")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     return parser
 

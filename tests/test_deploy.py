@@ -152,6 +152,12 @@ def test_entrypoint_dry_run_prints_a_given_command_too(switch):
                           env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
     # variables kvserve reads itself are known, not reported as typos
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "kvserve plan --memory 8\\ GiB\n", "")
+    alone = subprocess.run(["bash", str(ENTRYPOINT), "bash"], env={"PATH": "/usr/bin:/bin", **env},
+                           capture_output=True, text=True, timeout=30)
+    assert alone.stdout == "bash\n"  # no empty argument after a lone command
+    typo = subprocess.run(["bash", str(ENTRYPOINT), "bash"], env={"PATH": "/usr/bin:/bin", "KVSERVE_DRY_RUN": "y"},
+                          capture_output=True, text=True, timeout=30)
+    assert typo.returncode == 2 and "expected true or false" in typo.stderr  # never runs it by mistake
 
 
 def test_serve_refuses_out_of_range_values_in_one_line(caplog):

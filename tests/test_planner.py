@@ -154,6 +154,10 @@ def test_contexts_beyond_the_models_own_are_not_counted(tmp_path, capsys):
     assert [line.split("│")[-2].strip() for line in out.splitlines() if line.startswith("│")] == ["-", "-", "-"]
     _write_config(tmp_path, max_position_embeddings=1024)
     assert spec_from_hf_dir(tmp_path).max_context == 1024
+    for malformed in ("1024", 0, -5, True, None):  # treated as unknown, never a traceback
+        _write_config(tmp_path, max_position_embeddings=malformed)
+        assert spec_from_hf_dir(tmp_path).max_context is None
+    assert _plan_cli(["--model", str(tmp_path), "--memory", "1GiB"]) == 0
 
 
 def test_kvserve_plan_through_the_cli_dispatcher(capsys):
