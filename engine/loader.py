@@ -69,13 +69,18 @@ def cpu_has_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(choice: DType, device: torch.device) -> torch.dtype:
-    """auto -> bfloat16 on a GPU or a CPU with native bf16, float32 otherwise."""
+def resolve_dtype(choice: DType, device: torch.device, quantized: bool = False) -> torch.dtype:
+    """auto -> bfloat16 on a GPU or a CPU with native bf16, float32 otherwise, and float32 on any CPU when the
+    weights are quantized: the integer kernels take float32 activations and kvserve's fused CPU ops are
+    float32-only, so bfloat16 activations would only add conversions and lose the fused path (int8 decode
+    with bfloat16 activations against float32: ``python -m quant.bench``, on a CPU with native bf16)."""
     if choice is DType.FLOAT32:
         return torch.float32
     if choice is DType.BFLOAT16:
         return torch.bfloat16
-    if device.type == "cuda" or cpu_has_bf16():
+    if device.type == "cuda":
+        return torch.bfloat16
+    if cpu_has_bf16() and not quantized:
         return torch.bfloat16
     return torch.float32
 
@@ -163,13 +168,15 @@ def kv_shape_of(config, dtype: torch.dtype) -> KVShape:
                    bytes_per_element=torch.empty((), dtype=dtype).element_size())
 
 
-def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Device = Device.AUTO) -> LoadedModel:
+def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Device = Device.AUTO,
+               quantized: bool = False) -> LoadedModel:
     """Load a model for serving.
 
     Args:
         model: None for the embedded SmolLM2, or a local HF model directory.
         dtype: weight and activation dtype.
         device: where to run.
+        quantized: the weights will be quantized next (``resolve_dtype``'s auto then keeps float32 on a CPU).
 
     Raises:
         FileNotFoundError: see ``resolve_model_dir``.
@@ -178,7 +185,7 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
     attention.register()
     path = resolve_model_dir(model)
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    torch_dtype = resolve_dtype(dtype, torch_device, quantized)
     hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
                                                     attn_implementation=attention.ATTN_IMPLEMENTATION)
     hf_model.to(torch_device).eval()

@@ -122,7 +122,9 @@ def check_out_dir(path: Path) -> None:
         raise UsageError(f"--out {str(path)!r}: {exc.strerror or exc}") from exc
 
 
-def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = Device.AUTO) -> LoadedModel:
-    """``model`` (default: the embedded one) as ``kvserve serve`` loads it with these ``--dtype``/``--device``."""
+def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = Device.AUTO,
+         quantized: bool = False) -> LoadedModel:
+    """``model`` (default: the embedded one) as ``kvserve serve`` loads it with these ``--dtype``/``--device``
+    (``quantized``: as it loads a model it is about to quantize)."""
     torch.manual_seed(0)
-    return load_model(model, dtype, device)
+    return load_model(model, dtype, device, quantized)

@@ -93,11 +93,11 @@ def run(args: argparse.Namespace) -> int:
 
     check_engine_flags(args.model, args.device)
     batches = args.batch
-    loaded = load(DType(args.dtype), args.model, Device(args.device))
+    loaded = load(DType(args.dtype), args.model, Device(args.device), quantized=args.quantization != "none")
     if args.quantization != "none":
-        from quant.model import quantize_model, serving_quantizes_head
+        from quant.model import quantize_for_serving
 
-        quantize_model(loaded.model, args.quantization, head=serving_quantizes_head(args.quantization))
+        quantize_for_serving(loaded.model, args.quantization)  # codes rounded to nearest: the same kernels, the same cost
     results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
     rows = ["| share of a decode step | " + " | ".join(f"B = {b}" for b, *_ in results) + " |",

@@ -123,11 +123,11 @@ def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int 
     from engine.loader import Device, DType
     from loadtest.enginebench import EngineBench, dummy_ids, load
 
-    loaded = load(DType(dtype), model, Device(device))
+    loaded = load(DType(dtype), model, Device(device), quantized=quantization != "none")
     if quantization != "none":
-        from quant.model import quantize_model, serving_quantizes_head
+        from quant.model import quantize_for_serving
 
-        quantize_model(loaded.model, quantization, head=serving_quantizes_head(quantization))
+        quantize_for_serving(loaded.model, quantization)  # codes rounded to nearest: the same kernels, the same cost
     bench = EngineBench(loaded, num_seqs=2 * slots, max_len=max(prompt_len, context_len) + 1)
     for s in range(slots):
         bench.fill(slots + s, context_len)

@@ -19,12 +19,12 @@ import time
 import torch
 
 from quant.linear import QuantLinear
-from quant.model import quantize_model, serving_quantizes_head, weight_bytes_per_token
+from quant.model import quantize_for_serving, weight_bytes_per_token
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-VARIANTS = (("none", torch.bfloat16), ("none", torch.float32), ("int8", torch.float32),
+VARIANTS = (("none", torch.bfloat16), ("none", torch.float32), ("int8", torch.bfloat16), ("int8", torch.float32),
             ("int4", torch.float32), ("nf4", torch.float32))
-PROFILED = "int8"  # the variant whose decode steps are profiled operator by operator
+PROFILED = ("int8", torch.float32)  # the variant whose decode steps are profiled operator by operator
 
 
 def read_bandwidth(num_bytes: int = 512 * 2**20, repeats: int = 7) -> float:
@@ -114,7 +114,7 @@ def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
     rows = []
     for scheme, dtype in VARIANTS:
         model = copy.deepcopy(loaded.model).to(dtype)
-        summary = quantize_model(model, scheme, head=serving_quantizes_head(scheme))  # as `kvserve serve` does
+        summary = quantize_for_serving(model, scheme)  # the served format; rounded to nearest, which costs the same
         variant = LoadedModel(model=model, tokenizer=loaded.tokenizer, name=loaded.name, device=loaded.device,
                               dtype=dtype)
         times, tokens, _ = decode_steps(variant, num_tokens)
@@ -125,7 +125,7 @@ def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
                      "tokens_per_s": 1 / step, "bytes_per_token": read, "bound_s": read / bandwidth,
                      "projections_s": projections, "head_s": head, "bits": summary.bits_per_weight,
                      "text": loaded.tokenizer.decode(tokens[:12]),
-                     "profile": decode_steps(variant, 8, profile=True)[2] if scheme == PROFILED else ""})
+                     "profile": decode_steps(variant, 8, profile=True)[2] if (scheme, dtype) == PROFILED else ""})
         log(f"{scheme}/{rows[-1]['dtype']}: {1 / step:.1f} tokens/s, step {step * 1e3:.1f} ms "
             f"(projections {projections * 1e3:.1f} ms, head {head * 1e3:.1f} ms), {rows[-1]['text']!r}")
         del model, variant
@@ -159,7 +159,7 @@ def speed_table(rows: list[dict], bandwidth: float) -> str:
     for r in rows:
         if r["scheme"] != "none":
             best = r["bound_s"] + _rest(r)
-            lines.append(f"- {r['scheme']}: {fp32['step_s'] / best:.2f}x fp32 (measured "
+            lines.append(f"- {r['scheme']} ({r['dtype']} activations): {fp32['step_s'] / best:.2f}x fp32 (measured "
                          f"{r['tokens_per_s'] / fp32['tokens_per_s']:.2f}x), {bf16['step_s'] / best:.2f}x bf16 "
                          f"(measured {r['tokens_per_s'] / bf16['tokens_per_s']:.2f}x)")
     return "\n".join(lines)
@@ -187,21 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     loaded = load_model(None, DType.FLOAT32, Device.CPU)
     bandwidth = read_bandwidth()
     rows = run_speed(loaded, args.tokens, bandwidth, log)
-    native_bf16 = "has" if cpu_has_bf16() else "has no"
+    native_bf16 = cpu_has_bf16()
+    auto = "bfloat16" if native_bf16 else "float32"
+    baseline = ("bfloat16, the dtype served here, is the baseline" if native_bf16 else
+                "this CPU emulates bfloat16, so the fair baseline is the float32 column")
     body = [f"Single-stream decode through ModelRunner + KVPool (batch 1, greedy, {args.tokens} steps per "
             f"variant, median step). C++ kernel path: {path}; torch threads: {torch.get_num_threads()}. "
-            f"This CPU {native_bf16} native bfloat16 (AVX-512 BF16 / AMX), so kvserve's auto dtype here is "
-            "float32. Quantized variants are served as `kvserve serve --quantization` serves them: int8 "
+            f"This CPU {'has' if native_bf16 else 'has no'} native bfloat16 (AVX-512 BF16 / AMX), so kvserve's "
+            f"auto dtype here is {auto}. Quantized variants are served as `kvserve serve --quantization` serves "
+            "them (the step's cost does not depend on how the codes were rounded): int8 "
             "projections multiply int16 activations (quantized per block of 64) and int4 projections int8 "
             "activations (per block of 32) with integer dot products, "
             "NF4 multiplies float32 activations through a 16-level table; with the 4-bit schemes the LM head "
             "gets an int8 per-row copy (the embedding keeps float32), with int8 it stays float32. Float32 runs use kvserve's f32_linear kernel and the fused "
             "C++ norms / RoPE / paged attention (engine/decode_ops.cpp); bfloat16 runs torch's bf16 matmuls "
-            "and torch ops throughout (the fused ops are float32-only), so on this CPU the fair baseline is "
-            "the float32 column. Projections and LM head are replayed alone (best of 7); rest = step - both "
+            f"and torch ops throughout (the fused ops are float32-only); {baseline}. Projections and LM head are replayed alone (best of 7); rest = step - both "
             "(attention, norms, sampling, Python).", "", speed_table(rows, bandwidth)]
-    profile = next(r["profile"] for r in rows if r["scheme"] == PROFILED)
-    body += ["", f"Where one {PROFILED} decode step goes (torch.profiler, 8 steps; the C++ kernels are not aten "
+    profile = next(r["profile"] for r in rows if r["profile"])
+    body += ["", f"Where one {PROFILED[0]} decode step goes (torch.profiler, 8 steps; the C++ kernels are not aten "
              "operators, so the runner labels each projection call `kvserve::projection`):", "",
              "```", profile.strip(), "```"]
     if not args.skip_quality:

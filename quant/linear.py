@@ -178,9 +178,10 @@ class Int8Linear(QuantLinear):
     scheme = Scheme.INT8
     act_qmax = Q16_MAX
 
-    def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT8]) -> None:
+    def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT8],
+                 hessian: torch.Tensor | None = None) -> None:
         super().__init__(linear, spec)
-        q, scales = quantize_int(linear.weight.detach(), spec)
+        q, scales = quantize_int(linear.weight.detach(), spec, hessian)  # hessian: GPTQ rounding
         self.register_buffer("weight", pack_int8_panels(q) if self.layout == "panels" else q)  # [out, in] int8
         self.register_buffer("scales", scales.float().expand(self.out_features).contiguous())  # [out]
 
@@ -243,9 +244,10 @@ class Int4Linear(Nibble4Linear):
 
     scheme = Scheme.INT4
 
-    def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT4]) -> None:
+    def __init__(self, linear: nn.Linear, spec: QuantSpec = SERVING_SPECS[Scheme.INT4],
+                 hessian: torch.Tensor | None = None) -> None:
         super().__init__(linear, spec)
-        q, scales = quantize_int(linear.weight.detach(), spec)
+        q, scales = quantize_int(linear.weight.detach(), spec, hessian)  # hessian: GPTQ rounding
         codes = (q + INT4_OFFSET).to(torch.uint8)
         packed = pack_nibble_panels(codes) if self.layout == "panels" else pack_nibbles(codes)
         self.register_buffer("weight", packed)  # [out, in // 2]

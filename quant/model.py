@@ -11,13 +11,19 @@ int8 head added about 0.1 point to it (+0.96% -> +1.03%).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
-from quant import kernels
+from quant import gptq, kernels
 from quant.linear import LAYER_CLASSES, Int8Linear, QuantLinear
 from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
+
+# Schemes whose served codes are rounded by GPTQ: int8 per row, where rounding to nearest changes more of full
+# precision's greedy choices than the 3 in 100 the quality goal allows (BENCHMARKS.md, `python -m quant.bench`).
+SERVING_GPTQ = frozenset({Scheme.INT8})
 
 
 @dataclass(slots=True, frozen=True)
@@ -65,7 +71,7 @@ def serving_quantizes_head(scheme: Scheme | str) -> bool:
 
 
 def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | None = None, *, head: bool = False,
-                   activations: bool = True) -> QuantSummary:
+                   activations: bool = True, hessians: Mapping[str, torch.Tensor] | None = None) -> QuantSummary:
     """Replace every linear projection of ``model`` with its quantized layer, in place.
 
     Works on any device and dtype: codes are computed from the float32 value of each weight on the weight's
@@ -79,12 +85,16 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
             Not counted in the summary's bits and bytes, which describe the projections.
         activations: quantize activations as the int8/int4 kernels do (``QuantLinear.act_block``); False
             gives weight-only layers that always run the reference (the report's per-scheme rows).
+        hessians: projection name -> ``[in, in]`` input Hessian (``quant.gptq.calibrate``): round the int8 or
+            int4 codes by GPTQ on the same absmax grid (the label gets ``+gptq``). The LM head copy stays
+            round-to-nearest.
 
     Returns:
         The summary (bits per weight measured from the stored bytes).
 
     Raises:
-        ValueError: an unknown scheme, a spec for another scheme, or a layer the scheme cannot pack.
+        ValueError: an unknown scheme, a spec for another scheme, a layer the scheme cannot pack, or
+            ``hessians`` for NF4 or without an entry for every projection.
     """
     scheme = Scheme(scheme)
     param = next(model.parameters())
@@ -95,14 +105,22 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
         raise ValueError(f"spec {spec.label} is not a {scheme.value} spec")
     if param.is_cpu:
         kernels.load()  # build (or load) the CPU kernels now, at startup, not inside the first request
+    names = projection_names(model)
+    if hessians is not None:
+        if scheme is Scheme.NF4:
+            raise ValueError("GPTQ rounding is for the integer grids (int8, int4), not NF4's levels")
+        missing = [name for name in names if name not in hessians]
+        if missing:
+            raise ValueError(f"no input Hessian for {len(missing)} projections, e.g. {missing[0]}")
     layer_class = LAYER_CLASSES[scheme]
     bytes_before = bytes_after = num_weights = 0
     groups: set[int] = set()
-    for name in projection_names(model):
+    for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear: nn.Linear = getattr(parent, child)
-        quantized = layer_class(linear, spec).to(linear.weight.device)
+        rounding = {} if hessians is None else {"hessian": hessians[name]}
+        quantized = layer_class(linear, spec, **rounding).to(linear.weight.device)
         if not activations:
             quantized.act_block = None
         setattr(parent, child, quantized)
@@ -121,9 +139,33 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
             quantized_head.act_block = None
         model.set_output_embeddings(quantized_head)
         head_label = f"int8/row ({quantized_head.weight_bytes / 2**20:.1f} MiB)"
-    return QuantSummary(scheme=scheme, spec_label=spec.label, group_sizes=tuple(sorted(groups)),
+    label = spec.label + ("" if hessians is None else "+gptq")
+    return QuantSummary(scheme=scheme, spec_label=label, group_sizes=tuple(sorted(groups)),
                         num_layers=num_layers, bits_per_weight=8 * bytes_after / num_weights,
                         bytes_before=bytes_before, bytes_after=bytes_after, head=head_label)
+
+
+def quantize_for_serving(model: nn.Module, scheme: Scheme | str, tokenizer=None) -> QuantSummary:
+    """Quantize ``model`` in place as ``kvserve serve --quantization scheme`` does.
+
+    The serving recipe (``SERVING_SPECS``) and an int8 LM head copy for the 4-bit schemes; for the schemes in
+    ``SERVING_GPTQ``, GPTQ rounding calibrated on the model's own replies (``quant.gptq.calibrate``: about a
+    minute for SmolLM2 on a 2-core CPU, at every start).
+
+    Args:
+        model: a transformers causal LM (the loaded model: its paged attention is restored after calibrating).
+        scheme: ``Scheme`` or its value.
+        tokenizer: writes the calibration replies; None rounds every code to nearest, which the speed
+            benchmarks use: GPTQ's codes differ only in value, so a step costs the same.
+
+    Raises:
+        ValueError: as ``quantize_model``.
+    """
+    scheme = Scheme(scheme)
+    hessians = None
+    if scheme in SERVING_GPTQ and tokenizer is not None:
+        hessians = gptq.calibrate(model, tokenizer, projection_names(model))
+    return quantize_model(model, scheme, head=serving_quantizes_head(scheme), hessians=hessians)
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:

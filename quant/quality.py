@@ -65,21 +65,32 @@ def heldout_ids(tokenizer, num_tokens: int = HELDOUT_TOKENS) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def heldout_scores(model: nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor]:
+def heldout_scores(model: nn.Module, ids: torch.Tensor) -> tuple[float, torch.Tensor, torch.Tensor]:
     """One causal forward over ``ids [1, T]`` (T - 1 predictions).
 
     Returns:
-        ``(perplexity, top1)``: exp(mean next-token NLL), and the model's argmax at each position, int64
-        ``[T - 1]`` (compared with full precision's: top-1 agreement on the held-out text).
+        ``(perplexity, top1, logprobs)``: exp(mean next-token NLL); the model's argmax at each position, int64
+        ``[T - 1]`` (compared with full precision's: top-1 agreement on the held-out text); and its next-token
+        log-probabilities, float32 ``[T - 1, vocab]`` (for ``mean_kl``).
     """
-    logits = model(input_ids=ids).logits[0, :-1].float()  # [T-1, vocab]
-    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:])
-    return math.exp(float(nll)), logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)  # [T-1, vocab]
+    nll = torch.nn.functional.nll_loss(logprobs, ids[0, 1:])
+    return math.exp(float(nll)), logprobs.argmax(dim=-1), logprobs
 
 
 def perplexity(model: nn.Module, ids: torch.Tensor) -> float:
     """exp(mean next-token NLL) over ``ids [1, T]`` in one causal window (T - 1 predictions)."""
     return heldout_scores(model, ids)[0]
+
+
+def mean_kl(reference: torch.Tensor, logprobs: torch.Tensor) -> float:
+    """Mean over positions of KL(P_reference || P) in nats, from log-probabilities ``[positions, vocab]``.
+
+    How far a quantized model's next-token distribution moves from full precision's, everywhere, not only where
+    the argmax flips (llama.cpp's ``llama-perplexity --kl-divergence`` reports the same measure): a smooth
+    quantity, so a small change in the weights' error shows where top-1 counts are still noise.
+    """
+    return float(torch.nn.functional.kl_div(logprobs, reference, log_target=True, reduction="batchmean"))
 
 
 def chat_ids(tokenizer, question: str) -> list[int]:

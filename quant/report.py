@@ -14,9 +14,10 @@ import sys
 import time
 from pathlib import Path
 
-# (label, scheme, granularity, group): the recipes reported; the serving defaults are marked in the table.
+# (scheme, granularity, group): the recipes reported, rounded to nearest; the serving defaults are marked.
 RECIPES = (("int8", "tensor", None), ("int8", "row", None), ("int4", "tensor", None), ("int4", "row", None),
            ("int4", "group", 128), ("nf4", "group", 64))
+GPTQ_RECIPES = (("int8", "row", None),)  # also reported with GPTQ rounding (quant.gptq)
 OUTLIER_MATRIX = "model.layers.0.self_attn.q_proj"
 
 
@@ -37,23 +38,24 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
 
     import torch
 
-    from quant import quality
-    from quant.model import projection_names, quantize_model, serving_quantizes_head, stored_bytes
+    from quant import gptq, quality
+    from quant.model import SERVING_GPTQ, projection_names, quantize_model, serving_quantizes_head, stored_bytes
     from quant.schemes import SERVING_SPECS, Granularity, QuantSpec, Scheme, relative_error
 
     ids = quality.heldout_ids(tokenizer)
     log("full precision: greedy reference runs")
     runs = quality.reference_continuations(model, tokenizer)
     margins = quality.reference_margins(model, runs)  # [positions]
-    reference_top1 = quality.heldout_scores(model, ids)[1]  # [T - 1]
+    _, reference_top1, reference_logprobs = quality.heldout_scores(model, ids)  # [T - 1], [T - 1, vocab]
 
     def measure(m) -> dict:
         facts = quality.factual_answers(m, tokenizer)
         agrees = quality.agreement_by_position(m, runs)
-        ppl, top1 = quality.heldout_scores(m, ids)
+        ppl, top1, logprobs = quality.heldout_scores(m, ids)
         return {"perplexity": ppl, "facts_right": sum(ok for _, _, ok in facts),
                 "facts": facts, "agreement": float(agrees.float().mean()),
                 "heldout_top1": float((top1 == reference_top1).float().mean()),
+                "heldout_kl": quality.mean_kl(reference_logprobs, logprobs),
                 "miss_margins": sorted(margins[~agrees].tolist()), "model_weight_bytes": stored_bytes(m)}
 
     baseline = measure(model)
@@ -79,22 +81,27 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
                rel_error_worst=errors[worst], worst_matrix=worst, seconds=0.0)
     rows.append(row)
     del rounded
-    # Per-scheme rows: weight-only (float activations, float LM head), the granularity study the chapter makes.
-    # "as served" rows: what `kvserve serve --quantization X` computes: activations quantized as the integer
-    # kernels do (int16 per block of 64 for int8, int8 per block of 32 for int4), and an int8 LM head for the
-    # 4-bit schemes.
-    recipes = [(QuantSpec(Scheme(s), Granularity(g), group), False) for s, g, group in RECIPES]
-    recipes += [(spec, True) for spec in SERVING_SPECS.values()]
-    for spec, served in recipes:
-        label = spec.label + (" as served" if served else "")
+    # Per-scheme rows: weight-only (float activations, float LM head), the granularity study the chapter makes,
+    # rounded to nearest, then with GPTQ rounding. "as served" rows: what `kvserve serve --quantization X`
+    # computes: its rounding, activations quantized as the integer kernels do (int16 per block of 64 for int8,
+    # int8 per block of 32 for int4), and an int8 LM head for the 4-bit schemes.
+    recipes = [(QuantSpec(Scheme(s), Granularity(g), group), False, False) for s, g, group in RECIPES]
+    recipes += [(QuantSpec(Scheme(s), Granularity(g), group), True, False) for s, g, group in GPTQ_RECIPES]
+    recipes += [(spec, scheme in SERVING_GPTQ, True) for scheme, spec in SERVING_SPECS.items()]
+    log("GPTQ calibration: the model's replies to the calibration prompts")
+    hessians = gptq.calibrate(model, tokenizer, projection_names(model))
+    for spec, rounded_by_gptq, served in recipes:
+        label = spec.label + ("+gptq" if rounded_by_gptq else "") + (" as served" if served else "")
         log(f"{label}: quantizing and measuring")
         started = time.perf_counter()
         quantized = copy.deepcopy(model)
         summary = quantize_model(quantized, spec.scheme, spec, head=served and serving_quantizes_head(spec.scheme),
-                                 activations=served)
+                                 activations=served, hessians=hessians if rounded_by_gptq else None)
         error = quality.weight_errors(model, quantized)
         row = measure(quantized)
-        row.update(label=label, serving=SERVING_SPECS[spec.scheme] == spec and not served, served=served,
+        serving = (SERVING_SPECS[spec.scheme] == spec and rounded_by_gptq == (spec.scheme in SERVING_GPTQ)
+                   and not served)
+        row.update(label=label, serving=serving, served=served,
                    group_sizes=summary.group_sizes, bits_per_weight=summary.bits_per_weight,
                    rel_error_mean=error.mean, rel_error_worst=error.worst, worst_matrix=error.worst_name,
                    seconds=time.perf_counter() - started)
@@ -113,22 +120,27 @@ def quality_table(data: dict) -> str:
     """The per-recipe markdown table (also used by ``python -m quant.bench``)."""
     base = data["baseline"]
     lines = ["| recipe | bits/weight | weight MiB | rel. error mean | rel. error worst (matrix) | perplexity "
-             "| vs fp32 | facts /16 | greedy agreement | fp32 margin at misses | held-out top-1 agreement |",
-             "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|",
+             "| vs fp32 | facts /16 | greedy agreement | fp32 margin at misses | held-out top-1 agreement "
+             "| held-out KL (millinats) |",
+             "|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---:|",
              f"| float32 (reference) | 32 | {base['model_weight_bytes'] / 2**20:.1f} | - | - | "
-             f"{base['perplexity']:.3f} | - | {base['facts_right']} | 100% | - | 100% |"]
+             f"{base['perplexity']:.3f} | - | {base['facts_right']} | 100% | - | 100% | 0 |"]
     for r in data["rows"]:
         name = r["label"] + (" (serving default)" if r["serving"] else "")
         lines.append(f"| {name} | {r['bits_per_weight']:.3f} | {r['model_weight_bytes'] / 2**20:.1f} | "
                      f"{r['rel_error_mean']:.4f} | {r['rel_error_worst']:.4f} ({r['worst_matrix']}) | "
                      f"{r['perplexity']:.3f} | {100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | "
                      f"{r['facts_right']} | {100 * r['agreement']:.1f}% | {_margin_cell(r, base)} | "
-                     f"{_percent(r.get('heldout_top1'))} |")
+                     f"{_percent(r.get('heldout_top1'))} | {_millinats(r.get('heldout_kl'))} |")
     return "\n".join(lines)
 
 
 def _percent(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _millinats(value: float | None) -> str:
+    return "-" if value is None else f"{1e3 * value:.2f}"
 
 
 def _margin_cell(row: dict, base: dict) -> str:
@@ -150,7 +162,11 @@ def render(data: dict) -> str:
         f"Perplexity: {data['heldout']}. Greedy agreement: {data['agreement_positions']} positions "
         "(full-precision greedy continuations, teacher-forced). Weight MiB counts every linear layer plus the "
         "float32 embedding / tied LM head. Rows named by recipe are weight-only (float activations, float LM "
-        "head); rows \"as served\" are what `kvserve serve --quantization` computes: activations quantized as "
+        "head), their codes rounded to nearest, or by GPTQ where marked `+gptq` (same absmax scales; each column's "
+        "rounding error moved onto the columns not yet rounded, weighted by the layer's input Hessian, measured "
+        "on the model's own replies to prompts that share nothing with this report's texts; Frantar et al. "
+        "2022); rows \"as served\" are what `kvserve serve --quantization` computes: its rounding, activations "
+        "quantized as "
         "the integer kernels do (int8: to int16 per block of 64; int4: to int8 per block of 32), and for the "
         "4-bit schemes an int8 per-row copy of the "
         "LM head (its error counts in the relative-error columns; bits/weight are the projections'). Group sizes are the largest "
@@ -189,7 +205,10 @@ def margin_note(data: dict) -> str:
             "error far below int8's costs. \"held-out top-1 agreement\": where the recipe's argmax on the "
             f"held-out text (the perplexity text, {data['baseline'].get('heldout_positions', '-')} positions, "
             "teacher-forced) is full precision's: the same question as greedy agreement over five times the "
-            "positions, on text the model did not write.")
+            "positions, on text the model did not write. \"held-out KL\": the mean over those positions of "
+            "KL(full precision || recipe) of the next-token distributions, in thousandths of a nat: how far the "
+            "recipe moves the model everywhere, not only at the near-ties where top-1 flips, so it separates two "
+            "recipes whose top-1 counts differ by no more than their noise.")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.gptq import gptq_codes
+
 
 class Scheme(enum.Enum):
     """``--quantization`` choices: what a weight is stored as."""
@@ -136,12 +138,15 @@ def _expand(scales: torch.Tensor, shape: torch.Size, group: int) -> torch.Tensor
     return scales.t().repeat_interleave(group, dim=1)  # [out, in]
 
 
-def quantize_int(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_int(w: torch.Tensor, spec: QuantSpec,
+                 hessian: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric absmax quantization to ``spec.bits`` signed levels ``[-qmax, qmax]``.
 
     Args:
         w: ``[out, in]`` float weight.
         spec: INT8 or INT4 spec.
+        hessian: ``[in, in]`` input Hessian of the layer: round by GPTQ (``quant.gptq.gptq_codes``) on the
+            same absmax grid instead of to the nearest level.
 
     Returns:
         ``(q, scales)``: ``q`` int8 ``[out, in]`` in ``[-qmax, qmax]``; scales float32 for int8 (TENSOR/ROW),
@@ -153,7 +158,11 @@ def quantize_int(w: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.
     scales = (_absmax(w, spec.granularity, group) / qmax).clamp_min(_SCALE_FLOOR)
     if spec.granularity is Granularity.GROUP or spec.bits == 4:
         scales = scales.half()
-    q = torch.round(w.float() / _expand(scales.float(), w.shape, group)).clamp_(-qmax, qmax)  # [out, in]
+    steps = _expand(scales.float(), w.shape, group)  # [out, in]
+    if hessian is None:
+        q = torch.round(w.float() / steps).clamp_(-qmax, qmax)  # [out, in]
+    else:
+        q = gptq_codes(w, steps, qmax, hessian)
     return q.to(torch.int8), scales
 
 

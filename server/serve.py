@@ -63,12 +63,13 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     from engine.loader import Device, DType, load_model
     from server.state import ServerState
 
-    loaded = load_model(config.model, DType(config.dtype), Device(config.device))
+    loaded = load_model(config.model, DType(config.dtype), Device(config.device),
+                        quantized=config.quantization != "none")
     log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
     if config.quantization != "none":
-        from quant.model import quantize_model, serving_quantizes_head
+        from quant.model import quantize_for_serving
 
-        summary = quantize_model(loaded.model, config.quantization, head=serving_quantizes_head(config.quantization))
+        summary = quantize_for_serving(loaded.model, config.quantization, loaded.tokenizer)
         log.info("quantized: %s", summary.describe())
     return ServerState(loaded, config, executor)
 

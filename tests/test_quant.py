@@ -436,17 +436,22 @@ def test_heldout_top1_agreement_is_taken_from_the_perplexity_forward():
 
     model = tiny("llama").eval()
     ids = torch.randint(3, 256, (1, 24), generator=torch.Generator().manual_seed(5))
-    ppl, top1 = quality.heldout_scores(model, ids)
-    logits = model(input_ids=ids).logits[0, :-1]
+    ppl, top1, logprobs = quality.heldout_scores(model, ids)
+    logits = model(input_ids=ids).logits[0, :-1].detach()
     assert top1.shape == (23,) and torch.equal(top1, logits.argmax(-1))
     assert ppl == pytest.approx(float(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).exp()), rel=1e-5)
+    assert quality.mean_kl(logprobs, logprobs) == 0.0
     # swap the LM-head rows of the first position's top two tokens: there, and only where either wins, top-1 moves
     flipped = copy.deepcopy(model)
     pair = logits[0].topk(2).indices  # [2]
     head = flipped.lm_head.weight.data
     head[pair] = head[pair.flip(0)].clone()
-    moved = quality.heldout_scores(flipped, ids)[1] != top1
+    _, flipped_top1, flipped_logprobs = quality.heldout_scores(flipped, ids)
+    moved = flipped_top1 != top1
     assert moved[0] and bool((moved <= torch.isin(top1, pair)).all())
+    # KL(P || Q) by its definition, sum_v p_v (log p_v - log q_v), averaged over the 23 positions
+    expected = float((logprobs.exp() * (logprobs - flipped_logprobs)).sum(-1).mean())
+    assert expected > 0 and quality.mean_kl(logprobs, flipped_logprobs) == pytest.approx(expected, rel=1e-5)
 
 
 def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path, monkeypatch):
@@ -491,3 +496,140 @@ def test_a_process_working_in_a_directory_counts_as_a_builder(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+def _correlated_inputs(n: int, features: int, seed: int = 0) -> torch.Tensor:
+    """``[n, features]`` activations with correlated features and a few large ones, as a layer's inputs are."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(features, features, generator=g) / features ** 0.5
+    x = torch.randn(n, features, generator=g) @ (torch.eye(features) + 2 * mix)
+    x[:, :3] *= 8
+    return x
+
+
+def test_gptq_with_uncorrelated_inputs_rounds_to_nearest():
+    # H = I (inputs white and uncorrelated): no column's error has anywhere useful to go, so GPTQ is rounding
+    # to nearest, code for code
+    w = torch.randn(48, 96)
+    for spec in (QuantSpec(Scheme.INT8, Granularity.ROW), INT4_GROUP):
+        nearest, scales = quantize_int(w, spec)
+        gptq, gptq_scales = quantize_int(w, spec, hessian=torch.eye(96, dtype=torch.float64))
+        assert torch.equal(gptq, nearest) and torch.equal(gptq_scales, scales)
+
+
+@pytest.mark.parametrize("spec", [QuantSpec(Scheme.INT8, Granularity.ROW), INT4_GROUP], ids=lambda s: s.label)
+def test_gptq_keeps_the_absmax_grid_and_lowers_the_output_error(spec):
+    torch.manual_seed(0)
+    w = torch.randn(64, 192)
+    x = _correlated_inputs(1024, 192)  # [n, in]
+    hessian = (x.double().t() @ x.double()) / x.shape[0]
+    nearest, scales = quantize_int(w, spec)
+    gptq, gptq_scales = quantize_int(w, spec, hessian=hessian)
+    qmax = 2 ** (spec.bits - 1) - 1
+    assert torch.equal(gptq_scales, scales) and int(gptq.abs().max()) <= qmax
+    assert not torch.equal(gptq, nearest)
+    group = spec.group_for(192)
+
+    def output_error(codes: torch.Tensor) -> float:
+        return float(torch.linalg.norm(x @ (w - dequantize_int(codes, scales, group)).t()))
+
+    # the paper's objective, ||W X - W_hat X||: GPTQ must clearly beat rounding each weight on its own
+    assert output_error(gptq) < 0.8 * output_error(nearest)
+    # a weight moves at most to a neighbouring level of the same grid, never far from where it was
+    assert float((w - dequantize_int(gptq, scales, group)).abs().div(scales.float().mean()).max()) < 4 * qmax
+
+
+def test_input_hessians_skip_padding_and_share_one_input():
+    from quant.gptq import input_hessians
+    from tests.test_fastpath import tiny
+
+    model = tiny("llama")
+    ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    names = projection_names(model)
+    seen = {}
+    hooks = [model.get_submodule(n).register_forward_pre_hook(
+        lambda _, args, n=n: seen.__setitem__(n, args[0].reshape(-1, args[0].shape[-1]).clone())) for n in names]
+    with torch.no_grad():
+        model(input_ids=ids, attention_mask=mask)
+    for hook in hooks:
+        hook.remove()
+    hessians = input_hessians(model, names, ids, mask)
+    keep = mask.reshape(-1).bool()
+    assert set(hessians) == set(names)
+    for name in names:
+        x = seen[name][keep].double()  # [10, in]: the 2 padded tokens left out
+        torch.testing.assert_close(hessians[name], x.t() @ x / 10, rtol=1e-5, atol=1e-6)
+    layer = "model.layers.0.self_attn."
+    assert hessians[layer + "q_proj"] is hessians[layer + "k_proj"] is hessians[layer + "v_proj"]
+
+
+def test_quantize_model_with_hessians_checks_them():
+    from tests.test_fastpath import tiny
+
+    model = tiny("llama")
+    names = projection_names(model)
+    hessians = {n: torch.eye(model.get_submodule(n).in_features, dtype=torch.float64) for n in names}
+    with pytest.raises(ValueError, match="NF4"):
+        quantize_model(copy.deepcopy(model), "nf4", hessians=hessians)
+    with pytest.raises(ValueError, match="no input Hessian for 1 projections"):
+        quantize_model(copy.deepcopy(model), "int8", hessians={n: h for n, h in hessians.items() if n != names[3]})
+    assert quantize_model(model, "int8", hessians=hessians).spec_label == "int8/row+gptq"
+
+
+def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypatch):
+    # a tiny model with SmolLM2's vocabulary, so SmolLM2's tokenizer and chat template write its replies
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from quant import gptq
+    from quant.model import quantize_for_serving
+
+    config = LlamaConfig(vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("eager")  # stands in for the paged hook, which must come back
+    batches = []
+    calibration_batch = gptq.calibration_batch
+    monkeypatch.setattr(gptq, "calibration_batch", lambda m, t: batches.append(calibration_batch(m, t)) or batches[-1])
+    reference = copy.deepcopy(model)
+    summary = quantize_for_serving(model, "int8", smollm2.tokenizer)
+    assert summary.spec_label == "int8/row+gptq" and "int8/row+gptq on 14 linear layers" in summary.describe()
+    assert model.config._attn_implementation == "eager"
+    (ids, mask), = batches
+    assert ids.shape[0] == len(gptq.CALIBRATION_PROMPTS) and mask[:, -gptq.CALIBRATION_NEW_TOKENS:].all()
+    text = smollm2.tokenizer.decode(ids[0][mask[0].bool()])
+    assert text.count("<|im_start|>assistant") == 1 and gptq.CALIBRATION_PROMPTS[0] in text
+    # the same grid as rounding to nearest, other codes
+    layer, nearest = model.model.layers[0].mlp.down_proj, Int8Linear(reference.model.layers[0].mlp.down_proj)
+    assert torch.equal(layer.scales, nearest.scales) and not torch.equal(layer.weight, nearest.weight)
+    assert quantize_for_serving(copy.deepcopy(reference), "int8").spec_label == "int8/row"  # no tokenizer
+    assert quantize_for_serving(reference, "int4", smollm2.tokenizer).spec_label == "int4/group128"
+    assert len(batches) == 1  # int4 is served rounded to nearest: no calibration
+
+
+def test_quality_table_rows_have_every_column():
+    from quant.report import quality_table
+
+    base = {"model_weight_bytes": 2**20, "perplexity": 20.0, "facts_right": 16, "margins": [0.1, 1.0, 2.0]}
+    row = {"label": "int8/row+gptq", "serving": True, "bits_per_weight": 8.0, "model_weight_bytes": 2**19,
+           "rel_error_mean": 0.01, "rel_error_worst": 0.02, "worst_matrix": "m", "perplexity": 20.2,
+           "facts_right": 15, "agreement": 0.975, "miss_margins": [0.1], "heldout_top1": 0.97, "heldout_kl": 0.00145}
+    lines = quality_table({"baseline": base, "rows": [row]}).splitlines()
+    assert len({line.count("|") for line in lines}) == 1
+    assert lines[-1].startswith("| int8/row+gptq (serving default) |") and lines[-1].endswith("| 97.0% | 1.45 |")
+    assert "| +1.00% |" in lines[-1]
+
+
+def test_auto_dtype_keeps_float32_activations_for_quantized_weights_on_a_cpu(monkeypatch):
+    from engine import loader
+    from engine.loader import DType, resolve_dtype
+
+    cpu = torch.device("cpu")
+    for native_bf16 in (True, False):
+        monkeypatch.setattr(loader, "cpu_has_bf16", lambda native_bf16=native_bf16: native_bf16)
+        assert resolve_dtype(DType.AUTO, cpu) == (torch.bfloat16 if native_bf16 else torch.float32)
+        assert resolve_dtype(DType.AUTO, cpu, quantized=True) == torch.float32
+        assert resolve_dtype(DType.BFLOAT16, cpu, quantized=True) == torch.bfloat16  # asked for: given
+    assert resolve_dtype(DType.AUTO, torch.device("cuda"), quantized=True) == torch.bfloat16
