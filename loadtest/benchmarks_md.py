@@ -18,17 +18,25 @@ _HEADER = "# kvserve benchmarks\n\nEvery figure below comes from the command pri
 
 
 def machine() -> str:
-    """A one-line description of this machine (CPU model, cores, memory)."""
-    cpu = platform.processor() or platform.machine()
+    """A one-line description of this machine (CPU model and its widest vector ISA, cores, memory).
+
+    The ISA is named because one CPU model string ("AMD EPYC") covers machines whose kernels and bfloat16
+    support differ (AVX2 only, or AVX-512 with BF16).
+    """
+    cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
+            elif line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
                 break
     except OSError:
         pass
+    isa = next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"),
+                                          ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    text = f"{cpu}, {os.cpu_count()} cores, {mem_gib:.0f} GiB"
+    text = f"{cpu}{f' ({isa})' if isa else ''}, {os.cpu_count()} cores, {mem_gib:.0f} GiB"
     torch = sys.modules.get("torch")  # never imported just for this line
     if torch is not None and torch.cuda.is_available():
         text += f", GPU {torch.cuda.get_device_name()}"

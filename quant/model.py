@@ -21,9 +21,10 @@ from quant import gptq, kernels
 from quant.linear import LAYER_CLASSES, Int8Linear, QuantLinear
 from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
 
-# Schemes whose served codes are rounded by GPTQ: int8 per row, where rounding to nearest changes more of full
-# precision's greedy choices than the 3 in 100 the quality goal allows (BENCHMARKS.md, `python -m quant.bench`).
-SERVING_GPTQ = frozenset({Scheme.INT8})
+# Schemes whose served codes are rounded by GPTQ: the integer grids. For int8 per row, rounding to nearest
+# changes more of full precision's greedy choices than the 3 in 100 the quality goal allows; for int4 it moves
+# the model much further (BENCHMARKS.md, `python -m quant.bench`). NF4's table levels keep rounding to nearest.
+SERVING_GPTQ = frozenset({Scheme.INT8, Scheme.INT4})
 
 
 @dataclass(slots=True, frozen=True)

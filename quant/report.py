@@ -17,7 +17,7 @@ from pathlib import Path
 # (scheme, granularity, group): the recipes reported, rounded to nearest; the serving defaults are marked.
 RECIPES = (("int8", "tensor", None), ("int8", "row", None), ("int4", "tensor", None), ("int4", "row", None),
            ("int4", "group", 128), ("nf4", "group", 64))
-GPTQ_RECIPES = (("int8", "row", None),)  # also reported with GPTQ rounding (quant.gptq)
+GPTQ_RECIPES = (("int8", "row", None), ("int4", "group", 128))  # also reported with GPTQ rounding (quant.gptq)
 OUTLIER_MATRIX = "model.layers.0.self_attn.q_proj"
 
 

@@ -605,8 +605,9 @@ def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypat
     layer, nearest = model.model.layers[0].mlp.down_proj, Int8Linear(reference.model.layers[0].mlp.down_proj)
     assert torch.equal(layer.scales, nearest.scales) and not torch.equal(layer.weight, nearest.weight)
     assert quantize_for_serving(copy.deepcopy(reference), "int8").spec_label == "int8/row"  # no tokenizer
-    assert quantize_for_serving(reference, "int4", smollm2.tokenizer).spec_label == "int4/group128"
-    assert len(batches) == 1  # int4 is served rounded to nearest: no calibration
+    assert quantize_for_serving(copy.deepcopy(reference), "int4", smollm2.tokenizer).spec_label == "int4/group128+gptq"
+    assert quantize_for_serving(reference, "nf4", smollm2.tokenizer).spec_label == "nf4/group64"
+    assert len(batches) == 2  # NF4 is served rounded to nearest: no calibration
 
 
 def test_quality_table_rows_have_every_column():
