@@ -84,7 +84,7 @@ def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkey
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     loaded = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")  # the bench feeds ids up to 6000
-    monkeypatch.setattr(enginebench, "load", lambda *args: loaded)
+    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
     assert loadtest_main(["profile", "--quantization", scheme, "--batch", "1", "--context", "8", "--steps", "2",
                           "--no-write"]) == 0
     out = capsys.readouterr().out

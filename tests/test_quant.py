@@ -590,6 +590,7 @@ def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypat
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
     model.set_attn_implementation("eager")  # stands in for the paged hook, which must come back
+    monkeypatch.setattr(gptq, "CALIBRATION_NEW_TOKENS", 16)  # replies of 16 tokens: enough to test the plumbing
     batches = []
     calibration_batch = gptq.calibration_batch
     monkeypatch.setattr(gptq, "calibration_batch", lambda m, t: batches.append(calibration_batch(m, t)) or batches[-1])
