@@ -90,9 +90,9 @@ WORKDIR /home/kvserve
 RUN python -c "import sys; from quant.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
 EXPOSE 8000
 
-# start-period covers loading the model (seconds for SmolLM2, about a minute more on 2 cores with int8/int4 weights,
+# start-period covers loading the model (seconds for SmolLM2, over a minute more on 2 cores with int8/int4 weights,
 # whose GPTQ calibration runs at start; longer for a mounted larger model).
-HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+HEALTHCHECK --interval=15s --timeout=5s --start-period=180s --retries=3 \
     CMD ["python", "/opt/kvserve/bin/healthcheck.py"]
 
 ENTRYPOINT ["/opt/kvserve/bin/entrypoint.sh"]

@@ -16,9 +16,10 @@ prompts or its questions (``quant.quality``), which are never used to calibrate.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
@@ -48,7 +49,7 @@ DAMPING = 0.01  # added to H's diagonal, times its mean (the paper's percdamp)
 BLOCK = 128  # columns rounded per lazy batch update (the paper's B)
 
 
-@torch.inference_mode()
+@torch.no_grad()
 def calibration_batch(model: nn.Module, tokenizer) -> tuple[torch.Tensor, torch.Tensor]:
     """The model's own replies to ``CALIBRATION_PROMPTS``, left-padded into one batch.
 
@@ -80,34 +81,34 @@ def calibration_batch(model: nn.Module, tokenizer) -> tuple[torch.Tensor, torch.
     return out, full_mask
 
 
-@torch.inference_mode()
-def input_hessians(model: nn.Module, names: Iterable[str], ids: torch.Tensor,
-                   mask: torch.Tensor) -> dict[str, torch.Tensor]:
-    """``H = X^T X / n`` of each named linear layer's input over the unpadded tokens of one forward pass.
+@torch.no_grad()  # not inference_mode: layers built in the pass keep ordinary tensors
+def stream_hessians(model: nn.Module, names: Iterable[str], ids: torch.Tensor, mask: torch.Tensor,
+                    consume: Callable[[str, torch.Tensor], None]) -> None:
+    """Hand each named linear layer's input Hessian ``H = X^T X / n`` to ``consume`` during one forward pass.
 
-    Layers that read the same tensor (q/k/v, gate/up) share one H.
+    ``consume(name, H)`` runs as soon as the pass reaches the layer, with H over the unpadded tokens. Layers
+    that read the same tensor (q/k/v, gate/up) get the same H, computed once; only one H is alive at a time,
+    so memory does not grow with the model's depth (all of them at once, 8 bytes a value, would be ~20 GB for
+    28 layers of hidden size 1,536 and MLP size 8,960).
+    The pass runs on the model's current weights: ``consume`` may build quantized copies of a layer, but must
+    not replace it before the pass ends.
 
     Args:
-        model: the full-precision causal LM (every H comes from its own activations).
+        model: the full-precision causal LM (every H comes from its own activations), plain attention.
         names: qualified names of ``nn.Linear`` modules.
         ids, mask: ``[batch, T]`` token ids and attention mask (``calibration_batch``).
-
-    Returns:
-        name -> float64 ``[in, in]`` on the model's device.
+        consume: takes the name and float64 ``[in, in]`` H (on the model's device).
     """
     keep = mask.reshape(-1).bool()  # [batch * T]
-    sums: dict[str, torch.Tensor] = {}  # name -> X^T X, for the first layer to read each input
-    reads: dict[str, str] = {}  # name -> the name whose sum holds its input
-    last: list = [None, ""]  # the input tensor seen last and who summed it (q, k, v read one tensor in turn)
+    count = int(keep.sum())
+    last: list = [None, None]  # the input tensor seen last and its H (q, k, v read one tensor in turn)
 
     def hook(name: str, args: tuple) -> None:
-        if args[0] is last[0]:
-            reads[name] = last[1]
-            return
-        x = args[0].reshape(-1, args[0].shape[-1])[keep].float()  # [n, in]
-        sums[name] = (x.t() @ x).double()  # a float32 GEMM; float64 from here on
-        reads[name] = name
-        last[:] = [args[0], name]
+        if args[0] is not last[0]:
+            x = args[0].reshape(-1, args[0].shape[-1])[keep].float()  # [n, in]
+            last[:] = [None, None]  # free the previous H before the next is made
+            last[:] = [args[0], (x.t() @ x).double() / count]  # a float32 GEMM; float64 from here on
+        consume(name, last[1])
 
     handles = [model.get_submodule(name).register_forward_pre_hook(lambda _, args, name=name: hook(name, args))
                for name in names]
@@ -116,10 +117,7 @@ def input_hessians(model: nn.Module, names: Iterable[str], ids: torch.Tensor,
     finally:
         for handle in handles:
             handle.remove()
-        last[0] = None
-    count = int(keep.sum())
-    means = {owner: total / count for owner, total in sums.items()}
-    return {name: means[owner] for name, owner in reads.items()}
+        last[:] = [None, None]
 
 
 def gptq_codes(w: torch.Tensor, scales: torch.Tensor, qmax: int, hessian: torch.Tensor) -> torch.Tensor:
@@ -166,20 +164,15 @@ def gptq_codes(w: torch.Tensor, scales: torch.Tensor, qmax: int, hessian: torch.
     return codes[:, torch.argsort(order)]
 
 
-def calibrate(model: nn.Module, tokenizer, names: list[str]) -> dict[str, torch.Tensor]:
-    """Input Hessians of ``names`` from the model's own replies (``calibration_batch``); logs the time taken.
+@contextlib.contextmanager
+def plain_attention(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` with torch's SDPA inside the block, and give it its own attention back after.
 
-    A model loaded for serving attends through kvserve's paged hook, which needs a step's metadata; it runs
-    here with torch's SDPA and gets its own attention back after.
+    A model loaded for serving attends through kvserve's paged hook, which needs a step's metadata.
     """
-    started = time.perf_counter()
     attention = model.config._attn_implementation
     model.set_attn_implementation("sdpa")
     try:
-        ids, mask = calibration_batch(model, tokenizer)
-        hessians = input_hessians(model, names, ids, mask)
+        yield
     finally:
         model.set_attn_implementation(attention)
-    log.info("GPTQ calibration: %d tokens of the model's own replies in %.1f s", int(mask.sum()),
-             time.perf_counter() - started)
-    return hessians

@@ -11,7 +11,8 @@ int8 head added about 0.1 point to it (+0.96% -> +1.03%).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ from quant import gptq, kernels
 from quant.linear import LAYER_CLASSES, Int8Linear, QuantLinear
 from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
 
+log = logging.getLogger("kvserve.quant")
 # Schemes whose served codes are rounded by GPTQ: the integer grids. For int8 per row, rounding to nearest
 # changes more of full precision's greedy choices than the 3 in 100 the quality goal allows; for int4 it moves
 # the model much further (BENCHMARKS.md, `python -m quant.bench`). NF4's table levels keep rounding to nearest.
@@ -72,7 +74,8 @@ def serving_quantizes_head(scheme: Scheme | str) -> bool:
 
 
 def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | None = None, *, head: bool = False,
-                   activations: bool = True, hessians: Mapping[str, torch.Tensor] | None = None) -> QuantSummary:
+                   activations: bool = True,
+                   calibration: tuple[torch.Tensor, torch.Tensor] | None = None) -> QuantSummary:
     """Replace every linear projection of ``model`` with its quantized layer, in place.
 
     Works on any device and dtype: codes are computed from the float32 value of each weight on the weight's
@@ -86,16 +89,16 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
             Not counted in the summary's bits and bytes, which describe the projections.
         activations: quantize activations as the int8/int4 kernels do (``QuantLinear.act_block``); False
             gives weight-only layers that always run the reference (the report's per-scheme rows).
-        hessians: projection name -> ``[in, in]`` input Hessian (``quant.gptq.calibrate``): round the int8 or
-            int4 codes by GPTQ on the same absmax grid (the label gets ``+gptq``). The LM head copy stays
-            round-to-nearest.
+        calibration: ``(ids, mask)`` ``[batch, T]`` (``quant.gptq.calibration_batch``): round the int8 or int4
+            codes by GPTQ on the same absmax grid, each layer with the input Hessian of one forward pass of the
+            float model over these tokens (the label gets ``+gptq``). The LM head copy stays round-to-nearest.
 
     Returns:
         The summary (bits per weight measured from the stored bytes).
 
     Raises:
-        ValueError: an unknown scheme, a spec for another scheme, a layer the scheme cannot pack, or
-            ``hessians`` for NF4 or without an entry for every projection.
+        ValueError: an unknown scheme, a spec for another scheme, a layer the scheme cannot pack, or a
+            calibration for NF4.
     """
     scheme = Scheme(scheme)
     param = next(model.parameters())
@@ -107,21 +110,28 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
     if param.is_cpu:
         kernels.load()  # build (or load) the CPU kernels now, at startup, not inside the first request
     names = projection_names(model)
-    if hessians is not None:
+    layer_class = LAYER_CLASSES[scheme]
+    built: dict[str, QuantLinear] = {}
+    if calibration is not None:
         if scheme is Scheme.NF4:
             raise ValueError("GPTQ rounding is for the integer grids (int8, int4), not NF4's levels")
-        missing = [name for name in names if name not in hessians]
-        if missing:
-            raise ValueError(f"no input Hessian for {len(missing)} projections, e.g. {missing[0]}")
-    layer_class = LAYER_CLASSES[scheme]
+        started = time.perf_counter()
+
+        def build(name: str, hessian: torch.Tensor) -> None:  # during the pass: the float layer stays in place
+            built[name] = layer_class(model.get_submodule(name), spec, hessian=hessian)
+
+        with gptq.plain_attention(model):
+            gptq.stream_hessians(model, names, *calibration, build)
+        log.info("GPTQ: %d layers rounded with Hessians of %d tokens in %.1f s", len(built),
+                 int(calibration[1].sum()), time.perf_counter() - started)
     bytes_before = bytes_after = num_weights = 0
     groups: set[int] = set()
     for name in names:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name)
         linear: nn.Linear = getattr(parent, child)
-        rounding = {} if hessians is None else {"hessian": hessians[name]}
-        quantized = layer_class(linear, spec, **rounding).to(linear.weight.device)
+        quantized = built.pop(name) if name in built else layer_class(linear, spec)
+        quantized = quantized.to(linear.weight.device)
         if not activations:
             quantized.act_block = None
         setattr(parent, child, quantized)
@@ -140,7 +150,7 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
             quantized_head.act_block = None
         model.set_output_embeddings(quantized_head)
         head_label = f"int8/row ({quantized_head.weight_bytes / 2**20:.1f} MiB)"
-    label = spec.label + ("" if hessians is None else "+gptq")
+    label = spec.label + ("" if calibration is None else "+gptq")
     return QuantSummary(scheme=scheme, spec_label=label, group_sizes=tuple(sorted(groups)),
                         num_layers=num_layers, bits_per_weight=8 * bytes_after / num_weights,
                         bytes_before=bytes_before, bytes_after=bytes_after, head=head_label)
@@ -150,8 +160,8 @@ def quantize_for_serving(model: nn.Module, scheme: Scheme | str, tokenizer=None)
     """Quantize ``model`` in place as ``kvserve serve --quantization scheme`` does.
 
     The serving recipe (``SERVING_SPECS``) and an int8 LM head copy for the 4-bit schemes; for the schemes in
-    ``SERVING_GPTQ``, GPTQ rounding calibrated on the model's own replies (``quant.gptq.calibrate``: about a
-    minute for SmolLM2 on a 2-core CPU, at every start).
+    ``SERVING_GPTQ``, GPTQ rounding calibrated on the model's own replies (``quant.gptq.calibration_batch``:
+    over a minute for SmolLM2 on a 2-core CPU, at every start).
 
     Args:
         model: a transformers causal LM (the loaded model: its paged attention is restored after calibrating).
@@ -163,10 +173,14 @@ def quantize_for_serving(model: nn.Module, scheme: Scheme | str, tokenizer=None)
         ValueError: as ``quantize_model``.
     """
     scheme = Scheme(scheme)
-    hessians = None
+    calibration = None
     if scheme in SERVING_GPTQ and tokenizer is not None:
-        hessians = gptq.calibrate(model, tokenizer, projection_names(model))
-    return quantize_model(model, scheme, head=serving_quantizes_head(scheme), hessians=hessians)
+        started = time.perf_counter()
+        with gptq.plain_attention(model):
+            calibration = gptq.calibration_batch(model, tokenizer)
+        log.info("GPTQ calibration: the model's replies to %d prompts, %d tokens, in %.1f s",
+                 calibration[0].shape[0], int(calibration[1].sum()), time.perf_counter() - started)
+    return quantize_model(model, scheme, head=serving_quantizes_head(scheme), calibration=calibration)
 
 
 def weight_bytes_per_token(model: nn.Module) -> int:

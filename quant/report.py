@@ -89,14 +89,14 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     recipes += [(QuantSpec(Scheme(s), Granularity(g), group), True, False) for s, g, group in GPTQ_RECIPES]
     recipes += [(spec, scheme in SERVING_GPTQ, True) for scheme, spec in SERVING_SPECS.items()]
     log("GPTQ calibration: the model's replies to the calibration prompts")
-    hessians = gptq.calibrate(model, tokenizer, projection_names(model))
+    calibration = gptq.calibration_batch(model, tokenizer)  # [prompts, T] ids and mask
     for spec, rounded_by_gptq, served in recipes:
         label = spec.label + ("+gptq" if rounded_by_gptq else "") + (" as served" if served else "")
         log(f"{label}: quantizing and measuring")
         started = time.perf_counter()
         quantized = copy.deepcopy(model)
         summary = quantize_model(quantized, spec.scheme, spec, head=served and serving_quantizes_head(spec.scheme),
-                                 activations=served, hessians=hessians if rounded_by_gptq else None)
+                                 activations=served, calibration=calibration if rounded_by_gptq else None)
         error = quality.weight_errors(model, quantized)
         row = measure(quantized)
         serving = (SERVING_SPECS[spec.scheme] == spec and rounded_by_gptq == (spec.scheme in SERVING_GPTQ)

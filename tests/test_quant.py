@@ -540,7 +540,7 @@ def test_gptq_keeps_the_absmax_grid_and_lowers_the_output_error(spec):
 
 
 def test_input_hessians_skip_padding_and_share_one_input():
-    from quant.gptq import input_hessians
+    from quant.gptq import stream_hessians
     from tests.test_fastpath import tiny
 
     model = tiny("llama")
@@ -554,9 +554,10 @@ def test_input_hessians_skip_padding_and_share_one_input():
         model(input_ids=ids, attention_mask=mask)
     for hook in hooks:
         hook.remove()
-    hessians = input_hessians(model, names, ids, mask)
+    hessians = {}
+    stream_hessians(model, names, ids, mask, hessians.__setitem__)
     keep = mask.reshape(-1).bool()
-    assert set(hessians) == set(names)
+    assert list(hessians) == names  # handed over in the order of the forward pass
     for name in names:
         x = seen[name][keep].double()  # [10, in]: the 2 padded tokens left out
         torch.testing.assert_close(hessians[name], x.t() @ x / 10, rtol=1e-5, atol=1e-6)
@@ -564,17 +565,25 @@ def test_input_hessians_skip_padding_and_share_one_input():
     assert hessians[layer + "q_proj"] is hessians[layer + "k_proj"] is hessians[layer + "v_proj"]
 
 
-def test_quantize_model_with_hessians_checks_them():
+def test_quantize_model_with_a_calibration_rounds_each_layer_by_its_hessian():
+    from quant.gptq import stream_hessians
     from tests.test_fastpath import tiny
 
     model = tiny("llama")
-    names = projection_names(model)
-    hessians = {n: torch.eye(model.get_submodule(n).in_features, dtype=torch.float64) for n in names}
+    ids = torch.randint(3, 256, (4, 12), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
     with pytest.raises(ValueError, match="NF4"):
-        quantize_model(copy.deepcopy(model), "nf4", hessians=hessians)
-    with pytest.raises(ValueError, match="no input Hessian for 1 projections"):
-        quantize_model(copy.deepcopy(model), "int8", hessians={n: h for n, h in hessians.items() if n != names[3]})
-    assert quantize_model(model, "int8", hessians=hessians).spec_label == "int8/row+gptq"
+        quantize_model(copy.deepcopy(model), "nf4", calibration=(ids, mask))
+    hessians = {}
+    stream_hessians(model, projection_names(model), ids, mask, hessians.__setitem__)
+    reference = copy.deepcopy(model)
+    summary = quantize_model(model, "int8", calibration=(ids, mask))
+    assert summary.spec_label == "int8/row+gptq" and summary.num_layers == len(hessians)
+    for name in ("model.layers.0.self_attn.v_proj", "model.layers.1.mlp.down_proj"):
+        expected = Int8Linear(reference.get_submodule(name), hessian=hessians[name])
+        assert torch.equal(model.get_submodule(name).weight, expected.weight)
+        assert not torch.equal(expected.weight, Int8Linear(reference.get_submodule(name)).weight)
+    model(input_ids=ids)  # outside no_grad, with parameters that want gradients: ordinary tensors, no error
 
 
 def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypatch):
