@@ -58,7 +58,8 @@ def calibration_batch(model: nn.Module, tokenizer) -> tuple[torch.Tensor, torch.
         tokenizer: its tokenizer, with a chat template.
 
     Returns:
-        ``(ids, mask)``: int64 ``[prompts, width + CALIBRATION_NEW_TOKENS]`` and its attention mask (0 on padding).
+        ``(ids, mask)``: int64 ``[prompts, width + new]`` and its attention mask (0 on padding); ``new`` is
+        ``CALIBRATION_NEW_TOKENS``, or fewer where the model's context (``max_position_embeddings``) ends first.
     """
     if tokenizer.chat_template is None:  # a base model: the bare requests
         prompts = [list(tokenizer(p)["input_ids"]) for p in CALIBRATION_PROMPTS]
@@ -67,7 +68,10 @@ def calibration_batch(model: nn.Module, tokenizer) -> tuple[torch.Tensor, torch.
                                                       tokenize=True, return_dict=True)["input_ids"])
                    for p in CALIBRATION_PROMPTS]
     width = max(len(p) for p in prompts)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)  # masked anyway
+    # a short context (a model with learned positions has no row past it): shorter replies, at least one token
+    context = getattr(model.config, "max_position_embeddings", None) or width + CALIBRATION_NEW_TOKENS
+    new_tokens = max(1, min(CALIBRATION_NEW_TOKENS, context - width))
     device = next(model.parameters()).device
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [prompts, width]
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -75,7 +79,7 @@ def calibration_batch(model: nn.Module, tokenizer) -> tuple[torch.Tensor, torch.
         torch.manual_seed(CALIBRATION_SEED)
         # no eos: every reply runs its full length, so no row needs a second kind of padding
         out = model.generate(ids, attention_mask=mask, do_sample=True, temperature=1.0, top_p=CALIBRATION_TOP_P,
-                             top_k=None, max_new_tokens=CALIBRATION_NEW_TOKENS, min_new_tokens=CALIBRATION_NEW_TOKENS,
+                             top_k=None, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              eos_token_id=None, pad_token_id=pad)
     full_mask = torch.cat([mask, torch.ones_like(out[:, width:])], dim=1)  # [prompts, width + new]
     return out, full_mask

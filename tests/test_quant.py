@@ -614,6 +614,9 @@ def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypat
     # the same grid as rounding to nearest, other codes
     layer, nearest = model.model.layers[0].mlp.down_proj, Int8Linear(reference.model.layers[0].mlp.down_proj)
     assert torch.equal(layer.scales, nearest.scales) and not torch.equal(layer.weight, nearest.weight)
+    reference.config.max_position_embeddings = ids.shape[1] - 10  # a short context: 6-token replies
+    short, _ = calibration_batch(reference, smollm2.tokenizer)
+    assert short.shape[1] == ids.shape[1] - 10
     assert quantize_for_serving(copy.deepcopy(reference), "int8").spec_label == "int8/row"  # no tokenizer
     assert quantize_for_serving(copy.deepcopy(reference), "int4", smollm2.tokenizer).spec_label == "int4/group128+gptq"
     assert quantize_for_serving(reference, "nf4", smollm2.tokenizer).spec_label == "nf4/group64"
