@@ -67,11 +67,14 @@ def calibration_batch(model: nn.Module, tokenizer) -> tuple[torch.Tensor, torch.
         prompts = [list(tokenizer.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True,
                                                       tokenize=True, return_dict=True)["input_ids"])
                    for p in CALIBRATION_PROMPTS]
+    # a short context (a model with learned positions has no row past it): prompts cut to their last half
+    # of it (the end holds the assistant's turn), replies to what is left, at least one token
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None:
+        prompts = [p[-max(1, context // 2):] for p in prompts]
     width = max(len(p) for p in prompts)
+    new_tokens = max(1, min(CALIBRATION_NEW_TOKENS, (context or width + CALIBRATION_NEW_TOKENS) - width))
     pad = next((t for t in (tokenizer.pad_token_id, tokenizer.eos_token_id) if t is not None), 0)  # masked anyway
-    # a short context (a model with learned positions has no row past it): shorter replies, at least one token
-    context = getattr(model.config, "max_position_embeddings", None) or width + CALIBRATION_NEW_TOKENS
-    new_tokens = max(1, min(CALIBRATION_NEW_TOKENS, context - width))
     device = next(model.parameters()).device
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)  # [prompts, width]
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
@@ -147,7 +150,8 @@ def gptq_codes(w: torch.Tensor, scales: torch.Tensor, qmax: int, hessian: torch.
     n = w.shape[1]
     h = hessian.double().clone()
     dead = torch.diagonal(h) == 0  # inputs that were always zero: any code will do, nothing propagates
-    h[dead, dead] = 1.0
+    # their diagonal at the live inputs' scale, so it does not skew the damping below (all dead: any value)
+    h[dead, dead] = torch.diagonal(h)[~dead].mean() if bool((~dead).any()) else 1.0
     order = torch.argsort(torch.diagonal(h), descending=True)
     w, steps, h = w[:, order], scales.float()[:, order], h[order][:, order]
     h += DAMPING * torch.diagonal(h).mean() * torch.eye(n, dtype=h.dtype, device=h.device)

@@ -13,6 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from jinja2.exceptions import TemplateError
+
 from engine.plan import SamplingParams, TokenLogprob
 from scheduler.sequence import FinishReason, SeqEvent, Sequence
 from server.detok import IncrementalDetokenizer, StopStringMatcher
@@ -47,8 +49,14 @@ def chat_prompt_ids(state: ServerState, messages: list) -> list[int]:
     """Token ids of chat messages through the model's chat template, ready for the assistant's turn."""
     for index, message in enumerate(messages):
         _check_text(message.text, f"messages.{index}.content")
+    if state.tokenizer.chat_template is None:  # a base model: only plain-text completions make sense
+        raise ApiError(400, f"model {state.model_name!r} has no chat template; send the text to /v1/completions",
+                       param="messages")
     turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
-    text = state.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    try:
+        text = state.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # the template's own refusal, e.g. roles that do not alternate
+        raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
     return state.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 

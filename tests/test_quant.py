@@ -614,9 +614,14 @@ def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypat
     # the same grid as rounding to nearest, other codes
     layer, nearest = model.model.layers[0].mlp.down_proj, Int8Linear(reference.model.layers[0].mlp.down_proj)
     assert torch.equal(layer.scales, nearest.scales) and not torch.equal(layer.weight, nearest.weight)
-    reference.config.max_position_embeddings = ids.shape[1] - 10  # a short context: 6-token replies
-    short, _ = calibration_batch(reference, smollm2.tokenizer)
-    assert short.shape[1] == ids.shape[1] - 10
+    reference.config.max_position_embeddings = 24  # shorter than the prompts: cut to their last 12 tokens
+    shortest, shortest_mask = calibration_batch(reference, smollm2.tokenizer)
+    assert shortest.shape == (len(gptq.CALIBRATION_PROMPTS), 24) and shortest_mask.all()  # 12-token replies
+    reference.config.max_position_embeddings = 32  # cut to their last 16 tokens, 16-token replies
+    shortest, shortest_mask = calibration_batch(reference, smollm2.tokenizer)
+    assert shortest.shape == (len(gptq.CALIBRATION_PROMPTS), 32) and shortest_mask.all()
+    assert smollm2.tokenizer.decode(shortest[0, :16]).endswith("<|im_start|>assistant\n")
+    reference.config.max_position_embeddings = 256
     assert quantize_for_serving(copy.deepcopy(reference), "int8").spec_label == "int8/row"  # no tokenizer
     assert quantize_for_serving(copy.deepcopy(reference), "int4", smollm2.tokenizer).spec_label == "int4/group128+gptq"
     assert quantize_for_serving(reference, "nf4", smollm2.tokenizer).spec_label == "nf4/group64"
@@ -647,3 +652,19 @@ def test_auto_dtype_keeps_float32_activations_for_quantized_weights_on_a_cpu(mon
         assert resolve_dtype(DType.AUTO, cpu, quantized=True) == torch.float32
         assert resolve_dtype(DType.BFLOAT16, cpu, quantized=True) == torch.bfloat16  # asked for: given
     assert resolve_dtype(DType.AUTO, torch.device("cuda"), quantized=True) == torch.bfloat16
+
+
+def test_gptq_dead_inputs_do_not_change_the_live_columns_codes():
+    # an input that was always zero has H[j, j] = 0; its stand-in diagonal must not skew the damping, so the
+    # live columns get exactly the codes they get when the dead input is not there at all
+    from quant.gptq import gptq_codes
+
+    torch.manual_seed(1)
+    w = torch.randn(16, 33)
+    x = _correlated_inputs(256, 32) * 0.01  # small activations: H far below 1
+    x = torch.cat([x, torch.zeros(256, 1)], dim=1)  # [256, 33]: the last input is dead
+    h = (x.double().t() @ x.double()) / 256
+    steps = (w.abs().amax(dim=1, keepdim=True) / 127).expand_as(w)
+    with_dead = gptq_codes(w, steps, 127, h)
+    without = gptq_codes(w[:, :32], steps[:, :32], 127, h[:32, :32])
+    assert torch.equal(with_dead[:, :32], without)

@@ -421,3 +421,27 @@ def test_harmless_values_of_those_fields_are_accepted(server_url):
                                             "logit_bias": {}, "top_logprobs": 0}
     assert post(server_url, CHAT, body).status_code == 200
     assert post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "best_of": 1}).status_code == 200
+
+
+def test_chat_without_a_usable_template_is_a_400_not_a_500(smollm2):
+    # a base model's directory has no chat template; a template may also refuse messages (raise_exception)
+    import copy
+    from types import SimpleNamespace
+
+    from server.errors import ApiError
+    from server.generation import chat_prompt_ids
+    from server.schemas import ChatCompletionRequest
+
+    messages = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]}).messages
+    tokenizer = copy.deepcopy(smollm2.tokenizer)
+    state = SimpleNamespace(tokenizer=tokenizer, model_name="base")
+    assert chat_prompt_ids(state, messages)  # the real template works
+    tokenizer.chat_template = None
+    with pytest.raises(ApiError) as no_template:
+        chat_prompt_ids(state, messages)
+    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    with pytest.raises(ApiError) as refused:
+        chat_prompt_ids(state, messages)
+    assert no_template.value.status == refused.value.status == 400
+    assert "no chat template" in no_template.value.message and "/v1/completions" in no_template.value.message
+    assert "roles must alternate" in refused.value.message
