@@ -22,7 +22,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# A C++ compiler for the CPU kernels (quant/qlinear.cpp, engine/decode_ops.cpp); only this stage has one.
+# A C++ compiler for the CPU kernels (kernels/csrc/linear_*.cpp, kernels/csrc/decode_ops.cpp); only this stage has one.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
  && rm -rf /var/lib/apt/lists/*
@@ -39,8 +39,10 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY scheduler ./scheduler
 COPY kvcache ./kvcache
+COPY planner ./planner
 COPY engine ./engine
 COPY quant ./quant
+COPY kernels ./kernels
 COPY clients ./clients
 COPY loadtest ./loadtest
 # torch>=2.4 in pyproject is already met, so pip keeps the pinned build above.
@@ -52,7 +54,7 @@ ENV KVSERVE_CACHE=/opt/kvserve/cache \
     TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
 WORKDIR /
 RUN python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
- && python -c "import sys; from quant.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')"
+ && python -c "import sys; from kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')"
 
 # ---- runtime: the venv and the converted model, nothing else ------------------------------------------
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
@@ -87,7 +89,7 @@ ENV VIRTUAL_ENV=/opt/venv \
 USER ${UID}:${UID}
 WORKDIR /home/kvserve
 # Fail the build, not the first request, if the prebuilt kernels would not load here, where no compiler is.
-RUN python -c "import sys; from quant.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
+RUN python -c "import sys; from kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
 EXPOSE 8000
 
 # start-period covers loading the model (seconds for SmolLM2, over a minute more on 2 cores with int8/int4 weights,

@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvcache.pool import KVPool
-from quant import kernels
+import kernels
 
 ATTN_IMPLEMENTATION = "kvserve"
 
@@ -65,7 +65,6 @@ class AttentionMetadata:
         slot_mapping: ``[num_tokens]`` pool slot for each new token.
         decode_rows: ``[num_decodes]`` rows of single-token sequences in the flattened batch.
         decode_tables: ``[num_decodes, max_blocks]`` block tables of the decodes, padded with block 0.
-        decode_positions: ``[num_decodes, max_context]`` key positions (padding beyond the context).
         decode_lens: ``[num_decodes]`` context lengths (tokens).
         prefills: multi-token sequences.
         all_decodes: True when there are no prefills (the decode rows are then every row, in order).
@@ -137,7 +136,7 @@ def op_label(name: str):
 
 
 def _fused_ops(q: torch.Tensor, k_cache: torch.Tensor):
-    """engine/decode_ops.cpp's ops when this step can use them (float32 on CPU), else None."""
+    """kernels/csrc/decode_ops.cpp's ops when this step can use them (float32 on CPU), else None."""
     if q.dtype is not torch.float32 or k_cache.dtype is not torch.float32 or not q.is_cpu:
         return None
     return kernels.load_ops()
@@ -159,7 +158,7 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     Returns:
         ``[num_tokens, num_heads, head_dim]`` attention output (contiguous).
 
-    float32 on CPU uses the C++ ops (engine/decode_ops.cpp) for the KV write and the decode rows; prefill
+    float32 on CPU uses the C++ ops (kernels/csrc/decode_ops.cpp) for the KV write and the decode rows; prefill
     spans and other dtypes/devices use torch (SDPA).
     """
     k_cache, v_cache = meta.pool.layer(layer_idx)  # [num_slots, H_kv, D]

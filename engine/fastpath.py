@@ -36,17 +36,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.attention import AttentionMetadata, op_label, paged_attention
-from quant import kernels
+import kernels
 from quant.linear import QuantLinear, concat_outputs
 
 log = logging.getLogger("kvserve.engine")
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
 # Up to this many rows (decode batches, and steps mixing a short prefill with decodes), float32 CPU projections
-# use quant/qlinear.cpp's f32_linear, which reads each weight row once for all rows; against torch's GEMM on 2
-# AVX2 cores (60 SmolLM2-sized projections, `python -m loadtest.kernelbench`, 2026-11-30 03:18 UTC run):
-# 1.70x faster at 1 row, 2.05x at 8, 1.37x at 32, 1.07x at 64, 0.88x at 96 (1.04x in another run), 0.97x at
-# 128. Longer prefill chunks stay on torch's GEMM.
+# use kernels/csrc/linear_f32.cpp, which reads each weight row once for all rows; it beats torch's GEMM up to
+# about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m loadtest.kernelbench`).
+# Longer prefill chunks stay on torch's GEMM.
 DENSE_MAX_ROWS = 64
 PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)
 # RoPE types whose cos/sin depend on the position alone (others, e.g. "dynamic", rescale with the length)
@@ -308,7 +307,7 @@ class FastDecoder:
             ``[K, vocab]`` logits in the model dtype.
         """
         x = self.embed(input_ids)  # [T, hidden]
-        # fused RMSNorm / RoPE ops (engine/decode_ops.cpp) for float32 CPU steps; None: torch ops
+        # fused RMSNorm / RoPE ops (kernels/csrc/decode_ops.cpp) for float32 CPU steps; None: torch ops
         ops = kernels.load_ops() if x.dtype is torch.float32 and x.is_cpu else None
         rope = _Rope(*self._cos_sin(x, positions), ops)
         # an all-decode float32 CPU step: RoPE, the KV write and attention in one C++ call per layer

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from engine import attention  # noqa: E402
 from kvcache.sizing import KVShape  # noqa: E402
-from quant import kernels  # noqa: E402
+import kernels  # noqa: E402
 
 log = logging.getLogger("kvserve.engine")
 
@@ -73,7 +73,7 @@ def resolve_dtype(choice: DType, device: torch.device, quantized: bool = False) 
     """auto -> bfloat16 on a GPU or a CPU with native bf16, float32 otherwise, and float32 on any CPU when the
     weights are quantized: the integer kernels take float32 activations and kvserve's fused CPU ops are
     float32-only, so bfloat16 activations would only add conversions and lose the fused path (int8 decode
-    with bfloat16 activations against float32: ``python -m quant.bench``, on a CPU with native bf16)."""
+    with bfloat16 activations against float32: ``python -m loadtest quant``, on a CPU with native bf16)."""
     if choice is DType.FLOAT32:
         return torch.float32
     if choice is DType.BFLOAT16:
@@ -152,9 +152,9 @@ class LoadedModel:
         """Context length (tokens) from the config."""
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
-    def kv_shape(self, kv_dtype: torch.dtype | None = None) -> KVShape:
-        """KV geometry of this model; the cache uses the model's dtype unless told otherwise."""
-        return kv_shape_of(self.model.config, kv_dtype or self.dtype)
+    def kv_shape(self) -> KVShape:
+        """KV geometry of this model; the cache holds the model's dtype."""
+        return kv_shape_of(self.model.config, self.dtype)
 
 
 def kv_shape_of(config, dtype: torch.dtype) -> KVShape:

@@ -66,7 +66,6 @@ class SeqWork:
         prompt_ids: the prompt (for repetition penalty and prompt logprobs).
         output_ids: tokens generated so far (for penalties and seeds).
         suppress_ids: tokens that may not be sampled now (EOS while below min_tokens).
-        prompt_len: prompt length (tokens); positions past it are generated tokens being recomputed.
     """
 
     seq_id: int

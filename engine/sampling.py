@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from engine.plan import SeqWork, TokenLogprob
-from quant import kernels
+import kernels
 
 _SEED_STRIDE = 1_000_003  # mixes the output length into the seed: one generator per (seed, step)
 _SEED_MODULUS = 2**63 - 1  # torch generators take seeds below 2**64; stay in the signed range
@@ -75,7 +75,7 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
 
 
 def _ops(logits: torch.Tensor):
-    """engine/decode_ops.cpp's ops for float32 CPU logits where the install step built them, else None
+    """kernels/csrc/decode_ops.cpp's ops for float32 CPU logits where the install step built them, else None
     (build=False: never a compile inside a request)."""
     return kernels.load_ops(build=False) if logits.dtype is torch.float32 and logits.is_cpu else None
 

@@ -4,7 +4,7 @@ Pure Python on block ids; no tensors, no model. The scheduler owns each sequence
 of block ids) and asks this manager to grow or free it.
 
 Prefix cache, the standard way (vLLM's v1 KV cache manager):
-- only full blocks are hashed; a block's hash chains its parent's: ``hash((parent_hash, tokens, extra))``;
+- only full blocks are hashed, each once; a block's hash chains its parent's: ``hash((parent_hash, tokens))``;
 - a hit compares the stored token ids, so a hash collision can never serve the wrong cache;
 - a block whose ref count drops to 0 keeps its hash and goes to the tail of an LRU free list; allocation
   takes from the head (least recently freed), evicting that block's hash; a hit on a free block removes
@@ -37,9 +37,9 @@ class Block:
     token_ids: tuple[int, ...] | None = None
 
 
-def chain_hash(parent_hash: int, token_ids: tuple[int, ...], extra: tuple = ()) -> int:
-    """Hash of a full block given its parent's hash (``extra`` keys e.g. a LoRA or image id)."""
-    return hash((parent_hash, token_ids, extra))
+def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
+    """Hash of a full block given its parent's hash."""
+    return hash((parent_hash, token_ids))
 
 
 class BlockManager:
@@ -138,27 +138,34 @@ class BlockManager:
             block.block_hash = None
             block.token_ids = None
 
-    def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int) -> None:
+    def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int,
+                          block_hashes: list[int]) -> None:
         """Register the full blocks among the first ``num_computed`` tokens of a sequence in the prefix cache.
 
-        Call after a step has written those tokens' K/V. Blocks already hashed are skipped; a block whose
+        Call after a step has written those tokens' K/V (only verified tokens: a block is hashed once, so a
+        token that could still be rolled back must not be counted in ``num_computed``). Hashing is
+        incremental, as in vLLM and nano-vllm: ``block_hashes`` holds the chained hashes of the sequence's
+        blocks hashed so far and grows in place, so each step hashes only the blocks it filled. A block whose
         content is cached already under another id stays private (its twin serves future hits).
+
+        Args:
+            block_table: the sequence's blocks, in order.
+            token_ids: the sequence's tokens (prompt then output).
+            num_computed: tokens whose K/V are in the cache.
+            block_hashes: the sequence's hashes so far (empty for a new or preempted sequence); appended to.
         """
         if not self.enable_prefix_caching:
             return
-        parent = _ROOT_HASH
-        for index in range(num_computed // self.block_size):
+        for index in range(len(block_hashes), num_computed // self.block_size):
+            parent = block_hashes[-1] if block_hashes else _ROOT_HASH
+            chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            block_hash = chain_hash(parent, chunk)
             block = self.blocks[block_table[index]]
-            if block.block_hash is None:
-                chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-                block_hash = chain_hash(parent, chunk)
-                if block_hash not in self._cached:
-                    self._cached[block_hash] = block.block_id
-                    block.block_hash = block_hash
-                    block.token_ids = chunk
-                parent = block_hash
-            else:
-                parent = block.block_hash
+            if self.enable_prefix_caching and block.block_hash is None and block_hash not in self._cached:
+                self._cached[block_hash] = block.block_id
+                block.block_hash = block_hash
+                block.token_ids = chunk
+            block_hashes.append(block_hash)
 
     def free(self, block_table: list[int]) -> None:
         """Release a sequence's blocks, tail first, and clear the table."""

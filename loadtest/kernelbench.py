@@ -1,6 +1,6 @@
 """``python -m loadtest.kernelbench``: the measurements behind the engine's kernel choices, rerunnable.
 
-1. ``f32_linear`` (quant/qlinear.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
+1. ``f32_linear`` (kernels/csrc/linear_*.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
    576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 to 128 rows.
 2. Quantized layers: the integer kernels against dequantize + GEMM at 1 to 512 rows (why they serve every
    call, prefill chunks included).
@@ -36,11 +36,11 @@ def _time(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def dense_vs_gemm() -> None:
-    from quant import kernels
+    import kernels
 
     kernel = kernels.load()
     if kernel is None:
-        print("quant kernels not built")
+        print("kernels not built")
         return
     weights = [torch.randn(1536, 576) for _ in range(30)] + [torch.randn(576, 1536) for _ in range(30)]
     for rows in (1, 8, 32, 64, 96, 128):
@@ -61,7 +61,7 @@ def quant_kernel_vs_dequantize() -> None:
                   + [cls(nn.Linear(1536, 576, bias=False)) for _ in range(15)])
         kernels_ = [layer.decode_kernel() for layer in layers]
         if any(k is None for k in kernels_):
-            print("quant kernels not built")
+            print("kernels not built")
             return
         for rows in (1, 8, 32, 128, 512):
             xs = [torch.randn(rows, layer.in_features) for layer in layers]

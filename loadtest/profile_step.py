@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                               "spread over every row (Python/dispatch overhead and the small ops most): where the "
                               "step under the profiler is much longer than without it (batch 1: a step makes ~300 "
                               "short calls), the shares are of that longer step, and the projections' real share "
-                              "is larger (`python -m quant.bench` replays them alone). On float32 CPU steps "
+                              "is larger (`python -m loadtest quant` replays them alone). On float32 CPU steps "
                               "of decodes only, `kvserve::decode_attention` (counted as attention) also applies "
                               "RoPE and writes the step's K/V. "
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from quant import kernels
+import kernels
 from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS, INT8_PANEL_ROWS, NF4_LEVELS, Q8_MAX,
                            Q16_MAX, SERVING_SPECS, QuantSpec, Scheme, dequantize_int, dequantize_nf4, pack_int8_panels,
                            pack_nibble_panels, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
@@ -33,9 +33,8 @@ from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS,
 
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 in panels) serve
-# every call instead: against dequantize + GEMM on 30 SmolLM2-sized projections (`python -m loadtest.kernelbench`,
-# 2026-11-30 15:11 UTC run) int8 took 18 / 61 / 251 ms at 32 / 128 / 512 rows against 105 / 164 / 470 ms, int4
-# 12 / 45 / 208 ms against 172 / 228 / 512 ms. One code path for every batch also keeps greedy output independent
+# every call instead: they beat dequantize + GEMM at every chunk size measured, 32 to 512 rows (BENCHMARKS.md,
+# "Kernel crossovers", `python -m loadtest.kernelbench`). One code path for every batch also keeps greedy output independent
 # of what else is in the step: a prefill in the same step does not move a sequence onto other arithmetic, which
 # quantized activations could amplify into another token.
 KERNEL_MAX_ROWS = 32

@@ -5,8 +5,8 @@ most sensitive output, is kept as it is by default; ``head=True`` gives it its o
 tied embedding keeps the float weights), as llama.cpp keeps ``output.weight`` at 6-8 bits in its 4-bit files.
 ``kvserve serve`` does that for the 4-bit schemes (``serving_quantizes_head``): there the float32 head is
 113 MB against 53 MB of projections, over half a decode step. With int8 projections it keeps the float head:
-the int8 scheme is held to 1% perplexity, and on SmolLM2 (``kvserve quant report``, 2026-11-29 22:29 UTC) the
-int8 head added about 0.1 point to it (+0.96% -> +1.03%).
+the int8 scheme is held to 1% perplexity, and on SmolLM2 an int8 head added about 0.1 point to it (BENCHMARKS.md,
+"Kernel crossovers"; measured with ``kvserve quant report``).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
 log = logging.getLogger("kvserve.quant")
 # Schemes whose served codes are rounded by GPTQ: the integer grids. For int8 per row, rounding to nearest
 # changes more of full precision's greedy choices than the 3 in 100 the quality goal allows; for int4 it moves
-# the model much further (BENCHMARKS.md, `python -m quant.bench`). NF4's table levels keep rounding to nearest.
+# the model much further (BENCHMARKS.md, `python -m loadtest quant`). NF4's table levels keep rounding to nearest.
 SERVING_GPTQ = frozenset({Scheme.INT8, Scheme.INT4})
 
 

@@ -153,11 +153,6 @@ def agreement_by_position(model: nn.Module, runs: list[tuple[list[int], list[int
     return torch.cat([rows.argmax(dim=-1) == torch.tensor(generated) for rows, (_, generated) in zip(logits, runs)])
 
 
-def greedy_agreement(model: nn.Module, runs: list[tuple[list[int], list[int]]]) -> float:
-    """Fraction of positions where ``model``'s argmax, given the reference prefix, is the reference token."""
-    return float(agreement_by_position(model, runs).float().mean())
-
-
 @torch.inference_mode()
 def reference_margins(model: nn.Module, runs: list[tuple[list[int], list[int]]]) -> torch.Tensor:
     """float ``[positions]``: the full-precision model's top-1 minus top-2 logit at each agreement position.

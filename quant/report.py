@@ -1,31 +1,21 @@
-"""``kvserve quant report``: what each quantization scheme costs in quality on the served model.
+"""What each quantization scheme costs in quality on a model: the measurements and tables of ``kvserve quant report``.
 
 For every recipe (int8 per tensor/row, int4 per tensor/row/group, NF4): relative weight error, perplexity
 on 2,048 held-out tokens, 16 factual questions, greedy agreement with full precision, bits per weight and
 weight bytes; then the outlier study. The embedding and the tied LM head stay in float32 throughout.
-Heavy imports happen inside ``run`` so ``kvserve --help`` stays fast.
+Heavy imports happen inside ``collect``. The command that loads the served model and prints this lives in
+server/quant_report.py (quant/ knows nothing of serving).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
-from pathlib import Path
 
 # (scheme, granularity, group): the recipes reported, rounded to nearest; the serving defaults are marked.
 RECIPES = (("int8", "tensor", None), ("int8", "row", None), ("int4", "tensor", None), ("int4", "row", None),
            ("int4", "group", 128), ("nf4", "group", 64))
 GPTQ_RECIPES = (("int8", "row", None), ("int4", "group", 128))  # also reported with GPTQ rounding (quant.gptq)
 OUTLIER_MATRIX = "model.layers.0.self_attn.q_proj"
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``kvserve quant report``."""
-    parser.add_argument("--model", default=None, help="local HF model directory (default: the embedded SmolLM2)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
 
 
 def collect(model, tokenizer, log=lambda msg: None) -> dict:
@@ -117,7 +107,7 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
 
 
 def quality_table(data: dict) -> str:
-    """The per-recipe markdown table (also used by ``python -m quant.bench``)."""
+    """The per-recipe markdown table (also used by ``python -m loadtest quant``)."""
     base = data["baseline"]
     lines = ["| recipe | bits/weight | weight MiB | rel. error mean | rel. error worst (matrix) | perplexity "
              "| vs fp32 | facts /16 | greedy agreement | fp32 margin at misses | held-out top-1 agreement "
@@ -196,7 +186,7 @@ def render(data: dict) -> str:
 
 
 def margin_note(data: dict) -> str:
-    """The sentence that explains the table's last column (also printed by ``python -m quant.bench``)."""
+    """The sentence that explains the table's last column (also printed by ``python -m loadtest quant``)."""
     margins = data["baseline"].get("margins")
     median = f"{margins[len(margins) // 2]:.2f} logits" if margins else "-"
     return ("\"fp32 margin at misses\": where a recipe disagrees with full precision, the median of the "
@@ -209,20 +199,3 @@ def margin_note(data: dict) -> str:
             "KL(full precision || recipe) of the next-token distributions, in thousandths of a nat: how far the "
             "recipe moves the model everywhere, not only at the near-ties where top-1 flips, so it separates two "
             "recipes whose top-1 counts differ by no more than their noise.")
-
-
-def run(args: argparse.Namespace) -> int:
-    """Load the model in float32 on CPU, measure, print (and write) the report."""
-    import copy
-
-    from engine.loader import Device, DType, load_model
-
-    loaded = load_model(args.model, DType.FLOAT32, Device.CPU)
-    model = copy.deepcopy(loaded.model)
-    model.set_attn_implementation("sdpa")  # plain forward/generate; the paged hook needs serving metadata
-    data = collect(model, loaded.tokenizer, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    text = json.dumps(data, indent=2) if args.json else render(data)
-    print(text)
-    if args.out is not None:
-        args.out.write_text(text)
-    return 0

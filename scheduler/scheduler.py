@@ -119,6 +119,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.free(seq.block_table)
+        seq.block_hashes.clear()  # its recomputed blocks are registered again (the old ones may be evicted)
         seq.num_computed = 0
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
@@ -181,7 +182,7 @@ class Scheduler:
             if seq is None:
                 continue  # aborted or preempted during the step
             seq.num_computed += len(w.token_ids)
-            self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed)
+            self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
             if result.error is not None:
                 self._finish(seq, FinishReason.ERROR)
                 events.append((seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=result.error)))

@@ -60,6 +60,8 @@ class Sequence:
         output_ids: generated tokens.
         num_computed: tokens whose K/V are in the cache.
         block_table: the sequence's blocks, in order.
+        block_hashes: chained prefix-cache hashes of its full blocks hashed so far (kvcache's
+            ``cache_full_blocks`` extends it, so each block is hashed once).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         events: the request's stream of SeqEvents (consumed by the server).
         prefix_source: another choice of the same request; this one is admitted only once the source's
@@ -75,6 +77,7 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
+    block_hashes: list[int] = field(default_factory=list)
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached_tokens: int | None = None

@@ -13,8 +13,8 @@ import sys
 # subcommand path -> (module, help)
 _COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("server.serve", "serve a model over an OpenAI-compatible HTTP API"),
-    ("plan",): ("kvcache.planner", "capacity planner: how much context, for how many users"),
-    ("quant", "report"): ("quant.report", "quantization quality report (error, perplexity, agreement)"),
+    ("plan",): ("planner.capacity", "capacity planner: how much context, for how many users"),
+    ("quant", "report"): ("server.quant_report", "quantization quality report (error, perplexity, agreement)"),
 }
 
 

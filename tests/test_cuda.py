@@ -18,8 +18,8 @@ from engine.plan import SamplingParams, SeqWork, StepPlan
 from engine.runner import ModelRunner
 from kvcache.pool import KVPool
 from quant.model import quantize_model
-from tests.test_exactness import engine_greedy, reference_greedy, reference_model
-from tests.test_fastpath import run_both, tiny
+from tests.engineutil import engine_greedy, reference_greedy, reference_model
+from tests.engineutil import run_both, tiny
 
 # KVSERVE_TEST_DEVICE=cpu runs the same checks on the CPU (to try this file on a machine without a GPU)
 CUDA = torch.device(os.environ.get("KVSERVE_TEST_DEVICE", "cuda"))

@@ -1,4 +1,4 @@
-"""engine/decode_ops.cpp (fused RMSNorm, RoPE, KV write, paged decode attention) computes what the torch ops do."""
+"""kernels/csrc/decode_ops.cpp (fused RMSNorm, RoPE, KV write, paged decode attention) computes what the torch ops do."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import torch
 
 from engine import fastpath
 from engine.loader import wrap_model
-from quant import kernels
-from tests.test_fastpath import run_both, tiny
+import kernels
+from tests.engineutil import run_both, tiny
 
 ops = kernels.load_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="engine decode ops could not be built here")
@@ -133,16 +133,21 @@ def test_bad_indices_raise_instead_of_reading_out_of_bounds():
 
 def test_the_kernels_format_error_messages_without_iostreams():
     # Where libstdc++ is linked statically into an extension (an H200 host: gcc 13, torch 2.11), a number
-    # formatted through TORCH_CHECK's ostringstream crashed the process instead of raising; quant/kvcheck.h
-    # builds messages from std::string. Every check in both sources must go through it.
+    # formatted through TORCH_CHECK's ostringstream crashed the process instead of raising; kernels/csrc/check.h
+    # builds messages from std::string. Every check in every source must go through it.
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    for source in (root / "quant" / "qlinear.cpp", root / "engine" / "decode_ops.cpp"):
+    sources = sorted((root / "kernels" / "csrc").glob("*.cpp")) + sorted((root / "kernels" / "csrc").glob("*.h"))
+    assert len(sources) >= 8
+    for source in sources:
         text = source.read_text()
-        assert "TORCH_CHECK(" not in text and not re.search(r"ostream|stringstream|iostream|std::c(out|err)", text)
-        assert "KV_CHECK(" in text
+        assert not re.search(r"ostream|stringstream|iostream|std::c(out|err)", text), source.name
+        if source.name != "check.h":
+            assert "TORCH_CHECK(" not in text, source.name
+    checked = [s.name for s in sources if "KV_CHECK(" in s.read_text()]
+    assert {"decode_ops.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_lut4.cpp", "linear_f32.cpp"} <= set(checked)
     qlinear = kernels.load()
     with pytest.raises(RuntimeError, match="per block of 32 or 64 that divides K; block = 32, K = 30$"):
         qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32, False)

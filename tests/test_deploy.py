@@ -340,7 +340,7 @@ def test_dockerfile_python_steps_name_real_functions():
     """The build-time ``from X import Y`` steps (model conversion, kernel build) name code that exists."""
     runs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
     imports = re.findall(r"from ([\w.]+) import (\w+)", runs)
-    assert {module for module, _ in imports} == {"engine.loader", "quant.kernels"}
+    assert {module for module, _ in imports} == {"engine.loader", "kernels"}
     for module, name in imports:
         assert callable(getattr(importlib.import_module(module), name)), f"{module}.{name}"
 

@@ -9,15 +9,8 @@ import torch
 import transformers
 
 from engine.loader import wrap_model
-from engine.plan import SamplingParams
-from engine.runner import ModelRunner
-from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool
-from scheduler.offline import run_offline
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import Sequence
+from tests.engineutil import engine_greedy, reference_greedy, reference_model
 
-GREEDY = SamplingParams(temperature=0.0)
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a small village by the sea, there lived an old fisherman who",
@@ -31,40 +24,6 @@ PROMPTS = [
 ]
 
 
-EOS = 2  # SmolLM2's <|im_end|>, and the tiny configs' eos_token_id
-
-
-def reference_model(model):
-    """A copy of ``model`` on transformers' own SDPA attention and DynamicCache."""
-    ref = copy.deepcopy(model)
-    ref.set_attn_implementation("sdpa")
-    return ref
-
-
-def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
-    """transformers' own generate, greedy, EOS suppressed until ``new_tokens`` (min_new_tokens)."""
-    out = ref.generate(torch.tensor([prompt_ids], device=ref.device), max_new_tokens=new_tokens,
-                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=EOS)
-    return out[0, len(prompt_ids):].tolist()
-
-
-def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks: int = 512, block_size: int = 16,
-                  max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
-                  prefix_caching: bool = True) -> tuple[list[list[int]], Scheduler]:
-    """Our engine end to end (scheduler + paged runner), greedy, ignoring EOS."""
-    pool = KVPool(loaded.kv_shape(), num_blocks, block_size, loaded.dtype, loaded.device)
-    runner = ModelRunner(loaded, pool)
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                          max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching))
-    seqs = [Sequence(seq_id=i, prompt_ids=p, params=GREEDY, max_tokens=new_tokens, stop_token_ids=frozenset({EOS}),
-                     min_tokens=new_tokens) for i, p in enumerate(prompts)]
-    arrivals: dict[int, list[Sequence]] = {}
-    for seq, step in zip(seqs, arrivals_at or [0] * len(seqs)):
-        arrivals.setdefault(step, []).append(seq)
-    run_offline(scheduler, runner.execute, arrivals)
-    return [s.output_ids for s in seqs], scheduler
-
-
 @pytest.fixture(scope="module")
 def prompt_ids(smollm2):
     return [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
@@ -74,10 +33,6 @@ def prompt_ids(smollm2):
 def references(smollm2, prompt_ids):
     ref = reference_model(smollm2.model)
     return [reference_greedy(ref, ids, 64) for ids in prompt_ids]
-
-
-def test_prompts_have_different_lengths(prompt_ids):
-    assert len({len(p) for p in prompt_ids}) == len(PROMPTS) >= 8
 
 
 def test_each_prompt_alone_matches_generate(smollm2, prompt_ids, references):

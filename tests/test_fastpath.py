@@ -6,60 +6,15 @@ import copy
 
 import pytest
 import torch
-import transformers
 
 from engine.loader import wrap_model
-from engine.plan import SamplingParams, SeqWork, StepPlan
+from engine.plan import SeqWork, StepPlan
 from engine.runner import ModelRunner
 from kvcache.pool import KVPool
-from quant import kernels
+import kernels
 from quant.linear import Int4Linear, Int8Linear, concat_outputs
 from quant.model import quantize_model
-from tests.test_exactness import engine_greedy, reference_greedy, reference_model
-
-GREEDY = SamplingParams(temperature=0.0)
-BLOCK = 4
-
-
-def tiny(arch: str, **overrides):
-    torch.manual_seed(0)
-    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-                    "mistral": transformers.MistralConfig, "gemma": transformers.GemmaConfig}[arch]
-    config = config_class(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
-    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-def mixed_plan() -> list[SeqWork]:
-    """Seq 0 prefills 9 tokens from 0; seq 1 decodes at position 6; seq 2 prefills a 5-token chunk at 4."""
-    def work(seq, ids, start, context):
-        table = list(range(seq * 8, seq * 8 + 8))
-        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(ids))]
-        return SeqWork(seq, ids, start, table, slots, True, GREEDY, list(range(3, 3 + context)), [])
-    return [work(0, list(range(10, 19)), 0, 9), work(1, [77], 6, 7), work(2, list(range(40, 45)), 4, 9)]
-
-
-def run_both(loaded) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Logits of the plan's sampled rows and the written KV pool, with the fast path and without it."""
-    results = []
-    for fast in (True, False):
-        pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype, loaded.device)
-        runner = ModelRunner(loaded, pool)
-        assert runner.fast is not None
-        if not fast:
-            runner.fast = None
-        captured = []
-        runner._sample = lambda plan, logits, captured=captured: captured.append(logits) or []
-        # prefill the cached part of seqs 1 and 2 first, then the mixed step
-        warm = [SeqWork(1, list(range(3, 9)), 0, list(range(8, 16)), [32 + p for p in range(6)], False, GREEDY,
-                        list(range(3, 10)), []),
-                SeqWork(2, list(range(3, 7)), 0, list(range(16, 24)), [64 + p for p in range(4)], False, GREEDY,
-                        list(range(3, 12)), [])]
-        runner.execute(StepPlan(warm))
-        runner.execute(StepPlan(mixed_plan()))
-        results.append((captured[0], pool.data.clone()))
-    return results[0], results[1]
+from tests.engineutil import BLOCK, GREEDY, engine_greedy, reference_greedy, reference_model, run_both, tiny
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {"attention_bias": True}), ("qwen2", {}),
@@ -131,10 +86,10 @@ def test_concat_outputs_is_exact_and_shares_codes(layer_class):
 
 @pytest.mark.parametrize("rows,k", [(1, 576), (5, 64), (32, 48), (3, 20)])
 def test_f32_linear_kernel_matches_torch(rows, k):
-    from quant import kernels
+    import kernels
     kernel = kernels.load()
     if kernel is None:
-        pytest.skip("quant kernels not built on this machine")
+        pytest.skip("kernels not built on this machine")
     torch.manual_seed(2)
     w, x = torch.randn(70, k), torch.randn(rows, k)  # k = 20: not a multiple of 8, the scalar loop
     # outputs are sums of k unit-normal products (|y| ~ sqrt(k)); summation order differs from torch's
@@ -273,7 +228,7 @@ def test_loading_a_model_on_cpu_loads_the_kernels_before_any_request(smollm2, tm
 
     tiny("llama").save_pretrained(tmp_path)
     smollm2.tokenizer.save_pretrained(tmp_path)
-    code = ("from quant import kernels; from engine.loader import load_model, DType, Device; "
+    code = ("import kernels; from engine.loader import load_model, DType, Device; "
             f"load_model({str(tmp_path)!r}, DType.FLOAT32, Device.CPU); "
             "print(sorted(name for name, module in kernels._state.items() if module is not None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)

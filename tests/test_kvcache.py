@@ -44,7 +44,7 @@ def test_prefix_hit_shares_blocks_and_counts_refs():
     tokens = list(range(10))           # 2 full blocks + 2 tokens
     first: list[int] = []
     assert bm.allocate(first, 10)
-    bm.cache_full_blocks(first, tokens, 10)
+    bm.cache_full_blocks(first, tokens, 10, [])
     hit = bm.find_cached_prefix(tokens + [99])
     assert hit == [0, 1]
     second: list[int] = []
@@ -58,7 +58,7 @@ def test_last_token_is_never_served_from_cache():
     tokens = list(range(8))
     table: list[int] = []
     bm.allocate(table, 8)
-    bm.cache_full_blocks(table, tokens, 8)
+    bm.cache_full_blocks(table, tokens, 8, [])
     assert bm.find_cached_prefix(tokens) == [0]  # the second block holds the last token: recompute it
 
 
@@ -66,7 +66,7 @@ def test_chained_hash_needs_the_same_parent():
     bm = BlockManager(num_blocks=8, block_size=2)
     table: list[int] = []
     bm.allocate(table, 4)
-    bm.cache_full_blocks(table, [1, 2, 3, 4], 4)
+    bm.cache_full_blocks(table, [1, 2, 3, 4], 4, [])
     assert bm.find_cached_prefix([9, 9, 3, 4, 5]) == []   # same second block, different parent
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [0, 1]
 
@@ -74,11 +74,11 @@ def test_chained_hash_needs_the_same_parent():
 def test_collision_is_caught_by_comparing_tokens(monkeypatch):
     import kvcache.block_manager as module
 
-    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens, extra=(): 42)  # every block collides
+    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: 42)  # every block collides
     bm = BlockManager(num_blocks=4, block_size=2)
     table: list[int] = []
     bm.allocate(table, 2)
-    bm.cache_full_blocks(table, [1, 2], 2)
+    bm.cache_full_blocks(table, [1, 2], 2, [])
     assert bm.find_cached_prefix([1, 2, 3]) == [0]
     assert bm.find_cached_prefix([7, 8, 3]) == []          # same hash, other tokens: a miss, not wrong K/V
 
@@ -87,7 +87,7 @@ def test_freed_cached_blocks_are_reused_on_hit_and_evicted_lru():
     bm = BlockManager(num_blocks=4, block_size=2)
     a: list[int] = []
     bm.allocate(a, 4)
-    bm.cache_full_blocks(a, [1, 2, 3, 4], 4)
+    bm.cache_full_blocks(a, [1, 2, 3, 4], 4, [])
     bm.free(a)                          # free list: 2, 3, then 1, 0 (tail first)
     assert bm.num_free_blocks == 4
     hit = bm.find_cached_prefix([1, 2, 3, 4, 5])
@@ -106,11 +106,32 @@ def test_freed_cached_blocks_are_reused_on_hit_and_evicted_lru():
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == []
 
 
+def test_each_full_block_is_hashed_once_across_steps(monkeypatch):
+    """Decode-style steps (one token each) hash only the block a step filled, and the chain matches a
+    from-scratch walk: a second sequence with the same tokens hits every full block."""
+    import kvcache.block_manager as module
+
+    calls: list[tuple[int, ...]] = []
+    real = module.chain_hash
+    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: calls.append(tokens) or real(parent, tokens))
+    bm = BlockManager(num_blocks=16, block_size=4)
+    tokens = list(range(100, 130))     # 7 full blocks + 2 tokens
+    table: list[int] = []
+    hashes: list[int] = []
+    for n in range(1, len(tokens) + 1):  # one token per step, as decode appends them
+        assert bm.allocate(table, n)
+        bm.cache_full_blocks(table, tokens, n, hashes)
+    assert len(calls) == 7 and len(set(calls)) == 7 and len(hashes) == 7
+    calls.clear()
+    assert bm.find_cached_prefix(tokens) == table[:7]
+    assert len(calls) == 7
+
+
 def test_prefix_caching_off():
     bm = BlockManager(num_blocks=4, block_size=2, enable_prefix_caching=False)
     table: list[int] = []
     bm.allocate(table, 4)
-    bm.cache_full_blocks(table, [1, 2, 3, 4], 4)
+    bm.cache_full_blocks(table, [1, 2, 3, 4], 4, [])
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == []
 
 

@@ -75,7 +75,7 @@ def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkey
     in the projections row (labelled, not lost in the Python/dispatch remainder)."""
     from loadtest import enginebench
     from loadtest.__main__ import main as loadtest_main
-    from quant import kernels
+    import kernels
     from quant.linear import QuantLinear
 
     if kernels.load() is None:

@@ -1,4 +1,4 @@
-"""kvcache/planner.py: KV bytes per token, parameter counts, the memory split, and the ``kvserve plan`` command."""
+"""planner/capacity.py: KV bytes per token, parameter counts, the memory split, and the ``kvserve plan`` command."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kvcache.planner import (ALIASES, PRESETS, KVDType, ModelSpec, PlanConfig, add_arguments, plan, run,
+from planner.capacity import (ALIASES, PRESETS, KVDType, ModelSpec, PlanConfig, add_arguments, plan, run,
                              spec_from_hf_dir)
 from kvcache.sizing import KVShape
 

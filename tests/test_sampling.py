@@ -8,7 +8,7 @@ import torch
 from engine import runner as runner_module
 from engine.plan import SamplingParams, SeqWork, StepPlan
 from engine.sampling import greedy_tokens, sample_token
-from tests.test_fastpath import tiny
+from tests.engineutil import tiny
 
 GREEDY = SamplingParams(temperature=0.0)
 

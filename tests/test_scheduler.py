@@ -133,11 +133,26 @@ def test_stop_token_respects_min_tokens():
     assert seq.output_ids == [7, 7, 7] and seq.finish_reason is FinishReason.STOP
 
 
-def test_drain_rate_is_measured():
-    s = scheduler()
+def test_drain_rate_is_measured_on_the_busy_clock(monkeypatch):
+    """Sequences finishing every 0.5 s of work drain at 2/s, and idle time between two bursts does not dilute it."""
+    import types
+
+    import scheduler.scheduler as module
+
+    clock = [100.0]
+    monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
+
+    def ticking(plan: StepPlan) -> list[SeqResult]:
+        clock[0] += 0.5  # each step takes 0.5 s
+        return fake_execute(plan)
+
+    s = scheduler(max_num_seqs=1)
     assert s.drain_rate() is None
-    s.finish_times.extend([10.0, 10.5, 11.0])
-    assert s.drain_rate() == 2.0
+    run_offline(s, ticking, {0: [make(0, 4, 1)]})   # one step: a finish at busy time 0.5
+    assert s.drain_rate() is None                    # one finish is no rate
+    clock[0] += 3600.0                               # an idle hour
+    run_offline(s, ticking, {0: [make(1, 4, 1), make(2, 4, 1)]})
+    assert s.drain_rate() == 2.0                     # 3 finishes over 1.0 s of busy time
 
 
 def test_choices_of_one_request_share_the_prompt_blocks():

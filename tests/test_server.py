@@ -265,10 +265,11 @@ def test_prefix_cache_hit_is_reported(server_url):
 def test_n_choices_share_the_prompt_blocks(server_url):
     prompt = "A unique note about giraffes, their long necks and their quiet habits at dawn. " * 4
     body = post(server_url, COMPLETIONS, {"prompt": prompt, "n": 3, "max_tokens": 4, "temperature": 0.8,
-                                          "seed": 3}).json()
+                                          "seed": 3, "logprobs": 0}).json()
     assert [c["index"] for c in body["choices"]] == [0, 1, 2]
     assert body["usage"]["prompt_tokens_details"]["cached_tokens"] >= 48
-    assert body["usage"]["completion_tokens"] <= 12
+    # usage counts each choice's own tokens once (the shared prompt blocks are not generated tokens)
+    assert body["usage"]["completion_tokens"] == sum(len(c["logprobs"]["tokens"]) for c in body["choices"])
 
 
 def test_huge_seed_is_sampled_not_a_500(server_url):

@@ -16,11 +16,12 @@
 //   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
 //   log_softmax(logits)                    the same log-softmax for every token (sampled and top tokens)
 //
-// target_clones compiles each hot loop for AVX2+FMA and for plain x86-64 and picks one at load time.
+// Each hot loop is compiled for AVX2+FMA and for plain x86-64; kernels/csrc/cpu.h chooses which runs.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
-#include "../quant/kvcheck.h"
+#include "check.h"
+#include "cpu.h"
 
 #include <algorithm>
 #include <cmath>
@@ -31,10 +32,21 @@
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define KV_X86 1
-#define KV_CLONES __attribute__((target_clones("avx2,fma", "default")))
+#define KV_AVX2 __attribute__((target("avx2,fma")))
 #else
-#define KV_CLONES
+#define KV_AVX2
 #endif
+
+// KV_TWO_PATHS(name, (params), (args)): name's always-inline body compiled twice, for AVX2+FMA (the compiler
+// vectorizes it) and for the baseline; name() runs the one kernels/csrc/cpu.h chose.
+#define KV_TWO_PATHS(name, params, args)                          \
+  KV_AVX2 void name##_avx2 params { name##_body args; }           \
+  void name##_base params { name##_body args; }                   \
+  inline void name params {                                       \
+    if (::kvserve::cpu::avx2()) name##_avx2 args; else name##_base args; \
+  }
+
+#define KV_BODY inline __attribute__((always_inline))
 
 namespace {
 
@@ -42,27 +54,30 @@ void check_f32(const torch::Tensor& t, const char* name) {
   KV_CHECK(t.scalar_type() == torch::kFloat32 && t.is_cpu(), name, " must be a float32 CPU tensor");
 }
 
-KV_CLONES void rms_row(const float* x, const float* w, float eps, float* y, int64_t n) {
+KV_BODY void rms_row_body(const float* x, const float* w, float eps, float* y, int64_t n) {
   float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
   for (int64_t i = 0; i < n; ++i) sum += x[i] * x[i];
   const float inv = 1.f / std::sqrt(sum / static_cast<float>(n) + eps);
   for (int64_t i = 0; i < n; ++i) y[i] = (x[i] * inv) * w[i];
 }
+KV_TWO_PATHS(rms_row, (const float* x, const float* w, float eps, float* y, int64_t n), (x, w, eps, y, n))
 
-KV_CLONES void add_row(float* x, const float* r, int64_t n) {
+KV_BODY void add_row_body(float* x, const float* r, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] += r[i];
 }
+KV_TWO_PATHS(add_row, (float* x, const float* r, int64_t n), (x, r, n))
 
-KV_CLONES void rope_row(float* v, const float* cos, const float* sin, int64_t half) {
+KV_BODY void rope_row_body(float* v, const float* cos, const float* sin, int64_t half) {
   for (int64_t i = 0; i < half; ++i) {
     const float a = v[i], b = v[i + half];
     v[i] = a * cos[i] - b * sin[i];
     v[i + half] = b * cos[i + half] + a * sin[i + half];
   }
 }
+KV_TWO_PATHS(rope_row, (float* v, const float* cos, const float* sin, int64_t half), (v, cos, sin, half))
 
-// dot and axpy are inlined into the attention task (a call per key row through target_clones' dispatch cost
+// dot and axpy are inlined into the attention task (a call per key row through a dispatch cost
 // more than the 64-wide product itself).
 inline __attribute__((always_inline)) float dot(const float* a, const float* b, int64_t n) {
   float s = 0.f;
@@ -77,7 +92,7 @@ inline __attribute__((always_inline)) void axpy(float alpha, const float* x, flo
 
 // The `group` query heads (rows q, q + q_head_stride, ...) that share KV head g, against keys first..len-1 of
 // one sequence read through its block table; out: `group` rows of D (contiguous).
-KV_CLONES void attend_kv_head(const float* q, int64_t q_head_stride, const int64_t* table, int64_t first,
+KV_BODY void attend_loops_body(const float* q, int64_t q_head_stride, const int64_t* table, int64_t first,
                               int64_t len, const float* kp, const float* vp, int64_t bs, int64_t H_kv, int64_t g,
                               int64_t D, int64_t group, float scale, float* scores, float* out) {
   const int64_t span = len - first;
@@ -104,12 +119,13 @@ KV_CLONES void attend_kv_head(const float* q, int64_t q_head_stride, const int64
     }
   }
 }
+KV_TWO_PATHS(attend_loops,
+             (const float* q, int64_t q_head_stride, const int64_t* table, int64_t first, int64_t len,
+              const float* kp, const float* vp, int64_t bs, int64_t H_kv, int64_t g, int64_t D, int64_t group,
+              float scale, float* scores, float* out),
+             (q, q_head_stride, table, first, len, kp, vp, bs, H_kv, g, D, group, scale, scores, out))
 
 #ifdef KV_X86
-bool has_avx2() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return ok;
-}
 
 __attribute__((target("avx2,fma"))) inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -358,7 +374,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
   float* op = out.data_ptr<float>();
   const float sc = static_cast<float>(scale);
 #ifdef KV_X86
-  const bool avx2 = has_avx2() && D % 8 == 0;
+  const bool avx2 = kvserve::cpu::avx2() && D % 8 == 0;
 #endif
   // one task per (sequence, KV head): its `group` query heads share each K and V row read
   at::parallel_for(0, B * H_kv, 1, [&](int64_t begin, int64_t end) {
@@ -376,7 +392,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
         continue;
       }
 #endif
-      attend_kv_head(qg, q.stride(1), tp + b * width, first, len, kp, vp, bs, H_kv, g, D, group, sc,
+      attend_loops(qg, q.stride(1), tp + b * width, first, len, kp, vp, bs, H_kv, g, D, group, sc,
                      scores.data(), og);
     }
   });
@@ -423,7 +439,7 @@ static Normalizer row_normalizer(const float* x, int64_t V) {
   int64_t i = 0;
   bool nan = false;
 #ifdef KV_X86
-  if (has_avx2()) mx = max_avx2(x, V, &i, &nan);
+  if (kvserve::cpu::avx2()) mx = max_avx2(x, V, &i, &nan);
 #endif
   for (; i < V; ++i) {
     mx = std::max(mx, x[i]);
@@ -433,7 +449,7 @@ static Normalizer row_normalizer(const float* x, int64_t V) {
   float sum = 0.f;
   i = 0;
 #ifdef KV_X86
-  if (has_avx2()) sum = sum_exp_avx2(x, V, mx, &i);
+  if (kvserve::cpu::avx2()) sum = sum_exp_avx2(x, V, mx, &i);
 #endif
   for (; i < V; ++i) sum += std::exp(x[i] - mx);
   return {mx, std::log(sum), false};

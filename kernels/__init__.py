@@ -1,10 +1,19 @@
-"""The fast CPU kernels, built once with torch's C++ extension tooling.
+"""kvserve's native code: its sources (``kernels/csrc``), its build, and the choice of instruction set.
 
-Two extensions: ``quant/qlinear.cpp`` (projection kernels: ``load()``) and ``engine/decode_ops.cpp`` (the
-fast path's fused RMSNorm, RoPE, KV write and paged decode attention: ``load_ops()``).
-``python -m quant.kernels --build`` compiles both (the install step runs it); otherwise the first use
-builds them (about a minute each on 2 cores). If a build fails, callers fall back to the pure-PyTorch
-reference and one warning is logged. Set ``KVSERVE_QUANT_KERNELS=0`` to force the reference everywhere.
+Two extensions, built once with torch's C++ extension tooling:
+
+- ``load()``: the linear (projection) kernels, one source file per family: ``linear_f32.cpp`` (float32
+  weights), ``linear_int8.cpp`` (int8 weights x int16 activations), ``linear_int4.cpp`` (int4 panels x int8
+  activations), ``linear_lut4.cpp`` (NF4 and other 16-level tables), bound in ``linear_module.cpp``;
+- ``load_ops()``: the fast path's fused ops (``decode_ops.cpp``: RMSNorm, RoPE, KV write, paged decode
+  attention, SwiGLU, greedy pick).
+
+Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
+unless ``KVSERVE_ISA`` names a lesser one (``scalar``), so every path can be tested on one machine. ``isa()``
+says which runs and why. ``python -m kernels --build`` compiles both extensions (the install step runs it);
+otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
+the pure-PyTorch reference and one warning is logged. ``KVSERVE_QUANT_KERNELS=0`` forces that reference
+everywhere.
 """
 
 from __future__ import annotations
@@ -18,15 +27,55 @@ import time
 from pathlib import Path
 from types import ModuleType
 
-log = logging.getLogger("kvserve.quant")
+log = logging.getLogger("kvserve.kernels")
 
-_ROOT = Path(__file__).resolve().parent.parent
-_SOURCES = {"kvserve_qlinear": _ROOT / "quant" / "qlinear.cpp", "kvserve_decode_ops": _ROOT / "engine" / "decode_ops.cpp"}
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_SOURCES = {
+    "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
+                                           "linear_int4.cpp", "linear_lut4.cpp")],
+    "kvserve_decode_ops": [_CSRC / "decode_ops.cpp"],
+}
+# The paths csrc/cpu.h knows, best last; KVSERVE_ISA may name one to force it (a lesser one than the CPU has).
+ISAS = ("scalar", "avx2")
 _state: dict[str, ModuleType | None] = {}
 
 
+def forced_isa() -> str | None:
+    """The instruction-set path ``KVSERVE_ISA`` forces, or None when unset (the best the CPU has runs).
+
+    Raises:
+        ValueError: the variable names no path kvserve has (the message lists them).
+    """
+    value = os.environ.get("KVSERVE_ISA", "").strip().lower()
+    if not value:
+        return None
+    if value not in ISAS:
+        raise ValueError(f"KVSERVE_ISA={value!r}: expected one of {', '.join(ISAS)} (or unset for the best the "
+                         "CPU supports)")
+    return value
+
+
+def isa() -> str:
+    """Which path the kernels run and why, e.g. ``avx2 (the best this CPU supports)``, ``scalar (forced by
+    KVSERVE_ISA)`` or ``reference (KVSERVE_QUANT_KERNELS=0)``."""
+    module = load()
+    if module is None:
+        return "reference (pure PyTorch: " + ("KVSERVE_QUANT_KERNELS=0)" if _disabled() else "no kernel build)")
+    chosen = module.isa()
+    forced = forced_isa()
+    if forced is None:
+        return f"{chosen} (the best this CPU supports)"
+    if forced == chosen:
+        return f"{chosen} (forced by KVSERVE_ISA)"
+    return f"{chosen} (KVSERVE_ISA={forced} asks for more than this CPU has)"
+
+
+def _disabled() -> bool:
+    return os.environ.get("KVSERVE_QUANT_KERNELS", "1") == "0"
+
+
 def load(build: bool = True) -> ModuleType | None:
-    """The projection kernels (quant/qlinear.cpp), or None when disabled or unbuildable (cached).
+    """The linear kernels (csrc/linear_*.cpp), or None when disabled or unbuildable (cached).
 
     Args:
         build: compile if no up-to-date build exists (otherwise return None in that case).
@@ -35,7 +84,7 @@ def load(build: bool = True) -> ModuleType | None:
 
 
 def load_ops(build: bool = True) -> ModuleType | None:
-    """The fast path's fused ops (engine/decode_ops.cpp), or None when disabled or unbuildable (cached)."""
+    """The fast path's fused ops (csrc/decode_ops.cpp), or None when disabled or unbuildable (cached)."""
     if _torch_only:
         return None
     return _load("kvserve_decode_ops", build)
@@ -58,7 +107,8 @@ def _load(name: str, build: bool) -> ModuleType | None:
     if name in _state:
         return _state[name]
     module = None
-    if os.environ.get("KVSERVE_QUANT_KERNELS", "1") != "0":
+    forced_isa()  # a typo in KVSERVE_ISA stops here, before any kernel runs on a path nobody asked for
+    if not _disabled():
         try:
             module = _compile(name) if build else _load_prebuilt(name)
         except Exception as exc:  # a missing compiler or headers: serve with the reference path
@@ -121,7 +171,7 @@ def _compile(name: str) -> ModuleType:
     _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
     # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
     # (and `omp simd` reductions stay scalar).
-    return cpp_extension.load(name=name, sources=[str(_SOURCES[name])], extra_cflags=["-O3", "-fopenmp"],
+    return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES[name]], extra_cflags=["-O3", "-fopenmp"],
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 
@@ -135,7 +185,7 @@ def _load_prebuilt(name: str) -> ModuleType | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m quant.kernels --build``: compile the extension now and say which path it runs."""
+    """``python -m kernels --build``: compile both extensions now and say which path they run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="compile (or check) the extension")
     args = parser.parse_args(argv)
@@ -144,13 +194,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     module = load(build=True)
     if module is None:
-        print("quant kernels: not built (the pure-PyTorch reference will be used)", file=sys.stderr)
+        print("linear kernels: not built (the pure-PyTorch reference will be used)", file=sys.stderr)
         return 0  # the install must not fail over an optional speed-up
-    print(f"quant kernels: built, {'AVX2+FMA' if module.vectorized() else 'scalar'} path")
+    print(f"linear kernels: built, {isa()}")
     ops = load_ops(build=True)
     print("engine decode ops: " + ("built" if ops is not None else "not built (torch ops will be used)"))
     return 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m quant.bench``: single-stream decode speed of each scheme on the real engine, side by side.
+"""``python -m loadtest quant``: single-stream decode speed of each scheme on the real engine, side by side.
 
 For none (bfloat16 and float32), int8, int4 and NF4 on SmolLM2: decode tokens/s through
 ``engine.runner.ModelRunner`` over a ``KVPool`` (batch 1, greedy), the weight bytes one step reads, the
@@ -165,25 +165,24 @@ def speed_table(rows: list[dict], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Run the benchmark, print it, and write the "quant" section of BENCHMARKS.md."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``python -m loadtest quant``."""
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per variant")
     parser.add_argument("--skip-quality", action="store_true", help="speed only (no quality table)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
-    args = parser.parse_args(argv)
 
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark, print it, and write the "quant" section of BENCHMARKS.md."""
     from engine.loader import Device, DType, cpu_has_bf16, load_model
     from loadtest.benchmarks_md import update_section
-    from quant import kernels
+    import kernels
     from quant.report import collect, margin_note, quality_table
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    kernel = kernels.load()
-    path = "none (pure-PyTorch reference)" if kernel is None else (
-        "AVX2+FMA" if kernel.vectorized() else "scalar")
+    path = kernels.isa()
     loaded = load_model(None, DType.FLOAT32, Device.CPU)
     bandwidth = read_bandwidth()
     rows = run_speed(loaded, args.tokens, bandwidth, log)
@@ -200,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
             "activations (per block of 32) with integer dot products, "
             "NF4 multiplies float32 activations through a 16-level table; with the 4-bit schemes the LM head "
             "gets an int8 per-row copy (the embedding keeps float32), with int8 it stays float32. Float32 runs use kvserve's f32_linear kernel and the fused "
-            "C++ norms / RoPE / paged attention (engine/decode_ops.cpp); bfloat16 runs torch's bf16 matmuls "
+            "C++ norms / RoPE / paged attention (kernels/csrc/decode_ops.cpp); bfloat16 runs torch's bf16 matmuls "
             f"and torch ops throughout (the fused ops are float32-only); {baseline}. Projections and LM head are replayed alone (best of 7); rest = step - both "
             "(attention, norms, sampling, Python).", "", speed_table(rows, bandwidth)]
     profile = next(r["profile"] for r in rows if r["profile"])
@@ -216,9 +215,5 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(body)
     print(text)
     if not args.no_write:
-        update_section("quant", "Quantized weights: decode speed and quality", "python -m quant.bench", text)
+        update_section("quant", "Quantized weights: decode speed and quality", "python -m loadtest quant", text)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

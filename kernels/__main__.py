@@ -1,0 +1,7 @@
+"""``python -m kernels --build``."""
+
+import sys
+
+from kernels import main
+
+sys.exit(main())

@@ -1,0 +1,99 @@
+// Shared pieces of the linear kernels (linear_*.cpp): includes, tiling helpers, the AVX2 horizontal sums, the
+// input check. The instruction set is chosen once, in cpu.h. Layouts and arithmetic: linear_module.cpp.
+#pragma once
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Half.h>
+
+#include "check.h"
+#include "cpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#define QL_X86 1
+#endif
+
+namespace kvserve::linear {
+
+constexpr int64_t kRowsPerTask = 8;  // output rows per parallel task: small enough to split N=192 over cores
+
+#ifdef QL_X86
+// ---------------------------------------------------------------- AVX2 + FMA
+// The sum of v's 8 lanes in hsum4's order, ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)), so a row's bits do
+// not depend on whether it was summed alone (the tail of a thread's rows) or in a group of 4.
+__attribute__((target("avx2,fma"))) inline float hsum(__m256 v) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(v, v), v);  // lane 0: v0 + v1 + v2 + v3 (as pairs), lane 4: v4..v7
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1)));
+}
+
+// The four sums of a0..a3 in one vector (hadd tree).
+__attribute__((target("avx2,fma"))) inline __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));  // [sum a0, .., sum a3]
+}
+#endif
+
+// Every (activation tile, weight tile) of rows [n0, n1): weight tiles of NT rows (then single rows), each
+// paired with activation tiles of MTMAX, .., 1 rows; a weight tile stays in L1 while the activations stream.
+template <int MTMAX, int NT, typename Fn>
+void for_tiles(int64_t M, int64_t n0, int64_t n1, Fn&& fn) {
+  auto rows = [&](int64_t n, auto nt) {
+    int64_t m = 0;
+    if constexpr (MTMAX >= 3)
+      for (; m + 3 <= M; m += 3) fn(m, n, std::integral_constant<int, 3>{}, nt);
+    if constexpr (MTMAX >= 2)
+      for (; m + 2 <= M; m += 2) fn(m, n, std::integral_constant<int, 2>{}, nt);
+    for (; m < M; ++m) fn(m, n, std::integral_constant<int, 1>{}, nt);
+  };
+  int64_t n = n0;
+  for (; n + NT <= n1; n += NT) rows(n, std::integral_constant<int, NT>{});
+  for (; n < n1; ++n) rows(n, std::integral_constant<int, 1>{});
+}
+
+// How far ahead of the weight bytes being read the int8 tiles and int4 panels prefetch. A task's weight rows
+// (panels) are contiguous (at::parallel_for hands each thread one run of them), so an address a few KB on is one
+// this thread reads soon. Chosen by interleaved A/Bs of a decode step's projections (SmolLM2's 30 layers, 2
+// threads): 256 bytes (less than one row) was the slowest distance tried at 1 activation row; the int8 tile
+// gained at 2 KB at 32 rows as well; the int4 panels were level or slightly faster at 4 KB than at 1 KB.
+constexpr int64_t kInt8Ahead = 2048;
+constexpr int64_t kInt8PanelAhead = 1024;
+constexpr int64_t kInt4Ahead = 4096;
+
+// Weight rows a tile (activation rows from m, weight rows from n, in a task ending at n1) prefetches: the NT rows
+// of the tile after next, during a weight tile's first activation tile, when there are several (f32_tile_avx2).
+inline int64_t rows_ahead(int64_t m, int64_t M, int64_t n, int64_t n1, int64_t NT) {
+  return m == 0 && M > 1 ? std::max<int64_t>(std::min(n1 - (n + 2 * NT), NT), 0) : 0;
+}
+
+inline void check_x(const torch::Tensor& x, int64_t K) {
+  KV_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.is_cpu(),
+           "x must be a contiguous float32 CPU tensor [M, K]");
+  KV_CHECK(x.size(1) == K, "x has ", x.size(1), " features, the weight ", K);
+}
+
+// run(std::integral_constant<int, QB>{}) for an activation block QB of 64 or 32 (a template argument of the tiles).
+template <typename Fn>
+inline void with_block(int64_t block, Fn&& run) {
+  if (block == 64)
+    run(std::integral_constant<int, 64>{});
+  else
+    run(std::integral_constant<int, 32>{});
+}
+
+// The kernel families (one source file each), as the module binds them.
+torch::Tensor int8_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                          int64_t block, bool panels);
+torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                          int64_t group, int64_t offset);
+torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
+                          int64_t group, const torch::Tensor& lut);
+torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w);
+
+}  // namespace kvserve::linear

@@ -1,0 +1,94 @@
+"""Engine helpers shared by the test files: transformers' reference, our engine end to end, tiny random models."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import transformers
+
+from engine.plan import SamplingParams, SeqWork, StepPlan
+from engine.runner import ModelRunner
+from kvcache.block_manager import BlockManager
+from kvcache.pool import KVPool
+from scheduler.offline import run_offline
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import Sequence
+
+GREEDY = SamplingParams(temperature=0.0)
+BLOCK = 4  # block size of run_both's pool
+
+EOS = 2  # SmolLM2's <|im_end|>, and the tiny configs' eos_token_id
+
+
+def reference_model(model):
+    """A copy of ``model`` on transformers' own SDPA attention and DynamicCache."""
+    ref = copy.deepcopy(model)
+    ref.set_attn_implementation("sdpa")
+    return ref
+
+
+def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """transformers' own generate, greedy, EOS suppressed until ``new_tokens`` (min_new_tokens)."""
+    out = ref.generate(torch.tensor([prompt_ids], device=ref.device), max_new_tokens=new_tokens,
+                       min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=EOS)
+    return out[0, len(prompt_ids):].tolist()
+
+
+def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks: int = 512, block_size: int = 16,
+                  max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
+                  prefix_caching: bool = True) -> tuple[list[list[int]], Scheduler]:
+    """Our engine end to end (scheduler + paged runner), greedy, ignoring EOS."""
+    pool = KVPool(loaded.kv_shape(), num_blocks, block_size, loaded.dtype, loaded.device)
+    runner = ModelRunner(loaded, pool)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                          max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching))
+    seqs = [Sequence(seq_id=i, prompt_ids=p, params=GREEDY, max_tokens=new_tokens, stop_token_ids=frozenset({EOS}),
+                     min_tokens=new_tokens) for i, p in enumerate(prompts)]
+    arrivals: dict[int, list[Sequence]] = {}
+    for seq, step in zip(seqs, arrivals_at or [0] * len(seqs)):
+        arrivals.setdefault(step, []).append(seq)
+    run_offline(scheduler, runner.execute, arrivals)
+    return [s.output_ids for s in seqs], scheduler
+
+
+def tiny(arch: str, **overrides):
+    """A 2-layer random model of ``arch`` (256-token vocabulary, seeded), float32."""
+    torch.manual_seed(0)
+    config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+                    "mistral": transformers.MistralConfig, "gemma": transformers.GemmaConfig}[arch]
+    config = config_class(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                          bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+def mixed_plan() -> list[SeqWork]:
+    """Seq 0 prefills 9 tokens from 0; seq 1 decodes at position 6; seq 2 prefills a 5-token chunk at 4."""
+    def work(seq, ids, start, context):
+        table = list(range(seq * 8, seq * 8 + 8))
+        slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(ids))]
+        return SeqWork(seq, ids, start, table, slots, True, GREEDY, list(range(3, 3 + context)), [])
+    return [work(0, list(range(10, 19)), 0, 9), work(1, [77], 6, 7), work(2, list(range(40, 45)), 4, 9)]
+
+
+def run_both(loaded) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits of the plan's sampled rows and the written KV pool, with the fast path and without it."""
+    results = []
+    for fast in (True, False):
+        pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype, loaded.device)
+        runner = ModelRunner(loaded, pool)
+        assert runner.fast is not None
+        if not fast:
+            runner.fast = None
+        captured = []
+        runner._sample = lambda plan, logits, captured=captured: captured.append(logits) or []
+        # prefill the cached part of seqs 1 and 2 first, then the mixed step
+        warm = [SeqWork(1, list(range(3, 9)), 0, list(range(8, 16)), [32 + p for p in range(6)], False, GREEDY,
+                        list(range(3, 10)), []),
+                SeqWork(2, list(range(3, 7)), 0, list(range(16, 24)), [64 + p for p in range(4)], False, GREEDY,
+                        list(range(3, 12)), [])]
+        runner.execute(StepPlan(warm))
+        runner.execute(StepPlan(mixed_plan()))
+        results.append((captured[0], pool.data.clone()))
+    return results[0], results[1]

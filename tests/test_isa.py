@@ -1,0 +1,71 @@
+"""Every instruction-set path of the native kernels is tested on one machine: KVSERVE_ISA forces the lesser one.
+
+kernels/csrc/cpu.h picks the best path the CPU supports; ``KVSERVE_ISA=scalar`` forces the portable loops.
+The kernel test files then run again on that path, in a child process (the choice is read once per process).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import kernels
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return set()
+    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
+                          text=True, timeout=300)
+
+
+needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this machine")
+
+
+@needs_kernels
+def test_the_best_path_this_cpu_supports_runs_by_default(monkeypatch):
+    monkeypatch.delenv("KVSERVE_ISA", raising=False)
+    flags = _cpu_flags()
+    expected = "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
+    assert kernels.isa() == f"{expected} (the best this CPU supports)"
+    assert kernels.load().vectorized() == (expected == "avx2")
+
+
+@needs_kernels
+def test_kvserve_isa_forces_the_scalar_path():
+    done = _python("import kernels; print(kernels.isa()); print(kernels.load().vectorized())", KVSERVE_ISA="scalar")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["scalar (forced by KVSERVE_ISA)", "False"]
+
+
+def test_an_unknown_isa_is_refused_with_the_choices():
+    done = _python("import kernels; kernels.load()", KVSERVE_ISA="avx9000")
+    assert done.returncode != 0
+    assert "KVSERVE_ISA='avx9000': expected one of scalar, avx2" in done.stderr
+
+
+@needs_kernels
+@pytest.mark.skipif(os.environ.get("KVSERVE_ISA") == "scalar", reason="already on the scalar path")
+def test_kernel_tests_pass_on_the_scalar_path():
+    """The kernel test files (against the PyTorch reference, batch invariance, thread invariance) on the forced
+    scalar path; the suite itself runs them on the best path."""
+    env = {**os.environ, "KVSERVE_ISA": "scalar"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_decode_ops.py",
+                           "tests/test_quant.py", "-k", "kernel or fused or norms or attention or greedy_pick or "
+                           "log_softmax or silu or bits"], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=600)
+    tail = done.stdout[-3000:]
+    assert done.returncode == 0, tail
+    assert " passed" in tail and " failed" not in tail
