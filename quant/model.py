@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from quant import gptq, kernels
+import kernels
+from quant import gptq
 from quant.linear import LAYER_CLASSES, Int8Linear, QuantLinear
 from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
 

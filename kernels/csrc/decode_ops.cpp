@@ -449,10 +449,17 @@ static Normalizer row_normalizer(const float* x, int64_t V) {
   float sum = 0.f;
   i = 0;
 #ifdef KV_X86
-  if (kvserve::cpu::avx2()) sum = sum_exp_avx2(x, V, mx, &i);
+  if (kvserve::cpu::avx2()) {
+    sum = sum_exp_avx2(x, V, mx, &i);
+    for (; i < V; ++i) sum += std::exp(x[i] - mx);  // the tail of fewer than 8
+    return {mx, std::log(sum), false};
+  }
 #endif
-  for (; i < V; ++i) sum += std::exp(x[i] - mx);
-  return {mx, std::log(sum), false};
+  // The portable path sums in double: one float accumulator over a 49,152-token vocabulary drifts ~2e-5 from
+  // torch's log_softmax, where the vector path's 8 lanes stay within 1e-6.
+  double total = 0.0;
+  for (; i < V; ++i) total += std::exp(x[i] - mx);
+  return {mx, std::log(static_cast<float>(total)), false};
 }
 
 // Per row of logits [R, V]: the greedy token, the first index of the row's maximum (torch.argmax's pick; a NaN
