@@ -1,0 +1,537 @@
+"""``python -m loadtest cluster``: K kvserve replicas behind vllm-router on 127.0.0.1, measured as a cluster.
+
+Every replica is a real ``kvserve serve`` process (SmolLM2, float32, a small KV pool) on a free port, and the
+router is the real ``vllm-router`` binary (``pip install vllm-router``, in the ``cluster`` and ``test`` extras).
+The workload is multi-turn chat: many conversations, each turn resending the growing history (its own
+opening, the replies so far and a new question), so a conversation's prefix is cached on the replica that
+served its previous turn, and only there.
+
+1. Per policy (``cache_aware``, ``round_robin``), a fresh router over the same replicas and fresh
+   conversations: the prefix-cache hit rate summed over the replicas (``kvserve:prefix_cache_hits`` over
+   ``..._queries``, deltas from their /metrics), the mean TTFT as the client sees it, requests per replica.
+2. Failover: SIGKILL one replica while streams are in flight on it. Reported: requests that failed (only
+   those already on the dead replica may), requests the router retried elsewhere (its own metrics), how the
+   cut streams ended (an error, never a hang), what the survivors served, and their /health.
+3. Drain: SIGTERM one of the survivors with streams in flight on it (kvserve drains, server/drain.py):
+   its in-flight streams must all complete within ``--drain-seconds``, new requests go to the others.
+
+Bounded in requests and time; every process it starts is stopped on the way out (Ctrl-C and SIGTERM too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.report import OUT_DIR
+from loadtest.serverproc import REPO, ServerStartError, _tail, free_port, kvserve_command
+
+POLICIES = ("cache_aware", "round_robin")
+_WORDS = ("river stone lantern orchard signal harbor meadow copper window ladder engine garden violet "
+          "compass winter ember canyon thread marble falcon pepper saddle quartz tundra velvet".split())
+
+
+# ---- processes ---------------------------------------------------------------------------------------
+
+@dataclass
+class Proc:
+    """A started process (its own session, so its whole group can be signalled) and where it listens."""
+
+    name: str
+    url: str
+    popen: subprocess.Popen
+    log: Path
+
+    def signal(self, sig: int) -> None:
+        if self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone."""
+        if self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait()
+
+
+def _spawn(name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    with open(log, "w") as out:
+        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=full_env,
+                                 start_new_session=True)
+    return Proc(name, f"http://127.0.0.1:{port}", popen, log)
+
+
+def _wait_ready(proc: Proc, path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise ServerStartError(f"{proc.name} exited with {proc.popen.returncode}; log {proc.log}:\n"
+                                   f"{_tail(proc.log)}")
+        try:
+            if httpx.get(proc.url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise ServerStartError(f"{proc.name}: no 200 from {path} after {timeout_s:.0f} s; log {proc.log}:\n"
+                           f"{_tail(proc.log)}")
+
+
+def router_binary() -> str:
+    """Path of the ``vllm-router`` launcher beside this Python, or on PATH.
+
+    Raises:
+        FileNotFoundError: not installed (``pip install -e '.[cluster]'``).
+    """
+    beside = Path(sys.executable).parent / "vllm-router"
+    found = str(beside) if beside.exists() else shutil.which("vllm-router")
+    if found is None:
+        raise FileNotFoundError("vllm-router is not installed: pip install -e '.[cluster]' (or pip install vllm-router)")
+    return found
+
+
+def router_command(port: int, metrics_port: int, workers: list[str], policy: str) -> list[str]:
+    """vllm-router on 127.0.0.1 in front of ``workers``, tuned to notice a dead or draining replica quickly.
+
+    Health checks every second, one failure takes a worker out and one success puts it back; a failed
+    attempt (connection refused, 503 from a draining replica, 429 from a full one) is retried up to 5 times
+    with backoff from 100 ms, long enough (~1.5 s) for the health check to steer the retry elsewhere
+    (``cache_aware`` retries on the worker holding the prefix until that worker is out); two failures in a
+    row open the worker's circuit breaker for 5 s, which also takes it out.
+    """
+    return [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--worker-urls", *workers,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
+            "--health-failure-threshold", "1", "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
+            "--retry-max-retries", "5", "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000",
+            "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "5",
+            "--log-level", "warning"]
+
+
+@dataclass
+class Cluster:
+    """Replicas and (at most one at a time) a router; ``close`` stops all of them."""
+
+    replicas: list[Proc]
+    log_dir: Path
+    router: Proc | None = None
+    router_metrics: str = ""
+
+    def start_router(self, policy: str, timeout_s: float = 60.0) -> Proc:
+        self.stop_router()
+        port, metrics_port = free_port(), free_port()
+        live = [r.url for r in self.replicas if r.popen.poll() is None]
+        self.router = _spawn(f"router-{policy}", router_command(port, metrics_port, live, policy), port, self.log_dir)
+        self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        _wait_ready(self.router, "/health", timeout_s)
+        # the router answers /health before its first worker check; wait until it routes
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.router.url + "/v1/models", timeout=5).status_code == 200:
+                    return self.router
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise ServerStartError(f"router sees no worker after {timeout_s:.0f} s; log {self.router.log}")
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+
+    def close(self) -> None:
+        self.stop_router()
+        for replica in self.replicas:
+            replica.stop()
+
+
+def start_cluster(replicas: int, serve_flags: list[str], log_dir: Path = OUT_DIR / "cluster",
+                  start_timeout_s: float = 600.0) -> Cluster:
+    """Start ``replicas`` kvserve processes at once and wait until every one answers /health.
+
+    Each gets one OpenMP thread (they share the machine's cores). On failure every one started is stopped.
+
+    Raises:
+        ServerStartError: a replica exited or was not ready within ``start_timeout_s``.
+    """
+    procs = []
+    try:
+        for i in range(replicas):
+            port = free_port()
+            argv = [p.replace("{port}", str(port)) for p in kvserve_command(serve_flags)]
+            procs.append(_spawn(f"replica{i}", argv, port, log_dir, env={"OMP_NUM_THREADS": "1"}))
+        for proc in procs:
+            _wait_ready(proc, "/health", start_timeout_s)
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return Cluster(procs, log_dir)
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+
+def scrape(url: str) -> dict[str, float]:
+    """``{series name: value}`` from a Prometheus text page, label sets summed (empty if unreachable)."""
+    try:
+        text = httpx.get(url, timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def replica_counts(replica: Proc) -> dict[str, float]:
+    """The kvserve counters the report uses: prefix-cache hits and queries, finished requests, running, waiting."""
+    m = scrape(replica.url + "/metrics")
+    return {"hits": m.get("kvserve:prefix_cache_hits_total", 0.0),
+            "queries": m.get("kvserve:prefix_cache_queries_total", 0.0),
+            "finished": m.get("kvserve:request_success_total", 0.0) + m.get("kvserve:request_failure_total", 0.0),
+            "busy": m.get("kvserve:num_requests_running", 0.0) + m.get("kvserve:num_requests_waiting", 0.0)}
+
+
+def router_retries(metrics_url: str) -> float:
+    """Attempts the router repeated (``vllm_router_retries_total``, all routes), 0 before its first."""
+    return scrape(metrics_url).get("vllm_router_retries_total", 0.0)
+
+
+# ---- workload ----------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Workload:
+    """Multi-turn chat: ``conversations`` of ``turns`` each, ``concurrency`` conversations at a time.
+
+    The opening message is ``opening_words`` words unique to the conversation (so no two share a cached
+    prefix); each later turn appends the reply and a ``followup_words``-word question.
+    """
+
+    conversations: int = 12
+    turns: int = 4
+    concurrency: int = 3
+    max_tokens: int = 12
+    opening_words: int = 160
+    followup_words: int = 20
+    timeout_s: float = 120.0  # one request, start to [DONE]
+
+
+@dataclass
+class Result:
+    """One streamed request as the client saw it (times in s since the phase started)."""
+
+    conversation: int
+    turn: int
+    start_s: float
+    end_s: float = 0.0
+    status: int = 0
+    ttft_s: float | None = None
+    done: bool = False  # [DONE] arrived
+    error: str | None = None
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+async def _one(client: httpx.AsyncClient, messages: list[dict], workload: Workload, result: Result, t0: float) -> None:
+    body = {"messages": messages, "max_tokens": workload.max_tokens, "stream": True, "temperature": 0}
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body,
+                                 timeout=httpx.Timeout(workload.timeout_s, connect=10.0)) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:200]
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    result.done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:  # kvserve's error event
+                    result.error = f"error event: {chunk['error'].get('message', '')}"[:200]
+                    break
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - sent
+                    result.text += piece
+        if not result.done and result.error is None:
+            result.error = "stream ended without [DONE]"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200] or type(exc).__name__
+    finally:
+        result.end_s = time.perf_counter() - t0
+
+
+async def run_conversations(base_url: str, workload: Workload, tag: str, deadline_s: float,
+                            results: list[Result] | None = None) -> list[Result]:
+    """Drive the workload at ``base_url``; a conversation stops at its first failed turn.
+
+    ``tag`` makes every opening unique to this run (a later run never hits an earlier one's cache);
+    ``results`` (appended to as requests start) lets a caller watch progress. Returns every request's Result.
+    """
+    results = [] if results is None else results
+    t0 = time.perf_counter()
+    gate = asyncio.Semaphore(workload.concurrency)
+
+    async def conversation(i: int, client: httpx.AsyncClient) -> None:
+        rng = random.Random(f"{tag}-{i}")
+        messages = [{"role": "user", "content": f"Conversation {tag}-{i}. Remember these words: "
+                                                f"{_words(rng, workload.opening_words)}. Which word comes first?"}]
+        async with gate:
+            for turn in range(workload.turns):
+                if time.perf_counter() - t0 > deadline_s:
+                    return
+                result = Result(i, turn, time.perf_counter() - t0)
+                results.append(result)
+                await _one(client, messages, workload, result, t0)
+                if not result.ok:
+                    return
+                messages += [{"role": "assistant", "content": result.text},
+                             {"role": "user", "content": f"And then? {_words(rng, workload.followup_words)}"}]
+
+    async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_connections=64)) as client:
+        await asyncio.gather(*(conversation(i, client) for i in range(workload.conversations)))
+    return results
+
+
+# ---- the three phases --------------------------------------------------------------------------------
+
+@dataclass
+class PolicyFigures:
+    policy: str
+    requests: int
+    failed: int
+    hit_rate: float
+    mean_ttft_s: float
+    per_replica: list[int]
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def measure_policy(cluster: Cluster, policy: str, workload: Workload, deadline_s: float) -> PolicyFigures:
+    """A fresh router with ``policy`` over all replicas, fresh conversations; deltas of the replicas' counters."""
+    cluster.start_router(policy)
+    before = [replica_counts(r) for r in cluster.replicas]
+    results = asyncio.run(run_conversations(cluster.router.url, workload, f"{policy}", deadline_s))
+    after = [replica_counts(r) for r in cluster.replicas]
+    hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
+    queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
+    return PolicyFigures(policy, len(results), sum(not r.ok for r in results),
+                         hits / queries if queries else 0.0,
+                         _mean([r.ttft_s for r in results if r.ok and r.ttft_s is not None]),
+                         [int(a["finished"] - b["finished"]) for a, b in zip(after, before)])
+
+
+async def _when(predicate, timeout_s: float, poll_s: float = 0.05) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await asyncio.to_thread(predicate):
+            return True
+        await asyncio.sleep(poll_s)
+    return False
+
+
+@dataclass
+class FailoverFigures:
+    victim: str
+    busy_on_victim: int  # requests running or waiting on it just before the kill
+    requests: int
+    failed: int
+    failed_after_kill_s: list[float]  # per failed request: when it ended, s after the kill
+    hung: int  # requests that ran into the client timeout
+    retries: float  # the router's retry counter over the phase
+    served_by_survivors: int
+    survivors_healthy: bool
+    errors: list[str] = field(default_factory=list)
+
+
+def measure_failover(cluster: Cluster, workload: Workload, deadline_s: float, after_requests: int = 3) -> FailoverFigures:
+    """SIGKILL the busiest replica once ``after_requests`` requests finished and it has streams in flight."""
+    cluster.start_router("cache_aware")
+    retries_before = router_retries(cluster.router_metrics)
+    results: list[Result] = []
+
+    async def go() -> tuple[Proc, int, float]:
+        t0 = time.perf_counter()
+        load = asyncio.create_task(run_conversations(cluster.router.url, workload, "failover", deadline_s, results))
+        await _when(lambda: sum(r.end_s > 0 for r in results) >= after_requests or load.done(), deadline_s)
+        victim, busy = None, 0
+        for _ in range(200):  # a replica with a stream in flight (10 s at most)
+            counts = [(replica_counts(r)["busy"], r) for r in cluster.replicas]
+            busy, victim = max(counts, key=lambda c: c[0])
+            if busy > 0 or load.done():
+                break
+            await asyncio.sleep(0.05)
+        victim.signal(signal.SIGKILL)
+        killed_at = time.perf_counter() - t0
+        await load
+        return victim, int(busy), killed_at
+
+    victim, busy, killed_at = asyncio.run(go())
+    victim.popen.wait(timeout=30)
+    survivors = [r for r in cluster.replicas if r is not victim]
+    retries = router_retries(cluster.router_metrics) - retries_before
+    served = sum(int(replica_counts(r)["finished"]) for r in survivors)
+    healthy = all(httpx.get(r.url + "/health", timeout=5).status_code == 200 for r in survivors)
+    failed = [r for r in results if not r.ok]
+    return FailoverFigures(victim.name, busy, len(results), len(failed), [r.end_s - killed_at for r in failed],
+                           sum(1 for r in failed if r.error and "Timeout" in r.error), retries, served, healthy,
+                           sorted({r.error or "" for r in failed}))
+
+
+@dataclass
+class DrainFigures:
+    target: str
+    inflight_at_sigterm: int
+    requests: int
+    failed: int
+    exit_after_s: float  # SIGTERM to the process's exit
+    exit_status: int | None
+    log_line: str  # kvserve's "drain done ..." line: finished, cut, refused
+    served_by_others_after: int
+    errors: list[str] = field(default_factory=list)
+
+
+_DRAIN_LINE = re.compile(r"drain done in .*")
+
+
+def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace_s: float) -> DrainFigures:
+    """SIGTERM a live replica while it has streams in flight; the load keeps coming through the router."""
+    cluster.start_router("cache_aware")
+    live = [r for r in cluster.replicas if r.popen.poll() is None]
+    results: list[Result] = []
+    state: dict = {}
+
+    async def go() -> None:
+        t0 = time.perf_counter()
+        load = asyncio.create_task(run_conversations(cluster.router.url, workload, "drain", deadline_s, results))
+        target = None
+        for _ in range(400):  # a replica with a stream in flight (20 s at most)
+            counts = [(replica_counts(r)["busy"], r) for r in live]
+            busy, target = max(counts, key=lambda c: c[0])
+            if busy > 0 and sum(r.end_s > 0 for r in results) >= 1 or load.done():
+                break
+            await asyncio.sleep(0.05)
+        others = [r for r in live if r is not target]
+        state["others_before"] = sum(replica_counts(r)["finished"] for r in others)
+        target.signal(signal.SIGTERM)
+        sent = time.perf_counter()
+        try:
+            health = (await asyncio.to_thread(httpx.get, target.url + "/health", timeout=5)).json()
+        except (httpx.HTTPError, ValueError):
+            health = {}
+        state["inflight"] = int(health.get("inflight", 0))
+        exited = await _when(lambda: target.popen.poll() is not None, grace_s + 15)
+        state["exit_after_s"] = time.perf_counter() - sent if exited else float("inf")
+        await load
+        state.update(target=target, others=others, t0=t0)
+
+    asyncio.run(go())
+    target, others = state["target"], state["others"]
+    served_after = int(sum(replica_counts(r)["finished"] for r in others) - state["others_before"])
+    lines = _DRAIN_LINE.findall(target.log.read_text(errors="replace"))
+    failed = [r for r in results if not r.ok]
+    return DrainFigures(target.name, state["inflight"], len(results), len(failed), state["exit_after_s"],
+                        target.popen.poll(), lines[-1] if lines else "(no drain line in the log)", served_after,
+                        sorted({r.error or "" for r in failed}))
+
+
+# ---- the command -------------------------------------------------------------------------------------
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    d = Workload()
+    parser.add_argument("--replicas", type=int, default=3)
+    parser.add_argument("--conversations", type=int, default=d.conversations)
+    parser.add_argument("--turns", type=int, default=d.turns)
+    parser.add_argument("--concurrency", type=int, default=d.concurrency, help="conversations at a time")
+    parser.add_argument("--max-tokens", type=int, default=d.max_tokens, help="per reply")
+    parser.add_argument("--opening-words", type=int, default=d.opening_words)
+    parser.add_argument("--kv-cache-memory", default="128MiB", help="each replica's KV pool")
+    parser.add_argument("--drain-seconds", type=float, default=30.0, help="the replicas' --drain-seconds")
+    parser.add_argument("--phase-seconds", type=float, default=300.0, help="no new turn starts after this")
+    parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--no-failover", action="store_true", help="skip the kill and the SIGTERM phases")
+
+
+def serve_flags(kv_cache_memory: str, drain_s: float) -> list[str]:
+    """A small replica: SmolLM2 float32 on CPU, a small pool, a short context."""
+    return ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", kv_cache_memory,
+            "--max-num-seqs", "8", "--max-model-len", "2048", "--drain-seconds", str(drain_s),
+            "--sse-ping-seconds", "0", "--log-level", "info"]
+
+
+def run(args: argparse.Namespace) -> int:
+    from loadtest.errors import UsageError
+
+    if args.replicas < 2 or (not args.no_failover and args.replicas < 3):
+        raise UsageError("--replicas must be >= 2, and >= 3 with the failover phases (one is killed, one drained)")
+    router_binary()
+    workload = Workload(args.conversations, args.turns, args.concurrency, args.max_tokens, args.opening_words)
+    started = time.perf_counter()
+    print(f"starting {args.replicas} replicas (SmolLM2 float32, {args.kv_cache_memory} KV each) ...", flush=True)
+    cluster = start_cluster(args.replicas, serve_flags(args.kv_cache_memory, args.drain_seconds))
+    try:
+        print(f"ready in {time.perf_counter() - started:.0f} s; workload: {workload.conversations} conversations x "
+              f"{workload.turns} turns, {workload.concurrency} at a time, {workload.max_tokens} tokens per reply",
+              flush=True)
+        print("\n| policy | requests | failed | prefix-cache hit rate | mean TTFT (ms) | requests per replica |")
+        print("|---|---:|---:|---:|---:|---|")
+        for policy in args.policies:
+            f = measure_policy(cluster, policy, workload, args.phase_seconds)
+            print(f"| {f.policy} | {f.requests} | {f.failed} | {f.hit_rate:.1%} | {f.mean_ttft_s * 1000:.0f} | "
+                  f"{' / '.join(map(str, f.per_replica))} |", flush=True)
+        if not args.no_failover:
+            k = measure_failover(cluster, workload, args.phase_seconds)
+            print(f"\nkill -9 {k.victim} with {k.busy_on_victim} request(s) on it: {k.requests} requests, "
+                  f"{k.failed} failed (ended {', '.join(f'{s:+.2f}' for s in k.failed_after_kill_s) or '-'} s "
+                  f"from the kill; {k.hung} hung), router retries {k.retries:.0f}, survivors served "
+                  f"{k.served_by_survivors} in total, survivors' /health "
+                  f"{'200' if k.survivors_healthy else 'NOT OK'}")
+            for error in k.errors:
+                print(f"  failed with: {error}")
+            d = measure_drain(cluster, workload, args.phase_seconds, args.drain_seconds)
+            print(f"SIGTERM {d.target} with {d.inflight_at_sigterm} stream(s) in flight: {d.requests} requests, "
+                  f"{d.failed} failed; it exited {d.exit_after_s:.2f} s later (status {d.exit_status}); "
+                  f"others served {d.served_by_others_after} after the SIGTERM\n  {d.target}: {d.log_line}")
+            for error in d.errors:
+                print(f"  failed with: {error}")
+    finally:
+        cluster.close()
+    print(f"\ntotal {time.perf_counter() - started:.0f} s; logs in {cluster.log_dir}")
+    return 0
