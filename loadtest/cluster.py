@@ -49,20 +49,27 @@ _WORDS = ("river stone lantern orchard signal harbor meadow copper window ladder
 
 @dataclass
 class Proc:
-    """A started process (its own session, so its whole group can be signalled) and where it listens."""
+    """A started process (its own session, so its whole group can be signalled) and where it listens.
+
+    ``popen`` None: a server someone else runs (tests put stand-ins behind the router); never signalled.
+    """
 
     name: str
     url: str
-    popen: subprocess.Popen
+    popen: subprocess.Popen | None
     log: Path
 
+    @property
+    def alive(self) -> bool:
+        return self.popen is None or self.popen.poll() is None
+
     def signal(self, sig: int) -> None:
-        if self.popen.poll() is None:
+        if self.popen is not None and self.popen.poll() is None:
             os.killpg(self.popen.pid, sig)
 
     def stop(self, timeout_s: float = 15.0) -> None:
         """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone."""
-        if self.popen.poll() is None:
+        if self.popen is not None and self.popen.poll() is None:
             self.signal(signal.SIGTERM)
             try:
                 self.popen.wait(timeout=timeout_s)
@@ -141,20 +148,23 @@ class Cluster:
     def start_router(self, policy: str, timeout_s: float = 60.0) -> Proc:
         self.stop_router()
         port, metrics_port = free_port(), free_port()
-        live = [r.url for r in self.replicas if r.popen.poll() is None]
+        live = [r.url for r in self.replicas if r.alive]
         self.router = _spawn(f"router-{policy}", router_command(port, metrics_port, live, policy), port, self.log_dir)
         self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
-        _wait_ready(self.router, "/health", timeout_s)
-        # the router answers /health before its first worker check; wait until it routes
+        # /readiness counts the workers the router has found healthy; wait for all of them
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self.router.popen.poll() is not None:
+                raise ServerStartError(f"router exited with {self.router.popen.returncode}; log {self.router.log}:\n"
+                                       f"{_tail(self.router.log)}")
             try:
-                if httpx.get(self.router.url + "/v1/models", timeout=5).status_code == 200:
+                if httpx.get(self.router.url + "/readiness", timeout=5).json().get("healthy_workers") == len(live):
                     return self.router
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.3)
-        raise ServerStartError(f"router sees no worker after {timeout_s:.0f} s; log {self.router.log}")
+        raise ServerStartError(f"router did not see all {len(live)} workers healthy after {timeout_s:.0f} s; log "
+                               f"{self.router.log}:\n{_tail(self.router.log)}")
 
     def stop_router(self) -> None:
         if self.router is not None:
@@ -434,7 +444,7 @@ _DRAIN_LINE = re.compile(r"drain done in .*")
 def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace_s: float) -> DrainFigures:
     """SIGTERM a live replica while it has streams in flight; the load keeps coming through the router."""
     cluster.start_router("cache_aware")
-    live = [r for r in cluster.replicas if r.popen.poll() is None]
+    live = [r for r in cluster.replicas if r.alive]
     results: list[Result] = []
     state: dict = {}
 

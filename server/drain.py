@@ -5,7 +5,7 @@ scale-in, a node drain. Stopping at once cuts every open stream. Instead, on the
 
 1. ``/health`` answers 503 ``{"status": "draining"}``, so health-checking routers and readiness probes take
    the replica out of rotation;
-2. new generation requests (``POST /v1/...``) get 503 with ``Retry-After``: vllm-router retries 503 on another
+2. new generation requests (``POST /v1/chat/completions``, ``/v1/completions``) get 503 with ``Retry-After``: vllm-router retries 503 on another
    worker (as it does 429), so the client never sees them;
 3. requests already admitted (streams included) run to completion, for at most ``grace_s`` seconds;
 4. then uvicorn shuts down as usual (a second SIGTERM, or SIGINT, skips the wait).
@@ -55,8 +55,13 @@ class Drain:
                         code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
 def _is_generation(scope) -> bool:
-    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"].startswith("/v1/")
+    # only generation: vllm-router's cache_aware policy tokenizes every request on every worker first
+    # (/v1/chat/completions/render, then /tokenize), and those stay cheap and answered while draining
+    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/") in _GENERATION_PATHS
 
 
 class DrainGate:
