@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import random
@@ -40,7 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.report import OUT_DIR
 from loadtest.serverproc import REPO, ServerStartError, _tail, free_port, kvserve_command
 
-POLICIES = ("cache_aware", "round_robin")
+POLICIES = ("round_robin", "cache_aware")  # cache_aware last: the kill and drain phases reuse its router
 _WORDS = ("river stone lantern orchard signal harbor meadow copper window ladder engine garden violet "
           "compass winter ember canyon thread marble falcon pepper saddle quartz tundra velvet".split())
 
@@ -143,10 +144,18 @@ class Cluster:
     replicas: list[Proc]
     log_dir: Path
     router: Proc | None = None
+    router_policy: str = ""
     router_metrics: str = ""
 
     def start_router(self, policy: str, timeout_s: float = 60.0) -> Proc:
+        """A router with ``policy`` over the live replicas, once it has found all of them healthy.
+
+        The running one is kept when it has the same policy (a start costs several seconds), else replaced.
+        """
+        if self.router is not None and self.router.alive and self.router_policy == policy:
+            return self.router
         self.stop_router()
+        self.router_policy = policy
         port, metrics_port = free_port(), free_port()
         live = [r.url for r in self.replicas if r.alive]
         self.router = _spawn(f"router-{policy}", router_command(port, metrics_port, live, policy), port, self.log_dir)
@@ -354,6 +363,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def warm_up(cluster: Cluster) -> None:
+    """One short request straight to each replica, so no policy's first requests pay first-call costs."""
+    for replica in cluster.replicas:
+        httpx.post(replica.url + "/v1/chat/completions", timeout=120,
+                   json={"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2}).raise_for_status()
+
+
 def measure_policy(cluster: Cluster, policy: str, workload: Workload, deadline_s: float) -> PolicyFigures:
     """A fresh router with ``policy`` over all replicas, fresh conversations; deltas of the replicas' counters."""
     cluster.start_router(policy)
@@ -386,7 +402,7 @@ class FailoverFigures:
     failed_after_kill_s: list[float]  # per failed request: when it ended, s after the kill
     hung: int  # requests that ran into the client timeout
     retries: float  # the router's retry counter over the phase
-    served_by_survivors: int
+    served_by_survivors: int  # requests the survivors finished during the phase
     survivors_healthy: bool
     errors: list[str] = field(default_factory=list)
 
@@ -395,6 +411,7 @@ def measure_failover(cluster: Cluster, workload: Workload, deadline_s: float, af
     """SIGKILL the busiest replica once ``after_requests`` requests finished and it has streams in flight."""
     cluster.start_router("cache_aware")
     retries_before = router_retries(cluster.router_metrics)
+    finished_before = {r.name: replica_counts(r)["finished"] for r in cluster.replicas}
     results: list[Result] = []
 
     async def go() -> tuple[Proc, int, float]:
@@ -403,7 +420,7 @@ def measure_failover(cluster: Cluster, workload: Workload, deadline_s: float, af
         await _when(lambda: sum(r.end_s > 0 for r in results) >= after_requests or load.done(), deadline_s)
         victim, busy = None, 0
         for _ in range(200):  # a replica with a stream in flight (10 s at most)
-            counts = [(replica_counts(r)["busy"], r) for r in cluster.replicas]
+            counts = [((await asyncio.to_thread(replica_counts, r))["busy"], r) for r in cluster.replicas]
             busy, victim = max(counts, key=lambda c: c[0])
             if busy > 0 or load.done():
                 break
@@ -417,7 +434,7 @@ def measure_failover(cluster: Cluster, workload: Workload, deadline_s: float, af
     victim.popen.wait(timeout=30)
     survivors = [r for r in cluster.replicas if r is not victim]
     retries = router_retries(cluster.router_metrics) - retries_before
-    served = sum(int(replica_counts(r)["finished"]) for r in survivors)
+    served = int(sum(replica_counts(r)["finished"] - finished_before[r.name] for r in survivors))
     healthy = all(httpx.get(r.url + "/health", timeout=5).status_code == 200 for r in survivors)
     failed = [r for r in results if not r.ok]
     return FailoverFigures(victim.name, busy, len(results), len(failed), [r.end_s - killed_at for r in failed],
@@ -428,7 +445,7 @@ def measure_failover(cluster: Cluster, workload: Workload, deadline_s: float, af
 @dataclass
 class DrainFigures:
     target: str
-    inflight_at_sigterm: int
+    inflight_at_sigterm: int  # from the replica's own drain line (-1 if it wrote none)
     requests: int
     failed: int
     exit_after_s: float  # SIGTERM to the process's exit
@@ -439,6 +456,7 @@ class DrainFigures:
 
 
 _DRAIN_LINE = re.compile(r"drain done in .*")
+_DRAIN_COUNTS = re.compile(r"(\d+) of (\d+) in-flight")
 
 
 def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace_s: float) -> DrainFigures:
@@ -453,7 +471,7 @@ def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace
         load = asyncio.create_task(run_conversations(cluster.router.url, workload, "drain", deadline_s, results))
         target = None
         for _ in range(400):  # a replica with a stream in flight (20 s at most)
-            counts = [(replica_counts(r)["busy"], r) for r in live]
+            counts = [((await asyncio.to_thread(replica_counts, r))["busy"], r) for r in live]
             busy, target = max(counts, key=lambda c: c[0])
             if busy > 0 and sum(r.end_s > 0 for r in results) >= 1 or load.done():
                 break
@@ -462,11 +480,6 @@ def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace
         state["others_before"] = sum(replica_counts(r)["finished"] for r in others)
         target.signal(signal.SIGTERM)
         sent = time.perf_counter()
-        try:
-            health = (await asyncio.to_thread(httpx.get, target.url + "/health", timeout=5)).json()
-        except (httpx.HTTPError, ValueError):
-            health = {}
-        state["inflight"] = int(health.get("inflight", 0))
         exited = await _when(lambda: target.popen.poll() is not None, grace_s + 15)
         state["exit_after_s"] = time.perf_counter() - sent if exited else float("inf")
         await load
@@ -476,8 +489,10 @@ def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace
     target, others = state["target"], state["others"]
     served_after = int(sum(replica_counts(r)["finished"] for r in others) - state["others_before"])
     lines = _DRAIN_LINE.findall(target.log.read_text(errors="replace"))
+    counts = _DRAIN_COUNTS.search(lines[-1]) if lines else None
     failed = [r for r in results if not r.ok]
-    return DrainFigures(target.name, state["inflight"], len(results), len(failed), state["exit_after_s"],
+    return DrainFigures(target.name, int(counts.group(2)) if counts else -1, len(results), len(failed),
+                        state["exit_after_s"],
                         target.popen.poll(), lines[-1] if lines else "(no drain line in the log)", served_after,
                         sorted({r.error or "" for r in failed}))
 
@@ -520,6 +535,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ready in {time.perf_counter() - started:.0f} s; workload: {workload.conversations} conversations x "
               f"{workload.turns} turns, {workload.concurrency} at a time, {workload.max_tokens} tokens per reply",
               flush=True)
+        warm_up(cluster)
         print("\n| policy | requests | failed | prefix-cache hit rate | mean TTFT (ms) | requests per replica |")
         print("|---|---:|---:|---:|---:|---|")
         for policy in args.policies:
@@ -535,7 +551,9 @@ def run(args: argparse.Namespace) -> int:
                   f"{'200' if k.survivors_healthy else 'NOT OK'}")
             for error in k.errors:
                 print(f"  failed with: {error}")
-            d = measure_drain(cluster, workload, args.phase_seconds, args.drain_seconds)
+            # longer replies here, so the replica is SIGTERMed in the middle of its streams
+            d = measure_drain(cluster, dataclasses.replace(workload, max_tokens=max(workload.max_tokens, 32)),
+                              args.phase_seconds, args.drain_seconds)
             print(f"SIGTERM {d.target} with {d.inflight_at_sigterm} stream(s) in flight: {d.requests} requests, "
                   f"{d.failed} failed; it exited {d.exit_after_s:.2f} s later (status {d.exit_status}); "
                   f"others served {d.served_by_others_after} after the SIGTERM\n  {d.target}: {d.log_line}")

@@ -149,15 +149,17 @@ def cluster(tmp_path_factory):
         started.close()
 
 
-WORKLOAD = dict(conversations=6, turns=3, concurrency=2, max_tokens=4, opening_words=100)
+# small enough for 2 cores (each request prefills ~100-200 tokens on one thread), large enough that round robin
+# moves most conversations between replicas
+WORKLOAD = dict(conversations=6, turns=3, concurrency=3, max_tokens=4, opening_words=80)
 
 
 def test_cache_aware_routing_doubles_the_prefix_hit_rate_of_round_robin(cluster):
     from loadtest.cluster import Workload, measure_policy
 
     workload = Workload(**WORKLOAD)
-    cache_aware = measure_policy(cluster, "cache_aware", workload, deadline_s=90)
     round_robin = measure_policy(cluster, "round_robin", workload, deadline_s=90)
+    cache_aware = measure_policy(cluster, "cache_aware", workload, deadline_s=90)  # the next test reuses its router
     for figures in (cache_aware, round_robin):
         assert (figures.requests, figures.failed) == (18, 0), figures
         assert sum(figures.per_replica) == 18, figures  # the replicas' own counts: every request reached one
@@ -169,15 +171,15 @@ def test_cache_aware_routing_doubles_the_prefix_hit_rate_of_round_robin(cluster)
 def test_killed_replica_costs_only_its_own_requests_and_drained_replica_finishes_its_streams(cluster):
     from loadtest.cluster import Workload, measure_drain, measure_failover
 
-    workload = Workload(**{**WORKLOAD, "conversations": 6, "turns": 4, "max_tokens": 16})
-    kill = measure_failover(cluster, workload, deadline_s=90, after_requests=2)
+    workload = Workload(**{**WORKLOAD, "conversations": 4, "max_tokens": 12})
+    kill = measure_failover(cluster, workload, deadline_s=90, after_requests=1)
     assert kill.busy_on_victim >= 1, kill  # it was killed with work on it
     assert kill.failed <= kill.busy_on_victim, kill  # nothing that had not reached it failed
     assert kill.hung == 0 and all(s < 10 for s in kill.failed_after_kill_s), kill  # an error, promptly
     assert kill.survivors_healthy and kill.served_by_survivors > 0, kill
 
-    drain = measure_drain(cluster, Workload(**{**WORKLOAD, "turns": 4, "max_tokens": 24}), deadline_s=90,
-                          grace_s=30)
+    drain = measure_drain(cluster, Workload(**{**WORKLOAD, "conversations": 4, "turns": 2, "max_tokens": 32}),
+                          deadline_s=90, grace_s=30)
     assert drain.inflight_at_sigterm >= 1, drain
     assert drain.failed == 0, drain  # its streams completed, and the requests refused meanwhile went elsewhere
     assert drain.exit_after_s < 30 and drain.exit_status in (0, -signal.SIGTERM), drain
