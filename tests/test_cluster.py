@@ -104,7 +104,7 @@ def test_router_retries_a_full_queues_429_and_a_draining_replicas_503_on_another
     Retry-After) make vllm-router try another worker: the client sees only 200s."""
     from fastapi.responses import JSONResponse
 
-    from loadtest.cluster import Cluster, Proc, router_binary
+    from loadtest.clusterproc import Cluster, Proc, router_binary
     from server.errors import ApiError
 
     try:
@@ -135,7 +135,7 @@ def test_router_retries_a_full_queues_429_and_a_draining_replicas_503_on_another
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from loadtest.cluster import router_binary, serve_flags, start_cluster
+    from loadtest.clusterproc import router_binary, serve_flags, start_cluster
 
     try:
         router_binary()
