@@ -49,15 +49,18 @@ class Workload:
     """Multi-turn chat: ``conversations`` of ``turns`` each, ``concurrency`` conversations at a time.
 
     The opening message is ``opening_words`` words unique to the conversation (so no two share a cached
-    prefix); each later turn appends the reply and a ``followup_words``-word question.
+    prefix); each later turn appends the reply and a ``followup_words``-word question, after a think time.
     """
 
     conversations: int = 12
     turns: int = 4
-    concurrency: int = 3
+    # not a multiple of the replica count: conversations moving in lockstep would meet round robin's cycle
+    # and keep their replica by accident
+    concurrency: int = 4
     max_tokens: int = 12
     opening_words: int = 160
     followup_words: int = 20
+    think_s: float = 0.5  # a user reads the reply: a random pause of up to this before the next turn (s)
     timeout_s: float = 120.0  # one request, start to [DONE]
 
 
@@ -144,6 +147,7 @@ async def run_conversations(base_url: str, workload: Workload, tag: str, deadlin
                     return
                 messages += [{"role": "assistant", "content": result.text},
                              {"role": "user", "content": f"And then? {_words(rng, workload.followup_words)}"}]
+                await asyncio.sleep(rng.uniform(0, workload.think_s))
 
     async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_connections=64)) as client:
         await asyncio.gather(*(conversation(i, client) for i in range(workload.conversations)))
@@ -340,7 +344,8 @@ def run(args: argparse.Namespace) -> int:
              f", one OpenMP thread each) behind vllm-router, all on this machine's cores. Workload: "
              f"{workload.conversations} conversations x {workload.turns} turns, {workload.concurrency} conversations "
              f"at a time, {workload.max_tokens} tokens per reply; each opening is {workload.opening_words} words "
-             f"unique to its conversation, each later turn resends the history plus {workload.followup_words} words. "
+             f"unique to its conversation, each later turn resends the history plus {workload.followup_words} words "
+             f"after a random pause of up to {workload.think_s} s. "
              f"Fresh conversations per phase; hit rate = prompt tokens found in the prefix caches / looked up, "
              f"summed over the replicas; TTFT as the client sees it through the router.")
         emit()

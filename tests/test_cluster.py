@@ -151,7 +151,7 @@ def cluster(tmp_path_factory):
 
 # small enough for 2 cores (each request prefills ~100-200 tokens on one thread), large enough that round robin
 # moves most conversations between replicas
-WORKLOAD = dict(conversations=6, turns=3, concurrency=3, max_tokens=4, opening_words=80)
+WORKLOAD = dict(conversations=6, turns=3, concurrency=2, max_tokens=4, opening_words=80, think_s=0.2)
 
 
 def test_cache_aware_routing_doubles_the_prefix_hit_rate_of_round_robin(cluster):
