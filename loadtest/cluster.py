@@ -48,8 +48,8 @@ _WORDS = ("river stone lantern orchard signal harbor meadow copper window ladder
 class Workload:
     """Multi-turn chat: ``conversations`` of ``turns`` each, ``concurrency`` conversations at a time.
 
-    The opening message is ``opening_words`` words unique to the conversation (so no two share a cached
-    prefix); each later turn appends the reply and a ``followup_words``-word question, after a think time.
+    The opening (system) message is ``opening_words`` words unique to the conversation (so no two share a
+    cached block); each later turn appends the reply and a ``followup_words``-word question, after a think time.
     """
 
     conversations: int = 12
@@ -134,8 +134,11 @@ async def run_conversations(base_url: str, workload: Workload, tag: str, deadlin
 
     async def conversation(i: int, client: httpx.AsyncClient) -> None:
         rng = random.Random(f"{tag}-{i}")
-        messages = [{"role": "user", "content": f"Conversation {tag}-{i}. Remember these words: "
-                                                f"{_words(rng, workload.opening_words)}. Which word comes first?"}]
+        # The opening is the system message: without one, SmolLM2's template inserts its default system prompt,
+        # a block every conversation shares, which every policy hits on every replica
+        messages = [{"role": "system", "content": f"Conversation {tag}-{i}. Answer questions about these words: "
+                                                  f"{_words(rng, workload.opening_words)}."},
+                    {"role": "user", "content": "Which word comes first?"}]
         async with gate:
             for turn in range(workload.turns):
                 if time.perf_counter() - t0 > deadline_s:
