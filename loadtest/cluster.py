@@ -383,7 +383,11 @@ def run(args: argparse.Namespace) -> int:
         cluster.close()
     print(f"\ntotal {time.perf_counter() - started:.0f} s; logs in {cluster.log_dir}")
     if not args.no_write:
-        update_section("cluster", "Replicas behind vllm-router: cache-aware vs round-robin, kill, drain",
-                       " ".join(["python -m loadtest cluster", *sys.argv[2:]]), "\n".join(report))
-        print("BENCHMARKS.md updated (section cluster)")
+        # one section per set of flags, so a run with other flags (e.g. --turns 3) does not replace the default's
+        flags = [a for a in sys.argv[2:] if a != "--no-write"]
+        name = "-".join(["cluster", *(re.sub(r"[^a-z0-9]+", "", a.lower()) for a in flags)])
+        title = "Replicas behind vllm-router: cache-aware vs round-robin" + ("" if args.no_failover else ", kill, drain")
+        update_section(name, title + (f" ({' '.join(flags)})" if flags else ""),
+                       " ".join(["python -m loadtest cluster", *flags]), "\n".join(report))
+        print(f"BENCHMARKS.md updated (section {name})")
     return 0
