@@ -16,6 +16,7 @@ VALUE_FLAGS=(
   max-num-batched-tokens max-queue max-model-len max-request-bytes scheduler api-key served-model-name
   sse-ping-seconds
   step-log
+  drain-seconds
   log-level
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.

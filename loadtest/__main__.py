@@ -21,6 +21,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("loadtest.profile_step", "where a decode step's time goes on our engine"),
     "overhead": ("loadtest.overhead", "where a served token's time and CPU go beyond the model step"),
     "quant": ("loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
+    "cluster": ("loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
 }
 
 

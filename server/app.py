@@ -22,6 +22,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service import QueueFull
 from server.bodylimit import BodyLimit
+from server.drain import Drain, DrainGate
 from server.errors import ApiError
 from server.generation import Generation, chat_prompt_ids, prepare, text_prompt_ids
 from server.openai_format import Formatter
@@ -54,8 +55,13 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 
-def create_app(state: ServerState) -> FastAPI:
-    """Build the app around a ServerState; the scheduler loop runs for the app's lifetime."""
+def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
+    """Build the app around a ServerState; the scheduler loop runs for the app's lifetime.
+
+    ``drain`` (default: a new one) is shared with the server that runs the app: its SIGTERM handler sets
+    it draining, which /health and the generation routes then answer with 503 (server/drain.py).
+    """
+    drain = drain or Drain()
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -75,7 +81,9 @@ def create_app(state: ServerState) -> FastAPI:
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
+    app.state.drain = drain
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
+    app.add_middleware(DrainGate, drain=drain)
     v1 = [Depends(require_key)]
 
     @app.exception_handler(ApiError)
@@ -105,9 +113,20 @@ def create_app(state: ServerState) -> FastAPI:
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
+        """Readiness: 200 only while this replica takes new requests (routers and readiness probes ask)."""
         if not state.service.healthy:
             return JSONResponse({"status": "unhealthy", "error": repr(state.service.dead)}, status_code=503)
+        if drain.draining:
+            return JSONResponse({"status": "draining", "inflight": drain.inflight}, status_code=503,
+                                headers=drain.refusal().headers)
         return {"status": "ok"}
+
+    @app.api_route("/live", methods=["GET", "HEAD"])
+    async def live():
+        """Liveness: 200 while the engine loop runs, draining or not (a draining pod must not be restarted)."""
+        if not state.service.healthy:
+            return JSONResponse({"status": "unhealthy", "error": repr(state.service.dead)}, status_code=503)
+        return {"status": "draining" if drain.draining else "ok"}
 
     @app.get("/metrics")
     async def metrics():

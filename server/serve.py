@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-log", default=None, metavar="PATH",
                         help="append one JSON line per engine step (its mix of prefills and decodes, tokens, "
                              "longest context, seconds) to PATH; the simulator fits its step cost to these")
+    parser.add_argument("--drain-seconds", type=float, default=d.drain_s,
+                        help="on SIGTERM, refuse new requests (503) and let in-flight ones finish for at most "
+                             "this long before exiting (0: stop at once)")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
 
 
@@ -55,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
                        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
-                       step_log=args.step_log)
+                       step_log=args.step_log, drain_s=args.drain_seconds)
 
 
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):
@@ -89,6 +92,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import create_app
+    from server.drain import Drain, DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -109,8 +113,13 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot start: %s", exc)
         engine_thread.shutdown()
         return 2
-    app = create_app(state)
+    drain = Drain(config.drain_s)
+    app = create_app(state, drain)
     impls = uvicorn_impls()
     log.info("uvicorn: %s event loop, %s HTTP parser", impls["loop"], impls["http"])
-    uvicorn.run(app, host=config.host, port=config.port, log_level=args.log_level, **impls)
-    return 0
+    # uvicorn.run, with the server class swapped for one that drains on SIGTERM (server/drain.py); once the
+    # drain is over, connections left get a few seconds more before uvicorn closes them
+    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
+                                           timeout_graceful_shutdown=5, **impls), drain)
+    server.run()
+    return 0 if server.started else 3  # uvicorn.run's status when it could not start (port in use)

@@ -366,7 +366,8 @@ def test_docker_context_holds_every_package():
     ["check", "config", "deploy/prometheus.yml"],
     ["check", "rules", "deploy/rules/kvserve.rules.yml"],
     ["test", "rules", "deploy/rules/tests/kvserve_test.yml"],
-], ids=["check-config", "check-rules", "test-rules"])
+    ["check", "config", "deploy/prometheus-cluster.yml"],
+], ids=["check-config", "check-rules", "test-rules", "check-cluster-config"])
 def test_promtool(command):
     promtool = tool("promtool")
     proc = subprocess.run([promtool, *command], cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -417,8 +418,13 @@ def test_k8s_objects_refer_to_each_other():
                                              "name": deployment["metadata"]["name"]}
     assert int(env["KVSERVE_PORT"]) == ports["http"] == int(pod["metadata"]["annotations"]["prometheus.io/port"])
     assert pod["spec"]["enableServiceLinks"] is False  # else KVSERVE_PORT=tcp://... from the Service
-    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert container[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    # liveness must not fail while a replica drains (/health is 503 then): /live only fails for a dead engine
+    assert container["livenessProbe"]["httpGet"] == {"path": "/live", "port": "http"}
+    drain_s = float(env["KVSERVE_DRAIN_SECONDS"])
+    pre_stop_s = float(container["lifecycle"]["preStop"]["exec"]["command"][-1])
+    assert pre_stop_s + drain_s < pod["spec"]["terminationGracePeriodSeconds"]  # SIGKILL never cuts a drain
     assert container["resources"]["requests"] == container["resources"]["limits"]
     assert pod["spec"]["securityContext"]["runAsUser"] == 10001  # the image's USER
 
@@ -522,3 +528,113 @@ def test_serve_runs_uvicorn_on_uvloop_and_httptools(monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("uvloop", "httptools")
                         else real(name, *a))
     assert uvicorn_impls() == {"loop": "asyncio", "http": "h11"}
+
+
+# ---- replicas behind vllm-router (compose.cluster.yaml, k8s/router-*) -----------------------------------
+
+ROUTER_DOCKERFILE = DEPLOY / "router" / "Dockerfile"
+
+
+def router_args(argv: list[str]):
+    """vllm-router's own parser and validation applied to ``argv`` (skips when vllm-router is absent)."""
+    pytest.importorskip("vllm_router", reason="pip install -e '.[cluster]'")
+    from vllm_router.launch_router import parse_router_args
+
+    parsed = parse_router_args(argv)
+    parsed._validate_router_args()
+    return parsed
+
+
+def _pinned_router_version() -> str:
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    (pin,) = [d for d in extras["cluster"] if d.startswith("vllm-router")]
+    assert pin in extras["test"]
+    return pin.split("==")[1]
+
+
+def test_router_image_passes_hadolint_and_pins_the_extras_version():
+    assert f"pip install vllm-router=={_pinned_router_version()}" in ROUTER_DOCKERFILE.read_text()
+    hadolint = tool("hadolint")
+    proc = subprocess.run([hadolint, "--no-color", str(ROUTER_DOCKERFILE)], capture_output=True, text=True,
+                          timeout=60)
+    assert (proc.returncode, proc.stdout) == (0, "")
+
+
+def test_compose_cluster_router_reaches_every_replica_and_prometheus_scrapes_them():
+    compose = load_yaml(DEPLOY / "compose.cluster.yaml")
+    services = compose["services"]
+    replicas = sorted(name for name in services if name.startswith("kvserve-"))
+    assert len(replicas) >= 2
+    for name, service in services.items():
+        assert all(port.startswith("127.0.0.1:") for port in service.get("ports", [])), name
+        for volume in service.get("volumes", []):
+            if volume.startswith("."):
+                assert (DEPLOY / volume.split(":")[0]).exists(), volume
+    # every replica is the same service (the YAML anchor), draining within Docker's stop grace period
+    assert all(services[name] == services[replicas[0]] for name in replicas)
+    drain_s = float(re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", services[replicas[0]]["environment"]["KVSERVE_DRAIN_SECONDS"]))
+    assert drain_s < float(services[replicas[0]]["stop_grace_period"].rstrip("s"))
+    router = services["router"]
+    assert (DEPLOY / router["build"]["context"] / "Dockerfile").exists()
+    args = router_args(router["command"])
+    assert args.policy == "cache_aware" and args.health_check_endpoint == "/health"
+    assert sorted(args.worker_urls) == [f"http://{name}:8000" for name in replicas]
+    assert router["ports"] == [f"127.0.0.1:8000:{args.port}"]
+    jobs = {job["job_name"]: job for job in load_yaml(DEPLOY / "prometheus-cluster.yml")["scrape_configs"]}
+    assert jobs["kvserve"]["static_configs"][0]["targets"] == [f"{name}:8000" for name in replicas]
+    assert jobs["vllm-router"]["static_configs"][0]["targets"] == [f"router:{args.prometheus_port}"]
+    assert args.prometheus_host == "0.0.0.0"  # else Prometheus in another container cannot scrape it
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in services["prometheus"]["volumes"]}
+    assert mounts["/etc/prometheus/prometheus.yml"] == "./prometheus-cluster.yml"
+
+
+def test_compose_cluster_environment_starts_the_real_parser(tmp_path):
+    service = load_yaml(DEPLOY / "compose.cluster.yaml")["services"]["kvserve-0"]
+    env = {k: re.sub(r"\$\{\w+:-([^}]*)\}", r"\1", str(v)) for k, v in service["environment"].items()}
+    rc, argv, err = run_entrypoint(tmp_path, env)
+    assert (rc, err) == (0, "")
+    parsed = serve_parser().parse_args(argv[1:])
+    assert parsed.drain_seconds == 30 and parsed.max_queue == 64
+
+
+def test_k8s_router_discovers_the_kvserve_pods_with_the_rbac_it_needs():
+    kvserve_pod = manifest("deployment.yaml")["spec"]["template"]
+    (kvserve,) = kvserve_pod["spec"]["containers"]
+    router = manifest("router-deployment.yaml")
+    pod = router["spec"]["template"]
+    (container,) = pod["spec"]["containers"]
+    namespace_env = {e["name"]: e["valueFrom"]["fieldRef"]["fieldPath"] for e in container["env"]}
+    argv = [a.replace("$(POD_NAMESPACE)", "default") for a in container["args"]]
+    assert "$(POD_NAMESPACE)" in " ".join(container["args"]) and namespace_env["POD_NAMESPACE"] == "metadata.namespace"
+    args = router_args(argv)
+    assert args.service_discovery and args.policy == "cache_aware"
+    assert args.selector.items() <= kvserve_pod["metadata"]["labels"].items() and args.selector
+    # the router's selector must not also match the router's own pods
+    assert not args.selector.items() <= pod["metadata"]["labels"].items()
+    assert args.service_discovery_port == {p["name"]: p["containerPort"] for p in kvserve["ports"]}["http"]
+    assert args.health_check_endpoint == kvserve["readinessProbe"]["httpGet"]["path"] == "/health"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["http"] == args.port and ports["metrics"] == args.prometheus_port
+    assert int(pod["metadata"]["annotations"]["prometheus.io/port"]) == args.prometheus_port
+    assert router["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    service = manifest("router-service.yaml")
+    assert service["spec"]["selector"].items() <= pod["metadata"]["labels"].items()
+    assert service["spec"]["ports"][0]["targetPort"] in ports
+
+    account, role, binding = (manifest(f"router-{n}.yaml") for n in ("serviceaccount", "role", "rolebinding"))
+    assert pod["spec"]["serviceAccountName"] == account["metadata"]["name"]
+    assert pod["spec"]["automountServiceAccountToken"] is True
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": role["kind"],
+                                  "name": role["metadata"]["name"]}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": account["metadata"]["name"]}]
+    # a namespaced Role (the router watches its own namespace), reading pods and nothing more
+    assert role["kind"] == "Role" and args.service_discovery_namespace == "default"
+    (rule,) = role["rules"]
+    assert (rule["apiGroups"], rule["resources"], sorted(rule["verbs"])) == ([""], ["pods"], ["get", "list", "watch"])
+
+
+def test_k8s_prometheus_scrapes_the_router_pods():
+    jobs = {job["job_name"]: job for job in load_yaml(K8S / "monitoring" / "prometheus-k8s.yml")["scrape_configs"]}
+    keep = jobs["vllm-router"]["relabel_configs"][0]
+    labels = manifest("router-deployment.yaml")["spec"]["template"]["metadata"]["labels"]
+    assert keep["action"] == "keep" and keep["regex"] == labels["app.kubernetes.io/name"]

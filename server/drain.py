@@ -1,0 +1,131 @@
+"""Graceful drain on SIGTERM: stop admitting, let in-flight requests finish within a grace period, then exit.
+
+A replica behind a router (vllm-router, a Kubernetes Service) is told to stop with SIGTERM: a rollout, a
+scale-in, a node drain. Stopping at once cuts every open stream. Instead, on the first SIGTERM:
+
+1. ``/health`` answers 503 ``{"status": "draining"}``, so health-checking routers and readiness probes take
+   the replica out of rotation;
+2. new generation requests (``POST /v1/chat/completions``, ``/v1/completions``) get 503 with ``Retry-After``: vllm-router retries 503 on another
+   worker (as it does 429), so the client never sees them;
+3. requests already admitted (streams included) run to completion, for at most ``grace_s`` seconds;
+4. then uvicorn shuts down as usual (a second SIGTERM, or SIGINT, skips the wait).
+
+Kubernetes gives a pod ``terminationGracePeriodSeconds`` between SIGTERM and SIGKILL; ``grace_s`` must be
+shorter than that (deploy/k8s/deployment.yaml: 30 s within 60 s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from types import FrameType
+
+import uvicorn
+
+from server.errors import ApiError
+
+log = logging.getLogger("kvserve.drain")
+
+_POLL_S = 0.05  # how often the drain looks at the in-flight count
+# What a refused client (or router) is told to wait before retrying here: the replica is going away, so it
+# should go elsewhere now; 1 s is the smallest whole value Retry-After can say.
+RETRY_AFTER_S = 1
+
+
+class Drain:
+    """One server's drain state, shared by the app (health, admission) and the uvicorn server (SIGTERM).
+
+    Args:
+        grace_s: longest wait (s) for in-flight requests after SIGTERM; 0 stops at once, as plain uvicorn.
+    """
+
+    def __init__(self, grace_s: float = 30.0) -> None:
+        if not grace_s >= 0:
+            raise ValueError(f"drain seconds must be >= 0, got {grace_s}")
+        self.grace_s = grace_s
+        self.draining = False
+        self.inflight = 0  # generation requests admitted and not yet answered in full (streams until their end)
+        self.refused = 0  # new generation requests answered 503 while draining
+
+    def refusal(self) -> ApiError:
+        """The 503 a draining replica answers to a new generation request."""
+        return ApiError(503, "this replica is draining (shutting down); retry on another replica",
+                        code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+
+
+def _is_generation(scope) -> bool:
+    # only generation: vllm-router's cache_aware policy tokenizes every request on every worker first
+    # (/v1/chat/completions/render, then /tokenize), and those stay cheap and answered while draining
+    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/") in _GENERATION_PATHS
+
+
+class DrainGate:
+    """ASGI middleware: counts in-flight generation requests, and refuses new ones with 503 while draining.
+
+    A request counts from its arrival until the app has sent its last body byte, so an SSE stream counts
+    until its ``[DONE]`` (or its client goes away).
+    """
+
+    def __init__(self, app, drain: Drain) -> None:
+        self.app = app
+        self.drain = drain
+
+    async def __call__(self, scope, receive, send) -> None:
+        if not _is_generation(scope):
+            await self.app(scope, receive, send)
+            return
+        if self.drain.draining:
+            self.drain.refused += 1
+            await self.drain.refusal().response()(scope, receive, send)
+            return
+        self.drain.inflight += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.drain.inflight -= 1
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain before the usual shutdown on the first SIGTERM.
+
+    uvicorn installs ``handle_exit`` as its SIGINT/SIGTERM handler; the first SIGTERM here only starts the
+    drain (on the event loop), which calls uvicorn's own ``handle_exit`` once nothing is in flight or
+    ``grace_s`` has passed. sse-starlette ends open streams from that call on, so it must come after them.
+    """
+
+    def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
+        super().__init__(config)
+        self.drain = drain
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def startup(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().startup(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        start = (sig == signal.SIGTERM and self.drain.grace_s > 0 and not self.drain.draining
+                 and not self.should_exit and self._loop is not None)
+        if not start:
+            super().handle_exit(sig, frame)
+            return
+        self.drain.draining = True
+        log.info("SIGTERM: draining %d in-flight request(s), at most %.0f s", self.drain.inflight, self.drain.grace_s)
+        # a signal handler must not touch the loop's state directly; this is the thread-safe way in
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._finish(sig)))
+
+    async def _finish(self, sig: int) -> None:
+        start = time.monotonic()
+        at_start = self.drain.inflight
+        while self.drain.inflight > 0 and time.monotonic() - start < self.drain.grace_s and not self.should_exit:
+            await asyncio.sleep(_POLL_S)
+        # one line with the outcome (python -m loadtest cluster reads it from the replica's log)
+        log.log(logging.WARNING if self.drain.inflight else logging.INFO,
+                "drain done in %.2f s: %d of %d in-flight request(s) finished, %d cut, %d new refused",
+                time.monotonic() - start, at_start - self.drain.inflight, at_start, self.drain.inflight,
+                self.drain.refused)
+        super().handle_exit(sig, None)
