@@ -43,6 +43,7 @@ class ServeConfig:
     served_model_name: str | None = None  # name in /v1/models; default from the model
     sse_ping_s: float = 15.0            # keep-alive comment interval on idle streams (s); 0 disables
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
+    vllm_metric_names: bool = False     # also expose every metric under vLLM's "vllm:" prefix (its dashboards)
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-log", default=None, metavar="PATH",
                         help="append one JSON line per engine step (its mix of prefills and decodes, tokens, "
                              "longest context, seconds) to PATH; the simulator fits its step cost to these")
+    parser.add_argument("--vllm-metric-names", action="store_true",
+                        help="on /metrics, repeat every kvserve: series under vLLM's vllm: prefix too, so vLLM's "
+                             "Grafana dashboard and autoscaling rules work unchanged")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
 
 
@@ -55,7 +58,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
                        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
-                       step_log=args.step_log)
+                       step_log=args.step_log, vllm_metric_names=args.vllm_metric_names)
 
 
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):
