@@ -272,6 +272,7 @@ def test_vllms_dashboard_queries_return_data(scraped):
     empty = []
     for expr in queries:
         result = prom.query(expr.replace("$model_name", MODEL_NAME).replace("$__rate_interval", "1m"))
+        print(f"{len(result)} series, first value {result[0]['value'][1] if result else None}: {expr}")
         if not result:
             empty.append(expr)
     assert not empty, f"{len(empty)} of vLLM's dashboard queries returned nothing: {empty}"

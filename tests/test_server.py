@@ -372,7 +372,7 @@ def test_step_log_and_step_counters(smollm2, tmp_path):
     assert steps[0]["prefill_tokens"] == len(smollm2.tokenizer(prompt)["input_ids"])
     assert [s["max_context"] for s in steps[1:]] == [steps[0]["prefill_tokens"] + i for i in range(1, 5)]
     assert all(s["seconds"] > 0 for s in steps)
-    counters = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
+    counters = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith(("kvserve:engine_steps_total", "kvserve:engine_step_seconds_total"))}
     assert counters["kvserve:engine_steps_total"] == 5
     assert counters["kvserve:engine_step_seconds_total"] == pytest.approx(sum(s["seconds"] for s in steps), rel=1e-3)

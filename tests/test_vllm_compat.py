@@ -183,3 +183,49 @@ def test_request_id_is_honoured_or_made(server_url):
     error = post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, headers={"x-request-id": "a\tb"})
     assert error.status_code == 400 and re.fullmatch(r"[0-9a-f]{32}", error.headers["x-request-id"])
     assert httpx.get(server_url + "/health").headers["x-request-id"]
+
+
+VLLM_FAMILIES = ("request_prompt_tokens", "request_generation_tokens", "time_per_output_token_seconds",
+                 "request_inference_time_seconds", "request_prefill_time_seconds", "request_decode_time_seconds",
+                 "iteration_tokens_total", "request_params_n", "request_params_max_tokens", "cache_config_info",
+                 "time_to_first_token_seconds", "e2e_request_latency_seconds", "request_queue_time_seconds",
+                 "num_requests_running", "num_requests_waiting", "kv_cache_usage_perc", "request_success",
+                 "prompt_tokens", "generation_tokens", "request_max_num_generation_tokens")
+
+
+def test_metrics_carry_model_name_and_vllms_families_under_both_prefixes(smollm2):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from server.config import ServeConfig
+    from tests.serverutil import running_server
+
+    with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB", vllm_metric_names=True)) as url:
+        completion(url, prompt=PROMPTS, max_tokens=4, temperature=0, n=2, ignore_eos=True)
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics").text)}
+    for prefix in ("kvserve:", "vllm:"):
+        missing = [name for name in VLLM_FAMILIES if prefix + name not in families]
+        assert not missing, (prefix, missing)
+    assert "vllm:gpu_cache_usage_perc" in families and "kvserve:gpu_cache_usage_perc" not in families
+    for family in families.values():
+        assert all(s.labels.get("model_name") == "SmolLM2-135M-Instruct" for s in family.samples), family.name
+
+    def sample(name: str) -> float:
+        return next(s.value for family in families.values() for s in family.samples if s.name == name)
+
+    ttft_bounds = [s.labels["le"] for s in families["vllm:time_to_first_token_seconds"].samples
+                   if s.name.endswith("_bucket")]
+    assert ttft_bounds[-3:] == ["640.0", "2560.0", "+Inf"]  # vLLM's: past 160 s
+    # two prompts x n=2: four sequences of four tokens, each with its prompt's length
+    assert sample("vllm:request_generation_tokens_count") == 4
+    assert sample("vllm:request_generation_tokens_sum") == 16
+    assert sample("vllm:request_params_n_count") == 2 and sample("vllm:request_params_n_sum") == 4
+    assert sample("vllm:request_params_max_tokens_sum") == 8
+    assert sample("kvserve:time_per_output_token_seconds_count") == 4 * 3
+    # tokens per step: the prompts' computed tokens, then one input token per later generated token
+    computed = sample("kvserve:prompt_tokens_total") + sample("kvserve:generation_tokens_total") - 4
+    assert sample("kvserve:iteration_tokens_total_sum") == computed
+    decode, prefill, inference = (sample(f"kvserve:request_{phase}_time_seconds_sum")
+                                  for phase in ("decode", "prefill", "inference"))
+    assert decode > 0 and prefill > 0 and inference == pytest.approx(decode + prefill, rel=1e-6)
+    (info,) = families["vllm:cache_config_info"].samples
+    assert info.value == 1 and info.labels["enable_prefix_caching"] == "True" and int(info.labels["block_size"]) > 0
