@@ -12,6 +12,7 @@ import logging
 import math
 from pathlib import Path
 
+import httpx
 import pytest
 
 DATA = Path(__file__).resolve().parent / "data" / "lm_eval"
@@ -64,6 +65,15 @@ def test_lm_eval_batched_matches_unbatched(server_url, tasks, caplog):
     accuracy = batched["results"]["kvserve_tiny_mc"]["acc,none"]
     exact = batched["results"]["kvserve_tiny_gen"]["exact_match,none"]
     assert 0.0 <= accuracy <= 1.0 and 0.0 <= exact <= 1.0
+    # each batched generation is what the prompt gives alone (the model ends some answers at once: EOS)
+    generated = []
+    for sample in batched["samples"]["kvserve_tiny_gen"]:
+        prompt = f"Question: {sample['doc']['question']}\nAnswer:"
+        alone = httpx.post(server_url + "/v1/completions", timeout=60, json={
+            "prompt": prompt, "max_tokens": 8, "temperature": 0, "stop": ["Question:"]}).json()["choices"][0]["text"]
+        assert sample["resps"][0][0] == alone
+        generated.append(alone)
+    assert sum(bool(text.strip()) for text in generated) >= 2, generated
     single = evaluate(server_url, tasks, ["kvserve_tiny_mc"], batch_size=1)
     for many, one in zip(loglikelihoods(batched), loglikelihoods(single), strict=True):
         assert all(math.isclose(a, b, rel_tol=1e-5, abs_tol=1e-5) and a < 0 for a, b in zip(many, one))
