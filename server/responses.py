@@ -14,12 +14,13 @@ Streaming sends OpenAI's event sequence (each with ``sequence_number``)::
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
 from sse_starlette.sse import EventSourceResponse
 
@@ -131,6 +132,7 @@ class ResponsesRequest(_NullMeansDefault):
                                      user=self.user)
 
 
+_DISCONNECT_POLL_S = 0.5  # how often a non-streamed response checks that its client is still there
 Admit = Callable[[ServerState, ChatCompletionRequest], Awaitable[Generation]]
 
 
@@ -195,16 +197,28 @@ def register(app: FastAPI, state: ServerState, dependencies: list, admit: Admit)
         builder = _ResponseBuilder(body, generation, request.state.request_id, state.model_name)
         if body.stream:
             return EventSourceResponse(_stream(builder), ping=state.config.sse_ping_s or None, sep="\n")
-        text, reason = "", None
-        try:
+        parts: list[str] = []
+        reasons: list[str] = []
+
+        async def consume() -> None:
             async for update in generation.updates():
                 if update.error is not None:
                     raise ApiError(500, update.error, code="engine_error")
-                text += update.text
-                reason = update.finish_reason or reason
+                parts.append(update.text)
+                if update.finish_reason is not None:
+                    reasons.append(update.finish_reason)
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():  # a client that hung up stops its generation (as chat does)
+                await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+            task.result()
         finally:
             generation.abort()
-        return JSONResponse(builder.response(text, reason))
+        return JSONResponse(builder.response("".join(parts), reasons[-1] if reasons else None))
 
 
 async def _stream(builder: _ResponseBuilder):

@@ -36,6 +36,7 @@ class _SamplingRequest(_NullMeansDefault):
     """Fields shared by chat and completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _completions: ClassVar[bool] = False  # CompletionRequest serves best_of and suffix
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -76,8 +77,6 @@ class _SamplingRequest(_NullMeansDefault):
         if unsupported:
             raise ValueError(f"not supported by kvserve: {', '.join(unsupported)}")
         return self
-
-    _completions: ClassVar[bool] = False
 
     @field_validator("logit_bias")
     @classmethod

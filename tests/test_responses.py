@@ -38,7 +38,8 @@ def test_message_list_input_and_truncation(client):
 
 
 def test_stream_sends_the_responses_events_in_order(client):
-    expected_text = client.responses.create(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=40).output_text
+    expected_text = client.responses.create(model=MODEL, input=QUESTION, temperature=0,
+                                            max_output_tokens=40).output_text
     with client.responses.stream(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=40) as stream:
         events = list(stream)
         final = stream.get_final_response()

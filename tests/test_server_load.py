@@ -242,7 +242,8 @@ def test_ttft_histogram_matches_what_clients_measured(state_factory, smollm2):
 
 
 def _sample(metrics: str, name: str) -> float:
-    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith((name + " ", name + "{")))
+    return next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith((name + " ", name + "{")))  # labelled with model_name
 
 
 def test_batch_invariance_32_at_once_equals_alone(state_factory):

@@ -93,7 +93,8 @@ def test_logit_bias_bans_and_forces_tokens(server_url):
     assert banned_text != httpx.post(server_url + "/detokenize", json={"tokens": [greedy]}).json()["prompt"]
     assert forced["choices"][0]["text"] == decoded * 3
     # sampling too: +100 leaves no other token any probability mass
-    sampled = completion(server_url, prompt="Hi", max_tokens=2, temperature=1.0, seed=3, logit_bias={str(forced_id): 100})
+    sampled = completion(server_url, prompt="Hi", max_tokens=2, temperature=1.0, seed=3,
+                         logit_bias={str(forced_id): 100})
     assert sampled["choices"][0]["text"] == decoded * 2
 
 
