@@ -98,7 +98,9 @@ def test_full_queue_answers_429_with_retry_after_and_400_still_wins(state_factor
         assert response.json()["error"]["code"] == "queue_full"
         bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "temperature": -1}, timeout=10)
         assert bad.status_code == 400
-        assert 'kvserve:requests_rejected_total{reason="queue_full"} 1.0' in httpx.get(url + "/metrics").text
+        model = state.model_name
+        assert (f'kvserve:requests_rejected_total{{model_name="{model}",reason="queue_full"}} 1.0'
+                in httpx.get(url + "/metrics").text)
         stop.set()
         for t in threads:
             t.join(timeout=60)
