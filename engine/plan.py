@@ -29,6 +29,8 @@ class SamplingParams:
         repetition_penalty: CTRL's multiplicative penalty (Keskar et al. 2019) on prompt and output tokens.
         logprobs: how many top alternatives to return per sampled token; None returns none.
         prompt_logprobs: return the logprob of every prompt token (completions ``echo`` + ``logprobs``).
+        logit_bias: OpenAI's ``logit_bias``: token id -> value in [-100, 100] added to that token's logit;
+            None adds nothing.
     """
 
     temperature: float = 1.0
@@ -41,6 +43,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     prompt_logprobs: bool = False
+    logit_bias: dict[int, float] | None = None
 
     @property
     def greedy(self) -> bool:

@@ -29,6 +29,13 @@ def apply_penalties(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
     return logits
 
 
+def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
+    """Add OpenAI's ``logit_bias`` (token id -> value) to ``logits`` ``[vocab]``; a new tensor."""
+    ids = torch.tensor(list(bias), device=logits.device)  # [num_biased]
+    values = torch.tensor(list(bias.values()), dtype=logits.dtype, device=logits.device)  # [num_biased]
+    return logits.index_add(0, ids, values)
+
+
 def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask ``logits`` ``[vocab]`` outside top-k, the top-p nucleus (Holtzman et al. 2020) and min-p."""
     if top_k > 0 and top_k < logits.numel():
@@ -59,6 +66,8 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
     params = work.params
     if params.needs_penalties:
         logits = apply_penalties(logits, work)
+    if params.logit_bias:  # after the penalties, as vLLM's logits processors; the reported logprob includes it
+        logits = apply_logit_bias(logits, params.logit_bias)
     if work.suppress_ids:
         logits = logits.clone()
         logits[work.suppress_ids] = float("-inf")
@@ -95,7 +104,8 @@ def log_softmax(logits: torch.Tensor) -> torch.Tensor:
 def plain_greedy(work: SeqWork) -> bool:
     """Whether ``work`` samples a greedy token with no penalties and no top alternatives (``greedy_tokens``)."""
     params = work.params
-    return work.sample and params.greedy and not params.needs_penalties and not params.logprobs
+    return (work.sample and params.greedy and not params.needs_penalties and not params.logprobs
+            and not params.logit_bias)
 
 
 def greedy_tokens(logits: torch.Tensor, suppress: list[list[int]]) -> list[TokenLogprob]:

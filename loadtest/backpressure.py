@@ -154,8 +154,8 @@ async def disconnect_drill(url: str, clients: int, body: dict, usage_of) -> dict
 
 async def _metric(client: httpx.AsyncClient, name: str) -> float:
     for line in (await client.get("/metrics")).text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
+        if line.startswith((name + " ", name + "{")):  # kvserve labels every series with model_name
+            return float(line.split()[-1])
     raise KeyError(name)
 
 

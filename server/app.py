@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
-import uuid
+from collections.abc import Callable
 from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
@@ -26,6 +26,9 @@ from server.drain import Drain, DrainGate
 from server.errors import ApiError
 from server.generation import Generation, chat_prompt_ids, prepare, text_prompt_ids
 from server.openai_format import Formatter
+from server.prompts import PromptGroups, prepare_prompts
+from server import responses
+from server.requestids import RequestIds, tokenizer_info
 from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.state import ServerState
 
@@ -84,6 +87,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     app.state.drain = drain
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
     app.add_middleware(DrainGate, drain=drain)
+    app.add_middleware(RequestIds)  # outermost: a 413 carries the request id too
     v1 = [Depends(require_key)]
 
     @app.exception_handler(ApiError)
@@ -153,6 +157,10 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
             ids = text_prompt_ids(state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
 
+    @app.get("/tokenizer_info")
+    async def get_tokenizer_info():
+        return tokenizer_info(state.tokenizer)
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest):
         vocab = len(state.tokenizer)
@@ -168,6 +176,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await _complete(state, body, request, chat=False)
 
+    responses.register(app, state, v1, _admit)
     return app
 
 
@@ -179,7 +188,7 @@ _TOKENIZE_OFF_LOOP_CHARS = 32_768
 def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(body, ChatCompletionRequest):
         return sum(len(message.text) for message in body.messages)
-    return len(body.prompt) if isinstance(body.prompt, str) else 0
+    return sum(len(prompt) for prompt in body.prompts if isinstance(prompt, str))
 
 
 async def _admit(state: ServerState, body) -> Generation:
@@ -187,11 +196,16 @@ async def _admit(state: ServerState, body) -> Generation:
     if body.model is not None and body.model not in (state.model_name, "default"):
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
+    completions = isinstance(body, CompletionRequest)
+    prepare_all = prepare_prompts if completions else prepare
     if _prompt_chars(body) > _TOKENIZE_OFF_LOOP_CHARS:
-        prepared = await asyncio.to_thread(prepare, state, body)
+        prepared = await asyncio.to_thread(prepare_all, state, body)
     else:
-        prepared = prepare(state, body)
-    generation = Generation(state, prepared)
+        prepared = prepare_all(state, body)
+    if completions:  # one prompt or several, numbered as OpenAI numbers them
+        generation = PromptGroups(state, prepared, body.n, body.prompts)
+    else:
+        generation = Generation(state, prepared)
     try:
         generation.start()
     except QueueFull as exc:
@@ -205,18 +219,19 @@ async def _admit(state: ServerState, body) -> Generation:
 async def _complete(state: ServerState, body, request: Request, chat: bool):
     generation = await _admit(state, body)
     prefix = "chatcmpl-" if chat else "cmpl-"
-    fmt = Formatter(generation, chat, prefix + uuid.uuid4().hex, state.model_name, state.tokenizer)
+    # vLLM's form: the response id is the request id (x-request-id when the client sent one)
+    fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer)
     want_logprobs = body.num_logprobs is not None
     echo = (not chat) and body.echo
-    prompt_text = body.prompt if echo and isinstance(body.prompt, str) else (
-        state.tokenizer.decode(generation.prepared.prompt_ids) if echo else "")
+    prompt_text = generation.prompt_text if echo else None  # index -> the prompt, for echo
     if body.stream:
         return EventSourceResponse(_stream(generation, fmt, body, want_logprobs, echo, prompt_text),
                                    ping=state.config.sse_ping_s or None, sep="\n")
     return await _collect(generation, fmt, request, want_logprobs, echo, prompt_text)
 
 
-async def _stream(generation: Generation, fmt: Formatter, body, want_logprobs: bool, echo: bool, prompt_text: str):
+async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, want_logprobs: bool, echo: bool,
+                  prompt_text: Callable[[int], str] | None):
     echoed: set[int] = set()
     try:
         async for update in generation.updates():
@@ -228,7 +243,7 @@ async def _stream(generation: Generation, fmt: Formatter, body, want_logprobs: b
             echo_part = None
             if echo and update.index not in echoed:
                 echoed.add(update.index)
-                echo_part = fmt.echo_prefix(update.index, prompt_text, want_logprobs)
+                echo_part = fmt.echo_prefix(update.index, prompt_text(update.index), want_logprobs)
             yield {"data": json.dumps(fmt.chunk(update, want_logprobs, echo_part))}
         if body.include_usage:
             yield {"data": json.dumps(fmt.usage_chunk())}
@@ -237,9 +252,9 @@ async def _stream(generation: Generation, fmt: Formatter, body, want_logprobs: b
         generation.abort()  # no-op for finished choices; frees a disconnected client's blocks
 
 
-async def _collect(generation: Generation, fmt: Formatter, request: Request, want_logprobs: bool, echo: bool,
-                   prompt_text: str):
-    n = generation.prepared.n
+async def _collect(generation: Generation | PromptGroups, fmt: Formatter, request: Request, want_logprobs: bool,
+                   echo: bool, prompt_text: Callable[[int], str] | None):
+    n = generation.num_choices
     texts = {i: "" for i in range(n)}
     tokens: dict[int, list] = {i: [] for i in range(n)}
     reasons: dict[int, str] = {}
@@ -263,5 +278,7 @@ async def _collect(generation: Generation, fmt: Formatter, request: Request, wan
         task.result()
     finally:
         generation.abort()
-    echoes = {i: fmt.echo_prefix(i, prompt_text, want_logprobs) for i in range(n)} if echo else {}
+    if isinstance(generation, PromptGroups):  # best_of: keep the n best candidates of each prompt
+        texts, tokens, reasons = generation.pick_best(texts, tokens, reasons)
+    echoes = {i: fmt.echo_prefix(i, prompt_text(i), want_logprobs) for i in texts} if echo else {}
     return JSONResponse(fmt.full(texts, tokens, reasons, want_logprobs, echoes))

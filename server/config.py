@@ -44,6 +44,7 @@ class ServeConfig:
     sse_ping_s: float = 15.0            # keep-alive comment interval on idle streams (s); 0 disables
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
     drain_s: float = 30.0               # after SIGTERM: longest wait for in-flight requests (s); 0 stops at once
+    vllm_metric_names: bool = False     # also expose every metric under vLLM's "vllm:" prefix (its dashboards)
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:

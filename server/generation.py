@@ -19,6 +19,7 @@ from engine.plan import SamplingParams, TokenLogprob
 from scheduler.sequence import FinishReason, SeqEvent, Sequence
 from server.detok import IncrementalDetokenizer, StopStringMatcher
 from server.errors import ApiError
+from server.fim import fim_prompt
 from server.schemas import ChatCompletionRequest, CompletionRequest
 from server.state import ServerState
 
@@ -71,7 +72,12 @@ def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | Completio
     if isinstance(request, ChatCompletionRequest):
         return chat_prompt_ids(state, request.messages)
     if isinstance(request.prompt, str):
+        if request.suffix:
+            _check_text(request.suffix, "suffix")
+            return text_prompt_ids(state, fim_prompt(tokenizer, request.prompt, request.suffix))
         return text_prompt_ids(state, request.prompt)
+    if request.suffix:
+        raise ApiError(400, "suffix needs a text prompt (the fill-in-the-middle layout is text)", param="suffix")
     vocab = len(tokenizer)
     bad = [t for t in request.prompt if not 0 <= t < vocab]
     if bad:
@@ -107,6 +113,9 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
     bad_stops = [t for t in request.stop_token_ids if not 0 <= t < vocab]
     if bad_stops:
         raise ApiError(400, f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}", param="stop_token_ids")
+    bad_bias = [t for t in request.logit_bias_ids if not 0 <= t < vocab]
+    if bad_bias:
+        raise ApiError(400, f"logit_bias: token ids out of range [0, {vocab}): {bad_bias[:5]}", param="logit_bias")
     total = len(prompt_ids) + max_tokens
     if total > state.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
@@ -121,7 +130,7 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
                             min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
                             frequency_penalty=request.frequency_penalty,
                             repetition_penalty=request.repetition_penalty, logprobs=request.num_logprobs,
-                            prompt_logprobs=echo_logprobs)
+                            prompt_logprobs=echo_logprobs, logit_bias=request.logit_bias_ids or None)
     stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(state.eos_ids))
     return Prepared(prompt_ids=prompt_ids, max_tokens=max_tokens, params=params, n=request.n,
                     stop_strings=request.stop_strings, stop_token_ids=frozenset(stop_ids),
@@ -180,8 +189,13 @@ class Generation:
             self.choices[seq.seq_id] = (index, choice)
         self.created = int(time.time())
 
+    @property
+    def num_choices(self) -> int:
+        return len(self.choices)
+
     def start(self) -> None:
         self.state.service.submit([c.seq for _, c in self.choices.values()])
+        self.state.metrics.request_admitted(self.prepared.n, self.prepared.max_tokens)
 
     def abort(self) -> None:
         """Drop every unfinished choice (client gone)."""
@@ -234,6 +248,7 @@ class Generation:
             metrics.ttft.observe(now - choice.seq.arrival_time)
         else:
             metrics.itl.observe(now - choice.last_token_time)
+            metrics.tpot.observe(now - choice.last_token_time)  # vLLM's per-token TPOT, as its dashboard plots
         choice.last_token_time = now
 
     def _finish(self, choice: _Choice, update: ChoiceUpdate, reason: str) -> ChoiceUpdate:
@@ -242,6 +257,9 @@ class Generation:
         metrics, seq = self.state.metrics, choice.seq
         if reason != "error":
             metrics.e2e.observe(time.perf_counter() - seq.arrival_time)
+            metrics.sequence_finished(seq, choice.completion_tokens, time.perf_counter())
+            if self.done:
+                metrics.max_generation_tokens.observe(max(c.completion_tokens for _, c in self.choices.values()))
             if seq.first_scheduled_time is not None:
                 metrics.queue.observe(seq.first_scheduled_time - seq.arrival_time)
         if reason == "error":

@@ -2,23 +2,48 @@
 
 Histograms and per-request counters are observed by the server as events arrive; gauges and the
 scheduler's own counters are read from the scheduler at scrape time by a custom collector.
+
+Every series carries ``model_name`` (vLLM's dashboard filters every panel by it). Metrics are defined once,
+under ``kvserve:``, in a source registry; the registry that ``/metrics`` exposes relabels them and, with
+``--vllm-metric-names``, repeats each under ``vllm:`` too (plus vLLM's deprecated ``gpu_cache_usage_perc``
+alias that its dashboard still plots), so vLLM's Grafana dashboard and HPA rules work unchanged.
+Names and buckets follow vLLM v1 (vllm/v1/metrics/loggers.py).
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from scheduler.sequence import Sequence
 from scheduler.service import SchedulerService
 
 _P = "kvserve:"
-# Buckets (s) after vLLM's: TTFT and queue time span ms to minutes; ITL is ms-scale.
+VLLM_PREFIX = "vllm:"
+# Buckets (s) as vLLM's: TTFT and queue time span ms to minutes; ITL is ms-scale.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
-                 20.0, 40.0, 80.0, 160.0)
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
 _ITL_BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
                 1.0, 2.5, 5.0)
-_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
-                480.0, 960.0)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0)
+# vLLM's request_latency_buckets: e2e, queue, inference, prefill and decode time per request
+_REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                    240.0, 480.0, 960.0, 1920.0, 7680.0)
+_E2E_BUCKETS = _REQUEST_BUCKETS
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
+
+def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
+    """vLLM's token-count buckets: 1, 2, 5, 10, 20, 50, ... up to ``max_value`` (the context length)."""
+    buckets, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            if mantissa * scale > max_value:
+                return tuple(buckets)
+            buckets.append(mantissa * scale)
+        scale *= 10
 
 
 class _SchedulerCollector:
@@ -53,13 +78,56 @@ class _SchedulerCollector:
                                   value=self.service.stats.loop_s)
 
 
-class Metrics:
-    """All of one server's metrics, in their own registry (several servers can live in one process)."""
+class _Exposed:
+    """The source registry's families as ``/metrics`` shows them: ``model_name`` on every sample, and each
+    family under every prefix asked for (``kvserve:`` and optionally ``vllm:``)."""
 
-    def __init__(self, service: SchedulerService) -> None:
+    # vLLM still exposes (and its dashboard still plots) the pre-0.9 name of kv_cache_usage_perc
+    _VLLM_ALIASES = {"kv_cache_usage_perc": "gpu_cache_usage_perc"}
+
+    def __init__(self, source: CollectorRegistry, model_name: str, vllm_names: bool) -> None:
+        self.source = source
+        self.model_name = model_name
+        self.vllm_names = vllm_names
+
+    def _renamed(self, family: Metric, prefix: str, base: str) -> Metric:
+        out = Metric(prefix + base, family.documentation, family.type, family.unit)
+        for sample in family.samples:
+            name = prefix + base + sample.name.removeprefix(family.name)  # keeps _bucket, _total, _created, ...
+            out.add_sample(name, {"model_name": self.model_name, **sample.labels}, sample.value, sample.timestamp,
+                           sample.exemplar)
+        return out
+
+    def collect(self):
+        for family in self.source.collect():
+            base = family.name.removeprefix(_P)
+            yield self._renamed(family, _P, base)
+            if self.vllm_names:
+                yield self._renamed(family, VLLM_PREFIX, base)
+                if base in self._VLLM_ALIASES:
+                    yield self._renamed(family, VLLM_PREFIX, self._VLLM_ALIASES[base])
+
+
+class Metrics:
+    """All of one server's metrics, in their own registry (several servers can live in one process).
+
+    Args:
+        service: the scheduler service whose gauges and counters are read at scrape time.
+        model_name: the served model name (the ``model_name`` label).
+        max_model_len: context length (tokens); the token-count histograms' buckets end there.
+        cache_info: ``cache_config_info``'s labels (block size, blocks, dtype, prefix caching).
+        vllm_names: expose every family under ``vllm:`` too (``--vllm-metric-names``).
+
+    ``registry`` is what ``/metrics`` serves; metrics are defined in ``source`` (``r`` below).
+    """
+
+    def __init__(self, service: SchedulerService, model_name: str = "", max_model_len: int = 2048,
+                 cache_info: dict[str, str] | None = None, vllm_names: bool = False) -> None:
+        self.source = CollectorRegistry()
         self.registry = CollectorRegistry()
-        self.registry.register(_SchedulerCollector(service))
-        r = self.registry
+        self.registry.register(_Exposed(self.source, model_name, vllm_names))
+        self.source.register(_SchedulerCollector(service))
+        r = self.source
         self.ttft = Histogram(_P + "time_to_first_token_seconds", "Time to first token (s), from arrival.",
                               buckets=_TTFT_BUCKETS, registry=r)
         self.itl = Histogram(_P + "inter_token_latency_seconds", "Time between consecutive tokens (s).",
@@ -67,7 +135,7 @@ class Metrics:
         self.e2e = Histogram(_P + "e2e_request_latency_seconds", "Arrival to last token (s).",
                              buckets=_E2E_BUCKETS, registry=r)
         self.queue = Histogram(_P + "request_queue_time_seconds", "Arrival to first scheduling (s).",
-                               buckets=_TTFT_BUCKETS, registry=r)
+                               buckets=_REQUEST_BUCKETS, registry=r)
         self.success = Counter(_P + "request_success", "Finished requests by finish reason.",
                                ["finished_reason"], registry=r)
         self.failed = Counter(_P + "request_failure", "Requests that failed in the engine.", registry=r)
@@ -77,3 +145,66 @@ class Metrics:
         self.rejected.labels(reason="queue_full")
         for reason in ("stop", "length"):
             self.success.labels(finished_reason=reason)
+        self._add_vllm_families(r, max_model_len, cache_info or {})
+
+    # -- vLLM's per-request and per-step families (issue 25) ----------------------------------------------
+    def _add_vllm_families(self, r: CollectorRegistry, max_model_len: int, cache_info: dict[str, str]) -> None:
+        tokens = buckets_1_2_5(max_model_len)
+        self.tpot = Histogram(_P + "time_per_output_token_seconds", "Time per output token after the first (s).",
+                              buckets=_TPOT_BUCKETS, registry=r)
+        self.prompt_tokens = Histogram(_P + "request_prompt_tokens", "Prompt tokens per finished request.",
+                                       buckets=tokens, registry=r)
+        self.generation_tokens = Histogram(_P + "request_generation_tokens",
+                                           "Generated tokens per finished request.", buckets=tokens, registry=r)
+        self.max_generation_tokens = Histogram(
+            _P + "request_max_num_generation_tokens",
+            "Most tokens generated by one choice of a finished request (its n choices).", buckets=tokens, registry=r)
+        self.inference = Histogram(_P + "request_inference_time_seconds",
+                                   "First scheduling to last token (s): time in the running batch.",
+                                   buckets=_REQUEST_BUCKETS, registry=r)
+        self.prefill = Histogram(_P + "request_prefill_time_seconds", "First scheduling to first token (s).",
+                                 buckets=_REQUEST_BUCKETS, registry=r)
+        self.decode = Histogram(_P + "request_decode_time_seconds", "First token to last token (s).",
+                                buckets=_REQUEST_BUCKETS, registry=r)
+        self.iteration_tokens = Histogram(_P + "iteration_tokens_total", "Tokens computed per engine step.",
+                                          buckets=_ITERATION_TOKEN_BUCKETS, registry=r)
+        self.params_n = Histogram(_P + "request_params_n", "The n parameter of admitted requests.",
+                                  buckets=_N_BUCKETS, registry=r)
+        self.params_max_tokens = Histogram(_P + "request_params_max_tokens",
+                                           "The max_tokens parameter of admitted requests (tokens).",
+                                           buckets=tokens, registry=r)
+        if cache_info:
+            r.register(_InfoCollector(_P + "cache_config_info", "The KV cache's configuration (value 1).",
+                                      cache_info))
+
+    def request_admitted(self, n: int, max_tokens: int) -> None:
+        """Observe one admitted request's ``n`` and ``max_tokens``."""
+        self.params_n.observe(n)
+        self.params_max_tokens.observe(max_tokens)
+
+    def sequence_finished(self, seq: Sequence, generated: int, now: float) -> None:
+        """Observe one finished sequence (a choice): its token counts and its phases' durations (s).
+
+        Phases as vLLM times them: prefill = first scheduling to first token, decode = first token to the
+        last, inference = their sum; ``now`` is the finish time on ``time.perf_counter``'s clock.
+        """
+        self.prompt_tokens.observe(len(seq.prompt_ids))
+        self.generation_tokens.observe(generated)
+        if seq.first_scheduled_time is None:
+            return
+        self.inference.observe(now - seq.first_scheduled_time)
+        first_token = seq.first_token_time if seq.first_token_time is not None else now
+        self.prefill.observe(first_token - seq.first_scheduled_time)
+        self.decode.observe(now - first_token)
+
+
+class _InfoCollector:
+    """An info-style gauge: one series, value 1, the facts in its labels (vLLM's ``cache_config_info``)."""
+
+    def __init__(self, name: str, documentation: str, labels: dict[str, str]) -> None:
+        self.name, self.documentation, self.labels = name, documentation, labels
+
+    def collect(self):
+        family = GaugeMetricFamily(self.name, self.documentation, labels=list(self.labels))
+        family.add_metric(list(self.labels.values()), 1.0)
+        yield family

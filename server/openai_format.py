@@ -90,7 +90,7 @@ class Formatter:
         """Completions ``echo``: the prompt text and, with logprobs, its tokens (the first has logprob None)."""
         if not want_logprobs:
             return prompt_text, None
-        prompt_ids = self.generation.prepared.prompt_ids
+        prompt_ids = self.generation.prompt_ids(index)  # completions only: a PromptGroups
         first = TokenLogprob(token_id=prompt_ids[0], logprob=0.0)
         return prompt_text, self._completion_logprobs(index, [first] + self.generation.prompt_logprobs(index), True)
 

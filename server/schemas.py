@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as OpenAI does; OpenAI
-fields that kvserve does not implement (tools, JSON mode, logit_bias, best_of, suffix, image parts) are refused
-with a 400 naming them whenever they would change the output, so a client never gets silently different text.
+fields that kvserve does not implement (tools, JSON mode, best_of on chat, image parts) are refused with a 400
+naming them whenever they would change the output, so a client never gets silently different text.
 
 Ranges follow OpenAI's API reference; vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids) are accepted too.
@@ -8,7 +8,7 @@ ignore_eos, min_tokens, stop_token_ids) are accepted too.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
 
@@ -36,6 +36,7 @@ class _SamplingRequest(_NullMeansDefault):
     """Fields shared by chat and completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _completions: ClassVar[bool] = False  # CompletionRequest serves best_of and suffix
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
@@ -55,8 +56,8 @@ class _SamplingRequest(_NullMeansDefault):
     stream: StrictBool = False  # "yes" is an error, not True
     stream_options: StreamOptions | None = None
     user: str | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]; see _check_logit_bias
     # OpenAI fields not implemented here; see _refuse_unsupported
-    logit_bias: dict[str, float] | None = None
     response_format: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
@@ -66,16 +67,33 @@ class _SamplingRequest(_NullMeansDefault):
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         unsupported = [name for name, used in (
-            ("logit_bias", bool(self.logit_bias)),
             ("response_format", bool(self.response_format) and self.response_format.get("type", "text") != "text"),
             ("tools", bool(self.tools)),
             ("tool_choice", self.tool_choice not in (None, "none", "auto")),
-            ("best_of", self.best_of is not None and self.best_of != self.n),
-            ("suffix", bool(self.suffix)),
+            # completions serve these (CompletionRequest, server.fim); chat has no such fields at OpenAI
+            ("best_of", self.best_of is not None and self.best_of != self.n and not self._completions),
+            ("suffix", self.suffix is not None and not self._completions),
         ) if used]
         if unsupported:
             raise ValueError(f"not supported by kvserve: {', '.join(unsupported)}")
         return self
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """OpenAI's checks: keys are token ids written as integers, values in [-100, 100]. The ids' range is
+        the tokenizer's and is checked when the request is prepared."""
+        for key, bias in (value or {}).items():
+            if not key.strip().lstrip("-").isdigit():
+                raise ValueError(f"invalid key {key!r}: keys are token ids, written as integers")
+            if not -100 <= bias <= 100:
+                raise ValueError(f"the value for token {key} is {bias}; values must be between -100 and 100")
+        return value
+
+    @property
+    def logit_bias_ids(self) -> dict[int, float]:
+        """``logit_bias`` with integer token ids (empty when not given)."""
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
 
     @field_validator("stop")
     @classmethod
@@ -148,16 +166,43 @@ class CompletionRequest(_SamplingRequest):
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
+    _completions: ClassVar[bool] = True
+    # served: vLLM v0's best_of (best_of candidates, the n best by cumulative logprob returned); non-streamed only
+    best_of: int | None = Field(default=None, ge=1, le=16)
+
     @field_validator("prompt")
     @classmethod
-    def _one_prompt(cls, value):
-        if isinstance(value, list) and value and isinstance(value[0], (str, list)):
-            if len(value) != 1:
-                raise ValueError("one prompt per request is supported; send several requests")
-            return value[0]
+    def _prompt_or_prompts(cls, value):
+        """One prompt stays as given; a list of one prompt is that prompt; several stay a list (``prompts``)."""
         if isinstance(value, list) and not value:
             raise ValueError("prompt must not be empty")
+        if isinstance(value, list) and isinstance(value[0], (str, list)):
+            if any(isinstance(p, list) and not p for p in value):
+                raise ValueError("a prompt of token ids must not be empty")
+            if len(value) == 1:
+                return value[0]
         return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self):
+        if self.best_of is not None and self.best_of != self.n:
+            if self.best_of < self.n:
+                raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+            if self.stream:
+                raise ValueError("best_of above n cannot be streamed: the best candidates are known only at the end")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        """Every prompt of the request: one, or several (OpenAI's list of strings or of token-id lists)."""
+        if isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list)):
+            return list(self.prompt)
+        return [self.prompt]
+
+    @property
+    def candidates(self) -> int:
+        """Sequences generated per prompt: ``best_of`` when it is above ``n``, else ``n``."""
+        return max(self.best_of or self.n, self.n)
 
     @property
     def token_limit(self) -> int | None:

@@ -46,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=d.drain_s,
                         help="on SIGTERM, refuse new requests (503) and let in-flight ones finish for at most "
                              "this long before exiting (0: stop at once)")
+    parser.add_argument("--vllm-metric-names", action="store_true",
+                        help="on /metrics, repeat every kvserve: series under vLLM's vllm: prefix too, so vLLM's "
+                             "Grafana dashboard and autoscaling rules work unchanged")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
 
 
@@ -58,7 +61,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
                        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
-                       step_log=args.step_log, drain_s=args.drain_seconds)
+                       step_log=args.step_log, drain_s=args.drain_seconds,
+                       vllm_metric_names=args.vllm_metric_names)
 
 
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):

@@ -108,11 +108,21 @@ class ServerState:
         self.runner = ModelRunner(loaded, self.pool)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
-                                        on_step=self.step_log.write if self.step_log else None, executor=executor)
-        self.metrics = Metrics(self.service)
+                                        on_step=self._on_step, executor=executor)
+        cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(num_blocks),
+                      "cache_dtype": str(loaded.dtype).removeprefix("torch."),
+                      "enable_prefix_caching": str(config.enable_prefix_caching), "engine": "0"}
+        self.metrics = Metrics(self.service, self.model_name, self.max_model_len, cache_info,
+                               vllm_names=config.vllm_metric_names)
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
         self.log_capacity()
+
+    def _on_step(self, plan: StepPlan, seconds: float) -> None:
+        """After each engine step: vLLM's tokens-per-step histogram, and the step log when asked for."""
+        self.metrics.iteration_tokens.observe(plan.num_tokens)
+        if self.step_log is not None:
+            self.step_log.write(plan, seconds)
 
     def next_id(self) -> int:
         return next(self._ids)

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 RULES = ROOT / "deploy" / "rules" / "kvserve.rules.yml"
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "kvserve.json"
 ADAPTER = ROOT / "deploy" / "k8s" / "monitoring" / "prometheus-adapter-config.yaml"
+VLLM_DASHBOARD_QUERIES = ROOT / "tests" / "data" / "vllm_grafana_queries.txt"
+MODEL_NAME = "SmolLM2-135M-Instruct"
 
 N_STREAMS = 4      # streamed requests to the serving server, all at once
 N_REJECTED = 2     # requests to the server whose queue holds nothing (each gets 429)
@@ -145,8 +147,10 @@ def scraped(smollm2, tmp_path_factory):
         (Prom, the ``timings`` the server put in each stream's final chunk, the refused responses)
     """
     prometheus_binary()
-    serving_config = ServeConfig(num_kv_blocks=256, max_num_seqs=N_STREAMS)
-    refusing_config = ServeConfig(num_kv_blocks=16, max_num_seqs=1, max_queue=0)  # every request: 429
+    # both also under vLLM's names, for vLLM's own dashboard (test_vllms_dashboard_queries_return_data)
+    serving_config = ServeConfig(num_kv_blocks=256, max_num_seqs=N_STREAMS, vllm_metric_names=True)
+    refusing_config = ServeConfig(num_kv_blocks=16, max_num_seqs=1, max_queue=0,  # every request: 429
+                                  vllm_metric_names=True)
     with running_server(smollm2, serving_config) as serving, running_server(smollm2, refusing_config) as refusing:
         prom = Prom(tmp_path_factory.mktemp("prometheus"),
                     {"kvserve-0": serving.removeprefix("http://"), "kvserve-1": refusing.removeprefix("http://")})
@@ -248,3 +252,38 @@ def test_adapter_query_gives_the_hpa_one_value_per_pod(scraped):
     assert set(values) == {"kvserve-0", "kvserve-1"}
     assert all(0 <= v <= N_STREAMS for v in values.values())
     assert values["kvserve-1"] == 0.0  # it refused everything: nothing ever waited there
+
+
+def vllm_dashboard_queries() -> list[str]:
+    lines = VLLM_DASHBOARD_QUERIES.read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def test_vllms_dashboard_queries_return_data(scraped):
+    """vLLM's own Grafana dashboard, unchanged: its model_name variable lists our model, and every panel's
+    query returns series for it (the server runs with --vllm-metric-names)."""
+    prom, _, _ = scraped
+    # the dashboard's variable: label_values({__name__=~"vllm:.*"}, model_name)
+    names = httpx.get(prom.url + "/api/v1/label/model_name/values", params={"match[]": '{__name__=~"vllm:.*"}'},
+                      timeout=5).json()["data"]
+    assert names == [MODEL_NAME]
+    queries = vllm_dashboard_queries()
+    assert len(queries) == 27
+    empty = []
+    for expr in queries:
+        result = prom.query(expr.replace("$model_name", MODEL_NAME).replace("$__rate_interval", "1m"))
+        print(f"{len(result)} series, first value {result[0]['value'][1] if result else None}: {expr}")
+        if not result:
+            empty.append(expr)
+    assert not empty, f"{len(empty)} of vLLM's dashboard queries returned nothing: {empty}"
+
+
+def test_an_hpa_rule_written_for_vllm_sees_every_pod(scraped):
+    """A Prometheus-adapter rule as written for vLLM (queue length per pod) works unchanged."""
+    prom, _, _ = scraped
+    query = 'sum(vllm:num_requests_waiting{namespace="test",pod=~"kvserve-0|kvserve-1"}) by (pod)'
+    assert {r["metric"]["pod"] for r in prom.query(query)} == {"kvserve-0", "kvserve-1"}
+    # every series carries model_name, under both prefixes
+    for prefix in ("kvserve", "vllm"):
+        unlabelled = prom.query(f'count({{__name__=~"{prefix}:.*", model_name=""}})')
+        assert not unlabelled, unlabelled

@@ -98,7 +98,9 @@ def test_full_queue_answers_429_with_retry_after_and_400_still_wins(state_factor
         assert response.json()["error"]["code"] == "queue_full"
         bad = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "temperature": -1}, timeout=10)
         assert bad.status_code == 400
-        assert 'kvserve:requests_rejected_total{reason="queue_full"} 1.0' in httpx.get(url + "/metrics").text
+        model = state.model_name
+        assert (f'kvserve:requests_rejected_total{{model_name="{model}",reason="queue_full"}} 1.0'
+                in httpx.get(url + "/metrics").text)
         stop.set()
         for t in threads:
             t.join(timeout=60)
@@ -242,7 +244,8 @@ def test_ttft_histogram_matches_what_clients_measured(state_factory, smollm2):
 
 
 def _sample(metrics: str, name: str) -> float:
-    return next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
+    return next(float(line.split()[-1]) for line in metrics.splitlines()
+                if line.startswith((name + " ", name + "{")))  # labelled with model_name
 
 
 def test_batch_invariance_32_at_once_equals_alone(state_factory):

@@ -1,0 +1,247 @@
+"""``POST /v1/responses``: the stateless subset of OpenAI's Responses API, over the chat pipeline.
+
+Served: ``input`` (a string, or message items with text parts), ``instructions`` (a system message first),
+``max_output_tokens``, ``temperature``, ``top_p``, ``stream``, ``metadata``/``user`` (echoed). Nothing is
+stored, so ``previous_response_id``, ``store: true``, ``conversation`` and ``background`` are 400s naming the
+field, as are tools, structured ``text.format``, reasoning and non-text inputs: they would change the output.
+
+Streaming sends OpenAI's event sequence (each with ``sequence_number``)::
+
+    response.created, response.in_progress, response.output_item.added, response.content_part.added,
+    response.output_text.delta ..., response.output_text.done, response.content_part.done,
+    response.output_item.done, response.completed (response.incomplete when max_output_tokens cut it)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
+from sse_starlette.sse import EventSourceResponse
+
+from server.errors import ApiError
+from server.generation import Generation
+from server.schemas import ChatCompletionRequest, _NullMeansDefault
+from server.state import ServerState
+
+
+class InputPart(_NullMeansDefault):
+    model_config = ConfigDict(extra="ignore")
+    type: str
+    text: str = ""
+
+
+class InputMessage(_NullMeansDefault):
+    """A message item of ``input``; other item types (function call outputs, ...) are 400s."""
+
+    model_config = ConfigDict(extra="ignore")
+    type: str = "message"
+    role: str = "user"
+    content: str | list[InputPart] = ""
+
+    @model_validator(mode="after")
+    def _text_messages_only(self):
+        if self.type != "message":
+            raise ValueError(f"input items of type {self.type!r} are not supported by kvserve (only messages)")
+        if self.role not in ("system", "developer", "user", "assistant"):
+            raise ValueError(f"role {self.role!r} is not supported")
+        if isinstance(self.content, list):
+            other = sorted({p.type for p in self.content if p.type not in ("input_text", "output_text", "text")})
+            if other:
+                raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
+        return self
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+class ResponsesRequest(_NullMeansDefault):
+    """The request body of ``POST /v1/responses`` (fields as OpenAI's API reference)."""
+
+    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+
+    model: str | None = None
+    input: list[InputMessage] | str  # the list first: its errors (a non-text part) are the ones reported
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    stream: StrictBool = False
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    # accepted without effect: kvserve runs every request at once, and there is one tier
+    parallel_tool_calls: bool | None = None
+    service_tier: str | None = None
+    truncation: str | None = None
+    # refused when used: they need stored state, tools or structured decoding (see _refuse_unsupported)
+    previous_response_id: str | None = None
+    store: bool | None = None
+    conversation: str | dict | None = None
+    background: bool | None = None
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    text: dict | None = None
+    reasoning: dict | None = None
+    include: list | None = None
+    prompt: dict | None = None
+    top_logprobs: int | None = None
+
+    @model_validator(mode="after")
+    def _refuse_unsupported(self):
+        text_format = (self.text or {}).get("format") or {}
+        unsupported = [name for name, used in (
+            ("previous_response_id", self.previous_response_id is not None),
+            ("store", bool(self.store)),
+            ("conversation", self.conversation is not None),
+            ("background", bool(self.background)),
+            ("tools", bool(self.tools)),
+            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
+            ("text.format", text_format.get("type", "text") != "text"),
+            ("reasoning", bool(self.reasoning)),
+            ("include", bool(self.include)),
+            ("prompt", self.prompt is not None),
+            ("top_logprobs", bool(self.top_logprobs)),
+            ("truncation", self.truncation not in (None, "disabled")),
+        ) if used]
+        if unsupported:
+            why = "kvserve stores nothing" if {"previous_response_id", "store", "conversation", "background"} & set(
+                unsupported) else "kvserve does not implement it"
+            raise ValueError(f"not supported by kvserve: {', '.join(unsupported)} ({why}; send the whole "
+                             f"conversation as input, with store false or left out)")
+        if isinstance(self.input, list) and not self.input:
+            raise ValueError("input must not be empty")
+        return self
+
+    def chat_request(self) -> ChatCompletionRequest:
+        """The same generation as a chat request: instructions first as a system message, then ``input``."""
+        messages = [{"role": "system", "content": self.instructions}] if self.instructions else []
+        if isinstance(self.input, str):
+            messages.append({"role": "user", "content": self.input})
+        else:
+            messages += [{"role": m.role, "content": m.text} for m in self.input]
+        return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
+                                     temperature=self.temperature, top_p=self.top_p, stream=self.stream,
+                                     user=self.user)
+
+
+_DISCONNECT_POLL_S = 0.5  # how often a non-streamed response checks that its client is still there
+Admit = Callable[[ServerState, ChatCompletionRequest], Awaitable[Generation]]
+
+
+class _ResponseBuilder:
+    """The response object and its stream events for one request (one message, one text part)."""
+
+    def __init__(self, body: ResponsesRequest, generation: Generation, request_id: str, model: str) -> None:
+        self.body = body
+        self.generation = generation
+        self.id = "resp_" + request_id
+        self.item_id = "msg_" + request_id
+        self.model = model
+        self.created_at = int(time.time())
+        self.sequence = 0
+
+    def event(self, kind: str, **fields) -> dict:
+        """One SSE event: ``event:`` is the type, the data repeats it with a growing ``sequence_number``."""
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return {"event": kind, "data": json.dumps(data)}
+
+    def part(self, text: str) -> dict:
+        return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+    def item(self, text: str | None, status: str) -> dict:
+        content = [] if text is None else [self.part(text)]
+        return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
+
+    def response(self, text: str | None, finish_reason: str | None) -> dict:
+        """The response object: in progress (``finish_reason`` None), completed, or incomplete (length)."""
+        status = "in_progress" if finish_reason is None else (
+            "incomplete" if finish_reason == "length" else "completed")
+        body = self.body
+        out = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
+               "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
+               "output": [] if text is None else [self.item(text, status)], "parallel_tool_calls": True,
+               "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
+               "temperature": body.temperature, "text": {"format": {"type": "text"}}, "tool_choice": "auto",
+               "tools": [], "top_p": body.top_p, "truncation": "disabled", "user": body.user,
+               "metadata": body.metadata or {}, "usage": None}
+        if finish_reason is not None:
+            usage = self.generation.usage()
+            out["usage"] = {"input_tokens": usage["prompt_tokens"],
+                            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                            "output_tokens": usage["completion_tokens"],
+                            "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]}
+        return out
+
+
+def register(app: FastAPI, state: ServerState, dependencies: list, admit: Admit) -> None:
+    """Add ``POST /v1/responses`` to ``app``; ``admit`` queues a chat request (app's, with its 4xx/429s)."""
+
+    @app.post("/v1/responses", dependencies=dependencies)
+    async def responses(body: ResponsesRequest, request: Request):
+        try:
+            chat = body.chat_request()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ApiError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None
+        generation = await admit(state, chat)
+        builder = _ResponseBuilder(body, generation, request.state.request_id, state.model_name)
+        if body.stream:
+            return EventSourceResponse(_stream(builder), ping=state.config.sse_ping_s or None, sep="\n")
+        parts: list[str] = []
+        reasons: list[str] = []
+
+        async def consume() -> None:
+            async for update in generation.updates():
+                if update.error is not None:
+                    raise ApiError(500, update.error, code="engine_error")
+                parts.append(update.text)
+                if update.finish_reason is not None:
+                    reasons.append(update.finish_reason)
+
+        task = asyncio.create_task(consume())
+        try:
+            while not task.done():  # a client that hung up stops its generation (as chat does)
+                await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
+                if not task.done() and await request.is_disconnected():
+                    task.cancel()
+                    return Response(status_code=499)
+            task.result()
+        finally:
+            generation.abort()
+        return JSONResponse(builder.response("".join(parts), reasons[-1] if reasons else None))
+
+
+async def _stream(builder: _ResponseBuilder):
+    b = builder
+    where = {"item_id": b.item_id, "output_index": 0, "content_index": 0}
+    text, reason = "", None
+    try:
+        yield b.event("response.created", response=b.response(None, None))
+        yield b.event("response.in_progress", response=b.response(None, None))
+        yield b.event("response.output_item.added", output_index=0, item=b.item(None, "in_progress"))
+        yield b.event("response.content_part.added", part=b.part(""), **where)
+        async for update in b.generation.updates():
+            if update.error is not None:
+                yield b.event("error", code="engine_error", message=update.error, param=None)
+                return
+            reason = update.finish_reason or reason
+            if update.text:
+                text += update.text
+                yield b.event("response.output_text.delta", delta=update.text, logprobs=[], **where)
+        status = "incomplete" if reason == "length" else "completed"
+        yield b.event("response.output_text.done", text=text, logprobs=[], **where)
+        yield b.event("response.content_part.done", part=b.part(text), **where)
+        yield b.event("response.output_item.done", output_index=0, item=b.item(text, status))
+        yield b.event(f"response.{status}", response=b.response(text, reason))
+    finally:
+        b.generation.abort()  # no-op once finished; frees a disconnected client's blocks

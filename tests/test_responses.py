@@ -1,0 +1,85 @@
+"""/v1/responses with the official openai SDK, unmodified: create, stream, usage, refusals, request ids."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+QUESTION = "What is the capital of France?"
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_create_matches_chat(client):
+    response = client.responses.create(model=MODEL, input=QUESTION, instructions="Answer in one sentence.",
+                                       temperature=0, max_output_tokens=40)
+    chat = client.chat.completions.create(model=MODEL, temperature=0, max_tokens=40, messages=[
+        {"role": "system", "content": "Answer in one sentence."}, {"role": "user", "content": QUESTION}])
+    assert response.object == "response" and response.output_text == chat.choices[0].message.content
+    assert "Paris" in response.output_text
+    assert response.status == ("completed" if chat.choices[0].finish_reason == "stop" else "incomplete")
+    usage = response.usage
+    assert (usage.input_tokens, usage.output_tokens) == (chat.usage.prompt_tokens, chat.usage.completion_tokens)
+    assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+    assert response._request_id and response.id == "resp_" + response._request_id
+
+
+def test_message_list_input_and_truncation(client):
+    response = client.responses.create(model=MODEL, max_output_tokens=3, temperature=0, input=[
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "input_text", "text": "Name three colours."}]}])
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert response.usage.output_tokens == 3 and response.output_text
+
+
+def test_stream_sends_the_responses_events_in_order(client):
+    expected_text = client.responses.create(model=MODEL, input=QUESTION, temperature=0,
+                                            max_output_tokens=40).output_text
+    with client.responses.stream(model=MODEL, input=QUESTION, temperature=0, max_output_tokens=40) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    kinds = [e.type for e in events]
+    head = ["response.created", "response.in_progress", "response.output_item.added",
+            "response.content_part.added"]
+    tail = ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+            "response.completed"]
+    assert kinds[:4] == head and kinds[-4:] == tail
+    assert set(kinds[4:-4]) == {"response.output_text.delta"}
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == expected_text
+    assert final.output_text == expected_text and final.usage.output_tokens > 0
+
+
+@pytest.mark.parametrize("extra,named", [
+    ({"previous_response_id": "resp_123"}, "previous_response_id"),
+    ({"store": True}, "store"),
+    ({"tools": [{"type": "function", "name": "f", "parameters": {}}]}, "tools"),
+    ({"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]}, "input_image"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "x"}]}, "function_call_output"),
+    ({"temperature": 3}, "temperature"),
+])
+def test_unserved_fields_are_a_400_naming_them(client, extra, named):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(**({"model": MODEL, "input": "Hi", "max_output_tokens": 2} | extra))
+    assert named in caught.value.message
+
+
+def test_store_false_and_metadata_are_accepted(server_url):
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": False, "metadata": {"k": "v"}}
+    response = httpx.post(server_url + "/v1/responses", json=body, timeout=60)
+    assert response.status_code == 200 and response.json()["metadata"] == {"k": "v"}
+
+
+def test_request_id_reaches_the_sdk(client):
+    completion = client.completions.create(model=MODEL, prompt="Hi", max_tokens=1)
+    assert completion._request_id and completion.id == "cmpl-" + completion._request_id
+    raw = client.chat.completions.with_raw_response.create(
+        model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
+        extra_headers={"x-request-id": "my-trace-1"})
+    assert raw.request_id == "my-trace-1" and raw.parse().id == "chatcmpl-my-trace-1"
