@@ -67,6 +67,8 @@ class SeqWork:
         output_ids: tokens generated so far (for penalties and seeds).
         suppress_ids: tokens that may not be sampled now (EOS while below min_tokens).
         prompt_len: prompt length (tokens); positions past it are generated tokens being recomputed.
+        constraint: the sequence's grammar matcher (``engine.constraints.Constraint``), or None when unconstrained;
+            opaque to the scheduler, which only carries it.
     """
 
     seq_id: int
@@ -79,6 +81,7 @@ class SeqWork:
     prompt_ids: list[int]
     output_ids: list[int]
     suppress_ids: list[int] = field(default_factory=list)
+    constraint: object | None = None
 
     @property
     def context_len(self) -> int:

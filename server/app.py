@@ -21,6 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service import QueueFull
+from server import structured, tools
 from server.bodylimit import BodyLimit
 from server.errors import ApiError
 from server.generation import Generation, chat_prompt_ids, prepare, text_prompt_ids
@@ -172,6 +173,7 @@ async def _admit(state: ServerState, body) -> Generation:
         prepared = await asyncio.to_thread(prepare, state, body)
     else:
         prepared = prepare(state, body)
+    prepared.grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
     generation = Generation(state, prepared)
     try:
         generation.start()
@@ -186,7 +188,8 @@ async def _admit(state: ServerState, body) -> Generation:
 async def _complete(state: ServerState, body, request: Request, chat: bool):
     generation = await _admit(state, body)
     prefix = "chatcmpl-" if chat else "cmpl-"
-    fmt = Formatter(generation, chat, prefix + uuid.uuid4().hex, state.model_name, state.tokenizer)
+    fmt = Formatter(generation, chat, prefix + uuid.uuid4().hex, state.model_name, state.tokenizer,
+                    tool_calls=chat and tools.active(body))
     want_logprobs = body.num_logprobs is not None
     echo = (not chat) and body.echo
     prompt_text = body.prompt if echo and isinstance(body.prompt, str) else (

@@ -9,6 +9,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from engine.constraints import GrammarCompiler
 from engine.loader import LoadedModel
 from engine.plan import SeqWork, StepPlan
 from engine.runner import ModelRunner
@@ -112,6 +113,7 @@ class ServerState:
         self.metrics = Metrics(self.service)
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids))  # structured outputs; built lazily
         self.log_capacity()
 
     def next_id(self) -> int:
