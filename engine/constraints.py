@@ -35,6 +35,11 @@ _LIMITS = dict(max_grammar_size=200_000,     # symbols in the grammar's producti
                step_max_items=50_000)        # Earley items per mask
 
 
+# compact JSON (one space after , and :), no free whitespace: a small model given room for whitespace may spend its
+# tokens on newlines; the data is the same
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
 class GrammarError(ValueError):
     """A grammar that cannot be served: invalid, unsupported by the engine, or past a limit."""
 
@@ -56,22 +61,24 @@ class GrammarSpec:
 class Grammar:
     """A compiled grammar; ``constraint()`` gives each sequence its own matcher (a cheap copy)."""
 
-    def __init__(self, pristine: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, pristine: llguidance.LLMatcher, vocab_size: int, eos_ids: list[int]) -> None:
         self._pristine = pristine
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids
 
     def constraint(self) -> Constraint:
-        return Constraint(self._pristine.deep_copy(), self.vocab_size)
+        return Constraint(self._pristine.deep_copy(), self.vocab_size, self.eos_ids)
 
 
 class Constraint:
     """One sequence's matcher. Opaque to the scheduler; only the engine calls its methods."""
 
-    __slots__ = ("matcher", "vocab_size", "consumed")
+    __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed")
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: list[int]) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self.eos_ids = eos_ids         # allowed when the matcher allows nothing (an error, or EOS ignored)
         self.consumed: list[int] = []  # tokens the matcher has taken, in order
 
     def sync(self, output_ids: list[int]) -> None:
@@ -148,7 +155,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(_short(matcher.get_error()))
-        grammar = Grammar(matcher, self.vocab_size)
+        grammar = Grammar(matcher, self.vocab_size, self._eos_ids or [self._hf_tokenizer.eos_token_id])
         with self._lock:
             self._cache[spec] = grammar
             if len(self._cache) > self._cache_size:
@@ -158,10 +165,7 @@ class GrammarCompiler:
 
 def _grammar_text(spec: GrammarSpec) -> str:
     if spec.kind == "json_schema":
-        # compact separators, no free whitespace: a small model given room for whitespace may spend its tokens
-        # on newlines; the JSON is the same data
-        return llguidance.LLMatcher.grammar_from_json_schema(
-            spec.text, defaults={"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "})
+        return llguidance.LLMatcher.grammar_from_json_schema(spec.text, defaults=JSON_OPTIONS)
     if spec.kind == "choice":
         choices = json.loads(spec.text)
         if not choices or not all(isinstance(c, str) for c in choices):
@@ -195,7 +199,10 @@ def fill_masks(constraints: list[Constraint], output_ids: list[list[int]]) -> to
         constraint.sync(ids)
         llguidance.torch.fill_next_token_bitmask(constraint.matcher, bitmask, row)
     bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [rows, words, 32]
-    return bits.reshape(len(constraints), -1)[:, :vocab].bool()  # [rows, vocab]
+    allowed = bits.reshape(len(constraints), -1)[:, :vocab].bool()  # [rows, vocab]
+    for row in (~allowed.any(-1)).nonzero()[:, 0].tolist():  # nothing allowed: end the sequence, never NaN
+        allowed[row, constraints[row].eos_ids] = True
+    return allowed
 
 
 def fill_masks_async(constraints: list[Constraint], output_ids: list[list[int]]) -> Future:

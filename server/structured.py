@@ -56,7 +56,7 @@ def json_schema_spec(schema, param: str) -> GrammarSpec:
             raise ApiError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param} must be a JSON Schema object", param=param)
-    text = json.dumps(schema, sort_keys=True)
+    text = json.dumps(schema)  # key order kept: properties are generated in the schema's order
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
     if _depth(schema) > MAX_SCHEMA_DEPTH:
@@ -141,6 +141,9 @@ async def compile_request(state, body) -> Grammar | None:
     spec = grammar_spec(body)
     if spec is None:
         return None
+    if body.min_tokens:  # EOS held back where the grammar allows only EOS would leave no token to sample
+        raise ApiError(400, "min_tokens cannot be combined with a grammar (response_format, guided_*, "
+                            "structured_outputs or a forced tool call)", param="min_tokens")
     compiler = state.grammars
     param = _param_of(body)
     cached = compiler.cached(spec)

@@ -21,7 +21,7 @@ from functools import cache
 import jinja2
 import jinja2.meta
 
-from engine.constraints import GrammarSpec
+from engine.constraints import JSON_OPTIONS, GrammarSpec
 from server.errors import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -88,7 +88,8 @@ def forced_grammar(body) -> GrammarSpec | None:
     for index, f in enumerate(fns):
         json_schema_spec(f["parameters"], f"tools.{index}.function.parameters")
         call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
-                "required": ["name", "arguments"], "additionalProperties": False}
+                "required": ["name", "arguments"], "additionalProperties": False,
+                "x-guidance": JSON_OPTIONS}
         alternatives.append(f"%json {json.dumps(call)}")
     repeat = "+" if body.parallel_tool_calls is not False else ""
     lark = (f"start: call{repeat}\ncall: {json.dumps(OPEN)} body {json.dumps(CLOSE)}\n"
