@@ -223,3 +223,50 @@ def test_matcher_follows_rollback_as_after_preemption(smollm2):
     assert moved.consumed == ids
     assert (fill_masks([moved], [ids[:2]]) == expected).all() and moved.consumed == ids[:2]
     assert not expected[0, smollm2.tokenizer.eos_token_id]
+
+
+def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
+    import torch
+
+    from engine.constraints import apply_masks
+    from engine.sampling import greedy_tokens, log_softmax
+
+    logits = torch.tensor([[5.0, 1.0, 3.0, 0.5], [5.0, 1.0, 3.0, 0.5], [0.0, 0.0, 0.0, 9.0]])  # [3, vocab 4]
+    allowed = torch.tensor([[False, True, True, False], [True, False, False, False]])  # rows 0 and 2 constrained
+    original_row_1 = logits[1].clone()
+    apply_masks(logits, [0, 2], allowed)
+    picked = greedy_tokens(logits, [[], [], []])
+    assert [t.token_id for t in picked] == [2, 0, 0]
+    assert torch.equal(logits[1], original_row_1)
+    # the logprob is under the masked distribution: allowed tokens' probabilities sum to 1
+    assert abs(log_softmax(logits[0])[[1, 2]].exp().sum().item() - 1.0) < 1e-6
+    assert picked[2].logprob == 0.0
+
+
+@pytest.mark.parametrize("pieces", [
+    ['<tool_call>{"name": "f", "arguments": {"a": "}{", "b": [1, {"c": 2}]}}</tool_call>'],
+    ["<tool", '_call>{"na', 'me": "f", "argu', 'ments": {"a": "}', '{", "b": [1, {"c"', ': 2}]}}</tool_', "call>"],
+])
+def test_tool_call_stream_splits_any_chunking_into_the_same_call(pieces):
+    from server.tools import ToolCallStream
+
+    stream = ToolCallStream()
+    content, deltas = "", []
+    for piece in pieces:
+        text, more = stream.feed(piece)
+        content, deltas = content + text, deltas + more
+    text, more = stream.finish()
+    content, deltas = content + text, deltas + more
+    assert content == "" and deltas[0]["function"]["name"] == "f" and deltas[0]["id"].startswith("call_")
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    assert json.loads(arguments) == {"a": "}{", "b": [1, {"c": 2}]}
+    assert stream.calls[0]["function"]["arguments"] == arguments
+
+
+def test_plain_reply_with_tools_stays_content():
+    from server.tools import ToolCallStream
+
+    stream = ToolCallStream()
+    assert stream.feed(" ") == ("", [])  # could still become a call
+    assert stream.feed("Hello <tool_call>") == (" Hello <tool_call>", [])
+    assert stream.finish() == ("", []) and stream.calls == []
