@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import llguidance
 import llguidance.hf
-import llguidance.torch
+import numpy as np
 import torch
 
 # Work bounds for one grammar (llguidance's units); a schema past them is refused, never served slowly.
@@ -178,9 +178,10 @@ def _short(error: str) -> str:
     return error.split("\n<state>")[0].strip()
 
 
-# Masks of one step are computed here while the forward pass runs (llguidance releases the GIL).
+# Masks of one step are computed here while the forward pass runs (llguidance releases the GIL). This thread
+# runs no torch ops: a second thread's torch ops would start a second OpenMP team next to the forward's, and on a
+# busy CPU the two teams' barriers stall each other (100+ ms per mask, measured); numpy's are single-threaded.
 _MASK_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-mask")
-_BITS = torch.arange(32, dtype=torch.int32)  # [32]
 
 
 def fill_masks(constraints: list[Constraint], output_ids: list[list[int]]) -> torch.Tensor:
@@ -191,18 +192,21 @@ def fill_masks(constraints: list[Constraint], output_ids: list[list[int]]) -> to
         output_ids: each sequence's accepted output tokens (its matcher is synced to them first).
 
     Returns:
-        ``[len(constraints), vocab]`` bool, True where a token is allowed.
+        ``[len(constraints), vocab]`` bool (CPU), True where a token is allowed; a row whose matcher allows nothing
+        (an error state) allows its EOS tokens, so the sequence ends instead of sampling from all minus infinity.
     """
     vocab = constraints[0].vocab_size
-    bitmask = llguidance.torch.allocate_token_bitmask(len(constraints), vocab)  # [rows, ceil(vocab/32)] int32
+    words = (vocab + 31) // 32
+    bitmask = np.zeros((len(constraints), words), dtype=np.int32)  # bit j of word w: token 32*w + j allowed
     for row, (constraint, ids) in enumerate(zip(constraints, output_ids)):
         constraint.sync(ids)
-        llguidance.torch.fill_next_token_bitmask(constraint.matcher, bitmask, row)
-    bits = (bitmask.unsqueeze(-1) >> _BITS) & 1  # [rows, words, 32]
-    allowed = bits.reshape(len(constraints), -1)[:, :vocab].bool()  # [rows, vocab]
-    for row in (~allowed.any(-1)).nonzero()[:, 0].tolist():  # nothing allowed: end the sequence, never NaN
+        constraint.matcher.unsafe_compute_mask_ptr(bitmask[row].ctypes.data, words * 4)
+    # the words as little-endian bytes, each byte's bits low first: token order
+    as_bytes = bitmask.astype("<i4", copy=False).view(np.uint8)  # [rows, 4 * words]
+    allowed = np.unpackbits(as_bytes, axis=1, bitorder="little")[:, :vocab].astype(bool)  # [rows, vocab]
+    for row in np.flatnonzero(~allowed.any(axis=1)).tolist():
         allowed[row, constraints[row].eos_ids] = True
-    return allowed
+    return torch.from_numpy(allowed)  # [rows, vocab]
 
 
 def fill_masks_async(constraints: list[Constraint], output_ids: list[list[int]]) -> Future:
