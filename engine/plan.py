@@ -69,6 +69,8 @@ class SeqWork:
         prompt_ids: the prompt (for repetition penalty and prompt logprobs).
         output_ids: tokens generated so far (for penalties and seeds).
         suppress_ids: tokens that may not be sampled now (EOS while below min_tokens).
+        constraint: the sequence's grammar matcher (``engine.constraints.Constraint``), or None when unconstrained;
+            opaque to the scheduler, which only carries it.
     """
 
     seq_id: int
@@ -81,6 +83,7 @@ class SeqWork:
     prompt_ids: list[int]
     output_ids: list[int]
     suppress_ids: list[int] = field(default_factory=list)
+    constraint: object | None = None
 
     @property
     def context_len(self) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
+from engine.constraints import apply_masks, fill_masks_async
 from engine.fastpath import fast_decoder
 from engine.loader import LoadedModel
 from engine.plan import SeqResult, SeqWork, StepPlan, TokenLogprob
@@ -92,6 +93,10 @@ class ModelRunner:
             elif w.sample:
                 keep.append(row + n - 1)
             row += n
+        constrained = [w for w in plan.work if w.sample and w.constraint is not None]
+        # grammar masks are computed on their own thread while the forward runs; unconstrained steps skip this
+        masks = fill_masks_async([w.constraint for w in constrained], [w.output_ids for w in constrained]) \
+            if constrained else None
         meta = self._metadata(plan)
         keep_rows = torch.tensor(keep, dtype=torch.long, device=device)
         if self.fast is not None:
@@ -105,7 +110,16 @@ class ModelRunner:
         if not keep:
             return [SeqResult(seq_id=w.seq_id, token=None) for w in plan.work]
         logits = logits.float()
+        if masks is not None:
+            self._constrain(plan, logits, masks.result())
         return self._sample(plan, logits)
+
+    def _constrain(self, plan: StepPlan, logits: torch.Tensor, masks: torch.Tensor) -> None:
+        """Mask the sampled row of each constrained sequence (in ``masks`` order), so that greedy picks, sampling
+        and the reported logprobs all see only the tokens the grammar allows."""
+        rows = [first + n - 1 for w, (first, n) in zip(plan.work, self._logit_spans(plan))
+                if w.sample and w.constraint is not None]
+        apply_masks(logits, rows, masks)
 
     @staticmethod
     def _logit_spans(plan: StepPlan) -> list[tuple[int, int]]:

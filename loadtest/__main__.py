@@ -22,6 +22,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "overhead": ("loadtest.overhead", "where a served token's time and CPU go beyond the model step"),
     "quant": ("loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
     "cluster": ("loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
+    "structured": ("loadtest.structured", "grammar compile time and the throughput cost of constrained decoding"),
 }
 
 

@@ -170,7 +170,8 @@ class Scheduler:
         return SeqWork(seq_id=seq.seq_id, token_ids=seq.all_ids[start:start + num_new], start_pos=start,
                        block_table=list(seq.block_table), slot_mapping=slots,
                        sample=start + num_new == seq.num_tokens, params=seq.params,
-                       prompt_ids=seq.prompt_ids, output_ids=list(seq.output_ids), suppress_ids=seq.suppress_ids)
+                       prompt_ids=seq.prompt_ids, output_ids=list(seq.output_ids), suppress_ids=seq.suppress_ids,
+                       constraint=seq.constraint)
 
     # -- results -------------------------------------------------------------------------------------
     def update(self, plan: StepPlan, results: list[SeqResult]) -> list[tuple[Sequence, SeqEvent]]:

@@ -66,6 +66,8 @@ class Sequence:
         events: the request's stream of SeqEvents (consumed by the server).
         prefix_source: another choice of the same request; this one is admitted only once the source's
             prompt is in the cache, so the prompt's full blocks are shared through the prefix cache.
+        constraint: the grammar matcher of a structured-output request (engine.constraints.Constraint), carried
+            opaquely into the plan; the engine keeps it in step with ``output_ids``.
     """
 
     seq_id: int
@@ -87,6 +89,7 @@ class Sequence:
     first_token_time: float | None = None
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     prefix_source: Sequence | None = None
+    constraint: object | None = None
 
     @property
     def all_ids(self) -> list[int]:

@@ -21,6 +21,7 @@ from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from scheduler.service import QueueFull
+from server import structured, tools
 from server.bodylimit import BodyLimit
 from server.drain import Drain, DrainGate
 from server.errors import ApiError
@@ -202,9 +203,13 @@ async def _admit(state: ServerState, body) -> Generation:
         prepared = await asyncio.to_thread(prepare_all, state, body)
     else:
         prepared = prepare_all(state, body)
+    grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
     if completions:  # one prompt or several, numbered as OpenAI numbers them
+        for one in prepared:
+            one.grammar = grammar
         generation = PromptGroups(state, prepared, body.n, body.prompts)
     else:
+        prepared.grammar = grammar
         generation = Generation(state, prepared)
     try:
         generation.start()
@@ -220,7 +225,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     generation = await _admit(state, body)
     prefix = "chatcmpl-" if chat else "cmpl-"
     # vLLM's form: the response id is the request id (x-request-id when the client sent one)
-    fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer)
+    fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer,
+                    tool_calls=chat and tools.active(body))
     want_logprobs = body.num_logprobs is not None
     echo = (not chat) and body.echo
     prompt_text = generation.prompt_text if echo else None  # index -> the prompt, for echo

@@ -17,6 +17,7 @@ from jinja2.exceptions import TemplateError
 
 from engine.plan import SamplingParams, TokenLogprob
 from scheduler.sequence import FinishReason, SeqEvent, Sequence
+from server import tools
 from server.detok import IncrementalDetokenizer, StopStringMatcher
 from server.errors import ApiError
 from server.fim import fim_prompt
@@ -35,6 +36,7 @@ class Prepared:
     stop_strings: list[str]
     stop_token_ids: frozenset[int]
     min_tokens: int
+    grammar: object | None = None  # engine.constraints.Grammar of a structured-output request (server.structured)
 
 
 def _check_text(text: str, param: str) -> None:
@@ -46,16 +48,17 @@ def _check_text(text: str, param: str) -> None:
                        param=param) from exc
 
 
-def chat_prompt_ids(state: ServerState, messages: list) -> list[int]:
-    """Token ids of chat messages through the model's chat template, ready for the assistant's turn."""
+def chat_prompt_ids(state: ServerState, messages: list, request: ChatCompletionRequest | None = None) -> list[int]:
+    """Token ids of chat messages through the model's chat template, ready for the assistant's turn (with the
+    request's tools, see server.tools)."""
     for index, message in enumerate(messages):
         _check_text(message.text, f"messages.{index}.content")
     if state.tokenizer.chat_template is None:  # a base model: only plain-text completions make sense
         raise ApiError(400, f"model {state.model_name!r} has no chat template; send the text to /v1/completions",
                        param="messages")
-    turns = [{"role": "system" if m.role == "developer" else m.role, "content": m.text} for m in messages]
+    turns, tool_defs = tools.template_inputs(messages, request, state.tokenizer.chat_template)
     try:
-        text = state.tokenizer.apply_chat_template(turns, add_generation_prompt=True, tokenize=False)
+        text = state.tokenizer.apply_chat_template(turns, tools=tool_defs, add_generation_prompt=True, tokenize=False)
     except TemplateError as exc:  # the template's own refusal, e.g. roles that do not alternate
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
     return state.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -70,7 +73,7 @@ def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | Completio
     """Tokenize the prompt (chat template for chat). Raises ApiError on bad text or token ids."""
     tokenizer = state.tokenizer
     if isinstance(request, ChatCompletionRequest):
-        return chat_prompt_ids(state, request.messages)
+        return chat_prompt_ids(state, request.messages, request)
     if isinstance(request.prompt, str):
         if request.suffix:
             _check_text(request.suffix, "suffix")
@@ -182,7 +185,8 @@ class Generation:
                 params = dataclasses.replace(params, seed=params.seed + index)  # n choices must differ
             seq = Sequence(seq_id=state.next_id(), prompt_ids=prepared.prompt_ids, params=params,
                            max_tokens=prepared.max_tokens, stop_token_ids=prepared.stop_token_ids,
-                           min_tokens=prepared.min_tokens, events=self.events, prefix_source=first)
+                           min_tokens=prepared.min_tokens, events=self.events, prefix_source=first,
+                           constraint=prepared.grammar.constraint() if prepared.grammar is not None else None)
             first = first or seq
             choice = _Choice(seq=seq, detok=IncrementalDetokenizer(state.tokenizer, prepared.prompt_ids),
                              matcher=StopStringMatcher(prepared.stop_strings))

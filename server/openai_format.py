@@ -9,6 +9,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.plan import TokenLogprob
 from server.generation import ChoiceUpdate, Generation
+from server.tools import ToolCallStream
 
 
 @cache
@@ -43,9 +44,12 @@ class Formatter:
         request_id: the id shared by every chunk of the response.
         model: the served model name.
         tokenizer: for token strings in logprobs.
+        tool_calls: parse replies for tool calls (chat with tools; server.tools): they come out as
+            ``tool_calls`` with finish_reason ``tool_calls`` instead of content.
     """
 
-    def __init__(self, generation: Generation, chat: bool, request_id: str, model: str, tokenizer) -> None:
+    def __init__(self, generation: Generation, chat: bool, request_id: str, model: str, tokenizer,
+                 tool_calls: bool = False) -> None:
         self.generation = generation
         self.chat = chat
         self.id = request_id
@@ -55,6 +59,20 @@ class Formatter:
         self.utf8: dict[int, codecs.IncrementalDecoder] = {}  # per choice: bytes of a character not yet complete
         self.sent_role: set[int] = set()
         self._special_ids = frozenset(tokenizer.all_special_ids)
+        self.tool_streams: dict[int, ToolCallStream] | None = {} if tool_calls else None
+
+    def _split_tools(self, index: int, text: str, reason: str | None) -> tuple[str, list[dict], str | None]:
+        """Content, ``tool_calls`` deltas and finish_reason of a choice's new text (tools off: as given)."""
+        if self.tool_streams is None:
+            return text, [], reason
+        stream = self.tool_streams.setdefault(index, ToolCallStream())
+        content, deltas = stream.feed(text)
+        if reason is not None:
+            tail, more = stream.finish()
+            content, deltas = content + tail, deltas + more
+            if stream.calls and reason == "stop":
+                reason = "tool_calls"
+        return content, deltas, reason
 
     def _token_str(self, token_id: int) -> str:
         return token_text(token_bytes(self.tokenizer, token_id))
@@ -97,11 +115,14 @@ class Formatter:
     def chunk(self, update: ChoiceUpdate, want_logprobs: bool, echo: tuple[str, dict | None] | None = None) -> dict:
         """One streamed chunk for one choice update."""
         if self.chat:
-            delta: dict = {"content": update.text}
+            content, tool_deltas, reason = self._split_tools(update.index, update.text, update.finish_reason)
+            delta: dict = {"content": content}
             if update.index not in self.sent_role:
                 self.sent_role.add(update.index)
-                delta = {"role": "assistant", "content": update.text}
-            choice = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": update.finish_reason}
+                delta = {"role": "assistant", "content": content}
+            if tool_deltas:
+                delta |= {"content": content or None, "tool_calls": tool_deltas}
+            choice = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": reason}
             if want_logprobs and update.tokens:
                 choice["logprobs"] = self._chat_logprobs(update.tokens)
             obj = "chat.completion.chunk"
@@ -132,9 +153,14 @@ class Formatter:
         choices = []
         for index in sorted(texts):
             if self.chat:
-                choice = {"index": index, "message": {"role": "assistant", "content": texts[index]},
+                content, _, reason = self._split_tools(index, texts[index], reasons[index])
+                message = {"role": "assistant", "content": content}
+                calls = self.tool_streams[index].calls if self.tool_streams is not None else []
+                if calls:
+                    message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                choice = {"index": index, "message": message,
                           "logprobs": self._chat_logprobs(tokens[index]) if want_logprobs else None,
-                          "finish_reason": reasons[index]}
+                          "finish_reason": reason}
             else:
                 update = ChoiceUpdate(index=index, text=texts[index], tokens=tokens[index])
                 chunk = self.chunk(update, want_logprobs, echoes.get(index))

@@ -1,6 +1,6 @@
 """Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as OpenAI does; OpenAI
-fields that kvserve does not implement (tools, JSON mode, best_of on chat, image parts) are refused with a 400
-naming them whenever they would change the output, so a client never gets silently different text.
+fields that kvserve does not implement (best_of and suffix on chat, image parts) are refused with a 400 naming
+them whenever they would change the output, so a client never gets silently different text.
 
 Ranges follow OpenAI's API reference; vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids) are accepted too.
@@ -57,19 +57,23 @@ class _SamplingRequest(_NullMeansDefault):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]; see _check_logit_bias
-    # OpenAI fields not implemented here; see _refuse_unsupported
+    # structured outputs and tools (checked and compiled by server.structured and server.tools)
     response_format: dict | None = None
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict | None = None
     tools: list | None = None
     tool_choice: str | dict | None = None
+    parallel_tool_calls: bool | None = None
+    # served on completions only (CompletionRequest); see _refuse_unsupported
     best_of: int | None = None
     suffix: str | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         unsupported = [name for name, used in (
-            ("response_format", bool(self.response_format) and self.response_format.get("type", "text") != "text"),
-            ("tools", bool(self.tools)),
-            ("tool_choice", self.tool_choice not in (None, "none", "auto")),
             # completions serve these (CompletionRequest, server.fim); chat has no such fields at OpenAI
             ("best_of", self.best_of is not None and self.best_of != self.n and not self._completions),
             ("suffix", self.suffix is not None and not self._completions),
@@ -122,6 +126,9 @@ class ChatMessage(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[ContentPart] | None = None
+    tool_calls: list[dict] | None = None  # an assistant's earlier calls (server.tools renders them)
+    tool_call_id: str | None = None       # a tool message: the call it answers
+    name: str | None = None
 
     @field_validator("content")
     @classmethod
@@ -162,6 +169,7 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
+
     max_tokens: int = Field(default=16, ge=1)  # OpenAI's completions default, also when null
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
@@ -169,6 +177,12 @@ class CompletionRequest(_SamplingRequest):
     _completions: ClassVar[bool] = True
     # served: vLLM v0's best_of (best_of candidates, the n best by cumulative logprob returned); non-streamed only
     best_of: int | None = Field(default=None, ge=1, le=16)
+
+    @model_validator(mode="after")
+    def _no_tools(self):
+        if self.tools or self.tool_choice is not None:
+            raise ValueError("tools and tool_choice are for /v1/chat/completions")
+        return self
 
     @field_validator("prompt")
     @classmethod

@@ -9,6 +9,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from engine.constraints import GrammarCompiler
 from engine.loader import LoadedModel
 from engine.plan import SeqWork, StepPlan
 from engine.runner import ModelRunner
@@ -116,6 +117,7 @@ class ServerState:
                                vllm_names=config.vllm_metric_names)
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
+        self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids))  # structured outputs; built lazily
         self.log_capacity()
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:

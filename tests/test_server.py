@@ -400,8 +400,8 @@ def test_a_one_token_prompt_chunk_is_prefill_not_decode():
 
 
 @pytest.mark.parametrize("path,extra,named", [
-    (CHAT, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    (CHAT, {"response_format": {"type": "json_object"}}, "response_format"),
+    (COMPLETIONS, {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (CHAT, {"response_format": {"type": "yaml"}}, "response_format"),
     (CHAT, {"top_logprobs": 3}, "top_logprobs requires logprobs"),
     (CHAT, {"stream": "yes"}, "stream"),
     (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

@@ -1,0 +1,147 @@
+"""``python -m loadtest structured``: what constrained decoding costs.
+
+1. Grammar compile time of every test schema (tests/data/structured_schemas.json) with the served model's
+   tokenizer, cold and on a cache hit, and the mask time per token for 1 and 32 sequences (in-process).
+2. Output tokens/s of a served model under 32 concurrent clients (closed loop: each sends its next request when
+   the last one ends), three runs on one server: all unconstrained, all constrained to a mid-sized schema, and
+   10% constrained. Every request runs to ``max_tokens`` (unconstrained ones ignore EOS; the schema's output is
+   longer than ``max_tokens``), so the runs do the same model work and differ only by the masks.
+
+Talks only to 127.0.0.1 and stops by itself (a bounded number of requests).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from pathlib import Path
+
+import httpx
+
+from loadtest.benchmarks_md import update_section
+from loadtest.serverproc import kvserve_command, launch
+
+SCHEMAS = Path(__file__).resolve().parent.parent / "tests" / "data" / "structured_schemas.json"
+_ITEM = {"type": "object", "properties": {
+    "sku": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{4}$"},
+    "name": {"type": "string", "maxLength": 24},
+    "qty": {"type": "integer", "minimum": 1, "maximum": 99},
+    "category": {"enum": ["food", "tools", "books", "toys", "garden"]},
+    "price": {"type": "number", "minimum": 0, "maximum": 1000}},
+    "required": ["sku", "name", "qty", "category", "price"], "additionalProperties": False}
+# mid-sized: nested objects, an array, enums, a pattern, bounds; its output is longer than the runs' max_tokens
+MID_SCHEMA = {"type": "object", "properties": {
+    "order_id": {"type": "string", "format": "uuid"},
+    "customer": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                                  "email": {"type": "string", "format": "email"}},
+                 "required": ["name", "email"], "additionalProperties": False},
+    "items": {"type": "array", "items": _ITEM, "minItems": 20, "maxItems": 30}},
+    "required": ["order_id", "customer", "items"], "additionalProperties": False}
+PROMPT = "Write a large shop order as JSON: a customer and many items."
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--clients", type=int, default=32, help="concurrent clients (default 32)")
+    parser.add_argument("--requests", type=int, default=2, help="requests per client per run (default 2)")
+    parser.add_argument("--max-tokens", type=int, default=32, help="tokens per request (default 32)")
+    parser.add_argument("--compile-only", action="store_true", help="only the compile and mask figures (no server)")
+    parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
+
+
+def _compile_figures() -> tuple[list[float], list[float], dict[int, float]]:
+    """Cold compile ms per test schema, cache-hit ms, and mask ms per step for 1 and 32 sequences."""
+    from engine.constraints import GrammarCompiler, GrammarSpec, fill_masks
+    from engine.loader import load_model
+    from server.structured import json_schema_spec
+
+    tokenizer = load_model(None).tokenizer
+    compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id])
+    compiler.tokenizer()  # built once per server (its own figure in the log), not per schema
+    cold, hit = [], []
+    for entry in json.loads(SCHEMAS.read_text()):
+        spec = json_schema_spec(entry["schema"], "schema")
+        start = time.perf_counter()
+        compiler.compile(spec)
+        cold.append((time.perf_counter() - start) * 1000)
+        start = time.perf_counter()
+        compiler.compile(spec)
+        hit.append((time.perf_counter() - start) * 1000)
+    grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(MID_SCHEMA)))
+    text = json.dumps({"order_id": "0b7e4f0e-3c1a-4d55-9a8e-5f2d1c3b4a6e",
+                       "customer": {"name": "Ada", "email": "ada@example.com"},
+                       "items": [{"sku": "ABC-1234", "name": "Hammer", "qty": 2, "category": "tools", "price": 9.5}]})
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:-3]
+    masks_ms = {}
+    for rows in (1, 32):
+        constraints = [grammar.constraint() for _ in range(rows)]
+        times = []
+        for step in range(1, len(ids)):
+            start = time.perf_counter()
+            fill_masks(constraints, [ids[:step]] * rows)
+            times.append((time.perf_counter() - start) * 1000)
+        masks_ms[rows] = statistics.median(times)
+    return cold, hit, masks_ms
+
+
+async def _run_load(url: str, clients: int, requests: int, max_tokens: int, constrained: int) -> float:
+    """Output tokens/s with ``constrained`` of the ``clients`` constrained to MID_SCHEMA."""
+    tokens = 0
+
+    async def client(index: int, http: httpx.AsyncClient) -> None:
+        nonlocal tokens
+        body = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": max_tokens, "temperature": 0}
+        if index < constrained:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "order", "schema": MID_SCHEMA}}
+        else:
+            body["ignore_eos"] = True
+        for _ in range(requests):
+            response = await http.post(url + "/v1/chat/completions", json=body, timeout=600)
+            response.raise_for_status()
+            tokens += response.json()["usage"]["completion_tokens"]
+
+    async with httpx.AsyncClient(limits=httpx.Limits(max_connections=clients + 4)) as http:
+        warm = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 2,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "order", "schema": MID_SCHEMA}}}
+        (await http.post(url + "/v1/chat/completions", json=warm, timeout=600)).raise_for_status()  # compile once
+        start = time.perf_counter()
+        await asyncio.gather(*(client(i, http) for i in range(clients)))
+        return tokens / (time.perf_counter() - start)
+
+
+def run(args: argparse.Namespace) -> int:
+    cold, hit, masks_ms = _compile_figures()
+    compile_body = (f"Grammar compile time of the {len(cold)} test schemas (llguidance, SmolLM2's 49,152-token "
+                    f"vocabulary; the tokenizer is converted once per server): p50 {statistics.median(cold):.1f} ms, "
+                    f"max {max(cold):.1f} ms; a cache hit {statistics.median(hit) * 1000:.0f} us. Mask per decode "
+                    f"step (mid-sized schema, p50): {masks_ms[1]:.2f} ms for 1 sequence, {masks_ms[32]:.2f} ms for 32 "
+                    f"(computed on its own thread while the forward pass runs).\n")
+    print(compile_body)
+    if not args.no_write:
+        update_section("structured-compile", "Structured outputs: grammar compile and mask time",
+                       "python -m loadtest structured --compile-only", compile_body)
+    if args.compile_only:
+        return 0
+    rates: dict[str, float] = {}
+    with launch(kvserve_command(["--max-num-seqs", str(args.clients)]), name="structured") as server:
+        for label, constrained in (("unconstrained", 0), ("all constrained", args.clients),
+                                   ("10% constrained", max(1, round(args.clients / 10)))):
+            rates[label] = asyncio.run(_run_load(server.url, args.clients, args.requests, args.max_tokens,
+                                                 constrained))
+            print(f"{label}: {rates[label]:.1f} output tokens/s", flush=True)
+    base = rates["unconstrained"]
+    body = (f"| {args.clients} clients, {args.max_tokens} tokens per request, greedy | output tokens/s | vs "
+            f"unconstrained | target |\n|---|---|---|---|\n"
+            f"| unconstrained | {base:.1f} | 1.00x | |\n"
+            f"| all constrained (mid-sized schema) | {rates['all constrained']:.1f} | "
+            f"{rates['all constrained'] / base:.2f}x | >= 0.9x |\n"
+            f"| 10% constrained | {rates['10% constrained']:.1f} | {rates['10% constrained'] / base:.2f}x | "
+            f">= 0.97x |\n")
+    print(body)
+    if not args.no_write:
+        command = (f"python -m loadtest structured --clients {args.clients} --requests {args.requests} "
+                   f"--max-tokens {args.max_tokens}")
+        update_section("structured", "Structured outputs: the cost of token masks under load", command, body)
+    return 0

@@ -1,0 +1,241 @@
+"""Tool calling in OpenAI's shape: tools into the prompt, the reply parsed into ``tool_calls``.
+
+The model sees the tools through its chat template when the template reads a ``tools`` variable
+(transformers' ``apply_chat_template(tools=...)``); otherwise through ``DEFAULT_TOOL_PROMPT`` added to the system
+message. Either way it is asked to answer with Hermes-style blocks, which is also what the parser reads::
+
+    <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
+
+``tool_choice``: ``none`` leaves the tools out of the prompt and parses nothing; ``auto`` parses the reply when it
+starts with ``<tool_call>``; ``required`` and a named function constrain the reply to that wrapper around the
+functions' parameter schemas (one call, or one or more with ``parallel_tool_calls``), so it always parses.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from functools import cache
+
+import jinja2
+import jinja2.meta
+
+from engine.constraints import JSON_OPTIONS, GrammarSpec
+from server.errors import ApiError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+DEFAULT_TOOL_PROMPT = (
+    "You can call functions. The functions, as JSON Schema, are:\n<tools>\n{tools}\n</tools>\n"
+    "To call a function, reply with one block per call and nothing else:\n"
+    '<tool_call>{{"name": "<function name>", "arguments": <arguments as a JSON object>}}</tool_call>'
+)
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+_HEADER = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*', re.S)
+_EMPTY_PARAMETERS = {"type": "object", "properties": {}}
+
+
+def functions(body) -> list[dict]:
+    """The request's functions (``{"name", "description", "parameters"}``), checked.
+
+    Raises:
+        ApiError: 400 for a tool that is not a function, a bad name, or a named ``tool_choice`` not among them.
+    """
+    result = []
+    for index, tool in enumerate(body.tools or []):
+        param = f"tools.{index}"
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" \
+                or not isinstance(tool.get("function"), dict):
+            raise ApiError(400, f"{param} must be {{\"type\": \"function\", \"function\": {{...}}}}", param=param)
+        function = tool["function"]
+        name = function.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ApiError(400, f"{param}.function.name must be 1-64 letters, digits, _ or -", param=param)
+        parameters = function.get("parameters") or _EMPTY_PARAMETERS
+        if not isinstance(parameters, dict):
+            raise ApiError(400, f"{param}.function.parameters must be a JSON Schema object", param=param)
+        result.append({"name": name, "description": function.get("description", ""), "parameters": parameters})
+    choice = body.tool_choice
+    if choice is not None and not result and choice != "none":
+        raise ApiError(400, "tool_choice needs tools", param="tool_choice")
+    if isinstance(choice, str) and choice not in ("none", "auto", "required"):
+        raise ApiError(400, f"tool_choice must be none, auto, required or a function, not {choice!r}",
+                       param="tool_choice")
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name")
+        if choice.get("type") != "function" or name not in {f["name"] for f in result}:
+            raise ApiError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
+    return result
+
+
+def active(body) -> bool:
+    """Whether the reply is to be parsed for tool calls (tools given, ``tool_choice`` not ``none``)."""
+    return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
+
+
+def forced_grammar(body) -> GrammarSpec | None:
+    """The grammar of ``tool_choice`` ``required`` or a named function: ``<tool_call>`` blocks whose JSON is
+    ``{"name": <a function>, "arguments": <its parameters>}``; None for ``auto``/``none``/no tools."""
+    fns = functions(body)
+    choice = body.tool_choice
+    if not fns or choice in (None, "none", "auto"):
+        return None
+    if isinstance(choice, dict):
+        fns = [f for f in fns if f["name"] == choice["function"]["name"]]
+    from server.structured import json_schema_spec  # checks each parameter schema like a response_format's
+    alternatives = []
+    for index, f in enumerate(fns):
+        json_schema_spec(f["parameters"], f"tools.{index}.function.parameters")
+        call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+                "required": ["name", "arguments"], "additionalProperties": False,
+                "x-guidance": JSON_OPTIONS}
+        alternatives.append(f"%json {json.dumps(call)}")
+    repeat = "+" if body.parallel_tool_calls is not False else ""
+    lark = (f"start: call{repeat}\ncall: {json.dumps(OPEN)} body {json.dumps(CLOSE)}\n"
+            f"body: {' | '.join(alternatives)}\n")
+    return GrammarSpec("lark", lark)
+
+
+@cache
+def template_takes_tools(template: str) -> bool:
+    """Whether a chat template reads the ``tools`` variable."""
+    return "tools" in jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(template))
+
+
+def template_inputs(messages: list, body, template: str) -> tuple[list[dict], list[dict] | None]:
+    """Chat-template turns and the ``tools`` argument for ``apply_chat_template``.
+
+    Assistant ``tool_calls`` in the history become ``<tool_call>`` blocks (or the template's own ``tool_calls``
+    when it takes tools); ``tool`` messages keep their role.
+    """
+    takes_tools = template_takes_tools(template)
+    fns = functions(body) if body is not None and active(body) else []
+    turns = []
+    for m in messages:
+        turn: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+        if m.role == "assistant" and m.tool_calls:
+            calls = [_history_call(c, i) for i, c in enumerate(m.tool_calls)]
+            if takes_tools:
+                turn["tool_calls"] = [{"type": "function", "function": c} for c in calls]
+            else:
+                turn["content"] = (m.text + "".join(f"{OPEN}{json.dumps(c)}{CLOSE}" for c in calls)).strip()
+        if m.role == "tool" and m.tool_call_id:
+            turn["tool_call_id"] = m.tool_call_id
+        turns.append(turn)
+    if not fns:
+        return turns, None
+    openai_tools = [{"type": "function", "function": f} for f in fns]
+    if takes_tools:
+        return turns, openai_tools
+    prompt = DEFAULT_TOOL_PROMPT.format(tools="\n".join(json.dumps(t) for t in openai_tools))
+    if turns and turns[0]["role"] == "system":
+        turns[0] = turns[0] | {"content": turns[0]["content"] + "\n\n" + prompt}
+    else:
+        turns.insert(0, {"role": "system", "content": prompt})
+    return turns, None
+
+
+def _history_call(call, index: int) -> dict:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise ApiError(400, "an assistant message's tool_calls must be [{\"id\", \"type\": \"function\", "
+                            "\"function\": {\"name\", \"arguments\"}}]", param=f"tool_calls.{index}")
+    arguments = function.get("arguments") or "{}"
+    try:
+        arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"tool_calls.{index}.function.arguments is not JSON: {exc}",
+                       param=f"tool_calls.{index}") from exc
+    return {"name": function["name"], "arguments": arguments}
+
+
+def _object_end(text: str, start: int) -> int | None:
+    """Index just past the JSON value starting at ``text[start]`` (an object), or None if it is incomplete."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+class ToolCallStream:
+    """Splits one choice's generated text into content and tool calls, incrementally.
+
+    ``feed`` takes new text and returns ``(content, tool_call_deltas)`` in the shape of a chat chunk's
+    ``delta.tool_calls`` (the first delta of a call carries its id and name, later ones argument fragments);
+    ``finish`` flushes. ``calls`` holds the whole calls so far (for a non-streamed message).
+    """
+
+    def __init__(self) -> None:
+        self.buffer = ""
+        self.mode = "undecided"   # then "content" (plain text) or "tools"
+        self.pos = 0               # tools mode: parsed up to here
+        self.args_start: int | None = None  # tools mode: where the current call's arguments begin
+        self.args_sent = 0
+        self.calls: list[dict] = []
+
+    def feed(self, text: str) -> tuple[str, list[dict]]:
+        self.buffer += text
+        if self.mode == "content":
+            self.buffer = ""
+            return text, []
+        if self.mode == "undecided":
+            head = self.buffer.lstrip()
+            if head.startswith(OPEN):
+                self.mode = "tools"
+            elif OPEN.startswith(head):
+                return "", []  # maybe the start of a call: wait
+            else:
+                self.mode = "content"
+                content, self.buffer = self.buffer, ""
+                return content, []
+        return "", self._parse()
+
+    def _parse(self) -> list[dict]:
+        deltas: list[dict] = []
+        while True:
+            if self.args_start is None:
+                match = _HEADER.match(self.buffer, self.pos)
+                if match is None:
+                    return deltas
+                call = {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                        "function": {"name": match.group(1), "arguments": ""}}
+                self.calls.append(call)
+                deltas.append({"index": len(self.calls) - 1, "id": call["id"], "type": "function",
+                               "function": {"name": call["function"]["name"], "arguments": ""}})
+                self.args_start, self.args_sent = match.end(), match.end()
+            end = _object_end(self.buffer, self.args_start)
+            limit = end if end is not None else len(self.buffer)
+            if limit > self.args_sent:
+                fragment = self.buffer[self.args_sent:limit]
+                self.calls[-1]["function"]["arguments"] += fragment
+                deltas.append({"index": len(self.calls) - 1, "function": {"arguments": fragment}})
+                self.args_sent = limit
+            if end is None:
+                return deltas
+            close = re.compile(r"\s*\}\s*" + re.escape(CLOSE)).match(self.buffer, end)
+            if close is None:
+                return deltas
+            self.pos, self.args_start = close.end(), None
+
+    def finish(self) -> tuple[str, list[dict]]:
+        """Flush at the end: undecided text is content; a tools-mode reply that yielded no call is content."""
+        if self.mode == "undecided" or (self.mode == "tools" and not self.calls):
+            content, self.buffer, self.mode = self.buffer, "", "content"
+            return content, []
+        return "", []

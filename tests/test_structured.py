@@ -1,0 +1,275 @@
+"""Structured outputs and tool calling against the live server, with real clients and real schemas."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import jsonschema
+import openai
+import pydantic
+import pytest
+
+from engine.constraints import GrammarCompiler, GrammarSpec
+
+SCHEMAS = json.loads((Path(__file__).parent / "data" / "structured_schemas.json").read_text())
+CHAT = "/v1/chat/completions"
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                                    "unit": {"enum": ["celsius", "fahrenheit"]}},
+                   "required": ["city", "unit"], "additionalProperties": False}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string", "maxLength": 12}}, "required": ["zone"],
+    "additionalProperties": False}}}
+
+
+def chat(url: str, content: str, **kw) -> httpx.Response:
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 64} | kw
+    return httpx.post(url + CHAT, json=body, timeout=300)
+
+
+def schema_format(schema: dict, name: str = "out") -> dict:
+    return {"type": "json_schema", "json_schema": {"name": name, "schema": schema, "strict": True}}
+
+
+@pytest.fixture(scope="module")
+def client(server_url):
+    return openai.OpenAI(base_url=server_url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_every_schema_validates_at_temperature_0_and_1(server_url):
+    """33 schemas of the kinds people send, each at temperature 0 and 1, all in flight at once."""
+    def one(case):
+        entry, temperature = case
+        response = chat(server_url, f"Give an example of {entry['name'].replace('_', ' ')} as JSON.",
+                        temperature=temperature, seed=1, max_tokens=56,
+                        response_format=schema_format(entry["schema"]))
+        assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        return entry, choice["message"]["content"], choice["finish_reason"]
+
+    cases = [(entry, t) for entry in SCHEMAS for t in (0.0, 1.0)]
+    with ThreadPoolExecutor(len(cases)) as pool:
+        results = list(pool.map(one, cases))
+    completed, cut = 0, []
+    for entry, text, reason in results:
+        assert reason in ("stop", "length"), (entry["name"], reason)
+        if reason == "stop":
+            jsonschema.validate(json.loads(text), entry["schema"])
+            completed += 1
+        else:
+            cut.append(entry["name"])
+    # a few run to max_tokens (a number's digits at temperature 1, a recursive tree at 0); most must complete
+    assert completed >= 0.85 * len(cases), f"only {completed} of {len(cases)} completed; cut: {cut}"
+
+
+def test_greedy_constrained_output_is_the_same_alone_and_batched(server_url):
+    schema = next(e["schema"] for e in SCHEMAS if e["name"] == "event")
+    kw = {"response_format": schema_format(schema)}
+    alone = chat(server_url, "Describe a team meeting.", **kw).json()["choices"][0]["message"]["content"]
+    prompts = ["Describe a team meeting.", "Describe a birthday party.", "Describe a concert.", "Hi"]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        batched = list(pool.map(lambda p: chat(server_url, p, n=2, **kw).json(), prompts))
+    assert [c["message"]["content"] for c in batched[0]["choices"]] == [alone, alone]
+    for response in batched:
+        for choice in response["choices"]:
+            jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+def test_json_cut_by_max_tokens_says_length(server_url):
+    response = chat(server_url, "A person", max_tokens=3,
+                    response_format=schema_format(SCHEMAS[0]["schema"])).json()["choices"][0]
+    assert response["finish_reason"] == "length"
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(response["message"]["content"])
+
+
+def test_json_object_logprobs_and_stop_strings(server_url):
+    response = chat(server_url, "Give a JSON object about a cat.", response_format={"type": "json_object"},
+                    logprobs=True, top_logprobs=2, max_tokens=40).json()["choices"][0]
+    if response["finish_reason"] == "stop":
+        assert isinstance(json.loads(response["message"]["content"]), dict)
+    for token in response["logprobs"]["content"]:
+        assert token["logprob"] > float("-inf") and token["top_logprobs"][0]["logprob"] >= token["logprob"]
+    stopped = chat(server_url, "A person", stop=['"age"'],
+                   response_format=schema_format(SCHEMAS[0]["schema"])).json()["choices"][0]
+    assert stopped["finish_reason"] == "stop" and '"age"' not in stopped["message"]["content"]
+
+
+def test_vllm_guided_fields(server_url):
+    picked = chat(server_url, "Is the sky blue?", guided_choice=["yes", "no"]).json()["choices"][0]
+    assert picked["message"]["content"] in ("yes", "no")
+    date = chat(server_url, "When?", guided_regex=r"\d{4}-\d{2}-\d{2}").json()["choices"][0]["message"]["content"]
+    assert len(date) == 10 and date[4] == "-" and date[:4].isdigit()
+    newer = chat(server_url, "Pick", structured_outputs={"choice": ["red", "green"]}).json()
+    assert newer["choices"][0]["message"]["content"] in ("red", "green")
+    via_json = chat(server_url, "A person", guided_json=json.dumps(SCHEMAS[0]["schema"])).json()["choices"][0]
+    jsonschema.validate(json.loads(via_json["message"]["content"]), SCHEMAS[0]["schema"])
+    streamed = httpx.post(server_url + CHAT, timeout=120, json={
+        "messages": [{"role": "user", "content": "Is water wet?"}], "guided_choice": ["yes", "no"],
+        "temperature": 0, "stream": True})
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                   for line in streamed.text.splitlines() if line.startswith("data: {"))
+    assert text in ("yes", "no")
+
+
+@pytest.mark.parametrize("body, names", [
+    ({"response_format": schema_format({"type": "object", "if": {"type": "object"}, "then": {}})}, "if"),
+    ({"response_format": schema_format({"type": "strin"})}, "not a valid JSON Schema"),
+    ({"response_format": schema_format({"type": "string", "pattern": "(a"})}, "pattern"),
+    ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": schema_format(json.loads("[" * 40 + "1" + "]" * 40))}, "JSON Schema object"),
+    ({"response_format": schema_format({"type": "array", "items": json.loads('{"items": ' * 40 + "{}" + "}" * 40)})},
+     "limit of 32 levels"),
+    ({"guided_choice": ["a"], "guided_regex": "b"}, "not several"),
+    ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
+    ({"guided_grammar": "start: ("}, "guided_grammar"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    ({"tools": [{"type": "retrieval"}]}, "tools.0"),
+])
+def test_bad_grammars_get_400_naming_the_problem(server_url, body, names):
+    response = chat(server_url, "Hi", **body)
+    assert response.status_code == 400, response.text
+    assert names in response.json()["error"]["message"]
+
+
+def test_huge_enum_is_served_or_refused_quickly_and_others_go_on(server_url):
+    huge = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(4000)]}}, "required": ["v"]}
+    response = chat(server_url, "Pick one", max_tokens=16, response_format=schema_format(huge))
+    assert response.status_code in (200, 400), response.text
+    if response.status_code == 200:
+        assert json.loads(response.json()["choices"][0]["message"]["content"])["v"].startswith("value-")
+    assert chat(server_url, "Hi", max_tokens=4).status_code == 200
+
+
+class Weather(pydantic.BaseModel):
+    city: str = pydantic.Field(max_length=20)
+    unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
+    days: int = pydantic.Field(ge=1, le=7)
+
+
+def test_sdk_parse_returns_a_pydantic_object(client):
+    completion = client.chat.completions.parse(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=64, response_format=Weather,
+        messages=[{"role": "user", "content": "Weather forecast for Paris for 3 days, in celsius."}])
+    parsed = completion.choices[0].message.parsed
+    assert isinstance(parsed, Weather) and 1 <= parsed.days <= 7
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_forced_tool_call_parses(client, tool_choice):
+    completion = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=64, tools=[WEATHER, TIME],
+        tool_choice=tool_choice, parallel_tool_calls=False,
+        messages=[{"role": "user", "content": "What is the weather in Paris?"}])
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    schema = {"get_weather": WEATHER, "get_time": TIME}[call.function.name]["function"]["parameters"]
+    jsonschema.validate(json.loads(call.function.arguments), schema)
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+
+
+def test_streamed_tool_call_reassembles(client):
+    stream = client.chat.completions.create(
+        model="SmolLM2-135M-Instruct", temperature=0, max_tokens=64, tools=[WEATHER], stream=True,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        messages=[{"role": "user", "content": "What is the weather in Rome?"}])
+    calls: dict[int, dict] = {}
+    reasons = []
+    fragments = 0
+    for chunk in stream:
+        choice = chunk.choices[0]
+        reasons.append(choice.finish_reason)
+        for delta in choice.delta.tool_calls or []:
+            call = calls.setdefault(delta.index, {"name": "", "arguments": ""})
+            call["name"] += delta.function.name or ""
+            call["arguments"] += delta.function.arguments or ""
+            fragments += 1
+    assert reasons[-1] == "tool_calls" and list(calls) == [0] and fragments > 2
+    assert calls[0]["name"] == "get_weather"
+    jsonschema.validate(json.loads(calls[0]["arguments"]), WEATHER["function"]["parameters"])
+
+
+def test_tool_history_and_auto_and_none_are_served(client):
+    history = [
+        {"role": "user", "content": "What is the weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris", "unit": "celsius"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "21 degrees, sunny"},
+    ]
+    for tool_choice in ("auto", "none"):
+        completion = client.chat.completions.create(model="SmolLM2-135M-Instruct", temperature=0, max_tokens=24,
+                                                    tools=[WEATHER], tool_choice=tool_choice, messages=history)
+        choice = completion.choices[0]
+        assert choice.finish_reason in ("stop", "length", "tool_calls")
+        assert choice.message.content or choice.message.tool_calls
+        if tool_choice == "none":
+            assert not choice.message.tool_calls
+
+
+def test_matcher_follows_rollback_as_after_preemption(smollm2):
+    """A matcher synced to fewer tokens (recompute after preemption, rejected drafts) allows what a fresh one does."""
+    compiler = GrammarCompiler(smollm2.tokenizer, [smollm2.tokenizer.eos_token_id])
+    grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"])))
+    assert compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"]))) is grammar  # cached
+    from engine.constraints import fill_masks
+    ids = smollm2.tokenizer('{"name": "Al", "age": 3', add_special_tokens=False)["input_ids"]
+    fresh, moved = grammar.constraint(), grammar.constraint()
+    expected = fill_masks([fresh], [ids[:2]])
+    fill_masks([moved], [ids])
+    assert moved.consumed == ids
+    assert (fill_masks([moved], [ids[:2]]) == expected).all() and moved.consumed == ids[:2]
+    assert not expected[0, smollm2.tokenizer.eos_token_id]
+
+
+def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
+    import torch
+
+    from engine.constraints import apply_masks
+    from engine.sampling import greedy_tokens, log_softmax
+
+    logits = torch.tensor([[5.0, 1.0, 3.0, 0.5], [5.0, 1.0, 3.0, 0.5], [0.0, 0.0, 0.0, 9.0]])  # [3, vocab 4]
+    allowed = torch.tensor([[False, True, True, False], [True, False, False, False]])  # rows 0 and 2 constrained
+    original_row_1 = logits[1].clone()
+    apply_masks(logits, [0, 2], allowed)
+    picked = greedy_tokens(logits, [[], [], []])
+    assert [t.token_id for t in picked] == [2, 0, 0]
+    assert torch.equal(logits[1], original_row_1)
+    # the logprob is under the masked distribution: allowed tokens' probabilities sum to 1
+    assert abs(log_softmax(logits[0])[[1, 2]].exp().sum().item() - 1.0) < 1e-6
+    assert picked[2].logprob == 0.0
+
+
+@pytest.mark.parametrize("pieces", [
+    ['<tool_call>{"name": "f", "arguments": {"a": "}{", "b": [1, {"c": 2}]}}</tool_call>'],
+    ["<tool", '_call>{"na', 'me": "f", "argu', 'ments": {"a": "}', '{", "b": [1, {"c"', ': 2}]}}</tool_', "call>"],
+])
+def test_tool_call_stream_splits_any_chunking_into_the_same_call(pieces):
+    from server.tools import ToolCallStream
+
+    stream = ToolCallStream()
+    content, deltas = "", []
+    for piece in pieces:
+        text, more = stream.feed(piece)
+        content, deltas = content + text, deltas + more
+    text, more = stream.finish()
+    content, deltas = content + text, deltas + more
+    assert content == "" and deltas[0]["function"]["name"] == "f" and deltas[0]["id"].startswith("call_")
+    arguments = "".join(d["function"]["arguments"] for d in deltas)
+    assert json.loads(arguments) == {"a": "}{", "b": [1, {"c": 2}]}
+    assert stream.calls[0]["function"]["arguments"] == arguments
+
+
+def test_plain_reply_with_tools_stays_content():
+    from server.tools import ToolCallStream
+
+    stream = ToolCallStream()
+    assert stream.feed(" ") == ("", [])  # could still become a call
+    assert stream.feed("Hello <tool_call>") == (" Hello <tool_call>", [])
+    assert stream.finish() == ("", []) and stream.calls == []
