@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
 # System packages for the CI tests, from Debian with apt-get: `prometheus` (the prometheus and promtool
 # binaries for tests/test_prometheus_live.py and the promtool checks in tests/test_deploy.py), and the
-# container tools for scripts/container_check.sh (tests/test_container.py): buildah and podman (with
-# crun, netavark, aardvark-dns, uidmap) to build and run the image, mmdebstrap to make its base locally.
+# container tools for scripts/container_check.sh (tests/test_container.py): buildah and podman (with runc,
+# netavark, iptables for its port forwarding, aardvark-dns, uidmap) to build and run the image, and
+# mmdebstrap to make its base locally.
 # Never fails CI: when a package cannot be had it says why and exits 0, and those tests skip with the reason.
 set -uo pipefail
 
 say() { echo "ci_system_deps: $*"; }
 
-CONTAINER_PACKAGES=(buildah podman crun netavark aardvark-dns uidmap mmdebstrap)
+CONTAINER_PACKAGES=(buildah podman runc crun netavark aardvark-dns iptables uidmap mmdebstrap)
 have_prometheus() { command -v prometheus >/dev/null && command -v promtool >/dev/null; }
 have_container_tools() { command -v buildah >/dev/null && command -v podman >/dev/null && command -v mmdebstrap >/dev/null; }
 

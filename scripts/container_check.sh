@@ -49,7 +49,10 @@ WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-container.XXXXXX")"
 STORE=(--storage-driver vfs --root "$WORK/storage" --runroot "$WORK/run")
 # --log-level error: both warn on every call about CNI plugins that the netavark backend does not use
 BUILDAH=(buildah "${STORE[@]}" --log-level error)
-PODMAN=(podman "${STORE[@]}" --log-level error --cgroup-manager cgroupfs --events-backend file --tmpdir "$WORK/podman")
+# runc, not crun: crun refuses a host with cgroups in hybrid (v1 + v2) mode, as these VMs have. cgroupfs and a
+# file for events: no systemd or journald needed.
+PODMAN=(podman "${STORE[@]}" --log-level error --runtime runc --cgroup-manager cgroupfs --events-backend file
+  --tmpdir "$WORK/podman")
 NAME="kvserve-check-$$"
 IMAGE="localhost/kvserve:check-$$"
 BASE_IMAGE="localhost/kvserve-base:$SUITE-$$"
@@ -101,8 +104,6 @@ if [[ ! -s "$base_tar" ]]; then
 else
   say "base from the cache: $base_tar"
 fi
-timeout 300 "${PODMAN[@]}" import --quiet --change 'CMD ["python3"]' "$base_tar" "$BASE_IMAGE" >/dev/null \
-  || fail "podman import of the base failed"
 
 # ---- 2. the CPU torch wheel ------------------------------------------------------------------------------
 wheels="$CACHE/torch-wheels"
@@ -112,33 +113,66 @@ if ! compgen -G "$wheels/torch-2.13.0+cpu-cp311-*.whl" >/dev/null; then
   timeout 600 "$PYTHON" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 \
     --platform manylinux_2_28_x86_64 --dest "$wheels" torch==2.13.0 || cannot "pip download torch==2.13.0 failed"
 fi
-compgen -G "$wheels/torch-2.13.0+cpu-cp311-*.whl" >/dev/null \
+torch_wheel="$(compgen -G "$wheels/torch-2.13.0+cpu-cp311-*.whl" | head -n 1)" \
   || cannot "no CPU build of torch 2.13.0 for cp311 (only $(ls "$wheels")); the CUDA one would make a multi-GB image"
 
-# pip inside the build trusts what pip trusts here (PIP_CERT, else the system's CA bundle): a mirror's private
-# CA, or a proxy that inspects TLS, as on the machines this runs on. Handed in as a secret: in no layer.
-secret=()
-cert="${PIP_CERT:-$("$PYTHON" -m pip config get global.cert 2>/dev/null || true)}"
-[[ -s "$cert" ]] || cert=/etc/ssl/certs/ca-certificates.crt
-if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
-
-# ---- 3. build -----------------------------------------------------------------------------------------
-say "building $IMAGE (buildah bud, vfs, chroot isolation)"
-t0=$(date +%s)
-timeout "$BUILD_TIMEOUT_S" "${BUILDAH[@]}" bud --isolation chroot --format docker --pull=never --quiet \
-  --build-context "torch-wheels=$wheels" "${secret[@]}" \
-  --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg TORCH_INDEX_URL= \
-  --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT" >"$WORK/build.log" 2>&1 \
-  || { tail -n 40 "$WORK/build.log"; fail "the image did not build"; }
-build_s=$(elapsed "$t0")
+# ---- 3. build (or the image built from the same inputs, cached) -----------------------------------------
+# The key covers every input of the build but PyPI's moving versions: the Dockerfile, the build context
+# (the paths .dockerignore allows), the base and the torch wheel. KVSERVE_CONTAINER_REBUILD=1 builds anyway.
+context_files() {  # NUL-separated, sorted: the Dockerfile and every file the build context holds
+  local allowed
+  mapfile -t allowed < <(sed -n 's|^!\(.*[^/]\)/*$|\1|p' .dockerignore)
+  find Dockerfile .dockerignore "${allowed[@]}" -type f ! -path '*/__pycache__/*' ! -name '*.pyc' \
+    ! -path 'loadtest/out/*' -print0 | sort -z
+}
+image_key="$(cd "$ROOT" && { echo "$key ${torch_wheel##*/}"; context_files | xargs -0 sha256sum; } \
+  | sha256sum | cut -c1-16)"
+image_tar="$CACHE/image-$image_key.tar"
+if [[ -s "$image_tar" && "${KVSERVE_CONTAINER_REBUILD:-}" != 1 ]]; then
+  t0=$(date +%s)
+  loaded=$(timeout 600 "${PODMAN[@]}" load --quiet --input "$image_tar") || fail "podman load $image_tar failed"
+  timeout 60 "${PODMAN[@]}" tag "${loaded##*: }" "$IMAGE" || fail "podman tag failed"
+  "${PODMAN[@]}" rmi "${loaded##*: }" >/dev/null 2>&1 || true
+  build_s=$(cat "$image_tar.build_s" 2>/dev/null || echo "?")
+  say "image from the cache (same inputs; it was built in $build_s s), loaded in $(elapsed "$t0") s: $image_tar"
+else
+  timeout 300 "${PODMAN[@]}" import --quiet --change 'CMD ["python3"]' "$base_tar" "$BASE_IMAGE" >/dev/null \
+    || fail "podman import of the base failed"
+  # pip inside the build trusts what pip trusts here (PIP_CERT, else the system's CA bundle): a mirror's private
+  # CA, or a proxy that inspects TLS, as on the machines this runs on. Handed in as a secret: in no layer.
+  secret=()
+  cert="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
+  if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
+  say "building $IMAGE (buildah bud, vfs, chroot isolation)"
+  t0=$(date +%s)
+  timeout "$BUILD_TIMEOUT_S" "${BUILDAH[@]}" bud --isolation chroot --format docker --pull=never --quiet \
+    --build-context "torch-wheels=$wheels" "${secret[@]}" \
+    --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg TORCH_INDEX_URL= \
+    --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT" >"$WORK/build.log" 2>&1 \
+    || { tail -n 40 "$WORK/build.log"; fail "the image did not build"; }
+  build_s=$(elapsed "$t0")
+  say "built in $build_s s"
+  rm -f "$CACHE"/image-*.tar "$CACHE"/image-*.tar.build_s  # one image kept: ~1.5 GB each
+  t0=$(date +%s)
+  if timeout 600 "${PODMAN[@]}" save --quiet --format docker-archive --output "$image_tar.part" "$IMAGE"; then
+    mv "$image_tar.part" "$image_tar" && echo "$build_s" >"$image_tar.build_s"
+    say "saved for the next run in $(elapsed "$t0") s: $image_tar"
+  else
+    rm -f "$image_tar.part"
+  fi
+fi
 size=$("${PODMAN[@]}" image inspect --format '{{.Size}}' "$IMAGE")
-say "built in $build_s s; image size $((size / 1000000)) MB ($size bytes)"
+say "image size $((size / 1000000)) MB ($size bytes)"
 
 # ---- 4. run and check from outside -------------------------------------------------------------------
 port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 url="http://127.0.0.1:$port"
 served_name=kvserve-container-check
-timeout 120 "${PODMAN[@]}" run --detach --name "$NAME" --publish "127.0.0.1:$port:8000" \
+# --health-interval disable: no systemd timer for the HEALTHCHECK (none here); `podman healthcheck run` below.
+# Explicit ulimits: podman's defaults (nofile, nproc 1048576 / 4194304) exceed what a root without
+# CAP_SYS_RESOURCE may set, as in these VMs.
+timeout 120 "${PODMAN[@]}" run --detach --name "$NAME" --publish "127.0.0.1:$port:8000" --health-interval disable \
+  --ulimit nofile=4096:4096 --ulimit nproc=4096:4096 \
   --env KVSERVE_MAX_NUM_SEQS=3 --env "KVSERVE_SERVED_MODEL_NAME=$served_name" --env KVSERVE_KV_CACHE_MEMORY=128MiB \
   "$IMAGE" >/dev/null || fail "podman run failed"
 t0=$(date +%s)
