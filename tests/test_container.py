@@ -22,7 +22,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "container_check.sh"
 TOOLS = ("buildah", "podman", "mmdebstrap", "curl")
-TIMEOUT_S = 1500  # the script bounds each of its steps; this only stops a wedged run
+TIMEOUT_S = 2400  # the script bounds each of its steps (the build: 1800 s); this only stops a wedged run
 
 
 def test_container_image_builds_runs_and_stops_cleanly():
