@@ -7,6 +7,8 @@
 #   2. the CPU torch==2.13.0 wheel, from wherever this machine's pip finds it (`pip download`), handed to the
 #      build as `--build-context torch-wheels=DIR`; every other Python package comes from PyPI;
 #   3. `buildah bud --storage-driver vfs --isolation chroot` of ./Dockerfile (BASE_IMAGE, TORCH_INDEX_URL=);
+#      the built image is saved under ~/.cache/kvserve/container/ too, keyed by the Dockerfile, the build
+#      context, the base and the wheel, and the next run with the same inputs loads it instead of building;
 #   4. `podman run` with the port published on 127.0.0.1 only, then checks from outside: /health turns
 #      ready within the HEALTHCHECK's start period (and the image's HEALTHCHECK passes), the README's curl
 #      streams an answer that names Paris, the server runs as the image's non-root user, KVSERVE_* variables
@@ -19,6 +21,8 @@
 #
 #   bash scripts/container_check.sh            # root, or rootless buildah/podman with subuids
 #   KVSERVE_CONTAINER_KEEP=1 ...               # keep the storage directory for a look afterwards
+#   KVSERVE_CONTAINER_REBUILD=1 ...            # build even when the cache holds an image of the same inputs
+#   KVSERVE_CONTAINER_BUILD_TIMEOUT_S=2700 ... # the build's bound (default 1800 s)
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
