@@ -28,7 +28,7 @@ set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
 SUITE=bookworm               # the Dockerfile pins bookworm's g++; bookworm's python3 is 3.11 (the wheel's cp311)
-BASE_PACKAGES=python3,python3-venv,python-is-python3
+BASE_PACKAGES=python3,python3-venv,python-is-python3,libpython3-dev  # headers in both stages, as python:*-slim has them: the runtime stage's kernel check (torch's ninja) sees the prebuilt kernels as stale without them
 GRACE_S=10                   # `podman stop` / `docker stop` default: SIGTERM, then SIGKILL after 10 s
 BUILD_TIMEOUT_S="${KVSERVE_CONTAINER_BUILD_TIMEOUT_S:-1800}"  # over 20 min measured with 5 other jobs on the 2 cores
 
