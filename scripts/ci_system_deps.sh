@@ -1,17 +1,25 @@
 #!/usr/bin/env bash
 # System packages for the CI tests, from Debian with apt-get: `prometheus` (the prometheus and promtool
-# binaries for tests/test_prometheus_live.py and the promtool checks in tests/test_deploy.py).
+# binaries for tests/test_prometheus_live.py and the promtool checks in tests/test_deploy.py), and the
+# container tools for scripts/container_check.sh (tests/test_container.py): buildah and podman (with runc,
+# netavark, iptables for its port forwarding, aardvark-dns, uidmap) to build and run the image, and
+# mmdebstrap to make its base locally.
 # Never fails CI: when a package cannot be had it says why and exits 0, and those tests skip with the reason.
 set -uo pipefail
 
 say() { echo "ci_system_deps: $*"; }
 
-if command -v prometheus >/dev/null && command -v promtool >/dev/null; then
+CONTAINER_PACKAGES=(buildah podman runc crun netavark aardvark-dns iptables uidmap mmdebstrap)
+have_prometheus() { command -v prometheus >/dev/null && command -v promtool >/dev/null; }
+have_container_tools() { command -v buildah >/dev/null && command -v podman >/dev/null && command -v mmdebstrap >/dev/null; }
+
+if have_prometheus && have_container_tools; then
   say "prometheus and promtool already installed ($(prometheus --version 2>&1 | head -n 1))"
+  say "buildah, podman and mmdebstrap already installed ($(buildah --version))"
   exit 0
 fi
 if ! command -v apt-get >/dev/null; then
-  say "no apt-get on this machine; the Prometheus tests will be skipped"
+  say "no apt-get on this machine; the Prometheus tests and the container check will be skipped"
   exit 0
 fi
 sudo=()
@@ -19,7 +27,7 @@ if [[ "$(id -u)" -ne 0 ]]; then
   if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
     sudo=(sudo -n)
   else
-    say "not root and no password-less sudo; the Prometheus tests will be skipped"
+    say "not root and no password-less sudo; the Prometheus tests and the container check will be skipped"
     exit 0
   fi
 fi
@@ -42,11 +50,21 @@ trap cleanup EXIT
 
 export DEBIAN_FRONTEND=noninteractive
 if ! timeout 300 "${sudo[@]}" apt-get update -q >/dev/null; then
-  say "apt-get update failed; the Prometheus tests will be skipped"
+  say "apt-get update failed; the Prometheus tests and the container check will be skipped"
   exit 0
 fi
-if ! timeout 600 "${sudo[@]}" apt-get install -y -q --no-install-recommends prometheus >/dev/null; then
+if have_prometheus; then
+  say "prometheus and promtool already installed"
+elif ! timeout 600 "${sudo[@]}" apt-get install -y -q --no-install-recommends prometheus >/dev/null; then
   say "apt-get install prometheus failed; the Prometheus tests will be skipped"
-  exit 0
+else
+  say "installed $(prometheus --version 2>&1 | head -n 1)"
 fi
-say "installed $(prometheus --version 2>&1 | head -n 1)"
+# Separately, so that one failing leaves the other installed.
+if have_container_tools; then
+  say "buildah, podman and mmdebstrap already installed"
+elif ! timeout 600 "${sudo[@]}" apt-get install -y -q --no-install-recommends "${CONTAINER_PACKAGES[@]}" >/dev/null; then
+  say "apt-get install ${CONTAINER_PACKAGES[*]} failed; the container check will be skipped"
+else
+  say "installed $(buildah --version), $(podman --version), mmdebstrap $(mmdebstrap --version | cut -d' ' -f2)"
+fi

