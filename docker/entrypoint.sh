@@ -16,10 +16,12 @@ VALUE_FLAGS=(
   max-num-batched-tokens max-queue max-model-len max-request-bytes scheduler api-key served-model-name
   sse-ping-seconds
   step-log
+  allowed-hosts
+  header-timeout-seconds
   log-level
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
-SWITCH_FLAGS=(no-prefix-caching)
+SWITCH_FLAGS=(no-prefix-caching allow-pickle)
 # KVSERVE_* variables that are read by kvserve itself (or by this script) rather than being flags.
 NOT_FLAGS=(KVSERVE_CACHE KVSERVE_DRY_RUN KVSERVE_FASTPATH KVSERVE_QUANT_KERNELS KVSERVE_URL)
 

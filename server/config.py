@@ -43,6 +43,9 @@ class ServeConfig:
     served_model_name: str | None = None  # name in /v1/models; default from the model
     sse_ping_s: float = 15.0            # keep-alive comment interval on idle streams (s); 0 disables
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
+    allowed_hosts: tuple[str, ...] | None = None  # Host names answered besides loopback ones (DNS rebinding)
+    header_timeout_s: float = 10.0      # a connection must complete a request's headers within this (s)
+    allow_pickle: bool = False          # load *.bin / *.pt checkpoints (unpickling can run code)
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -51,6 +54,8 @@ class ServeConfig:
             raise ValueError("max_model_len must be >= 1")
         if not self.sse_ping_s >= 0:
             raise ValueError("sse_ping_s must be >= 0 (0 disables the keep-alive comments)")
+        if not self.header_timeout_s > 0:
+            raise ValueError("header_timeout_s must be > 0")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:
