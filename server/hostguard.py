@@ -6,6 +6,8 @@ read the answers. The one thing that gives it away is the ``Host`` header, which
 So a server bound to loopback answers only requests whose Host is a loopback name (``localhost``, ``127.x.x.x``,
 ``[::1]``, any port) unless ``--allowed-hosts`` lists more, as Jupyter and the Docker daemon's API do. A server
 bound to another address (the container binds 0.0.0.0) checks only when ``--allowed-hosts`` is given.
+(Starlette's TrustedHostMiddleware matches listed names only, not the 127.0.0.0/8 range, and answers in plain
+text rather than with an OpenAI error body.)
 """
 
 from __future__ import annotations

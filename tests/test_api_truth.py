@@ -23,7 +23,8 @@ COMPLETIONS = "/v1/completions"
 
 
 def post(url: str, path: str, body: dict, **kw) -> httpx.Response:
-    return httpx.post(url + path, content=json.dumps(body).encode(), timeout=120,
+    kw.setdefault("timeout", 120)
+    return httpx.post(url + path, content=json.dumps(body).encode(),
                       headers={"content-type": "application/json"} | kw.pop("headers", {}), **kw)
 
 
@@ -106,9 +107,9 @@ def _free_run(url: str, prompt: str) -> tuple[str, list[str]]:
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_a_withheld_stop_string_has_no_logprobs(server_url, streamed):
-    prompt = "Fruits: apples, pears, plums, figs, dates, limes, kiwis, grapes, lemons"
+    prompt = "The capital of France is"
     free, tokens = _free_run(server_url, prompt)
-    # the first token that starts a comma-free word after the first few: a stop string on a token boundary
+    # the first token after the first few whose text is new: a stop string on a token boundary (" Paris.\n\n|The")
     k = next(i for i in range(3, len(tokens)) if tokens[i] not in "".join(tokens[:i]) and tokens[i].strip())
     body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 2, "ignore_eos": True,
             "stop": [tokens[k]]}
@@ -121,7 +122,7 @@ def test_a_withheld_stop_string_has_no_logprobs(server_url, streamed):
 
 @pytest.mark.parametrize("streamed", [False, True])
 def test_text_held_back_for_a_stop_that_never_matches_keeps_its_logprobs(server_url, streamed):
-    prompt = "Fruits: apples, pears, plums, figs, dates, limes, kiwis, grapes, lemons"
+    prompt = "The capital of France is"
     free, tokens = _free_run(server_url, prompt)
     # a stop beginning with a whole token's text holds that token back until the stop cannot match
     body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "logprobs": 2, "ignore_eos": True,
