@@ -168,8 +168,51 @@ def kv_shape_of(config, dtype: torch.dtype) -> KVShape:
                    bytes_per_element=torch.empty((), dtype=dtype).element_size())
 
 
+PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # torch.save / pickle checkpoints
+_NAMES_SHOWN = 3  # parameter names quoted in a load error
+
+
+def checkpoint_format(path: Path, allow_pickle: bool) -> bool:
+    """Which weights of the HF directory ``path`` to load: True for safetensors (the default), False for pickle.
+
+    Unpickling a checkpoint can run code (torch's ``weights_only`` loader narrows that, but a refusal is still a
+    crash at start), so a directory with only pickled weights is refused unless ``allow_pickle``.
+
+    Raises:
+        ValueError: only pickled weights (``*.bin``, ``*.pt``, ...) and ``allow_pickle`` is False.
+    """
+    files = [f.name for f in path.iterdir() if f.is_file()]
+    if any(name.endswith(".safetensors") for name in files):
+        return True
+    pickled = sorted(name for name in files if name.endswith(PICKLED_SUFFIXES))
+    if pickled and not allow_pickle:
+        raise ValueError(f"{path} holds only pickled weights ({', '.join(pickled[:_NAMES_SHOWN])}); unpickling can "
+                         "run code, so kvserve loads safetensors only (convert them, or start with --allow-pickle "
+                         "if you trust the files)")
+    return not pickled
+
+
+def check_loading_info(info: dict, path: Path) -> None:
+    """Refuse a checkpoint whose parameters do not match the model: missing ones would be random, so the server
+    would serve noise. ``info`` is transformers' ``output_loading_info`` (tied weights, e.g. an lm_head tied to
+    the embeddings, are not listed as missing there).
+
+    Raises:
+        ValueError: one line naming how many parameters are missing, unexpected or of the wrong shape, and a few.
+    """
+    problems = []
+    for key, what in (("missing_keys", "missing"), ("unexpected_keys", "unexpected"),
+                      ("mismatched_keys", "of the wrong shape")):
+        names = sorted(str(k[0] if isinstance(k, tuple) else k) for k in info.get(key) or ())
+        if names:
+            more = ", ..." if len(names) > _NAMES_SHOWN else ""
+            problems.append(f"{len(names)} {what} ({', '.join(names[:_NAMES_SHOWN])}{more})")
+    if problems:
+        raise ValueError(f"the checkpoint in {path} does not match its config: parameters {'; '.join(problems)}")
+
+
 def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Device = Device.AUTO,
-               quantized: bool = False) -> LoadedModel:
+               quantized: bool = False, allow_pickle: bool = False) -> LoadedModel:
     """Load a model for serving.
 
     Args:
@@ -177,17 +220,26 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
         dtype: weight and activation dtype.
         device: where to run.
         quantized: the weights will be quantized next (``resolve_dtype``'s auto then keeps float32 on a CPU).
+        allow_pickle: load pickled checkpoints (``*.bin``, ``*.pt``) when there are no safetensors.
 
     Raises:
         FileNotFoundError: see ``resolve_model_dir``.
-        ValueError: see ``resolve_device``.
+        ValueError: see ``resolve_device``, ``checkpoint_format`` and ``check_loading_info``; also any failure to
+            read the weights, in one line.
     """
     attention.register()
     path = resolve_model_dir(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, quantized)
-    hf_model = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                    attn_implementation=attention.ATTN_IMPLEMENTATION)
+    use_safetensors = checkpoint_format(path, allow_pickle)
+    try:
+        hf_model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype, attn_implementation=attention.ATTN_IMPLEMENTATION,
+            use_safetensors=use_safetensors, output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - any reader's failure (a refused pickle too) ends the start in one line
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"cannot load the weights in {path}: {type(exc).__name__}: {first_line}") from None
+    check_loading_info(info, path)
     hf_model.to(torch_device).eval()
     if torch_device.type == "cpu":  # build (or load) the C++ kernels now, at startup, never inside a request
         kernels.load()

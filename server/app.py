@@ -26,10 +26,12 @@ from server.bodylimit import BodyLimit
 from server.drain import Drain, DrainGate
 from server.errors import ApiError
 from server.generation import Generation, chat_prompt_ids, prepare, text_prompt_ids
+from server.hostguard import HostGuard, HostPolicy
 from server.openai_format import Formatter
 from server.prompts import PromptGroups, prepare_prompts
 from server import responses
 from server.requestids import RequestIds, tokenizer_info
+from server.openapi_doc import openapi_schema
 from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from server.state import ServerState
 
@@ -81,14 +83,17 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
         # the scheme is case-insensitive (RFC 7235); the token is compared in constant time
         if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key")
+            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})  # RFC 6750 3: a 401 names its scheme
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
     app.state.drain = drain
     app.add_middleware(BodyLimit, limit=state.max_request_bytes)
+    app.add_middleware(HostGuard, policy=HostPolicy.for_server(state.config.host, state.config.allowed_hosts))
     app.add_middleware(DrainGate, drain=drain)
-    app.add_middleware(RequestIds)  # outermost: a 413 carries the request id too
+    app.add_middleware(RequestIds)  # outermost: a 413 or 421 carries the request id too
+    app.openapi = lambda: openapi_schema(app)  # 400 with OpenAI's error body, not FastAPI's 422
     v1 = [Depends(require_key)]
 
     @app.exception_handler(ApiError)
@@ -138,7 +143,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     model_card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve",
-                  "max_model_len": state.max_model_len}
+                  "max_model_len": state.max_request_tokens}
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
@@ -156,7 +161,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
             ids = chat_prompt_ids(state, body.messages)
         else:
             ids = text_prompt_ids(state, body.prompt, body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_model_len}
+        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
 
     @app.get("/tokenizer_info")
     async def get_tokenizer_info():
@@ -263,6 +268,7 @@ async def _collect(generation: Generation | PromptGroups, fmt: Formatter, reques
     n = generation.num_choices
     texts = {i: "" for i in range(n)}
     tokens: dict[int, list] = {i: [] for i in range(n)}
+    offsets: dict[int, list[int]] = {i: [] for i in range(n)}
     reasons: dict[int, str] = {}
 
     async def consume() -> None:
@@ -271,6 +277,7 @@ async def _collect(generation: Generation | PromptGroups, fmt: Formatter, reques
                 raise ApiError(500, update.error, code="engine_error")
             texts[update.index] += update.text
             tokens[update.index].extend(update.tokens)
+            offsets[update.index].extend(update.offsets)
             if update.finish_reason is not None:
                 reasons[update.index] = update.finish_reason
 
@@ -285,6 +292,6 @@ async def _collect(generation: Generation | PromptGroups, fmt: Formatter, reques
     finally:
         generation.abort()
     if isinstance(generation, PromptGroups):  # best_of: keep the n best candidates of each prompt
-        texts, tokens, reasons = generation.pick_best(texts, tokens, reasons)
+        texts, tokens, reasons, offsets = generation.pick_best(texts, tokens, reasons, offsets)
     echoes = {i: fmt.echo_prefix(i, prompt_text(i), want_logprobs) for i in texts} if echo else {}
-    return JSONResponse(fmt.full(texts, tokens, reasons, want_logprobs, echoes))
+    return JSONResponse(fmt.full(texts, tokens, reasons, want_logprobs, echoes, offsets))

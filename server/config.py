@@ -45,6 +45,9 @@ class ServeConfig:
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
     drain_s: float = 30.0               # after SIGTERM: longest wait for in-flight requests (s); 0 stops at once
     vllm_metric_names: bool = False     # also expose every metric under vLLM's "vllm:" prefix (its dashboards)
+    allowed_hosts: tuple[str, ...] | None = None  # Host names answered besides loopback ones (DNS rebinding)
+    header_timeout_s: float = 10.0      # a connection must complete a request's headers within this (s)
+    allow_pickle: bool = False          # load *.bin / *.pt checkpoints (unpickling can run code)
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -55,6 +58,8 @@ class ServeConfig:
             raise ValueError("sse_ping_s must be >= 0 (0 disables the keep-alive comments)")
         if not self.drain_s >= 0:
             raise ValueError("drain_s must be >= 0 (0 stops at once on SIGTERM)")
+        if not self.header_timeout_s > 0:
+            raise ValueError("header_timeout_s must be > 0")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:

@@ -8,6 +8,7 @@ strings, with logprobs, timings and metrics. Streamed and non-streamed responses
 from __future__ import annotations
 
 import asyncio
+import collections
 import dataclasses
 import time
 from collections.abc import AsyncIterator
@@ -142,13 +143,19 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
 
 @dataclass(slots=True)
 class ChoiceUpdate:
-    """New output of one choice: text, the tokens behind it, and the finish reason on the last update."""
+    """New output of one choice: text, the tokens behind it, and the finish reason on the last update.
+
+    ``tokens`` are the tokens whose text has been released (see ``_Choice.pending``), and ``offsets[i]`` is the
+    character offset in this choice's completion text where ``tokens[i]``'s text starts (a token that completes
+    no character yet starts where its character will).
+    """
 
     index: int
     text: str = ""
     tokens: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    offsets: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -160,6 +167,12 @@ class _Choice:
     finish_reason: str | None = None
     last_token_time: float | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Logprobs describe exactly the returned text: a token is released with the first character of its text
+    # (text held back as a possible stop string holds its token back too), and tokens wholly inside a matched
+    # stop string are dropped with it. Entries: (token, character offset where its text starts).
+    pending: collections.deque[tuple[TokenLogprob, int]] = field(default_factory=collections.deque)
+    fed_chars: int = 0      # characters of detokenized text given to the stop-string matcher
+    emitted_chars: int = 0  # characters of it released as the choice's text
 
 
 class Generation:
@@ -229,22 +242,43 @@ class Generation:
         if event.token is not None:
             self._observe_token(choice, event.time)
             choice.completion_tokens += 1
-            update.tokens.append(event.token)
-            update.text, hit = choice.matcher.feed(choice.detok.add(event.token.token_id))
+            choice.pending.append((event.token, choice.fed_chars))
+            text = choice.detok.add(event.token.token_id)
+            choice.fed_chars += len(text)
+            update.text, hit = choice.matcher.feed(text)
+            choice.emitted_chars += len(update.text)
+            self._release(choice, update, everything=False)
             if hit:
+                choice.pending.clear()  # the tokens of the withheld stop string
                 self.state.service.abort(choice.seq.seq_id)
                 return self._finish(choice, update, "stop")
         if event.finish is FinishReason.ERROR:
+            self._release(choice, update, everything=True)
             update.error = event.error or "engine error"
             return self._finish(choice, update, "error")
         if event.finish is FinishReason.ABORT:
             choice.finish_reason = "abort"
             return None
         if event.finish is not None:
-            tail, hit = choice.matcher.feed(choice.detok.flush())
-            update.text += tail + ("" if hit else choice.matcher.flush())
+            tail = choice.detok.flush()
+            choice.fed_chars += len(tail)
+            tail, hit = choice.matcher.feed(tail)
+            tail += "" if hit else choice.matcher.flush()
+            update.text += tail
+            choice.emitted_chars += len(tail)
+            self._release(choice, update, everything=not hit)
             return self._finish(choice, update, "stop" if hit else event.finish.value)
         return update
+
+    @staticmethod
+    def _release(choice: _Choice, update: ChoiceUpdate, everything: bool) -> None:
+        """Move pending tokens whose text has begun to be released (all of them when ``everything``) to
+        ``update``; with a stop string matched, the rest are the stop string's and are dropped by the caller."""
+        pending = choice.pending
+        while pending and (everything or pending[0][1] < choice.emitted_chars):
+            token, offset = pending.popleft()
+            update.tokens.append(token)
+            update.offsets.append(offset)
 
     def _observe_token(self, choice: _Choice, now: float) -> None:
         metrics = self.state.metrics

@@ -55,7 +55,8 @@ class Formatter:
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
-        self.text_offset: dict[int, int] = {}  # per choice: characters of text so far
+        self.text_offset: dict[int, int] = {}  # per choice: characters of the echoed prompt's tokens so far
+        self.text_base: dict[int, int] = {}  # per choice: characters before the completion (an echoed prompt)
         self.utf8: dict[int, codecs.IncrementalDecoder] = {}  # per choice: bytes of a character not yet complete
         self.sent_role: set[int] = set()
         self._special_ids = frozenset(tokenizer.all_special_ids)
@@ -84,33 +85,41 @@ class Formatter:
         return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in tokens]}
 
-    def _completion_logprobs(self, index: int, tokens: list[TokenLogprob], echoed_prompt: bool = False) -> dict:
-        """Completions logprobs of ``tokens``; an echoed prompt's first token has none."""
+    def _completion_logprobs(self, index: int, tokens: list[TokenLogprob], offsets: list[int] | None = None) -> dict:
+        """Completions logprobs of ``tokens``.
+
+        Generated tokens (``offsets`` given) carry their own offsets into the completion text (from the
+        Generation, which cut the text), shifted by an echoed prompt's length. An echoed prompt (``offsets``
+        None) is the prompt as given: its first token has no logprob, and its offsets count the characters its
+        tokens' bytes complete.
+        """
+        echoed_prompt = offsets is None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        base = self.text_base.get(index, 0)
         for position, t in enumerate(tokens):
-            text = self._token_str(t.token_id)
-            out["tokens"].append(text)
+            out["tokens"].append(self._token_str(t.token_id))
             out["token_logprobs"].append(None if echoed_prompt and position == 0 else t.logprob)
             out["top_logprobs"].append(None if echoed_prompt and position == 0
                                        else {self._token_str(i): lp for i, lp in t.top})
+            if not echoed_prompt:
+                out["text_offset"].append(base + offsets[position])
+                continue
             # a token holding part of a character starts where that character starts; the character's text
-            # counts once its last byte arrives
+            # counts once its last byte arrives. Echoed special tokens are in the prompt text, so they count.
             out["text_offset"].append(self.text_offset.get(index, 0))
-            # generated special tokens are not in the text (the detokenizer skips them); echoed prompt text is
-            # the prompt as given, so there they count
-            if echoed_prompt or t.token_id not in self._special_ids:
-                decoder = self.utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
-                completed = decoder.decode(token_bytes(self.tokenizer, t.token_id))
-                self.text_offset[index] = self.text_offset.get(index, 0) + len(completed)
+            decoder = self.utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+            completed = decoder.decode(token_bytes(self.tokenizer, t.token_id))
+            self.text_offset[index] = self.text_offset.get(index, 0) + len(completed)
         return out
 
     def echo_prefix(self, index: int, prompt_text: str, want_logprobs: bool) -> tuple[str, dict | None]:
         """Completions ``echo``: the prompt text and, with logprobs, its tokens (the first has logprob None)."""
+        self.text_base[index] = len(prompt_text)  # the completion's offsets start after the echoed prompt
         if not want_logprobs:
             return prompt_text, None
         prompt_ids = self.generation.prompt_ids(index)  # completions only: a PromptGroups
         first = TokenLogprob(token_id=prompt_ids[0], logprob=0.0)
-        return prompt_text, self._completion_logprobs(index, [first] + self.generation.prompt_logprobs(index), True)
+        return prompt_text, self._completion_logprobs(index, [first] + self.generation.prompt_logprobs(index))
 
     def chunk(self, update: ChoiceUpdate, want_logprobs: bool, echo: tuple[str, dict | None] | None = None) -> dict:
         """One streamed chunk for one choice update."""
@@ -129,7 +138,7 @@ class Formatter:
         else:
             text, logprobs = update.text, None
             if want_logprobs:
-                logprobs = self._completion_logprobs(update.index, update.tokens)
+                logprobs = self._completion_logprobs(update.index, update.tokens, update.offsets)
             if echo is not None:
                 text = echo[0] + text
                 if echo[1] is not None and logprobs is not None:
@@ -148,8 +157,9 @@ class Formatter:
                 "choices": [], "usage": self.generation.usage()}
 
     def full(self, texts: dict[int, str], tokens: dict[int, list[TokenLogprob]], reasons: dict[int, str],
-             want_logprobs: bool, echoes: dict[int, tuple[str, dict | None]]) -> dict:
-        """The non-streamed response."""
+             want_logprobs: bool, echoes: dict[int, tuple[str, dict | None]],
+             offsets: dict[int, list[int]] | None = None) -> dict:
+        """The non-streamed response (``offsets``: per choice, ChoiceUpdate.offsets of all its updates)."""
         choices = []
         for index in sorted(texts):
             if self.chat:
@@ -162,7 +172,8 @@ class Formatter:
                           "logprobs": self._chat_logprobs(tokens[index]) if want_logprobs else None,
                           "finish_reason": reason}
             else:
-                update = ChoiceUpdate(index=index, text=texts[index], tokens=tokens[index])
+                update = ChoiceUpdate(index=index, text=texts[index], tokens=tokens[index],
+                                      offsets=(offsets or {}).get(index, []))
                 chunk = self.chunk(update, want_logprobs, echoes.get(index))
                 choice = chunk["choices"][0] | {"finish_reason": reasons[index]}
             choices.append(choice)

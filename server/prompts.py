@@ -95,12 +95,13 @@ class PromptGroups:
             for task in tasks:
                 task.cancel()
 
-    def pick_best(self, texts: dict[int, str], tokens: dict[int, list[TokenLogprob]],
-                  reasons: dict[int, str]) -> tuple[dict, dict, dict]:
+    def pick_best(self, texts: dict[int, str], tokens: dict[int, list[TokenLogprob]], reasons: dict[int, str],
+                  offsets: dict[int, list[int]]) -> tuple[dict, dict, dict, dict]:
         """``best_of``: per prompt, the ``n`` candidates with the highest cumulative logprob, renumbered
-        ``prompt * n + rank``. Call once all candidates have finished; returns (texts, tokens, reasons)."""
+        ``prompt * n + rank``. Call once all candidates have finished; returns (texts, tokens, reasons,
+        offsets), each keyed by the returned index."""
         if self.candidates == self.n:
-            return texts, tokens, reasons
+            return texts, tokens, reasons, offsets
         origin: dict[int, tuple[int, int]] = {}
         for prompt in range(len(self.groups)):
             first = prompt * self.candidates
@@ -110,8 +111,7 @@ class PromptGroups:
                 origin[prompt * self.n + rank] = (prompt, index - first)
         keep = {new: prompt * self.candidates + candidate for new, (prompt, candidate) in origin.items()}
         self._origin = origin.__getitem__
-        return ({new: texts[old] for new, old in keep.items()}, {new: tokens[old] for new, old in keep.items()},
-                {new: reasons[old] for new, old in keep.items()})
+        return tuple({new: field[old] for new, old in keep.items()} for field in (texts, tokens, reasons, offsets))
 
     # -- figures for responses, by returned index ---------------------------------------------------------
     def prompt_ids(self, index: int) -> list[int]:

@@ -10,12 +10,18 @@ from __future__ import annotations
 
 from typing import ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
 
 
 class _NullMeansDefault(BaseModel):
     """An explicit ``null`` for a field with a default gives the default, as OpenAI's nullable fields and vLLM
-    do (SDKs and proxies send ``"temperature": null``); a required field stays required."""
+    do (SDKs and proxies send ``"temperature": null``); a required field stays required.
+
+    Types are strict, as OpenAI's API is: a boolean is not an integer (``"max_tokens": true`` is a 400, not 1)
+    and a string is not a number (``"n": "2"`` is a 400); an integer is still a valid float.
+    """
+
+    model_config = ConfigDict(strict=True)  # subclasses' model_config merges with this
 
     @model_validator(mode="before")
     @classmethod
@@ -99,6 +105,13 @@ class _SamplingRequest(_NullMeansDefault):
         """``logit_bias`` with integer token ids (empty when not given)."""
         return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
 
+    @field_validator("response_format")
+    @classmethod
+    def _format_has_type(cls, value: dict | None) -> dict | None:
+        if value is not None and "type" not in value:
+            raise ValueError("type is required ('text', 'json_object' or 'json_schema')")
+        return value
+
     @field_validator("stop")
     @classmethod
     def _at_most_four_stops(cls, value: str | list[str] | None) -> list[str]:
@@ -117,32 +130,58 @@ class _SamplingRequest(_NullMeansDefault):
 
 
 class ContentPart(_NullMeansDefault):
+    """One part of a message's content list. OpenAI requires ``type``; a text part requires ``text``."""
+
     model_config = ConfigDict(extra="ignore")
-    type: str = "text"
-    text: str = ""
+    type: str
+    text: str | None = None  # required on a text part (checked by ChatMessage, which knows the part's index)
 
 
 class ChatMessage(_NullMeansDefault):
+    """One chat turn. ``content`` is required (a string or a non-empty list of text parts), except on an
+    assistant turn with ``tool_calls``, where OpenAI allows null; server.tools renders the calls."""
+
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[ContentPart] | None = None
+    # declared before content: content's validator reads them (null content is an assistant's with tool_calls)
     tool_calls: list[dict] | None = None  # an assistant's earlier calls (server.tools renders them)
     tool_call_id: str | None = None       # a tool message: the call it answers
     name: str | None = None
+    content: str | list[ContentPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _parts_have_a_type(cls, value):
+        # said here: a part without type otherwise fails as "not a valid string" (the union's first member)
+        if isinstance(value, list):
+            untyped = [i for i, part in enumerate(value) if isinstance(part, dict) and "type" not in part]
+            if untyped:
+                raise ValueError(f"content part {untyped[0]} has no type (OpenAI requires it: 'text')")
+        return value
 
     @field_validator("content")
     @classmethod
-    def _text_parts_only(cls, value):
+    def _text_parts_only(cls, value, info: ValidationInfo):
+        if value is None:
+            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
+                return value  # OpenAI: an assistant turn that only calls tools has no content
+            raise ValueError("content is required: a string or a list of text parts (null only on an assistant "
+                             "turn with tool_calls)")
         if isinstance(value, list):
+            if not value:
+                raise ValueError("content must not be an empty list")
             other = sorted({part.type for part in value if part.type != "text"})
             if other:
                 raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
+            missing = [i for i, part in enumerate(value) if part.text is None]
+            if missing:
+                raise ValueError(f"text part {missing[0]} has no text")
         return value
 
     @property
     def text(self) -> str:
         if isinstance(self.content, list):
-            return "".join(part.text for part in self.content if part.type == "text")
+            return "".join(part.text or "" for part in self.content if part.type == "text")
         return self.content or ""
 
 
@@ -151,6 +190,17 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # OpenAI's deprecated function calling (superseded by tools): refused by name, never silently ignored
+    functions: list | None = None
+    function_call: str | dict | None = None
+
+    @field_validator("functions", "function_call")
+    @classmethod
+    def _no_legacy_functions(cls, value, info):
+        if value:
+            raise ValueError(f"the legacy {info.field_name} field is not supported by kvserve; use tools (and "
+                             "tool_choice) instead")
+        return value
 
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
@@ -183,6 +233,19 @@ class CompletionRequest(_SamplingRequest):
         if self.tools or self.tool_choice is not None:
             raise ValueError("tools and tool_choice are for /v1/chat/completions")
         return self
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt_types(cls, value):
+        # one message for every wrong shape, rather than pydantic's error for the union's first member
+        def token_ids(item) -> bool:
+            return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
+
+        if isinstance(value, str) or token_ids(value) or (
+                isinstance(value, list) and (all(isinstance(v, str) for v in value) or all(map(token_ids, value)))):
+            return value
+        raise ValueError("must be a string, a list of token ids (integers, not booleans), or a list holding one "
+                         "of those")
 
     @field_validator("prompt")
     @classmethod

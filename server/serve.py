@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from kvcache.sizing import parse_bytes
 from server.config import Policy, ServeConfig
+from server.httpserver import uvicorn_config, uvicorn_impls
 
 log = logging.getLogger("kvserve")
 
@@ -37,6 +37,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
+                        help="comma list of Host names to answer besides the loopback ones ('*.example.com' for "
+                             "subdomains, '*' for any); default: loopback names only when bound to loopback, any "
+                             "name otherwise (a guard against DNS rebinding)")
+    parser.add_argument("--header-timeout-seconds", type=float, default=d.header_timeout_s,
+                        help="close a connection that has not sent a request's headers within this time")
+    parser.add_argument("--allow-pickle", action="store_true",
+                        help="load pickled checkpoints (*.bin, *.pt); unpickling can run code, so only "
+                             "safetensors are loaded by default")
     parser.add_argument("--served-model-name", default=None)
     parser.add_argument("--sse-ping-seconds", type=float, default=d.sse_ping_s,
                         help="keep-alive comment interval on idle streams (0 disables)")
@@ -62,7 +71,13 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
-                       vllm_metric_names=args.vllm_metric_names)
+                       vllm_metric_names=args.vllm_metric_names, allowed_hosts=args.allowed_hosts,
+                       header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle)
+
+
+def _host_list(text: str) -> tuple[str, ...]:
+    """``--allowed-hosts a.example,*.b.example`` -> ``("a.example", "*.b.example")``."""
+    return tuple(name.strip() for name in text.split(",") if name.strip())
 
 
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):
@@ -71,7 +86,7 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     from server.state import ServerState
 
     loaded = load_model(config.model, DType(config.dtype), Device(config.device),
-                        quantized=config.quantization != "none")
+                        quantized=config.quantization != "none", allow_pickle=config.allow_pickle)
     log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
     if config.quantization != "none":
         from quant.model import quantize_for_serving
@@ -79,17 +94,6 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
         summary = quantize_for_serving(loaded.model, config.quantization, loaded.tokenizer)
         log.info("quantized: %s", summary.describe())
     return ServerState(loaded, config, executor)
-
-
-def uvicorn_impls() -> dict[str, str]:
-    """uvicorn's event loop and HTTP parser: uvloop and httptools (both C) when installed, else asyncio and h11.
-
-    Every streamed token costs the event loop an SSE write, and on a 2-core machine that CPU time competes with
-    the engine's 2 OpenMP threads; the C implementations spend less of it per token (``uvicorn[standard]``'s
-    choice). uvloop does not exist on Windows, where asyncio stays.
-    """
-    have = {name: importlib.util.find_spec(name) is not None for name in ("uvloop", "httptools")}
-    return {"loop": "uvloop" if have["uvloop"] else "asyncio", "http": "httptools" if have["httptools"] else "h11"}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     log.info("uvicorn: %s event loop, %s HTTP parser", impls["loop"], impls["http"])
     # uvicorn.run, with the server class swapped for one that drains on SIGTERM (server/drain.py); once the
     # drain is over, connections left get a few seconds more before uvicorn closes them
-    server = DrainingServer(uvicorn.Config(app, host=config.host, port=config.port, log_level=args.log_level,
-                                           timeout_graceful_shutdown=5, **impls), drain)
+    server = DrainingServer(uvicorn_config(app, config.host, config.port, config.header_timeout_s,
+                                           log_level=args.log_level, timeout_graceful_shutdown=5), drain)
     server.run()
     return 0 if server.started else 3  # uvicorn.run's status when it could not start (port in use)

@@ -143,6 +143,12 @@ class ServerState:
         """Token capacity of the KV pool."""
         return self.pool.num_slots
 
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt + completion) one request may ask for: the context, or the whole KV pool where
+        that is smaller (``prepare`` refuses more). /v1/models reports it as ``max_model_len``."""
+        return min(self.max_model_len, self.pool_tokens)
+
     def log_capacity(self) -> None:
         """Log the KV formula, allocated bytes per token (must equal it), blocks and sequences that fit."""
         shape = self.pool.shape
@@ -153,3 +159,6 @@ class ServerState:
                  "equal" if per_token_allocated == shape.bytes_per_token else "MISMATCH")
         log.info("KV pool: %d blocks of %d tokens; %d sequences of %d tokens fit", self.pool.num_blocks,
                  self.pool.block_size, self.pool.num_slots // _PLANNING_CONTEXT, _PLANNING_CONTEXT)
+        if self.pool_tokens < self.max_model_len:
+            log.warning("the KV pool holds %d tokens, less than the context of %d: one request may use at most %d "
+                        "tokens (reported as max_model_len)", self.pool_tokens, self.max_model_len, self.pool_tokens)

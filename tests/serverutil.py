@@ -13,6 +13,7 @@ import uvicorn
 from engine.loader import LoadedModel
 from server.app import create_app
 from server.config import ServeConfig
+from server.httpserver import uvicorn_config
 from server.state import ServerState
 
 
@@ -36,7 +37,7 @@ def running_server(loaded: LoadedModel, config: ServeConfig | None = None):
 def serving(state: ServerState):
     """Yield the base URL of a live server around an existing ServerState (tests that inspect its state)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(state), host="127.0.0.1", port=port,
+    server = uvicorn.Server(uvicorn_config(create_app(state), "127.0.0.1", port, state.config.header_timeout_s,
                                            log_level="warning", timeout_graceful_shutdown=1))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()

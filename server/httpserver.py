@@ -1,0 +1,81 @@
+"""uvicorn, configured the one way both ``kvserve serve`` and the tests run it: C event loop and parser when
+installed, and a deadline on reading a request's headers.
+
+uvicorn closes a keep-alive connection that stays idle after a response (``timeout_keep_alive``), but it sets no
+timer on a new connection, and it cancels the keep-alive timer at the first byte of the next request: a client
+that connects and sends nothing, or half a request line and headers (slowloris), holds its socket and a file
+descriptor for as long as it likes. ``header_deadline_protocol`` adds that missing timer: a connection that has
+not completed a request's headers ``header_timeout_s`` after it opened (or after its last response) is closed.
+Bodies and responses are not timed here: a body's reader is the app, and a stream may rightly last minutes.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection closes this long after its last response
+
+
+def uvicorn_impls() -> dict[str, str]:
+    """uvicorn's event loop and HTTP parser: uvloop and httptools (both C) when installed, else asyncio and h11.
+
+    Every streamed token costs the event loop an SSE write, and on a 2-core machine that CPU time competes with
+    the engine's 2 OpenMP threads; the C implementations spend less of it per token (``uvicorn[standard]``'s
+    choice). uvloop does not exist on Windows, where asyncio stays.
+    """
+    have = {name: importlib.util.find_spec(name) is not None for name in ("uvloop", "httptools")}
+    return {"loop": "uvloop" if have["uvloop"] else "asyncio", "http": "httptools" if have["httptools"] else "h11"}
+
+
+def header_deadline_protocol(http: str, header_timeout_s: float) -> type:
+    """uvicorn's ``http`` protocol class (``"httptools"`` or ``"h11"``) with a deadline on request headers.
+
+    The deadline is armed when the connection opens and again at the first byte after a completed response;
+    it is disarmed once a request's headers are complete (uvicorn then has a request cycle running).
+    """
+    if http == "httptools":
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    else:
+        base = H11Protocol
+
+    class HeaderDeadline(base):
+        _header_timer = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            in_request = self.cycle is not None and not self.cycle.response_complete
+            if in_request and self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            elif not in_request and self._header_timer is None and not self.transport.is_closing():
+                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+            super().connection_lost(exc)
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            in_request = self.cycle is not None and not self.cycle.response_complete
+            if not in_request and not self.transport.is_closing():
+                self.transport.close()
+
+    HeaderDeadline.__name__ = f"HeaderDeadline{base.__name__}"
+    return HeaderDeadline
+
+
+def uvicorn_config(app, host: str, port: int, header_timeout_s: float, **kwargs) -> uvicorn.Config:
+    """A uvicorn Config for ``app`` with kvserve's loop, parser and header deadline (``kwargs`` go to uvicorn)."""
+    impls = uvicorn_impls()
+    return uvicorn.Config(app, host=host, port=port, loop=impls["loop"],
+                          http=header_deadline_protocol(impls["http"], header_timeout_s),
+                          timeout_keep_alive=KEEP_ALIVE_S, **kwargs)
