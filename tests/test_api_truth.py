@@ -167,9 +167,9 @@ def test_text_offset_of_a_reply_that_ends_a_prompts_character(server_url):
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"response_format": {}}, "response_format"),
-    ({"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
-        {"role": "user", "content": "Go on"}]}, "messages.1.tool_calls"),
+    # null content is an assistant's with tool_calls only (those are served: tests/test_structured.py)
+    ({"messages": [{"role": "user", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": None}]}, "messages.0.content"),
     ({"messages": [{"role": "user"}]}, "messages.0.content"),
     ({"messages": [{"role": "user", "content": []}]}, "messages.0.content"),
@@ -277,3 +277,19 @@ def test_idle_and_half_header_connections_are_closed_and_never_block_a_request(g
     finally:
         for sock in idle:
             sock.close()
+
+
+def test_an_assistant_turn_with_tool_calls_renders_its_calls_not_an_empty_turn():
+    """Issue 26.5's case, now served (issue 24): the call reaches the template as text, with its arguments."""
+    from server import tools
+    from server.schemas import ChatCompletionRequest
+
+    body = ChatCompletionRequest(messages=[
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "content": "18 C", "tool_call_id": "c1"}])
+    turns, _ = tools.template_inputs(body.messages, None, "{{ messages }}")  # a template without `tools`
+    assert turns[1]["role"] == "assistant"
+    assert "get_weather" in turns[1]["content"] and '"city": "Paris"' in turns[1]["content"]
+    assert turns[2] == {"role": "tool", "content": "18 C", "tool_call_id": "c1"}
