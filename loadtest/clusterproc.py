@@ -19,7 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.report import OUT_DIR
-from loadtest.serverproc import REPO, ServerStartError, _tail, free_port, kvserve_command
+from loadtest.serverproc import ServerStartError, _tail, free_port, kvserve_command, spawn
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -56,12 +56,7 @@ class Proc:
 
 
 def _spawn(name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Proc:
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{name}.log"
-    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-    with open(log, "w") as out:
-        popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=full_env,
-                                 start_new_session=True)
+    popen, log = spawn(name, argv, log_dir, env)
     return Proc(name, f"http://127.0.0.1:{port}", popen, log)
 
 

@@ -57,6 +57,19 @@ def _tail(path: Path, lines: int = 25) -> str:
 
 
 @contextlib.contextmanager
+def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
+          ) -> tuple[subprocess.Popen, Path]:
+    """Start ``argv`` from the repo root (on PYTHONPATH) in a session of its own, so stopping it stops its children
+    too; stdout and stderr go to ``log_dir/NAME.log``. Returns the process and the log's path."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
+    with open(log, "w") as log_file:
+        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=full_env,
+                                start_new_session=True)
+    return proc, log
+
+
 def launch(command: list[str], name: str, health_path: str = "/health", start_timeout_s: float = 300.0,
            env: dict[str, str] | None = None, log_dir: Path = OUT_DIR):
     """Run ``command`` (with ``{port}`` replaced) and yield a Server once ``health_path`` answers 200.
@@ -66,12 +79,7 @@ def launch(command: list[str], name: str, health_path: str = "/health", start_ti
     """
     port = free_port()
     argv = [part.replace(PORT, str(port)) for part in command]
-    log_dir.mkdir(parents=True, exist_ok=True)
-    log = log_dir / f"{name}.log"
-    full_env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env or {})}
-    with open(log, "w") as log_file:
-        proc = subprocess.Popen(argv, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO, env=full_env,
-                                start_new_session=True)
+    proc, log = spawn(name, argv, log_dir, env)
     url = f"http://127.0.0.1:{port}"
     try:
         _wait_healthy(proc, url + health_path, start_timeout_s, log)
