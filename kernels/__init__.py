@@ -165,10 +165,26 @@ def _clear_stale_lock(build_dir: Path, poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
 
 
+def _built_after_sources(build_dir: Path, name: str) -> bool:
+    """The extension's library exists and is newer than every source and header.
+
+    Then it is imported as it is, without asking ninja: ninja decides from its own log, and a build directory
+    whose log went missing (seen in CI) made every server start recompile for minutes in silence.
+    """
+    library = build_dir / f"{name}.so"
+    if not library.exists():
+        return False
+    inputs = [*_SOURCES[name], *_CSRC.glob("*.h")]
+    return library.stat().st_mtime >= max(p.stat().st_mtime for p in inputs)
+
+
 def _compile(name: str) -> ModuleType:
     from torch.utils import cpp_extension
 
-    _clear_stale_lock(Path(cpp_extension._get_build_directory(name, verbose=False)))
+    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
+    _clear_stale_lock(build_dir)
+    if _built_after_sources(build_dir, name):
+        return cpp_extension._import_module_from_library(name, str(build_dir), True)
     # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
     # (and `omp simd` reductions stay scalar).
     return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES[name]], extra_cflags=["-O3", "-fopenmp"],
@@ -181,7 +197,7 @@ def _load_prebuilt(name: str) -> ModuleType | None:
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     if not (build_dir / f"{name}.so").exists():
         return None
-    return _compile(name)  # ninja sees the build is current and only imports it
+    return _compile(name)  # current: imported as it is
 
 
 def main(argv: list[str] | None = None) -> int:
