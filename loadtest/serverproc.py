@@ -56,7 +56,6 @@ def _tail(path: Path, lines: int = 25) -> str:
         return ""
 
 
-@contextlib.contextmanager
 def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None
           ) -> tuple[subprocess.Popen, Path]:
     """Start ``argv`` from the repo root (on PYTHONPATH) in a session of its own, so stopping it stops its children
@@ -70,6 +69,7 @@ def spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None 
     return proc, log
 
 
+@contextlib.contextmanager
 def launch(command: list[str], name: str, health_path: str = "/health", start_timeout_s: float = 300.0,
            env: dict[str, str] | None = None, log_dir: Path = OUT_DIR):
     """Run ``command`` (with ``{port}`` replaced) and yield a Server once ``health_path`` answers 200.
