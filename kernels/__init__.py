@@ -184,7 +184,10 @@ def _compile(name: str) -> ModuleType:
     build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
     _clear_stale_lock(build_dir)
     if _built_after_sources(build_dir, name):
-        return cpp_extension._import_module_from_library(name, str(build_dir), True)
+        try:
+            return cpp_extension._import_module_from_library(name, str(build_dir), True)
+        except ImportError as exc:  # built against another torch or Python: let ninja rebuild it
+            log.info("rebuilding %s (%s)", name, exc)
     # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
     # (and `omp simd` reductions stay scalar).
     return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES[name]], extra_cflags=["-O3", "-fopenmp"],
