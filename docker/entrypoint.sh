@@ -19,6 +19,8 @@ VALUE_FLAGS=(
   drain-seconds
   allowed-hosts
   header-timeout-seconds
+  speculative
+  num-speculative-tokens
   log-level
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.

@@ -1,7 +1,15 @@
 """What the scheduler hands the runner for one step, and what comes back. Plain Python: no tensors.
 
-A step is a ragged batch: each ``SeqWork`` contributes ``len(token_ids)`` tokens (a whole or partial
-prefill, or one decode token), and all of them are flattened into one ``[1, num_tokens]`` forward.
+A step is a ragged batch: each ``SeqWork`` contributes ``len(token_ids)`` tokens, and all of them are
+flattened into one ``[1, num_tokens]`` forward. A sequence is *prefilling* while its prompt is not all in the
+cache (a whole prompt, a chunk of one, or a recompute after preemption), and *decoding* once it is: then every
+token it computes is generated, and a step gives it ``1 + num_draft`` tokens (the last sampled token, then
+draft tokens to verify; speculative decoding, Leviathan et al. 2023). Decode = 1 is the case
+``num_draft == 0``; ``SeqWork.is_decode`` is the one definition, for the runner, the scheduler and the server.
+
+    token_ids of a decoding sequence, k = 1 + num_draft:   | last | draft 1 | ... | draft k-1 |
+    rows sampled (each predicts the next position):         |  r0  |   r1    | ... |   rk-1    |
+    accepted: the sampled tokens up to and including the first that differs from the draft it checks
 """
 
 from __future__ import annotations
@@ -31,6 +39,9 @@ class SamplingParams:
         prompt_logprobs: return the logprob of every prompt token (completions ``echo`` + ``logprobs``).
         logit_bias: OpenAI's ``logit_bias``: token id -> value in [-100, 100] added to that token's logit;
             None adds nothing.
+        processed_logprobs: report logprobs of the distribution sampled from (after penalties, temperature and
+            top-k/top-p/min-p; vLLM's ``processed_logprobs``: a teacher's soft labels for distillation) instead of
+            the model's own (raw, the default, as OpenAI reports them).
     """
 
     temperature: float = 1.0
@@ -44,6 +55,7 @@ class SamplingParams:
     logprobs: int | None = None
     prompt_logprobs: bool = False
     logit_bias: dict[int, float] | None = None
+    processed_logprobs: bool = False
 
     @property
     def greedy(self) -> bool:
@@ -66,6 +78,9 @@ class SeqWork:
         slot_mapping: one pool slot per token in ``token_ids`` (see kvcache.pool).
         sample: whether to sample a next token (the chunk reaches the end of the known tokens).
         params: sampling settings.
+        num_draft: the last ``num_draft`` of ``token_ids`` are draft tokens to verify (0: plain decode or prefill);
+            only a decoding sequence carries drafts.
+        propose: how many draft tokens the engine should propose for this sequence's next step (0: none).
         prompt_ids: the prompt (for repetition penalty and prompt logprobs).
         output_ids: tokens generated so far (for penalties and seeds).
         suppress_ids: tokens that may not be sampled now (EOS while below min_tokens).
@@ -84,11 +99,28 @@ class SeqWork:
     output_ids: list[int]
     suppress_ids: list[int] = field(default_factory=list)
     constraint: object | None = None
+    num_draft: int = 0
+    propose: int = 0
 
     @property
     def context_len(self) -> int:
         """Tokens in the cache once this step has run."""
         return self.start_pos + len(self.token_ids)
+
+    @property
+    def is_decode(self) -> bool:
+        """Its prompt is all in the cache: every token computed now is a generated or a draft token."""
+        return self.start_pos >= len(self.prompt_ids)
+
+    @property
+    def draft_ids(self) -> list[int]:
+        """The draft tokens this step verifies (``token_ids[1:]`` of a decoding sequence)."""
+        return self.token_ids[len(self.token_ids) - self.num_draft:] if self.num_draft else []
+
+    @property
+    def num_sampled_rows(self) -> int:
+        """Rows whose next token is sampled: ``1 + num_draft`` when sampling, else 0."""
+        return 1 + self.num_draft if self.sample else 0
 
 
 @dataclass(slots=True)
@@ -100,6 +132,10 @@ class StepPlan:
     @property
     def num_tokens(self) -> int:
         return sum(len(w.token_ids) for w in self.work)
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(w.num_draft for w in self.work)
 
 
 @dataclass(slots=True)
@@ -117,12 +153,26 @@ class SeqResult:
 
     Attributes:
         seq_id: the sequence.
-        token: the sampled token, or None if this step only advanced a prefill chunk.
+        tokens: the new tokens, in order: the accepted draft tokens, then the one sampled where the first draft
+            was rejected (or after the last draft); empty if this step only advanced a prefill chunk. Without
+            drafts, at most one.
         prompt_logprobs: logprobs of the prompt tokens computed in this step (position >= 1), in order.
         error: why sampling failed for this sequence alone (its batch-mates are unaffected).
+        draft_ids: draft tokens proposed for the next step (at most ``SeqWork.propose``); not yet verified.
     """
 
     seq_id: int
-    token: TokenLogprob | None
+    tokens: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None
+    draft_ids: list[int] = field(default_factory=list)
+
+    @property
+    def token(self) -> TokenLogprob | None:
+        """The last new token, or None (what a caller stepping one token at a time reads)."""
+        return self.tokens[-1] if self.tokens else None
+
+    @property
+    def num_accepted(self) -> int:
+        """Draft tokens accepted (every new token but the last was a draft token)."""
+        return max(len(self.tokens) - 1, 0)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import statistics
+import time
+
 import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.constraints import apply_masks, fill_masks_async
+from engine.drafters import NgramDrafter
 from engine.fastpath import fast_decoder
 from engine.loader import LoadedModel
-from engine.plan import SeqResult, SeqWork, StepPlan, TokenLogprob
+from engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
 from engine.sampling import greedy_tokens, log_softmax, plain_greedy, sample_token, token_logprob
 from kvcache.pool import KVPool
 
@@ -30,50 +35,99 @@ class ModelRunner:
     Args:
         loaded: the model (already wired to the ``kvserve`` attention, quantized if it is to be).
         pool: the KV pool; its geometry must match the model.
+        drafter: proposes draft tokens where a SeqWork asks (``propose``); None proposes nothing.
     """
 
-    def __init__(self, loaded: LoadedModel, pool: KVPool) -> None:
+    def __init__(self, loaded: LoadedModel, pool: KVPool, drafter: NgramDrafter | None = None) -> None:
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
         self.fast = fast_decoder(loaded.model)
+        self.drafter = drafter
+
+    def time_decode_steps(self, sizes: list[int], block_table: list[int], repeats: int = 3) -> dict[int, float]:
+        """Seconds of an all-decode greedy step of each of ``sizes`` rows (the median of ``repeats``, after a
+        warm-up), every row attending to a context that fills ``block_table``: the step-cost curve speculation
+        weighs drafts against (``scheduler.speculation.StepCost``).
+
+        The rows write their K/V into the table's last slot: pass blocks nobody uses (at start-up, any).
+        """
+        context = len(block_table) * self.pool.block_size
+        last_slot = block_table[-1] * self.pool.block_size + self.pool.block_size - 1
+        greedy = SamplingParams(temperature=0.0)
+        seconds: dict[int, float] = {}
+        for size in sizes:
+            plan = StepPlan([SeqWork(seq_id=i, token_ids=[0], start_pos=context - 1, block_table=block_table,
+                                     slot_mapping=[last_slot], sample=True, params=greedy, prompt_ids=[0],
+                                     output_ids=[]) for i in range(size)])
+            times = []
+            for _ in range(repeats + 1):
+                started = time.perf_counter()
+                self.execute(plan)
+                times.append(time.perf_counter() - started)
+            seconds[size] = statistics.median(times[1:])
+        return seconds
 
     def _metadata(self, plan: StepPlan) -> AttentionMetadata:
+        """The step's attention metadata: every token of a decoding sequence is a decode row (each attends to
+        the cache up to its own position through the block table, so a row computes the same bits as if it
+        were decoded alone); a prefilling sequence is one span."""
         device, block_size = self.device, self.pool.block_size
         slot_mapping = [slot for w in plan.work for slot in w.slot_mapping]
         decode_rows: list[int] = []
-        decodes: list[SeqWork] = []
+        decode_lens: list[int] = []
+        decode_tables: list[list[int]] = []
         prefills: list[PrefillSpan] = []
         row = 0
         for w in plan.work:
             n = len(w.token_ids)
-            if n == 1 and w.start_pos > 0:
-                decode_rows.append(row)
-                decodes.append(w)
+            if w.is_decode:
+                decode_rows.extend(range(row, row + n))
+                decode_lens.extend(range(w.start_pos + 1, w.context_len + 1))
+                decode_tables.extend([w.block_table] * n)
             else:
                 table = (padded_tables([w.block_table], [w.context_len], block_size, device)[0] if w.start_pos
                          else torch.empty(0, dtype=torch.long, device=device))
                 prefills.append(PrefillSpan(start=row, end=row + n, block_table=table, start_pos=w.start_pos))
             row += n
-        lens = [w.context_len for w in decodes]
-        decode_tables = (padded_tables([w.block_table for w in decodes], lens, block_size, device) if decodes
-                         else torch.empty(0, 0, dtype=torch.long, device=device))
+        tables = (padded_tables(decode_tables, decode_lens, block_size, device) if decode_rows
+                  else torch.empty(0, 0, dtype=torch.long, device=device))
         return AttentionMetadata(
             pool=self.pool,
             slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
             decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_tables=decode_tables,
-            decode_lens=torch.tensor(lens, dtype=torch.long, device=device),
+            decode_tables=tables,
+            decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
             prefills=prefills,
             all_decodes=not prefills,
         )
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SeqResult]:
-        """Compute every token in ``plan`` and sample where asked.
+        """Compute every token in ``plan``, sample where asked, verify drafts and propose the next ones.
 
         Returns:
-            One SeqResult per SeqWork, in plan order (``token`` is None for a non-final prefill chunk).
+            One SeqResult per SeqWork, in plan order (no tokens for a non-final prefill chunk).
+
+        Raises:
+            ValueError: an empty plan.
+        """
+        logits = self.logits(plan)
+        if logits is None:
+            return [SeqResult(seq_id=w.seq_id) for w in plan.work]
+        results = self._sample(plan, _logit_spans(plan), logits)
+        if self.drafter is not None:
+            for w, result in zip(plan.work, results):
+                if w.propose and result.tokens:
+                    history = w.prompt_ids + w.output_ids + [t.token_id for t in result.tokens]
+                    result.draft_ids = self.drafter.propose(history, w.propose)
+        return results
+
+    @torch.inference_mode()
+    def logits(self, plan: StepPlan) -> torch.Tensor | None:
+        """Run the step's forward (writing its K/V) and return the float32 logits of its kept rows, grammar
+        masks applied: ``[rows, vocab]``, per SeqWork in plan order every prompt row of a prefill that returns
+        prompt logprobs, else its sampled rows (``SeqWork.num_sampled_rows``); None when no row is kept.
 
         Raises:
             ValueError: an empty plan.
@@ -84,15 +138,12 @@ class ModelRunner:
         input_ids = torch.tensor([[t for w in plan.work for t in w.token_ids]], device=device)  # [1, T]
         positions = torch.tensor([[w.start_pos + i for w in plan.work for i in range(len(w.token_ids))]],
                                  device=device)  # [1, T]
-        keep: list[int] = []  # rows whose logits we need
+        spans = _logit_spans(plan)
+        keep: list[int] = []  # rows whose logits we need: each SeqWork's last n rows
         row = 0
-        for w in plan.work:
-            n = len(w.token_ids)
-            if w.params.prompt_logprobs:
-                keep.extend(range(row, row + n))
-            elif w.sample:
-                keep.append(row + n - 1)
-            row += n
+        for w, (_, n) in zip(plan.work, spans):
+            row += len(w.token_ids)
+            keep.extend(range(row - n, row))
         constrained = [w for w in plan.work if w.sample and w.constraint is not None]
         # grammar masks are computed on their own thread while the forward runs; unconstrained steps skip this
         masks = fill_masks_async([w.constraint for w in constrained], [w.output_ids for w in constrained]) \
@@ -108,71 +159,73 @@ class ModelRunner:
             logits = self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                                        logits_to_keep=keep_rows, kvserve=meta).logits[0]  # [len(keep), vocab]
         if not keep:
-            return [SeqResult(seq_id=w.seq_id, token=None) for w in plan.work]
+            return None
         logits = logits.float()
         if masks is not None:
-            self._constrain(plan, logits, masks.result())
-        return self._sample(plan, logits)
+            # constrained sequences carry no drafts: their one sampled row is their last kept row
+            rows = [first + n - 1 for w, (first, n) in zip(plan.work, spans) if w.sample and w.constraint is not None]
+            apply_masks(logits, rows, masks.result())
+        return logits
 
-    def _constrain(self, plan: StepPlan, logits: torch.Tensor, masks: torch.Tensor) -> None:
-        """Mask the sampled row of each constrained sequence (in ``masks`` order), so that greedy picks, sampling
-        and the reported logprobs all see only the tokens the grammar allows."""
-        rows = [first + n - 1 for w, (first, n) in zip(plan.work, self._logit_spans(plan))
-                if w.sample and w.constraint is not None]
-        apply_masks(logits, rows, masks)
+    def _sample(self, plan: StepPlan, spans: list[tuple[int, int]], logits: torch.Tensor) -> list[SeqResult]:
+        """Each sampling sequence's new tokens: its sampled rows in order, kept while each sampled token equals
+        the draft token it checks, up to and including the first that differs (or the one after the last draft).
 
-    @staticmethod
-    def _logit_spans(plan: StepPlan) -> list[tuple[int, int]]:
-        """Per SeqWork, ``(first row, rows)`` of its kept logits: every row with prompt logprobs, else its last
-        row when it samples, else none (the order ``execute`` keeps them in)."""
-        spans: list[tuple[int, int]] = []
-        k = 0
-        for w in plan.work:
-            n = len(w.token_ids) if w.params.prompt_logprobs else int(w.sample)
-            spans.append((k, n))
-            k += n
-        return spans
-
-    def _sample(self, plan: StepPlan, logits: torch.Tensor) -> list[SeqResult]:
-        spans = self._logit_spans(plan)
+        A row is sampled exactly as without drafts: the same logits (decode rows are batch-invariant), the same
+        processing and, for a seeded request, the same generator (seeded by the output position). So greedy and
+        seeded output are token for token those of plain decoding, and unseeded sampling keeps the served
+        model's distribution: for a one-hot draft q (prompt lookup), accepting x when the sample from p is x
+        has probability p(x) = min(1, p(x)/q(x)), and the sample on a mismatch is distributed as
+        max(0, p - q) normalised, Leviathan et al. 2023's rule.
+        """
         batched = self._greedy_rows(plan, spans, logits)
         results: list[SeqResult] = []
         for w, (first, n) in zip(plan.work, spans):
-            prompt_lps: list[TokenLogprob] = []
-            if w.params.prompt_logprobs:
-                rows = logits[first:first + n]  # [n, vocab]
-                prompt_lps = self._prompt_logprobs(w, rows)
-                last = rows[-1]
-            elif w.sample:
-                last = logits[first]
-            if w.seq_id in batched:
-                results.append(SeqResult(seq_id=w.seq_id, token=batched[w.seq_id], prompt_logprobs=prompt_lps))
+            result = SeqResult(seq_id=w.seq_id)
+            results.append(result)
+            rows = logits[first:first + n]  # [n, vocab]
+            if w.params.prompt_logprobs and not w.is_decode:
+                result.prompt_logprobs = self._prompt_logprobs(w, rows)
+            if not w.sample:
                 continue
-            try:
-                token = sample_token(last, w) if w.sample else None
-            except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # one bad request, not the batch
-                results.append(SeqResult(seq_id=w.seq_id, token=None, error=f"sampling failed: {exc}"))
-                continue
-            results.append(SeqResult(seq_id=w.seq_id, token=token, prompt_logprobs=prompt_lps))
+            sampled = rows[n - w.num_sampled_rows:]  # [1 + num_draft, vocab]
+            drafts = w.draft_ids
+            picked = batched.get(w.seq_id)
+            for i in range(w.num_sampled_rows):
+                if picked is not None:
+                    token = picked[i]
+                else:
+                    view = w if i == 0 else dataclasses.replace(w, output_ids=w.output_ids + drafts[:i])
+                    try:
+                        token = sample_token(sampled[i], view)
+                    except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # one bad request
+                        result.tokens, result.error = [], f"sampling failed: {exc}"
+                        break
+                result.tokens.append(token)
+                if i == len(drafts) or token.token_id != drafts[i]:
+                    break
         return results
 
     @staticmethod
-    def _greedy_rows(plan: StepPlan, spans: list[tuple[int, int]], logits: torch.Tensor) -> dict[int, TokenLogprob]:
-        """Tokens of the plain greedy sequences (most of a typical step), all picked in one call."""
+    def _greedy_rows(plan: StepPlan, spans: list[tuple[int, int]],
+                     logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """Tokens of every sampled row of the plain greedy sequences (most of a typical step), in one call."""
         rows: list[int] = []
+        suppress: list[list[int]] = []
         works: list[SeqWork] = []
         vocab = logits.shape[-1]
-        for w, (first, _) in zip(plan.work, spans):
+        for w, (first, n) in zip(plan.work, spans):
             # an out-of-range id stays with sample_token, which fails that sequence alone
-            if (not w.params.prompt_logprobs and plain_greedy(w)
+            if (not (w.params.prompt_logprobs and not w.is_decode) and plain_greedy(w)
                     and all(0 <= t < vocab for t in w.suppress_ids)):
-                rows.append(first)
+                rows.extend(range(first + n - w.num_sampled_rows, first + n))
+                suppress.extend([w.suppress_ids] * w.num_sampled_rows)
                 works.append(w)
         if not rows:
             return {}
         picked = logits if len(rows) == logits.shape[0] else logits[rows]  # [len(rows), vocab]
-        tokens = greedy_tokens(picked, [w.suppress_ids for w in works])
-        return {w.seq_id: token for w, token in zip(works, tokens)}
+        tokens = iter(greedy_tokens(picked, suppress))
+        return {w.seq_id: [next(tokens) for _ in range(w.num_sampled_rows)] for w in works}
 
     @staticmethod
     def _prompt_logprobs(w: SeqWork, rows: torch.Tensor) -> list[TokenLogprob]:
@@ -185,3 +238,16 @@ class ModelRunner:
                 break
             result.append(token_logprob(logprobs[i], w.prompt_ids[target_pos], w.params.logprobs or 0))
         return result
+
+
+def _logit_spans(plan: StepPlan) -> list[tuple[int, int]]:
+    """Per SeqWork, ``(first row, rows)`` of its kept logits, in plan order: every row of a prefill that returns
+    prompt logprobs, else its sampled rows (the last ``1 + num_draft`` of a decode, the last row of a prompt's
+    final chunk), else none."""
+    spans: list[tuple[int, int]] = []
+    k = 0
+    for w in plan.work:
+        n = len(w.token_ids) if w.params.prompt_logprobs and not w.is_decode else w.num_sampled_rows
+        spans.append((k, n))
+        k += n
+    return spans

@@ -61,7 +61,8 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
 
     Returns:
         The token, its logprob under the model's distribution after penalties (before temperature and
-        filtering, as OpenAI reports), and the requested top alternatives.
+        filtering, as OpenAI reports; after them with ``processed_logprobs``), and the requested top
+        alternatives.
     """
     params = work.params
     if params.needs_penalties:
@@ -74,12 +75,14 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
     if params.greedy:
         token_id = int(torch.argmax(logits))
     else:
-        probs = _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p).softmax(-1)
+        processed = _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=logits.device)
             generator.manual_seed((params.seed * _SEED_STRIDE + len(work.output_ids)) % _SEED_MODULUS)
-        token_id = int(torch.multinomial(probs, 1, generator=generator))
+        token_id = int(torch.multinomial(processed.softmax(-1), 1, generator=generator))
+        if params.processed_logprobs:
+            logits = processed
     return token_logprob(log_softmax(logits), token_id, params.logprobs or 0)
 
 
@@ -142,5 +145,6 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenL
     top: list[tuple[int, float]] = []
     if num_top > 0:
         values, ids = torch.topk(logprobs, num_top)
-        top = list(zip(ids.tolist(), values.tolist()))
+        # tokens a filter or a suppression removed (-inf) are no alternatives, and JSON has no infinity
+        top = [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
     return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)

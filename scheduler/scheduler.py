@@ -10,6 +10,13 @@ preempted: its blocks are freed and it goes back to the head of the waiting queu
 ``Policy.STATIC`` admits a group of up to max_num_seqs waiting sequences only when the previous group
 has entirely finished, and holds the final event of every member until the last member finishes.
 
+With speculation (``draft``: a DraftPolicy), a decoding sequence also verifies draft tokens the engine
+proposed after its previous step: the policy chooses how many from the token budget left once every
+sequence has its token and the waiting ones are admitted (drafts never displace a prefill or preempt anyone),
+and ``update`` appends the accepted ones, checks stop conditions on each, and lowers the computed count
+past the rejected ones (their slots are overwritten by later steps; only verified tokens are hashed into
+the prefix cache).
+
 Works on token counts and block ids only; never touches a tensor.
 """
 
@@ -22,6 +29,7 @@ from dataclasses import dataclass
 from engine.plan import SeqResult, SeqWork, StepPlan
 from kvcache.block_manager import BlockManager
 from scheduler.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
+from scheduler.speculation import Candidate, DraftPolicy
 
 
 @dataclass(slots=True)
@@ -50,11 +58,13 @@ class Scheduler:
     Args:
         config: limits and policy.
         blocks: the block manager of the KV pool.
+        draft: how many draft tokens decoding sequences verify (speculative decoding); None: none.
     """
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, draft: DraftPolicy | None = None) -> None:
         self.config = config
         self.blocks = blocks
+        self.draft = draft
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.group: set[int] = set()           # STATIC: ids of the current group
@@ -104,8 +114,39 @@ class Scheduler:
                 continue
             work.append(self._work(seq, num_new))
             budget -= num_new
-        self._admit(work, budget)
+        budget = self._admit(work, budget)
+        if self.draft is not None:
+            self._add_drafts(work, budget)
         return StepPlan(work)
+
+    def _draft_room(self, seq: Sequence) -> int:
+        """Draft tokens ``seq`` could verify now: its proposal, cut so that every token the step might accept
+        stays within max_tokens and the context, and, below min_tokens, so that every sampled row has stop tokens
+        suppressed alike. 0 for a constrained sequence (its grammar checks one token a step)."""
+        if seq.constraint is not None or not seq.draft_ids or seq.num_uncomputed != 1:
+            return 0
+        room = min(len(seq.draft_ids), seq.max_tokens - len(seq.output_ids) - 1,
+                   self.config.max_model_len - seq.num_tokens - 1)
+        if len(seq.output_ids) < seq.min_tokens:
+            room = min(room, seq.min_tokens - len(seq.output_ids) - 1)
+        return max(room, 0)
+
+    def _add_drafts(self, work: list[SeqWork], budget: int) -> None:
+        """Give decoding sequences the draft tokens the policy chooses, where their blocks can grow."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        candidates = []
+        for w in work:
+            seq = by_id.get(w.seq_id)
+            room = self._draft_room(seq) if seq is not None and w.is_decode else 0
+            if room:
+                candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens))
+        yield_ = sum(1 for w in work if w.sample)
+        gammas = self.draft.choose(candidates, sum(len(w.token_ids) for w in work), yield_, budget)
+        for index, w in enumerate(work):
+            gamma = gammas.get(w.seq_id, 0)
+            seq = by_id.get(w.seq_id)
+            if gamma and self.blocks.allocate(seq.block_table, seq.num_computed + 1 + gamma):
+                work[index] = self._work(seq, 1, gamma)
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Make room for ``num_new`` more tokens of a running sequence, preempting the newest if needed."""
@@ -140,7 +181,9 @@ class Scheduler:
             self.group = {s.seq_id for s in list(self.waiting)[:self.config.max_num_seqs]}
         return seq.seq_id in self.group
 
-    def _admit(self, work: list[SeqWork], budget: int) -> None:
+    def _admit(self, work: list[SeqWork], budget: int) -> int:
+        """Admit waiting sequences into ``work`` while slots, the token budget and blocks allow; returns the
+        budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             if not self._admissible(seq):
@@ -162,47 +205,65 @@ class Scheduler:
             self.running.append(seq)
             work.append(self._work(seq, num_new))
             budget -= num_new
+        return budget
 
-    def _work(self, seq: Sequence, num_new: int) -> SeqWork:
+    def _work(self, seq: Sequence, num_new: int, num_draft: int = 0) -> SeqWork:
+        """The sequence's next ``num_new`` known tokens, then ``num_draft`` of its draft tokens."""
         start = seq.num_computed
         bs = self.blocks.block_size
-        slots = [seq.block_table[p // bs] * bs + p % bs for p in range(start, start + num_new)]
-        return SeqWork(seq_id=seq.seq_id, token_ids=seq.all_ids[start:start + num_new], start_pos=start,
-                       block_table=list(seq.block_table), slot_mapping=slots,
-                       sample=start + num_new == seq.num_tokens, params=seq.params,
-                       prompt_ids=seq.prompt_ids, output_ids=list(seq.output_ids), suppress_ids=seq.suppress_ids,
-                       constraint=seq.constraint)
+        end = start + num_new + num_draft
+        slots = [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
+        sample = start + num_new == seq.num_tokens
+        propose = self.draft.max_draft if self.draft is not None and sample and seq.constraint is None else 0
+        return SeqWork(seq_id=seq.seq_id, token_ids=seq.all_ids[start:start + num_new] + seq.draft_ids[:num_draft],
+                       start_pos=start, block_table=list(seq.block_table), slot_mapping=slots, sample=sample,
+                       params=seq.params, prompt_ids=seq.prompt_ids, output_ids=list(seq.output_ids),
+                       suppress_ids=seq.suppress_ids, constraint=seq.constraint, num_draft=num_draft,
+                       propose=propose)
 
     # -- results -------------------------------------------------------------------------------------
     def update(self, plan: StepPlan, results: list[SeqResult]) -> list[tuple[Sequence, SeqEvent]]:
-        """Apply a step's results; returns the events to deliver (finished sequences' blocks are freed)."""
+        """Apply a step's results; returns the events to deliver, one per new token (finished sequences' blocks
+        are freed)."""
         by_id = {seq.seq_id: seq for seq in self.running}
         events: list[tuple[Sequence, SeqEvent]] = []
+        now = time.perf_counter()
         for w, result in zip(plan.work, results):
             seq = by_id.get(w.seq_id)
             if seq is None:
                 continue  # aborted or preempted during the step
-            seq.num_computed += len(w.token_ids)
-            self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
             if result.error is not None:
                 self._finish(seq, FinishReason.ERROR)
-                events.append((seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=result.error)))
+                events.append((seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=result.error, time=now)))
                 continue
-            if result.token is None:
-                if result.prompt_logprobs:
-                    events.append((seq, SeqEvent(seq.seq_id, prompt_logprobs=result.prompt_logprobs)))
-                continue
-            seq.output_ids.append(result.token.token_id)
-            if seq.first_token_time is None:
-                seq.first_token_time = time.perf_counter()
-            reason = self._stop_reason(seq, result.token.token_id)
-            event = SeqEvent(seq.seq_id, token=result.token, finish=reason, prompt_logprobs=result.prompt_logprobs)
+            if w.num_draft:
+                seq.num_draft_tokens += w.num_draft
+                seq.num_accepted_tokens += result.num_accepted
+                self.draft.record(w.num_draft, result.num_accepted)
+            seq.draft_ids = result.draft_ids
+            if result.prompt_logprobs and not result.tokens:
+                events.append((seq, SeqEvent(seq.seq_id, prompt_logprobs=result.prompt_logprobs, time=now)))
+            reason, delivered = None, []
+            for token in result.tokens:
+                seq.output_ids.append(token.token_id)
+                if seq.first_token_time is None:
+                    seq.first_token_time = now
+                reason = self._stop_reason(seq, token.token_id)
+                delivered.append(SeqEvent(seq.seq_id, token=token, finish=reason, time=now,
+                                          prompt_logprobs=[] if delivered else result.prompt_logprobs))
+                if reason is not None:
+                    break  # tokens accepted after a stop are dropped
+            for event in delivered:
+                event.step_tokens = len(delivered)
+            if reason is not None and self.config.static:
+                self.held.append((seq, delivered.pop()))
+            events.extend((seq, event) for event in delivered)
+            # K/V are valid for the known tokens and the accepted drafts; the last new token is computed next step
+            seq.num_computed = min(w.context_len - w.num_draft + result.num_accepted, seq.num_tokens - 1
+                                   if result.tokens else w.context_len)
+            self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
             if reason is not None:
                 self._finish(seq, reason)
-                if self.config.static:
-                    self.held.append((seq, event))
-                    continue
-            events.append((seq, event))
         return events + self._release_group()
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:

@@ -35,7 +35,8 @@ class SeqEvent:
         finish: set on the sequence's last event.
         error: a message when the step failed.
         prompt_logprobs: prompt-token logprobs computed in this step.
-        time: when the event was produced (``time.perf_counter()`` seconds).
+        time: when the event was produced (``time.perf_counter()`` seconds); the events of one step share it.
+        step_tokens: tokens this step delivers to the sequence (several when it accepted draft tokens).
     """
 
     seq_id: int
@@ -44,6 +45,7 @@ class SeqEvent:
     error: str | None = None
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     time: float = field(default_factory=time.perf_counter)
+    step_tokens: int = 1
 
 
 @dataclass(slots=True, eq=False)
@@ -68,6 +70,9 @@ class Sequence:
             prompt is in the cache, so the prompt's full blocks are shared through the prefix cache.
         constraint: the grammar matcher of a structured-output request (engine.constraints.Constraint), carried
             opaquely into the plan; the engine keeps it in step with ``output_ids``.
+        draft_ids: draft tokens the engine proposed after the last step, not yet verified (speculation).
+        num_draft_tokens, num_accepted_tokens: draft tokens verified for this sequence so far, and how many of
+            them were accepted (its acceptance rate; the final ``timings``).
     """
 
     seq_id: int
@@ -90,6 +95,9 @@ class Sequence:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     prefix_source: Sequence | None = None
     constraint: object | None = None
+    draft_ids: list[int] = field(default_factory=list)
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
 
     @property
     def all_ids(self) -> list[int]:

@@ -170,7 +170,8 @@ class SchedulerService:
                 self.stats.engine_s += seconds
                 if self.on_step is not None:
                     self._observe(plan, seconds)
-                self._count(plan)
+                self._count(plan, results)
+                self._learn_cost(plan, seconds)
                 for seq, event in self.scheduler.update(plan, results):
                     seq.events.put_nowait(event)
                 last_end = time.perf_counter() if self.scheduler.has_work else None
@@ -191,11 +192,17 @@ class SchedulerService:
             log.exception("step observer failed; it is switched off, serving goes on")
             self.on_step = None
 
-    def _count(self, plan: StepPlan) -> None:
-        for w in plan.work:
-            prompt_part = max(0, min(w.context_len, len(w.prompt_ids)) - w.start_pos)
-            self.stats.prompt_tokens += prompt_part
-            self.stats.generation_tokens += int(w.sample)
+    def _count(self, plan: StepPlan, results: list[SeqResult]) -> None:
+        for w, result in zip(plan.work, results):
+            if not w.is_decode:  # a recompute after preemption also recomputes generated tokens: not prompt ones
+                self.stats.prompt_tokens += min(w.context_len, len(w.prompt_ids)) - w.start_pos
+            self.stats.generation_tokens += len(result.tokens)
+
+    def _learn_cost(self, plan: StepPlan, seconds: float) -> None:
+        """Feed an all-decode step's time to the speculation policy's step-cost model (what ``auto`` weighs)."""
+        draft = self.scheduler.draft
+        if draft is not None and draft.cost is not None and all(w.is_decode for w in plan.work):
+            draft.cost.observe(plan.num_tokens, seconds)
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
         for w in plan.work:

@@ -5,7 +5,10 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from engine.drafters import Drafter
 from kvcache.sizing import parse_bytes
+
+AUTO_MAX_DRAFT = 8  # --num-speculative-tokens auto: the longest draft one sequence verifies in a step
 
 
 class Policy(enum.Enum):
@@ -48,6 +51,8 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered besides loopback ones (DNS rebinding)
     header_timeout_s: float = 10.0      # a connection must complete a request's headers within this (s)
     allow_pickle: bool = False          # load *.bin / *.pt checkpoints (unpickling can run code)
+    speculative: Drafter = Drafter.OFF  # off | ngram: who drafts tokens for the served model to verify
+    num_speculative_tokens: int | None = None  # drafts per sequence per step; None: auto (0..AUTO_MAX_DRAFT, measured)
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -80,3 +85,7 @@ class ServeConfig:
             raise ValueError(f"kv_cache_memory: {exc}") from None
         if isinstance(self.policy, str):
             self.policy = Policy(self.policy)
+        if isinstance(self.speculative, str):
+            self.speculative = Drafter(self.speculative)
+        if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError("num_speculative_tokens must be in 1..64 (or auto)")

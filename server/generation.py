@@ -134,7 +134,8 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
                             min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
                             frequency_penalty=request.frequency_penalty,
                             repetition_penalty=request.repetition_penalty, logprobs=request.num_logprobs,
-                            prompt_logprobs=echo_logprobs, logit_bias=request.logit_bias_ids or None)
+                            prompt_logprobs=echo_logprobs, logit_bias=request.logit_bias_ids or None,
+                            processed_logprobs=request.logprobs_mode == "processed_logprobs")
     stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(state.eos_ids))
     return Prepared(prompt_ids=prompt_ids, max_tokens=max_tokens, params=params, n=request.n,
                     stop_strings=request.stop_strings, stop_token_ids=frozenset(stop_ids),
@@ -240,7 +241,7 @@ class Generation:
         choice.prompt_logprobs.extend(event.prompt_logprobs[:max(missing, 0)])
         update = ChoiceUpdate(index=index)
         if event.token is not None:
-            self._observe_token(choice, event.time)
+            self._observe_token(choice, event)
             choice.completion_tokens += 1
             choice.pending.append((event.token, choice.fed_chars))
             text = choice.detok.add(event.token.token_id)
@@ -280,13 +281,18 @@ class Generation:
             update.tokens.append(token)
             update.offsets.append(offset)
 
-    def _observe_token(self, choice: _Choice, now: float) -> None:
-        metrics = self.state.metrics
+    def _observe_token(self, choice: _Choice, event: SeqEvent) -> None:
+        metrics, now = self.state.metrics, event.time
         if choice.last_token_time is None:
             metrics.ttft.observe(now - choice.seq.arrival_time)
-        else:
-            metrics.itl.observe(now - choice.last_token_time)
-            metrics.tpot.observe(now - choice.last_token_time)  # vLLM's per-token TPOT, as its dashboard plots
+        elif now != choice.last_token_time:
+            # The tokens one verify pass accepts arrive together (speculative decoding). Inter-token latency is
+            # observed once per step that delivered tokens, as vLLM does (a gap of 0 between them would flatter
+            # it); time per output token shares the step's gap among its tokens, so its mean stays per token.
+            gap = now - choice.last_token_time
+            metrics.itl.observe(gap)
+            for _ in range(event.step_tokens):
+                metrics.tpot.observe(gap / event.step_tokens)
         choice.last_token_time = now
 
     def _finish(self, choice: _Choice, update: ChoiceUpdate, reason: str) -> ChoiceUpdate:
@@ -325,6 +331,9 @@ class Generation:
         ttft_ms = ((seq.first_token_time or seq.arrival_time) - seq.arrival_time) * 1000
         decode_s = (choice.last_token_time or 0) - (seq.first_token_time or 0)
         tps = (choice.completion_tokens - 1) / decode_s if choice.completion_tokens > 1 and decode_s > 0 else 0.0
-        return {"queue_ms": round(queue_ms, 3), "ttft_ms": round(ttft_ms, 3), "decode_tokens_per_s": round(tps, 3),
-                "prompt_tokens": len(self.prepared.prompt_ids), "completion_tokens": choice.completion_tokens,
-                "cached_tokens": seq.num_cached_tokens or 0}
+        timings = {"queue_ms": round(queue_ms, 3), "ttft_ms": round(ttft_ms, 3), "decode_tokens_per_s": round(tps, 3),
+                   "prompt_tokens": len(self.prepared.prompt_ids), "completion_tokens": choice.completion_tokens,
+                   "cached_tokens": seq.num_cached_tokens or 0}
+        if self.state.service.scheduler.draft is not None:  # speculative decoding: what it drafted and kept
+            timings |= {"draft_tokens": seq.num_draft_tokens, "accepted_tokens": seq.num_accepted_tokens}
+        return timings

@@ -63,6 +63,9 @@ class _SamplingRequest(_NullMeansDefault):
     stream_options: StreamOptions | None = None
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]; see _check_logit_bias
+    # vLLM's logprobs_mode, per request: processed_logprobs are those of the distribution sampled from (after
+    # temperature and top-k/top-p), the soft labels of distillation; logits modes are not served (a 400)
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs"] = "raw_logprobs"
     # structured outputs and tools (checked and compiled by server.structured and server.tools)
     response_format: dict | None = None
     guided_json: dict | str | None = None

@@ -7,7 +7,8 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from kvcache.sizing import parse_bytes
-from server.config import Policy, ServeConfig
+from engine.drafters import Drafter
+from server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
 from server.httpserver import uvicorn_config, uvicorn_impls
 
 log = logging.getLogger("kvserve")
@@ -58,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-metric-names", action="store_true",
                         help="on /metrics, repeat every kvserve: series under vLLM's vllm: prefix too, so vLLM's "
                              "Grafana dashboard and autoscaling rules work unchanged")
+    parser.add_argument("--speculative", choices=[d.value for d in Drafter], default=ServeConfig().speculative.value,
+                        help="speculative decoding: ngram drafts tokens by prompt lookup, the model verifies them "
+                             "(exact: the output is unchanged); off: none")
+    parser.add_argument("--num-speculative-tokens", type=_draft_length, default=None, metavar="N|auto",
+                        help="draft tokens per sequence per step: a fixed N, or auto (default): 0 to "
+                             f"{AUTO_MAX_DRAFT}, chosen each step from measured acceptance and step cost")
     parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
 
 
@@ -72,7 +79,21 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
                        vllm_metric_names=args.vllm_metric_names, allowed_hosts=args.allowed_hosts,
-                       header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle)
+                       header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,
+                       speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens)
+
+
+def _draft_length(text: str) -> int | None:
+    """``--num-speculative-tokens``: ``auto`` -> None, else a positive integer."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number of tokens or auto, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be >= 1 (use --speculative off for none)")
+    return value
 
 
 def _host_list(text: str) -> tuple[str, ...]:

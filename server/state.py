@@ -10,6 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.constraints import GrammarCompiler
+from engine.drafters import Drafter, NgramDrafter
 from engine.loader import LoadedModel
 from engine.plan import SeqWork, StepPlan
 from engine.runner import ModelRunner
@@ -18,19 +19,22 @@ from kvcache.pool import KVPool
 from kvcache.sizing import num_blocks_for_budget, parse_bytes
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.service import SchedulerService
-from server.config import Policy, ServeConfig
+from scheduler.speculation import DraftPolicy, StepCost
+from server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
 from server.metrics import Metrics
 
 log = logging.getLogger("kvserve.server")
 
 _PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line
+_CALIBRATION_CONTEXT = 256  # context (tokens) of the rows timed for speculation's step-cost curve
 
 
 class StepLog:
     """``--step-log``: one JSON line per engine step, the raw material of the simulator's step-cost fit.
 
-    Fields: ``prefills`` (sequences computing prompt tokens, or several tokens), ``decodes`` (one generated
-    token each), ``prefill_tokens``, ``max_context`` (longest context among the decodes, tokens; the paged
+    Fields: ``prefills`` (sequences computing prompt tokens: ``SeqWork.is_decode`` is false), ``decodes``
+    (sequences computing generated tokens: one, plus ``draft_tokens`` in all of them with speculation),
+    ``prefill_tokens``, ``max_context`` (longest context among the decodes, tokens; the paged
     gather pads every decode to it), ``seconds`` (wall time inside the runner).
     """
 
@@ -44,17 +48,13 @@ class StepLog:
         Raises:
             OSError: the file cannot be written (the service then stops calling this).
         """
-        decodes = [w for w in plan.work if is_decode(w)]
-        prefills = [w for w in plan.work if not is_decode(w)]
+        decodes = [w for w in plan.work if w.is_decode]
+        prefills = [w for w in plan.work if not w.is_decode]
         self._file.write(json.dumps({
             "prefills": len(prefills), "decodes": len(decodes),
             "prefill_tokens": sum(len(w.token_ids) for w in prefills),
+            "draft_tokens": plan.num_draft_tokens,
             "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6)}) + "\n")
-
-
-def is_decode(work: SeqWork) -> bool:
-    """One generated token computed on top of its context (a 1-token prompt chunk is prefill work)."""
-    return len(work.token_ids) == 1 and work.start_pos >= len(work.prompt_ids)
 
 
 def _physical_memory() -> int | None:
@@ -102,11 +102,13 @@ class ServerState:
         # or as a list of token ids; 1 MiB at least, for short-context models with long sampling options
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        speculating = config.speculative is not Drafter.OFF
+        self.runner = ModelRunner(loaded, self.pool, NgramDrafter() if speculating else None)
+        draft = self._draft_policy(config, blocks) if speculating else None
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               max_model_len=self.max_model_len,
-                                              static=config.policy is Policy.STATIC), blocks)
-        self.runner = ModelRunner(loaded, self.pool)
+                                              static=config.policy is Policy.STATIC), blocks, draft)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
                                         on_step=self._on_step, executor=executor)
@@ -119,6 +121,23 @@ class ServerState:
         self.eos_ids = self._eos_ids()
         self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids))  # structured outputs; built lazily
         self.log_capacity()
+
+    def _draft_policy(self, config: ServeConfig, blocks: BlockManager) -> DraftPolicy:
+        """Speculation's γ policy: fixed, or ``auto`` over a step-cost curve measured now on scratch blocks."""
+        if config.num_speculative_tokens is not None:
+            return DraftPolicy(max_draft=config.num_speculative_tokens, adaptive=False)
+        most = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + AUTO_MAX_DRAFT))
+        sizes = sorted({n for n in (1, 2, 3, 4, 6, 9, 16, 32, 64, 128, 256, most) if n <= most})
+        table: list[int] = []
+        if not blocks.allocate(table, min(_CALIBRATION_CONTEXT, self.pool.num_slots)):
+            raise ValueError("the KV pool is too small to measure step costs for --num-speculative-tokens auto")
+        try:
+            seconds = self.runner.time_decode_steps(sizes, table)
+        finally:
+            blocks.free(table)
+        log.info("speculation: %s drafts, auto length up to %d; step cost (ms) by tokens: %s", config.speculative.value,
+                 AUTO_MAX_DRAFT, ", ".join(f"{n}: {s * 1000:.1f}" for n, s in seconds.items()))
+        return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=StepCost(seconds))
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:
         """After each engine step: vLLM's tokens-per-step histogram, and the step log when asked for."""

@@ -37,14 +37,18 @@ def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
 
 def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks: int = 512, block_size: int = 16,
                   max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
-                  prefix_caching: bool = True) -> tuple[list[list[int]], Scheduler]:
-    """Our engine end to end (scheduler + paged runner), greedy, ignoring EOS."""
+                  prefix_caching: bool = True, draft=None, drafter=None, params: SamplingParams = GREEDY,
+                  min_tokens: int | None = None) -> tuple[list[list[int]], Scheduler]:
+    """Our engine end to end (scheduler + paged runner), greedy unless ``params`` say otherwise, EOS suppressed
+    until ``min_tokens`` (default: all ``new_tokens``); with ``draft`` (a DraftPolicy) and ``drafter``,
+    speculative decoding."""
     pool = KVPool(loaded.kv_shape(), num_blocks, block_size, loaded.dtype, loaded.device)
-    runner = ModelRunner(loaded, pool)
+    runner = ModelRunner(loaded, pool, drafter)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                          max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching))
-    seqs = [Sequence(seq_id=i, prompt_ids=p, params=GREEDY, max_tokens=new_tokens, stop_token_ids=frozenset({EOS}),
-                     min_tokens=new_tokens) for i, p in enumerate(prompts)]
+                                          max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching),
+                          draft)
+    seqs = [Sequence(seq_id=i, prompt_ids=p, params=params, max_tokens=new_tokens, stop_token_ids=frozenset({EOS}),
+                     min_tokens=new_tokens if min_tokens is None else min_tokens) for i, p in enumerate(prompts)]
     arrivals: dict[int, list[Sequence]] = {}
     for seq, step in zip(seqs, arrivals_at or [0] * len(seqs)):
         arrivals.setdefault(step, []).append(seq)
@@ -64,12 +68,13 @@ def tiny(arch: str, **overrides):
 
 
 def mixed_plan() -> list[SeqWork]:
-    """Seq 0 prefills 9 tokens from 0; seq 1 decodes at position 6; seq 2 prefills a 5-token chunk at 4."""
+    """Seq 0 prefills 9 tokens from 0; seq 1 decodes at position 6 (its 6-token prompt cached); seq 2 prefills
+    a 5-token chunk at 4."""
     def work(seq, ids, start, context):
         table = list(range(seq * 8, seq * 8 + 8))
         slots = [table[p // BLOCK] * BLOCK + p % BLOCK for p in range(start, start + len(ids))]
         return SeqWork(seq, ids, start, table, slots, True, GREEDY, list(range(3, 3 + context)), [])
-    return [work(0, list(range(10, 19)), 0, 9), work(1, [77], 6, 7), work(2, list(range(40, 45)), 4, 9)]
+    return [work(0, list(range(10, 19)), 0, 9), work(1, [77], 6, 6), work(2, list(range(40, 45)), 4, 9)]
 
 
 def run_both(loaded) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -82,13 +87,12 @@ def run_both(loaded) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         if not fast:
             runner.fast = None
         captured = []
-        runner._sample = lambda plan, logits, captured=captured: captured.append(logits) or []
         # prefill the cached part of seqs 1 and 2 first, then the mixed step
         warm = [SeqWork(1, list(range(3, 9)), 0, list(range(8, 16)), [32 + p for p in range(6)], False, GREEDY,
                         list(range(3, 10)), []),
                 SeqWork(2, list(range(3, 7)), 0, list(range(16, 24)), [64 + p for p in range(4)], False, GREEDY,
                         list(range(3, 12)), [])]
         runner.execute(StepPlan(warm))
-        runner.execute(StepPlan(mixed_plan()))
+        captured.append(runner.logits(StepPlan(mixed_plan())))
         results.append((captured[0], pool.data.clone()))
     return results[0], results[1]

@@ -117,19 +117,16 @@ def test_quantized_decode_row_does_not_depend_on_the_rest_of_the_step(scheme):
     for with_prefill in (False, True):
         pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)
         runner = ModelRunner(loaded, pool)
-        captured = []
-        runner._sample = lambda plan, out, captured=captured: captured.append(out) or []
         table = list(range(8))
-        warm = SeqWork(0, list(range(3, 9)), 0, table, list(range(6)), False, GREEDY, list(range(3, 10)), [])
+        warm = SeqWork(0, list(range(3, 9)), 0, table, list(range(6)), False, GREEDY, list(range(3, 9)), [])
         runner.execute(StepPlan([warm]))
-        step = [SeqWork(0, [9], 6, table, [6], True, GREEDY, list(range(3, 10)), [])]
+        step = [SeqWork(0, [9], 6, table, [6], True, GREEDY, list(range(3, 9)), [9])]
         if with_prefill:
             other = list(range(8, 32))
             step.append(SeqWork(1, list(range(20, 60)), 0, other, [other[p // BLOCK] * BLOCK + p % BLOCK
                                                                     for p in range(40)], False, GREEDY,
                                 list(range(20, 60)), []))
-        runner.execute(StepPlan(step))
-        logits.append(captured[-1][0])
+        logits.append(runner.logits(StepPlan(step))[0])
     assert torch.equal(logits[0], logits[1])
 
 
@@ -147,17 +144,15 @@ def decode_step_both_loops(loaded, monkeypatch) -> tuple[list[bool], list[tuple[
         runner = ModelRunner(loaded, pool)
         if not direct:
             monkeypatch.setattr(runner.fast, "direct_max_rows", 0)
-        captured = []
-        runner._sample = lambda plan, out, captured=captured: captured.append(out) or []
         tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
         runner.execute(StepPlan([SeqWork(s, list(range(3 + s, 12 + s)), 0, tables[s],
                                          [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in range(9)], False,
-                                         GREEDY, list(range(3, 13)), []) for s in range(3)]))
+                                         GREEDY, list(range(3, 12)), []) for s in range(3)]))
         taken.clear()
-        runner.execute(StepPlan([SeqWork(s, [20 + s], 9, tables[s], [tables[s][2] * BLOCK + 1], True, GREEDY,
-                                         list(range(3, 13)), []) for s in range(3)]))
+        logits = runner.logits(StepPlan([SeqWork(s, [20 + s], 9, tables[s], [tables[s][2] * BLOCK + 1], True, GREEDY,
+                                                 list(range(3, 12)), [20 + s]) for s in range(3)]))
         ran.append(bool(taken))
-        outputs.append((captured[-1], pool.data.clone()))
+        outputs.append((logits, pool.data.clone()))
     return ran, outputs
 
 

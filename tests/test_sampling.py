@@ -42,13 +42,13 @@ def test_a_step_batches_plain_greedy_rows_and_samples_the_rest_alone(monkeypatch
     loaded = wrap_model(tiny("llama"), tokenizer=None, name="llama")
     runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 16, 4, loaded.dtype))
     captured = {}
-    execute_sample = runner._sample
+    logits_of = runner.logits
 
-    def capture(plan, logits):
-        captured["logits"] = logits
-        return execute_sample(plan, logits)
+    def capture(plan):
+        captured["logits"] = logits_of(plan)
+        return captured["logits"]
 
-    runner._sample = capture
+    runner.logits = capture
     alone: list[int] = []
     real = runner_module.sample_token
 

@@ -13,7 +13,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 def fake_execute(plan: StepPlan) -> list[SeqResult]:
     """Samples token 7 for every sequence that reached the end of its known tokens."""
-    return [SeqResult(w.seq_id, TokenLogprob(7, 0.0) if w.sample else None) for w in plan.work]
+    return [SeqResult(w.seq_id, [TokenLogprob(7, 0.0)] if w.sample else []) for w in plan.work]
 
 
 def make(seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
@@ -177,8 +177,8 @@ def test_a_sampling_error_ends_only_its_own_sequence():
     s.add(bad)
 
     def execute(plan: StepPlan) -> list[SeqResult]:
-        return [SeqResult(w.seq_id, None, error="sampling failed: boom") if w.seq_id == 1
-                else SeqResult(w.seq_id, TokenLogprob(7, 0.0)) for w in plan.work]
+        return [SeqResult(w.seq_id, error="sampling failed: boom") if w.seq_id == 1
+                else SeqResult(w.seq_id, [TokenLogprob(7, 0.0)]) for w in plan.work]
 
     plan = s.schedule()
     events = s.update(plan, execute(plan))

@@ -392,11 +392,10 @@ def test_a_failing_step_log_never_stops_serving(smollm2):
 
 def test_a_one_token_prompt_chunk_is_prefill_not_decode():
     from engine.plan import SamplingParams, SeqWork
-    from server.state import is_decode
     greedy = SamplingParams(temperature=0.0)
     chunk = SeqWork(0, [14], 4, [0], [4], True, greedy, [10, 11, 12, 13, 14], [])  # last prompt token
     decode = SeqWork(0, [99], 5, [0], [5], True, greedy, [10, 11, 12, 13, 14], [99])
-    assert (is_decode(chunk), is_decode(decode)) == (False, True)
+    assert (chunk.is_decode, decode.is_decode) == (False, True)
 
 
 @pytest.mark.parametrize("path,extra,named", [

@@ -1,0 +1,171 @@
+"""How many draft tokens each decoding sequence verifies in the next step (speculative decoding's γ).
+
+A verify pass over γ + 1 positions yields, when each draft token is accepted with probability α independently,
+
+    E(γ) = (1 - α^(γ+1)) / (1 - α)  tokens                (Leviathan et al. 2023, eq. 1)
+
+and costs one step of ``N + γ`` tokens instead of ``N``. So drafts pay when the step is bound by reading the
+weights (its time barely grows with the tokens in it: batch 1 on a CPU) and acceptance is high; they lose when
+the batch is already compute-bound or acceptance is low. Fixed γ, as peers ship it, loses there; ``auto``
+decides every step from two measured things:
+
+- the acceptance rate of each sequence: its accepted / drafted tokens so far, shrunk towards the running
+  rate of all sequences (``PRIOR_TOKENS`` pseudo-tokens), so a new sequence starts from what others saw;
+- the step's cost as a function of the tokens in it (``StepCost``: measured at start-up for a few sizes,
+  then updated from every decode-only step the engine runs).
+
+It raises the γ of the sequence with the largest marginal expected token α_s^(γ_s+1), one token at a time,
+and keeps the prefix of those raises with the highest expected tokens per second for the whole step; drafts
+are used only if that beats the step without drafts by ``MARGIN`` (the cost model's error). Sequences
+without a proposal (prompt lookup found nothing) get γ = 0. Works on token counts only.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass, field
+
+PRIOR_TOKENS = 4.0     # pseudo-tokens of the shared acceptance rate in each sequence's estimate
+PRIOR_RATE = 0.5       # the shared rate before any draft was verified
+MARGIN = 0.05          # drafts must promise this much more throughput than none (fraction)
+_EMA = 0.2             # weight of a new measurement in a step-cost bucket
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """E(γ): tokens one verify pass yields with ``gamma`` drafts accepted i.i.d. with probability ``alpha``."""
+    if alpha >= 1.0:
+        return gamma + 1.0
+    return (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+class StepCost:
+    """Seconds of an engine step as a function of the tokens it computes: measured sizes, interpolated
+    linearly between them and extrapolated from the last two beyond.
+
+    Args:
+        samples: ``{tokens: seconds}`` measured, e.g. at start-up (at least one size).
+    """
+
+    def __init__(self, samples: dict[int, float]) -> None:
+        if not samples:
+            raise ValueError("StepCost needs at least one measured step size")
+        self.sizes = sorted(samples)
+        self.seconds = [samples[n] for n in self.sizes]
+
+    def observe(self, tokens: int, seconds: float) -> None:
+        """Fold in a measured step of ``tokens`` tokens (a moving average per measured size)."""
+        i = bisect.bisect_left(self.sizes, tokens)
+        if i < len(self.sizes) and self.sizes[i] == tokens:
+            self.seconds[i] += _EMA * (seconds - self.seconds[i])
+        else:
+            self.sizes.insert(i, tokens)
+            self.seconds.insert(i, seconds)
+
+    def __call__(self, tokens: int) -> float:
+        sizes, secs = self.sizes, self.seconds
+        if len(sizes) == 1:
+            return secs[0] * max(tokens, 1) / sizes[0] if tokens > sizes[0] else secs[0]
+        i = bisect.bisect_left(sizes, tokens)
+        if i < len(sizes) and sizes[i] == tokens:
+            return secs[i]
+        lo = min(max(i - 1, 0), len(sizes) - 2)  # the segment around tokens, or the nearest end segment
+        slope = max((secs[lo + 1] - secs[lo]) / (sizes[lo + 1] - sizes[lo]), 0.0)
+        return max(secs[lo] + slope * (tokens - sizes[lo]), secs[0] if tokens >= sizes[0] else 0.0)
+
+
+@dataclass(slots=True)
+class Candidate:
+    """A decoding sequence that could verify drafts in the next step.
+
+    Attributes:
+        seq_id: the sequence.
+        available: draft tokens on hand (proposed by the engine), already capped by the sequence's limits.
+        drafted, accepted: its draft tokens verified so far, and how many were accepted.
+    """
+
+    seq_id: int
+    available: int
+    drafted: int
+    accepted: int
+
+
+@dataclass(slots=True)
+class DraftPolicy:
+    """Chooses γ per sequence per step (``--num-speculative-tokens N|auto``).
+
+    Attributes:
+        max_draft: the most draft tokens one sequence verifies in a step (and the engine proposes).
+        adaptive: ``auto``: choose γ in [0, max_draft] to maximise expected tokens per second; else every
+            sequence verifies all of its available drafts up to max_draft (fixed γ, as peers do).
+        cost: the step-cost model (``auto`` needs one; None: fixed γ is used).
+        drafted, accepted: totals over all sequences (the shared prior, and the metrics).
+    """
+
+    max_draft: int
+    adaptive: bool = True
+    cost: StepCost | None = None
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+    num_drafts: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_draft < 1:
+            raise ValueError("max_draft must be >= 1 (speculation off is no DraftPolicy)")
+
+    @property
+    def shared_rate(self) -> float:
+        return (self.accepted + PRIOR_TOKENS * PRIOR_RATE) / (self.drafted + PRIOR_TOKENS)
+
+    def acceptance(self, candidate: Candidate) -> float:
+        """The sequence's estimated per-token acceptance rate α (its counts shrunk towards the shared rate)."""
+        return (candidate.accepted + PRIOR_TOKENS * self.shared_rate) / (candidate.drafted + PRIOR_TOKENS)
+
+    def choose(self, candidates: list[Candidate], base_tokens: int, base_yield: int, budget: int) -> dict[int, int]:
+        """γ for each candidate (absent: 0).
+
+        Args:
+            candidates: decoding sequences with drafts available.
+            base_tokens: tokens the step computes without drafts (decodes, prefill chunks).
+            base_yield: tokens the step yields without drafts (its sampling sequences).
+            budget: the most draft tokens the step may add (its token budget left).
+        """
+        if not candidates or budget <= 0:
+            return {}
+        if not self.adaptive or self.cost is None:
+            gammas: dict[int, int] = {}
+            for c in candidates:
+                take = min(c.available, self.max_draft, budget)
+                if take:
+                    gammas[c.seq_id] = take
+                    budget -= take
+            return gammas
+        alphas = {c.seq_id: self.acceptance(c) for c in candidates}
+        # every raise (seq, its γ-th draft token) with its marginal expected tokens alpha^γ, best first
+        raises = sorted(((alphas[c.seq_id] ** g, c.seq_id) for c in candidates
+                         for g in range(1, min(c.available, self.max_draft) + 1)), reverse=True)
+        base_rate = base_yield / self.cost(base_tokens)
+        tokens, best_rate, best_count = float(base_yield), base_rate, 0
+        for count, (gain, _) in enumerate(raises[:budget], start=1):
+            tokens += gain
+            rate = tokens / self.cost(base_tokens + count)
+            if rate > best_rate:
+                best_rate, best_count = rate, count
+        if best_count == 0 or best_rate < base_rate * (1.0 + MARGIN):
+            return {}
+        gammas = {}
+        for _, seq_id in raises[:best_count]:
+            gammas[seq_id] = gammas.get(seq_id, 0) + 1
+        return gammas
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        """Count one verify pass of ``num_draft`` drafts, of which the first ``num_accepted`` were accepted."""
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.drafted += num_draft
+        self.accepted += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
+        for position in range(num_accepted):
+            self.accepted_per_pos[position] += 1

@@ -1,0 +1,266 @@
+"""Speculative decoding is exact: with drafts verified, the output is token for token the output without them.
+
+Greedy and seeded sampling are compared with speculation off (and greedy with transformers' generate), alone and
+batched with others admitted at different steps, with chunked prefill, preemption and prefix-cache hits;
+logprobs, usage, stop tokens, max_tokens and min_tokens are checked on the scheduler with a scripted engine;
+unseeded sampling keeps the served model's distribution (a total-variation bound).
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+
+import pytest
+import torch
+
+from engine.drafters import NgramDrafter
+from engine.loader import wrap_model
+from engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
+from engine.runner import ModelRunner
+from kvcache.block_manager import BlockManager
+from kvcache.pool import KVPool
+from scheduler.offline import run_offline
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import FinishReason, Sequence
+from scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
+from tests.engineutil import EOS, engine_greedy, reference_greedy, reference_model, tiny
+
+PROMPTS = [  # text that repeats itself, so prompt lookup finds drafts, and text that does not
+    "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
+    "Repeat after me: the rain in Spain stays mainly in the plain. The rain in Spain",
+    "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\ndef mul(a, b):",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
+
+
+def fixed(gamma: int) -> DraftPolicy:
+    return DraftPolicy(max_draft=gamma, adaptive=False)
+
+
+# ---- the drafter ---------------------------------------------------------------------------------------
+
+def test_prompt_lookup_proposes_what_followed_the_latest_occurrence():
+    drafter = NgramDrafter(min_n=1, max_n=3)
+    #           0  1  2  3  4  5  6  7  8  9
+    history = [5, 6, 7, 8, 1, 5, 6, 7, 9, 5, 6, 7]
+    # suffix 5 6 7: latest earlier occurrence at 5, followed by 9 5 6 7
+    assert drafter.propose(history, 3) == [9, 5, 6]
+    assert drafter.propose(history, 10) == [9, 5, 6, 7]
+    assert drafter.propose([1, 2, 3, 4], 4) == []        # no suffix occurred before
+    assert drafter.propose([4, 2, 3, 4], 2) == [2, 3]    # n = 1
+    assert drafter.propose(history, 0) == []
+
+
+def test_prompt_lookup_matches_whole_token_ids_only():
+    # The search runs over the ids' bytes (4 each, little-endian): 256, 512, 768 hold the bytes of 1, 2 one byte
+    # off their boundaries (00 01 00 00 | 00 02 00 00 | 00 03 ..). That later, misaligned match must be skipped
+    # for the real occurrence at the start, followed by 7.
+    drafter = NgramDrafter(min_n=2, max_n=2)
+    history = [1, 2, 7, 256, 512, 768, 9, 1, 2]
+    assert drafter.propose(history, 1) == [7]
+
+
+# ---- the policy --------------------------------------------------------------------------------------
+
+def test_auto_drafts_where_a_step_is_bound_by_its_weights_and_not_where_it_is_compute_bound():
+    flat = StepCost({1: 0.030, 16: 0.032, 64: 0.040})      # batch 1 on a CPU: tokens nearly free
+    steep = StepCost({1: 0.030, 16: 0.080, 64: 0.300})     # every token costs
+    eager = Candidate(seq_id=0, available=8, drafted=100, accepted=90)
+    doubtful = Candidate(seq_id=1, available=8, drafted=100, accepted=10)
+    assert DraftPolicy(8, cost=flat).choose([eager], 1, 1, 512)[0] >= 4
+    assert DraftPolicy(8, cost=steep).choose([doubtful], 1, 1, 512) == {}
+    # 32 decodes on the steep curve: more tokens per step do not pay even at 90% acceptance
+    many = [Candidate(i, 8, 100, 90) for i in range(32)]
+    assert DraftPolicy(8, cost=StepCost({32: 0.100, 64: 0.200, 288: 0.900})).choose(many, 32, 32, 480) == {}
+    assert DraftPolicy(8, adaptive=False).choose([eager, doubtful], 1, 1, 5) == {0: 5}  # fixed γ, the budget
+
+
+def test_expected_tokens_is_the_chapters_formula():
+    assert expected_tokens(0.0, 4) == 1.0
+    assert expected_tokens(1.0, 4) == 5.0
+    assert abs(expected_tokens(0.9, 8) - (1 - 0.9 ** 9) / 0.1) < 1e-12
+    # the chapter's example: c = 0.1, γ = 8: 90% acceptance gives 3.40x, 30% gives 0.79x
+    assert round(expected_tokens(0.9, 8) / (8 * 0.1 + 1), 2) == 3.40
+    assert round(expected_tokens(0.3, 8) / (8 * 0.1 + 1), 2) == 0.79
+
+
+# ---- exactness on the real model -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def prompt_ids(smollm2):
+    return [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def references(smollm2, prompt_ids):
+    ref = reference_model(smollm2.model)
+    return [reference_greedy(ref, ids, 48) for ids in prompt_ids]
+
+
+@pytest.mark.parametrize("draft", [fixed(4), DraftPolicy(8, cost=StepCost({1: 0.03, 64: 0.031}))],
+                         ids=["fixed-4", "auto"])
+def test_greedy_with_prompt_lookup_equals_generate(smollm2, prompt_ids, references, draft):
+    ours, scheduler = engine_greedy(smollm2, prompt_ids, 48, draft=draft, drafter=NgramDrafter())
+    assert ours == references
+    assert scheduler.draft.accepted > 20 and scheduler.draft.drafted > scheduler.draft.accepted  # both outcomes
+    assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
+
+
+def test_batched_chunked_preempted_and_prefix_hits_with_drafts_equal_generate(smollm2, prompt_ids, references):
+    tok = smollm2.tokenizer
+    others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 5 + 1))["input_ids"] for i in range(12)]
+    batch = prompt_ids + others + [prompt_ids[0]]  # the last one finds the first one's blocks in the prefix cache
+    arrivals = [0, 3, 0, 7] + [i % 9 for i in range(12)] + [40]
+    ours, scheduler = engine_greedy(smollm2, batch, 48, arrivals_at=arrivals, budget=48, num_blocks=40,
+                                    max_num_seqs=16, draft=fixed(3), drafter=NgramDrafter())
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_hits > 0 and scheduler.draft.accepted > 0
+    assert ours[:len(prompt_ids)] == references
+    assert ours[-1] == references[0]
+    assert scheduler.blocks.num_free_blocks == 40
+    # only verified tokens were hashed: every cached block holds the tokens some sequence really has there
+    texts = [p + o for p, o in zip(batch, ours)]
+    for block in scheduler.blocks.blocks:
+        if block.block_hash is not None:
+            assert any(tuple(t[i:i + 16]) == block.token_ids for t in texts for i in range(0, len(t), 16))
+
+
+def test_seeded_sampling_and_logprobs_with_drafts_equal_those_without(smollm2, prompt_ids):
+    params = SamplingParams(temperature=0.8, top_k=20, seed=11, logprobs=2)
+    runs = []
+    for draft in (None, fixed(4)):
+        seqs_out, scheduler = engine_greedy(smollm2, prompt_ids[:2], 32, params=params, draft=draft,
+                                            drafter=NgramDrafter() if draft else None)
+        runs.append(seqs_out)
+    assert runs[0] == runs[1]
+    assert scheduler.draft.accepted > 0
+
+
+def test_logprobs_of_every_emitted_token_equal_those_without_speculation(smollm2, prompt_ids):
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    logprobs = []
+    for draft in (None, fixed(4)):
+        scheduler = Scheduler(SchedulerConfig(max_model_len=4096), BlockManager(64, 16), draft)
+        runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 64, 16, smollm2.dtype),
+                             NgramDrafter() if draft else None)
+        seq = Sequence(seq_id=0, prompt_ids=prompt_ids[0], params=params, max_tokens=24)
+        seen: list[TokenLogprob] = []
+        scheduler.add(seq)
+        while scheduler.has_work:
+            plan = scheduler.schedule()
+            seen += [e.token for _, e in scheduler.update(plan, runner.execute(plan)) if e.token is not None]
+        logprobs.append([(t.token_id, t.logprob, t.top) for t in seen])
+    assert len(logprobs[1]) == 24 and logprobs[0] == logprobs[1]
+    assert all(lp <= 0 for _, lp, _ in logprobs[1]) and all(len(top) == 3 for _, _, top in logprobs[1])
+    assert scheduler.draft.accepted > 0
+
+
+# ---- stop conditions inside an accepted block (a scripted engine) ---------------------------------------
+
+def scripted(tokens: list[int]):
+    """An engine whose model always continues with ``tokens`` (by output position) and whose drafter proposes
+    exactly those: every draft is accepted."""
+    def execute(plan: StepPlan) -> list[SeqResult]:
+        results = []
+        for w in plan.work:
+            if not w.sample:
+                results.append(SeqResult(w.seq_id))
+                continue
+            at = len(w.output_ids)
+            new = [TokenLogprob(t, -0.5) for t in tokens[at:at + 1 + w.num_draft]]
+            after = at + len(new)
+            results.append(SeqResult(w.seq_id, new, draft_ids=tokens[after:after + w.propose]))
+        return results
+    return execute
+
+
+def run_scripted(tokens, **seq_fields):
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(16, 4), fixed(4))
+    seq = Sequence(seq_id=0, prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0), **seq_fields)
+    events = []
+    scheduler.add(seq)
+    while scheduler.has_work:
+        plan = scheduler.schedule()
+        events += [e for _, e in scheduler.update(plan, scripted(tokens)(plan))]
+    assert scheduler.blocks.num_free_blocks == 16
+    return seq, events
+
+
+def test_tokens_after_eos_inside_an_accepted_block_are_dropped():
+    seq, events = run_scripted([10, 11, 12, EOS, 13, 14, 15, 16, 17], max_tokens=20,
+                               stop_token_ids=frozenset({EOS}))
+    assert seq.output_ids == [10, 11, 12, EOS] and seq.finish_reason is FinishReason.STOP
+    assert [e.token.token_id for e in events if e.token] == [10, 11, 12, EOS]
+    assert [e.finish for e in events].count(FinishReason.STOP) == 1 and events[-1].finish is FinishReason.STOP
+    assert seq.num_accepted_tokens > 0
+
+
+def test_max_tokens_inside_a_block_ends_with_length_and_min_tokens_holds_eos_back():
+    seq, events = run_scripted(list(range(10, 30)), max_tokens=6)
+    assert seq.output_ids == list(range(10, 16)) and seq.finish_reason is FinishReason.LENGTH
+    assert len(events) == 6  # usage counts only emitted tokens
+    # EOS at output position 1 is below min_tokens: drafts never cross the min_tokens boundary (every sampled
+    # row suppresses stop tokens alike), and no sampled EOS ends the sequence early
+    seq, _ = run_scripted([10, 11, 12, 13, 14, EOS, 15, 16], max_tokens=8, min_tokens=4,
+                          stop_token_ids=frozenset({EOS}))
+    assert seq.output_ids == [10, 11, 12, 13, 14, EOS]
+
+
+def test_one_step_delivers_several_tokens_with_one_time():
+    _, events = run_scripted(list(range(10, 30)), max_tokens=12)
+    by_time = collections.Counter(e.time for e in events)
+    assert max(by_time.values()) > 1
+    assert all(e.step_tokens == by_time[e.time] for e in events)
+
+
+def test_aborts_and_preemptions_with_drafts_free_every_block():
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), BlockManager(12, 4), fixed(4))
+    seqs = [Sequence(seq_id=i, prompt_ids=[1, 2, 3, 4, 5], params=SamplingParams(temperature=0.0), max_tokens=30)
+            for i in range(4)]
+    tokens = [20 + i % 7 for i in range(40)]
+    steps = run_offline(scheduler, scripted(tokens), {0: seqs[:3], 2: seqs[3:]}, max_steps=500,
+                        on_step=lambda step, plan: step == 4 and scheduler.abort(1))
+    assert steps > 0 and scheduler.num_preemptions > 0 and scheduler.draft.accepted > 0
+    assert scheduler.blocks.num_free_blocks == 12
+    assert [s.output_ids for s in seqs if s.seq_id != 1] == [tokens[:30]] * 3
+
+
+# ---- unseeded sampling keeps the distribution -------------------------------------------------------------
+
+class OracleDrafter:
+    """Drafts the reference model's own greedy continuation (so drafts are often, but not always, accepted)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+        self.known: dict[tuple[int, ...], list[int]] = {}  # top-k sampling reaches few distinct histories
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        key = (*token_ids, -k)
+        if key not in self.known:
+            with torch.no_grad():
+                out = self.model.generate(torch.tensor([token_ids]), max_new_tokens=k, do_sample=False,
+                                          pad_token_id=0)
+            self.known[key] = out[0, len(token_ids):].tolist()
+        return self.known[key]
+
+
+def test_unseeded_sampling_with_drafts_keeps_the_models_distribution():
+    """The first three sampled tokens of 800 sequences: the empirical joint distribution with drafts is within a
+    total variation of 0.15 of the one without. With top_k = 2 there are at most 8 outcomes; two samples of 800
+    from one such distribution differ by at most about 0.06 in expectation (0.5 sqrt(4 / (pi N)) sum sqrt(p)),
+    while a wrong rule (accepting every draft) moves the mass of a rejected draft's outcomes, about 0.3 here."""
+    model = tiny("llama")
+    loaded = wrap_model(copy.deepcopy(model), tokenizer=None, name="llama")
+    prompt = [5, 17, 33, 5, 17, 33, 5, 17]
+    params = SamplingParams(temperature=1.0, top_k=2)
+    counts = []
+    for draft in (None, fixed(2)):
+        torch.manual_seed(1234)
+        outs, scheduler = engine_greedy(loaded, [prompt] * 800, 3, block_size=4, num_blocks=2048, max_num_seqs=64,
+                                        budget=1024, params=params, draft=draft,
+                                        drafter=OracleDrafter(model) if draft else None)
+        counts.append(collections.Counter(tuple(o) for o in outs))
+    assert scheduler.draft.accepted > 100 and scheduler.draft.drafted - scheduler.draft.accepted > 100
+    outcomes = set(counts[0]) | set(counts[1])
+    tv = sum(abs(counts[0][o] - counts[1][o]) for o in outcomes) / (2 * 800)
+    assert tv < 0.15, tv
