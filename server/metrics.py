@@ -73,21 +73,21 @@ class _SchedulerCollector:
         yield CounterMetricFamily(_P + "engine_steps", "Model steps run.", value=self.service.stats.steps)
         yield CounterMetricFamily(_P + "engine_step_seconds", "Wall time inside the model runner (s).",
                                   value=self.service.stats.engine_s)
+        # vLLM's speculative-decoding families under our prefix; zero without --speculative, so that the
+        # dashboard's panel and a rule over them evaluate on every server
         draft = sched.draft
-        if draft is not None:  # vLLM's speculative-decoding families, under our prefix
-            yield CounterMetricFamily(_P + "spec_decode_num_drafts", "Verify passes of sequences with drafts.",
-                                      value=draft.num_drafts)
-            yield CounterMetricFamily(_P + "spec_decode_num_draft_tokens", "Draft tokens verified.",
-                                      value=draft.drafted)
-            yield CounterMetricFamily(_P + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                                      value=draft.accepted)
-            per_pos = CounterMetricFamily(_P + "spec_decode_num_accepted_tokens_per_pos",
-                                          "Draft tokens accepted, by position in the draft (0: first).",
-                                          labels=["position"])
-            for position in range(draft.max_draft):
-                count = draft.accepted_per_pos[position] if position < len(draft.accepted_per_pos) else 0
-                per_pos.add_metric([str(position)], count)
-            yield per_pos
+        yield CounterMetricFamily(_P + "spec_decode_num_drafts", "Verify passes of sequences with drafts.",
+                                  value=draft.num_drafts if draft else 0)
+        yield CounterMetricFamily(_P + "spec_decode_num_draft_tokens", "Draft tokens verified.",
+                                  value=draft.drafted if draft else 0)
+        yield CounterMetricFamily(_P + "spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                                  value=draft.accepted if draft else 0)
+        per_pos = CounterMetricFamily(_P + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft (0: first).", labels=["position"])
+        for position in range(draft.max_draft if draft else 0):
+            count = draft.accepted_per_pos[position] if position < len(draft.accepted_per_pos) else 0
+            per_pos.add_metric([str(position)], count)
+        yield per_pos
         yield CounterMetricFamily(_P + "scheduler_loop_seconds",
                                   "Wall time between consecutive steps while work was left (s).",
                                   value=self.service.stats.loop_s)

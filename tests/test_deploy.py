@@ -49,6 +49,8 @@ DASHBOARD_SERIES = {
     "kvserve:num_requests_running", "kvserve:num_requests_waiting", "kvserve:kv_cache_usage_perc",
     "kvserve:prefix_cache_hits_total", "kvserve:prefix_cache_queries_total", "kvserve:num_preemptions_total",
     "kvserve:requests_rejected_total", "kvserve:request_success_total",
+    "kvserve:spec_decode_num_accepted_tokens_total", "kvserve:spec_decode_num_draft_tokens_total",
+    "kvserve:spec_decode_num_drafts_total",
 }
 _SERIES = re.compile(r"kvserve:[a-z0-9_]+")
 
@@ -185,7 +187,7 @@ def test_entrypoint_covers_every_serve_flag(tmp_path):
         if action.nargs == 0:  # a switch
             env[name], expected[action.dest] = "yes", action.const
         else:
-            numeric = action.type in (int, float, parse_bytes)
+            numeric = action.type in (int, float, parse_bytes) or getattr(action.type, "__name__", "") == "_draft_length"
             value = action.choices[-1] if action.choices else ("7" if numeric else "v-" + action.dest)
             env[name], expected[action.dest] = value, (action.type or str)(value)
     rc, argv, err = run_entrypoint(tmp_path, env)

@@ -148,7 +148,9 @@ def scraped(smollm2, tmp_path_factory):
     """
     prometheus_binary()
     # both also under vLLM's names, for vLLM's own dashboard (test_vllms_dashboard_queries_return_data)
-    serving_config = ServeConfig(num_kv_blocks=256, max_num_seqs=N_STREAMS, vllm_metric_names=True)
+    # the serving one speculates, so that the dashboard's acceptance panel has series (the output is unchanged)
+    serving_config = ServeConfig(num_kv_blocks=256, max_num_seqs=N_STREAMS, vllm_metric_names=True,
+                                 speculative="ngram", num_speculative_tokens=2)
     refusing_config = ServeConfig(num_kv_blocks=16, max_num_seqs=1, max_queue=0,  # every request: 429
                                   vllm_metric_names=True)
     with running_server(smollm2, serving_config) as serving, running_server(smollm2, refusing_config) as refusing:

@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import collections
 import copy
+import json
 
+import httpx
 import pytest
 import torch
 
@@ -24,7 +26,9 @@ from scheduler.offline import run_offline
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
+from server.config import ServeConfig
 from tests.engineutil import EOS, engine_greedy, reference_greedy, reference_model, tiny
+from tests.serverutil import running_server
 
 PROMPTS = [  # text that repeats itself, so prompt lookup finds drafts, and text that does not
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
@@ -264,3 +268,67 @@ def test_unseeded_sampling_with_drafts_keeps_the_models_distribution():
     outcomes = set(counts[0]) | set(counts[1])
     tv = sum(abs(counts[0][o] - counts[1][o]) for o in outcomes) / (2 * 800)
     assert tv < 0.15, tv
+
+
+# ---- served over HTTP --------------------------------------------------------------------------------------
+
+def _chat(url: str, content: str, **extra) -> dict:
+    body = {"messages": [{"role": "user", "content": content}], "temperature": 0, "max_tokens": 40, **extra}
+    response = httpx.post(url + "/v1/chat/completions", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+@pytest.mark.parametrize("gamma", [4, None], ids=["fixed-4", "auto"])
+def test_served_with_prompt_lookup_the_answers_streams_timings_and_metrics_are_exact(smollm2, server_url, gamma):
+    quote = ("Copy this sentence exactly, twice: The rain in Spain stays mainly in the plain, said the professor "
+             "to the class on Tuesday.")
+    plain = [_chat(server_url, quote), _chat(server_url, "Name three colours.", temperature=0.7, seed=5)]
+    with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB", speculative="ngram",
+                                             num_speculative_tokens=gamma)) as url:
+        drafted = [_chat(url, quote), _chat(url, "Name three colours.", temperature=0.7, seed=5)]
+        with httpx.stream("POST", url + "/v1/chat/completions", timeout=300, json={
+                "messages": [{"role": "user", "content": quote}], "temperature": 0, "max_tokens": 40,
+                "stream": True, "stream_options": {"include_usage": True}}) as response:
+            chunks = [json.loads(line[6:]) for line in response.iter_lines()
+                      if line.startswith("data: {")]
+        metrics = httpx.get(url + "/metrics").text
+    for a, b in zip(plain, drafted):
+        assert a["choices"][0]["message"] == b["choices"][0]["message"]
+        assert a["choices"][0]["finish_reason"] == b["choices"][0]["finish_reason"]
+        assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
+    assert streamed == plain[0]["choices"][0]["message"]["content"]
+    final = next(c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"])
+    timings = final["timings"]
+    assert 0 < timings["accepted_tokens"] <= timings["draft_tokens"]
+    assert chunks[-1]["usage"]["completion_tokens"] == timings["completion_tokens"]
+    accepted = _metric(metrics, 'kvserve:spec_decode_num_accepted_tokens_total{model_name="SmolLM2-135M-Instruct"}')
+    drafts = _metric(metrics, 'kvserve:spec_decode_num_draft_tokens_total{model_name="SmolLM2-135M-Instruct"}')
+    first = _metric(metrics, 'kvserve:spec_decode_num_accepted_tokens_per_pos_total{model_name="SmolLM2-135M-'
+                             'Instruct",position="0"}')
+    assert 0 < first <= accepted <= drafts
+    assert _metric(metrics, 'kvserve:spec_decode_num_drafts_total{model_name="SmolLM2-135M-Instruct"}') >= first
+
+
+def _metric(text: str, series: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(series + " "))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def test_processed_logprobs_are_soft_labels_at_the_temperature(server_url):
+    """The chapter's arithmetic on a real prompt: p_top / p_third at T = 2 is the square root of that ratio at
+    T = 1 (logprob differences halve), and raw logprobs, the default, do not depend on the temperature."""
+    def top(temperature: float, mode: str | None) -> list[float]:
+        body = {"prompt": "The capital of France is", "max_tokens": 1, "logprobs": 5, "temperature": temperature,
+                "seed": 1, **({"logprobs_mode": mode} if mode else {})}
+        response = httpx.post(server_url + "/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return sorted(response.json()["choices"][0]["logprobs"]["top_logprobs"][0].values(), reverse=True)
+
+    t1, t2 = top(1.0, "processed_logprobs"), top(2.0, "processed_logprobs")
+    assert abs((t2[0] - t2[2]) - (t1[0] - t1[2]) / 2) < 1e-4
+    assert (t1[0] - t1[2]) > 0.5  # a real gap, so the halving is visible
+    assert top(1.0, None) == top(2.0, None) == t1
+    response = httpx.post(server_url + "/v1/completions", json={"prompt": "x", "logprobs_mode": "raw_logits"})
+    assert response.status_code == 400 and "logprobs_mode" in response.text
