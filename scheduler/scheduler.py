@@ -7,8 +7,9 @@ waiting sequences in arrival order while slots (max_num_seqs), the per-step toke
 pool cannot hold the next step of a running sequence, the most recently admitted running sequence is
 preempted: its blocks are freed and it goes back to the head of the waiting queue to be recomputed.
 
-``Policy.STATIC`` admits a group of up to max_num_seqs waiting sequences only when the previous group
-has entirely finished, and holds the final event of every member until the last member finishes.
+Who may start, and when a finished sequence's last event goes out, is the admission policy's
+(``scheduler.policies``: continuous batching, or the static baseline); the finish rate behind Retry-After
+is ``scheduler.finish_rate``'s.
 
 With speculation (``draft``: a DraftPolicy), a decoding sequence also verifies draft tokens the engine
 proposed after its previous step: the policy chooses how many from the token budget left once every
@@ -28,6 +29,8 @@ from dataclasses import dataclass
 
 from engine.plan import SeqResult, SeqWork, StepPlan
 from kvcache.block_manager import BlockManager
+from scheduler.finish_rate import FinishRate
+from scheduler.policies import Policy, make_policy
 from scheduler.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
 from scheduler.speculation import Candidate, DraftPolicy
 
@@ -43,7 +46,7 @@ class SchedulerConfig:
     max_num_seqs: int = 32               # slots: sequences running at once
     max_num_batched_tokens: int = 512    # tokens per step (chunked prefill splits longer prompts)
     max_model_len: int = 2048            # context limit (tokens): prompt + output
-    static: bool = False                 # the static-batching baseline instead of continuous batching
+    policy: Policy = Policy.CONTINUOUS   # admission: continuous batching, or the static baseline
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_model_len < 1:
@@ -65,21 +68,17 @@ class Scheduler:
         self.config = config
         self.blocks = blocks
         self.draft = draft
+        self.policy = make_policy(config.policy, config.max_num_seqs)
+        self.finish_rate = FinishRate()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
-        self.group: set[int] = set()           # STATIC: ids of the current group
-        self.held: list[tuple[Sequence, SeqEvent]] = []  # STATIC: final events waiting for the group
         self.num_preemptions = 0
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which found cached
-        self.finish_times: deque[float] = deque(maxlen=64)  # busy_clock() at recent finishes: the drain rate
-        self._busy_s = 0.0                     # seconds with work, up to _busy_since
-        self._busy_since: float | None = None  # perf_counter() when work last appeared; None while idle
 
     # -- queue ---------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        if self._busy_since is None:
-            self._busy_since = time.perf_counter()
+        self.finish_rate.work_arrived()
         self.waiting.append(seq)
 
     def abort(self, seq_id: int, reason: FinishReason = FinishReason.ABORT) -> Sequence | None:
@@ -167,19 +166,11 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
-    def _group_active(self) -> bool:
-        """STATIC: some member of the current group is still running or waiting (preempted)."""
-        return any(s.seq_id in self.group for s in self.running) or any(s.seq_id in self.group for s in self.waiting)
-
     def _admissible(self, seq: Sequence) -> bool:
         source = seq.prefix_source
         if source is not None and not source.is_finished and source.num_computed < len(source.prompt_ids):
             return False  # wait one step for the sibling's prompt blocks, then share them
-        if not self.config.static:
-            return True
-        if not self._group_active() and not self.held:
-            self.group = {s.seq_id for s in list(self.waiting)[:self.config.max_num_seqs]}
-        return seq.seq_id in self.group
+        return self.policy.admissible(seq, self.waiting, self.running)
 
     def _admit(self, work: list[SeqWork], budget: int) -> int:
         """Admit waiting sequences into ``work`` while slots, the token budget and blocks allow; returns the
@@ -255,8 +246,8 @@ class Scheduler:
                     break  # tokens accepted after a stop are dropped
             for event in delivered:
                 event.step_tokens = len(delivered)
-            if reason is not None and self.config.static:
-                self.held.append((seq, delivered.pop()))
+            if reason is not None and self.policy.hold(seq, delivered[-1]):
+                delivered.pop()
             events.extend((seq, event) for event in delivered)
             # K/V are valid for the known tokens and the accepted drafts; the last new token is computed next step
             seq.num_computed = min(w.context_len - w.num_draft + result.num_accepted, seq.num_tokens - 1
@@ -264,7 +255,7 @@ class Scheduler:
             self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
             if reason is not None:
                 self._finish(seq, reason)
-        return events + self._release_group()
+        return events + self.policy.release(self.waiting, self.running)
 
     def _stop_reason(self, seq: Sequence, token_id: int) -> FinishReason | None:
         if token_id in seq.stop_token_ids and len(seq.output_ids) > seq.min_tokens - 1:
@@ -279,36 +270,9 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason
-        self.finish_times.append(self.busy_clock())
-        if not self.has_work and self._busy_since is not None:  # idle from now: the busy clock stops
-            self._busy_s = self.busy_clock()
-            self._busy_since = None
-
-    def _release_group(self) -> list[tuple[Sequence, SeqEvent]]:
-        """STATIC: once no member of the group is left running or waiting, deliver the held final events."""
-        if not self.config.static or not self.held or self._group_active():
-            return []
-        released, self.held = self.held, []
-        return released
+        self.finish_rate.finished(still_busy=self.has_work)
 
     # -- figures -------------------------------------------------------------------------------------
     def free_slots(self) -> int:
-        """Slots a waiting sequence could take at the next step: ``max_num_seqs`` minus the running sequences
-        (STATIC: none while the current group is active; the next group starts when it has finished)."""
-        if self.config.static and self._group_active():
-            return 0
-        return max(0, self.config.max_num_seqs - len(self.running))
-
-    def busy_clock(self) -> float:
-        """Seconds during which this scheduler has had work (waiting or running sequences); idle time is not
-        counted, so a rate measured on this clock is the rate while serving."""
-        since = self._busy_since
-        return self._busy_s + (time.perf_counter() - since if since is not None else 0.0)
-
-    def drain_rate(self) -> float | None:
-        """Finishes per second of busy time over the last 64 finishes (``busy_clock``: minutes of idleness
-        between them do not dilute it), or None before two finishes."""
-        if len(self.finish_times) < 2:
-            return None
-        span = self.finish_times[-1] - self.finish_times[0]
-        return (len(self.finish_times) - 1) / span if span > 0 else None
+        """Slots a waiting sequence could take at the next step (the policy's answer)."""
+        return self.policy.free_slots(self.config.max_num_seqs, self.waiting, self.running)

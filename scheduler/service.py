@@ -107,7 +107,7 @@ class SchedulerService:
 
     def retry_after_s(self, queued: int) -> int:
         """Seconds until ``queued`` waiting requests should have drained, from the measured finish rate."""
-        rate = self.scheduler.drain_rate()
+        rate = self.scheduler.finish_rate.rate()
         seconds = (queued + 1) / rate if rate else (queued + 1) * _COLD_START_S_PER_REQUEST
         return max(1, min(600, math.ceil(seconds)))
 

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass
 
 from engine.drafters import Drafter
+from engine.options import Device, DType
 from kvcache.sizing import parse_bytes
+from quant.options import Scheme
+from scheduler.policies import Policy
 
 AUTO_MAX_DRAFT = 8  # --num-speculative-tokens auto: the longest draft one sequence verifies in a step
-
-
-class Policy(enum.Enum):
-    """Admission policy (``--scheduler``)."""
-
-    CONTINUOUS = "continuous"  # token-level slots: a slot freed at step k is refilled at step k+1
-    STATIC = "static"          # the naive baseline: a group runs until its last member finishes
 
 
 @dataclass(slots=True)
@@ -29,9 +24,9 @@ class ServeConfig:
     model: str | None = None            # None: the embedded SmolLM2; else a local HF model directory
     host: str = "127.0.0.1"             # loopback unless told otherwise (the container sets 0.0.0.0)
     port: int = 8000
-    device: str = "auto"                # auto | cpu | cuda
-    dtype: str = "auto"                 # auto | float32 | bfloat16; auto picks bf16 where the CPU has it
-    quantization: str = "none"          # none | int8 | int4 | nf4 (weight-only, linear projections)
+    device: Device = Device.AUTO        # auto | cpu | cuda
+    dtype: DType = DType.AUTO           # auto | float32 | bfloat16; auto picks bf16 where the CPU has it
+    quantization: Scheme = Scheme.NONE  # none | int8 | int4 | nf4 (weight-only, linear projections)
     kv_cache_memory: str = "1GiB"       # KV pool budget; blocks = budget // (block_size * bytes/token)
     num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use tiny pools)
     block_size: int = 16                # tokens per KV block
@@ -73,8 +68,6 @@ class ServeConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
-        if self.quantization not in ("none", "int8", "int4", "nf4"):
-            raise ValueError(f"unknown quantization {self.quantization!r}")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
@@ -83,9 +76,9 @@ class ServeConfig:
             parse_bytes(self.kv_cache_memory)
         except ValueError as exc:
             raise ValueError(f"kv_cache_memory: {exc}") from None
-        if isinstance(self.policy, str):
-            self.policy = Policy(self.policy)
-        if isinstance(self.speculative, str):
-            self.speculative = Drafter(self.speculative)
+        # strings (tests, flags) become the enums; an unknown value raises ValueError naming it
+        self.device, self.dtype, self.quantization = Device(self.device), DType(self.dtype), Scheme(self.quantization)
+        self.policy = Policy(self.policy)
+        self.speculative = Drafter(self.speculative)
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in 1..64 (or auto)")

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from kvcache.sizing import parse_bytes
 from engine.drafters import Drafter
+from quant.options import Scheme
 from server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
 from server.httpserver import uvicorn_config, uvicorn_impls
 
@@ -103,13 +104,13 @@ def _host_list(text: str) -> tuple[str, ...]:
 
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):
     """Load and (optionally) quantize the model, then build the ServerState (steps run on ``executor``)."""
-    from engine.loader import Device, DType, load_model
+    from engine.loader import load_model
     from server.state import ServerState
 
-    loaded = load_model(config.model, DType(config.dtype), Device(config.device),
-                        quantized=config.quantization != "none", allow_pickle=config.allow_pickle)
+    loaded = load_model(config.model, config.dtype, config.device,
+                        quantized=config.quantization is not Scheme.NONE, allow_pickle=config.allow_pickle)
     log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
-    if config.quantization != "none":
+    if config.quantization is not Scheme.NONE:
         from quant.model import quantize_for_serving
 
         summary = quantize_for_serving(loaded.model, config.quantization, loaded.tokenizer)

@@ -20,7 +20,7 @@ from kvcache.sizing import num_blocks_for_budget, parse_bytes
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.service import SchedulerService
 from scheduler.speculation import DraftPolicy, StepCost
-from server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
+from server.config import AUTO_MAX_DRAFT, ServeConfig
 from server.metrics import Metrics
 
 log = logging.getLogger("kvserve.server")
@@ -108,7 +108,7 @@ class ServerState:
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               max_model_len=self.max_model_len,
-                                              static=config.policy is Policy.STATIC), blocks, draft)
+                                              policy=config.policy), blocks, draft)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
                                         on_step=self._on_step, executor=executor)

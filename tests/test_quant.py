@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import kernels
-from quant.linear import Int4Linear, Int8Linear, NF4Linear, QuantLinear, concat_outputs
+from quant.linear import Int4Linear, Int8Linear, Layout, NF4Linear, QuantLinear, concat_outputs
 from quant.model import projection_names, quantize_model, serving_quantizes_head
 from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
                            dequantize_nf4, fake_quantize, pack_int8_panels, pack_nibble_panels, pack_nibbles,
@@ -70,7 +70,7 @@ def test_int8_panels_round_trip_and_place_each_code_where_the_kernel_reads_it():
     with pytest.raises(ValueError, match="multiple of 16"):
         pack_int8_panels(codes[:24])
     panels, rows = Int8Linear(nn.Linear(576, 48)), Int8Linear(nn.Linear(576, 40))
-    assert (panels.layout, rows.layout) == ("panels", "rows")  # both served by the kernel (rows: row tiles)
+    assert (panels.layout, rows.layout) == (Layout.PANELS, Layout.ROWS)  # both served by the kernel (rows: row tiles)
     x = torch.randn(3, 576)
     for layer in (panels, rows):
         layer.use_kernel = False
@@ -82,8 +82,8 @@ def test_int8_panels_round_trip_and_place_each_code_where_the_kernel_reads_it():
 def test_int4_layers_use_panels_only_where_the_integer_kernel_serves_them():
     linears = nn.Linear(576, 24), nn.Linear(576, 20)  # 20 output rows: not whole panels (float table kernel)
     panels, rows = (Int4Linear(linear) for linear in linears)
-    assert (panels.layout, panels.kernel_act_block) == ("panels", ACT_BLOCK)
-    assert (rows.layout, rows.kernel_act_block) == ("rows", None)
+    assert (panels.layout, panels.kernel_act_block) == (Layout.PANELS, ACT_BLOCK)
+    assert (rows.layout, rows.kernel_act_block) == (Layout.ROWS, None)
     for layer, linear in zip((panels, rows), linears):
         assert layer.weight.shape == (layer.out_features, 288)
         assert torch.equal(layer.dequantize(), fake_quantize(linear.weight.detach(), INT4_GROUP))
@@ -99,7 +99,7 @@ def test_stacking_row_major_layers_keeps_their_layout_even_when_the_sum_fills_pa
     torch.manual_seed(out_features)
     parts = [layer_class(nn.Linear(96, out_features)) for _ in range(2)]
     fused = concat_outputs(parts)
-    assert fused.layout == "rows" and fused.out_features == 2 * out_features
+    assert fused.layout is Layout.ROWS and fused.out_features == 2 * out_features
     assert torch.equal(fused.dequantize(), torch.cat([m.dequantize() for m in parts]))
     x = torch.randn(5, 96)
     assert torch.allclose(fused(x), torch.cat([m(x) for m in parts], dim=-1), atol=1e-5, rtol=1e-5)
@@ -120,7 +120,7 @@ def test_row_major_int4_layers_give_a_row_the_same_bits_in_any_batch():
         pytest.skip("C++ kernels could not be built here")
     torch.manual_seed(12)
     layer = Int4Linear(nn.Linear(576, 12))
-    assert layer.layout == "rows" and layer.kernel_max_rows is None
+    assert layer.layout is Layout.ROWS and layer.kernel_max_rows is None
     x = torch.randn(64, 576)
     alone = torch.cat([layer(x[i:i + 1]) for i in range(64)])
     for rows in (33, 64):

@@ -5,6 +5,7 @@ from __future__ import annotations
 from engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
 from kvcache.block_manager import BlockManager
 from scheduler.offline import run_offline
+from scheduler.policies import Policy
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, SeqStatus, Sequence
 
@@ -22,7 +23,8 @@ def make(seq_id: int, prompt_len: int, max_tokens: int) -> Sequence:
 
 def scheduler(num_blocks=64, block_size=4, max_num_seqs=4, budget=16, static=False, caching=True) -> Scheduler:
     return Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget, max_model_len=1024,
-                                     static=static), BlockManager(num_blocks, block_size, caching))
+                                     policy=Policy.STATIC if static else Policy.CONTINUOUS),
+                     BlockManager(num_blocks, block_size, caching))
 
 
 def test_long_prompt_is_chunked_while_decodes_continue():
@@ -137,7 +139,7 @@ def test_drain_rate_is_measured_on_the_busy_clock(monkeypatch):
     """Sequences finishing every 0.5 s of work drain at 2/s, and idle time between two bursts does not dilute it."""
     import types
 
-    import scheduler.scheduler as module
+    import scheduler.finish_rate as module
 
     clock = [100.0]
     monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -147,12 +149,12 @@ def test_drain_rate_is_measured_on_the_busy_clock(monkeypatch):
         return fake_execute(plan)
 
     s = scheduler(max_num_seqs=1)
-    assert s.drain_rate() is None
+    assert s.finish_rate.rate() is None
     run_offline(s, ticking, {0: [make(0, 4, 1)]})   # one step: a finish at busy time 0.5
-    assert s.drain_rate() is None                    # one finish is no rate
+    assert s.finish_rate.rate() is None                    # one finish is no rate
     clock[0] += 3600.0                               # an idle hour
     run_offline(s, ticking, {0: [make(1, 4, 1), make(2, 4, 1)]})
-    assert s.drain_rate() == 2.0                     # 3 finishes over 1.0 s of busy time
+    assert s.finish_rate.rate() == 2.0                     # 3 finishes over 1.0 s of busy time
 
 
 def test_choices_of_one_request_share_the_prompt_blocks():
@@ -191,10 +193,10 @@ def test_a_sampling_error_ends_only_its_own_sequence():
 
 def test_drain_rate_ignores_idle_time(monkeypatch):
     """Retry-After divides the queue by this rate: time with nothing to do must not dilute it."""
-    import scheduler.scheduler as scheduler_module
+    import scheduler.finish_rate as finish_rate_module
 
     now = [100.0]
-    monkeypatch.setattr(scheduler_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(finish_rate_module.time, "perf_counter", lambda: now[0])
     s = scheduler()
     for start in (0.0, 60.0):  # two bursts a minute apart, the server idle between them
         now[0] = 100.0 + start
@@ -205,7 +207,7 @@ def test_drain_rate_ignores_idle_time(monkeypatch):
             now[0] += 0.5
             s.abort(seq.seq_id)
         assert not s.has_work
-    assert s.drain_rate() == 3 / 1.5  # 4 finishes, 0.5 s apart while busy; the idle minute does not count
+    assert s.finish_rate.rate() == 3 / 1.5  # 4 finishes, 0.5 s apart while busy; the idle minute does not count
 
 
 def test_free_slots_counts_what_the_next_step_can_admit():

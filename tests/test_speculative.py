@@ -129,8 +129,13 @@ def test_batched_chunked_preempted_and_prefix_hits_with_drafts_equal_generate(sm
             assert any(tuple(t[i:i + 16]) == block.token_ids for t in texts for i in range(0, len(t), 16))
 
 
-def test_seeded_sampling_and_logprobs_with_drafts_equal_those_without(smollm2, prompt_ids):
-    params = SamplingParams(temperature=0.8, top_k=20, seed=11, logprobs=2)
+@pytest.mark.parametrize("params", [
+    SamplingParams(temperature=0.8, top_k=20, seed=11, logprobs=2),
+    SamplingParams(temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.1),
+], ids=["seeded", "penalties"])
+def test_seeded_sampling_and_penalties_with_drafts_equal_those_without(smollm2, prompt_ids, params):
+    """Each drafted row is sampled with the output it follows (the accepted drafts before it) and the generator of
+    its own output position, so penalties and seeds see exactly what plain decoding shows them."""
     runs = []
     for draft in (None, fixed(4)):
         seqs_out, scheduler = engine_greedy(smollm2, prompt_ids[:2], 32, params=params, draft=draft,
