@@ -6,13 +6,14 @@ import itertools
 import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.constraints import GrammarCompiler
 from engine.drafters import Drafter, NgramDrafter
 from engine.loader import LoadedModel
-from engine.plan import SeqWork, StepPlan
+from engine.plan import StepPlan
 from engine.runner import ModelRunner
 from kvcache.block_manager import BlockManager
 from kvcache.pool import KVPool
@@ -127,16 +128,18 @@ class ServerState:
         if config.num_speculative_tokens is not None:
             return DraftPolicy(max_draft=config.num_speculative_tokens, adaptive=False)
         most = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + AUTO_MAX_DRAFT))
-        sizes = sorted({n for n in (1, 2, 3, 4, 6, 9, 16, 32, 64, 128, 256, most) if n <= most})
+        sizes = sorted({n for n in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, most) if n <= most})
         table: list[int] = []
         if not blocks.allocate(table, min(_CALIBRATION_CONTEXT, self.pool.num_slots)):
             raise ValueError("the KV pool is too small to measure step costs for --num-speculative-tokens auto")
+        started = time.perf_counter()
         try:
-            seconds = self.runner.time_decode_steps(sizes, table)
+            seconds = self.runner.time_decode_steps(sizes, table, repeats=2)
         finally:
             blocks.free(table)
-        log.info("speculation: %s drafts, auto length up to %d; step cost (ms) by tokens: %s", config.speculative.value,
-                 AUTO_MAX_DRAFT, ", ".join(f"{n}: {s * 1000:.1f}" for n, s in seconds.items()))
+        log.info("speculation: %s drafts, auto length up to %d; step cost (ms) by tokens: %s (measured in %.1f s)",
+                 config.speculative.value, AUTO_MAX_DRAFT, ", ".join(f"{n}: {s * 1000:.1f}" for n, s in seconds.items()),
+                 time.perf_counter() - started)
         return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=StepCost(seconds))
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:

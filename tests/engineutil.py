@@ -35,6 +35,12 @@ def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+def greedy_references(loaded, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (``reference_greedy`` on a copy of the model)."""
+    ref = reference_model(loaded.model)
+    return [reference_greedy(ref, ids, new_tokens) for ids in prompt_ids]
+
+
 def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks: int = 512, block_size: int = 16,
                   max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
                   prefix_caching: bool = True, draft=None, drafter=None, params: SamplingParams = GREEDY,

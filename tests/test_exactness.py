@@ -9,7 +9,7 @@ import torch
 import transformers
 
 from engine.loader import wrap_model
-from tests.engineutil import engine_greedy, reference_greedy, reference_model
+from tests.engineutil import engine_greedy, greedy_references, reference_greedy, reference_model
 
 PROMPTS = [
     "The capital of France is",
@@ -31,8 +31,7 @@ def prompt_ids(smollm2):
 
 @pytest.fixture(scope="module")
 def references(smollm2, prompt_ids):
-    ref = reference_model(smollm2.model)
-    return [reference_greedy(ref, ids, 64) for ids in prompt_ids]
+    return greedy_references(smollm2, prompt_ids, 64)
 
 
 def test_each_prompt_alone_matches_generate(smollm2, prompt_ids, references):

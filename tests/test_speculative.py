@@ -27,7 +27,7 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
 from server.config import ServeConfig
-from tests.engineutil import EOS, engine_greedy, reference_greedy, reference_model, tiny
+from tests.engineutil import EOS, engine_greedy, greedy_references, tiny
 from tests.serverutil import running_server
 
 PROMPTS = [  # text that repeats itself, so prompt lookup finds drafts, and text that does not
@@ -98,8 +98,7 @@ def prompt_ids(smollm2):
 
 @pytest.fixture(scope="module")
 def references(smollm2, prompt_ids):
-    ref = reference_model(smollm2.model)
-    return [reference_greedy(ref, ids, 48) for ids in prompt_ids]
+    return greedy_references(smollm2, prompt_ids, 48)
 
 
 @pytest.mark.parametrize("draft", [fixed(4), DraftPolicy(8, cost=StepCost({1: 0.03, 64: 0.031}))],
