@@ -22,9 +22,10 @@ There is one layer loop (``FastDecoder.forward``). What it calls is chosen once 
   frame saved counts); otherwise the checked Projections, which pick a kernel or the module per call;
 - under torch.profiler, every C++ call wrapped in a ``kvserve::...`` label (they are not aten ops).
 
-Weights are shared with the transformers model, not copied (engine.kernelbind.fuse). The transformers path
-stays the reference; tests check that both give the same greedy tokens, and ``KVSERVE_FASTPATH=0`` (read by
-``fast_decoder``, when the runner is built) turns this path off.
+RoPE's cos/sin and rotation are engine.rope's. Weights are shared with the transformers model, not copied
+(engine.kernelbind.fuse). The transformers path stays the reference; tests check that both give the same
+greedy tokens, and ``KVSERVE_FASTPATH=0`` (read by ``fast_decoder``, when the runner is built) turns this path
+off.
 """
 
 from __future__ import annotations
@@ -41,14 +42,12 @@ from torch import nn
 
 from engine.attention import AttentionMetadata, paged_attention
 from engine.kernelbind import PROFILE_LABEL, LayerKernels, LayerProjections, Projection, labelled, profiling
+from engine.rope import Rope, RopeTable
 import kernels
 
 log = logging.getLogger("kvserve.engine")
 
 SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
-# RoPE types whose cos/sin depend on the position alone (others, e.g. "dynamic", rescale with the length)
-STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
-ROPE_TABLE_POSITIONS = 8192  # positions in the cos/sin table (2 x 8192 x d x 4 bytes: 4 MiB at d = 64)
 
 
 @dataclass(slots=True, frozen=True)
@@ -92,9 +91,7 @@ class FastDecoder:
             raise ValueError(f"fast path unsupported: {reason}")
         config, inner = model.config, model.model
         self.embed = inner.embed_tokens
-        self.rotary = inner.rotary_emb
-        self.rope_static = getattr(self.rotary, "rope_type", None) in STATIC_ROPE_TYPES
-        self._rope_table: tuple | None = None  # ((dtype, device), cos [P, d], sin [P, d]), built on first use
+        self.rope = RopeTable(inner.rotary_emb)
         self.norm, self.norm_eps = inner.norm.weight, inner.norm.variance_epsilon
         self.lm_head = Projection(model.lm_head)
         self.vocab_size = model.lm_head.out_features
@@ -158,7 +155,7 @@ class FastDecoder:
         # fused RMSNorm / RoPE / SwiGLU ops for float32 CPU steps; None: torch's ops
         ops = kernels.load_ops() if x.dtype is torch.float32 and x.is_cpu else None
         label = labelled if profiling() else _unlabelled
-        cos, sin = self.rope_cos_sin(x, positions)
+        cos, sin = self.rope.cos_sin(x, positions)
         # an all-decode float32 CPU step: RoPE, the KV write and attention in one C++ call per layer
         fused_decode = ops is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
         if self._torch_projections:
@@ -179,7 +176,7 @@ class FastDecoder:
             attention = self._decode_attention(label(ops.decode_attention_, "kvserve::decode_attention"),
                                                cos.contiguous(), sin.contiguous(), meta)
         else:
-            rope = _Rope(cos, sin, None if ops is None else label(ops.rope_, "kvserve::rope"))
+            rope = Rope(cos, sin, None if ops is None else label(ops.rope_, "kvserve::rope"))
             attention = self._paged_attention(rope, meta, x.shape[0])
         return _Step(projections, lm_head, rms_norm, add_rms_norm, act_mul, attention)
 
@@ -195,7 +192,7 @@ class FastDecoder:
                                     scale, window or 0)
         return attention
 
-    def _paged_attention(self, rope: _Rope, meta: AttentionMetadata, num_tokens: int) -> Callable:
+    def _paged_attention(self, rope: Rope, meta: AttentionMetadata, num_tokens: int) -> Callable:
         """``_Step.attention`` for any step: RoPE on q and k, then engine.attention's paged attention."""
         heads, kv_heads, head_dim = self.num_heads, self.num_kv_heads, self.head_dim
         qk_width = (heads + kv_heads) * head_dim
@@ -208,25 +205,6 @@ class FastDecoder:
 
     def _act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
-
-    def rope_cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """RoPE's cos and sin ``[T, d]`` for ``positions`` ``[T]``, as the model's rotary module gives them.
-
-        On a CPU, where they depend on the position alone (static RoPE types), rows of a table the module
-        filled once for positions below ROPE_TABLE_POSITIONS: the same values (each is an elementwise function
-        of one position) for one index_select each instead of the module's ~10 ops.
-        """
-        if self.rope_static and x.is_cpu:
-            key = (x.dtype, x.device)
-            if self._rope_table is None or self._rope_table[0] != key:
-                every = torch.arange(ROPE_TABLE_POSITIONS, device=x.device)
-                cos, sin = self.rotary(x[:0][None], every[None])  # [1, P, d] each
-                self._rope_table = (key, cos[0], sin[0])
-            _, cos, sin = self._rope_table
-            if positions.numel() and int(positions.max()) < ROPE_TABLE_POSITIONS:
-                return cos.index_select(0, positions), sin.index_select(0, positions)
-        cos, sin = self.rotary(x[None], positions[None])  # [1, T, d] each
-        return cos[0], sin[0]
 
     @contextlib.contextmanager
     def aten_ops(self):
@@ -271,29 +249,6 @@ def _add_rms_norm(x: torch.Tensor, update: torch.Tensor, weight: torch.Tensor, e
     """``x += update`` in place (the residual stream), then ``rms_norm(x)``, torch ops."""
     x += update
     return _rms_norm(x, weight, eps)
-
-
-class _Rope:
-    """RoPE (RoFormer, Su et al. 2021) in transformers' rotate_half layout, for one step's positions.
-
-    With ``rope_`` (the C++ op, float32 CPU) it rotates ``[T, heads, d]`` in place in one call; otherwise
-    ``x * cos + roll(x, d / 2) * [-sin_1, sin_2]`` (one call for q and k together; the sign moves onto sin).
-    """
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rope_: Callable | None) -> None:  # cos, sin: [T, d]
-        self.rope_ = rope_
-        if rope_ is not None:
-            self.cos, self.sin = cos.contiguous(), sin.contiguous()
-            return
-        self.half = cos.shape[-1] // 2
-        self.cos = cos[:, None, :]  # [T, 1, d]: broadcast over heads
-        self.sin = torch.cat((-sin[:, :self.half], sin[:, self.half:]), dim=-1)[:, None, :]
-
-    def __call__(self, qk: torch.Tensor) -> torch.Tensor:
-        if self.rope_ is not None:
-            self.rope_(qk, self.cos, self.sin)
-            return qk
-        return qk * self.cos + qk.roll(self.half, -1) * self.sin
 
 
 def unsupported_reason(model: nn.Module) -> str | None:

@@ -65,6 +65,7 @@ class Generation:
 
     @property
     def num_choices(self) -> int:
+        """Choices in the response (the request's ``n``)."""
         return len(self.choices)
 
     @property
@@ -85,6 +86,7 @@ class Generation:
 
     @property
     def done(self) -> bool:
+        """Every choice has finished (as the response sees it: a stop string ends a choice at once)."""
         return all(c.finish_reason is not None for c in self.choices.values())
 
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:

@@ -11,6 +11,7 @@ import torch
 from engine.fastpath import FastDecoder
 from engine.loader import wrap_model
 from engine.plan import SeqWork, StepPlan
+from engine.rope import ROPE_TABLE_POSITIONS
 from engine.runner import ModelRunner
 from kvcache.pool import KVPool
 import kernels
@@ -224,18 +225,17 @@ def test_quantized_gate_and_up_are_one_kernel_call_sharing_the_codes():
 
 
 def test_rope_table_rows_are_the_rotary_modules_values():
-    from engine import fastpath
     loaded = wrap_model(tiny("llama"), tokenizer=None, name="llama")
-    fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast
-    assert fast.rope_static
-    positions = torch.tensor([0, 5, 4095, fastpath.ROPE_TABLE_POSITIONS - 1, 17])
+    rope = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast.rope
+    assert rope.static
+    positions = torch.tensor([0, 5, 4095, ROPE_TABLE_POSITIONS - 1, 17])
     x = torch.zeros(5, 64)
-    cos, sin = fast.rope_cos_sin(x, positions)
-    ref_cos, ref_sin = fast.rotary(x[None], positions[None])
+    cos, sin = rope.cos_sin(x, positions)
+    ref_cos, ref_sin = rope.rotary(x[None], positions[None])
     assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
-    beyond = torch.tensor([3, fastpath.ROPE_TABLE_POSITIONS + 2])  # past the table: the module itself
-    cos, _ = fast.rope_cos_sin(x[:2], beyond)
-    assert torch.equal(cos, fast.rotary(x[None, :2], beyond[None])[0][0])
+    beyond = torch.tensor([3, ROPE_TABLE_POSITIONS + 2])  # past the table: the module itself
+    cos, _ = rope.cos_sin(x[:2], beyond)
+    assert torch.equal(cos, rope.rotary(x[None, :2], beyond[None])[0][0])
 
 
 @pytest.mark.skipif(kernels.load() is None or kernels.load_ops() is None, reason="C++ kernels could not be built here")
