@@ -93,12 +93,13 @@ def layer_times(model, dtype: torch.dtype) -> tuple[float, float]:
     quantized; the f32_linear kernel for float32 weights, the layer's kernel otherwise); for a model without
     the lean forward, every linear layer alone.
     """
-    from engine.fastpath import Projection, fast_decoder
+    from engine.fastpath import fast_decoder
+    from engine.kernelbind import Projection
 
     head = model.get_output_embeddings()
     decoder = fast_decoder(model)
     if decoder is not None:
-        projections = [p for layer in decoder.layers for p in layer.projections()]
+        projections = decoder.all_projections()
     else:
         projections = [Projection(m) for m in model.modules()
                        if isinstance(m, (QuantLinear, torch.nn.Linear)) and m is not head]

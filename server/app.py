@@ -25,7 +25,8 @@ from server import structured, tools
 from server.bodylimit import BodyLimit
 from server.drain import Drain, DrainGate
 from server.errors import ApiError
-from server.generation import Generation, chat_prompt_ids, prepare, text_prompt_ids
+from server.generation import Generation
+from server.prepare import chat_prompt_ids, prepare, text_prompt_ids
 from server.hostguard import HostGuard, HostPolicy
 from server.openai_format import Formatter
 from server.prompts import PromptGroups, prepare_prompts

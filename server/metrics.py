@@ -197,16 +197,37 @@ class Metrics:
         self.params_n.observe(n)
         self.params_max_tokens.observe(max_tokens)
 
-    def sequence_finished(self, seq: Sequence, generated: int, now: float) -> None:
-        """Observe one finished sequence (a choice): its token counts and its phases' durations (s).
+    def token_returned(self, seq: Sequence, previous: float | None, now: float, step_tokens: int = 1) -> None:
+        """Observe one token returned to a client: TTFT for a choice's first, else the gap since its previous
+        token (ITL; TPOT as vLLM's per-token histogram, as its dashboard plots). Times: ``time.perf_counter()`` s;
+        ``previous`` is None for the first token. TTFT is the Sequence's first token time, the same one the
+        response's ``timings`` report.
+
+        The tokens one verify pass accepts (speculative decoding; ``step_tokens`` of them) arrive together: ITL is
+        observed once per step that delivered tokens, as vLLM does (a gap of 0 between them would flatter it),
+        and TPOT shares the step's gap among its tokens, so its mean stays per token."""
+        if previous is None:
+            first_token = seq.first_token_time if seq.first_token_time is not None else now
+            self.ttft.observe(first_token - seq.arrival_time)
+        elif now != previous:
+            self.itl.observe(now - previous)
+            for _ in range(step_tokens):
+                self.tpot.observe((now - previous) / step_tokens)
+
+    def choice_finished(self, seq: Sequence, reason: str, generated: int, now: float) -> None:
+        """Observe one choice finished other than by an error or an abort: e2e and queue time, its token counts,
+        its phases' durations (s), and the finish reason.
 
         Phases as vLLM times them: prefill = first scheduling to first token, decode = first token to the
         last, inference = their sum; ``now`` is the finish time on ``time.perf_counter``'s clock.
         """
+        self.e2e.observe(now - seq.arrival_time)
+        self.success.labels(finished_reason=reason).inc()
         self.prompt_tokens.observe(len(seq.prompt_ids))
         self.generation_tokens.observe(generated)
         if seq.first_scheduled_time is None:
             return
+        self.queue.observe(seq.first_scheduled_time - seq.arrival_time)
         self.inference.observe(now - seq.first_scheduled_time)
         first_token = seq.first_token_time if seq.first_token_time is not None else now
         self.prefill.observe(first_token - seq.first_scheduled_time)

@@ -8,7 +8,8 @@ from functools import cache
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from engine.plan import TokenLogprob
-from server.generation import ChoiceUpdate, Generation
+from server.choice import ChoiceUpdate
+from server.generation import Generation
 from server.tools import ToolCallStream
 
 

@@ -15,7 +15,9 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from engine.plan import TokenLogprob
-from server.generation import ChoiceUpdate, Generation, Prepared, prepare
+from server.choice import ChoiceUpdate
+from server.generation import Generation
+from server.prepare import Prepared, prepare
 from server.schemas import CompletionRequest
 from server.state import ServerState
 
@@ -58,7 +60,7 @@ class PromptGroups:
 
     def start(self) -> None:
         """Queue every sequence of every prompt at once: all are admitted, or none (QueueFull)."""
-        self.state.service.submit([choice.seq for g in self.groups for _, choice in g.choices.values()])
+        self.state.service.submit([seq for g in self.groups for seq in g.sequences])
         for generation in self.groups:
             self.state.metrics.request_admitted(self.n, generation.prepared.max_tokens)
 

@@ -92,13 +92,11 @@ def run_both(loaded) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         assert runner.fast is not None
         if not fast:
             runner.fast = None
-        captured = []
         # prefill the cached part of seqs 1 and 2 first, then the mixed step
         warm = [SeqWork(1, list(range(3, 9)), 0, list(range(8, 16)), [32 + p for p in range(6)], False, GREEDY,
                         list(range(3, 10)), []),
                 SeqWork(2, list(range(3, 7)), 0, list(range(16, 24)), [64 + p for p in range(4)], False, GREEDY,
                         list(range(3, 12)), [])]
         runner.execute(StepPlan(warm))
-        captured.append(runner.logits(StepPlan(mixed_plan())))
-        results.append((captured[0], pool.data.clone()))
+        results.append((runner.logits(StepPlan(mixed_plan())), pool.data.clone()))
     return results[0], results[1]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import fastpath
+from engine.rope import Rope
 from engine.loader import wrap_model
 import kernels
 from tests.engineutil import run_both, tiny
@@ -42,7 +42,7 @@ def test_norms_and_rope_equal_torch():
     qkv = torch.randn(3, 6 * 16 + 2 * 16)  # [T, (H + H_kv) d + H_kv d]: RoPE on the first 6 heads only
     angles = torch.rand(3, 8) * 6
     cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)  # [T, d]
-    expected = fastpath._Rope(cos, sin, None)(qkv[:, :96].view(3, 6, 16))
+    expected = Rope(cos, sin, None)(qkv[:, :96].view(3, 6, 16))
     rotated = ops.rope_(qkv[:, :96].view(3, 6, 16), cos, sin)
     assert rotated is None  # in place
     torch.testing.assert_close(qkv[:, :96].view(3, 6, 16), expected)

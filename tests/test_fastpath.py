@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import replace
 
 import pytest
 import torch
 
 from engine.loader import wrap_model
 from engine.plan import SeqWork, StepPlan
+from engine.rope import ROPE_TABLE_POSITIONS
 from engine.runner import ModelRunner
 from kvcache.pool import KVPool
 import kernels
@@ -61,7 +63,7 @@ def test_other_architectures_keep_the_transformers_forward(monkeypatch):
 def test_smollm2_takes_the_fast_path(smollm2):
     runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 8, 16, smollm2.dtype))
     assert runner.fast is not None
-    layer = runner.fast.layers[0]
+    layer = runner.fast.projections[0]
     assert layer.qkv.module.out_features == 576 + 2 * 192
     # the original projections read the fused rows: no second copy of the weights
     k_proj = smollm2.model.model.layers[0].self_attn.k_proj
@@ -97,9 +99,17 @@ def test_f32_linear_kernel_matches_torch(rows, k):
 
 
 def test_unfused_qkv_fallback_equals_transformers_modules(monkeypatch):
-    from engine import fastpath
-    monkeypatch.setattr(fastpath, "_fuse", lambda linears: None)  # as when q/k/v cannot be stacked
-    loaded = wrap_model(tiny("llama", attention_bias=True), tokenizer=None, name="llama-unfused")
+    # q in int8, k and v in int4: codes of two schemes cannot be stacked, so q/k/v stay three calls. torch's
+    # norms and attention, as in the quantized test above.
+    monkeypatch.setattr(kernels, "load_ops", lambda build=True: None)
+    model = tiny("llama", attention_bias=True)
+    for layer in model.model.layers:
+        attn = layer.self_attn
+        attn.q_proj = Int8Linear(attn.q_proj)
+        attn.k_proj, attn.v_proj = Int4Linear(attn.k_proj), Int4Linear(attn.v_proj)
+    loaded = wrap_model(model, tokenizer=None, name="llama-unfused")
+    fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast
+    assert fast.projections[0].qkv is None and len(fast.projections[0].separate_qkv) == 3
     (fast_logits, fast_kv), (ref_logits, ref_kv) = run_both(loaded)
     torch.testing.assert_close(fast_logits, ref_logits, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_kv, ref_kv, rtol=1e-5, atol=1e-5)
@@ -130,59 +140,57 @@ def test_quantized_decode_row_does_not_depend_on_the_rest_of_the_step(scheme):
     assert torch.equal(logits[0], logits[1])
 
 
-def decode_step_both_loops(loaded, monkeypatch) -> tuple[list[bool], list[tuple[torch.Tensor, torch.Tensor]]]:
-    """An all-decode step of 3 sequences run with the direct loop allowed and forbidden: whether
-    ``_decode_layers`` ran, and the (logits, KV pool) of each."""
-    from engine import fastpath
-    taken: list[bool] = []
-    original = fastpath.FastDecoder._decode_layers
-    monkeypatch.setattr(fastpath.FastDecoder, "_decode_layers",
-                        lambda self, *args: taken.append(True) or original(self, *args))
+def decode_step_both_loops(loaded) -> tuple[list[bool], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """An all-decode step of 3 sequences run with the bare kernels allowed and with ``direct`` cleared: whether
+    the bare kernels ran, and the (logits, KV pool) of each."""
     ran, outputs = [], []
     for direct in (True, False):
         pool = KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)
         runner = ModelRunner(loaded, pool)
-        if not direct:
-            monkeypatch.setattr(runner.fast, "direct_max_rows", 0)
+        calls: list[int] = []
+        if runner.fast.direct is not None and direct:
+            runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
+                                  for k in runner.fast.direct]
+        elif not direct:
+            runner.fast.direct = None
         tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
         runner.execute(StepPlan([SeqWork(s, list(range(3 + s, 12 + s)), 0, tables[s],
                                          [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in range(9)], False,
                                          GREEDY, list(range(3, 12)), []) for s in range(3)]))
-        taken.clear()
+        assert not calls  # a prefill step takes the checked projections
         logits = runner.logits(StepPlan([SeqWork(s, [20 + s], 9, tables[s], [tables[s][2] * BLOCK + 1], True, GREEDY,
                                                  list(range(3, 12)), [20 + s]) for s in range(3)]))
-        ran.append(bool(taken))
+        ran.append(len(calls) == len(loaded.model.model.layers))
         outputs.append((logits, pool.data.clone()))
     return ran, outputs
 
 
 @pytest.mark.parametrize("scheme", ["none", "int8", "int4", "nf4"])
-def test_direct_decode_loop_gives_the_bits_of_the_general_loop(scheme, monkeypatch):
-    # All-decode float32 steps run _decode_layers (bare kernels, no checks); it must compute exactly what
-    # _layers computes, logits and written K/V alike.
+def test_direct_kernels_give_the_bits_of_the_checked_projections(scheme):
+    # All-decode float32 steps call the bare kernels (no checks); they must compute exactly what the checked
+    # Projections compute, logits and written K/V alike.
     model = tiny("llama")
     if scheme != "none":
         quantize_model(model, scheme, head=True)
-    ran, outputs = decode_step_both_loops(wrap_model(model, tokenizer=None, name=f"llama-{scheme}"), monkeypatch)
+    ran, outputs = decode_step_both_loops(wrap_model(model, tokenizer=None, name=f"llama-{scheme}"))
     assert ran == [True, False]
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 
-def test_direct_decode_loop_with_a_sliding_window(monkeypatch):
-    # a 4-token window over 10-token contexts: the window reaches the direct loop's attention call
+def test_direct_kernels_with_a_sliding_window():
+    # a 4-token window over 10-token contexts: the window reaches the fused decode attention call
     loaded = wrap_model(tiny("mistral", sliding_window=4), tokenizer=None, name="mistral-w4")
-    ran, outputs = decode_step_both_loops(loaded, monkeypatch)
+    ran, outputs = decode_step_both_loops(loaded)
     assert ran == [True, False]
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 
 @pytest.mark.parametrize("arch,overrides", [("qwen2", {}), ("llama", {"attention_bias": True}),
                                             ("llama", {"hidden_act": "gelu"})])
-def test_models_the_direct_loop_cannot_serve_take_the_general_loop(arch, overrides, monkeypatch):
-    # projection biases (Qwen2's q/k/v) and non-SiLU activations are not in the direct loop: those steps
-    # must run _layers, with the same results
-    ran, outputs = decode_step_both_loops(wrap_model(tiny(arch, **overrides), tokenizer=None, name=arch),
-                                          monkeypatch)
+def test_models_the_bare_kernels_cannot_serve_take_the_checked_projections(arch, overrides):
+    # projection biases (Qwen2's q/k/v) and non-SiLU activations are not served by the bare kernels: those
+    # steps take the checked Projections, with the same results
+    ran, outputs = decode_step_both_loops(wrap_model(tiny(arch, **overrides), tokenizer=None, name=arch))
     assert ran == [False, False]
     assert torch.equal(outputs[0][0], outputs[1][0])
 
@@ -191,27 +199,27 @@ def test_quantized_gate_and_up_are_one_kernel_call_sharing_the_codes():
     model = tiny("llama")
     quantize_model(model, "int4")
     loaded = wrap_model(model, tokenizer=None, name="llama-int4")
-    layer = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast.layers[0]
+    layer = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast.projections[0]
     mlp = model.model.layers[0].mlp
-    assert layer.gate_up is not None and layer.gate_proj is None
+    assert layer.gate_up is not None and layer.gate is None
     assert mlp.up_proj.weight.data_ptr() == layer.gate_up.module.weight.data_ptr() + 128 * 64 // 2
     x = torch.randn(3, 64)
-    assert torch.equal(layer.mlp(x, kernels.load_ops()), mlp(x))  # per output row, one call or two: same bits
+    # per output row, one call or two: same bits
+    assert torch.equal(layer.gate_up(x), torch.cat([mlp.gate_proj(x), mlp.up_proj(x)], dim=-1))
 
 
 def test_rope_table_rows_are_the_rotary_modules_values():
-    from engine import fastpath
     loaded = wrap_model(tiny("llama"), tokenizer=None, name="llama")
-    fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast
-    assert fast.rope_static
-    positions = torch.tensor([0, 5, 4095, fastpath.ROPE_TABLE_POSITIONS - 1, 17])
+    rope = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, BLOCK, loaded.dtype)).fast.rope
+    assert rope.static
+    positions = torch.tensor([0, 5, 4095, ROPE_TABLE_POSITIONS - 1, 17])
     x = torch.zeros(5, 64)
-    cos, sin = fast._cos_sin(x, positions)
-    ref_cos, ref_sin = fast.rotary(x[None], positions[None])
+    cos, sin = rope.cos_sin(x, positions)
+    ref_cos, ref_sin = rope.rotary(x[None], positions[None])
     assert torch.equal(cos, ref_cos[0]) and torch.equal(sin, ref_sin[0])
-    beyond = torch.tensor([3, fastpath.ROPE_TABLE_POSITIONS + 2])  # past the table: the module itself
-    cos, _ = fast._cos_sin(x[:2], beyond)
-    assert torch.equal(cos, fast.rotary(x[None, :2], beyond[None])[0][0])
+    beyond = torch.tensor([3, ROPE_TABLE_POSITIONS + 2])  # past the table: the module itself
+    cos, _ = rope.cos_sin(x[:2], beyond)
+    assert torch.equal(cos, rope.rotary(x[None, :2], beyond[None])[0][0])
 
 
 @pytest.mark.skipif(kernels.load() is None or kernels.load_ops() is None, reason="C++ kernels could not be built here")

@@ -427,7 +427,7 @@ def test_chat_without_a_usable_template_is_a_400_not_a_500(smollm2):
     from types import SimpleNamespace
 
     from server.errors import ApiError
-    from server.generation import chat_prompt_ids
+    from server.prepare import chat_prompt_ids
     from server.schemas import ChatCompletionRequest
 
     messages = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]}).messages

@@ -1,0 +1,136 @@
+"""A request reduced to what the scheduler needs: prompt tokens, limits and sampling settings, checked.
+
+``prepare`` tokenizes (the chat template for chat, fill-in-the-middle for a suffix) and checks the prompt and
+the limits against the model's context and the KV pool, raising ApiError (a 400) before anything is queued.
+``server.generation`` builds the scheduler's Sequences from a ``Prepared``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from jinja2.exceptions import TemplateError
+
+from engine.plan import SamplingParams
+from server import tools
+from server.errors import ApiError
+from server.fim import fim_prompt
+from server.schemas import ChatCompletionRequest, CompletionRequest
+from server.state import ServerState
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A request reduced to what the scheduler needs."""
+
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    n: int
+    stop_strings: list[str]
+    stop_token_ids: frozenset[int]
+    min_tokens: int
+    grammar: object | None = None  # engine.constraints.Grammar of a structured-output request (server.structured)
+
+
+def _check_text(text: str, param: str) -> None:
+    """Raise a 400 for text that is not valid Unicode (lone surrogates cannot be tokenized)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"{param} is not valid UTF-8 text: {exc.reason} at position {exc.start}",
+                       param=param) from exc
+
+
+def chat_prompt_ids(state: ServerState, messages: list, request: ChatCompletionRequest | None = None) -> list[int]:
+    """Token ids of chat messages through the model's chat template, ready for the assistant's turn (with the
+    request's tools, see server.tools)."""
+    for index, message in enumerate(messages):
+        _check_text(message.text, f"messages.{index}.content")
+    if state.tokenizer.chat_template is None:  # a base model: only plain-text completions make sense
+        raise ApiError(400, f"model {state.model_name!r} has no chat template; send the text to /v1/completions",
+                       param="messages")
+    turns, tool_defs = tools.template_inputs(messages, request, state.tokenizer.chat_template)
+    try:
+        text = state.tokenizer.apply_chat_template(turns, tools=tool_defs, add_generation_prompt=True, tokenize=False)
+    except TemplateError as exc:  # the template's own refusal, e.g. roles that do not alternate
+        raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
+    return state.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def text_prompt_ids(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a plain-text prompt. Raises ApiError (400) on text that is not valid Unicode."""
+    _check_text(text, "prompt")
+    return state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
+    """Tokenize the prompt (chat template for chat). Raises ApiError on bad text or token ids."""
+    tokenizer = state.tokenizer
+    if isinstance(request, ChatCompletionRequest):
+        return chat_prompt_ids(state, request.messages, request)
+    if isinstance(request.prompt, str):
+        if request.suffix:
+            _check_text(request.suffix, "suffix")
+            return text_prompt_ids(state, fim_prompt(tokenizer, request.prompt, request.suffix))
+        return text_prompt_ids(state, request.prompt)
+    if request.suffix:
+        raise ApiError(400, "suffix needs a text prompt (the fill-in-the-middle layout is text)", param="suffix")
+    vocab = len(tokenizer)
+    bad = [t for t in request.prompt if not 0 <= t < vocab]
+    if bad:
+        raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+    return list(request.prompt)
+
+
+def prepare(state: ServerState, request: ChatCompletionRequest | CompletionRequest) -> Prepared:
+    """Tokenize and check a request against the context and the pool.
+
+    Raises:
+        ApiError: 400 when the prompt is empty, or prompt + max_tokens exceeds the model's context or
+            can never fit the KV pool (the message gives the token counts and the limit).
+    """
+    prompt_ids = prompt_ids_of(state, request)
+    prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
+    if not prompt_ids:
+        raise ApiError(400, "the prompt is empty", param=prompt_param)
+    for limit, what in ((state.max_model_len, "This model's maximum context length"),
+                        (state.pool_tokens, "This server's KV cache")):
+        if len(prompt_ids) >= limit:
+            raise ApiError(400, f"{what} is {limit} tokens, but the prompt has {len(prompt_ids)} tokens (at least "
+                                f"1 more is needed for the completion). Please shorten the prompt.", param=prompt_param)
+    limit = min(state.max_model_len, state.pool_tokens)
+    field_name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+    max_tokens = request.token_limit
+    if max_tokens is None:
+        max_tokens = limit - len(prompt_ids)
+    if request.min_tokens > max_tokens:
+        raise ApiError(400, f"min_tokens ({request.min_tokens}) must not exceed {field_name} ({max_tokens})",
+                       param="min_tokens")
+    vocab = len(state.tokenizer)
+    bad_stops = [t for t in request.stop_token_ids if not 0 <= t < vocab]
+    if bad_stops:
+        raise ApiError(400, f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}", param="stop_token_ids")
+    bad_bias = [t for t in request.logit_bias_ids if not 0 <= t < vocab]
+    if bad_bias:
+        raise ApiError(400, f"logit_bias: token ids out of range [0, {vocab}): {bad_bias[:5]}", param="logit_bias")
+    total = len(prompt_ids) + max_tokens
+    if total > state.max_model_len:
+        raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
+                            f"requested {total} tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the "
+                            f"completion). Please reduce the prompt or {field_name}.", param=field_name)
+    if total > state.pool_tokens:
+        raise ApiError(400, f"The KV cache holds at most {state.pool_tokens} tokens. However, you requested {total} "
+                            f"tokens ({len(prompt_ids)} in the prompt, {max_tokens} for the completion).",
+                       param=field_name)
+    echo_logprobs = isinstance(request, CompletionRequest) and request.echo and request.logprobs is not None
+    params = SamplingParams(temperature=request.temperature, top_p=request.top_p, top_k=max(request.top_k, 0),
+                            min_p=request.min_p, seed=request.seed, presence_penalty=request.presence_penalty,
+                            frequency_penalty=request.frequency_penalty,
+                            repetition_penalty=request.repetition_penalty, logprobs=request.num_logprobs,
+                            prompt_logprobs=echo_logprobs, logit_bias=request.logit_bias_ids or None,
+                            processed_logprobs=request.logprobs_mode == "processed_logprobs")
+    stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(state.eos_ids))
+    return Prepared(prompt_ids=prompt_ids, max_tokens=max_tokens, params=params, n=request.n,
+                    stop_strings=request.stop_strings, stop_token_ids=frozenset(stop_ids),
+                    min_tokens=min(request.min_tokens, max_tokens))
