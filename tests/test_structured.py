@@ -8,9 +8,11 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pydantic
 import pytest
+import torch
 
 from engine.constraints import GrammarCompiler, GrammarSpec
 
@@ -218,24 +220,39 @@ def test_matcher_follows_rollback_as_after_preemption(smollm2):
     compiler = GrammarCompiler(smollm2.tokenizer, [smollm2.tokenizer.eos_token_id])
     grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"])))
     assert compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"]))) is grammar  # cached
-    from engine.constraints import fill_masks
+    from engine.constraints import disallowed, fill_masks
     ids = smollm2.tokenizer('{"name": "Al", "age": 3', add_special_tokens=False)["input_ids"]
     fresh, moved = grammar.constraint(), grammar.constraint()
     expected = fill_masks([fresh], [ids[:2]])
     fill_masks([moved], [ids])
     assert moved.consumed == ids
-    assert (fill_masks([moved], [ids[:2]]) == expected).all() and moved.consumed == ids[:2]
-    assert not expected[0, smollm2.tokenizer.eos_token_id]
+    assert torch.equal(fill_masks([moved], [ids[:2]]), expected) and moved.consumed == ids[:2]
+    banned = disallowed(expected)[0]
+    assert banned[smollm2.tokenizer.eos_token_id] and not banned[ids[2]]
+
+
+def packed(allowed: list[list[bool]]) -> torch.Tensor:
+    """``fill_masks``'s layout of ``allowed`` ``[rows, vocab]``: bit j of int32 word w is token 32 * w + j."""
+    rows = np.packbits(np.array(allowed, dtype=bool), axis=1, bitorder="little")  # [rows, ceil(vocab / 8)]
+    rows = np.pad(rows, ((0, 0), (0, -rows.shape[1] % 4)))
+    return torch.from_numpy(rows.view("<i4").astype(np.int32))  # [rows, words]
+
+
+def test_bitmask_unpacks_in_token_order():
+    from engine.constraints import disallowed
+
+    allowed = [[t in (0, 31, 32, 40) for t in range(70)], [t == 69 for t in range(70)]]
+    banned = disallowed(packed(allowed))  # [2, 96]
+    assert banned.shape == (2, 96)
+    assert torch.equal(~banned[:, :70], torch.tensor(allowed)) and banned[:, 70:].all()
 
 
 def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
-    import torch
-
     from engine.constraints import apply_masks
     from engine.sampling import greedy_tokens, log_softmax
 
     logits = torch.tensor([[5.0, 1.0, 3.0, 0.5], [5.0, 1.0, 3.0, 0.5], [0.0, 0.0, 0.0, 9.0]])  # [3, vocab 4]
-    allowed = torch.tensor([[False, True, True, False], [True, False, False, False]])  # rows 0 and 2 constrained
+    allowed = packed([[False, True, True, False], [True, False, False, False]])  # rows 0 and 2 constrained
     original_row_1 = logits[1].clone()
     apply_masks(logits, [0, 2], allowed)
     picked = greedy_tokens(logits, [[], [], []])
@@ -244,6 +261,9 @@ def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
     # the logprob is under the masked distribution: allowed tokens' probabilities sum to 1
     assert abs(log_softmax(logits[0])[[1, 2]].exp().sum().item() - 1.0) < 1e-6
     assert picked[2].logprob == 0.0
+    every = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
+    apply_masks(every, [0, 1], packed([[True, False, True, False], [False, True, False, True]]))  # in place
+    assert every.tolist() == [[1.0, float("-inf"), 3.0, float("-inf")], [float("-inf"), 3.0, float("-inf"), 1.0]]
 
 
 @pytest.mark.parametrize("pieces", [
