@@ -86,11 +86,10 @@ class Constraint:
         """Bring the matcher to the state after ``output_ids``: roll back tokens no longer there (preemption,
         rejected drafts), then consume the new ones. A token the grammar refuses puts the matcher in its error
         state, whose mask allows only EOS."""
-        common = 0
-        for mine, theirs in zip(self.consumed, output_ids):
-            if mine != theirs:
-                break
-            common += 1
+        common = len(self.consumed)
+        if output_ids[:common] != self.consumed:  # tokens dropped (one C-level compare in the usual step)
+            common = next((i for i, (mine, theirs) in enumerate(zip(self.consumed, output_ids)) if mine != theirs),
+                          min(len(self.consumed), len(output_ids)))
         if common < len(self.consumed):
             if not self.matcher.rollback(len(self.consumed) - common):
                 self.matcher.reset()

@@ -293,3 +293,16 @@ def test_plain_reply_with_tools_stays_content():
     assert stream.feed(" ") == ("", [])  # could still become a call
     assert stream.feed("Hello <tool_call>") == (" Hello <tool_call>", [])
     assert stream.finish() == ("", []) and stream.calls == []
+
+
+def test_a_refused_token_leaves_only_eos(smollm2):
+    """A matcher in its error state (a token the grammar refuses) allows only EOS, so the sequence ends."""
+    from engine.constraints import disallowed, fill_masks
+
+    tokenizer = smollm2.tokenizer
+    grammar = GrammarCompiler(tokenizer, [tokenizer.eos_token_id]).compile(GrammarSpec("regex", "[0-9]+"))
+    ids = tokenizer("12", add_special_tokens=False)["input_ids"] + tokenizer("ab", add_special_tokens=False)["input_ids"]
+    good, bad = grammar.constraint(), grammar.constraint()
+    banned = disallowed(fill_masks([good, bad], [ids[:1], ids]))  # [2, vocab]
+    assert (~banned[0]).sum() > 1
+    assert (~banned[1]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
