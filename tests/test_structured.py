@@ -147,6 +147,41 @@ def test_huge_enum_is_served_or_refused_quickly_and_others_go_on(server_url):
     assert chat(server_url, "Hi", max_tokens=4).status_code == 200
 
 
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "city": {"type": "string", "maxLength": 12}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_preempted_constrained_requests_validate_and_equal_their_output_alone(smollm2):
+    """Four constrained requests in a pool that holds about one and a half of them: the newest are preempted,
+    recomputed (in 16-token chunks) and resumed with their matchers; each output still validates and equals
+    the same request served alone."""
+    from server.config import ServeConfig
+    from server.state import ServerState
+    from tests.serverutil import serving
+
+    # 10 blocks of 8 tokens; one request needs ~8 (a 36-token prompt, ~25 tokens of JSON), two need more than 10
+    state = ServerState(smollm2, ServeConfig(num_kv_blocks=10, block_size=8, max_num_seqs=4,
+                                             max_num_batched_tokens=16))
+    prompts = [f"Describe {who} as JSON." for who in ("a person", "a pirate", "a chef", "a pilot")]
+    with serving(state) as url:
+        def reply(prompt: str) -> dict:
+            response = chat(url, prompt, max_tokens=40, response_format=schema_format(PERSON))
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        alone = [reply(p) for p in prompts]
+        before = state.service.scheduler.num_preemptions
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(reply, prompts))
+        assert state.service.scheduler.num_preemptions > before
+    for first, second in zip(alone, together):
+        assert second["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(second["message"]["content"]), PERSON)
+        assert second["message"]["content"] == first["message"]["content"]
+
+
 class Weather(pydantic.BaseModel):
     city: str = pydantic.Field(max_length=20)
     unit: str = pydantic.Field(pattern="^(celsius|fahrenheit)$")
