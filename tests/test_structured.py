@@ -296,9 +296,22 @@ def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
     # the logprob is under the masked distribution: allowed tokens' probabilities sum to 1
     assert abs(log_softmax(logits[0])[[1, 2]].exp().sum().item() - 1.0) < 1e-6
     assert picked[2].logprob == 0.0
-    every = torch.tensor([[1.0, 2.0, 3.0, 4.0], [4.0, 3.0, 2.0, 1.0]])
-    apply_masks(every, [0, 1], packed([[True, False, True, False], [False, True, False, True]]))  # in place
-    assert every.tolist() == [[1.0, float("-inf"), 3.0, float("-inf")], [float("-inf"), 3.0, float("-inf"), 1.0]]
+
+
+def test_cpu_masks_equal_the_torch_path():
+    """The in-place numpy path (CPU) against the torch path (other devices), with logits wider than the mask."""
+    from engine.constraints import _apply_torch, apply_masks, disallowed
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 80, generator=generator)  # [rows, model vocab 80]; the mask covers 64
+    allowed = (torch.rand(3, 64, generator=generator) < 0.3).tolist()
+    masks = packed(allowed)
+    ours, reference = logits.clone(), logits.clone()
+    apply_masks(ours, [4, 0, 2], masks)
+    _apply_torch(reference, [4, 0, 2], disallowed(masks), 64)
+    assert torch.equal(ours, reference) and torch.equal(ours[[1, 3]], logits[[1, 3]])
+    assert torch.isinf(ours[[4, 0, 2], 64:]).all()
+    assert torch.equal(torch.isfinite(ours[4, :64]), torch.tensor(allowed[0]))
 
 
 @pytest.mark.parametrize("pieces", [
