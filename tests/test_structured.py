@@ -138,6 +138,19 @@ def test_bad_grammars_get_400_naming_the_problem(server_url, body, names):
     assert names in response.json()["error"]["message"]
 
 
+def test_schema_checks_hold_when_the_same_schema_comes_again():
+    """The checks' verdict is cached by schema text: a repeated bad schema is still a 400, a good one passes."""
+    from server.errors import ApiError
+    from server.structured import json_schema_spec
+
+    for _ in range(2):
+        with pytest.raises(ApiError, match="not a valid JSON Schema"):
+            json_schema_spec({"type": "strin"}, "schema")
+        with pytest.raises(ApiError, match="limit of 32 levels"):
+            json_schema_spec({"items": json.loads('{"items": ' * 40 + "{}" + "}" * 40)}, "schema")
+        assert json_schema_spec(PERSON, "schema") == GrammarSpec("json_schema", json.dumps(PERSON))
+
+
 def test_huge_enum_is_served_or_refused_quickly_and_others_go_on(server_url):
     huge = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(4000)]}}, "required": ["v"]}
     response = chat(server_url, "Pick one", max_tokens=16, response_format=schema_format(huge))
