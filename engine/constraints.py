@@ -236,7 +236,7 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> N
     """
     banned = disallowed(masks)  # [len(rows), 32 * words]
     cols = min(banned.shape[1], logits.shape[1])
-    if not logits.is_cpu:
+    if not logits.is_cpu or logits.dtype != torch.float32:  # numpy has no bfloat16
         _apply_torch(logits, rows, banned, cols)
         return
     # numpy, row by row in place: single-threaded, so it never waits on an OpenMP barrier (torch's ops on these
@@ -249,7 +249,7 @@ def apply_masks(logits: torch.Tensor, rows: list[int], masks: torch.Tensor) -> N
 
 
 def _apply_torch(logits: torch.Tensor, rows: list[int], banned: torch.Tensor, cols: int) -> None:
-    """``apply_masks`` on any device (the CPU path's reference in the tests)."""
+    """``apply_masks`` on any device and dtype (the float32 CPU path's reference in the tests)."""
     index = torch.tensor(rows, dtype=torch.long, device=logits.device)
     picked = logits[index]  # [len(rows), model_vocab]
     picked[:, cols:] = float("-inf")

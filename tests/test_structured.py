@@ -325,6 +325,9 @@ def test_cpu_masks_equal_the_torch_path():
     assert torch.equal(ours, reference) and torch.equal(ours[[1, 3]], logits[[1, 3]])
     assert torch.isinf(ours[[4, 0, 2], 64:]).all()
     assert torch.equal(torch.isfinite(ours[4, :64]), torch.tensor(allowed[0]))
+    half = logits.bfloat16()  # not float32: the torch path on a CPU too
+    apply_masks(half, [4, 0, 2], masks)
+    assert torch.equal(torch.isinf(half), torch.isinf(ours))
 
 
 @pytest.mark.parametrize("pieces", [
