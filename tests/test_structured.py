@@ -8,9 +8,11 @@ from pathlib import Path
 
 import httpx
 import jsonschema
+import numpy as np
 import openai
 import pydantic
 import pytest
+import torch
 
 from engine.constraints import GrammarCompiler, GrammarSpec
 
@@ -136,6 +138,19 @@ def test_bad_grammars_get_400_naming_the_problem(server_url, body, names):
     assert names in response.json()["error"]["message"]
 
 
+def test_schema_checks_hold_when_the_same_schema_comes_again():
+    """The checks' verdict is cached by schema text: a repeated bad schema is still a 400, a good one passes."""
+    from server.errors import ApiError
+    from server.structured import json_schema_spec
+
+    for _ in range(2):
+        with pytest.raises(ApiError, match="not a valid JSON Schema"):
+            json_schema_spec({"type": "strin"}, "schema")
+        with pytest.raises(ApiError, match="limit of 32 levels"):
+            json_schema_spec({"items": json.loads('{"items": ' * 40 + "{}" + "}" * 40)}, "schema")
+        assert json_schema_spec(PERSON, "schema") == GrammarSpec("json_schema", json.dumps(PERSON))
+
+
 def test_huge_enum_is_served_or_refused_quickly_and_others_go_on(server_url):
     huge = {"type": "object", "properties": {"v": {"enum": [f"value-{i}" for i in range(4000)]}}, "required": ["v"]}
     response = chat(server_url, "Pick one", max_tokens=16, response_format=schema_format(huge))
@@ -143,6 +158,41 @@ def test_huge_enum_is_served_or_refused_quickly_and_others_go_on(server_url):
     if response.status_code == 200:
         assert json.loads(response.json()["choices"][0]["message"]["content"])["v"].startswith("value-")
     assert chat(server_url, "Hi", max_tokens=4).status_code == 200
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                          "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                          "city": {"type": "string", "maxLength": 12}},
+          "required": ["name", "age", "city"], "additionalProperties": False}
+
+
+def test_preempted_constrained_requests_validate_and_equal_their_output_alone(smollm2):
+    """Four constrained requests in a pool that holds about one and a half of them: the newest are preempted,
+    recomputed (in 16-token chunks) and resumed with their matchers; each output still validates and equals
+    the same request served alone."""
+    from server.config import ServeConfig
+    from server.state import ServerState
+    from tests.serverutil import serving
+
+    # 10 blocks of 8 tokens; one request needs ~8 (a 36-token prompt, ~25 tokens of JSON), two need more than 10
+    state = ServerState(smollm2, ServeConfig(num_kv_blocks=10, block_size=8, max_num_seqs=4,
+                                             max_num_batched_tokens=16))
+    prompts = [f"Describe {who} as JSON." for who in ("a person", "a pirate", "a chef", "a pilot")]
+    with serving(state) as url:
+        def reply(prompt: str) -> dict:
+            response = chat(url, prompt, max_tokens=40, response_format=schema_format(PERSON))
+            assert response.status_code == 200, response.text
+            return response.json()["choices"][0]
+
+        alone = [reply(p) for p in prompts]
+        before = state.service.scheduler.num_preemptions
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            together = list(pool.map(reply, prompts))
+        assert state.service.scheduler.num_preemptions > before
+    for first, second in zip(alone, together):
+        assert second["finish_reason"] == "stop"
+        jsonschema.validate(json.loads(second["message"]["content"]), PERSON)
+        assert second["message"]["content"] == first["message"]["content"]
 
 
 class Weather(pydantic.BaseModel):
@@ -218,24 +268,39 @@ def test_matcher_follows_rollback_as_after_preemption(smollm2):
     compiler = GrammarCompiler(smollm2.tokenizer, [smollm2.tokenizer.eos_token_id])
     grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"])))
     assert compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"]))) is grammar  # cached
-    from engine.constraints import fill_masks
+    from engine.constraints import disallowed, fill_masks
     ids = smollm2.tokenizer('{"name": "Al", "age": 3', add_special_tokens=False)["input_ids"]
     fresh, moved = grammar.constraint(), grammar.constraint()
     expected = fill_masks([fresh], [ids[:2]])
     fill_masks([moved], [ids])
     assert moved.consumed == ids
-    assert (fill_masks([moved], [ids[:2]]) == expected).all() and moved.consumed == ids[:2]
-    assert not expected[0, smollm2.tokenizer.eos_token_id]
+    assert torch.equal(fill_masks([moved], [ids[:2]]), expected) and moved.consumed == ids[:2]
+    banned = disallowed(expected)[0]
+    assert banned[smollm2.tokenizer.eos_token_id] and not banned[ids[2]]
+
+
+def packed(allowed: list[list[bool]]) -> torch.Tensor:
+    """``fill_masks``'s layout of ``allowed`` ``[rows, vocab]``: bit j of int32 word w is token 32 * w + j."""
+    rows = np.packbits(np.array(allowed, dtype=bool), axis=1, bitorder="little")  # [rows, ceil(vocab / 8)]
+    rows = np.pad(rows, ((0, 0), (0, -rows.shape[1] % 4)))
+    return torch.from_numpy(rows.view("<i4").astype(np.int32))  # [rows, words]
+
+
+def test_bitmask_unpacks_in_token_order():
+    from engine.constraints import disallowed
+
+    allowed = [[t in (0, 31, 32, 40) for t in range(70)], [t == 69 for t in range(70)]]
+    banned = disallowed(packed(allowed))  # [2, 96]
+    assert banned.shape == (2, 96)
+    assert torch.equal(~banned[:, :70], torch.tensor(allowed)) and banned[:, 70:].all()
 
 
 def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
-    import torch
-
     from engine.constraints import apply_masks
     from engine.sampling import greedy_tokens, log_softmax
 
     logits = torch.tensor([[5.0, 1.0, 3.0, 0.5], [5.0, 1.0, 3.0, 0.5], [0.0, 0.0, 0.0, 9.0]])  # [3, vocab 4]
-    allowed = torch.tensor([[False, True, True, False], [True, False, False, False]])  # rows 0 and 2 constrained
+    allowed = packed([[False, True, True, False], [True, False, False, False]])  # rows 0 and 2 constrained
     original_row_1 = logits[1].clone()
     apply_masks(logits, [0, 2], allowed)
     picked = greedy_tokens(logits, [[], [], []])
@@ -244,6 +309,25 @@ def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
     # the logprob is under the masked distribution: allowed tokens' probabilities sum to 1
     assert abs(log_softmax(logits[0])[[1, 2]].exp().sum().item() - 1.0) < 1e-6
     assert picked[2].logprob == 0.0
+
+
+def test_cpu_masks_equal_the_torch_path():
+    """The in-place numpy path (CPU) against the torch path (other devices), with logits wider than the mask."""
+    from engine.constraints import _apply_torch, apply_masks, disallowed
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 80, generator=generator)  # [rows, model vocab 80]; the mask covers 64
+    allowed = (torch.rand(3, 64, generator=generator) < 0.3).tolist()
+    masks = packed(allowed)
+    ours, reference = logits.clone(), logits.clone()
+    apply_masks(ours, [4, 0, 2], masks)
+    _apply_torch(reference, [4, 0, 2], disallowed(masks), 64)
+    assert torch.equal(ours, reference) and torch.equal(ours[[1, 3]], logits[[1, 3]])
+    assert torch.isinf(ours[[4, 0, 2], 64:]).all()
+    assert torch.equal(torch.isfinite(ours[4, :64]), torch.tensor(allowed[0]))
+    half = logits.bfloat16()  # not float32: the torch path on a CPU too
+    apply_masks(half, [4, 0, 2], masks)
+    assert torch.equal(torch.isinf(half), torch.isinf(ours))
 
 
 @pytest.mark.parametrize("pieces", [
@@ -273,3 +357,16 @@ def test_plain_reply_with_tools_stays_content():
     assert stream.feed(" ") == ("", [])  # could still become a call
     assert stream.feed("Hello <tool_call>") == (" Hello <tool_call>", [])
     assert stream.finish() == ("", []) and stream.calls == []
+
+
+def test_a_refused_token_leaves_only_eos(smollm2):
+    """A matcher in its error state (a token the grammar refuses) allows only EOS, so the sequence ends."""
+    from engine.constraints import disallowed, fill_masks
+
+    tokenizer = smollm2.tokenizer
+    grammar = GrammarCompiler(tokenizer, [tokenizer.eos_token_id]).compile(GrammarSpec("regex", "[0-9]+"))
+    ids = tokenizer("12", add_special_tokens=False)["input_ids"] + tokenizer("ab", add_special_tokens=False)["input_ids"]
+    good, bad = grammar.constraint(), grammar.constraint()
+    banned = disallowed(fill_masks([good, bad], [ids[:1], ids]))  # [2, vocab]
+    assert (~banned[0]).sum() > 1
+    assert (~banned[1]).nonzero().flatten().tolist() == [tokenizer.eos_token_id]
