@@ -14,8 +14,9 @@
 #   4. `podman run` with the port published on 127.0.0.1 only, then checks from outside: /health turns
 #      ready within the HEALTHCHECK's start period (and the image's HEALTHCHECK passes), the README's curl
 #      streams an answer that names Paris, the server runs as the image's non-root user, KVSERVE_* variables
-#      reach its flags, and SIGTERM with a stream in flight ends the stream and the container within
-#      podman's (and Docker's) default stop grace period of 10 s. It prints the timings and the image size.
+#      reach its flags, and SIGTERM with a stream in flight drains (/health 503, the stream goes on, then is
+#      ended) and the container exits within podman's (and Docker's) default stop grace period of 10 s. It
+#      prints the timings and the image size.
 #
 # Everything it makes lives in that private storage (never the machine's own images); its containers are removed
 # on exit, its layers and the last image kept as the cache. Each step runs under `timeout`. Exit status: 0 all checks passed, 1 a check failed,
@@ -61,14 +62,19 @@ driver=vfs
 if [[ "$(id -u)" -eq 0 ]] && grep -qw overlay /proc/filesystems; then driver=overlay; fi
 STORAGE="$CACHE/storage-$driver"
 mkdir -p "$STORAGE"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-container.XXXXXX")"
-STORE=(--storage-driver "$driver" --root "$STORAGE" --runroot "$WORK/run")
+# Run state at a fixed path: podman's database records the runroot and tmpdir, and refuses another pair
+# ("database configuration mismatch"). Under /run for root (a tmpfs: cleared at boot, as podman expects).
+if [[ "$(id -u)" -eq 0 ]]; then RUNDIR="/run/kvserve-container-$driver"; else
+  RUNDIR="${XDG_RUNTIME_DIR:-/tmp}/kvserve-container-$(id -u)-$driver"; fi
+mkdir -p "$RUNDIR"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-container.XXXXXX")"  # this run's logs and answers
+STORE=(--storage-driver "$driver" --root "$STORAGE" --runroot "$RUNDIR/run")
 # --log-level error: both warn on every call about CNI plugins that the netavark backend does not use
 BUILDAH=(buildah "${STORE[@]}" --log-level error)
 # runc, not crun: crun refuses a host with cgroups in hybrid (v1 + v2) mode, as these VMs have. cgroupfs and a
 # file for events: no systemd or journald needed.
 PODMAN=(podman "${STORE[@]}" --log-level error --runtime runc --cgroup-manager cgroupfs --events-backend file
-  --tmpdir "$WORK/podman")
+  --tmpdir "$RUNDIR/tmp")
 NAME="kvserve-check-$$"
 IMAGE="localhost/kvserve:check"  # the last image built, kept: its layers are the next build's cache
 STREAM_PID=""
@@ -88,6 +94,12 @@ cleanup() {
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
+# A storage first used with other run paths (an older version of this script) has a database that names them.
+# It holds container state only, and this script keeps no container between runs: start it afresh.
+if timeout 60 "${PODMAN[@]}" info 2>&1 | grep -q 'database configuration mismatch'; then
+  say "podman's database in $STORAGE names other run paths; removing it (images and layers stay)"
+  rm -f "$STORAGE/libpod/bolt_state.db"
+fi
 
 # ---- 1. base image --------------------------------------------------------------------------------------
 sources=""
@@ -165,14 +177,19 @@ t0=$(date +%s)
 timeout "$BUILD_TIMEOUT_S" "${BUILDAH[@]}" bud --layers "${no_cache[@]}" --force-rm --isolation chroot \
   --format docker --pull=never --build-context "torch-wheels=$wheels" "${secret[@]}" \
   --build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg TORCH_INDEX_URL= \
-  --iidfile "$WORK/iid" --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT" >"$WORK/build.log" 2>&1 \
+  --iidfile "$WORK/iid" --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT" 2>&1 \
+  | while IFS= read -r line; do printf '%5d %s\n' "$(elapsed "$t0")" "$line"; done >"$WORK/build.log" \
   || { tail -n 40 "$WORK/build.log"; fail "the image did not build"; }
+# each step's start, in seconds from the build's: where the time went
+grep -E '^ *[0-9]+ (\[[0-9]+/[0-9]+\] )?STEP [0-9]+/[0-9]+: (RUN|COPY)' "$WORK/build.log" | cut -c1-140 \
+  >"$WORK/steps.log" || true
 build_s=$(elapsed "$t0")
 touch "$warm_marker"
 image_id="$(cat "$WORK/iid")"
 steps=$(grep -c 'STEP [0-9]' "$WORK/build.log" || true)
-cached=$(grep -c '^--> Using cache' "$WORK/build.log" || true)
+cached=$(grep -c -- '--> Using cache' "$WORK/build.log" || true)
 say "built in $build_s s ($cached of $steps steps from the layer cache): ${image_id:0:19}"
+if [[ "$cached" -lt "$steps" ]]; then sed 's/^/container_check:   step at /' "$WORK/steps.log"; fi
 size=$("${PODMAN[@]}" image inspect --format '{{.Size}}' "$image_id")
 say "image size $((size / 1000000)) MB ($size bytes)"
 
@@ -186,7 +203,7 @@ served_name=kvserve-container-check
 timeout 120 "${PODMAN[@]}" run --detach --name "$NAME" --publish "127.0.0.1:$port:8000" --health-interval disable \
   --ulimit nofile=4096:4096 --ulimit nproc=4096:4096 \
   --env KVSERVE_MAX_NUM_SEQS=3 --env "KVSERVE_SERVED_MODEL_NAME=$served_name" --env KVSERVE_KV_CACHE_MEMORY=128MiB \
-  "$image_id" >/dev/null || fail "podman run failed"
+  "$image_id" >/dev/null 2>"$WORK/run.err" || { cat "$WORK/run.err"; fail "podman run failed"; }
 t0=$(date +%s)
 
 # /health within the HEALTHCHECK's start period (the image's; JSON gives Go durations in nanoseconds)
@@ -240,7 +257,8 @@ models=$(curl -fsS --max-time 10 "$url/v1/models")
 [[ "$models" == *"\"$served_name\""* ]] || fail "/v1/models does not list $served_name: $models"
 say "KVSERVE_* reached the flags (/v1/models lists $served_name)"
 
-# SIGTERM with a stream in flight
+# SIGTERM with a stream in flight: kvserve drains (server/drain.py): /health turns 503, the open stream goes on
+# for up to KVSERVE_DRAIN_SECONDS (the image's 8 s, within the 10 s grace), then it is ended and the server exits.
 curl -sSN --max-time 120 "$url/v1/completions" -H 'Content-Type: application/json' \
   -d '{"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 2000, "stream": true}' \
   >"$WORK/stream.sse" 2>"$WORK/stream.err" &
@@ -252,17 +270,26 @@ until [[ "$(grep -c '^data: {' "$WORK/stream.sse" 2>/dev/null || true)" -ge 5 ]]
 done
 timeout 30 "${PODMAN[@]}" kill --signal TERM "$NAME" >/dev/null || fail "podman kill --signal TERM failed"
 t1=$(date +%s)
+at_term=$(grep -c '^data: {' "$WORK/stream.sse" || true)
+sleep 1
+health=$(curl -sS --max-time 3 -o /dev/null -w '%{http_code}' "$url/health" 2>/dev/null || true)
 status=$(timeout "$GRACE_S" "${PODMAN[@]}" wait "$NAME") || fail "still running $GRACE_S s after SIGTERM"
 stop_s=$(elapsed "$t1")
 stream_rc=0
 timeout 10 tail --pid="$STREAM_PID" -f /dev/null || fail "the stream did not end after the server exited"
 wait "$STREAM_PID" || stream_rc=$?
 STREAM_PID=""
-before=$(grep -c '^data: {' "$WORK/stream.sse" || true)
+total=$(grep -c '^data: {' "$WORK/stream.sse" || true)
 last=$(grep '^data: ' "$WORK/stream.sse" | tail -n 1 | cut -c1-160)
-say "SIGTERM: the container exited with status $status after $stop_s s; the stream ended (curl status $stream_rc) after $before chunks; its last event: $last"
+drained=$("${PODMAN[@]}" logs "$NAME" 2>&1 | grep -o 'drain done in .*' | head -n 1)
+say "SIGTERM: /health answered $health while draining; the container exited with status $status after $stop_s s; \
+the stream ended (curl status $stream_rc) after $total chunks, $((total - at_term)) of them after SIGTERM; \
+the log: $drained; its last event: $last"
+[[ "$health" == 503 ]] || fail "/health answered $health, not 503, while draining"
 [[ "$status" == 0 || "$status" == 143 ]] || fail "exit status $status after SIGTERM"
 [[ "$stream_rc" == 0 ]] || fail "the stream was cut, not ended: $(cat "$WORK/stream.err")"
+[[ "$total" -gt "$at_term" ]] || fail "the stream stopped at SIGTERM instead of going on while draining"
+[[ -n "$drained" ]] || fail "no drain in the log"
 "${PODMAN[@]}" logs "$NAME" 2>&1 | grep -q 'Finished server process' || fail "no clean uvicorn shutdown in the log"
 
 say "PASS: build ${build_s} s, image $((size / 1000000)) MB, ready ${ready_s} s, SIGTERM exit ${stop_s} s"
