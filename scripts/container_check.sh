@@ -96,7 +96,8 @@ trap cleanup EXIT
 trap 'exit 130' INT TERM
 # A storage first used with other run paths (an older version of this script) has a database that names them.
 # It holds container state only, and this script keeps no container between runs: start it afresh.
-if timeout 60 "${PODMAN[@]}" info 2>&1 | grep -q 'database configuration mismatch'; then
+info=$(timeout 60 "${PODMAN[@]}" info 2>&1 || true)
+if [[ "$info" == *"database configuration mismatch"* ]]; then
   say "podman's database in $STORAGE names other run paths; removing it (images and layers stay)"
   rm -f "$STORAGE/libpod/bolt_state.db"
 fi
