@@ -14,9 +14,9 @@
 #   4. `podman run` with the port published on 127.0.0.1 only, then checks from outside: /health turns
 #      ready within the HEALTHCHECK's start period (and the image's HEALTHCHECK passes), the README's curl
 #      streams an answer that names Paris, the server runs as the image's non-root user, KVSERVE_* variables
-#      reach its flags, and SIGTERM with a stream in flight drains (/health 503, the stream goes on, then is
-#      ended) and the container exits within podman's (and Docker's) default stop grace period of 10 s. It
-#      prints the timings and the image size.
+#      reach its flags, and SIGTERM with a stream in flight drains (/health 503, the stream goes on, and is
+#      cut when the drain's time runs out) and the container exits within podman's (and Docker's) default stop
+#      grace period of 10 s. It prints the timings and the image size.
 #
 # Everything it makes lives in that private storage (never the machine's own images); its containers are removed
 # on exit, its layers and the last image kept as the cache. Each step runs under `timeout`. Exit status: 0 all checks passed, 1 a check failed,
@@ -181,16 +181,20 @@ timeout "$BUILD_TIMEOUT_S" "${BUILDAH[@]}" bud --layers "${no_cache[@]}" --force
   --iidfile "$WORK/iid" --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT" 2>&1 \
   | while IFS= read -r line; do printf '%5d %s\n' "$(elapsed "$t0")" "$line"; done >"$WORK/build.log" \
   || { tail -n 40 "$WORK/build.log"; fail "the image did not build"; }
-# each step's start, in seconds from the build's: where the time went
-grep -E '^ *[0-9]+ (\[[0-9]+/[0-9]+\] )?STEP [0-9]+/[0-9]+: (RUN|COPY)' "$WORK/build.log" | cut -c1-140 \
-  >"$WORK/steps.log" || true
+# how long each step that ran took (the seconds before each log line; cached steps left out)
+awk '{ last = $1 }
+  / STEP [0-9]+\/[0-9]+: / { if (step != "" && !cached) printf "%5d s  %s\n", $1 - t, step
+    t = $1; step = substr($0, index($0, "[")); cached = 0 }
+  /--> Using cache/ { cached = 1 }
+  END { if (step != "" && !cached) printf "%5d s  %s\n", last - t, step }' "$WORK/build.log" | cut -c1-130 \
+  | awk '$1 >= 2' >"$WORK/steps.log" || true
 build_s=$(elapsed "$t0")
 touch "$warm_marker"
 image_id="$(cat "$WORK/iid")"
 steps=$(grep -c 'STEP [0-9]' "$WORK/build.log" || true)
 cached=$(grep -c -- '--> Using cache' "$WORK/build.log" || true)
 say "built in $build_s s ($cached of $steps steps from the layer cache): ${image_id:0:19}"
-if [[ "$cached" -lt "$steps" ]]; then sed 's/^/container_check:   step at /' "$WORK/steps.log"; fi
+sed 's/^/container_check:   /' "$WORK/steps.log"  # the steps that took 2 s or more
 size=$("${PODMAN[@]}" image inspect --format '{{.Size}}' "$image_id")
 say "image size $((size / 1000000)) MB ($size bytes)"
 
@@ -259,7 +263,8 @@ models=$(curl -fsS --max-time 10 "$url/v1/models")
 say "KVSERVE_* reached the flags (/v1/models lists $served_name)"
 
 # SIGTERM with a stream in flight: kvserve drains (server/drain.py): /health turns 503, the open stream goes on
-# for up to KVSERVE_DRAIN_SECONDS (the image's 8 s, within the 10 s grace), then it is ended and the server exits.
+# for up to KVSERVE_DRAIN_SECONDS (the image's 5 s), is cut if still open then, and the server exits; all
+# within the 10 s grace.
 curl -sSN --max-time 120 "$url/v1/completions" -H 'Content-Type: application/json' \
   -d '{"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 2000, "stream": true}' \
   >"$WORK/stream.sse" 2>"$WORK/stream.err" &
@@ -270,27 +275,32 @@ until [[ "$(grep -c '^data: {' "$WORK/stream.sse" 2>/dev/null || true)" -ge 5 ]]
   sleep 0.2
 done
 timeout 30 "${PODMAN[@]}" kill --signal TERM "$NAME" >/dev/null || fail "podman kill --signal TERM failed"
-t1=$(date +%s)
+t1=$(date +%s%N)
 at_term=$(grep -c '^data: {' "$WORK/stream.sse" || true)
 sleep 1
-health=$(curl -sS --max-time 3 -o /dev/null -w '%{http_code}' "$url/health" 2>/dev/null || true)
-status=$(timeout "$GRACE_S" "${PODMAN[@]}" wait "$NAME") || fail "still running $GRACE_S s after SIGTERM"
-stop_s=$(elapsed "$t1")
+health=$(curl -sS --max-time 2 -o /dev/null -w '%{http_code}' "$url/health" 2>/dev/null || true)
+left_s=$((GRACE_S - ($(date +%s%N) - t1) / 1000000000))
+status=$(timeout "$left_s" "${PODMAN[@]}" wait "$NAME") || fail "still running $GRACE_S s after SIGTERM"
+stop_ms=$((($(date +%s%N) - t1) / 1000000))
+stop_s="$((stop_ms / 1000)).$(printf '%03d' $((stop_ms % 1000)) | cut -c1)"
 stream_rc=0
 timeout 10 tail --pid="$STREAM_PID" -f /dev/null || fail "the stream did not end after the server exited"
 wait "$STREAM_PID" || stream_rc=$?
 STREAM_PID=""
 total=$(grep -c '^data: {' "$WORK/stream.sse" || true)
-last=$(grep '^data: ' "$WORK/stream.sse" | tail -n 1 | cut -c1-160)
 drained=$("${PODMAN[@]}" logs "$NAME" 2>&1 | grep -o 'drain done in .*' | head -n 1)
-say "SIGTERM: /health answered $health while draining; the container exited with status $status after $stop_s s; \
-the stream ended (curl status $stream_rc) after $total chunks, $((total - at_term)) of them after SIGTERM; \
-the log: $drained; its last event: $last"
+if grep -q '^data: \[DONE\]' "$WORK/stream.sse"; then ending="finished ([DONE])"
+elif [[ "$stream_rc" == 0 ]]; then ending="ended by the server"
+else ending="cut at the drain's end (curl: $(tr -d '\n' <"$WORK/stream.err"))"; fi
+say "SIGTERM: /health answered $health while draining; the container exited with status $status $stop_s s after \
+SIGTERM; the stream got $((total - at_term)) more chunks while draining ($total in all) and was $ending; \
+the log: $drained"
 [[ "$health" == 503 ]] || fail "/health answered $health, not 503, while draining"
 [[ "$status" == 0 || "$status" == 143 ]] || fail "exit status $status after SIGTERM"
-[[ "$stream_rc" == 0 ]] || fail "the stream was cut, not ended: $(cat "$WORK/stream.err")"
 [[ "$total" -gt "$at_term" ]] || fail "the stream stopped at SIGTERM instead of going on while draining"
 [[ -n "$drained" ]] || fail "no drain in the log"
+# a stream that did not finish is one the drain counted as cut, not one dropped some other way
+[[ "$ending" != cut* || "$drained" =~ [1-9][0-9]*\ cut ]] || fail "the stream was cut but the drain counts none cut"
 "${PODMAN[@]}" logs "$NAME" 2>&1 | grep -q 'Finished server process' || fail "no clean uvicorn shutdown in the log"
 
 say "PASS: build ${build_s} s, image $((size / 1000000)) MB, ready ${ready_s} s, SIGTERM exit ${stop_s} s"
