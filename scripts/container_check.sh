@@ -63,7 +63,8 @@ if [[ "$(id -u)" -eq 0 ]] && grep -qw overlay /proc/filesystems; then driver=ove
 STORAGE="$CACHE/storage-$driver"
 mkdir -p "$STORAGE"
 # Run state at a fixed path: podman's database records the runroot and tmpdir, and refuses another pair
-# ("database configuration mismatch"). Under /run for root (a tmpfs: cleared at boot, as podman expects).
+# ("database configuration mismatch"). Under /run for root (a tmpfs on most systems, cleared at boot; it need not
+# be: no container outlives a run).
 if [[ "$(id -u)" -eq 0 ]]; then RUNDIR="/run/kvserve-container-$driver"; else
   RUNDIR="${XDG_RUNTIME_DIR:-/tmp}/kvserve-container-$(id -u)-$driver"; fi
 mkdir -p "$RUNDIR"
