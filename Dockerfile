@@ -138,7 +138,7 @@ COPY --from=build /opt/kvserve/app /opt/kvserve/app
 
 # KVSERVE_HOST=0.0.0.0 only here, inside the container's own network namespace; kvserve's own default
 # stays 127.0.0.1. Publish the port on the host's loopback (-p 127.0.0.1:8000:8000) unless you mean otherwise.
-# KVSERVE_DRAIN_SECONDS=5: `docker stop` and `podman stop` send SIGKILL 10 s after SIGTERM, so kvserve's own 30 s
+# KVSERVE_DRAIN_SECONDS=3: `docker stop` and `podman stop` send SIGKILL 10 s after SIGTERM, so kvserve's own 30 s
 # drain would be killed mid-stream there; after the drain, the shutdown itself takes seconds more on a loaded
 # machine (BENCHMARKS.md, "Container image"). A longer drain goes with a longer grace (deploy/: 30 s within 40-60 s).
 ENV VIRTUAL_ENV=/opt/venv \
@@ -148,7 +148,7 @@ ENV VIRTUAL_ENV=/opt/venv \
     TORCH_DONT_CHECK_COMPILER_ABI=1 \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \
-    KVSERVE_DRAIN_SECONDS=5 \
+    KVSERVE_DRAIN_SECONDS=3 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     PYTHONUNBUFFERED=1 \

@@ -264,7 +264,7 @@ models=$(curl -fsS --max-time 10 "$url/v1/models")
 say "KVSERVE_* reached the flags (/v1/models lists $served_name)"
 
 # SIGTERM with a stream in flight: kvserve drains (server/drain.py): /health turns 503, the open stream goes on
-# for up to KVSERVE_DRAIN_SECONDS (the image's 5 s), is cut if still open then, and the server exits; all
+# for up to KVSERVE_DRAIN_SECONDS (the image's 3 s), is cut if still open then, and the server exits; all
 # within the 10 s grace.
 curl -sSN --max-time 120 "$url/v1/completions" -H 'Content-Type: application/json' \
   -d '{"prompt": "1, 2, 3, 4,", "temperature": 0, "max_tokens": 2000, "stream": true}' \
