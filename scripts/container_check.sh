@@ -65,8 +65,10 @@ mkdir -p "$STORAGE"
 # Run state at a fixed path: podman's database records the runroot and tmpdir, and refuses another pair
 # ("database configuration mismatch"). Under /run for root (a tmpfs on most systems, cleared at boot; it need not
 # be: no container outlives a run).
-if [[ "$(id -u)" -eq 0 ]]; then RUNDIR="/run/kvserve-container-$driver"; else
-  RUNDIR="${XDG_RUNTIME_DIR:-/tmp}/kvserve-container-$(id -u)-$driver"; fi
+# One per storage directory (named after its path): two storages sharing a runroot would mix their state.
+run_id="$(printf '%s' "$STORAGE" | sha256sum | cut -c1-12)"
+if [[ "$(id -u)" -eq 0 ]]; then RUNDIR="/run/kvserve-container-$run_id"; else
+  RUNDIR="${XDG_RUNTIME_DIR:-/tmp}/kvserve-container-$(id -u)-$run_id"; fi
 mkdir -p "$RUNDIR"
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-container.XXXXXX")"  # this run's logs and answers
 STORE=(--storage-driver "$driver" --root "$STORAGE" --runroot "$RUNDIR/run")
