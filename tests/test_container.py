@@ -2,11 +2,14 @@
 
 It builds ./Dockerfile from a local Debian base with the torch wheel this machine's pip finds, runs the image
 with its port on 127.0.0.1 and checks readiness, a streamed answer, the non-root user, the KVSERVE_*
-variables and SIGTERM with a stream in flight (see the script's header). Skipped, with the reason, where
-the tools are missing (``bash scripts/ci_system_deps.sh`` installs them) or where the script says it cannot
-run, which includes "no image cached for these inputs" unless KVSERVE_CONTAINER_CHECK=1 asks for the build;
-any failed check fails the test. Slow on a cold machine (the base and the build); the figures of one
-run are in BENCHMARKS.md, section "Container image".
+variables and SIGTERM with a stream in flight (see the script's header). The build is real, from the
+checkout under test, with the layer cache the script keeps in ~/.cache/kvserve/container: when that cache
+holds the heavy layers (apt, torch, the dependencies, the GGUF conversion, the C++ kernels) for this
+Dockerfile and kernels/, only kvserve's own layers are built again and the whole check takes minutes.
+Skipped, with the reason, where the tools are missing (``bash scripts/ci_system_deps.sh`` installs them) or
+where the script says it cannot run, which includes "the layer cache is cold for these inputs" (a cold build
+takes about half an hour on 2 cores, past the suite's budget) unless KVSERVE_CONTAINER_CHECK=1 asks for
+it; any failed check fails the test. The figures of the runs are in BENCHMARKS.md, section "Container image".
 """
 
 from __future__ import annotations
@@ -23,7 +26,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "container_check.sh"
 TOOLS = ("buildah", "podman", "mmdebstrap", "curl")
-TIMEOUT_S = 2400  # the script bounds each of its steps (the build: 1800 s); this only stops a wedged run
+# The script bounds each of its steps (the build: 900 s on a warm cache, 2700 s cold); this only stops a wedged run.
+WARM_TIMEOUT_S = 1500
+COLD_TIMEOUT_S = 3600
 
 
 def test_container_image_builds_runs_and_stops_cleanly():
@@ -31,12 +36,14 @@ def test_container_image_builds_runs_and_stops_cleanly():
     if missing:
         pytest.skip(f"{', '.join(missing)} not installed (bash scripts/ci_system_deps.sh)")
     env = {**os.environ, "PYTHON": sys.executable}
-    # A cold build took over 20 min on the shared 2-core machine, past the whole suite's budget: by default the
-    # test runs the check only on the image cached for these exact inputs (a load and the run: minutes), and
-    # builds when asked to (KVSERVE_CONTAINER_CHECK=1, as a CI job of its own can).
-    if os.environ.get("KVSERVE_CONTAINER_CHECK") != "1":
-        env["KVSERVE_CONTAINER_CACHED_ONLY"] = "1"
-    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    # A cold build takes about half an hour on the shared 2-core machine, past the whole suite's budget: by
+    # default the test builds only on a warm layer cache (minutes), and cold when asked to
+    # (KVSERVE_CONTAINER_CHECK=1, as a CI job of its own can).
+    cold_ok = os.environ.get("KVSERVE_CONTAINER_CHECK") == "1"
+    if not cold_ok:
+        env["KVSERVE_CONTAINER_WARM_ONLY"] = "1"
+    proc = subprocess.run(["bash", str(SCRIPT)], env=env, capture_output=True, text=True,
+                          timeout=COLD_TIMEOUT_S if cold_ok else WARM_TIMEOUT_S)
     out = proc.stdout + proc.stderr
     print(out)  # the timings, the size and the answer, for the CI log (pytest -s or on failure)
     if proc.returncode == 2:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import http.server
+import importlib
+import importlib.util
 import json
 import os
 import re
@@ -395,30 +397,63 @@ def test_every_pip_step_of_the_image_can_trust_a_mirrors_ca():
     """Each RUN that pip-installs mounts the pip-cert secret (a mirror behind a private CA, or a TLS-inspecting
     proxy, would otherwise fail that step only)."""
     pip_runs = [args for op, args in dockerfile_instructions() if op == "RUN" and "pip install" in args]
-    assert pip_runs and all("--mount=type=secret,id=pip-cert" in args for args in pip_runs)
+    online = [args for args in pip_runs if "--no-index" not in args]  # kvserve itself installs offline
+    assert online and all("--mount=type=secret,id=pip-cert" in args for args in online)
 
 
-def test_dockerfile_python_steps_run():
-    """The build's ``python -c`` steps (model conversion, kernel build and load) succeed here as written."""
-    codes = [code for op, args in dockerfile_instructions() if op == "RUN"
-             for code in re.findall(r'python -c "([^"]+)"', args)]
-    assert codes
-    for code in codes:
-        proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, f"{code}: {proc.stderr[-2000:]}"
+def test_dockerfile_heavy_stages_copy_only_their_inputs():
+    """The layer cache: the kernels' stage copies kernels/ alone, the dependencies' stage pyproject.toml alone,
+    the model's stage its script alone, and the whole source comes in after all three (a source edit rebuilds
+    only the build stage and the runtime's last layers)."""
+    stage, copies = None, {}
+    for op, args in dockerfile_instructions():
+        if op == "FROM":
+            stage = args.split()[-1]
+        elif op == "COPY" and "--from" not in args:
+            copies.setdefault(stage, []).append(args.split()[-2])
+    assert copies["kernels"] == ["kernels"] and copies["deps"] == ["pyproject.toml"]
+    assert copies["model"] == ["docker/convert_model.py"] and copies["build"] == ["."]
+    assert "torch" not in copies
+
+
+def test_convert_model_names_its_output_as_the_loader_does(tmp_path, monkeypatch):
+    """docker/convert_model.py converts without kvserve's code; kvserve must find its output and convert nothing."""
+    from engine import loader
+    spec = importlib.util.spec_from_file_location("convert_model", ROOT / "docker" / "convert_model.py")
+    convert_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(convert_model)
+    assert (convert_model.GGUF_PACKAGE, convert_model.GGUF_FILE) == (loader.GGUF_PACKAGE, loader.GGUF_FILE)
+    gguf = convert_model.gguf_path()
+    assert gguf == loader.default_gguf_path()
+    target = convert_model.target_dir(gguf, tmp_path)
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained",
+                        lambda *a, **k: pytest.fail("resolve_model_dir converted again"))
+    assert loader.resolve_model_dir(None) == target
+
+
+def test_dockerfile_python_steps_name_real_functions():
+    """The build-time ``from X import Y`` steps (model conversion, kernel build) name code that exists."""
+    runs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
+    imports = re.findall(r"from ([\w.]+) import (\w+)", runs)
+    assert {module for module, _ in imports} == {"engine.loader", "kernels"}
+    for module, name in imports:
+        assert callable(getattr(importlib.import_module(module), name)), f"{module}.{name}"
 
 
 def test_docker_context_holds_every_package():
     """Every package pyproject installs is copied by the Dockerfile and allowed by .dockerignore."""
     include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
     packages = {pattern.rstrip("*") for pattern in include}
-    copied = {args.split()[0] for op, args in dockerfile_instructions() if op == "COPY" and "--from" not in args}
-    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
-               if line.startswith("!")}
-    assert packages <= copied and packages <= allowed
     sources = {word for op, args in dockerfile_instructions() if op == "COPY" and "--from" not in args
                for word in args.split()[:-1] if not word.startswith("--")}
-    for source in sources:
+    allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.startswith("!")}
+    # `COPY . /src` brings the whole context, which is what .dockerignore allows
+    assert "." in sources and packages <= allowed
+    for source in sources - {"."}:
         assert (ROOT / source).exists(), source
         assert source in allowed, f"{source} is copied but .dockerignore leaves it out"
 
