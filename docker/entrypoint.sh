@@ -21,6 +21,8 @@ VALUE_FLAGS=(
   header-timeout-seconds
   speculative
   num-speculative-tokens
+  draft-model
+  draft-quantization
   log-level
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.

@@ -8,12 +8,17 @@ Prompt lookup (n-gram; Saxena 2023, "Prompt Lookup Decoding", and vLLM's ``ngram
 recent earlier occurrence of the sequence's last n tokens (n from ``max_n`` down to ``min_n``) in its own
 prompt and output, and propose the tokens that followed it. No second model, no memory beyond the token ids;
 it pays where the output copies its input (extraction, quoting, code edits) and proposes nothing elsewhere.
+
+A draft model (``engine.draft_model.ModelDrafter``) is the other kind: a smaller or quantized model with its own
+paged KV cache. Both answer the same two calls the runner makes: ``propose_batch`` after a step's sampling, and
+``release`` for sequences that ended.
 """
 
 from __future__ import annotations
 
 import enum
 from array import array
+from dataclasses import dataclass
 
 _ITEM = array("i").itemsize  # bytes per token id in the search buffer
 
@@ -23,6 +28,22 @@ class Drafter(enum.Enum):
 
     OFF = "off"
     NGRAM = "ngram"
+    DRAFT = "draft"
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    """One sequence's ask for drafts after a step.
+
+    Attributes:
+        seq_id: the sequence (a drafter with per-sequence state keys it by this).
+        token_ids: the sequence so far, prompt then output; the last token is the one just sampled.
+        k: the most tokens to propose.
+    """
+
+    seq_id: int
+    token_ids: list[int]
+    k: int
 
 
 class NgramDrafter:
@@ -39,6 +60,14 @@ class NgramDrafter:
         if min_n < 1 or max_n < min_n:
             raise ValueError(f"n-gram lengths must satisfy 1 <= min_n <= max_n, got {min_n}, {max_n}")
         self.min_n, self.max_n = min_n, max_n
+        self.steps: list[tuple[int, float]] = []  # forwards run while proposing: none (``ModelDrafter.steps``)
+
+    def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
+        """Each request's proposal (``propose``), in order."""
+        return [self.propose(r.token_ids, r.k) for r in requests]
+
+    def release(self, seq_ids: list[int]) -> None:
+        """Nothing to free: prompt lookup keeps no state."""
 
     def propose(self, token_ids: list[int], k: int) -> list[int]:
         """Up to ``k`` tokens that followed the latest earlier occurrence of the longest matching suffix.

@@ -125,9 +125,19 @@ class SeqWork:
 
 @dataclass(slots=True)
 class StepPlan:
-    """One engine step: the ragged batch in scheduler order."""
+    """One engine step: the ragged batch in scheduler order.
+
+    Attributes:
+        work: the sequences' shares, in scheduler order.
+        ended_ids: sequences that ended or were preempted since the last plan (a drafter frees their state).
+        draft_seconds: filled in by the runner: seconds it spent proposing drafts after this step's sampling.
+        draft_steps: filled in by the runner: ``(rows, seconds)`` of each decode-only draft-model forward.
+    """
 
     work: list[SeqWork]
+    ended_ids: list[int] = field(default_factory=list)
+    draft_seconds: float = 0.0
+    draft_steps: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

@@ -10,7 +10,7 @@ import torch
 
 from engine.attention import AttentionMetadata, PrefillSpan
 from engine.constraints import apply_masks, fill_masks_async
-from engine.drafters import NgramDrafter
+from engine.drafters import DraftRequest, NgramDrafter
 from engine.fastpath import fast_decoder
 from engine.loader import LoadedModel
 from engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
@@ -35,7 +35,8 @@ class ModelRunner:
     Args:
         loaded: the model (already wired to the ``kvserve`` attention, quantized if it is to be).
         pool: the KV pool; its geometry must match the model.
-        drafter: proposes draft tokens where a SeqWork asks (``propose``); None proposes nothing.
+        drafter: proposes draft tokens where a SeqWork asks (``propose``): an ``NgramDrafter`` or an
+            ``engine.draft_model.ModelDrafter``; None proposes nothing.
     """
 
     def __init__(self, loaded: LoadedModel, pool: KVPool, drafter: NgramDrafter | None = None) -> None:
@@ -107,20 +108,27 @@ class ModelRunner:
         """Compute every token in ``plan``, sample where asked, verify drafts and propose the next ones.
 
         Returns:
-            One SeqResult per SeqWork, in plan order (no tokens for a non-final prefill chunk).
-
-        Raises:
-            ValueError: an empty plan.
+            One SeqResult per SeqWork, in plan order (no tokens for a non-final prefill chunk); none for a plan
+            with no work, which only frees what the drafter held for ``plan.ended_ids``.
         """
+        if self.drafter is not None and plan.ended_ids:
+            self.drafter.release(plan.ended_ids)
+        if not plan.work:
+            return []
         logits = self.logits(plan)
         if logits is None:
             return [SeqResult(seq_id=w.seq_id) for w in plan.work]
         results = self._sample(plan, _logit_spans(plan), logits)
         if self.drafter is not None:
-            for w, result in zip(plan.work, results):
-                if w.propose and result.tokens:
-                    history = w.prompt_ids + w.output_ids + [t.token_id for t in result.tokens]
-                    result.draft_ids = self.drafter.propose(history, w.propose)
+            asking = [(w, result) for w, result in zip(plan.work, results) if w.propose and result.tokens]
+            if asking:
+                started = time.perf_counter()
+                requests = [DraftRequest(w.seq_id, w.prompt_ids + w.output_ids + [t.token_id for t in result.tokens],
+                                         w.propose) for w, result in asking]
+                for (_, result), draft_ids in zip(asking, self.drafter.propose_batch(requests)):
+                    result.draft_ids = draft_ids
+                plan.draft_seconds = time.perf_counter() - started
+                plan.draft_steps, self.drafter.steps = self.drafter.steps, []
         return results
 
     @torch.inference_mode()

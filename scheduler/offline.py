@@ -33,6 +33,8 @@ def run_offline(scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResu
         for seq in pending.pop(step, []):
             scheduler.add(seq)
         if not scheduler.has_work:
+            if scheduler.ended_ids:
+                execute(scheduler.schedule())  # frees what ended sequences held in the engine
             if not pending:
                 return step
             step += 1

@@ -73,6 +73,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self._ended: list[int] = []           # with speculation: ended or preempted since the last plan
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which found cached
 
@@ -115,23 +116,55 @@ class Scheduler:
             budget -= num_new
         budget = self._admit(work, budget)
         if self.draft is not None:
-            self._add_drafts(work, budget)
-        return StepPlan(work)
+            budget = self._add_drafts(work, budget)
+            if self.draft.proposal_cost is not None:
+                self._plan_proposals(work)
+        plan, self._ended = StepPlan(work, ended_ids=self._ended), []
+        return plan
 
-    def _draft_room(self, seq: Sequence) -> int:
-        """Draft tokens ``seq`` could verify now: its proposal, cut so that every token the step might accept
-        stays within max_tokens and the context, and, below min_tokens, so that every sampled row has stop tokens
-        suppressed alike. 0 for a constrained sequence (its grammar checks one token a step)."""
-        if seq.constraint is not None or not seq.draft_ids or seq.num_uncomputed != 1:
+    @property
+    def ended_ids(self) -> list[int]:
+        """Sequences that ended or were preempted since the last plan: the next plan carries them (a plan with
+        no work only does that)."""
+        return self._ended
+
+    def _draft_room(self, seq: Sequence, available: int | None = None, ahead: int = 0) -> int:
+        """Draft tokens ``seq`` could verify now: its proposal (or ``available``), cut so that every token the step
+        might accept stays within max_tokens and the context, and, below min_tokens, so that every sampled row has
+        stop tokens suppressed alike; ``ahead``: as if that many more tokens were output first. 0 for a
+        constrained sequence (its grammar checks one token a step)."""
+        if available is None:
+            if not seq.draft_ids or seq.num_uncomputed != 1:
+                return 0
+            available = len(seq.draft_ids)
+        if seq.constraint is not None:
             return 0
-        room = min(len(seq.draft_ids), seq.max_tokens - len(seq.output_ids) - 1,
-                   self.config.max_model_len - seq.num_tokens - 1)
-        if len(seq.output_ids) < seq.min_tokens:
-            room = min(room, seq.min_tokens - len(seq.output_ids) - 1)
+        output = len(seq.output_ids) + ahead
+        room = min(available, seq.max_tokens - output - 1, self.config.max_model_len - seq.num_tokens - ahead - 1)
+        if output < seq.min_tokens:
+            room = min(room, seq.min_tokens - output - 1)
         return max(room, 0)
 
-    def _add_drafts(self, work: list[SeqWork], budget: int) -> None:
-        """Give decoding sequences the draft tokens the policy chooses, where their blocks can grow."""
+    def _plan_proposals(self, work: list[SeqWork]) -> None:
+        """With a draft model (proposals cost a draft step per depth), choose how many tokens the engine drafts
+        after this step for each sampling sequence: γ for its next step, as if the next step were these
+        sequences decoding (``DraftPolicy.choose`` with the proposal cost)."""
+        by_id = {seq.seq_id: seq for seq in self.running}
+        candidates = []
+        for w in work:
+            if w.propose:
+                seq = by_id[w.seq_id]
+                room = self._draft_room(seq, self.draft.max_draft, ahead=1)
+                if room:
+                    candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens))
+        rows = len(candidates)
+        gammas = self.draft.choose(candidates, rows, rows, self.config.max_num_batched_tokens - rows)
+        for w in work:
+            w.propose = gammas.get(w.seq_id, 0)
+
+    def _add_drafts(self, work: list[SeqWork], budget: int) -> int:
+        """Give decoding sequences the draft tokens the policy chooses, where their blocks can grow; returns the
+        budget left. With a draft model the choice was made when proposing, so every proposal is verified."""
         by_id = {seq.seq_id: seq for seq in self.running}
         candidates = []
         for w in work:
@@ -139,13 +172,21 @@ class Scheduler:
             room = self._draft_room(seq) if seq is not None and w.is_decode else 0
             if room:
                 candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens))
-        yield_ = sum(1 for w in work if w.sample)
-        gammas = self.draft.choose(candidates, sum(len(w.token_ids) for w in work), yield_, budget)
+        if self.draft.proposal_cost is not None:
+            gammas, left = {}, budget
+            for c in candidates:
+                gammas[c.seq_id] = min(c.available, left)
+                left -= gammas[c.seq_id]
+        else:
+            yield_ = sum(1 for w in work if w.sample)
+            gammas = self.draft.choose(candidates, sum(len(w.token_ids) for w in work), yield_, budget)
         for index, w in enumerate(work):
             gamma = gammas.get(w.seq_id, 0)
             seq = by_id.get(w.seq_id)
             if gamma and self.blocks.allocate(seq.block_table, seq.num_computed + 1 + gamma):
                 work[index] = self._work(seq, 1, gamma)
+                budget -= gamma
+        return budget
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Make room for ``num_new`` more tokens of a running sequence, preempting the newest if needed."""
@@ -158,6 +199,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
+        self._note_ended(seq)
         self.blocks.free(seq.block_table)
         seq.block_hashes.clear()  # its recomputed blocks are registered again (the old ones may be evicted)
         seq.num_computed = 0
@@ -264,9 +306,14 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _note_ended(self, seq: Sequence) -> None:
+        if self.draft is not None:  # only a drafter keeps per-sequence state in the engine
+            self._ended.append(seq.seq_id)
+
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         if seq in self.running:
             self.running.remove(seq)
+            self._note_ended(seq)
         self.blocks.free(seq.block_table)
         seq.status = SeqStatus.FINISHED
         seq.finish_reason = reason

@@ -148,10 +148,14 @@ class SchedulerService:
         try:
             while True:
                 if not self.scheduler.has_work and self._inbox.empty():
+                    if self.scheduler.ended_ids:  # going idle: let the engine free what ended sequences held
+                        await loop.run_in_executor(self._executor, self.execute, self.scheduler.schedule())
                     self._apply(*await self._inbox.get())
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if not plan.work:
+                    if plan.ended_ids:
+                        await loop.run_in_executor(self._executor, self.execute, plan)
                     if self.scheduler.has_work:
                         await asyncio.sleep(0.005)  # nothing fits now (only possible transiently)
                     continue
@@ -199,10 +203,16 @@ class SchedulerService:
             self.stats.generation_tokens += len(result.tokens)
 
     def _learn_cost(self, plan: StepPlan, seconds: float) -> None:
-        """Feed an all-decode step's time to the speculation policy's step-cost model (what ``auto`` weighs)."""
+        """Feed an all-decode step's time (less its proposing) to the speculation policy's step-cost model, and a
+        draft model's decode steps to its proposal cost: what ``auto`` weighs."""
         draft = self.scheduler.draft
-        if draft is not None and draft.cost is not None and all(w.is_decode for w in plan.work):
-            draft.cost.observe(plan.num_tokens, seconds)
+        if draft is None or draft.cost is None:
+            return
+        if all(w.is_decode for w in plan.work):
+            draft.cost.observe(plan.num_tokens, seconds - plan.draft_seconds)
+        if draft.proposal_cost is not None:
+            for rows, step_seconds in plan.draft_steps:
+                draft.proposal_cost.observe(rows, step_seconds)
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
         for w in plan.work:

@@ -17,7 +17,14 @@ decides every step from two measured things:
 It raises the γ of the sequence with the largest marginal expected token α_s^(γ_s+1), one token at a time,
 and keeps the prefix of those raises with the highest expected tokens per second for the whole step; drafts
 are used only if that beats the step without drafts by ``MARGIN`` (the cost model's error). Sequences
-without a proposal (prompt lookup found nothing) get γ = 0. Works on token counts only.
+without a proposal (prompt lookup found nothing) get γ = 0.
+
+A draft model's proposals are not free: each draft token at depth j is one more row of the j-th batched draft
+decode step, whose cost ``proposal_cost`` is measured the same way (at start-up, then online). So with a draft
+model the policy decides before the proposing, when the draft length is still a choice: it chooses γ for the
+next step of every sampling sequence, counting for each raise the target's extra token and the draft step's
+extra row (a whole draft step for the first sequence at a new depth), and the engine proposes exactly that.
+Works on token counts only.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ def expected_tokens(alpha: float, gamma: int) -> float:
 
 class StepCost:
     """Seconds of an engine step as a function of the tokens it computes: measured sizes, interpolated
-    linearly between them and extrapolated from the last two beyond.
+    linearly between them and extrapolated from the last two beyond. Measured times are made non-decreasing.
 
     Args:
         samples: ``{tokens: seconds}`` measured, e.g. at start-up (at least one size).
@@ -50,7 +57,9 @@ class StepCost:
         if not samples:
             raise ValueError("StepCost needs at least one measured step size")
         self.sizes = sorted(samples)
-        self.seconds = [samples[n] for n in self.sizes]
+        # a step of more tokens never costs less: a spike (the machine was busy for one size) is cut down to the
+        # time of the next larger size
+        self.seconds = [min(samples[m] for m in self.sizes[i:]) for i in range(len(self.sizes))]
 
     def observe(self, tokens: int, seconds: float) -> None:
         """Fold in a measured step of ``tokens`` tokens (a moving average per measured size)."""
@@ -98,12 +107,15 @@ class DraftPolicy:
         adaptive: ``auto``: choose γ in [0, max_draft] to maximise expected tokens per second; else every
             sequence verifies all of its available drafts up to max_draft (fixed γ, as peers do).
         cost: the step-cost model (``auto`` needs one; None: fixed γ is used).
+        proposal_cost: seconds of one batched draft-model decode step by its rows; None: proposing is free
+            (prompt lookup), and γ is chosen when the drafts are verified.
         drafted, accepted: totals over all sequences (the shared prior, and the metrics).
     """
 
     max_draft: int
     adaptive: bool = True
     cost: StepCost | None = None
+    proposal_cost: StepCost | None = None
     drafted: int = 0
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
@@ -146,9 +158,17 @@ class DraftPolicy:
                          for g in range(1, min(c.available, self.max_draft) + 1)), reverse=True)
         base_rate = base_yield / self.cost(base_tokens)
         tokens, best_rate, best_count = float(base_yield), base_rate, 0
-        for count, (gain, _) in enumerate(raises[:budget], start=1):
+        depth_rows: dict[int, int] = {}   # draft-model rows at each depth so far
+        proposing = 0.0                   # seconds of those draft steps
+        gammas_so_far: dict[int, int] = {}
+        for count, (gain, seq_id) in enumerate(raises[:budget], start=1):
             tokens += gain
-            rate = tokens / self.cost(base_tokens + count)
+            if self.proposal_cost is not None:
+                depth = gammas_so_far[seq_id] = gammas_so_far.get(seq_id, 0) + 1
+                rows = depth_rows.get(depth, 0)
+                proposing += self.proposal_cost(rows + 1) - (self.proposal_cost(rows) if rows else 0.0)
+                depth_rows[depth] = rows + 1
+            rate = tokens / (self.cost(base_tokens + count) + proposing)
             if rate > best_rate:
                 best_rate, best_count = rate, count
         if best_count == 0 or best_rate < base_rate * (1.0 + MARGIN):

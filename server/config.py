@@ -46,8 +46,10 @@ class ServeConfig:
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered besides loopback ones (DNS rebinding)
     header_timeout_s: float = 10.0      # a connection must complete a request's headers within this (s)
     allow_pickle: bool = False          # load *.bin / *.pt checkpoints (unpickling can run code)
-    speculative: Drafter = Drafter.OFF  # off | ngram: who drafts tokens for the served model to verify
+    speculative: Drafter = Drafter.OFF  # off | ngram | draft: who drafts tokens for the served model to verify
     num_speculative_tokens: int | None = None  # drafts per sequence per step; None: auto (0..AUTO_MAX_DRAFT, measured)
+    draft_model: str | None = None      # --speculative draft: the draft's HF directory; None: the served model's own
+    draft_quantization: Scheme | None = None  # the draft's weights; None: int4 for the served model's own, else none
 
     def __post_init__(self) -> None:
         if not 1 <= self.port <= 65535:
@@ -82,3 +84,19 @@ class ServeConfig:
         self.speculative = Drafter(self.speculative)
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in 1..64 (or auto)")
+        if self.draft_quantization is not None:
+            self.draft_quantization = Scheme(self.draft_quantization)
+        if self.speculative is not Drafter.DRAFT:
+            if self.draft_model is not None or self.draft_quantization is not None:
+                raise ValueError("--draft-model and --draft-quantization need --speculative draft")
+        elif self.draft_model is None and self.draft_scheme is self.quantization:
+            raise ValueError(f"a draft of the served model's own weights as --draft-quantization "
+                             f"{self.draft_scheme.value} is the served model itself: it cannot be cheaper")
+
+    @property
+    def draft_scheme(self) -> Scheme:
+        """The draft model's weight format: ``draft_quantization``, or its default (int4 for a draft of the served
+        model's own weights, the chapter's experiment; none for a separate draft model)."""
+        if self.draft_quantization is not None:
+            return self.draft_quantization
+        return Scheme.INT4 if self.draft_model is None else Scheme.NONE

@@ -61,8 +61,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="on /metrics, repeat every kvserve: series under vLLM's vllm: prefix too, so vLLM's "
                              "Grafana dashboard and autoscaling rules work unchanged")
     parser.add_argument("--speculative", choices=[d.value for d in Drafter], default=ServeConfig().speculative.value,
-                        help="speculative decoding: ngram drafts tokens by prompt lookup, the model verifies them "
-                             "(exact: the output is unchanged); off: none")
+                        help="speculative decoding: ngram drafts tokens by prompt lookup, draft by a draft model "
+                             "(--draft-model, --draft-quantization); the served model verifies them (exact: the "
+                             "output is unchanged); off: none")
+    parser.add_argument("--draft-model", default=None, metavar="DIR",
+                        help="with --speculative draft: a local HF model directory with the same tokenizer "
+                             "(default: the served model's own weights, quantized by --draft-quantization)")
+    parser.add_argument("--draft-quantization", default=None, choices=[q.value for q in Scheme],
+                        help="with --speculative draft: the draft's weights (default: int4 for the served model's "
+                             "own weights, none for --draft-model); rounded to nearest, no calibration")
     parser.add_argument("--num-speculative-tokens", type=_draft_length, default=None, metavar="N|auto",
                         help="draft tokens per sequence per step: a fixed N, or auto (default): 0 to "
                              f"{AUTO_MAX_DRAFT}, chosen each step from measured acceptance and step cost")
@@ -81,7 +88,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        step_log=args.step_log, drain_s=args.drain_seconds,
                        vllm_metric_names=args.vllm_metric_names, allowed_hosts=args.allowed_hosts,
                        header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,
-                       speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens)
+                       speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens,
+                       draft_model=args.draft_model, draft_quantization=args.draft_quantization)
 
 
 def _draft_length(text: str) -> int | None:
@@ -115,7 +123,32 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
 
         summary = quantize_for_serving(loaded.model, config.quantization, loaded.tokenizer)
         log.info("quantized: %s", summary.describe())
-    return ServerState(loaded, config, executor)
+    draft = load_draft(config, loaded) if config.speculative is Drafter.DRAFT else None
+    return ServerState(loaded, config, executor, draft)
+
+
+def load_draft(config: ServeConfig, served):
+    """The draft model of ``--speculative draft``: ``--draft-model`` or the served model's own weights, loaded
+    again and quantized as ``config.draft_scheme`` (rounded to nearest: a draft's codes only change how often it
+    is right, and calibrating would add minutes to every start).
+
+    Raises:
+        ValueError: as ``load_model``; or the draft's tokenizer maps text to other ids than the served model's.
+    """
+    from engine.loader import load_model
+
+    scheme = config.draft_scheme
+    draft = load_model(config.draft_model or config.model, config.dtype, config.device,
+                       quantized=scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
+    if draft.tokenizer.get_vocab() != served.tokenizer.get_vocab():
+        raise ValueError(f"the draft model {draft.name} has another tokenizer than {served.name}: its drafts would "
+                         "be other tokens")
+    if scheme is not Scheme.NONE:
+        from quant.model import quantize_for_serving
+
+        summary = quantize_for_serving(draft.model, scheme)
+        log.info("draft model %s quantized: %s", draft.name, summary.describe())
+    return draft
 
 
 def run(args: argparse.Namespace) -> int:

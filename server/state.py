@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.constraints import GrammarCompiler
+from engine.draft_model import ModelDrafter
 from engine.drafters import Drafter, NgramDrafter
 from engine.loader import LoadedModel
 from engine.plan import StepPlan
@@ -58,6 +59,41 @@ class StepLog:
             "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6)}) + "\n")
 
 
+def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: str = "") -> KVPool:
+    """A KV pool of ``num_blocks`` for ``loaded``'s geometry, refused before allocating if it exceeds the RAM.
+
+    Raises:
+        ValueError: more bytes than this machine's memory, or than torch can allocate or index.
+    """
+    shape = loaded.kv_shape()
+    pool_bytes = num_blocks * block_size * shape.bytes_per_token
+    ram = _physical_memory()
+    if loaded.device.type == "cpu" and ram is not None and pool_bytes > ram:
+        # refused here: allocating it would have the kernel kill the process, not raise
+        raise ValueError(f"{what}KV pool of {pool_bytes:,} bytes is more than this machine's {ram:,} bytes of "
+                         "memory: lower --kv-cache-memory or --num-kv-blocks")
+    try:
+        return KVPool(shape, num_blocks, block_size, loaded.dtype, loaded.device)
+    except (RuntimeError, TypeError, OverflowError) as exc:  # more than the machine has, or than torch indexes
+        raise ValueError(f"cannot allocate {what}KV pool of {num_blocks:,} blocks ({pool_bytes:,} bytes): lower "
+                         f"--kv-cache-memory or --num-kv-blocks ({type(exc).__name__})") from None
+
+
+def _time_steps(runner: ModelRunner, blocks: BlockManager, sizes: list[int]) -> dict[int, float]:
+    """``runner.time_decode_steps`` on scratch blocks of ``blocks`` (freed after).
+
+    Raises:
+        ValueError: the pool cannot hold the calibration context.
+    """
+    table: list[int] = []
+    if not blocks.allocate(table, min(_CALIBRATION_CONTEXT, runner.pool.num_slots)):
+        raise ValueError("the KV pool is too small to measure step costs for --num-speculative-tokens auto")
+    try:
+        return runner.time_decode_steps(sizes, table, repeats=2)
+    finally:
+        blocks.free(table)
+
+
 def _physical_memory() -> int | None:
     """This machine's RAM (bytes), or None where the OS does not say."""
     try:
@@ -73,9 +109,16 @@ class ServerState:
         loaded: the model (wired to paged attention, quantized if asked).
         config: serving configuration.
         executor: the one thread that runs engine steps (default: a new thread).
+        draft: the draft model of ``--speculative draft`` (``server.serve.load_draft``); it gets a KV pool of its
+            own, holding as many tokens as the served model's.
+
+    Raises:
+        ValueError: a KV pool (the served model's or the draft's) more than the machine has or torch can index;
+            ``--speculative draft`` without a draft model.
     """
 
-    def __init__(self, loaded: LoadedModel, config: ServeConfig, executor: ThreadPoolExecutor | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, config: ServeConfig, executor: ThreadPoolExecutor | None = None,
+                 draft: LoadedModel | None = None) -> None:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
@@ -83,18 +126,7 @@ class ServerState:
         shape = loaded.kv_shape()
         num_blocks = config.num_kv_blocks or num_blocks_for_budget(shape, config.block_size,
                                                                    parse_bytes(config.kv_cache_memory))
-        pool_bytes = num_blocks * config.block_size * shape.bytes_per_token
-        ram = _physical_memory()
-        if loaded.device.type == "cpu" and ram is not None and pool_bytes > ram:
-            # refused here: allocating it would have the kernel kill the process, not raise
-            raise ValueError(f"a KV pool of {pool_bytes:,} bytes is more than this machine's {ram:,} bytes of "
-                             "memory: lower --kv-cache-memory or --num-kv-blocks")
-        try:
-            self.pool = KVPool(shape, num_blocks, config.block_size, loaded.dtype, loaded.device)
-        except (RuntimeError, TypeError, OverflowError) as exc:  # more than the machine has, or than torch indexes
-            raise ValueError(f"cannot allocate a KV pool of {num_blocks:,} blocks "
-                             f"({pool_bytes:,} bytes): lower "
-                             f"--kv-cache-memory or --num-kv-blocks ({type(exc).__name__})") from None
+        self.pool = _allocate_pool(loaded, num_blocks, config.block_size, what="a ")
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:
             log.warning("--max-model-len %d is above the model's context of %d tokens; serving %d",
@@ -104,12 +136,13 @@ class ServerState:
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         speculating = config.speculative is not Drafter.OFF
-        self.runner = ModelRunner(loaded, self.pool, NgramDrafter() if speculating else None)
-        draft = self._draft_policy(config, blocks) if speculating else None
+        self.drafter = self._drafter(config, draft, num_blocks) if speculating else None
+        self.runner = ModelRunner(loaded, self.pool, self.drafter)
+        policy = self._draft_policy(config, blocks) if speculating else None
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               max_model_len=self.max_model_len,
-                                              policy=config.policy), blocks, draft)
+                                              policy=config.policy), blocks, policy)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
                                         on_step=self._on_step, executor=executor)
@@ -123,24 +156,37 @@ class ServerState:
         self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids))  # structured outputs; built lazily
         self.log_capacity()
 
+    def _drafter(self, config: ServeConfig, draft: LoadedModel | None,
+                 num_blocks: int) -> NgramDrafter | ModelDrafter:
+        """Prompt lookup, or the draft model on a pool of its own with the served pool's token capacity."""
+        if config.speculative is Drafter.NGRAM:
+            return NgramDrafter()
+        if draft is None:
+            raise ValueError("--speculative draft needs a draft model (server.serve.load_draft)")
+        pool = _allocate_pool(draft, num_blocks, config.block_size, what="the draft model's ")
+        log.info("draft model %s (%s): its own KV pool of %d blocks, %.1f MiB", draft.name, draft.dtype,
+                 num_blocks, pool.data.numel() * pool.data.element_size() / 2**20)
+        return ModelDrafter(ModelRunner(draft, pool), min(draft.max_model_len, self.max_model_len))
+
     def _draft_policy(self, config: ServeConfig, blocks: BlockManager) -> DraftPolicy:
-        """Speculation's γ policy: fixed, or ``auto`` over a step-cost curve measured now on scratch blocks."""
+        """Speculation's γ policy: fixed, or ``auto`` over step-cost curves measured now on scratch blocks (the
+        served model's by tokens in a step; a draft model's too, by rows)."""
         if config.num_speculative_tokens is not None:
             return DraftPolicy(max_draft=config.num_speculative_tokens, adaptive=False)
         most = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + AUTO_MAX_DRAFT))
         sizes = sorted({n for n in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, most) if n <= most})
-        table: list[int] = []
-        if not blocks.allocate(table, min(_CALIBRATION_CONTEXT, self.pool.num_slots)):
-            raise ValueError("the KV pool is too small to measure step costs for --num-speculative-tokens auto")
         started = time.perf_counter()
-        try:
-            seconds = self.runner.time_decode_steps(sizes, table, repeats=2)
-        finally:
-            blocks.free(table)
-        log.info("speculation: %s drafts, auto length up to %d; step cost (ms) by tokens: %s (measured in %.1f s)",
+        seconds = _time_steps(self.runner, blocks, sizes)
+        proposal = None
+        if isinstance(self.drafter, ModelDrafter):
+            rows = sorted({n for n in (1, 2, 4, 8, 16, 32, config.max_num_seqs) if n <= config.max_num_seqs})
+            proposal = StepCost(_time_steps(self.drafter.runner, self.drafter.blocks, rows))
+        log.info("speculation: %s drafts, auto length up to %d; step cost (ms) by tokens: %s%s (measured in %.1f s)",
                  config.speculative.value, AUTO_MAX_DRAFT, ", ".join(f"{n}: {s * 1000:.1f}" for n, s in seconds.items()),
+                 "" if proposal is None else "; draft step (ms) by rows: " + ", ".join(
+                     f"{n}: {s * 1000:.1f}" for n, s in zip(proposal.sizes, proposal.seconds)),
                  time.perf_counter() - started)
-        return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=StepCost(seconds))
+        return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=StepCost(seconds), proposal_cost=proposal)
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:
         """After each engine step: vLLM's tokens-per-step histogram, and the step log when asked for."""

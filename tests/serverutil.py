@@ -24,12 +24,13 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(loaded: LoadedModel, config: ServeConfig | None = None):
-    """Yield the base URL of a live server for ``loaded``; the model's weights are shared, not copied.
+def running_server(loaded: LoadedModel, config: ServeConfig | None = None, draft: LoadedModel | None = None):
+    """Yield the base URL of a live server for ``loaded`` (and ``draft``, the draft model of ``--speculative
+    draft``); the models' weights are shared, not copied.
 
     The server gets its own KV pool, scheduler and metrics; it stops when the block exits.
     """
-    with serving(ServerState(loaded, config or ServeConfig())) as url:
+    with serving(ServerState(loaded, config or ServeConfig(), draft=draft)) as url:
         yield url
 
 

@@ -16,7 +16,8 @@ import httpx
 import pytest
 import torch
 
-from engine.drafters import NgramDrafter
+from engine.draft_model import ModelDrafter, common_prefix
+from engine.drafters import DraftRequest, NgramDrafter
 from engine.loader import wrap_model
 from engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
 from engine.runner import ModelRunner
@@ -27,6 +28,7 @@ from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
 from server.config import ServeConfig
+from server.serve import load_draft
 from tests.engineutil import EOS, engine_greedy, greedy_references, tiny
 from tests.serverutil import running_server
 
@@ -65,6 +67,14 @@ def test_prompt_lookup_matches_whole_token_ids_only():
     assert drafter.propose(history, 1) == [7]
 
 
+def test_common_prefix_finds_the_first_mismatch():
+    assert common_prefix([1, 2, 3, 4], [1, 2, 3, 4, 5]) == 4
+    assert common_prefix([1, 2, 9, 4], [1, 2, 3, 4]) == 2
+    assert common_prefix([7], [1]) == 0
+    assert common_prefix([], [1, 2]) == 0
+    assert all(common_prefix(list(range(50)), list(range(i)) + [-1] * 10) == i for i in range(50))
+
+
 # ---- the policy --------------------------------------------------------------------------------------
 
 def test_auto_drafts_where_a_step_is_bound_by_its_weights_and_not_where_it_is_compute_bound():
@@ -78,6 +88,26 @@ def test_auto_drafts_where_a_step_is_bound_by_its_weights_and_not_where_it_is_co
     many = [Candidate(i, 8, 100, 90) for i in range(32)]
     assert DraftPolicy(8, cost=StepCost({32: 0.100, 64: 0.200, 288: 0.900})).choose(many, 32, 32, 480) == {}
     assert DraftPolicy(8, adaptive=False).choose([eager, doubtful], 1, 1, 5) == {0: 5}  # fixed γ, the budget
+
+
+def test_with_a_draft_model_auto_weighs_the_draft_steps_and_counts_depths_not_rows():
+    flat = StepCost({1: 0.030, 16: 0.032, 64: 0.040})
+    eager = [Candidate(i, 8, 100, 80) for i in range(4)]
+    # a draft step a quarter of the target's: drafts pay, and all four sequences draft to the same depth (a
+    # further sequence at a depth already run costs a row, not a step)
+    cheap = DraftPolicy(8, cost=flat, proposal_cost=StepCost({1: 0.0075, 4: 0.008, 32: 0.016}))
+    gammas = cheap.choose(eager, 4, 4, 512)
+    assert len(gammas) == 4 and len(set(gammas.values())) == 1 and 2 <= gammas[0] <= 6
+    # a draft as slow as the target: one draft token costs a whole step and yields at most 0.8 token
+    assert DraftPolicy(8, cost=flat, proposal_cost=StepCost({1: 0.030, 4: 0.031})).choose(eager, 4, 4, 512) == {}
+    # the same cheap draft with a 20% acceptance: none
+    doubtful = [Candidate(i, 8, 100, 20) for i in range(4)]
+    assert cheap.choose(doubtful, 4, 4, 512) == {}
+
+
+def test_step_cost_is_made_non_decreasing():
+    cost = StepCost({1: 0.026, 2: 0.028, 3: 0.052, 5: 0.031})  # a busy moment measured at 3 tokens
+    assert cost(3) == 0.031 and cost(4) == 0.031 and cost(2) == 0.028
 
 
 def test_expected_tokens_is_the_chapters_formula():
@@ -101,26 +131,55 @@ def references(smollm2, prompt_ids):
     return greedy_references(smollm2, prompt_ids, 48)
 
 
-@pytest.mark.parametrize("draft", [fixed(4), DraftPolicy(8, cost=StepCost({1: 0.03, 64: 0.031}))],
-                         ids=["fixed-4", "auto"])
-def test_greedy_with_prompt_lookup_equals_generate(smollm2, prompt_ids, references, draft):
-    ours, scheduler = engine_greedy(smollm2, prompt_ids, 48, draft=draft, drafter=NgramDrafter())
+@pytest.fixture(scope="module")
+def int4_draft(smollm2):
+    """SmolLM2's own weights quantized to int4 (rounded to nearest): the default draft of ``--speculative draft``."""
+    return load_draft(ServeConfig(speculative="draft", dtype="float32", device="cpu"), smollm2)
+
+
+def drafter_of(kind: str, draft=None, num_blocks: int = 512, block_size: int = 16):
+    """A fresh drafter: prompt lookup, or a draft model on a pool of its own."""
+    if kind == "ngram":
+        return NgramDrafter()
+    pool = KVPool(draft.kv_shape(), num_blocks, block_size, draft.dtype, draft.device)
+    return ModelDrafter(ModelRunner(draft, pool), 4096)
+
+
+FLAT = StepCost({1: 0.03, 64: 0.031})
+
+
+@pytest.mark.parametrize("kind,draft", [
+    ("ngram", fixed(4)), ("ngram", DraftPolicy(8, cost=FLAT)),
+    ("model", fixed(3)), ("model", DraftPolicy(8, cost=FLAT, proposal_cost=StepCost({1: 0.004, 32: 0.008}))),
+], ids=["ngram-fixed-4", "ngram-auto", "model-fixed-3", "model-auto"])
+def test_greedy_with_drafts_equals_generate(smollm2, int4_draft, prompt_ids, references, kind, draft):
+    drafter = drafter_of(kind, int4_draft)
+    ours, scheduler = engine_greedy(smollm2, prompt_ids, 48, draft=copy.deepcopy(draft), drafter=drafter)
     assert ours == references
     assert scheduler.draft.accepted > 20 and scheduler.draft.drafted > scheduler.draft.accepted  # both outcomes
     assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
+    if kind == "model":  # the draft pool is all free again, and the draft was mostly right (int4 of itself)
+        assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks and not drafter.held
+        assert scheduler.draft.accepted > 0.4 * scheduler.draft.drafted
 
 
-def test_batched_chunked_preempted_and_prefix_hits_with_drafts_equal_generate(smollm2, prompt_ids, references):
+@pytest.mark.parametrize("kind", ["ngram", "model"])
+def test_batched_chunked_preempted_and_prefix_hits_with_drafts_equal_generate(smollm2, int4_draft, prompt_ids,
+                                                                            references, kind):
     tok = smollm2.tokenizer
     others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 5 + 1))["input_ids"] for i in range(12)]
-    batch = prompt_ids + others + [prompt_ids[0]]  # the last one finds the first one's blocks in the prefix cache
-    arrivals = [0, 3, 0, 7] + [i % 9 for i in range(12)] + [40]
+    batch = prompt_ids + [prompt_ids[0]] + others  # the fifth finds the first one's blocks in the prefix cache
+    arrivals = [0, 3, 0, 7, 2] + [i % 9 for i in range(12)]
+    # the draft pool is small too: sequences not asking for drafts are evicted from it, and catch up later
+    drafter = drafter_of(kind, int4_draft, num_blocks=24)
     ours, scheduler = engine_greedy(smollm2, batch, 48, arrivals_at=arrivals, budget=48, num_blocks=40,
-                                    max_num_seqs=16, draft=fixed(3), drafter=NgramDrafter())
+                                    max_num_seqs=16, draft=fixed(3), drafter=drafter)
     assert scheduler.num_preemptions > 0 and scheduler.prefix_hits > 0 and scheduler.draft.accepted > 0
     assert ours[:len(prompt_ids)] == references
-    assert ours[-1] == references[0]
+    assert ours[len(prompt_ids)] == references[0]
     assert scheduler.blocks.num_free_blocks == 40
+    if kind == "model":
+        assert drafter.blocks.num_free_blocks == 24 and not drafter.held
     # only verified tokens were hashed: every cached block holds the tokens some sequence really has there
     texts = [p + o for p, o in zip(batch, ours)]
     for block in scheduler.blocks.blocks:
@@ -132,25 +191,28 @@ def test_batched_chunked_preempted_and_prefix_hits_with_drafts_equal_generate(sm
     SamplingParams(temperature=0.8, top_k=20, seed=11, logprobs=2),
     SamplingParams(temperature=0.0, presence_penalty=0.4, frequency_penalty=0.3, repetition_penalty=1.1),
 ], ids=["seeded", "penalties"])
-def test_seeded_sampling_and_penalties_with_drafts_equal_those_without(smollm2, prompt_ids, params):
+@pytest.mark.parametrize("kind", ["ngram", "model"])
+def test_seeded_sampling_and_penalties_with_drafts_equal_those_without(smollm2, int4_draft, prompt_ids, params,
+                                                                       kind):
     """Each drafted row is sampled with the output it follows (the accepted drafts before it) and the generator of
     its own output position, so penalties and seeds see exactly what plain decoding shows them."""
     runs = []
     for draft in (None, fixed(4)):
         seqs_out, scheduler = engine_greedy(smollm2, prompt_ids[:2], 32, params=params, draft=draft,
-                                            drafter=NgramDrafter() if draft else None)
+                                            drafter=drafter_of(kind, int4_draft) if draft else None)
         runs.append(seqs_out)
     assert runs[0] == runs[1]
     assert scheduler.draft.accepted > 0
 
 
-def test_logprobs_of_every_emitted_token_equal_those_without_speculation(smollm2, prompt_ids):
+@pytest.mark.parametrize("kind", ["ngram", "model"])
+def test_logprobs_of_every_emitted_token_equal_those_without_speculation(smollm2, int4_draft, prompt_ids, kind):
     params = SamplingParams(temperature=0.0, logprobs=3)
     logprobs = []
     for draft in (None, fixed(4)):
         scheduler = Scheduler(SchedulerConfig(max_model_len=4096), BlockManager(64, 16), draft)
         runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 64, 16, smollm2.dtype),
-                             NgramDrafter() if draft else None)
+                             drafter_of(kind, int4_draft) if draft else None)
         seq = Sequence(seq_id=0, prompt_ids=prompt_ids[0], params=params, max_tokens=24)
         seen: list[TokenLogprob] = []
         scheduler.add(seq)
@@ -235,10 +297,11 @@ def test_aborts_and_preemptions_with_drafts_free_every_block():
 
 # ---- unseeded sampling keeps the distribution -------------------------------------------------------------
 
-class OracleDrafter:
+class OracleDrafter(NgramDrafter):
     """Drafts the reference model's own greedy continuation (so drafts are often, but not always, accepted)."""
 
     def __init__(self, model) -> None:
+        super().__init__()
         self.model = model
         self.known: dict[tuple[int, ...], list[int]] = {}  # top-k sampling reaches few distinct histories
 
@@ -313,6 +376,40 @@ def test_served_with_prompt_lookup_the_answers_streams_timings_and_metrics_are_e
                              'Instruct",position="0"}')
     assert 0 < first <= accepted <= drafts
     assert _metric(metrics, 'kvserve:spec_decode_num_drafts_total{model_name="SmolLM2-135M-Instruct"}') >= first
+
+
+def test_served_with_a_draft_model_the_answers_equal_those_without(smollm2, int4_draft, server_url):
+    prompts = ["Explain how rainbows form.", "Write a haiku about the sea."]
+    plain = [_chat(server_url, p) for p in prompts] + [_chat(server_url, prompts[0], temperature=0.7, seed=5)]
+    config = ServeConfig(kv_cache_memory="64MiB", speculative="draft", num_speculative_tokens=3)
+    with running_server(smollm2, config, draft=int4_draft) as url:
+        drafted = [_chat(url, p) for p in prompts] + [_chat(url, prompts[0], temperature=0.7, seed=5)]
+        metrics = httpx.get(url + "/metrics").text
+    for a, b in zip(plain, drafted):
+        assert a["choices"][0] == b["choices"][0]
+        assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
+    accepted = _metric(metrics, 'kvserve:spec_decode_num_accepted_tokens_total{model_name="SmolLM2-135M-Instruct"}')
+    drafts = _metric(metrics, 'kvserve:spec_decode_num_draft_tokens_total{model_name="SmolLM2-135M-Instruct"}')
+    assert 0.4 * drafts < accepted <= drafts
+
+
+def test_draft_flags_without_a_draft_model_or_of_the_served_model_itself_are_refused(smollm2):
+    with pytest.raises(ValueError, match="need --speculative draft"):
+        ServeConfig(speculative="ngram", draft_quantization="int4")
+    with pytest.raises(ValueError, match="need --speculative draft"):
+        ServeConfig(draft_model="/some/dir")
+    with pytest.raises(ValueError, match="cannot be cheaper"):
+        ServeConfig(speculative="draft", quantization="int4")  # its own weights as int4: itself
+    assert ServeConfig(speculative="draft").draft_scheme.value == "int4"
+    assert ServeConfig(speculative="draft", draft_model="/d").draft_scheme.value == "none"
+
+
+def test_a_draft_model_with_another_tokenizer_is_refused(smollm2, tmp_path):
+    other = copy.copy(smollm2)
+    other.tokenizer = copy.deepcopy(smollm2.tokenizer)
+    other.tokenizer.add_tokens(["<an-extra-token>"])
+    with pytest.raises(ValueError, match="another tokenizer"):
+        load_draft(ServeConfig(speculative="draft", dtype="float32", device="cpu"), other)
 
 
 def _metric(text: str, series: str) -> float:
