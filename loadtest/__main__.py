@@ -23,7 +23,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "quant": ("loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
     "cluster": ("loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
     "structured": ("loadtest.structured", "grammar compile time and the throughput cost of constrained decoding"),
-    "speculative": ("loadtest.speculative", "speculative decoding (prompt lookup) off, auto and fixed, served"),
+    "speculative": ("loadtest.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
 }
 
 

@@ -1,7 +1,9 @@
-"""``python -m loadtest speculative``: what speculative decoding (prompt lookup) gains and costs, served.
+"""``python -m loadtest speculative``: what speculative decoding gains and costs, served, and the chapter's table.
 
-Three servers of the same model side by side: speculation off, ``--speculative ngram`` with
-``--num-speculative-tokens auto`` and with a fixed γ (as peers ship it). For two workloads, extraction (a
+First the chapter's table (``loadtest.spectable``: quantized copies of the model as drafts, in-process). Then
+servers of the same model side by side: speculation off, ``--speculative ngram`` with
+``--num-speculative-tokens auto`` and with a fixed γ (as peers ship it), and ``--speculative draft`` (the
+served weights as an int4 draft) with auto. For two workloads, extraction (a
 document, then a request to quote part of it: the output copies the prompt) and free chat, and for 1, 8 and 32
 concurrent clients (closed loop, greedy), it measures output tokens/s of each server, alternating between them
 round by round so that a noisy machine weighs on all three alike, and reports the ratios to speculation off, the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import statistics
 import time
@@ -55,6 +58,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tokens", type=int, default=96, help="tokens per request at most (default 96)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each server per point; median (default 2)")
     parser.add_argument("--gamma", type=int, default=4, help="the fixed draft length compared (default 4)")
+    parser.add_argument("--drafters", default="ngram,draft",
+                        help="drafters served with auto, comma-separated: ngram, draft (default both)")
+    parser.add_argument("--no-table", action="store_true",
+                        help="skip the chapter's table (quantized copies as drafts, in-process)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
 
 
@@ -89,22 +96,34 @@ async def _load(url: str, prompts: list[str], clients: int, requests: int, max_t
 
 def _step_costs(log_text: str) -> dict[int, float]:
     """The auto server's start-up step-cost curve (ms by tokens) from its log line."""
-    match = re.search(r"step cost \(ms\) by tokens: (.*)", log_text)
+    match = re.search(r"step cost \(ms\) by tokens: ([^;]*)", log_text)
     pairs = re.findall(r"(\d+): ([\d.]+)", match.group(1)) if match else []
     return {int(n): float(ms) for n, ms in pairs}
 
 
 def run(args: argparse.Namespace) -> int:
+    if not args.no_table:
+        from loadtest.spectable import table
+
+        body = table()
+        print(body)
+        if not args.no_write:
+            update_section("speculative-table", "Speculative decoding with quantized drafts: the chapter's table",
+                           "python -m loadtest speculative", body)
     streams = [int(s) for s in args.streams.split(",")]
     slots = str(max(streams))
-    modes = {"off": [], "auto": ["--speculative", "ngram"],
-             f"γ={args.gamma}": ["--speculative", "ngram", "--num-speculative-tokens", str(args.gamma)]}
+    drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]
+    modes = {"off": []}
+    for drafter in drafters:
+        modes[f"{drafter} auto"] = ["--speculative", drafter]
+    if "ngram" in drafters:
+        modes[f"ngram γ={args.gamma}"] = ["--speculative", "ngram", "--num-speculative-tokens", str(args.gamma)]
     rates: dict[tuple[str, int, str], list[float]] = {}
     acceptance: dict[tuple[str, int, str], tuple[float, float]] = {}
-    with (launch(kvserve_command(["--max-num-seqs", slots] + modes["off"]), name="spec-off") as off,
-          launch(kvserve_command(["--max-num-seqs", slots] + modes["auto"]), name="spec-auto") as auto,
-          launch(kvserve_command(["--max-num-seqs", slots] + modes[f"γ={args.gamma}"]), name="spec-fixed") as fixed):
-        servers = {"off": off, "auto": auto, f"γ={args.gamma}": fixed}
+    with contextlib.ExitStack() as stack:
+        servers = {mode: stack.enter_context(launch(kvserve_command(["--max-num-seqs", slots] + flags),
+                                                    name="spec-" + re.sub(r"\W+", "-", mode)))
+                   for mode, flags in modes.items()}
         for server in servers.values():  # warm-up: the first request pays one-time costs
             asyncio.run(_load(server.url, CHAT[:1], 1, 1, 8))
         for count in streams:
@@ -119,37 +138,44 @@ def run(args: argparse.Namespace) -> int:
                         drafted, accepted = acceptance.get(key, (0.0, 0.0))
                         acceptance[key] = (drafted + after[0] - before[0], accepted + after[1] - before[1])
                         print(f"{workload}, {count} streams, {mode}: {rate:.1f} tok/s", flush=True)
-        costs = _step_costs(auto.log.read_text(errors="replace"))
-    body = _report(rates, acceptance, costs, streams, args.gamma)
+        auto = next((servers[m] for m in servers if m.endswith(" auto")), None)
+        costs = _step_costs(auto.log.read_text(errors="replace")) if auto is not None else {}
+    body = _report(rates, acceptance, costs, streams, list(modes)[1:], args.gamma)
     print(body)
     if not args.no_write:
         command = (f"python -m loadtest speculative --streams {args.streams} --requests {args.requests} "
-                   f"--max-tokens {args.max_tokens} --rounds {args.rounds} --gamma {args.gamma}")
-        update_section("speculative", "Speculative decoding (prompt lookup), served side by side", command, body)
+                   f"--max-tokens {args.max_tokens} --rounds {args.rounds} --gamma {args.gamma} "
+                   f"--drafters {','.join(drafters)}")
+        update_section("speculative", "Speculative decoding, served side by side", command, body)
     return 0
 
 
-def _report(rates, acceptance, costs: dict[int, float], streams: list[int], gamma: int) -> str:
-    fixed = f"γ={gamma}"
-    lines = [f"| workload | streams | off tok/s | auto tok/s | auto vs off | {fixed} tok/s | {fixed} vs off | "
-             f"acceptance auto / {fixed} | predicted {fixed} vs off |", "|---|---|---|---|---|---|---|---|---|"]
+def _report(rates, acceptance, costs: dict[int, float], streams: list[int], modes: list[str], gamma: int) -> str:
+    fixed = f"ngram γ={gamma}"
+    head = "| workload | streams | off tok/s | " + " | ".join(f"{m} tok/s | {m} vs off" for m in modes)
+    head += " | acceptance " + " / ".join(modes) + (f" | predicted {fixed} vs off |" if fixed in modes else " |")
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for workload in WORKLOADS:
         for count in streams:
-            median = {mode: statistics.median(rates[(workload, count, mode)]) for mode in ("off", "auto", fixed)}
-            alphas = []
-            for mode in ("auto", fixed):
+            median = {mode: statistics.median(rates[(workload, count, mode)]) for mode in ["off", *modes]}
+            alphas = {}
+            for mode in modes:
                 drafted, accepted = acceptance[(workload, count, mode)]
-                alphas.append(accepted / drafted if drafted else None)
-            predicted = ""
-            if count == 1 and alphas[1] is not None and costs:
-                cost = StepCost(costs)  # the curve, interpolated as the auto server does
-                predicted = f"{expected_tokens(alphas[1], gamma) / (cost(1 + gamma) / cost(1)):.2f}x"
-            ratio = {mode: median[mode] / median["off"] for mode in ("auto", fixed)}
-            cell = {mode: (f"**{ratio[mode]:.2f}x**" if ratio[mode] < 1 else f"{ratio[mode]:.2f}x")
-                    for mode in ratio}
-            shown = " / ".join("-" if a is None else f"{a:.0%}" for a in alphas)
-            lines.append(f"| {workload} | {count} | {median['off']:.1f} | {median['auto']:.1f} | {cell['auto']} | "
-                         f"{median[fixed]:.1f} | {cell[fixed]} | {shown} | {predicted} |")
+                alphas[mode] = accepted / drafted if drafted else None
+            cells = []
+            for mode in modes:
+                ratio = median[mode] / median["off"]
+                cells.append(f"{median[mode]:.1f} | " + (f"**{ratio:.2f}x**" if ratio < 1 else f"{ratio:.2f}x"))
+            shown = " / ".join("-" if a is None else f"{a:.0%}" for a in alphas.values())
+            row = f"| {workload} | {count} | {median['off']:.1f} | " + " | ".join(cells) + f" | {shown} |"
+            if fixed in modes:
+                predicted = ""
+                if count == 1 and alphas[fixed] is not None and costs:
+                    cost = StepCost(costs)  # the curve, interpolated as the auto server does
+                    predicted = f"{expected_tokens(alphas[fixed], gamma) / (cost(1 + gamma) / cost(1)):.2f}x"
+                row += f" {predicted} |"
+            lines.append(row)
     curve = ", ".join(f"{n}: {ms:.1f}" for n, ms in sorted(costs.items()))
     return ("\n".join(lines) + "\n\nRatios below 1x in bold. Acceptance: accepted / drafted tokens in those runs. "
-            f"Step cost the auto server measured at start (ms by tokens in a decode step): {curve}.\n")
+            "ngram: prompt lookup; draft: the served model's own weights as int4 (`--speculative draft`). "
+            f"Step cost an auto server measured at start (ms by tokens in a decode step): {curve}.\n")

@@ -181,7 +181,7 @@ class ServerState:
         if isinstance(self.drafter, ModelDrafter):
             rows = sorted({n for n in (1, 2, 4, 8, 16, 32, config.max_num_seqs) if n <= config.max_num_seqs})
             proposal = StepCost(_time_steps(self.drafter.runner, self.drafter.blocks, rows))
-        log.info("speculation: %s drafts, auto length up to %d; step cost (ms) by tokens: %s%s (measured in %.1f s)",
+        log.info("speculation (%s), auto length up to %d; step cost (ms) by tokens: %s%s (measured in %.1f s)",
                  config.speculative.value, AUTO_MAX_DRAFT, ", ".join(f"{n}: {s * 1000:.1f}" for n, s in seconds.items()),
                  "" if proposal is None else "; draft step (ms) by rows: " + ", ".join(
                      f"{n}: {s * 1000:.1f}" for n, s in zip(proposal.sizes, proposal.seconds)),

@@ -295,6 +295,24 @@ def test_aborts_and_preemptions_with_drafts_free_every_block():
     assert [s.output_ids for s in seqs if s.seq_id != 1] == [tokens[:30]] * 3
 
 
+def test_a_draft_model_frees_its_blocks_after_aborts_preemptions_and_rejections(smollm2, int4_draft, prompt_ids):
+    """Aborted, preempted and finished sequences all give their draft blocks back (StepPlan.ended_ids), and the
+    survivors' output is still the output without speculation."""
+    drafter = drafter_of("model", int4_draft, num_blocks=10)
+    runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 12, 16, smollm2.dtype), drafter)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096),
+                          BlockManager(12, 16), fixed(3))
+    seqs = [Sequence(seq_id=i, prompt_ids=p, params=SamplingParams(temperature=0.0), max_tokens=40, min_tokens=40)
+            for i, p in enumerate(prompt_ids)]
+    steps = run_offline(scheduler, runner.execute, {0: seqs[:3], 2: seqs[3:]},
+                        on_step=lambda step, plan: step == 6 and scheduler.abort(1))
+    assert steps > 0 and scheduler.num_preemptions > 0 and 0 < scheduler.draft.accepted < scheduler.draft.drafted
+    assert scheduler.blocks.num_free_blocks == 12
+    assert drafter.blocks.num_free_blocks == 10 and not drafter.held
+    alone, _ = engine_greedy(smollm2, [prompt_ids[0], prompt_ids[2], prompt_ids[3]], 40)
+    assert [seqs[0].output_ids, seqs[2].output_ids, seqs[3].output_ids] == alone
+
+
 # ---- unseeded sampling keeps the distribution -------------------------------------------------------------
 
 class OracleDrafter(NgramDrafter):
@@ -380,13 +398,15 @@ def test_served_with_prompt_lookup_the_answers_streams_timings_and_metrics_are_e
 
 def test_served_with_a_draft_model_the_answers_equal_those_without(smollm2, int4_draft, server_url):
     prompts = ["Explain how rainbows form.", "Write a haiku about the sea."]
-    plain = [_chat(server_url, p) for p in prompts] + [_chat(server_url, prompts[0], temperature=0.7, seed=5)]
+    sampled = {"temperature": 0.7, "seed": 5, "n": 2}
+    plain = [_chat(server_url, p) for p in prompts] + [_chat(server_url, prompts[0], **sampled)]
     config = ServeConfig(kv_cache_memory="64MiB", speculative="draft", num_speculative_tokens=3)
     with running_server(smollm2, config, draft=int4_draft) as url:
-        drafted = [_chat(url, p) for p in prompts] + [_chat(url, prompts[0], temperature=0.7, seed=5)]
+        drafted = [_chat(url, p) for p in prompts] + [_chat(url, prompts[0], **sampled)]
         metrics = httpx.get(url + "/metrics").text
+    assert len(drafted[-1]["choices"]) == 2
     for a, b in zip(plain, drafted):
-        assert a["choices"][0] == b["choices"][0]
+        assert a["choices"] == b["choices"]
         assert a["usage"]["completion_tokens"] == b["usage"]["completion_tokens"]
     accepted = _metric(metrics, 'kvserve:spec_decode_num_accepted_tokens_total{model_name="SmolLM2-135M-Instruct"}')
     drafts = _metric(metrics, 'kvserve:spec_decode_num_draft_tokens_total{model_name="SmolLM2-135M-Instruct"}')
