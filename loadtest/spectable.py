@@ -59,13 +59,13 @@ def _runner(loaded: LoadedModel, drafter=None) -> ModelRunner:
 
 
 def _generate(target: LoadedModel, prompts: list[list[int]], draft: LoadedModel | None,
-              gamma: int) -> tuple[float, int, int]:
-    """Seconds to generate ``AGREEMENT_TOKENS`` per prompt, one prompt at a time, and the (drafted, accepted)
-    tokens; ``draft`` None: speculation off."""
+              gamma: int) -> tuple[float, int, int, int]:
+    """Seconds to generate ``AGREEMENT_TOKENS`` per prompt, one prompt at a time, and the drafted and accepted
+    tokens and the verify passes; ``draft`` None: speculation off."""
     drafter = None if draft is None else ModelDrafter(_runner(draft), 4096)
     runner = _runner(target, drafter)
     policy = None if draft is None else DraftPolicy(max_draft=gamma, adaptive=False)
-    seconds, drafted, accepted = 0.0, 0, 0
+    seconds = 0.0
     for seq_id, prompt in enumerate(prompts):
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=4096),
                               BlockManager(_BLOCKS, _BLOCK_SIZE, enable_prefix_caching=False), policy)
@@ -74,9 +74,9 @@ def _generate(target: LoadedModel, prompts: list[list[int]], draft: LoadedModel 
         started = time.perf_counter()
         run_offline(scheduler, runner.execute, {0: [seq]})
         seconds += time.perf_counter() - started
-    if policy is not None:
-        drafted, accepted = policy.drafted, policy.accepted
-    return seconds, drafted, accepted
+    if policy is None:
+        return seconds, 0, 0, 0
+    return seconds, policy.drafted, policy.accepted, policy.num_drafts
 
 
 def _step_ms(loaded: LoadedModel, sizes: list[int]) -> dict[int, float]:
@@ -94,17 +94,17 @@ def table() -> str:
     # warm-up: the first run of each model pays one-time costs
     for scheme in models:
         _step_ms(models[scheme], [1])
-    lines = ["| target | draft | α (drafts) | c | γ | E(γ) | chapter's E/(γc+1) | ours, with the verify cost | "
-             "measured | measured vs ours |", "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| target | draft | α (drafts) | c | γ | E(γ) | tokens per verify, measured | chapter's E/(γc+1) | "
+             "ours, with the verify cost | measured | measured vs ours |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for target_scheme, draft_scheme in PAIRS:
         target, draft = models[target_scheme], models[draft_scheme]
         target_ms = _step_ms(target, [1 + g for g in (0, *GAMMAS)])
         c = _step_ms(draft, [1])[1] / target_ms[1]
-        off_s, _, _ = _generate(target, prompts, None, 0)
+        off_s, _, _, _ = _generate(target, prompts, None, 0)
         rows = []
         alpha = None
         for gamma in GAMMAS:
-            seconds, drafted, accepted = _generate(target, prompts, draft, gamma)
+            seconds, drafted, accepted, verifies = _generate(target, prompts, draft, gamma)
             if gamma == 1:
                 alpha, alpha_drafts = accepted / drafted, drafted
             e = expected_tokens(alpha, gamma)
@@ -112,7 +112,9 @@ def table() -> str:
             ours = e / (target_ms[1 + gamma] / target_ms[1] + gamma * c)
             measured = off_s / seconds
             shown = f"**{measured:.2f}x**" if measured < 1 else f"{measured:.2f}x"
-            rows.append(f"| {gamma} | {e:.2f} | {chapter:.2f}x | {ours:.2f}x | {shown} | {measured / ours:.2f} |")
+            per_verify = (accepted + verifies) / verifies
+            rows.append(f"| {gamma} | {e:.2f} | {per_verify:.2f} | {chapter:.2f}x | {ours:.2f}x | {shown} | "
+                        f"{measured / ours:.2f} |")
             print(f"{target_scheme.value} <- {draft_scheme.value}, γ={gamma}: α {alpha:.2f}, c {c:.2f}, "
                   f"measured {measured:.2f}x, ours {ours:.2f}x", flush=True)
         name = "float32" if target_scheme is Scheme.NONE else target_scheme.value
@@ -124,5 +126,7 @@ def table() -> str:
     return ("\n".join(lines) + f"\n\nSingle stream, greedy, {len(prompts)} prompts x {AGREEMENT_TOKENS} tokens "
             f"({positions} generated positions per run), through the scheduler and the runner in one process (no "
             "HTTP). α: accepted / drafted in the γ = 1 runs (drafts in brackets). c: draft decode step / target "
-            "decode step, one row. Measured: tokens/s with fixed γ over tokens/s with speculation off, run just "
+            "decode step, one row. E(γ) assumes each draft is accepted independently with α; tokens per verify "
+            "measured: (accepted + verify passes) / verify passes in that run (below E where a draft's mistakes "
+            "come in runs). Measured: tokens/s with fixed γ over tokens/s with speculation off, run just "
             "before. Measured below 1x in bold.\n")

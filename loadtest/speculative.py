@@ -62,6 +62,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafters served with auto, comma-separated: ngram, draft (default both)")
     parser.add_argument("--no-table", action="store_true",
                         help="skip the chapter's table (quantized copies as drafts, in-process)")
+    parser.add_argument("--no-served", action="store_true", help="only the chapter's table: no servers")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
 
 
@@ -110,6 +111,8 @@ def run(args: argparse.Namespace) -> int:
         if not args.no_write:
             update_section("speculative-table", "Speculative decoding with quantized drafts: the chapter's table",
                            "python -m loadtest speculative", body)
+    if args.no_served:
+        return 0
     streams = [int(s) for s in args.streams.split(",")]
     slots = str(max(streams))
     drafters = [d.strip() for d in args.drafters.split(",") if d.strip()]

@@ -34,6 +34,10 @@ from scheduler.policies import Policy, make_policy
 from scheduler.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
 from scheduler.speculation import Candidate, DraftPolicy
 
+# A draft model's catch-up on a new sequence (its prompt) is paid back over at most this many output tokens: a
+# request's max_tokens is often far more than it generates.
+AMORTIZE_OVER = 256
+
 
 @dataclass(slots=True)
 class SchedulerConfig:
@@ -156,7 +160,9 @@ class Scheduler:
                 seq = by_id[w.seq_id]
                 room = self._draft_room(seq, self.draft.max_draft, ahead=1)
                 if room:
-                    candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens))
+                    candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens,
+                                                catch_up=seq.num_tokens - seq.draft_synced,
+                                                remaining=min(seq.max_tokens - len(seq.output_ids), AMORTIZE_OVER)))
         rows = len(candidates)
         gammas = self.draft.choose(candidates, rows, rows, self.config.max_num_batched_tokens - rows)
         for w in work:
@@ -203,6 +209,7 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.block_hashes.clear()  # its recomputed blocks are registered again (the old ones may be evicted)
         seq.num_computed = 0
+        seq.draft_synced = 0  # the drafter frees its draft K/V too (StepPlan.ended_ids)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -274,6 +281,8 @@ class Scheduler:
                 seq.num_accepted_tokens += result.num_accepted
                 self.draft.record(w.num_draft, result.num_accepted)
             seq.draft_ids = result.draft_ids
+            if result.draft_ids and w.propose:
+                seq.draft_synced = w.context_len - w.num_draft + len(result.tokens)  # its num_tokens after this step
             if result.prompt_logprobs and not result.tokens:
                 events.append((seq, SeqEvent(seq.seq_id, prompt_logprobs=result.prompt_logprobs, time=now)))
             reason, delivered = None, []

@@ -90,12 +90,17 @@ class Candidate:
         seq_id: the sequence.
         available: draft tokens on hand (proposed by the engine), already capped by the sequence's limits.
         drafted, accepted: its draft tokens verified so far, and how many were accepted.
+        catch_up: tokens a draft model must compute before it can propose (the whole prompt for a new sequence;
+            0 when it drafted last step); its cost is shared among the sequence's ``remaining`` tokens.
+        remaining: output tokens the sequence may still generate (the catch-up is amortized over them).
     """
 
     seq_id: int
     available: int
     drafted: int
     accepted: int
+    catch_up: int = 0
+    remaining: int = 1
 
 
 @dataclass(slots=True)
@@ -153,6 +158,7 @@ class DraftPolicy:
                     budget -= take
             return gammas
         alphas = {c.seq_id: self.acceptance(c) for c in candidates}
+        by_id = {c.seq_id: c for c in candidates}
         # every raise (seq, its γ-th draft token) with its marginal expected tokens alpha^γ, best first
         raises = sorted(((alphas[c.seq_id] ** g, c.seq_id) for c in candidates
                          for g in range(1, min(c.available, self.max_draft) + 1)), reverse=True)
@@ -166,8 +172,14 @@ class DraftPolicy:
             if self.proposal_cost is not None:
                 depth = gammas_so_far[seq_id] = gammas_so_far.get(seq_id, 0) + 1
                 rows = depth_rows.get(depth, 0)
-                proposing += self.proposal_cost(rows + 1) - (self.proposal_cost(rows) if rows else 0.0)
-                depth_rows[depth] = rows + 1
+                added = 1
+                if depth == 1 and by_id[seq_id].catch_up:
+                    # its catch-up joins the first draft step; this step carries the share of one verify pass
+                    candidate = by_id[seq_id]
+                    share = (1 + alphas[seq_id]) / max(candidate.remaining, 1)
+                    added += candidate.catch_up * min(share, 1.0)
+                proposing += self.proposal_cost(rows + added) - (self.proposal_cost(rows) if rows else 0.0)
+                depth_rows[depth] = rows + added
             rate = tokens / (self.cost(base_tokens + count) + proposing)
             if rate > best_rate:
                 best_rate, best_count = rate, count

@@ -105,6 +105,22 @@ def test_with_a_draft_model_auto_weighs_the_draft_steps_and_counts_depths_not_ro
     assert cheap.choose(doubtful, 4, 4, 512) == {}
 
 
+def test_a_draft_models_catch_up_on_a_prompt_is_paid_for_by_the_tokens_it_can_save():
+    """The measured curves of a 2-core CPU (ms): a float32 target and its int4 draft."""
+    target = StepCost({1: 0.027, 9: 0.037, 17: 0.060, 33: 0.099, 65: 0.251})
+    draft = StepCost({1: 0.0066, 4: 0.010, 8: 0.017, 16: 0.031, 32: 0.060})
+    policy = DraftPolicy(8, cost=target, proposal_cost=draft)
+    policy.drafted, policy.accepted = 100, 75
+    alone = Candidate(0, 8, 0, 0, catch_up=120, remaining=96)
+    assert policy.choose([alone], 1, 1, 512)  # one stream: a 120-token catch-up pays back over 96 tokens
+    in_step = policy.choose([Candidate(0, 8, 0, 0)], 1, 1, 512)  # a draft already in step drafts at least as far
+    assert in_step[0] >= policy.choose([alone], 1, 1, 512)[0]
+    # the same sequence about to end: its catch-up cannot pay back
+    assert policy.choose([Candidate(0, 8, 0, 0, catch_up=120, remaining=2)], 1, 1, 512) == {}
+    # eight new sequences: the catch-ups and the draft steps cost more than the tokens they would save
+    assert policy.choose([Candidate(i, 8, 0, 0, catch_up=120, remaining=96) for i in range(8)], 8, 8, 504) == {}
+
+
 def test_step_cost_is_made_non_decreasing():
     cost = StepCost({1: 0.026, 2: 0.028, 3: 0.052, 5: 0.031})  # a busy moment measured at 3 tokens
     assert cost(3) == 0.031 and cost(4) == 0.031 and cost(2) == 0.028
