@@ -149,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
         command = (f"python -m loadtest speculative --streams {args.streams} --requests {args.requests} "
                    f"--max-tokens {args.max_tokens} --rounds {args.rounds} --gamma {args.gamma} "
                    f"--drafters {','.join(drafters)}")
-        update_section("speculative", "Speculative decoding, served side by side", command, body)
+        # a partial rerun (other streams or drafters) gets a section of its own, next to the full one
+        default = args.streams == "1,8,32" and drafters == ["ngram", "draft"]
+        section = "speculative" if default else f"speculative-{'-'.join(drafters)}-{args.streams.replace(',', '-')}"
+        update_section(section, "Speculative decoding, served side by side" + ("" if default else
+                       f" ({', '.join(drafters)}; {args.streams} streams)"), command, body)
     return 0
 
 

@@ -167,8 +167,11 @@ class DraftPolicy:
         depth_rows: dict[int, int] = {}   # draft-model rows at each depth so far
         proposing = 0.0                   # seconds of those draft steps
         gammas_so_far: dict[int, int] = {}
-        for count, (gain, seq_id) in enumerate(raises[:budget], start=1):
+        raises = raises[:budget]
+        left = sum(gain for gain, _ in raises)  # expected tokens the raises not yet taken could add
+        for count, (gain, seq_id) in enumerate(raises, start=1):
             tokens += gain
+            left -= gain
             if self.proposal_cost is not None:
                 depth = gammas_so_far[seq_id] = gammas_so_far.get(seq_id, 0) + 1
                 rows = depth_rows.get(depth, 0)
@@ -180,9 +183,12 @@ class DraftPolicy:
                     added += candidate.catch_up * min(share, 1.0)
                 proposing += self.proposal_cost(rows + added) - (self.proposal_cost(rows) if rows else 0.0)
                 depth_rows[depth] = rows + added
-            rate = tokens / (self.cost(base_tokens + count) + proposing)
+            seconds = self.cost(base_tokens + count) + proposing
+            rate = tokens / seconds
             if rate > best_rate:
                 best_rate, best_count = rate, count
+            elif (tokens + left) / seconds <= best_rate:
+                break  # costs only grow from here: even every further token could not beat the best
         if best_count == 0 or best_rate < base_rate * (1.0 + MARGIN):
             return {}
         gammas = {}
