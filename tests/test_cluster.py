@@ -179,7 +179,8 @@ def test_killed_replica_costs_only_its_own_requests_and_drained_replica_finishes
     assert kill.hung == 0 and all(s < 10 for s in kill.failed_after_kill_s), kill  # an error, promptly
     assert kill.survivors_healthy and kill.served_by_survivors > 0, kill
 
-    drain = measure_drain(cluster, Workload(**{**WORKLOAD, "conversations": 4, "turns": 2, "max_tokens": 32}),
+    # 64-token replies: a stream seen busy is still in flight a moment later, when the SIGTERM goes out
+    drain = measure_drain(cluster, Workload(**{**WORKLOAD, "conversations": 4, "turns": 2, "max_tokens": 64}),
                           deadline_s=90, grace_s=30)
     assert drain.inflight_at_sigterm >= 1, drain
     assert drain.failed == 0, drain  # its streams completed, and the requests refused meanwhile went elsewhere
