@@ -130,8 +130,8 @@ class ModelDrafter:
         bs = self.blocks.block_size
         table = held.block_table
         slots = [table[p // bs] * bs + p % bs for p in range(start, start + len(token_ids))]
-        # a long catch-up is a prefill (its "prompt" is the history); a short one decodes row by row
-        prompt = history if start < len(history) and len(token_ids) > PREFILL_FROM else history[:start]
+        # a long catch-up is a prefill (its "prompt" is the history); a short one, or a draft token, decodes
+        prompt = history if len(token_ids) > PREFILL_FROM else history[:start]
         return SeqWork(seq_id=index, token_ids=token_ids, start_pos=start, block_table=table, slot_mapping=slots,
                        sample=True, params=_GREEDY, prompt_ids=prompt, output_ids=[])
 

@@ -147,14 +147,13 @@ class SchedulerService:
         last_end: float | None = None  # when the previous step ended, if work was left after it
         try:
             while True:
-                if not self.scheduler.has_work and self._inbox.empty():
-                    if self.scheduler.ended_ids:  # going idle: let the engine free what ended sequences held
-                        await loop.run_in_executor(self._executor, self.execute, self.scheduler.schedule())
+                # going idle waits for a request, once the engine has freed what ended sequences held there
+                if not self.scheduler.has_work and self._inbox.empty() and not self.scheduler.ended_ids:
                     self._apply(*await self._inbox.get())
                 self._drain_inbox()
                 plan = self.scheduler.schedule()
                 if not plan.work:
-                    if plan.ended_ids:
+                    if plan.ended_ids:  # a plan with no work only frees what ended sequences held in the engine
                         await loop.run_in_executor(self._executor, self.execute, plan)
                     if self.scheduler.has_work:
                         await asyncio.sleep(0.005)  # nothing fits now (only possible transiently)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import json
+import time
 
 import httpx
 import pytest
@@ -29,8 +30,9 @@ from scheduler.sequence import FinishReason, Sequence
 from scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
 from server.config import ServeConfig
 from server.serve import load_draft
+from server.state import ServerState
 from tests.engineutil import EOS, engine_greedy, greedy_references, tiny
-from tests.serverutil import running_server
+from tests.serverutil import running_server, serving
 
 PROMPTS = [  # text that repeats itself, so prompt lookup finds drafts, and text that does not
     "The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. The quick",
@@ -416,9 +418,16 @@ def test_served_with_a_draft_model_the_answers_equal_those_without(smollm2, int4
     sampled = {"temperature": 0.7, "seed": 5, "n": 2}
     plain = [_chat(server_url, p) for p in prompts] + [_chat(server_url, prompts[0], **sampled)]
     config = ServeConfig(kv_cache_memory="64MiB", speculative="draft", num_speculative_tokens=3)
-    with running_server(smollm2, config, draft=int4_draft) as url:
+    state = ServerState(smollm2, config, draft=int4_draft)
+    with serving(state) as url:
         drafted = [_chat(url, p) for p in prompts] + [_chat(url, prompts[0], **sampled)]
         metrics = httpx.get(url + "/metrics").text
+        # once idle, the engine has been handed the ended sequences and the draft pool is all free again
+        deadline = time.monotonic() + 10
+        while state.drafter.held and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not state.drafter.held
+        assert state.drafter.blocks.num_free_blocks == state.drafter.blocks.num_blocks
     assert len(drafted[-1]["choices"]) == 2
     for a, b in zip(plain, drafted):
         assert a["choices"] == b["choices"]
