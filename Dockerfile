@@ -73,11 +73,12 @@ RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
 FROM torch AS kernels
 ENV TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
 WORKDIR /opt/kvserve/kernels-src
-COPY kernels ./kernels
+# As installed: the kernels are the kvserve.kernels package (pyproject.toml's package-dir).
+COPY kernels ./kvserve/kernels
 # The image carries the compiled libraries, so a container needs no compiler; sources.sha256 records what they
 # were compiled from, which the build stage checks against the kvserve it installs.
-RUN python -c "import sys; from kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')" \
- && sha256sum kernels/__init__.py kernels/csrc/* > "${TORCH_EXTENSIONS_DIR}/sources.sha256"
+RUN python -c "import sys; from kvserve.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')" \
+ && sha256sum kvserve/kernels/__init__.py kvserve/kernels/csrc/* > "${TORCH_EXTENSIONS_DIR}/sources.sha256"
 
 # ---- deps: kvserve's Python dependencies, rebuilt only when pyproject.toml changes ------------------------
 FROM torch AS deps
@@ -115,8 +116,8 @@ WORKDIR /opt/kvserve/app
 RUN --mount=type=bind,from=model,source=/opt/kvserve/cache,target=/opt/kvserve/cache \
     pip install --no-deps --no-build-isolation --no-index --target /opt/kvserve/app /src \
  && sha256sum --check --quiet /tmp/kernels-sources.sha256 \
- && touch --no-create --date=@0 kernels/csrc/* \
- && python -c "from engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
+ && touch --no-create --date=@0 kvserve/kernels/csrc/* \
+ && python -c "from kvserve.engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
  && rm -rf /src /tmp/kernels-sources.sha256
 
 # ---- runtime: the venv, the kernels, the converted model and kvserve; no compiler --------------------------
@@ -157,7 +158,7 @@ ENV VIRTUAL_ENV=/opt/venv \
 USER ${UID}:${UID}
 WORKDIR /home/kvserve
 # Fail the build, not the first request, if the prebuilt kernels would not load here, where no compiler is.
-RUN python -c "import sys; from kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
+RUN python -c "import sys; from kvserve.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
 EXPOSE 8000
 
 # start-period covers loading the model (seconds for SmolLM2, over a minute more on 2 cores with int8/int4 weights,

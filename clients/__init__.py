@@ -1,8 +1,8 @@
-"""kvserve clients: HTTP only (httpx + httpx-sse), no torch. See :mod:`clients.client` and ``python -m clients``."""
+"""kvserve clients: HTTP only (httpx + httpx-sse), no torch. See :mod:`clients.client` and ``python -m kvserve.clients``."""
 
-from clients.async_client import AsyncKVServeClient, AsyncTextStream
-from clients.client import KVServeClient, TextStream
-from clients.stream import KVServeError, ServerTimings, StreamResult
+from kvserve.clients.async_client import AsyncKVServeClient, AsyncTextStream
+from kvserve.clients.client import KVServeClient, TextStream
+from kvserve.clients.stream import KVServeError, ServerTimings, StreamResult
 
 __all__ = ["AsyncKVServeClient", "AsyncTextStream", "KVServeClient", "KVServeError", "ServerTimings",
            "StreamResult", "TextStream"]

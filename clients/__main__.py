@@ -1,7 +1,7 @@
-"""``python -m clients``: see :mod:`clients.cli`."""
+"""``python -m kvserve.clients``: see :mod:`clients.cli`."""
 
 import sys
 
-from clients.cli import main
+from kvserve.clients.cli import main
 
 sys.exit(main())

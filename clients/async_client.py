@@ -17,9 +17,9 @@ from typing import Any
 import httpx
 from httpx_sse import aconnect_sse
 
-from clients.client import (DEFAULT_TIMEOUT, DEFAULT_URL, ClientBase, Messages, decode_event,
+from kvserve.clients.client import (DEFAULT_TIMEOUT, DEFAULT_URL, ClientBase, Messages, decode_event,
                             error_from_response, truncated_error)
-from clients.stream import StreamAccumulator, StreamResult
+from kvserve.clients.stream import StreamAccumulator, StreamResult
 
 
 class AsyncTextStream:

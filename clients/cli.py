@@ -1,4 +1,4 @@
-"""``python -m clients chat|complete "..."``: stream an answer to the terminal, then print TTFT and tokens/s.
+"""``python -m kvserve.clients chat|complete "..."``: stream an answer to the terminal, then print TTFT and tokens/s.
 
 The text goes to stdout as it arrives; the timing line and any error go to stderr, so the answer can be piped.
 """
@@ -13,13 +13,13 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 
-from clients.client import DEFAULT_URL, KVServeClient
-from clients.stream import KVServeError, StreamResult
+from kvserve.clients.client import DEFAULT_URL, KVServeClient
+from kvserve.clients.stream import KVServeError, StreamResult
 
 
 def build_parser() -> argparse.ArgumentParser:
     """Parser for ``chat`` and ``complete``; both stream with the same sampling flags."""
-    parser = argparse.ArgumentParser(prog="python -m clients", description="Stream from a kvserve server.")
+    parser = argparse.ArgumentParser(prog="python -m kvserve.clients", description="Stream from a kvserve server.")
     commands = parser.add_subparsers(dest="command", required=True)
     for name, help_text in (("chat", "chat completion (/v1/chat/completions)"),
                             ("complete", "text completion (/v1/completions)")):

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 from httpx_sse import connect_sse
 
-from clients.stream import KVServeError, StreamAccumulator, StreamResult, parse_retry_after
+from kvserve.clients.stream import KVServeError, StreamAccumulator, StreamResult, parse_retry_after
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 # Long generations stream for minutes; the read timeout is per chunk, so it only fires on a stalled server.

@@ -22,8 +22,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from kvcache.pool import KVPool
-import kernels
+from kvserve.kvcache.pool import KVPool
+from kvserve import kernels
 
 ATTN_IMPLEMENTATION = "kvserve"
 

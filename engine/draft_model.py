@@ -18,10 +18,10 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from engine.drafters import DraftRequest
-from engine.plan import SamplingParams, SeqWork, StepPlan
-from engine.runner import ModelRunner
-from kvcache.block_manager import BlockManager
+from kvserve.engine.drafters import DraftRequest
+from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.block_manager import BlockManager
 
 _GREEDY = SamplingParams(temperature=0.0)
 # A catch-up of more tokens than this runs as a prefill span (one attention over the span); shorter ones, the

@@ -40,10 +40,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.attention import AttentionMetadata, paged_attention
-from engine.kernelbind import PROFILE_LABEL, LayerKernels, LayerProjections, Projection, labelled, profiling
-from engine.rope import Rope, RopeTable
-import kernels
+from kvserve.engine.attention import AttentionMetadata, paged_attention
+from kvserve.engine.kernelbind import PROFILE_LABEL, LayerKernels, LayerProjections, Projection, labelled, profiling
+from kvserve.engine.rope import Rope, RopeTable
+from kvserve import kernels
 
 log = logging.getLogger("kvserve.engine")
 

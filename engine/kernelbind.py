@@ -23,12 +23,12 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-import kernels
-from quant.linear import QuantLinear, concat_outputs
+from kvserve import kernels
+from kvserve.quant.linear import QuantLinear, concat_outputs
 
 # Up to this many rows (decode batches, and steps mixing a short prefill with decodes), float32 CPU projections
 # use kernels/csrc/linear_f32.cpp, which reads each weight row once for all rows; it beats torch's GEMM up to
-# about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m loadtest.kernelbench`).
+# about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m kvserve.loadtest.kernelbench`).
 # Longer prefill chunks stay on torch's GEMM.
 DENSE_MAX_ROWS = 64
 PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)

@@ -18,10 +18,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
-from engine import attention  # noqa: E402
-from engine.options import Device, DType  # noqa: E402,F401  (re-exported: callers name them with the loader)
-from kvcache.sizing import KVShape  # noqa: E402
-import kernels  # noqa: E402
+from kvserve.engine import attention  # noqa: E402
+from kvserve.engine.options import Device, DType  # noqa: E402,F401  (re-exported: callers name them with the loader)
+from kvserve.kvcache.sizing import KVShape  # noqa: E402
+from kvserve import kernels  # noqa: E402
 
 log = logging.getLogger("kvserve.engine")
 
@@ -57,7 +57,7 @@ def resolve_dtype(choice: DType, device: torch.device, quantized: bool = False) 
     """auto -> bfloat16 on a GPU or a CPU with native bf16, float32 otherwise, and float32 on any CPU when the
     weights are quantized: the integer kernels take float32 activations and kvserve's fused CPU ops are
     float32-only, so bfloat16 activations would only add conversions and lose the fused path (int8 decode
-    with bfloat16 activations against float32: ``python -m loadtest quant``, on a CPU with native bf16)."""
+    with bfloat16 activations against float32: ``python -m kvserve.loadtest quant``, on a CPU with native bf16)."""
     if choice is DType.FLOAT32:
         return torch.float32
     if choice is DType.BFLOAT16:

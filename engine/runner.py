@@ -8,14 +8,14 @@ import time
 
 import torch
 
-from engine.attention import AttentionMetadata, PrefillSpan
-from engine.constraints import apply_masks, fill_masks_async
-from engine.drafters import DraftRequest, NgramDrafter
-from engine.fastpath import fast_decoder
-from engine.loader import LoadedModel
-from engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
-from engine.sampling import greedy_tokens, log_softmax, plain_greedy, sample_token, token_logprob
-from kvcache.pool import KVPool
+from kvserve.engine.attention import AttentionMetadata, PrefillSpan
+from kvserve.engine.constraints import apply_masks, fill_masks_async
+from kvserve.engine.drafters import DraftRequest, NgramDrafter
+from kvserve.engine.fastpath import fast_decoder
+from kvserve.engine.loader import LoadedModel
+from kvserve.engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
+from kvserve.engine.sampling import greedy_tokens, log_softmax, plain_greedy, sample_token, token_logprob
+from kvserve.kvcache.pool import KVPool
 
 
 def padded_tables(tables: list[list[int]], lengths: list[int], block_size: int, device) -> torch.Tensor:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from engine.plan import SeqWork, TokenLogprob
-import kernels
+from kvserve.engine.plan import SeqWork, TokenLogprob
+from kvserve import kernels
 
 _SEED_STRIDE = 1_000_003  # mixes the output length into the seed: one generator per (seed, step)
 _SEED_MODULUS = 2**63 - 1  # torch generators take seeds below 2**64; stay in the signed range

@@ -10,7 +10,7 @@ Two extensions, built once with torch's C++ extension tooling:
 
 Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
 unless ``KVSERVE_ISA`` names a lesser one (``scalar``), so every path can be tested on one machine. ``isa()``
-says which runs and why. ``python -m kernels --build`` compiles both extensions (the install step runs it);
+says which runs and why. ``python -m kvserve.kernels --build`` compiles both extensions (the install step runs it);
 otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
 the pure-PyTorch reference and one warning is logged. ``KVSERVE_QUANT_KERNELS=0`` forces that reference
 everywhere.
@@ -204,7 +204,7 @@ def _load_prebuilt(name: str) -> ModuleType | None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kernels --build``: compile both extensions now and say which path they run."""
+    """``python -m kvserve.kernels --build``: compile both extensions now and say which path they run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="compile (or check) the extension")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
-"""``python -m kernels --build``."""
+"""``python -m kvserve.kernels --build``."""
 
 import sys
 
-from kernels import main
+from kvserve.kernels import main
 
 sys.exit(main())

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcache.sizing import KVShape
+from kvserve.kvcache.sizing import KVShape
 
 
 class KVPool:

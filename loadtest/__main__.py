@@ -1,4 +1,4 @@
-"""``python -m loadtest COMMAND``: load runs, static vs continuous, the simulator, engine tables, peers.
+"""``python -m kvserve.loadtest COMMAND``: load runs, static vs continuous, the simulator, engine tables, peers.
 
 Each command's module owns its flags (``add_arguments``) and its work (``run``); this file only dispatches,
 importing each module lazily so ``run`` starts without torch.
@@ -13,17 +13,17 @@ import sys
 
 # command -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("loadtest.runcmd", "drive a workload at an OpenAI-compatible server"),
-    "compare": ("loadtest.compare", "kvserve static vs continuous batching on seed64, measured"),
-    "simulate": ("loadtest.simulate", "static vs continuous on seed64, replayed at measured step costs"),
-    "tables": ("loadtest.tables", "the chapter's KV-cache tables, measured on our engine"),
-    "peers": ("loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
-    "profile": ("loadtest.profile_step", "where a decode step's time goes on our engine"),
-    "overhead": ("loadtest.overhead", "where a served token's time and CPU go beyond the model step"),
-    "quant": ("loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
-    "cluster": ("loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
-    "structured": ("loadtest.structured", "grammar compile time and the throughput cost of constrained decoding"),
-    "speculative": ("loadtest.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
+    "run": ("kvserve.loadtest.runcmd", "drive a workload at an OpenAI-compatible server"),
+    "compare": ("kvserve.loadtest.compare", "kvserve static vs continuous batching on seed64, measured"),
+    "simulate": ("kvserve.loadtest.simulate", "static vs continuous on seed64, replayed at measured step costs"),
+    "tables": ("kvserve.loadtest.tables", "the chapter's KV-cache tables, measured on our engine"),
+    "peers": ("kvserve.loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
+    "profile": ("kvserve.loadtest.profile_step", "where a decode step's time goes on our engine"),
+    "overhead": ("kvserve.loadtest.overhead", "where a served token's time and CPU go beyond the model step"),
+    "quant": ("kvserve.loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
+    "cluster": ("kvserve.loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
+    "structured": ("kvserve.loadtest.structured", "grammar compile time and the throughput cost of constrained decoding"),
+    "speculative": ("kvserve.loadtest.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
 }
 
 
@@ -34,16 +34,16 @@ def _terminated(signum: int, _frame) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Parse ``argv`` and run the chosen command; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
-    parser = argparse.ArgumentParser(prog="python -m loadtest", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvserve.loadtest", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (_module, help_text) in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] not in _COMMANDS:
         parser.parse_args(argv)  # prints usage and exits
     module = importlib.import_module(_COMMANDS[argv[0]][0])
-    command = argparse.ArgumentParser(prog=f"python -m loadtest {argv[0]}", description=_COMMANDS[argv[0]][1])
+    command = argparse.ArgumentParser(prog=f"python -m kvserve.loadtest {argv[0]}", description=_COMMANDS[argv[0]][1])
     module.add_arguments(command)
-    from loadtest.errors import UsageError
+    from kvserve.loadtest.errors import UsageError
 
     # SIGTERM (timeout, docker stop, kill) unwinds like Ctrl-C: the servers a command started are stopped by
     # its `finally` blocks instead of outliving it in their own sessions.

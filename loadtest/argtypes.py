@@ -1,4 +1,4 @@
-"""argparse types shared by the ``python -m loadtest`` commands: a bad value is a usage error, not a traceback."""
+"""argparse types shared by the ``python -m kvserve.loadtest`` commands: a bad value is a usage error, not a traceback."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Overload and disconnect drills against a kvserve server on 127.0.0.1 (bounded in time, stops by itself).
 
-``python -m loadtest.backpressure`` starts ``kvserve serve`` with small limits, then:
+``python -m kvserve.loadtest.backpressure`` starts ``kvserve serve`` with small limits, then:
 - overload: keeps ``4 x (slots + queue)`` closed-loop clients busy for ``--seconds``; counts requests sent,
   admitted, 429s (each checked for Retry-After and an OpenAI error body), 5xx and other failures, TTFT
   percentiles of admitted requests, /health answers during the run, and the server's RSS before/after;
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest.benchmarks_md import update_section
-from loadtest.serverproc import kvserve_command, launch
+from kvserve.loadtest.benchmarks_md import update_section
+from kvserve.loadtest.serverproc import kvserve_command, launch
 
 
 @dataclass(slots=True)
@@ -207,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.max_tokens} output tokens per request, clients back off 0.2 s after a 429.")
     print(table)
     if not args.no_write:
-        update_section("backpressure", "Overload (4x) and disconnects", "python -m loadtest.backpressure", table)
+        update_section("backpressure", "Overload (4x) and disconnects", "python -m kvserve.loadtest.backpressure", table)
     return 0
 
 

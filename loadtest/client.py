@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass, field
 import httpx
 from httpx_sse import aconnect_sse
 
-from loadtest.workloads import RequestSpec
+from kvserve.loadtest.workloads import RequestSpec
 
 STATUS_CLIENT_ERROR = 0  # transport failure or timeout: no HTTP status
 

@@ -1,4 +1,4 @@
-"""``python -m loadtest cluster``: K kvserve replicas behind vllm-router on 127.0.0.1, measured as a cluster.
+"""``python -m kvserve.loadtest cluster``: K kvserve replicas behind vllm-router on 127.0.0.1, measured as a cluster.
 
 Every replica is a real ``kvserve serve`` process (SmolLM2, float32, a small KV pool) on a free port, and the
 router is the real ``vllm-router`` binary (``pip install vllm-router``, in the ``cluster`` and ``test`` extras).
@@ -33,8 +33,8 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from loadtest.benchmarks_md import update_section
-from loadtest.clusterproc import (Cluster, Proc, replica_counts, router_binary, router_retries, serve_flags,
+from kvserve.loadtest.benchmarks_md import update_section
+from kvserve.loadtest.clusterproc import (Cluster, Proc, replica_counts, router_binary, router_retries, serve_flags,
                                   start_cluster)
 
 POLICIES = ("round_robin", "cache_aware")  # cache_aware last: the kill and drain phases reuse its router
@@ -326,7 +326,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.errors import UsageError
+    from kvserve.loadtest.errors import UsageError
 
     if args.replicas < 2 or (not args.no_failover and args.replicas < 3):
         raise UsageError("--replicas must be >= 2, and >= 3 with the failover phases (one is killed, one drained)")
@@ -388,6 +388,6 @@ def run(args: argparse.Namespace) -> int:
         name = "-".join(["cluster", *(re.sub(r"[^a-z0-9]+", "", a.lower()) for a in flags)])
         title = "Replicas behind vllm-router: cache-aware vs round-robin" + ("" if args.no_failover else ", kill, drain")
         update_section(name, title + (f" ({' '.join(flags)})" if flags else ""),
-                       " ".join(["python -m loadtest cluster", *flags]), "\n".join(report))
+                       " ".join(["python -m kvserve.loadtest cluster", *flags]), "\n".join(report))
         print(f"BENCHMARKS.md updated (section {name})")
     return 0

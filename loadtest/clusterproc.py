@@ -1,4 +1,4 @@
-"""The processes of ``python -m loadtest cluster``: kvserve replicas and vllm-router on 127.0.0.1, and their metrics.
+"""The processes of ``python -m kvserve.loadtest cluster``: kvserve replicas and vllm-router on 127.0.0.1, and their metrics.
 
 Every process runs in its own session, so it and its children can be signalled as a group; ``Cluster.close``
 stops all of them (the command and the tests call it in ``finally``).
@@ -18,8 +18,8 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.report import OUT_DIR
-from loadtest.serverproc import ServerStartError, _tail, free_port, kvserve_command, spawn
+from kvserve.loadtest.report import OUT_DIR
+from kvserve.loadtest.serverproc import ServerStartError, _tail, free_port, kvserve_command, spawn
 
 
 # ---- processes ---------------------------------------------------------------------------------------

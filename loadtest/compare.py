@@ -1,4 +1,4 @@
-"""``python -m loadtest compare``: kvserve's static vs continuous batching on seed64, measured and simulated.
+"""``python -m kvserve.loadtest compare``: kvserve's static vs continuous batching on seed64, measured and simulated.
 
 Starts ``kvserve serve --scheduler static --max-num-seqs 8`` on a free 127.0.0.1 port, sends all 64 seed64
 requests at once (each pinned to its length), stops it, then does the same with ``--scheduler continuous``.
@@ -7,7 +7,7 @@ ratios that ``simulate`` predicts from step costs measured on the engine (before
 last, averaged); the two must agree within 15%.
 Writes the ``compare`` section of BENCHMARKS.md and ``loadtest/out/compare.json`` / ``compare-latency.png``.
 
-    flock /tmp/kvserve-cpu.lock python -m loadtest compare
+    flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest compare
 """
 
 from __future__ import annotations
@@ -20,12 +20,12 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 from pathlib import Path
 
-from loadtest import report, simulate, workloads
-from loadtest.argtypes import positive_int
-from loadtest.benchmarks_md import BENCHMARKS, update_section
-from loadtest.generator import LoadConfig, Mode, RunResult, run_sync
-from loadtest.runcmd import server_model
-from loadtest.serverproc import kvserve_command, launch
+from kvserve.loadtest import report, simulate, workloads
+from kvserve.loadtest.argtypes import positive_int
+from kvserve.loadtest.benchmarks_md import BENCHMARKS, update_section
+from kvserve.loadtest.generator import LoadConfig, Mode, RunResult, run_sync
+from kvserve.loadtest.runcmd import server_model
+from kvserve.loadtest.serverproc import kvserve_command, launch
 
 POLICIES = ("static", "continuous")
 TOLERANCE = 0.15  # measured ratio within 15% of the simulated one
@@ -152,7 +152,7 @@ def admission_order(run: RunResult) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from loadtest.enginebench import check_engine_flags, check_out_dir
+    from kvserve.loadtest.enginebench import check_engine_flags, check_out_dir
 
     check_engine_flags(args.model, args.device)
     check_out_dir(args.out)
@@ -198,12 +198,12 @@ def run(args: argparse.Namespace) -> int:
                                               "seed64, 8 slots: static vs continuous"))
     print("wrote", *paths)
     if not args.no_write:
-        from engine.loader import Device, resolve_device
+        from kvserve.engine.loader import Device, resolve_device
 
         device = resolve_device(Device(args.device)).type
         section, title = section_and_title(device, args.quantization)
         section = args.section or section
-        update_section(section, title, " ".join(["python -m loadtest compare", *engine_flags(args)])
+        update_section(section, title, " ".join(["python -m kvserve.loadtest compare", *engine_flags(args)])
                        + (f" --server-args '{args.server_args}'" if args.server_args else ""),
                        _markdown(static, continuous, measured, simulated, errors, ok, how, args.img, steps),
                        args.benchmarks)

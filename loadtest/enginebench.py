@@ -15,11 +15,11 @@ from pathlib import Path
 
 import torch
 
-from engine.loader import Device, DType, LoadedModel, load_model
-from engine.plan import SamplingParams, SeqWork, StepPlan
-from engine.runner import ModelRunner
-from kvcache.pool import KVPool
-from loadtest.errors import UsageError
+from kvserve.engine.loader import Device, DType, LoadedModel, load_model
+from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.pool import KVPool
+from kvserve.loadtest.errors import UsageError
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -97,7 +97,7 @@ def check_engine_flags(model: str | None, device: str) -> None:
     Raises:
         UsageError: no such device (``--device cuda`` without a GPU) or no such model directory.
     """
-    from engine.loader import resolve_device, resolve_model_dir
+    from kvserve.engine.loader import resolve_device, resolve_model_dir
 
     try:
         resolve_device(Device(device))

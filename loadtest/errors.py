@@ -1,4 +1,4 @@
-"""Errors the ``python -m loadtest`` commands report as usage errors (one line, exit status 2)."""
+"""Errors the ``python -m kvserve.loadtest`` commands report as usage errors (one line, exit status 2)."""
 
 
 class UsageError(Exception):

@@ -10,7 +10,7 @@ It runs no model: one asyncio task plays the engine loop. Each step takes ``step
 With ``ignore_eos`` every request yields exactly ``max_tokens`` tokens, so the fake reproduces the ideal
 (flat-cost) behaviour of both policies. A full queue answers 429 with Retry-After.
 
-    python -m loadtest.fakeserver --port 8000 --scheduler static --max-num-seqs 8 --step-ms 5
+    python -m kvserve.loadtest.fakeserver --port 8000 --scheduler static --max-num-seqs 8 --step-ms 5
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 import httpx
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from loadtest.client import RequestRecord, stream_request
-from loadtest.workloads import RequestSpec
+from kvserve.loadtest.client import RequestRecord, stream_request
+from kvserve.loadtest.workloads import RequestSpec
 
 
 class Mode(enum.Enum):

@@ -13,8 +13,8 @@ import time
 
 import torch
 
-from loadtest import workloads
-from loadtest.enginebench import load
+from kvserve.loadtest import workloads
+from kvserve.loadtest.enginebench import load
 
 
 class HFGenerate:

@@ -1,4 +1,4 @@
-"""``python -m loadtest.kernelbench``: the measurements behind the engine's kernel choices, rerunnable.
+"""``python -m kvserve.loadtest.kernelbench``: the measurements behind the engine's kernel choices, rerunnable.
 
 1. ``f32_linear`` (kernels/csrc/linear_*.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
    576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 to 128 rows.
@@ -36,7 +36,7 @@ def _time(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def dense_vs_gemm() -> None:
-    import kernels
+    from kvserve import kernels
 
     kernel = kernels.load()
     if kernel is None:
@@ -53,8 +53,8 @@ def dense_vs_gemm() -> None:
 
 @torch.inference_mode()
 def quant_kernel_vs_dequantize() -> None:
-    import quant.linear as ql
-    from quant.schemes import quantize_activations
+    import kvserve.quant.linear as ql
+    from kvserve.quant.schemes import quantize_activations
 
     for cls in (ql.Int8Linear, ql.Int4Linear):
         layers = ([cls(nn.Linear(576, 1536, bias=False)) for _ in range(15)]
@@ -84,9 +84,9 @@ def one_step_mode(mode: str) -> None:
     worker = ThreadPoolExecutor(1)
 
     def setup():
-        from engine.loader import DType, load_model
-        from engine.plan import StepPlan
-        from loadtest.enginebench import EngineBench
+        from kvserve.engine.loader import DType, load_model
+        from kvserve.engine.plan import StepPlan
+        from kvserve.loadtest.enginebench import EngineBench
         bench = EngineBench(load_model(dtype=DType.FLOAT32), 8, 100)
         for seq in range(8):
             bench.fill(seq, 64)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         dense_vs_gemm()
         quant_kernel_vs_dequantize()
     for mode in ("one-thread", "split"):
-        subprocess.run([sys.executable, "-m", "loadtest.kernelbench", "--mode", mode], check=True)
+        subprocess.run([sys.executable, "-m", "kvserve.loadtest.kernelbench", "--mode", mode], check=True)
     return 0
 
 

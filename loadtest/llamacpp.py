@@ -6,7 +6,7 @@ llama-cpp-python vendors (one PyPI download, no git), configure it with cmake, a
 The sources and the build live in a temporary directory (default ``/tmp/kvserve-llamacpp``) and never enter
 the repo.
 
-    python -m loadtest.llamacpp            # prints the path of the built binary
+    python -m kvserve.loadtest.llamacpp            # prints the path of the built binary
 """
 
 from __future__ import annotations

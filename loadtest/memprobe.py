@@ -1,6 +1,6 @@
 """Peak memory of generating with and without a KV cache, beyond the resident weights (run as a subprocess).
 
-    python -m loadtest.memprobe cache 256     # prints one JSON line
+    python -m kvserve.loadtest.memprobe cache 256     # prints one JSON line
 
 Method: ``LiveTensorBytes`` follows every tensor that an ATen op creates while generating (the weights
 exist before it starts, so they are excluded) and records the peak of their total bytes: an exact,
@@ -28,8 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from engine.plan import StepPlan
-from loadtest.enginebench import EngineBench, dummy_ids, load
+from kvserve.engine.plan import StepPlan
+from kvserve.loadtest.enginebench import EngineBench, dummy_ids, load
 
 
 class LiveTensorBytes(TorchDispatchMode):

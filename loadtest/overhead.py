@@ -1,4 +1,4 @@
-"""``python -m loadtest overhead``: where a served token's time and CPU go, beyond the model step.
+"""``python -m kvserve.loadtest overhead``: where a served token's time and CPU go, beyond the model step.
 
 Starts ``kvserve serve`` on 127.0.0.1, streams fixed-length greedy completions at each ``--streams``
 concurrency through the load generator, and reads three things around each run:
@@ -12,7 +12,7 @@ concurrency through the load generator, and reads three things around each run:
 - CPU time per output token of this process (the load generator: HTTP client, SSE parsing, timing).
 
 On a machine with as many cores as the engine has threads, every CPU millisecond outside the engine is taken
-from it: the runner's ms per step then exceeds the same step's cost in-process (``python -m loadtest profile``
+from it: the runner's ms per step then exceeds the same step's cost in-process (``python -m kvserve.loadtest profile``
 measures that step without a server). Linux only (``/proc``).
 """
 
@@ -29,14 +29,14 @@ from pathlib import Path
 
 import httpx
 
-from loadtest import report, workloads
-from loadtest.argtypes import positive_int, positive_ints
-from loadtest.benchmarks_md import update_section
-from loadtest.compare import server_counters
-from loadtest.errors import UsageError
-from loadtest.generator import LoadConfig, run_sync
-from loadtest.runcmd import server_model
-from loadtest.serverproc import OUT_DIR, ServerStartError, kvserve_command, launch
+from kvserve.loadtest import report, workloads
+from kvserve.loadtest.argtypes import positive_int, positive_ints
+from kvserve.loadtest.benchmarks_md import update_section
+from kvserve.loadtest.compare import server_counters
+from kvserve.loadtest.errors import UsageError
+from kvserve.loadtest.generator import LoadConfig, run_sync
+from kvserve.loadtest.runcmd import server_model
+from kvserve.loadtest.serverproc import OUT_DIR, ServerStartError, kvserve_command, launch
 
 _TICK_S = 1 / os.sysconf("SC_CLK_TCK")
 
@@ -144,7 +144,7 @@ def render(rows: list[Overhead], scheme: str, tokens: int) -> str:
         "thread and its OpenMP team), and the load generator (less its fixed cost: an HTTP client's setup, measured "
         "just before). The server's CPU times come in clock ticks (10 ms), so use runs of a few thousand tokens. On "
         "this machine every CPU ms outside the engine "
-        "competes with its threads, so it shows up in the runner's ms per step (`python -m loadtest profile` "
+        "competes with its threads, so it shows up in the runner's ms per step (`python -m kvserve.loadtest profile` "
         "times the same step without a server).")
 
 
@@ -174,5 +174,5 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_write:
         update_section(f"overhead-{args.quantization}", f"Serving overhead: a served token beyond the model step "
                        f"({args.quantization} weights)",
-                       f"python -m loadtest overhead --quantization {args.quantization}", text)
+                       f"python -m kvserve.loadtest overhead --quantization {args.quantization}", text)
     return 0

@@ -1,4 +1,4 @@
-"""``python -m loadtest peers``: kvserve side by side with llama.cpp's server and transformers' ``generate``.
+"""``python -m kvserve.loadtest peers``: kvserve side by side with llama.cpp's server and transformers' ``generate``.
 
 Same machine, same model (SmolLM2-135M-Instruct: llama.cpp serves the GGUF file kvserve converts from),
 same requests. Servers go through the same load generator; transformers runs in-process.
@@ -11,9 +11,9 @@ Figures per system (all outputs pinned to their length with ignore_eos / min_tok
 - seed64 with 8 slots (all 64 at once; transformers: static batches of 8, as ``generate`` must).
 Each is also shown as a ratio to llama.cpp. Systems run one after another; ``--repeats`` alternates them.
 
-    python -m loadtest.llamacpp          # builds llama-server in /tmp (once, a while on 2 cores)
-    flock /tmp/kvserve-cpu.lock python -m loadtest peers
-    flock /tmp/kvserve-cpu.lock python -m loadtest peers --systems kvserve-int8,kvserve-int4   # more later
+    python -m kvserve.loadtest.llamacpp          # builds llama-server in /tmp (once, a while on 2 cores)
+    flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers
+    flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers --systems kvserve-int8,kvserve-int4   # more later
 
 Results are kept per system in ``loadtest/out/peers.json``, so the section can be built over several runs.
 """
@@ -27,12 +27,12 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from loadtest import report, workloads
-from loadtest.benchmarks_md import BENCHMARKS, update_section
-from loadtest.generator import LoadConfig, run_sync
-from loadtest.llamacpp import find_server
-from loadtest.runcmd import server_model
-from loadtest.serverproc import ServerStartError, kvserve_command, launch
+from kvserve.loadtest import report, workloads
+from kvserve.loadtest.benchmarks_md import BENCHMARKS, update_section
+from kvserve.loadtest.generator import LoadConfig, run_sync
+from kvserve.loadtest.llamacpp import find_server
+from kvserve.loadtest.runcmd import server_model
+from kvserve.loadtest.serverproc import ServerStartError, kvserve_command, launch
 
 OUTPUT_TOKENS = 128
 TTFT_PROMPT_TOKENS = 512
@@ -95,7 +95,7 @@ def llama_command(binary: Path, gguf: Path, slots: int) -> list[str]:
 
 def measure_transformers(figures: PeerFigures) -> None:
     """transformers' own ``generate`` on the same weights (sdpa attention, its own cache), static batches."""
-    from loadtest.hfgenerate import HFGenerate
+    from kvserve.loadtest.hfgenerate import HFGenerate
 
     hf = HFGenerate()
     figures.single_decode_tps = hf.single_decode_tps(OUTPUT_TOKENS)
@@ -112,11 +112,11 @@ def measure(system: str) -> PeerFigures:
     print(f"{system}:")
     try:
         if system == "llama.cpp":
-            from engine.loader import default_gguf_path
+            from kvserve.engine.loader import default_gguf_path
 
             binary = find_server()
             if binary is None:
-                raise FileNotFoundError("llama-server not built: run python -m loadtest.llamacpp")
+                raise FileNotFoundError("llama-server not built: run python -m kvserve.loadtest.llamacpp")
             gguf = default_gguf_path()
             measure_server(figures, lambda slots: llama_command(binary, gguf, slots))
         elif system == "transformers":
@@ -216,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.no_write:
         # results merge across runs, so the command that reproduces the whole table is the plain one
         update_section("peers", "kvserve vs llama.cpp's server vs transformers generate (SmolLM2-135M)",
-                       "python -m loadtest peers", text, args.benchmarks)
+                       "python -m kvserve.loadtest peers", text, args.benchmarks)
     return 0
 
 

@@ -1,6 +1,6 @@
 """Prefix-cache benchmark: TTFT of a request that shares a 1,024-token prefix with an earlier one, cold vs warm.
 
-``python -m loadtest.prefixbench`` starts ``kvserve serve`` on 127.0.0.1, then for each of a few distinct
+``python -m kvserve.loadtest.prefixbench`` starts ``kvserve serve`` on 127.0.0.1, then for each of a few distinct
 1,024-token prefixes sends (cold) prefix + question A, then (warm) prefix + question B, and reads the TTFT
 of each stream at the client. Prints the medians and their ratio and writes the BENCHMARKS.md section.
 """
@@ -16,8 +16,8 @@ import time
 
 import httpx
 
-from loadtest.benchmarks_md import update_section
-from loadtest.serverproc import kvserve_command, launch
+from kvserve.loadtest.benchmarks_md import update_section
+from kvserve.loadtest.serverproc import kvserve_command, launch
 
 
 def ttft_s(url: str, prompt: list[int]) -> tuple[float, int]:
@@ -38,7 +38,7 @@ def ttft_s(url: str, prompt: list[int]) -> tuple[float, int]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m loadtest.prefixbench``."""
+    """The command line of ``python -m kvserve.loadtest.prefixbench``."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=5)
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
              f"`--max-num-batched-tokens 2048 {' '.join(args.extra)}`.")
     print(table)
     if not args.no_write:
-        command = "python -m loadtest.prefixbench" + (f" --extra {shlex.quote(shlex.join(args.extra))}"
+        command = "python -m kvserve.loadtest.prefixbench" + (f" --extra {shlex.quote(shlex.join(args.extra))}"
                                                       if args.extra else "")
         update_section("prefix", "Prefix cache: TTFT cold vs warm", command, table)
     return 0

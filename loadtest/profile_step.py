@@ -1,4 +1,4 @@
-"""``python -m loadtest profile``: where one decode step's time goes on our engine (torch.profiler, CPU).
+"""``python -m kvserve.loadtest profile``: where one decode step's time goes on our engine (torch.profiler, CPU).
 
 Runs B sequences with a ``--context``-token cache through ``engine.runner.ModelRunner`` decoding one token,
 profiles ``--steps`` steps, and splits the wall time by ATen op (self CPU time, so nested ops are not
@@ -16,8 +16,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from loadtest.argtypes import positive_int, positive_ints
-from loadtest.benchmarks_md import update_section
+from kvserve.loadtest.argtypes import positive_int, positive_ints
+from kvserve.loadtest.benchmarks_md import update_section
 
 _CATEGORIES = (
     ("projections (linear/matmul)", ("aten::linear", "aten::addmm", "aten::mm", "aten::matmul", "aten::bmm",
@@ -44,8 +44,8 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[f
     On a GPU the shares are of host time: kernels run asynchronously, and a wait for them shows up in the op
     that synchronises (``aten::_local_scalar_dense``, ``cudaStreamSynchronize``, a device-to-host copy).
     """
-    from engine.plan import StepPlan
-    from loadtest.enginebench import EngineBench, load
+    from kvserve.engine.plan import StepPlan
+    from kvserve.loadtest.enginebench import EngineBench, load
 
     bench = EngineBench(loaded or load(), batch, context + 1)
     for s in range(batch):
@@ -88,14 +88,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     torch.set_grad_enabled(False)
-    from engine.loader import Device, DType
-    from loadtest.enginebench import check_engine_flags, load
+    from kvserve.engine.loader import Device, DType
+    from kvserve.loadtest.enginebench import check_engine_flags, load
 
     check_engine_flags(args.model, args.device)
     batches = args.batch
     loaded = load(DType(args.dtype), args.model, Device(args.device), quantized=args.quantization != "none")
     if args.quantization != "none":
-        from quant.model import quantize_for_serving
+        from kvserve.quant.model import quantize_for_serving
 
         quantize_for_serving(loaded.model, args.quantization)  # codes rounded to nearest: the same kernels, the same cost
     results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
                               "spread over every row (Python/dispatch overhead and the small ops most): where the "
                               "step under the profiler is much longer than without it (batch 1: a step makes ~300 "
                               "short calls), the shares are of that longer step, and the projections' real share "
-                              "is larger (`python -m loadtest quant` replays them alone). On float32 CPU steps "
+                              "is larger (`python -m kvserve.loadtest quant` replays them alone). On float32 CPU steps "
                               "of decodes only, `kvserve::decode_attention` (counted as attention) also applies "
                               "RoPE and writes the step's K/V. "
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "
@@ -127,6 +127,6 @@ def run(args: argparse.Namespace) -> int:
         what = ", ".join(["our engine", f"{args.context}-token caches"] + ([] if on_cpu else [loaded.device.type])
                          + ([] if scheme == "none" else [f"{scheme} weights"]))
         update_section(key, f"Where a decode step's time goes ({what})",
-                       "python -m loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
+                       "python -m kvserve.loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
                        + ("" if scheme == "none" else f" --quantization {scheme}"), text)
     return 0

@@ -1,4 +1,4 @@
-"""``python -m loadtest quant``: single-stream decode speed of each scheme on the real engine, side by side.
+"""``python -m kvserve.loadtest quant``: single-stream decode speed of each scheme on the real engine, side by side.
 
 For none (bfloat16 and float32), int8, int4 and NF4 on SmolLM2: decode tokens/s through
 ``engine.runner.ModelRunner`` over a ``KVPool`` (batch 1, greedy), the weight bytes one step reads, the
@@ -18,8 +18,8 @@ import time
 
 import torch
 
-from quant.linear import QuantLinear
-from quant.model import quantize_for_serving, weight_bytes_per_token
+from kvserve.quant.linear import QuantLinear
+from kvserve.quant.model import quantize_for_serving, weight_bytes_per_token
 
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 VARIANTS = (("none", torch.bfloat16), ("none", torch.float32), ("int8", torch.bfloat16), ("int8", torch.float32),
@@ -56,9 +56,9 @@ def decode_steps(loaded, num_tokens: int, profile: bool = False) -> tuple[list[f
         Per-step wall times (s), the generated token ids, and (``profile``) torch.profiler's table of the
         decode steps' operators by self CPU time ("" otherwise).
     """
-    from engine.plan import SamplingParams, SeqWork, StepPlan
-    from engine.runner import ModelRunner
-    from kvcache.pool import KVPool
+    from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+    from kvserve.engine.runner import ModelRunner
+    from kvserve.kvcache.pool import KVPool
 
     block_size = 16
     prompt = loaded.tokenizer(PROMPT)["input_ids"]
@@ -93,8 +93,8 @@ def layer_times(model, dtype: torch.dtype) -> tuple[float, float]:
     quantized; the f32_linear kernel for float32 weights, the layer's kernel otherwise); for a model without
     the lean forward, every linear layer alone.
     """
-    from engine.fastpath import fast_decoder
-    from engine.kernelbind import Projection
+    from kvserve.engine.fastpath import fast_decoder
+    from kvserve.engine.kernelbind import Projection
 
     head = model.get_output_embeddings()
     decoder = fast_decoder(model)
@@ -110,7 +110,7 @@ def layer_times(model, dtype: torch.dtype) -> tuple[float, float]:
 
 def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
     """Measure every variant; one row dict each."""
-    from engine.loader import LoadedModel
+    from kvserve.engine.loader import LoadedModel
 
     rows = []
     for scheme, dtype in VARIANTS:
@@ -167,7 +167,7 @@ def speed_table(rows: list[dict], bandwidth: float) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``python -m loadtest quant``."""
+    """Flags of ``python -m kvserve.loadtest quant``."""
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per variant")
     parser.add_argument("--skip-quality", action="store_true", help="speed only (no quality table)")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
@@ -175,10 +175,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print it, and write the "quant" section of BENCHMARKS.md."""
-    from engine.loader import Device, DType, cpu_has_bf16, load_model
-    from loadtest.benchmarks_md import update_section
-    import kernels
-    from quant.report import collect, margin_note, quality_table
+    from kvserve.engine.loader import Device, DType, cpu_has_bf16, load_model
+    from kvserve.loadtest.benchmarks_md import update_section
+    from kvserve import kernels
+    from kvserve.quant.report import collect, margin_note, quality_table
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
@@ -216,5 +216,5 @@ def run(args: argparse.Namespace) -> int:
     text = "\n".join(body)
     print(text)
     if not args.no_write:
-        update_section("quant", "Quantized weights: decode speed and quality", "python -m loadtest quant", text)
+        update_section("quant", "Quantized weights: decode speed and quality", "python -m kvserve.loadtest quant", text)
     return 0

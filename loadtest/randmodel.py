@@ -5,8 +5,8 @@ GPU machine this project borrows takes 64 MiB of files per call; SmolLM2's GGUF 
 the engine and the server on the same architecture. Greedy text from such a model is noise; use it with
 ``ignore_eos``/``min_tokens`` workloads (seed64 pins every length) and never for quality figures.
 
-    python -m loadtest.randmodel --shape-of smollm2 --shape-only DIR      # config + tokenizer, no weights
-    python -m loadtest.randmodel --from DIR OUT                           # OUT: DIR's files + random weights
+    python -m kvserve.loadtest.randmodel --shape-of smollm2 --shape-only DIR      # config + tokenizer, no weights
+    python -m kvserve.loadtest.randmodel --from DIR OUT                           # OUT: DIR's files + random weights
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def with_random_weights(shape_dir: Path, out: Path, seed: int = 0) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m loadtest.randmodel", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m kvserve.loadtest.randmodel", description=__doc__.splitlines()[0])
     source_group = parser.add_mutually_exclusive_group(required=True)
     source_group.add_argument("--shape-of", default=None,
                               help="model whose shape to copy ('smollm2' or a directory)")
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.source is not None and not (args.source / "config.json").exists():
         parser.error(f"--from {str(args.source)!r} has no config.json")
     if args.shape_of is not None:
-        from engine.loader import resolve_model_dir
+        from kvserve.engine.loader import resolve_model_dir
 
         try:
             source = resolve_model_dir(args.shape_of)

@@ -15,7 +15,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.generator import RunResult
+from kvserve.loadtest.generator import RunResult
 
 OUT_DIR = Path(__file__).resolve().parent / "out"
 

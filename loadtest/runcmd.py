@@ -1,8 +1,8 @@
-"""``python -m loadtest run``: drive a workload at any OpenAI-compatible server and report.
+"""``python -m kvserve.loadtest run``: drive a workload at any OpenAI-compatible server and report.
 
-    python -m loadtest run --url http://127.0.0.1:8000 --workload seed64 --concurrency 64
-    python -m loadtest run --url http://127.0.0.1:8000 --workload fixed --max-tokens 128 --concurrency 1,8,32
-    python -m loadtest run --url http://127.0.0.1:8000 --workload chat --mode open --rate 2 --duration 60
+    python -m kvserve.loadtest run --url http://127.0.0.1:8000 --workload seed64 --concurrency 64
+    python -m kvserve.loadtest run --url http://127.0.0.1:8000 --workload fixed --max-tokens 128 --concurrency 1,8,32
+    python -m kvserve.loadtest run --url http://127.0.0.1:8000 --workload chat --mode open --rate 2 --duration 60
 
 Several ``--concurrency`` levels (closed loop) or ``--rate`` values (open loop) run one after another.
 Writes ``<out>/<label>.json`` (summaries and per-request records), ``<label>-latency.png`` (CDFs per run)
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import httpx
 
-from loadtest import report, workloads
-from loadtest.argtypes import positive_float, positive_floats, positive_int, positive_ints
-from loadtest.generator import LoadConfig, Mode, RunResult, run_sync
+from kvserve.loadtest import report, workloads
+from kvserve.loadtest.argtypes import positive_float, positive_floats, positive_int, positive_ints
+from kvserve.loadtest.generator import LoadConfig, Mode, RunResult, run_sync
 
 
 def server_model(url: str, api_key: str | None = None) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.report import OUT_DIR
+from kvserve.loadtest.report import OUT_DIR
 
 REPO = Path(__file__).resolve().parent.parent
 PORT = "{port}"  # placeholder replaced by the chosen port in a command
@@ -46,7 +46,7 @@ def free_port() -> int:
 
 def kvserve_command(extra: list[str]) -> list[str]:
     """``kvserve serve`` on 127.0.0.1 with ``extra`` flags, run by this Python (works without an install)."""
-    return [sys.executable, "-m", "server.cli", "serve", "--host", "127.0.0.1", "--port", PORT, *extra]
+    return [sys.executable, "-m", "kvserve.server.cli", "serve", "--host", "127.0.0.1", "--port", PORT, *extra]
 
 
 def _tail(path: Path, lines: int = 25) -> str:

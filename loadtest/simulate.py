@@ -1,4 +1,4 @@
-"""``python -m loadtest simulate``: replay seed64 through static and continuous batching in a discrete-step model.
+"""``python -m kvserve.loadtest simulate``: replay seed64 through static and continuous batching in a discrete-step model.
 
 The model (Yu et al., Orca, OSDI 2022, iteration-level scheduling; the chapter's static-vs-continuous example):
 all requests arrive at t = 0 in file order; a step costs ``cost(prefills, decodes)`` seconds; in one step
@@ -27,8 +27,8 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest import report, workloads
-from loadtest.argtypes import positive_int
+from kvserve.loadtest import report, workloads
+from kvserve.loadtest.argtypes import positive_int
 
 StepCost = Callable[[int, int], float]  # (prefills, decodes) -> seconds
 
@@ -120,12 +120,12 @@ def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int 
     model is loaded as ``kvserve serve --model MODEL --device DEVICE --dtype DTYPE --quantization Q`` would
     load it.
     """
-    from engine.loader import Device, DType
-    from loadtest.enginebench import EngineBench, dummy_ids, load
+    from kvserve.engine.loader import Device, DType
+    from kvserve.loadtest.enginebench import EngineBench, dummy_ids, load
 
     loaded = load(DType(dtype), model, Device(device), quantized=quantization != "none")
     if quantization != "none":
-        from quant.model import quantize_for_serving
+        from kvserve.quant.model import quantize_for_serving
 
         quantize_for_serving(loaded.model, quantization)  # codes rounded to nearest: the same kernels, the same cost
     bench = EngineBench(loaded, num_seqs=2 * slots, max_len=max(prompt_len, context_len) + 1)
@@ -167,7 +167,7 @@ def seed64_prompt_len(model: str | None = None) -> int:
     """Mean prompt length of seed64 in tokens of ``model``'s tokenizer (default: the embedded SmolLM2)."""
     from transformers import AutoTokenizer
 
-    from engine.loader import resolve_model_dir
+    from kvserve.engine.loader import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(model))
     lengths = [len(tokenizer(spec.prompt)["input_ids"]) for spec in workloads.seed64()]

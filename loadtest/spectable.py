@@ -24,20 +24,20 @@ import copy
 import dataclasses
 import time
 
-from engine.draft_model import ModelDrafter
-from engine.loader import LoadedModel, load_model
-from engine.options import Device, DType
-from engine.plan import SamplingParams
-from engine.runner import ModelRunner
-from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool
-from quant.model import quantize_for_serving
-from quant.options import Scheme
-from quant.quality import AGREEMENT_PROMPTS, AGREEMENT_TOKENS, chat_ids
-from scheduler.offline import run_offline
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import Sequence
-from scheduler.speculation import DraftPolicy, expected_tokens
+from kvserve.engine.draft_model import ModelDrafter
+from kvserve.engine.loader import LoadedModel, load_model
+from kvserve.engine.options import Device, DType
+from kvserve.engine.plan import SamplingParams
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.pool import KVPool
+from kvserve.quant.model import quantize_for_serving
+from kvserve.quant.options import Scheme
+from kvserve.quant.quality import AGREEMENT_PROMPTS, AGREEMENT_TOKENS, chat_ids
+from kvserve.scheduler.offline import run_offline
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.speculation import DraftPolicy, expected_tokens
 
 GAMMAS = (1, 2, 4, 8)
 PAIRS = ((Scheme.NONE, Scheme.INT8), (Scheme.NONE, Scheme.INT4), (Scheme.NONE, Scheme.NF4),

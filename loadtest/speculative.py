@@ -1,4 +1,4 @@
-"""``python -m loadtest speculative``: what speculative decoding gains and costs, served, and the chapter's table.
+"""``python -m kvserve.loadtest speculative``: what speculative decoding gains and costs, served, and the chapter's table.
 
 First the chapter's table (``loadtest.spectable``: quantized copies of the model as drafts, in-process). Then
 servers of the same model side by side: speculation off, ``--speculative ngram`` with
@@ -27,9 +27,9 @@ import time
 
 import httpx
 
-from loadtest.benchmarks_md import update_section
-from loadtest.serverproc import kvserve_command, launch
-from scheduler.speculation import StepCost, expected_tokens
+from kvserve.loadtest.benchmarks_md import update_section
+from kvserve.loadtest.serverproc import kvserve_command, launch
+from kvserve.scheduler.speculation import StepCost, expected_tokens
 
 DOCUMENTS = [
     "The Harbour Street library opens at nine in the morning and closes at six in the evening on weekdays. On "
@@ -104,13 +104,13 @@ def _step_costs(log_text: str) -> dict[int, float]:
 
 def run(args: argparse.Namespace) -> int:
     if not args.no_table:
-        from loadtest.spectable import table
+        from kvserve.loadtest.spectable import table
 
         body = table()
         print(body)
         if not args.no_write:
             update_section("speculative-table", "Speculative decoding with quantized drafts: the chapter's table",
-                           "python -m loadtest speculative", body)
+                           "python -m kvserve.loadtest speculative", body)
     if args.no_served:
         return 0
     streams = [int(s) for s in args.streams.split(",")]
@@ -146,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     body = _report(rates, acceptance, costs, streams, list(modes)[1:], args.gamma)
     print(body)
     if not args.no_write:
-        command = (f"python -m loadtest speculative --streams {args.streams} --requests {args.requests} "
+        command = (f"python -m kvserve.loadtest speculative --streams {args.streams} --requests {args.requests} "
                    f"--max-tokens {args.max_tokens} --rounds {args.rounds} --gamma {args.gamma} "
                    f"--drafters {','.join(drafters)}")
         # a partial rerun (other streams or drafters) gets a section of its own, next to the full one

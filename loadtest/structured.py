@@ -1,4 +1,4 @@
-"""``python -m loadtest structured``: what constrained decoding costs.
+"""``python -m kvserve.loadtest structured``: what constrained decoding costs.
 
 1. Grammar compile time of every test schema (tests/data/structured_schemas.json) with the served model's
    tokenizer, cold and on a cache hit, and the mask time per token for 1 and 32 sequences (in-process).
@@ -25,8 +25,8 @@ from pathlib import Path
 
 import httpx
 
-from loadtest.benchmarks_md import update_section
-from loadtest.serverproc import kvserve_command, launch
+from kvserve.loadtest.benchmarks_md import update_section
+from kvserve.loadtest.serverproc import kvserve_command, launch
 
 SCHEMAS = Path(__file__).resolve().parent.parent / "tests" / "data" / "structured_schemas.json"
 _ITEM = {"type": "object", "properties": {
@@ -61,9 +61,9 @@ def _compile_figures() -> tuple[list[float], list[float], dict[int, float]]:
     32 sequences."""
     import torch
 
-    from engine.constraints import GrammarCompiler, GrammarSpec, apply_masks, fill_masks
-    from engine.loader import load_model
-    from server.structured import json_schema_spec
+    from kvserve.engine.constraints import GrammarCompiler, GrammarSpec, apply_masks, fill_masks
+    from kvserve.engine.loader import load_model
+    from kvserve.server.structured import json_schema_spec
 
     tokenizer = load_model(None).tokenizer
     compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id])
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     print(compile_body)
     if not args.no_write:
         update_section("structured-compile", "Structured outputs: grammar compile and mask time",
-                       "python -m loadtest structured --compile-only", compile_body)
+                       "python -m kvserve.loadtest structured --compile-only", compile_body)
     if args.compile_only:
         return 0
     constrained = {"unconstrained": 0, "all constrained": args.clients,
@@ -171,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
             f"Replies that ended before {args.max_tokens} tokens: {short} (the loads did the same model work when 0).\n")
     print(body)
     if not args.no_write:
-        command = (f"python -m loadtest structured --clients {args.clients} --requests {args.requests} "
+        command = (f"python -m kvserve.loadtest structured --clients {args.clients} --requests {args.requests} "
                    f"--max-tokens {args.max_tokens} --rounds {args.rounds}")
         update_section("structured", "Structured outputs: the cost of token masks under load", command, body)
     return 0

@@ -1,4 +1,4 @@
-"""``python -m loadtest tables``: the chapter's KV-cache tables, measured on our engine.
+"""``python -m kvserve.loadtest tables``: the chapter's KV-cache tables, measured on our engine.
 
 1. head: one attention head (d = 64, float32), one decode step against a cache of n keys vs recomputing
    the full causal n x n attention; time and score-matrix bytes (4 B per score).
@@ -30,10 +30,10 @@ from pathlib import Path
 
 import torch
 
-from loadtest import macs
-from loadtest.benchmarks_md import BENCHMARKS, update_section
-from loadtest.report import OUT_DIR
-from loadtest.serverproc import REPO
+from kvserve.loadtest import macs
+from kvserve.loadtest.benchmarks_md import BENCHMARKS, update_section
+from kvserve.loadtest.report import OUT_DIR
+from kvserve.loadtest.serverproc import REPO
 
 TABLES = ("head", "macs", "prefill", "batch", "memory")
 FULL = {"head": [64, 128, 256, 512, 1024, 2048, 4096], "macs": [16, 64, 256, 1024, 4096],
@@ -87,8 +87,8 @@ def count_macs(loaded, tokens: int) -> dict:
     """Generate ``tokens`` tokens both ways under ``MacCounter``; returns counted and closed-form MACs."""
     import copy
 
-    from engine.plan import StepPlan
-    from loadtest.enginebench import EngineBench
+    from kvserve.engine.plan import StepPlan
+    from kvserve.loadtest.enginebench import EngineBench
 
     g = macs.Geometry.of(loaded.model.config)
     # Block size 1: decodes gather whole blocks and mask the tail, so larger blocks add masked keys to the count.
@@ -113,7 +113,7 @@ def count_macs(loaded, tokens: int) -> dict:
 
 def prefill_decode_table(sizes: list[int], loaded, reps: int) -> list[dict]:
     """Prefill of P tokens (per-token time) and one decode step against a cache of C = P tokens."""
-    from loadtest.enginebench import EngineBench, dummy_ids
+    from kvserve.loadtest.enginebench import EngineBench, dummy_ids
 
     bench = EngineBench(loaded, 2, max(sizes) + 1)
     bench.fill(1, max(sizes))  # sequence 1 holds the longest cache; a decode at C reads its first C slots
@@ -125,7 +125,7 @@ def prefill_decode_table(sizes: list[int], loaded, reps: int) -> list[dict]:
 
 def batch_table(batches: list[int], loaded, reps: int, context: int = 64) -> tuple[list[dict], int | None]:
     """Decode steps of B sequences with ``context``-token caches; returns rows and the elbow (``find_elbow``)."""
-    from loadtest.enginebench import EngineBench
+    from kvserve.loadtest.enginebench import EngineBench
 
     bench = EngineBench(loaded, max(batches), context + 1)
     for s in range(max(batches)):
@@ -157,7 +157,7 @@ def memory_table(tokens: int) -> list[dict]:
     """Run ``loadtest.memprobe`` for both modes in fresh subprocesses."""
     rows = []
     for mode in ("nocache", "cache"):
-        out = subprocess.run([sys.executable, "-m", "loadtest.memprobe", mode, str(tokens)], cwd=REPO,
+        out = subprocess.run([sys.executable, "-m", "kvserve.loadtest.memprobe", mode, str(tokens)], cwd=REPO,
                              capture_output=True, text=True, check=True)
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
     return rows
@@ -239,7 +239,7 @@ def run(args: argparse.Namespace) -> int:
     results: dict = {}
     loaded = None
     if set(chosen) & {"macs", "prefill", "batch", "memory"}:
-        from loadtest.enginebench import load
+        from kvserve.loadtest.enginebench import load
 
         loaded = load()
     for name in chosen:
@@ -260,7 +260,7 @@ def run(args: argparse.Namespace) -> int:
     if not (args.quick or args.no_write):
         dtype = str(loaded.dtype).removeprefix("torch.") if loaded else "float32"
         update_section("tables", f"The chapter's KV-cache tables on our engine (SmolLM2-135M, {dtype})",
-                       "python -m loadtest tables", text, args.benchmarks)
+                       "python -m kvserve.loadtest tables", text, args.benchmarks)
     return 0
 
 
@@ -279,7 +279,7 @@ def _kv_bytes_per_token(loaded) -> int:
         return loaded.kv_shape().bytes_per_token
     from transformers import AutoConfig
 
-    from engine.loader import DType, kv_shape_of, resolve_dtype, resolve_model_dir
+    from kvserve.engine.loader import DType, kv_shape_of, resolve_dtype, resolve_model_dir
 
     config = AutoConfig.from_pretrained(resolve_model_dir(None))
     return kv_shape_of(config, resolve_dtype(DType.AUTO, torch.device("cpu"))).bytes_per_token

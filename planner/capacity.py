@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvcache.sizing import KVShape, parse_bytes
+from kvserve.kvcache.sizing import KVShape, parse_bytes
 
 
 class WeightDType(enum.Enum):

@@ -11,7 +11,7 @@ __all__ = ["QuantSummary", "quantize_model"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from quant import model
+        from kvserve.quant import model
 
         return getattr(model, name)
-    raise AttributeError(f"module 'quant' has no attribute {name!r}")
+    raise AttributeError(f"module 'kvserve.quant' has no attribute {name!r}")

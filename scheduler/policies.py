@@ -15,7 +15,7 @@ from __future__ import annotations
 import enum
 from collections import deque
 
-from scheduler.sequence import SeqEvent, Sequence
+from kvserve.scheduler.sequence import SeqEvent, Sequence
 
 
 class Policy(enum.Enum):

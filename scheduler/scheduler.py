@@ -27,12 +27,12 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from engine.plan import SeqResult, SeqWork, StepPlan
-from kvcache.block_manager import BlockManager
-from scheduler.finish_rate import FinishRate
-from scheduler.policies import Policy, make_policy
-from scheduler.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
-from scheduler.speculation import Candidate, DraftPolicy
+from kvserve.engine.plan import SeqResult, SeqWork, StepPlan
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.scheduler.finish_rate import FinishRate
+from kvserve.scheduler.policies import Policy, make_policy
+from kvserve.scheduler.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
+from kvserve.scheduler.speculation import Candidate, DraftPolicy
 
 # A draft model's catch-up on a new sequence (its prompt) is paid back over at most this many output tokens: a
 # request's max_tokens is often far more than it generates.

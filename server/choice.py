@@ -12,9 +12,9 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from engine.plan import TokenLogprob
-from scheduler.sequence import FinishReason, SeqEvent, Sequence
-from server.detok import IncrementalDetokenizer, StopStringMatcher
+from kvserve.engine.plan import TokenLogprob
+from kvserve.scheduler.sequence import FinishReason, SeqEvent, Sequence
+from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher
 
 
 @dataclass(slots=True)

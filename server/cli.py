@@ -12,9 +12,9 @@ import sys
 
 # subcommand path -> (module, help)
 _COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
-    ("serve",): ("server.serve", "serve a model over an OpenAI-compatible HTTP API"),
-    ("plan",): ("planner.capacity", "capacity planner: how much context, for how many users"),
-    ("quant", "report"): ("server.quant_report", "quantization quality report (error, perplexity, agreement)"),
+    ("serve",): ("kvserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
+    ("plan",): ("kvserve.planner.capacity", "capacity planner: how much context, for how many users"),
+    ("quant", "report"): ("kvserve.server.quant_report", "quantization quality report (error, perplexity, agreement)"),
 }
 
 

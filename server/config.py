@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.drafters import Drafter
-from engine.options import Device, DType
-from kvcache.sizing import parse_bytes
-from quant.options import Scheme
-from scheduler.policies import Policy
+from kvserve.engine.drafters import Drafter
+from kvserve.engine.options import Device, DType
+from kvserve.kvcache.sizing import parse_bytes
+from kvserve.quant.options import Scheme
+from kvserve.scheduler.policies import Policy
 
 AUTO_MAX_DRAFT = 8  # --num-speculative-tokens auto: the longest draft one sequence verifies in a step
 

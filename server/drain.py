@@ -24,7 +24,7 @@ from types import FrameType
 
 import uvicorn
 
-from server.errors import ApiError
+from kvserve.server.errors import ApiError
 
 log = logging.getLogger("kvserve.drain")
 
@@ -123,7 +123,7 @@ class DrainingServer(uvicorn.Server):
         at_start = self.drain.inflight
         while self.drain.inflight > 0 and time.monotonic() - start < self.drain.grace_s and not self.should_exit:
             await asyncio.sleep(_POLL_S)
-        # one line with the outcome (python -m loadtest cluster reads it from the replica's log)
+        # one line with the outcome (python -m kvserve.loadtest cluster reads it from the replica's log)
         log.log(logging.WARNING if self.drain.inflight else logging.INFO,
                 "drain done in %.2f s: %d of %d in-flight request(s) finished, %d cut, %d new refused",
                 time.monotonic() - start, at_start - self.drain.inflight, at_start, self.drain.inflight,

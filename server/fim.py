@@ -8,7 +8,7 @@ Qwen2.5-Coder ``<|fim_prefix|>``, CodeLlama ``<PRE>``, DeepSeek-Coder ``<ï½œfimâ
 
 from __future__ import annotations
 
-from server.errors import ApiError
+from kvserve.server.errors import ApiError
 
 # (before the prefix, before the suffix, before the middle the model writes)
 _LAYOUTS = (

@@ -26,11 +26,11 @@ import dataclasses
 import time
 from collections.abc import AsyncIterator
 
-from engine.plan import TokenLogprob
-from scheduler.sequence import SeqEvent, Sequence
-from server.choice import Choice, ChoiceUpdate
-from server.prepare import Prepared
-from server.state import ServerState
+from kvserve.engine.plan import TokenLogprob
+from kvserve.scheduler.sequence import SeqEvent, Sequence
+from kvserve.server.choice import Choice, ChoiceUpdate
+from kvserve.server.prepare import Prepared
+from kvserve.server.state import ServerState
 
 
 class Generation:

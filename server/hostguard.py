@@ -15,7 +15,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 
-from server.errors import ApiError
+from kvserve.server.errors import ApiError
 
 
 def is_loopback(name: str) -> bool:

@@ -15,8 +15,8 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from scheduler.sequence import Sequence
-from scheduler.service import SchedulerService
+from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.service import SchedulerService
 
 _P = "kvserve:"
 VLLM_PREFIX = "vllm:"

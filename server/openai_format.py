@@ -7,10 +7,10 @@ from functools import cache
 
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from engine.plan import TokenLogprob
-from server.choice import ChoiceUpdate
-from server.generation import Generation
-from server.tools import ToolCallStream
+from kvserve.engine.plan import TokenLogprob
+from kvserve.server.choice import ChoiceUpdate
+from kvserve.server.generation import Generation
+from kvserve.server.tools import ToolCallStream
 
 
 @cache

@@ -11,12 +11,12 @@ from dataclasses import dataclass
 
 from jinja2.exceptions import TemplateError
 
-from engine.plan import SamplingParams
-from server import tools
-from server.errors import ApiError
-from server.fim import fim_prompt
-from server.schemas import ChatCompletionRequest, CompletionRequest
-from server.state import ServerState
+from kvserve.engine.plan import SamplingParams
+from kvserve.server import tools
+from kvserve.server.errors import ApiError
+from kvserve.server.fim import fim_prompt
+from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvserve.server.state import ServerState
 
 
 @dataclass(slots=True)

@@ -14,12 +14,12 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Callable
 
-from engine.plan import TokenLogprob
-from server.choice import ChoiceUpdate
-from server.generation import Generation
-from server.prepare import Prepared, prepare
-from server.schemas import CompletionRequest
-from server.state import ServerState
+from kvserve.engine.plan import TokenLogprob
+from kvserve.server.choice import ChoiceUpdate
+from kvserve.server.generation import Generation
+from kvserve.server.prepare import Prepared, prepare
+from kvserve.server.schemas import CompletionRequest
+from kvserve.server.state import ServerState
 
 
 def prepare_prompts(state: ServerState, request: CompletionRequest) -> list[Prepared]:

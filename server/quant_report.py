@@ -19,8 +19,8 @@ def run(args: argparse.Namespace) -> int:
     """Load the model in float32 on CPU, measure, print (and write) the report."""
     import copy
 
-    from engine.loader import Device, DType, load_model
-    from quant.report import collect, render
+    from kvserve.engine.loader import Device, DType, load_model
+    from kvserve.quant.report import collect, render
 
     loaded = load_model(args.model, DType.FLOAT32, Device.CPU)
     model = copy.deepcopy(loaded.model)

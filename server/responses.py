@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
 from sse_starlette.sse import EventSourceResponse
 
-from server.errors import ApiError
-from server.generation import Generation
-from server.schemas import ChatCompletionRequest, _NullMeansDefault
-from server.state import ServerState
+from kvserve.server.errors import ApiError
+from kvserve.server.generation import Generation
+from kvserve.server.schemas import ChatCompletionRequest, _NullMeansDefault
+from kvserve.server.state import ServerState
 
 
 class InputPart(_NullMeansDefault):

@@ -6,11 +6,11 @@ import argparse
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from kvcache.sizing import parse_bytes
-from engine.drafters import Drafter
-from quant.options import Scheme
-from server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
-from server.httpserver import uvicorn_config, uvicorn_impls
+from kvserve.kvcache.sizing import parse_bytes
+from kvserve.engine.drafters import Drafter
+from kvserve.quant.options import Scheme
+from kvserve.server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
+from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
 
 log = logging.getLogger("kvserve")
 
@@ -112,14 +112,14 @@ def _host_list(text: str) -> tuple[str, ...]:
 
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):
     """Load and (optionally) quantize the model, then build the ServerState (steps run on ``executor``)."""
-    from engine.loader import load_model
-    from server.state import ServerState
+    from kvserve.engine.loader import load_model
+    from kvserve.server.state import ServerState
 
     loaded = load_model(config.model, config.dtype, config.device,
                         quantized=config.quantization is not Scheme.NONE, allow_pickle=config.allow_pickle)
     log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
     if config.quantization is not Scheme.NONE:
-        from quant.model import quantize_for_serving
+        from kvserve.quant.model import quantize_for_serving
 
         summary = quantize_for_serving(loaded.model, config.quantization, loaded.tokenizer)
         log.info("quantized: %s", summary.describe())
@@ -135,7 +135,7 @@ def load_draft(config: ServeConfig, served):
     Raises:
         ValueError: as ``load_model``; or the draft's tokenizer maps text to other ids than the served model's.
     """
-    from engine.loader import load_model
+    from kvserve.engine.loader import load_model
 
     scheme = config.draft_scheme
     draft = load_model(config.draft_model or config.model, config.dtype, config.device,
@@ -144,7 +144,7 @@ def load_draft(config: ServeConfig, served):
         raise ValueError(f"the draft model {draft.name} has another tokenizer than {served.name}: its drafts would "
                          "be other tokens")
     if scheme is not Scheme.NONE:
-        from quant.model import quantize_for_serving
+        from kvserve.quant.model import quantize_for_serving
 
         summary = quantize_for_serving(draft.model, scheme)
         log.info("draft model %s quantized: %s", draft.name, summary.describe())
@@ -154,8 +154,8 @@ def load_draft(config: ServeConfig, served):
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.app import create_app
-    from server.drain import Drain, DrainingServer
+    from kvserve.server.app import create_app
+    from kvserve.server.drain import Drain, DrainingServer
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
@@ -168,7 +168,7 @@ def run(args: argparse.Namespace) -> int:
     # All torch work (loading, pool allocation, every step) runs on this one thread. A parallel region on
     # the main thread too would start a second OpenMP team; libgomp then counts more threads than CPUs,
     # stops spinning between regions and sleeps on futexes instead: at batch 8 on 2 cores, 93 ms per decode
-    # step instead of 66 ms, CPU use 137% instead of 199% (`python -m loadtest.kernelbench --threads`).
+    # step instead of 66 ms, CPU use 137% instead of 199% (`python -m kvserve.loadtest.kernelbench --threads`).
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
     try:
         state = engine_thread.submit(build_state, config, engine_thread).result()

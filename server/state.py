@@ -10,20 +10,20 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from engine.constraints import GrammarCompiler
-from engine.draft_model import ModelDrafter
-from engine.drafters import Drafter, NgramDrafter
-from engine.loader import LoadedModel
-from engine.plan import StepPlan
-from engine.runner import ModelRunner
-from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool
-from kvcache.sizing import num_blocks_for_budget, parse_bytes
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.service import SchedulerService
-from scheduler.speculation import DraftPolicy, StepCost
-from server.config import AUTO_MAX_DRAFT, ServeConfig
-from server.metrics import Metrics
+from kvserve.engine.constraints import GrammarCompiler
+from kvserve.engine.draft_model import ModelDrafter
+from kvserve.engine.drafters import Drafter, NgramDrafter
+from kvserve.engine.loader import LoadedModel
+from kvserve.engine.plan import StepPlan
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.pool import KVPool
+from kvserve.kvcache.sizing import num_blocks_for_budget, parse_bytes
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.service import SchedulerService
+from kvserve.scheduler.speculation import DraftPolicy, StepCost
+from kvserve.server.config import AUTO_MAX_DRAFT, ServeConfig
+from kvserve.server.metrics import Metrics
 
 log = logging.getLogger("kvserve.server")
 

@@ -20,9 +20,9 @@ import json
 
 import jsonschema
 
-from engine.constraints import Grammar, GrammarError, GrammarSpec
-from server import tools
-from server.errors import ApiError
+from kvserve.engine.constraints import Grammar, GrammarError, GrammarSpec
+from kvserve.server import tools
+from kvserve.server.errors import ApiError
 
 MAX_SCHEMA_BYTES = 65_536   # a schema's JSON text; the largest real-world ones are a few kB
 MAX_SCHEMA_DEPTH = 32       # nesting of objects/arrays in the schema document

@@ -21,8 +21,8 @@ from functools import cache
 import jinja2
 import jinja2.meta
 
-from engine.constraints import JSON_OPTIONS, GrammarSpec
-from server.errors import ApiError
+from kvserve.engine.constraints import JSON_OPTIONS, GrammarSpec
+from kvserve.server.errors import ApiError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -83,7 +83,7 @@ def forced_grammar(body) -> GrammarSpec | None:
         return None
     if isinstance(choice, dict):
         fns = [f for f in fns if f["name"] == choice["function"]["name"]]
-    from server.structured import json_schema_spec  # checks each parameter schema like a response_format's
+    from kvserve.server.structured import json_schema_spec  # checks each parameter schema like a response_format's
     alternatives = []
     for index, f in enumerate(fns):
         json_schema_spec(f["parameters"], f"tools.{index}.function.parameters")

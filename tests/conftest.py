@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from server.config import ServeConfig
+from kvserve.server.config import ServeConfig
 from tests.serverutil import running_server
 
 
 @pytest.fixture(scope="session")
 def smollm2():
     """The embedded SmolLM2-135M-Instruct in float32 on CPU, wired to paged attention. Never mutate it."""
-    from engine.loader import Device, DType, load_model
+    from kvserve.engine.loader import Device, DType, load_model
 
     return load_model(None, DType.FLOAT32, Device.CPU)
 

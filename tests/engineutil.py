@@ -7,13 +7,13 @@ import copy
 import torch
 import transformers
 
-from engine.plan import SamplingParams, SeqWork, StepPlan
-from engine.runner import ModelRunner
-from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool
-from scheduler.offline import run_offline
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import Sequence
+from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.pool import KVPool
+from kvserve.scheduler.offline import run_offline
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.sequence import Sequence
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 4  # block size of run_both's pool

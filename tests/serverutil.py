@@ -10,11 +10,11 @@ import time
 import httpx
 import uvicorn
 
-from engine.loader import LoadedModel
-from server.app import create_app
-from server.config import ServeConfig
-from server.httpserver import uvicorn_config
-from server.state import ServerState
+from kvserve.engine.loader import LoadedModel
+from kvserve.server.app import create_app
+from kvserve.server.config import ServeConfig
+from kvserve.server.httpserver import uvicorn_config
+from kvserve.server.state import ServerState
 
 
 def free_port() -> int:

@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from server.config import ServeConfig
+from kvserve.server.config import ServeConfig
 from tests.serverutil import running_server
 
 CHAT = "/v1/chat/completions"
@@ -195,7 +195,7 @@ def test_what_openai_accepts_is_still_served(server_url):
 # -- 6 and 7: Host guard, 401 challenge, idle connections, max_model_len -------------------------------------
 
 def test_host_policy_names():
-    from server.hostguard import HostPolicy
+    from kvserve.server.hostguard import HostPolicy
 
     loopback = HostPolicy.for_server("127.0.0.1", None)
     assert all(loopback.allows(h) for h in ("localhost", "localhost:8000", "127.0.0.1:1", "127.1.2.3", "[::1]:80",
@@ -281,8 +281,8 @@ def test_idle_and_half_header_connections_are_closed_and_never_block_a_request(g
 
 def test_an_assistant_turn_with_tool_calls_renders_its_calls_not_an_empty_turn():
     """Issue 26.5's case, now served (issue 24): the call reaches the template as text, with its arguments."""
-    from server import tools
-    from server.schemas import ChatCompletionRequest
+    from kvserve.server import tools
+    from kvserve.server.schemas import ChatCompletionRequest
 
     body = ChatCompletionRequest(messages=[
         {"role": "user", "content": "Weather in Paris?"},

@@ -20,9 +20,9 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from clients import AsyncKVServeClient, KVServeClient, KVServeError, ServerTimings
-from clients.cli import main as cli_main
-from clients.stream import parse_retry_after
+from kvserve.clients import AsyncKVServeClient, KVServeClient, KVServeError, ServerTimings
+from kvserve.clients.cli import main as cli_main
+from kvserve.clients.stream import parse_retry_after
 
 PIECES = ["Hel", "lo", ",", " wor", "ld", " 😀", " 中文"]
 TEXT = "".join(PIECES)
@@ -264,7 +264,7 @@ def test_live_server_stream_matches_non_streamed(server_url):
 
 
 def test_live_full_queue_gives_429_with_retry_after(smollm2, capsys):
-    from server.config import ServeConfig
+    from kvserve.server.config import ServeConfig
     from tests.serverutil import running_server
 
     with running_server(smollm2, ServeConfig(kv_cache_memory="16MiB", max_queue=0)) as url:

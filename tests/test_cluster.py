@@ -1,4 +1,4 @@
-"""Replicas behind vllm-router, on real processes (``python -m loadtest cluster``, short): cache-aware routing
+"""Replicas behind vllm-router, on real processes (``python -m kvserve.loadtest cluster``, short): cache-aware routing
 keeps conversations' prefixes cached, a killed replica costs only the requests already on it, a SIGTERMed
 replica finishes its streams while new requests go elsewhere. And the drain's HTTP side in-process.
 
@@ -16,10 +16,10 @@ import httpx
 import pytest
 import uvicorn
 
-from server.app import create_app
-from server.config import ServeConfig
-from server.drain import Drain
-from server.state import ServerState
+from kvserve.server.app import create_app
+from kvserve.server.config import ServeConfig
+from kvserve.server.drain import Drain
+from kvserve.server.state import ServerState
 from tests.serverutil import free_port
 
 CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
@@ -104,8 +104,8 @@ def test_router_retries_a_full_queues_429_and_a_draining_replicas_503_on_another
     Retry-After) make vllm-router try another worker: the client sees only 200s."""
     from fastapi.responses import JSONResponse
 
-    from loadtest.clusterproc import Cluster, Proc, router_binary
-    from server.errors import ApiError
+    from kvserve.loadtest.clusterproc import Cluster, Proc, router_binary
+    from kvserve.server.errors import ApiError
 
     try:
         router_binary()
@@ -135,7 +135,7 @@ def test_router_retries_a_full_queues_429_and_a_draining_replicas_503_on_another
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from loadtest.clusterproc import router_binary, serve_flags, start_cluster
+    from kvserve.loadtest.clusterproc import router_binary, serve_flags, start_cluster
 
     try:
         router_binary()
@@ -156,7 +156,7 @@ WORKLOAD = dict(conversations=6, turns=3, concurrency=2, max_tokens=4, opening_w
 
 
 def test_cache_aware_routing_doubles_the_prefix_hit_rate_of_round_robin(cluster):
-    from loadtest.cluster import Workload, measure_policy
+    from kvserve.loadtest.cluster import Workload, measure_policy
 
     workload = Workload(**WORKLOAD)
     round_robin = measure_policy(cluster, "round_robin", workload, deadline_s=90)
@@ -170,7 +170,7 @@ def test_cache_aware_routing_doubles_the_prefix_hit_rate_of_round_robin(cluster)
 
 
 def test_killed_replica_costs_only_its_own_requests_and_drained_replica_finishes_its_streams(cluster):
-    from loadtest.cluster import Workload, measure_drain, measure_failover
+    from kvserve.loadtest.cluster import Workload, measure_drain, measure_failover
 
     workload = Workload(**{**WORKLOAD, "conversations": 4, "max_tokens": 12})
     kill = measure_failover(cluster, workload, deadline_s=90, after_requests=1)

@@ -13,11 +13,11 @@ import os
 import pytest
 import torch
 
-from engine.loader import wrap_model
-from engine.plan import SamplingParams, SeqWork, StepPlan
-from engine.runner import ModelRunner
-from kvcache.pool import KVPool
-from quant.model import quantize_model
+from kvserve.engine.loader import wrap_model
+from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.pool import KVPool
+from kvserve.quant.model import quantize_model
 from tests.engineutil import engine_greedy, reference_greedy, reference_model
 from tests.engineutil import run_both, tiny
 

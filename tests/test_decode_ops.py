@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.rope import Rope
-from engine.loader import wrap_model
-import kernels
+from kvserve.engine.rope import Rope
+from kvserve.engine.loader import wrap_model
+from kvserve import kernels
 from tests.engineutil import run_both, tiny
 
 ops = kernels.load_ops()

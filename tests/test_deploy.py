@@ -29,7 +29,7 @@ import httpx
 import pytest
 import yaml
 
-from kvcache.sizing import parse_bytes
+from kvserve.kvcache.sizing import parse_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 DEPLOY = ROOT / "deploy"
@@ -97,7 +97,7 @@ def run_entrypoint(tmp_path: Path, env: dict[str, str], *args: str) -> tuple[int
 
 def serve_parser() -> argparse.ArgumentParser:
     """The real ``kvserve serve`` parser."""
-    from server.serve import add_arguments
+    from kvserve.server.serve import add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -164,7 +164,7 @@ def test_entrypoint_dry_run_prints_a_given_command_too(switch):
 
 
 def test_serve_refuses_out_of_range_values_in_one_line(caplog):
-    from server.cli import main as cli_main
+    from kvserve.server.cli import main as cli_main
 
     for argv in (["--port", "83866"], ["--port", "0"], ["--max-model-len", "0"], ["--sse-ping-seconds", "-1"],
                  ["--kv-cache-memory", "1XB"], ["--kv-cache-memory=-1GiB"]):
@@ -418,7 +418,7 @@ def test_dockerfile_heavy_stages_copy_only_their_inputs():
 
 def test_convert_model_names_its_output_as_the_loader_does(tmp_path, monkeypatch):
     """docker/convert_model.py converts without kvserve's code; kvserve must find its output and convert nothing."""
-    from engine import loader
+    from kvserve.engine import loader
     spec = importlib.util.spec_from_file_location("convert_model", ROOT / "docker" / "convert_model.py")
     convert_model = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(convert_model)
@@ -438,15 +438,15 @@ def test_dockerfile_python_steps_name_real_functions():
     """The build-time ``from X import Y`` steps (model conversion, kernel build) name code that exists."""
     runs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
     imports = re.findall(r"from ([\w.]+) import (\w+)", runs)
-    assert {module for module, _ in imports} == {"engine.loader", "kernels"}
+    assert {module for module, _ in imports} == {"kvserve.engine.loader", "kvserve.kernels"}
     for module, name in imports:
         assert callable(getattr(importlib.import_module(module), name)), f"{module}.{name}"
 
 
 def test_docker_context_holds_every_package():
     """Every package pyproject installs is copied by the Dockerfile and allowed by .dockerignore."""
-    include = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
-    packages = {pattern.rstrip("*") for pattern in include}
+    package_dir = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    packages = set(package_dir.values())
     sources = {word for op, args in dockerfile_instructions() if op == "COPY" and "--from" not in args
                for word in args.split()[:-1] if not word.startswith("--")}
     allowed = {line[1:].rstrip("/") for line in (ROOT / ".dockerignore").read_text().splitlines()
@@ -619,7 +619,7 @@ def test_serve_runs_uvicorn_on_uvloop_and_httptools(monkeypatch):
     without them serve falls back to asyncio and h11 rather than failing."""
     import importlib.util
 
-    from server.serve import uvicorn_impls
+    from kvserve.server.serve import uvicorn_impls
 
     assert uvicorn_impls() == {"loop": "uvloop", "http": "httptools"}
     real = importlib.util.find_spec

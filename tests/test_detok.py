@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.detok import IncrementalDetokenizer, StopStringMatcher
+from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher
 
 TEXTS = [
     "Joy! 😀🎉🥳 and more 👨‍👩‍👧 family",

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from engine.loader import wrap_model
+from kvserve.engine.loader import wrap_model
 from tests.engineutil import engine_greedy, greedy_references, reference_greedy, reference_model
 
 PROMPTS = [

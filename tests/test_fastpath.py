@@ -8,14 +8,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine.loader import wrap_model
-from engine.plan import SeqWork, StepPlan
-from engine.rope import ROPE_TABLE_POSITIONS
-from engine.runner import ModelRunner
-from kvcache.pool import KVPool
-import kernels
-from quant.linear import Int4Linear, Int8Linear, concat_outputs
-from quant.model import quantize_model
+from kvserve.engine.loader import wrap_model
+from kvserve.engine.plan import SeqWork, StepPlan
+from kvserve.engine.rope import ROPE_TABLE_POSITIONS
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.pool import KVPool
+from kvserve import kernels
+from kvserve.quant.linear import Int4Linear, Int8Linear, concat_outputs
+from kvserve.quant.model import quantize_model
 from tests.engineutil import BLOCK, GREEDY, engine_greedy, reference_greedy, reference_model, run_both, tiny
 
 
@@ -88,7 +88,7 @@ def test_concat_outputs_is_exact_and_shares_codes(layer_class):
 
 @pytest.mark.parametrize("rows,k", [(1, 576), (5, 64), (32, 48), (3, 20)])
 def test_f32_linear_kernel_matches_torch(rows, k):
-    import kernels
+    from kvserve import kernels
     kernel = kernels.load()
     if kernel is None:
         pytest.skip("kernels not built on this machine")
@@ -231,7 +231,7 @@ def test_loading_a_model_on_cpu_loads_the_kernels_before_any_request(smollm2, tm
 
     tiny("llama").save_pretrained(tmp_path)
     smollm2.tokenizer.save_pretrained(tmp_path)
-    code = ("import kernels; from engine.loader import load_model, DType, Device; "
+    code = ("from kvserve import kernels; from kvserve.engine.loader import load_model, DType, Device; "
             f"load_model({str(tmp_path)!r}, DType.FLOAT32, Device.CPU); "
             "print(sorted(name for name, module in kernels._state.items() if module is not None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import kernels
+from kvserve import kernels
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -45,13 +45,13 @@ def test_the_best_path_this_cpu_supports_runs_by_default(monkeypatch):
 
 @needs_kernels
 def test_kvserve_isa_forces_the_scalar_path():
-    done = _python("import kernels; print(kernels.isa()); print(kernels.load().vectorized())", KVSERVE_ISA="scalar")
+    done = _python("from kvserve import kernels; print(kernels.isa()); print(kernels.load().vectorized())", KVSERVE_ISA="scalar")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["scalar (forced by KVSERVE_ISA)", "False"]
 
 
 def test_an_unknown_isa_is_refused_with_the_choices():
-    done = _python("import kernels; kernels.load()", KVSERVE_ISA="avx9000")
+    done = _python("from kvserve import kernels; kernels.load()", KVSERVE_ISA="avx9000")
     assert done.returncode != 0
     assert "KVSERVE_ISA='avx9000': expected one of scalar, avx2" in done.stderr
 

@@ -6,10 +6,10 @@ import pytest
 import torch
 import transformers
 
-from engine.loader import kv_shape_of
-from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool
-from kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
+from kvserve.engine.loader import kv_shape_of
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.pool import KVPool
+from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
 
 
 def test_allocate_takes_blocks_in_order_and_frees_tail_first():
@@ -72,7 +72,7 @@ def test_chained_hash_needs_the_same_parent():
 
 
 def test_collision_is_caught_by_comparing_tokens(monkeypatch):
-    import kvcache.block_manager as module
+    import kvserve.kvcache.block_manager as module
 
     monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: 42)  # every block collides
     bm = BlockManager(num_blocks=4, block_size=2)
@@ -109,7 +109,7 @@ def test_freed_cached_blocks_are_reused_on_hit_and_evicted_lru():
 def test_each_full_block_is_hashed_once_across_steps(monkeypatch):
     """Decode-style steps (one token each) hash only the block a step filled, and the chain matches a
     from-scratch walk: a second sequence with the same tokens hits every full block."""
-    import kvcache.block_manager as module
+    import kvserve.kvcache.block_manager as module
 
     calls: list[tuple[int, ...]] = []
     real = module.chain_hash

@@ -6,8 +6,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.loader import wrap_model
-from loadtest import macs, tables
+from kvserve.engine.loader import wrap_model
+from kvserve.loadtest import macs, tables
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_engine_sweeps_on_smollm2(smollm2):
 
 
 def test_profile_categories():
-    from loadtest.profile_step import _category
+    from kvserve.loadtest.profile_step import _category
 
     assert _category("aten::addmm") == "projections (linear/matmul)"
     assert _category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention (SDPA)"
@@ -71,12 +71,12 @@ def test_profile_categories():
 
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkeypatch, capsys):
-    """`python -m loadtest profile --quantization X` quantizes as serve does, and the C++ kernels' time lands
+    """`python -m kvserve.loadtest profile --quantization X` quantizes as serve does, and the C++ kernels' time lands
     in the projections row (labelled, not lost in the Python/dispatch remainder)."""
-    from loadtest import enginebench
-    from loadtest.__main__ import main as loadtest_main
-    import kernels
-    from quant.linear import QuantLinear
+    from kvserve.loadtest import enginebench
+    from kvserve.loadtest.__main__ import main as loadtest_main
+    from kvserve import kernels
+    from kvserve.quant.linear import QuantLinear
 
     if kernels.load() is None:
         pytest.skip("no C++ kernels here")

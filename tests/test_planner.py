@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from planner.capacity import (ALIASES, PRESETS, KVDType, ModelSpec, PlanConfig, add_arguments, plan, run,
+from kvserve.planner.capacity import (ALIASES, PRESETS, KVDType, ModelSpec, PlanConfig, add_arguments, plan, run,
                              spec_from_hf_dir)
-from kvcache.sizing import KVShape
+from kvserve.kvcache.sizing import KVShape
 
 GiB = 2**30
 
@@ -161,7 +161,7 @@ def test_contexts_beyond_the_models_own_are_not_counted(tmp_path, capsys):
 
 
 def test_kvserve_plan_through_the_cli_dispatcher(capsys):
-    from server.cli import main
+    from kvserve.server.cli import main
 
     assert main(["plan", "--preset", "70b", "--memory", "80GiB", "--kv-dtype", "fp8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -172,7 +172,7 @@ def test_kvserve_plan_through_the_cli_dispatcher(capsys):
 
 
 def test_serve_refuses_bad_options_with_a_message_not_a_traceback(tmp_path, caplog):
-    from server.cli import main as kvserve_main
+    from kvserve.server.cli import main as kvserve_main
     assert kvserve_main(["serve", "--model", str(tmp_path / "missing")]) == 2
     assert "not a Hugging Face model directory" in caplog.text
     assert kvserve_main(["serve", "--block-size", "0"]) == 2

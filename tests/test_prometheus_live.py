@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from server.config import ServeConfig
+from kvserve.server.config import ServeConfig
 from tests.serverutil import free_port, running_server
 
 ROOT = Path(__file__).resolve().parent.parent

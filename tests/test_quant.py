@@ -12,10 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-import kernels
-from quant.linear import Int4Linear, Int8Linear, Layout, NF4Linear, QuantLinear, concat_outputs
-from quant.model import projection_names, quantize_model, serving_quantizes_head
-from quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
+from kvserve import kernels
+from kvserve.quant.linear import Int4Linear, Int8Linear, Layout, NF4Linear, QuantLinear, concat_outputs
+from kvserve.quant.model import projection_names, quantize_model, serving_quantizes_head
+from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
                            dequantize_nf4, fake_quantize, pack_int8_panels, pack_nibble_panels, pack_nibbles,
                            quantize_activations, quantize_int, quantize_nf4, relative_error, unpack_int8_panels,
                            unpack_nibble_panels, unpack_nibbles)
@@ -406,8 +406,8 @@ def test_non_finite_activations_stay_non_finite():
 
 
 def test_agreement_and_reference_margins_on_a_tiny_model():
-    from quant import quality
-    from quant.report import _margin_cell
+    from kvserve.quant import quality
+    from kvserve.quant.report import _margin_cell
     from tests.engineutil import tiny
 
     model = tiny("llama").eval()
@@ -431,7 +431,7 @@ def test_agreement_and_reference_margins_on_a_tiny_model():
 
 
 def test_heldout_top1_agreement_is_taken_from_the_perplexity_forward():
-    from quant import quality
+    from kvserve.quant import quality
     from tests.engineutil import tiny
 
     model = tiny("llama").eval()
@@ -540,7 +540,7 @@ def test_gptq_keeps_the_absmax_grid_and_lowers_the_output_error(spec):
 
 
 def test_input_hessians_skip_padding_and_share_one_input():
-    from quant.gptq import stream_hessians
+    from kvserve.quant.gptq import stream_hessians
     from tests.engineutil import tiny
 
     model = tiny("llama")
@@ -566,7 +566,7 @@ def test_input_hessians_skip_padding_and_share_one_input():
 
 
 def test_quantize_model_with_a_calibration_rounds_each_layer_by_its_hessian():
-    from quant.gptq import stream_hessians
+    from kvserve.quant.gptq import stream_hessians
     from tests.engineutil import tiny
 
     model = tiny("llama")
@@ -590,8 +590,8 @@ def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypat
     # a tiny model with SmolLM2's vocabulary, so SmolLM2's tokenizer and chat template write its replies
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from quant import gptq
-    from quant.model import quantize_for_serving
+    from kvserve.quant import gptq
+    from kvserve.quant.model import quantize_for_serving
 
     config = LlamaConfig(vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128,
                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -629,7 +629,7 @@ def test_serving_int8_is_calibrated_on_the_models_own_replies(smollm2, monkeypat
 
 
 def test_quality_table_rows_have_every_column():
-    from quant.report import quality_table
+    from kvserve.quant.report import quality_table
 
     base = {"model_weight_bytes": 2**20, "perplexity": 20.0, "facts_right": 16, "margins": [0.1, 1.0, 2.0]}
     row = {"label": "int8/row+gptq", "serving": True, "bits_per_weight": 8.0, "model_weight_bytes": 2**19,
@@ -642,8 +642,8 @@ def test_quality_table_rows_have_every_column():
 
 
 def test_auto_dtype_keeps_float32_activations_for_quantized_weights_on_a_cpu(monkeypatch):
-    from engine import loader
-    from engine.loader import DType, resolve_dtype
+    from kvserve.engine import loader
+    from kvserve.engine.loader import DType, resolve_dtype
 
     cpu = torch.device("cpu")
     for native_bf16 in (True, False):
@@ -657,7 +657,7 @@ def test_auto_dtype_keeps_float32_activations_for_quantized_weights_on_a_cpu(mon
 def test_gptq_dead_inputs_do_not_change_the_live_columns_codes():
     # an input that was always zero has H[j, j] = 0; its stand-in diagonal must not skew the damping, so the
     # live columns get exactly the codes they get when the dead input is not there at all
-    from quant.gptq import gptq_codes
+    from kvserve.quant.gptq import gptq_codes
 
     torch.manual_seed(1)
     w = torch.randn(16, 33)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import runner as runner_module
-from engine.plan import SamplingParams, SeqWork, StepPlan
-from engine.sampling import greedy_tokens, sample_token
+from kvserve.engine import runner as runner_module
+from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.engine.sampling import greedy_tokens, sample_token
 from tests.engineutil import tiny
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -35,9 +35,9 @@ def test_greedy_tokens_equal_sample_token_row_by_row():
 
 
 def test_a_step_batches_plain_greedy_rows_and_samples_the_rest_alone(monkeypatch):
-    from engine.loader import wrap_model
-    from engine.runner import ModelRunner
-    from kvcache.pool import KVPool
+    from kvserve.engine.loader import wrap_model
+    from kvserve.engine.runner import ModelRunner
+    from kvserve.kvcache.pool import KVPool
 
     loaded = wrap_model(tiny("llama"), tokenizer=None, name="llama")
     runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 16, 4, loaded.dtype))

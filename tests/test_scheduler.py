@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
-from kvcache.block_manager import BlockManager
-from scheduler.offline import run_offline
-from scheduler.policies import Policy
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import FinishReason, SeqStatus, Sequence
+from kvserve.engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.scheduler.offline import run_offline
+from kvserve.scheduler.policies import Policy
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.sequence import FinishReason, SeqStatus, Sequence
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -139,7 +139,7 @@ def test_drain_rate_is_measured_on_the_busy_clock(monkeypatch):
     """Sequences finishing every 0.5 s of work drain at 2/s, and idle time between two bursts does not dilute it."""
     import types
 
-    import scheduler.finish_rate as module
+    import kvserve.scheduler.finish_rate as module
 
     clock = [100.0]
     monkeypatch.setattr(module, "time", types.SimpleNamespace(perf_counter=lambda: clock[0]))
@@ -193,7 +193,7 @@ def test_a_sampling_error_ends_only_its_own_sequence():
 
 def test_drain_rate_ignores_idle_time(monkeypatch):
     """Retry-After divides the queue by this rate: time with nothing to do must not dilute it."""
-    import scheduler.finish_rate as finish_rate_module
+    import kvserve.scheduler.finish_rate as finish_rate_module
 
     now = [100.0]
     monkeypatch.setattr(finish_rate_module.time, "perf_counter", lambda: now[0])

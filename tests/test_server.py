@@ -360,7 +360,7 @@ def test_text_offset_skips_generated_special_tokens(server_url):
 
 
 def test_step_log_and_step_counters(smollm2, tmp_path):
-    from server.config import ServeConfig
+    from kvserve.server.config import ServeConfig
     from tests.serverutil import running_server
     log = tmp_path / "steps.jsonl"
     with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB", step_log=str(log))) as url:
@@ -380,7 +380,7 @@ def test_step_log_and_step_counters(smollm2, tmp_path):
 
 
 def test_a_failing_step_log_never_stops_serving(smollm2):
-    from server.config import ServeConfig
+    from kvserve.server.config import ServeConfig
     from tests.serverutil import running_server
     with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB", step_log="/dev/full")) as url:  # ENOSPC
         for _ in range(2):
@@ -391,7 +391,7 @@ def test_a_failing_step_log_never_stops_serving(smollm2):
 
 
 def test_a_one_token_prompt_chunk_is_prefill_not_decode():
-    from engine.plan import SamplingParams, SeqWork
+    from kvserve.engine.plan import SamplingParams, SeqWork
     greedy = SamplingParams(temperature=0.0)
     chunk = SeqWork(0, [14], 4, [0], [4], True, greedy, [10, 11, 12, 13, 14], [])  # last prompt token
     decode = SeqWork(0, [99], 5, [0], [5], True, greedy, [10, 11, 12, 13, 14], [99])
@@ -426,9 +426,9 @@ def test_chat_without_a_usable_template_is_a_400_not_a_500(smollm2):
     import copy
     from types import SimpleNamespace
 
-    from server.errors import ApiError
-    from server.prepare import chat_prompt_ids
-    from server.schemas import ChatCompletionRequest
+    from kvserve.server.errors import ApiError
+    from kvserve.server.prepare import chat_prompt_ids
+    from kvserve.server.schemas import ChatCompletionRequest
 
     messages = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]}).messages
     tokenizer = copy.deepcopy(smollm2.tokenizer)

@@ -11,9 +11,9 @@ import time
 import httpx
 import pytest
 
-from loadtest.backpressure import disconnect_drill, overload
-from server.config import Policy, ServeConfig
-from server.state import ServerState
+from kvserve.loadtest.backpressure import disconnect_drill, overload
+from kvserve.server.config import Policy, ServeConfig
+from kvserve.server.state import ServerState
 from tests.serverutil import serving
 
 LONG = {"prompt": "Count from 1 to 10000:", "max_tokens": 400, "ignore_eos": True}

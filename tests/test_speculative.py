@@ -17,20 +17,20 @@ import httpx
 import pytest
 import torch
 
-from engine.draft_model import ModelDrafter, common_prefix
-from engine.drafters import DraftRequest, NgramDrafter
-from engine.loader import wrap_model
-from engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
-from engine.runner import ModelRunner
-from kvcache.block_manager import BlockManager
-from kvcache.pool import KVPool
-from scheduler.offline import run_offline
-from scheduler.scheduler import Scheduler, SchedulerConfig
-from scheduler.sequence import FinishReason, Sequence
-from scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
-from server.config import ServeConfig
-from server.serve import load_draft
-from server.state import ServerState
+from kvserve.engine.draft_model import ModelDrafter, common_prefix
+from kvserve.engine.drafters import DraftRequest, NgramDrafter
+from kvserve.engine.loader import wrap_model
+from kvserve.engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.pool import KVPool
+from kvserve.scheduler.offline import run_offline
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.sequence import FinishReason, Sequence
+from kvserve.scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
+from kvserve.server.config import ServeConfig
+from kvserve.server.serve import load_draft
+from kvserve.server.state import ServerState
 from tests.engineutil import EOS, engine_greedy, greedy_references, tiny
 from tests.serverutil import running_server, serving
 

@@ -14,7 +14,7 @@ import pydantic
 import pytest
 import torch
 
-from engine.constraints import GrammarCompiler, GrammarSpec
+from kvserve.engine.constraints import GrammarCompiler, GrammarSpec
 
 SCHEMAS = json.loads((Path(__file__).parent / "data" / "structured_schemas.json").read_text())
 CHAT = "/v1/chat/completions"
@@ -140,8 +140,8 @@ def test_bad_grammars_get_400_naming_the_problem(server_url, body, names):
 
 def test_schema_checks_hold_when_the_same_schema_comes_again():
     """The checks' verdict is cached by schema text: a repeated bad schema is still a 400, a good one passes."""
-    from server.errors import ApiError
-    from server.structured import json_schema_spec
+    from kvserve.server.errors import ApiError
+    from kvserve.server.structured import json_schema_spec
 
     for _ in range(2):
         with pytest.raises(ApiError, match="not a valid JSON Schema"):
@@ -170,8 +170,8 @@ def test_preempted_constrained_requests_validate_and_equal_their_output_alone(sm
     """Four constrained requests in a pool that holds about one and a half of them: the newest are preempted,
     recomputed (in 16-token chunks) and resumed with their matchers; each output still validates and equals
     the same request served alone."""
-    from server.config import ServeConfig
-    from server.state import ServerState
+    from kvserve.server.config import ServeConfig
+    from kvserve.server.state import ServerState
     from tests.serverutil import serving
 
     # 10 blocks of 8 tokens; one request needs ~8 (a 36-token prompt, ~25 tokens of JSON), two need more than 10
@@ -268,7 +268,7 @@ def test_matcher_follows_rollback_as_after_preemption(smollm2):
     compiler = GrammarCompiler(smollm2.tokenizer, [smollm2.tokenizer.eos_token_id])
     grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"])))
     assert compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"]))) is grammar  # cached
-    from engine.constraints import disallowed, fill_masks
+    from kvserve.engine.constraints import disallowed, fill_masks
     ids = smollm2.tokenizer('{"name": "Al", "age": 3', add_special_tokens=False)["input_ids"]
     fresh, moved = grammar.constraint(), grammar.constraint()
     expected = fill_masks([fresh], [ids[:2]])
@@ -287,7 +287,7 @@ def packed(allowed: list[list[bool]]) -> torch.Tensor:
 
 
 def test_bitmask_unpacks_in_token_order():
-    from engine.constraints import disallowed
+    from kvserve.engine.constraints import disallowed
 
     allowed = [[t in (0, 31, 32, 40) for t in range(70)], [t == 69 for t in range(70)]]
     banned = disallowed(packed(allowed))  # [2, 96]
@@ -296,8 +296,8 @@ def test_bitmask_unpacks_in_token_order():
 
 
 def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
-    from engine.constraints import apply_masks
-    from engine.sampling import greedy_tokens, log_softmax
+    from kvserve.engine.constraints import apply_masks
+    from kvserve.engine.sampling import greedy_tokens, log_softmax
 
     logits = torch.tensor([[5.0, 1.0, 3.0, 0.5], [5.0, 1.0, 3.0, 0.5], [0.0, 0.0, 0.0, 9.0]])  # [3, vocab 4]
     allowed = packed([[False, True, True, False], [True, False, False, False]])  # rows 0 and 2 constrained
@@ -313,7 +313,7 @@ def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
 
 def test_cpu_masks_equal_the_torch_path():
     """The in-place numpy path (CPU) against the torch path (other devices), with logits wider than the mask."""
-    from engine.constraints import _apply_torch, apply_masks, disallowed
+    from kvserve.engine.constraints import _apply_torch, apply_masks, disallowed
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 80, generator=generator)  # [rows, model vocab 80]; the mask covers 64
@@ -335,7 +335,7 @@ def test_cpu_masks_equal_the_torch_path():
     ["<tool", '_call>{"na', 'me": "f", "argu', 'ments": {"a": "}', '{", "b": [1, {"c"', ': 2}]}}</tool_', "call>"],
 ])
 def test_tool_call_stream_splits_any_chunking_into_the_same_call(pieces):
-    from server.tools import ToolCallStream
+    from kvserve.server.tools import ToolCallStream
 
     stream = ToolCallStream()
     content, deltas = "", []
@@ -351,7 +351,7 @@ def test_tool_call_stream_splits_any_chunking_into_the_same_call(pieces):
 
 
 def test_plain_reply_with_tools_stays_content():
-    from server.tools import ToolCallStream
+    from kvserve.server.tools import ToolCallStream
 
     stream = ToolCallStream()
     assert stream.feed(" ") == ("", [])  # could still become a call
@@ -361,7 +361,7 @@ def test_plain_reply_with_tools_stays_content():
 
 def test_a_refused_token_leaves_only_eos(smollm2):
     """A matcher in its error state (a token the grammar refuses) allows only EOS, so the sequence ends."""
-    from engine.constraints import disallowed, fill_masks
+    from kvserve.engine.constraints import disallowed, fill_masks
 
     tokenizer = smollm2.tokenizer
     grammar = GrammarCompiler(tokenizer, [tokenizer.eos_token_id]).compile(GrammarSpec("regex", "[0-9]+"))

@@ -136,7 +136,7 @@ def test_best_of_and_suffix_refusals(server_url, path, extra, named):
 
 
 def test_suffix_needs_fim_tokens(server_url, smollm2):
-    from server.fim import fim_tokens
+    from kvserve.server.fim import fim_tokens
 
     response = post(server_url, COMPLETIONS, {"prompt": "def add(a, b):\n", "suffix": "\n    return c\n",
                                               "max_tokens": 4, "temperature": 0})
@@ -147,8 +147,8 @@ def test_suffix_needs_fim_tokens(server_url, smollm2):
 
 
 def test_fim_prompt_layouts():
-    from server.errors import ApiError
-    from server.fim import fim_prompt
+    from kvserve.server.errors import ApiError
+    from kvserve.server.fim import fim_prompt
 
     class Vocab:
         def __init__(self, tokens):
@@ -197,7 +197,7 @@ VLLM_FAMILIES = ("request_prompt_tokens", "request_generation_tokens", "time_per
 def test_metrics_carry_model_name_and_vllms_families_under_both_prefixes(smollm2):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from server.config import ServeConfig
+    from kvserve.server.config import ServeConfig
     from tests.serverutil import running_server
 
     with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB", vllm_metric_names=True)) as url:
