@@ -5,9 +5,9 @@ it, set to emulate a Sapphire Rapids core (AVX-512 F/BW/DQ/VL/VNNI/BF16/FP16, AV
 hardware, it gives the same bits (``vpdpbusd`` with wrap-around, ``vdpbf16ps`` with denormals) at about 40-70
 million instructions a second: a test tool, never a speed figure.
 
-What runs here is a *leaf*: a function of a freestanding shared object (``build_freestanding``) that calls nothing
-outside the object (no libc, no OpenMP, no allocation), has no relocations and takes at most six integer or
-pointer arguments. kvserve's micro-kernels are such leaves taking one pointer to an argument struct::
+What runs here is a *leaf* (kernels/leaves.py: built by ``build_freestanding``, re-exported here with the rest of
+a kernel test's needs): a function that calls nothing outside its object, has no relocations and takes at most
+six integer or pointer arguments. kvserve's micro-kernels are leaves taking one pointer to an argument struct::
 
     so = build_freestanding([CSRC / "emu_probe.c"], "probe")
     with Emulator() as emu:
@@ -31,18 +31,21 @@ from __future__ import annotations
 
 import ctypes
 import enum
-import hashlib
+import functools
 import mmap
-import os
 import struct
-import subprocess
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_SHIM_SOURCE = _CSRC / "emu_isoc23_shim.c"
+from kvserve.kernels.leaves import (CSRC, BuildError, Native, NotALeafError, build_freestanding, build_native,
+                                    cache_dir, check_leaf, compile_shared, host_cpu_flags)
+
+__all__ = ["CSRC", "BuildError", "CpuModel", "Emulator", "EmulatorError", "GuestFault", "Native", "NotALeafError",
+           "available", "build_freestanding", "build_native", "cache_dir", "check_leaf", "host_cpu_flags",
+           "select_cpu_model"]
+
+_SHIM_SOURCE = CSRC / "emu_isoc23_shim.c"
 
 PAGE = 0x1000
 HUGE_PAGE = 0x200000
@@ -78,14 +81,6 @@ class EmulatorError(RuntimeError):
     """The emulator cannot be used as asked (not installed, a second model in one process, guest RAM full)."""
 
 
-class BuildError(RuntimeError):
-    """A compiler failed; the message holds its command and the end of its output."""
-
-
-class NotALeafError(RuntimeError):
-    """A shared object the emulator cannot run: it has relocations or undefined symbols (names them)."""
-
-
 class GuestFault(RuntimeError):
     """The guest raised a CPU exception (#UD, #PF, #GP, ...) inside a call.
 
@@ -103,9 +98,6 @@ class GuestFault(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------------------------- import
-
-
-_bochscpu_state: dict[str, object] = {}
 
 
 def available() -> tuple[bool, str]:
@@ -130,10 +122,9 @@ def _bochscpu_version() -> str:
         return "(version unknown)"
 
 
+@functools.cache  # a failed import raises, and is tried again next time
 def _import_bochscpu():
     """The ``bochscpu`` module, with the glibc shim preloaded where needed. Raises ImportError, OSError, BuildError."""
-    if "module" in _bochscpu_state:
-        return _bochscpu_state["module"]
     import elftools  # noqa: F401  (the loader reads objects with it; refuse early when it is missing)
 
     if not hasattr(ctypes.CDLL(None), "__isoc23_strtoull"):
@@ -143,170 +134,12 @@ def _import_bochscpu():
     import bochscpu.cpu
     import bochscpu.memory
 
-    _bochscpu_state["module"] = bochscpu
     return bochscpu
 
 
 def _glibc_shim() -> Path:
     """The shim's shared library (glibc 2.38's C23 aliases forwarding to the old functions), built once."""
-    return _compile([_SHIM_SOURCE], "isoc23_shim", ["-fPIC", "-shared"], base_command=["cc", "-O2"])
-
-
-# ----------------------------------------------------------------------------------------------------- build
-
-FREESTANDING_FLAGS = ["-O2", "-fPIC", "-ffreestanding", "-fno-stack-protector",
-                      # gcc turns copy and fill loops into memcpy/memset calls even when freestanding
-                      "-fno-tree-loop-distribute-patterns", "-fno-asynchronous-unwind-tables"]
-_CXX_FLAGS = ["-std=c++17", "-fno-exceptions", "-fno-rtti"]
-# -nostdlib: nothing of libc or libgcc; -Bsymbolic: calls between the object's own functions bind inside it,
-# never through the PLT (which would need relocations the emulator's loader does not apply).
-_FREESTANDING_LINK = ["-shared", "-nostdlib", "-Wl,-Bsymbolic"]
-
-
-def cache_dir() -> Path:
-    """Where emulator builds go: ``$KVSERVE_CACHE/emu`` (``~/.cache/kvserve/emu`` by default)."""
-    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "emu"
-
-
-def build_freestanding(sources: list[Path], name: str, defines: dict | None = None,
-                       flags: list | None = None) -> Path:
-    """Compile C/C++ ``sources`` into one freestanding shared object the emulator can load, and check it.
-
-    ``gcc`` (``.c``) or ``g++`` (``.cpp``, ``.cc``) with ``-O2 -ffreestanding -nostdlib -fno-stack-protector``;
-    choose instructions with target attributes in the source or ``-m`` options in ``flags``. Cached under
-    ``cache_dir()``, keyed by the sources' bytes, the headers beside them, the defines and the flags.
-
-    Args:
-        sources: C or C++ files (absolute paths).
-        name: the object's name in the cache (``NAME-HASH.so``).
-        defines: ``-D`` macros, name -> value (None for a bare ``-DNAME``).
-        flags: more compiler flags, e.g. ``["-mavx512f", "-I/path"]``.
-
-    Returns:
-        The shared object's path.
-
-    Raises:
-        BuildError: a compiler failed (its command and output in the message).
-        NotALeafError: the object has relocations or undefined symbols (each named).
-    """
-    extra = [*_define_flags(defines), *(flags or [])]
-    path = _compile(sources, name, extra, compile_flags=FREESTANDING_FLAGS, link_flags=_FREESTANDING_LINK)
-    check_leaf(path)
-    return path
-
-
-def build_native(sources: list[Path], name: str, defines: dict | None = None, flags: list | None = None) -> Path:
-    """Compile the same sources as an ordinary ``-O2 -shared -fPIC`` library for ``ctypes.CDLL`` on this CPU.
-
-    Tests use it to compare a kernel run emulated with the same kernel run natively. Arguments, cache and errors
-    as ``build_freestanding`` (no leaf check: libc may be linked here).
-    """
-    extra = [*_define_flags(defines), *(flags or [])]
-    return _compile(sources, name + "-native", extra, compile_flags=["-O2", "-fPIC"], link_flags=["-shared"])
-
-
-def _define_flags(defines: dict | None) -> list[str]:
-    return [f"-D{key}" if value is None else f"-D{key}={value}" for key, value in (defines or {}).items()]
-
-
-def _compile(sources: list[Path], name: str, flags: list[str], compile_flags: list[str] | None = None,
-             link_flags: list[str] | None = None, base_command: list[str] | None = None) -> Path:
-    """Compile ``sources`` to ``cache_dir()/NAME-HASH.so`` unless that exists; return its path.
-
-    Each source is compiled on its own (gcc for C, g++ for C++), then all are linked with gcc. With
-    ``base_command`` the sources go through that one command instead (``cc -O2 ... -o out``).
-    """
-    sources = [Path(s).resolve() for s in sources]
-    if not sources:
-        raise BuildError(f"{name}: no sources given")
-    command_key = [*(base_command or []), *(compile_flags or []), *(link_flags or []), *flags]
-    target = cache_dir() / f"{name}-{_build_key(sources, command_key)}.so"
-    if target.exists():
-        return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as work:
-        output = Path(work) / target.name
-        if base_command is not None:
-            _run([*base_command, *flags, *map(str, sources), "-o", str(output)])
-        else:
-            objects = []
-            for index, source in enumerate(sources):
-                objects.append(Path(work) / f"{index}-{source.stem}.o")
-                _run([_compiler(source), *compile_flags, *(_CXX_FLAGS if _is_cxx(source) else []), *flags,
-                      "-c", str(source), "-o", str(objects[-1])])
-            _run(["gcc", *link_flags, *map(str, objects), "-o", str(output)])
-        os.replace(output, target)  # atomic: a concurrent build never sees half a file
-    return target
-
-
-def _build_key(sources: list[Path], command: list[str]) -> str:
-    """16 hex digits of SHA-256 over the command, every source and every header in the sources' folders (a header
-    change rebuilds; listing exact includes would need the preprocessor on every call)."""
-    digest = hashlib.sha256("\0".join(command).encode())
-    headers = {h for folder in {s.parent for s in sources} for pattern in ("*.h", "*.hpp")
-               for h in folder.glob(pattern)}
-    for path in [*sources, *sorted(headers)]:
-        digest.update(str(path).encode() + b"\0" + path.read_bytes())
-    return digest.hexdigest()[:16]
-
-
-def _is_cxx(source: Path) -> bool:
-    return source.suffix in (".cpp", ".cc", ".cxx")
-
-
-def _compiler(source: Path) -> str:
-    return "g++" if _is_cxx(source) else "gcc"
-
-
-def _run(command: list[str]) -> None:
-    try:
-        done = subprocess.run(command, capture_output=True, text=True)
-    except FileNotFoundError as exc:
-        raise BuildError(f"{command[0]} not found: {exc}") from None
-    if done.returncode != 0:
-        raise BuildError(f"{' '.join(command)} failed ({done.returncode}):\n{(done.stderr or done.stdout)[-4000:]}")
-
-
-def check_leaf(path: Path) -> None:
-    """Raise NotALeafError unless the shared object at ``path`` has no relocations and no undefined symbols.
-
-    What ``readelf -r`` and ``readelf --syms`` (UND) would show, read with pyelftools. The emulator's loader maps
-    the segments as they are, so a relocation (a pointer in data, a PLT slot) or an undefined symbol (a call to
-    libc, memset or a compiler helper) would run wrong or jump to nowhere.
-    """
-    from elftools.elf.elffile import ELFFile
-
-    with open(path, "rb") as file:
-        elf = ELFFile(file)
-        relocations = _relocations(elf)
-        undefined = sorted({s.name for section in elf.iter_sections() if section["sh_type"] in ("SHT_SYMTAB", "SHT_DYNSYM")
-                            for s in section.iter_symbols() if s.name and s["st_shndx"] == "SHN_UNDEF"})
-    problems = []
-    if undefined:
-        problems.append(f"undefined symbols {', '.join(undefined)} (calls outside the object: a leaf may use no "
-                        "libc, no memset/memcpy, no compiler runtime)")
-    if relocations:
-        shown = ", ".join(relocations[:8]) + (f", ... ({len(relocations)} in all)" if len(relocations) > 8 else "")
-        problems.append(f"relocations {shown} (pointers in data or calls through the PLT: keep data pointers in "
-                        "the argument struct)")
-    if problems:
-        raise NotALeafError(f"{Path(path).name} is not a leaf the emulator can run: " + "; ".join(problems))
-
-
-def _relocations(elf) -> list[str]:
-    """``TYPE symbol at 0xOFFSET`` for every relocation entry of every relocation section."""
-    from elftools.elf.descriptions import describe_reloc_type
-
-    found = []
-    for section in elf.iter_sections():
-        if section["sh_type"] not in ("SHT_RELA", "SHT_REL"):
-            continue
-        symbols = elf.get_section(section["sh_link"]) if section["sh_link"] else None
-        for entry in section.iter_relocations():
-            symbol = symbols.get_symbol(entry["r_info_sym"]).name if symbols and entry["r_info_sym"] else ""
-            kind = describe_reloc_type(entry["r_info_type"], elf)
-            found.append(f"{kind}{' ' + symbol if symbol else ''} at {entry['r_offset']:#x}")
-    return found
+    return compile_shared([_SHIM_SOURCE], "isoc23_shim", ["-fPIC", "-shared"], base_command=["cc", "-O2"])
 
 
 # ----------------------------------------------------------------------------------------------------- CPU model
@@ -398,7 +231,7 @@ class Emulator:
         self.symbols: dict[str, int] = {}       # function name -> guest address
         self._functions: list[tuple[int, int, str]] = []  # (start, size, name), for naming a faulting address
         self._image_end = _IMAGE_BASE
-        self._heap = _HEAP_BASE
+        self._heap, self._top = _HEAP_BASE, self.size  # put/alloc between the two; put_at_end above _top
 
     def __enter__(self) -> "Emulator":
         return self
@@ -416,7 +249,10 @@ class Emulator:
         _open_emulator.remove(self)
 
     def __del__(self) -> None:
-        self.close()
+        try:
+            self.close()
+        except Exception:  # at interpreter exit bochscpu may be torn down first; the process unmaps all anyway
+            pass
 
     # ------------------------------------------------------------------------------------------------- memory
 
@@ -450,8 +286,8 @@ class Emulator:
             EmulatorError: guest RAM is exhausted (make the Emulator with a larger ``memory_mib``, or reset_heap).
         """
         start = -(-self._heap // align) * align
-        if start + nbytes > self.size:
-            raise EmulatorError(f"guest RAM exhausted: {nbytes} bytes asked, {self.size - start} left of "
+        if start + nbytes > self._top:
+            raise EmulatorError(f"guest RAM exhausted: {nbytes} bytes asked, {self._top - start} left of "
                                 f"{self.size >> 20} MiB (pass a larger memory_mib, or reset_heap())")
         self.memory[start:start + nbytes] = 0
         self._heap = start + nbytes
@@ -462,6 +298,25 @@ class Emulator:
         array = np.ascontiguousarray(array)
         address = self.alloc(array.nbytes, align)
         self.memory[address:address + array.nbytes] = array.reshape(-1).view(np.uint8)
+        return address
+
+    def put_at_end(self, array: np.ndarray) -> int:
+        """Copy ``array`` so that it ends at the last byte of guest RAM; returns its guest address.
+
+        Nothing is mapped after it, so a read or write past its end is a #PF (GuestFault): tests that a kernel's
+        tail loads and stores are masked. Once per reset_heap (put and alloc go on below it).
+
+        Raises:
+            EmulatorError: already used since reset_heap, or no room above the heap.
+        """
+        array = np.ascontiguousarray(array)
+        address = self.size - array.nbytes
+        if self._top != self.size:
+            raise EmulatorError("put_at_end: RAM's end is taken since the last reset_heap()")
+        if address < self._heap:
+            raise EmulatorError(f"put_at_end: {array.nbytes} bytes do not fit above the heap's top {self._heap:#x}")
+        self.memory[address:] = array.reshape(-1).view(np.uint8)
+        self._top = address
         return address
 
     def put_struct(self, value: ctypes.Structure) -> int:
@@ -484,8 +339,8 @@ class Emulator:
         return self.memory[address:end].view(dtype).copy()
 
     def reset_heap(self) -> None:
-        """Forget every put/alloc: the heap starts again at its base (loaded objects stay)."""
-        self._heap = _HEAP_BASE
+        """Forget every put/alloc/put_at_end: the heap starts again at its base (loaded objects stay)."""
+        self._heap, self._top = _HEAP_BASE, self.size
 
     # ------------------------------------------------------------------------------------------------- loader
 
@@ -519,6 +374,8 @@ class Emulator:
         return dict(self.symbols)
 
     def _learn_functions(self, elf, base: int, object_name: str) -> None:
+        """Record the object's exported functions in ``symbols``, and every function (static ones too) for
+        ``where``; the symbol table lists an exported function twice (.symtab and .dynsym), at one address."""
         for section in elf.iter_sections():
             if section["sh_type"] not in ("SHT_SYMTAB", "SHT_DYNSYM"):
                 continue
@@ -526,11 +383,13 @@ class Emulator:
                 if symbol["st_info"]["type"] != "STT_FUNC" or not symbol["st_value"]:
                     continue
                 address = base + symbol["st_value"]
-                if self.symbols.get(symbol.name, address) != address:
+                entry = (address, symbol["st_size"], symbol.name)
+                if entry not in self._functions:
+                    self._functions.append(entry)
+                if symbol["st_info"]["bind"] == "STB_LOCAL":
+                    continue
+                if self.symbols.setdefault(symbol.name, address) != address:
                     raise EmulatorError(f"{object_name} defines {symbol.name}, which a loaded object already has")
-                if symbol.name not in self.symbols:
-                    self.symbols[symbol.name] = address
-                    self._functions.append((address, symbol["st_size"], symbol.name))
 
     def where(self, address: int) -> str:
         """``function+0xoffset`` for a guest code address, or the bare address outside every loaded function."""
@@ -617,73 +476,6 @@ class Emulator:
         state.rsp = rsp
         state.rip = rip
         return state
-
-
-class Native:
-    """The same interface as Emulator (put, alloc, put_struct, get, call, reset_heap) over a library loaded with
-    ctypes and run on this CPU, so one test body runs a kernel emulated and natively (``build_native``).
-
-    Addresses are host addresses of buffers this object keeps alive until reset_heap or close.
-    """
-
-    def __init__(self, path: Path):
-        self._library = ctypes.CDLL(str(path))
-        self._keep: list = []
-
-    def __enter__(self) -> "Native":
-        return self
-
-    def __exit__(self, *exc_info) -> None:
-        self.close()
-
-    def close(self) -> None:
-        """Drop every buffer (the library stays loaded: ctypes never unloads one)."""
-        self._keep.clear()
-
-    def alloc(self, nbytes: int, align: int = 64) -> int:
-        """``nbytes`` of zeroed host memory aligned to ``align`` bytes; returns its address."""
-        raw = np.zeros(nbytes + align, np.uint8)
-        self._keep.append(raw)
-        return -(-raw.ctypes.data // align) * align
-
-    def put(self, array: np.ndarray, align: int = 64) -> int:
-        """Copy ``array`` (C order) into memory kept alive here; returns its address."""
-        array = np.ascontiguousarray(array)
-        address = self.alloc(array.nbytes, align)
-        ctypes.memmove(address, array.ctypes.data, array.nbytes)
-        return address
-
-    def put_struct(self, value: ctypes.Structure) -> int:
-        """Copy a ctypes struct (pointer fields holding addresses from put/alloc); returns its address."""
-        data = bytes(value)
-        address = self.alloc(len(data), max(ctypes.alignment(value), 8))
-        ctypes.memmove(address, data, len(data))
-        return address
-
-    def get(self, address: int, count: int, dtype) -> np.ndarray:
-        """A copy of ``count`` elements of ``dtype`` at ``address``: ndarray ``[count]``."""
-        dtype = np.dtype(dtype)
-        return np.frombuffer(ctypes.string_at(address, count * dtype.itemsize), dtype).copy()
-
-    def reset_heap(self) -> None:
-        """Drop every buffer handed out so far."""
-        self._keep.clear()
-
-    def call(self, symbol: str, *args: int) -> int:
-        """Call ``symbol`` with integer or pointer arguments; returns its 64-bit result as unsigned."""
-        function = getattr(self._library, symbol)
-        function.argtypes = [ctypes.c_uint64] * len(args)
-        function.restype = ctypes.c_uint64
-        return function(*(int(a) & 0xFFFFFFFFFFFFFFFF for a in args))
-
-
-def host_cpu_flags() -> set[str]:
-    """This CPU's feature flags as Linux names them in /proc/cpuinfo (``avx512_vnni``, ...); empty elsewhere."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 def _segment(bochscpu, selector: int, attributes: int):

@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 AVAILABLE, REASON = emulate.available()
 pytestmark = pytest.mark.skipif(not AVAILABLE, reason=REASON)
 
-PROBE_SOURCES = [emulate._CSRC / "emu_probe.c"]
+PROBE_SOURCES = [emulate.CSRC / "emu_probe.c"]
 NATIVE_FLAGS = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
 MISSING_NATIVE = NATIVE_FLAGS - emulate.host_cpu_flags()
 
@@ -176,6 +176,20 @@ def test_masked_loads_and_stores_stop_at_n(runner, n):
     assert np.array_equal(dst[n:], untouched[n:])
 
 
+def test_a_masked_tail_never_touches_memory_past_n(emulator):
+    """The source ends where guest RAM ends: an unmasked 64-byte load of its 17-element tail would fault."""
+    emulator.reset_heap()
+    src = np.arange(17, dtype=np.int32)
+    args = MaskedArgs(src=emulator.put_at_end(src), dst=emulator.alloc(64 * 4), n=src.size, add=1)
+    emulator.call("emu_probe_masked_add", emulator.put_struct(args))
+    assert np.array_equal(emulator.get(args.dst, src.size, np.int32), src + 1)
+    # the same 68 bytes read unmasked, 64 at a time (vpdpbusd), fault in the second load: the check above can fail
+    unmasked = DotArgs(a=args.src, b=args.src, out=emulator.alloc(64), n=128)
+    with pytest.raises(GuestFault, match="#PF") as fault:
+        emulator.call("emu_probe_dpbusd", emulator.put_struct(unmasked))
+    assert fault.value.address >= emulator.size
+
+
 @pytest.mark.skipif(bool(MISSING_NATIVE), reason=f"this CPU lacks {', '.join(sorted(MISSING_NATIVE))}")
 def test_emulated_and_native_runs_agree_bit_for_bit(emulator, native):
     rng = np.random.default_rng(7)
@@ -249,21 +263,22 @@ def run_probes_in_this_process(model_name: str, so: str, symbols: list[str]) -> 
 
 
 @pytest.mark.parametrize("model, faulting, returning", [
-    (CpuModel.CANNON_LAKE, "emu_probe_dpbusd", "emu_probe_masked_add"),  # AVX-512 without VNNI
-    (CpuModel.ICE_LAKE, "emu_probe_dpbf16", "emu_probe_dpbusd"),        # VNNI without BF16
-    (CpuModel.ARROW_LAKE, "emu_probe_masked_add", None),                # no AVX-512 at all
-])
+    # AVX-512 without VNNI: vpdpbusd is #UD, the AVX-512F masked tail runs (so the set-up is not what fails)
+    (CpuModel.CANNON_LAKE, ["emu_probe_dpbusd", "emu_probe_dpbf16"], ["emu_probe_masked_add"]),
+    (CpuModel.ICE_LAKE, ["emu_probe_dpbf16"], ["emu_probe_dpbusd", "emu_probe_masked_add"]),  # VNNI, no BF16
+    (CpuModel.ARROW_LAKE, ["emu_probe_dpbusd", "emu_probe_masked_add"], []),  # no AVX-512 at all
+], ids=lambda value: value.name if isinstance(value, CpuModel) else None)
 def test_a_cpu_without_the_instruction_raises_invalid_opcode(model, faulting, returning):
     so = emulate.build_freestanding(PROBE_SOURCES, "emu_probe")
-    symbols = [faulting] + ([returning] if returning else [])
-    code = f"from tests.test_emulate import run_probes_in_this_process as run; run({model.name!r}, {str(so)!r}, {symbols!r})"
+    code = ("from tests.test_emulate import run_probes_in_this_process as run; "
+            f"run({model.name!r}, {str(so)!r}, {faulting + returning!r})")
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     results = json.loads(done.stdout.splitlines()[-1])
-    vector, where = results[faulting]
-    assert vector == 6 and where.startswith(faulting + "+"), results
-    if returning:
-        assert results[returning] == "returned", results
+    for symbol in faulting:
+        vector, where = results[symbol]
+        assert vector == 6 and where.startswith(symbol + "+"), results
+    assert all(results[symbol] == "returned" for symbol in returning), results
 
 
 # ------------------------------------------------------------------------------------------ building
@@ -289,6 +304,8 @@ def test_the_build_is_cached_by_sources_and_defines(tmp_path, monkeypatch):
     assert first.stat().st_mtime_ns == mtime
     other = emulate.build_freestanding([source], "twice", defines={"FACTOR": 3})
     assert other != first
+    (tmp_path / "unused.h").write_text("#define UNUSED 1\n")  # a header beside the source is part of the key
+    assert emulate.build_freestanding([source], "twice", defines={"FACTOR": 2}) not in (first, other)
     with pytest.raises(emulate.BuildError, match="FACTOR"):
         emulate.build_freestanding([source], "twice")  # FACTOR undefined: the compiler's message says so
 

@@ -14,16 +14,9 @@ from pathlib import Path
 import pytest
 
 from kvserve import kernels
+from kvserve.kernels.leaves import host_cpu_flags as _cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
 
 
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
