@@ -4,8 +4,14 @@ Pure Python on block ids; no tensors, no model. The scheduler owns each sequence
 of block ids) and asks this manager to grow or free it.
 
 Prefix cache, the standard way (vLLM's v1 KV cache manager):
-- only full blocks are hashed, each once; a block's hash chains its parent's: ``hash((parent_hash, tokens))``;
-- a hit compares the stored token ids, so a hash collision can never serve the wrong cache;
+- only full blocks are hashed, each once; a block's digest chains its parent's: SHA-256 over the parent's
+  digest and the block's token ids (vLLM's ``sha256`` prefix-caching hash, adopted after predictable
+  ``hash()`` collisions let one prompt be served another's cache); the first block's parent is a root
+  digest of the sequence's cache salt, so sequences with different salts never share a block;
+- a hit is verified, never trusted to the digest: the stored block must hold the same token ids, the same
+  salt, and hang under the very block the lookup matched one level up (each registered block gets a serial
+  that is never reused, and its child stores it). By induction over the chain a hit holds exactly the
+  prefix asked for, so even a full collision of the hash function can only cost a miss, never wrong K/V;
 - a block whose ref count drops to 0 keeps its hash and goes to the tail of an LRU free list; allocation
   takes from the head (least recently freed), evicting that block's hash; a hit on a free block removes
   it from the middle of the list in O(1) (an OrderedDict);
@@ -14,10 +20,13 @@ Prefix cache, the standard way (vLLM's v1 KV cache manager):
 
 from __future__ import annotations
 
+import hashlib
+import itertools
+from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
 
-_ROOT_HASH = 0x6B7673  # fixed parent of every sequence's first block
+_ROOT_SERIAL = 0  # the parent serial of every sequence's first block; registered blocks count from 1
 
 
 @dataclass(slots=True)
@@ -27,19 +36,53 @@ class Block:
     Attributes:
         block_id: index into the pool's block axis.
         ref_count: sequences whose block table holds this block.
-        block_hash: chained hash once the block is full and cached, else None.
+        block_hash: chained digest (32 bytes) once the block is full and cached, else None.
         token_ids: the block's tokens when cached (collision check).
+        salt: the cache salt of the chain it belongs to, when cached.
+        serial: this registration's number (unique for the manager's life), when cached.
+        parent_serial: the serial of the block it hangs under (``_ROOT_SERIAL`` for a first block).
     """
 
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
     token_ids: tuple[int, ...] | None = None
+    salt: str | None = None
+    serial: int | None = None
+    parent_serial: int | None = None
 
 
-def chain_hash(parent_hash: int, token_ids: tuple[int, ...]) -> int:
-    """Hash of a full block given its parent's hash."""
-    return hash((parent_hash, token_ids))
+@dataclass(slots=True)
+class ChainLink:
+    """One full block of a sequence as the prefix cache knows it (kept by the sequence, grown in place).
+
+    Attributes:
+        digest: the block's chained digest.
+        serial: the serial of the cached block that holds this prefix (the sequence's own or a twin's), or
+            None when the cache holds no verified copy (a collision kept it private): its children are then
+            never registered, since no lookup could reach them through a verified parent.
+    """
+
+    digest: bytes
+    serial: int | None
+
+
+def root_hash(salt: str | None) -> bytes:
+    """The digest every chain starts from: fixed without a salt, else SHA-256 of the salt's UTF-8 bytes."""
+    if salt is None:
+        return hashlib.sha256(b"kvserve-prefix-root").digest()
+    return hashlib.sha256(b"kvserve-prefix-salt\0" + salt.encode("utf-8", "surrogatepass")).digest()
+
+
+def chain_hash(parent_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
+    """SHA-256 of a full block given its parent's digest: ``sha256(parent || tokens as uint32)``.
+
+    Every block holds ``block_size`` tokens, so the byte string is unambiguous without separators.
+
+    Raises:
+        OverflowError: a token id outside [0, 2**32).
+    """
+    return hashlib.sha256(parent_hash + array("I", token_ids).tobytes()).digest()
 
 
 class BlockManager:
@@ -61,7 +104,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # head = LRU
-        self._cached: dict[int, int] = {}  # block hash -> block id
+        self._cached: dict[bytes, int] = {}  # block digest -> block id
+        self._serials = itertools.count(_ROOT_SERIAL + 1)
 
     @property
     def num_blocks(self) -> int:
@@ -81,25 +125,37 @@ class BlockManager:
         """Blocks that hold ``num_tokens`` tokens."""
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, token_ids: list[int]) -> list[int]:
-        """Longest run of cached full blocks that hold a prefix of ``token_ids``.
+    def find_cached_prefix(self, token_ids: list[int], salt: str | None = None) -> list[int]:
+        """Longest run of cached full blocks that hold a prefix of ``token_ids`` under ``salt``.
 
         The last token is never covered (its logits are needed), so at most ``(len - 1) // block_size``
-        blocks are returned. Nothing is allocated or ref-counted: pass the result to ``allocate``.
+        blocks are returned. Each hit is verified (tokens, salt, parent block), see the module docstring.
+        Nothing is allocated or ref-counted: pass the result to ``allocate``.
         """
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        parent = _ROOT_HASH
+        digest, parent_serial = root_hash(salt), _ROOT_SERIAL
         for index in range((len(token_ids) - 1) // self.block_size):
             chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-            block_hash = chain_hash(parent, chunk)
-            block_id = self._cached.get(block_hash)
-            if block_id is None or self.blocks[block_id].token_ids != chunk:
+            digest = chain_hash(digest, chunk)
+            block = self._verified(digest, chunk, salt, parent_serial)
+            if block is None:
                 break
-            hits.append(block_id)
-            parent = block_hash
+            hits.append(block.block_id)
+            parent_serial = block.serial
         return hits
+
+    def _verified(self, digest: bytes, chunk: tuple[int, ...], salt: str | None,
+                  parent_serial: int) -> Block | None:
+        """The cached block under ``digest`` if it truly holds ``chunk`` below ``parent_serial``, else None."""
+        block_id = self._cached.get(digest)
+        if block_id is None:
+            return None
+        block = self.blocks[block_id]
+        if block.token_ids != chunk or block.salt != salt or block.parent_serial != parent_serial:
+            return None  # a collision: the digest matched, the prefix did not
+        return block
 
     def allocate(self, block_table: list[int], num_tokens: int, cached_prefix: list[int] = ()) -> bool:
         """Grow ``block_table`` in place so it holds ``num_tokens`` tokens.
@@ -135,37 +191,51 @@ class BlockManager:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) == block.block_id:
                 del self._cached[block.block_hash]
-            block.block_hash = None
-            block.token_ids = None
+            block.block_hash = block.token_ids = block.salt = block.serial = block.parent_serial = None
 
     def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int,
-                          block_hashes: list[int]) -> None:
+                          chain: list[ChainLink], salt: str | None = None) -> None:
         """Register the full blocks among the first ``num_computed`` tokens of a sequence in the prefix cache.
 
         Call after a step has written those tokens' K/V (only verified tokens: a block is hashed once, so a
         token that could still be rolled back must not be counted in ``num_computed``). Hashing is
-        incremental, as in vLLM and nano-vllm: ``block_hashes`` holds the chained hashes of the sequence's
-        blocks hashed so far and grows in place, so each step hashes only the blocks it filled. A block whose
-        content is cached already under another id stays private (its twin serves future hits).
+        incremental, as in vLLM and nano-vllm: ``chain`` holds the links of the sequence's blocks hashed so
+        far and grows in place, so each step hashes only the blocks it filled. A block whose content is
+        cached already under another id stays private (its verified twin serves future hits); one whose
+        digest is taken by a different prefix (a collision) stays private and ends the chain.
 
         Args:
             block_table: the sequence's blocks, in order.
             token_ids: the sequence's tokens (prompt then output).
             num_computed: tokens whose K/V are in the cache.
-            block_hashes: the sequence's hashes so far (empty for a new or preempted sequence); appended to.
+            chain: the sequence's links so far (empty for a new or preempted sequence); appended to.
+            salt: the sequence's cache salt (None: the shared, unsalted cache).
         """
         if not self.enable_prefix_caching:
             return
-        for index in range(len(block_hashes), num_computed // self.block_size):
-            parent = block_hashes[-1] if block_hashes else _ROOT_HASH
+        for index in range(len(chain), num_computed // self.block_size):
+            parent = chain[-1] if chain else ChainLink(root_hash(salt), _ROOT_SERIAL)
             chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-            block_hash = chain_hash(parent, chunk)
-            block = self.blocks[block_table[index]]
-            if self.enable_prefix_caching and block.block_hash is None and block_hash not in self._cached:
-                self._cached[block_hash] = block.block_id
-                block.block_hash = block_hash
-                block.token_ids = chunk
-            block_hashes.append(block_hash)
+            digest = chain_hash(parent.digest, chunk)
+            chain.append(ChainLink(digest, self._register(block_table[index], digest, chunk, salt,
+                                                          parent.serial)))
+
+    def _register(self, block_id: int, digest: bytes, chunk: tuple[int, ...], salt: str | None,
+                  parent_serial: int | None) -> int | None:
+        """Cache ``block_id`` under ``digest`` unless a verified copy exists; returns the serial that holds
+        this prefix in the cache, or None when none does."""
+        if parent_serial is None:
+            return None  # the parent is not reachable by a lookup, so neither is this block
+        twin = self._verified(digest, chunk, salt, parent_serial)
+        if twin is not None:
+            return twin.serial  # this very block (a prefix hit) or an equal one cached earlier
+        block = self.blocks[block_id]
+        if digest in self._cached or block.block_hash is not None:
+            return None  # the digest holds another prefix: keep this block private
+        block.block_hash, block.token_ids, block.salt = digest, chunk, salt
+        block.serial, block.parent_serial = next(self._serials), parent_serial
+        self._cached[digest] = block_id
+        return block.serial
 
     def free(self, block_table: list[int]) -> None:
         """Release a sequence's blocks, tail first, and clear the table."""

@@ -231,7 +231,8 @@ class Scheduler:
             if not self._admissible(seq):
                 break
             first_time = seq.num_cached_tokens is None
-            cached = [] if seq.params.prompt_logprobs else self.blocks.find_cached_prefix(seq.all_ids)
+            cached = ([] if seq.params.prompt_logprobs
+                      else self.blocks.find_cached_prefix(seq.all_ids, seq.cache_salt))
             num_cached = len(cached) * self.blocks.block_size
             num_new = min(seq.num_tokens - num_cached, budget)
             if not self.blocks.allocate(seq.block_table, num_cached + num_new, cached):
@@ -305,7 +306,8 @@ class Scheduler:
             # K/V are valid for the known tokens and the accepted drafts; the last new token is computed next step
             seq.num_computed = min(w.context_len - w.num_draft + result.num_accepted, seq.num_tokens - 1
                                    if result.tokens else w.context_len)
-            self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes)
+            self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes,
+                                          seq.cache_salt)
             if reason is not None:
                 self._finish(seq, reason)
         return events + self.policy.release(self.waiting, self.running)

@@ -8,6 +8,7 @@ import time
 from dataclasses import dataclass, field
 
 from kvserve.engine.plan import SamplingParams, TokenLogprob
+from kvserve.kvcache.block_manager import ChainLink
 
 
 class SeqStatus(enum.Enum):
@@ -62,8 +63,10 @@ class Sequence:
         output_ids: generated tokens.
         num_computed: tokens whose K/V are in the cache.
         block_table: the sequence's blocks, in order.
-        block_hashes: chained prefix-cache hashes of its full blocks hashed so far (kvcache's
-            ``cache_full_blocks`` extends it, so each block is hashed once).
+        block_hashes: the prefix-cache chain links (digest and cached serial) of its full blocks hashed so far
+            (kvcache's ``cache_full_blocks`` extends it, so each block is hashed once).
+        cache_salt: enters the first block's digest: only sequences with the same salt share cached blocks
+            (the request's ``cache_salt``, or its API key's; None is the shared, unsalted cache).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         events: the request's stream of SeqEvents (consumed by the server).
         prefix_source: another choice of the same request; this one is admitted only once the source's
@@ -86,7 +89,8 @@ class Sequence:
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
     block_table: list[int] = field(default_factory=list)
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[ChainLink] = field(default_factory=list)
+    cache_salt: str | None = None
     status: SeqStatus = SeqStatus.WAITING
     finish_reason: FinishReason | None = None
     num_cached_tokens: int | None = None

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import secrets
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -22,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvserve.scheduler.service import QueueFull
 from kvserve.server import structured, tools
+from kvserve.server.auth import ApiKeys
 from kvserve.server.bodylimit import BodyLimit
 from kvserve.server.drain import Drain, DrainGate
 from kvserve.server.errors import ApiError
@@ -76,16 +76,11 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         yield
         await state.service.stop()
 
+    keys = ApiKeys(state.config.api_keys, isolate_cache=not state.config.share_cache_across_keys)
+
     def require_key(request: Request) -> None:
-        """/v1 routes need ``Authorization: Bearer <key>`` when the server has an API key."""
-        key = state.config.api_key
-        if not key:
-            return
-        scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
-        # the scheme is case-insensitive (RFC 7235); the token is compared in constant time
-        if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
-                           headers={"WWW-Authenticate": "Bearer"})  # RFC 6750 3: a 401 names its scheme
+        """/v1 routes and the tokenizer's need ``Authorization: Bearer <key>`` when the server has API keys."""
+        keys.check(request)
 
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
@@ -156,7 +151,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
             raise ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
         return model_card
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
         if body.messages is not None:
             ids = chat_prompt_ids(state, body.messages)
@@ -164,11 +159,11 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
             ids = text_prompt_ids(state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
 
-    @app.get("/tokenizer_info")
+    @app.get("/tokenizer_info", dependencies=v1)
     async def get_tokenizer_info():
         return tokenizer_info(state.tokenizer)
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", dependencies=v1)
     async def detokenize(body: DetokenizeRequest):
         vocab = len(state.tokenizer)
         if any(not 0 <= t < vocab for t in body.tokens):
@@ -198,8 +193,11 @@ def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
     return sum(len(prompt) for prompt in body.prompts if isinstance(prompt, str))
 
 
-async def _admit(state: ServerState, body) -> Generation:
-    """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine)."""
+async def _admit(state: ServerState, body, request: Request) -> Generation:
+    """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine).
+
+    Its sequences use the prefix-cache partition of its API key and its ``cache_salt`` (server.auth).
+    """
     if body.model is not None and body.model not in (state.model_name, "default"):
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
@@ -210,12 +208,12 @@ async def _admit(state: ServerState, body) -> Generation:
     else:
         prepared = prepare_all(state, body)
     grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
+    salt = ApiKeys.cache_salt(request, body.cache_salt)
+    for one in prepared if completions else [prepared]:
+        one.grammar, one.cache_salt = grammar, salt
     if completions:  # one prompt or several, numbered as OpenAI numbers them
-        for one in prepared:
-            one.grammar = grammar
         generation = PromptGroups(state, prepared, body.n, body.prompts)
     else:
-        prepared.grammar = grammar
         generation = Generation(state, prepared)
     try:
         generation.start()
@@ -228,7 +226,7 @@ async def _admit(state: ServerState, body) -> Generation:
 
 
 async def _complete(state: ServerState, body, request: Request, chat: bool):
-    generation = await _admit(state, body)
+    generation = await _admit(state, body, request)
     prefix = "chatcmpl-" if chat else "cmpl-"
     # vLLM's form: the response id is the request id (x-request-id when the client sent one)
     fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer,

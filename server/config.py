@@ -38,6 +38,8 @@ class ServeConfig:
     policy: Policy = Policy.CONTINUOUS
     enable_prefix_caching: bool = True  # share full blocks of common prefixes
     api_key: str | None = None          # if set, /v1 routes need "Authorization: Bearer <key>"
+    api_keys: tuple[str, ...] = ()      # more accepted keys (--api-key repeated, --api-key-file); api_key joins them
+    share_cache_across_keys: bool = False  # with keys: one prefix cache for all (default: a partition per key)
     served_model_name: str | None = None  # name in /v1/models; default from the model
     sse_ping_s: float = 15.0            # keep-alive comment interval on idle streams (s); 0 disables
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
@@ -72,6 +74,9 @@ class ServeConfig:
             raise ValueError("max_queue must be >= 0")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
+        self.api_keys = tuple(dict.fromkeys(((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)))
+        if any(not key or key != key.strip() or not key.isprintable() for key in self.api_keys):
+            raise ValueError("an API key must be non-empty printable text without surrounding spaces")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         try:

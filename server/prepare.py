@@ -31,6 +31,7 @@ class Prepared:
     stop_token_ids: frozenset[int]
     min_tokens: int
     grammar: object | None = None  # engine.constraints.Grammar of a structured-output request (server.structured)
+    cache_salt: str | None = None  # the prefix-cache salt of its sequences (server.auth.ApiKeys.cache_salt)
 
 
 def _check_text(text: str, param: str) -> None:

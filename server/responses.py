@@ -77,6 +77,7 @@ class ResponsesRequest(_NullMeansDefault):
     stream: StrictBool = False
     metadata: dict[str, str] | None = None
     user: str | None = None
+    cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: see server.schemas
     # accepted without effect: kvserve runs every request at once, and there is one tier
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
@@ -129,11 +130,11 @@ class ResponsesRequest(_NullMeansDefault):
             messages += [{"role": m.role, "content": m.text} for m in self.input]
         return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
                                      temperature=self.temperature, top_p=self.top_p, stream=self.stream,
-                                     user=self.user)
+                                     user=self.user, cache_salt=self.cache_salt)
 
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streamed response checks that its client is still there
-Admit = Callable[[ServerState, ChatCompletionRequest], Awaitable[Generation]]
+Admit = Callable[[ServerState, ChatCompletionRequest, Request], Awaitable[Generation]]
 
 
 class _ResponseBuilder:
@@ -193,7 +194,7 @@ def register(app: FastAPI, state: ServerState, dependencies: list, admit: Admit)
         except ValidationError as exc:
             first = exc.errors()[0]
             raise ApiError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None
-        generation = await admit(state, chat)
+        generation = await admit(state, chat, request)
         builder = _ResponseBuilder(body, generation, request.state.request_id, state.model_name)
         if body.stream:
             return EventSourceResponse(_stream(builder), ping=state.config.sse_ping_s or None, sep="\n")

@@ -62,6 +62,9 @@ class _SamplingRequest(_NullMeansDefault):
     stream: StrictBool = False  # "yes" is an error, not True
     stream_options: StreamOptions | None = None
     user: str | None = None
+    # vLLM's cache_salt: enters the first block's prefix-cache digest, so only requests with the same salt (and,
+    # with API keys, the same key) share cached prefixes; a random 256-bit string keeps a prompt's cache private
+    cache_salt: str | None = Field(default=None, min_length=1)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]; see _check_logit_bias
     # vLLM's logprobs_mode, per request: processed_logprobs are those of the distribution sampled from (after
     # temperature and top-k/top-p), the soft labels of distillation; logits modes are not served (a 400)

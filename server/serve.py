@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kvserve.kvcache.sizing import parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.quant.options import Scheme
+from kvserve.server.auth import read_key_file
 from kvserve.server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
 
@@ -38,7 +39,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "tokenized (default: 64 bytes per token of --max-model-len, at least 1MiB)")
     parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
     parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                        help="require 'Authorization: Bearer KEY' on /v1 routes and /tokenize, /detokenize, "
+                             "/tokenizer_info; repeat for several keys (each key gets its own prefix cache)")
+    parser.add_argument("--api-key-file", default=None, metavar="PATH",
+                        help="more keys, one a line ('#' starts a comment line)")
+    parser.add_argument("--share-cache-across-keys", action="store_true",
+                        help="with several keys, let them share cached prefixes (default: a partition per key, so "
+                             "one key cannot time another's prompts)")
     parser.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
                         help="comma list of Host names to answer besides the loopback ones ('*.example.com' for "
                              "subdomains, '*' for any); default: loopback names only when bound to loopback, any "
@@ -83,13 +91,20 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_queue=args.max_queue, max_model_len=args.max_model_len,
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
-                       enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
+                       enable_prefix_caching=not args.no_prefix_caching, api_keys=_api_keys(args),
+                       share_cache_across_keys=args.share_cache_across_keys,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
                        vllm_metric_names=args.vllm_metric_names, allowed_hosts=args.allowed_hosts,
                        header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,
                        speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens,
                        draft_model=args.draft_model, draft_quantization=args.draft_quantization)
+
+
+def _api_keys(args: argparse.Namespace) -> tuple[str, ...]:
+    """``--api-key`` (each) then the keys of ``--api-key-file``."""
+    keys = tuple(args.api_key or ())
+    return keys + (read_key_file(args.api_key_file) if args.api_key_file else ())
 
 
 def _draft_length(text: str) -> int | None:

@@ -74,13 +74,91 @@ def test_chained_hash_needs_the_same_parent():
 def test_collision_is_caught_by_comparing_tokens(monkeypatch):
     import kvserve.kvcache.block_manager as module
 
-    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: 42)  # every block collides
+    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: b"42")  # every block collides
     bm = BlockManager(num_blocks=4, block_size=2)
     table: list[int] = []
     bm.allocate(table, 2)
     bm.cache_full_blocks(table, [1, 2], 2, [])
     assert bm.find_cached_prefix([1, 2, 3]) == [0]
     assert bm.find_cached_prefix([7, 8, 3]) == []          # same hash, other tokens: a miss, not wrong K/V
+
+
+def test_chain_collision_is_caught_by_checking_the_parent(monkeypatch):
+    """Two prefixes whose first blocks differ but whose second blocks (equal tokens) collide in the digest:
+    the second block's K/V were computed over the first prefix, so the other prefix must miss it."""
+    import kvserve.kvcache.block_manager as module
+
+    real = module.chain_hash
+    forged = {(1, 2): b"same-parent", (7, 8): b"same-parent"}  # both first blocks get one digest
+    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: forged.get(tokens) or real(parent, tokens))
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a: list[int] = []
+    bm.allocate(a, 4)
+    bm.cache_full_blocks(a, [1, 2, 3, 4], 4, [])           # blocks 0, 1 under chain (1, 2) -> (3, 4)
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [0, 1]
+    assert bm.find_cached_prefix([7, 8, 3, 4, 5]) == []    # first block misses on its tokens
+    b: list[int] = []
+    assert bm.allocate(b, 4)
+    chain: list = []
+    bm.cache_full_blocks(b, [7, 8, 3, 4], 4, chain)        # (7, 8) collides with block 0: stays private
+    assert b == [2, 3] and [link.serial for link in chain] == [None, None]
+    assert bm.blocks[2].block_hash is None and bm.blocks[3].block_hash is None  # nothing registered under it
+    assert bm.find_cached_prefix([7, 8, 3, 4, 5]) == []
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [0, 1]
+
+
+def test_chain_collision_below_different_parents_is_a_miss(monkeypatch):
+    """Prefixes (1, 2)(3, 4) and (7, 8)(3, 4): both first blocks are cached under their own digests, and the
+    second blocks' digests collide (equal tokens, different parents). The cached (3, 4) was computed over
+    (1, 2), so a lookup of (7, 8)(3, 4) must stop after its own first block."""
+    import kvserve.kvcache.block_manager as module
+
+    real = module.chain_hash
+    monkeypatch.setattr(module, "chain_hash",
+                        lambda parent, tokens: b"collide" if tokens == (3, 4) else real(parent, tokens))
+    bm = BlockManager(num_blocks=8, block_size=2)
+    a: list[int] = []
+    bm.allocate(a, 4)
+    bm.cache_full_blocks(a, [1, 2, 3, 4], 4, [])           # blocks 0 = (1, 2), 1 = (3, 4) below it
+    b: list[int] = []
+    bm.allocate(b, 3)
+    bm.cache_full_blocks(b, [7, 8, 9], 2, [])              # block 2 = (7, 8)
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == [0, 1]
+    assert bm.find_cached_prefix([7, 8, 3, 4, 5]) == [2]   # not [2, 1]: block 1 hangs below block 0
+
+
+def test_salt_separates_chains_and_same_salt_shares():
+    bm = BlockManager(num_blocks=8, block_size=2)
+    table: list[int] = []
+    bm.allocate(table, 4)
+    bm.cache_full_blocks(table, [1, 2, 3, 4], 4, [], salt="key-a")
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5], "key-a") == [0, 1]
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5], "key-b") == []
+    assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == []
+
+
+def test_salt_is_checked_even_when_digests_collide(monkeypatch):
+    import kvserve.kvcache.block_manager as module
+
+    monkeypatch.setattr(module, "chain_hash", lambda parent, tokens: b"x")
+    bm = BlockManager(num_blocks=4, block_size=2)
+    table: list[int] = []
+    bm.allocate(table, 2)
+    bm.cache_full_blocks(table, [1, 2], 2, [], salt="key-a")
+    assert bm.find_cached_prefix([1, 2, 3], "key-b") == []
+    assert bm.find_cached_prefix([1, 2, 3], "key-a") == [0]
+
+
+def test_chain_hash_is_sha256_of_parent_and_token_bytes():
+    import hashlib
+    import struct
+
+    from kvserve.kvcache.block_manager import chain_hash, root_hash
+
+    parent = root_hash(None)
+    assert chain_hash(parent, (1, 2, 70000)) == hashlib.sha256(parent + struct.pack("=3I", 1, 2, 70000)).digest()
+    assert root_hash("a") != root_hash("b") != root_hash(None)
+    assert chain_hash(parent, (1, 2)) != chain_hash(root_hash("a"), (1, 2))
 
 
 def test_freed_cached_blocks_are_reused_on_hit_and_evicted_lru():

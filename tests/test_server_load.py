@@ -382,3 +382,91 @@ def test_a_body_over_the_limit_gets_413_before_it_is_read_or_tokenized(state_fac
         small = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 2}, timeout=60)
         assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
         assert httpx.get(url + "/health").status_code == 200
+
+
+def _cached_tokens(url: str, key: str | None, path: str = "/v1/completions", **extra) -> int:
+    prompt = "The quick brown fox jumps over the lazy dog. " * 12  # ~130 tokens: several full blocks
+    body = ({"input": prompt, "max_output_tokens": 1} if path == "/v1/responses"
+            else {"prompt": prompt, "max_tokens": 1}) | extra
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    response = httpx.post(url + path, json=body, headers=headers, timeout=60)
+    assert response.status_code == 200, response.text
+    usage = response.json()["usage"]
+    return (usage["input_tokens_details"] if path == "/v1/responses" else usage["prompt_tokens_details"])[
+        "cached_tokens"]
+
+
+def test_api_keys_partition_the_prefix_cache(state_factory):
+    """Two keys sending the same long prompt never hit each other's cached blocks; the same key does."""
+    state = state_factory(api_keys=("key-a", "key-b"))
+    with serving(state) as url:
+        assert _cached_tokens(url, "key-a") == 0
+        assert _cached_tokens(url, "key-b") == 0          # key-a's blocks are cached, but not for key-b
+        assert _cached_tokens(url, "key-a") >= 112        # 7 full blocks of 16 tokens at least
+        assert _cached_tokens(url, "key-b") >= 112
+        assert _cached_tokens(url, "key-a", "/v1/responses") == 0  # another template: a prompt of its own
+        assert _cached_tokens(url, "key-b", "/v1/responses") == 0
+        assert _cached_tokens(url, "key-b", "/v1/responses") >= 112
+        assert httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1},
+                          headers={"Authorization": "Bearer key-c"}).status_code == 401
+
+
+def test_keys_can_share_the_cache_when_configured(state_factory):
+    state = state_factory(api_keys=("key-a", "key-b"), share_cache_across_keys=True)
+    with serving(state) as url:
+        assert _cached_tokens(url, "key-a") == 0
+        assert _cached_tokens(url, "key-b") >= 112
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_cache_salt_separates_requests_and_same_salt_shares(state_factory, path):
+    state = state_factory()
+    with serving(state) as url:
+        if path == "/v1/chat/completions":
+            def cached(**extra):
+                body = {"messages": [{"role": "user", "content": "The quick brown fox jumps. " * 20}],
+                        "max_tokens": 1} | extra
+                response = httpx.post(url + path, json=body, timeout=60)
+                assert response.status_code == 200, response.text
+                return response.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+        else:
+            def cached(**extra):
+                return _cached_tokens(url, None, path, **extra)
+        assert cached(cache_salt="alice") == 0
+        assert cached(cache_salt="bob") == 0
+        assert cached() == 0                                # the unsalted cache is a partition of its own
+        assert cached(cache_salt="alice") >= 112
+        assert cached() >= 112
+
+
+def test_cache_salt_must_be_a_non_empty_string(server_url):
+    for bad in ("", 5, ["x"]):
+        response = httpx.post(server_url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "cache_salt": bad})
+        assert response.status_code == 400 and response.json()["error"]["param"] == "cache_salt", response.text
+
+
+def test_tokenizer_routes_need_the_key(state_factory):
+    state = state_factory(api_key="sekret")
+    with serving(state) as url:
+        auth = {"Authorization": "Bearer sekret"}
+        for method, path, body in (("POST", "/tokenize", {"prompt": "Hi"}), ("POST", "/detokenize", {"tokens": [1]}),
+                                   ("GET", "/tokenizer_info", None)):
+            assert httpx.request(method, url + path, json=body).status_code == 401, path
+            assert httpx.request(method, url + path, json=body, headers=auth).status_code == 200, path
+        for path in ("/health", "/live", "/metrics"):
+            assert httpx.get(url + path).status_code == 200, path
+
+
+def test_api_key_file_and_repeated_flag(tmp_path):
+    from kvserve.server.cli import build_parser
+    from kvserve.server.serve import config_from_args
+
+    keys = tmp_path / "keys"
+    keys.write_text("# tenants\nkey-b\n\n  key-c  \n")
+    argv = ["serve", "--api-key", "key-a", "--api-key", "key-b", "--api-key-file", str(keys)]
+    config = config_from_args(build_parser(argv).parse_args(argv))
+    assert config.api_keys == ("key-a", "key-b", "key-c") and not config.share_cache_across_keys
+    (tmp_path / "empty").write_text("# none\n")
+    argv = ["serve", "--api-key-file", str(tmp_path / "empty")]
+    with pytest.raises(ValueError, match="no key"):
+        config_from_args(build_parser(argv).parse_args(argv))
