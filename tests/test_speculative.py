@@ -12,6 +12,7 @@ import collections
 import copy
 import json
 import time
+import types
 
 import httpx
 import pytest
@@ -167,6 +168,38 @@ def test_step_cost_follows_the_load_at_sizes_it_does_not_measure():
         cost.observe(1, 0.030)
     assert cost(1) == pytest.approx(0.030, rel=0.01) and cost(9) == pytest.approx(0.034, rel=0.15)
     assert "1: 30.0" in cost.describe()
+
+
+class _Clock:
+    """A fake ``time.perf_counter`` that a fake engine step advances by its cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_start_up_step_costs_are_medians_of_interleaved_rounds_within_a_time_bound(monkeypatch):
+    """A busy moment (one 2-second step) does not reach the curve, and a machine where every step is slow stops
+    measuring at the time bound, after one timed round."""
+    from kvserve.engine import runner as runner_module
+    clock = _Clock()
+    monkeypatch.setattr(runner_module.time, "perf_counter", clock)
+    calls = []
+
+    def execute(plan):
+        calls.append(len(plan.work))
+        spike = 2.0 if len(calls) == 5 else 0.0  # the first timed round's 1-token step
+        clock.now += 0.030 + 0.001 * len(plan.work) + spike
+    fake = types.SimpleNamespace(pool=types.SimpleNamespace(block_size=16), execute=execute)
+    seconds = ModelRunner.time_decode_steps(fake, [1, 2, 3, 5], [0, 1], repeats=5)
+    assert seconds == pytest.approx({1: 0.031, 2: 0.032, 3: 0.033, 5: 0.035})
+    assert len(calls) == 4 * 6  # a warm-up round and five timed ones, sizes interleaved
+    assert calls[:8] == [1, 2, 3, 5, 1, 2, 3, 5]
+    calls.clear()
+    seconds = ModelRunner.time_decode_steps(fake, [1, 2, 3, 5], [0, 1], repeats=5, budget_s=0.1)
+    assert len(calls) == 8 and set(seconds) == {1, 2, 3, 5}  # warm-up, one timed round, then the bound
 
 
 def test_expected_tokens_is_the_chapters_formula():
