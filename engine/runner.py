@@ -46,28 +46,39 @@ class ModelRunner:
         self.fast = fast_decoder(loaded.model)
         self.drafter = drafter
 
-    def time_decode_steps(self, sizes: list[int], block_table: list[int], repeats: int = 3) -> dict[int, float]:
-        """Seconds of an all-decode greedy step of each of ``sizes`` rows (the median of ``repeats``, after a
-        warm-up), every row attending to a context that fills ``block_table``: the step-cost curve speculation
-        weighs drafts against (``scheduler.speculation.StepCost``).
+    def time_decode_steps(self, sizes: list[int], block_table: list[int], repeats: int = 3,
+                          budget_s: float | None = None) -> dict[int, float]:
+        """Seconds of an all-decode greedy step of each of ``sizes`` rows, every row attending to a context that
+        fills ``block_table``: the step-cost curve speculation weighs drafts against
+        (``scheduler.speculation.StepCost``).
+
+        Method: a warm-up round, then up to ``repeats`` rounds, each running every size once in turn (so a busy
+        moment of the machine falls on all sizes of a round alike, not on one size), and per size the median
+        over the rounds (robust to a stray slow step). Rounds stop early once ``budget_s`` seconds have passed
+        since the start, after at least one timed round: the time is bounded even on a loaded machine.
 
         The rows write their K/V into the table's last slot: pass blocks nobody uses (at start-up, any).
+
+        Returns:
+            ``{size: seconds}``.
         """
         context = len(block_table) * self.pool.block_size
         last_slot = block_table[-1] * self.pool.block_size + self.pool.block_size - 1
         greedy = SamplingParams(temperature=0.0)
-        seconds: dict[int, float] = {}
-        for size in sizes:
-            plan = StepPlan([SeqWork(seq_id=i, token_ids=[0], start_pos=context - 1, block_table=block_table,
-                                     slot_mapping=[last_slot], sample=True, params=greedy, prompt_ids=[0],
-                                     output_ids=[]) for i in range(size)])
-            times = []
-            for _ in range(repeats + 1):
-                started = time.perf_counter()
+        plans = {size: StepPlan([SeqWork(seq_id=i, token_ids=[0], start_pos=context - 1, block_table=block_table,
+                                         slot_mapping=[last_slot], sample=True, params=greedy, prompt_ids=[0],
+                                         output_ids=[]) for i in range(size)]) for size in sizes}
+        started = time.perf_counter()
+        times: dict[int, list[float]] = {size: [] for size in sizes}
+        for round_index in range(repeats + 1):
+            if round_index > 1 and budget_s is not None and time.perf_counter() - started > budget_s:
+                break
+            for size, plan in plans.items():
+                begun = time.perf_counter()
                 self.execute(plan)
-                times.append(time.perf_counter() - started)
-            seconds[size] = statistics.median(times[1:])
-        return seconds
+                if round_index:  # round 0 warms up
+                    times[size].append(time.perf_counter() - begun)
+        return {size: statistics.median(samples) for size, samples in times.items()}
 
     def _metadata(self, plan: StepPlan) -> AttentionMetadata:
         """The step's attention metadata: every token of a decoding sequence is a decode row (each attends to

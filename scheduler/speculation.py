@@ -9,15 +9,22 @@ weights (its time barely grows with the tokens in it: batch 1 on a CPU) and acce
 the batch is already compute-bound or acceptance is low. Fixed γ, as peers ship it, loses there; ``auto``
 decides every step from two measured things:
 
-- the acceptance rate of each sequence: its accepted / drafted tokens so far, shrunk towards the running
-  rate of all sequences (``PRIOR_TOKENS`` pseudo-tokens), so a new sequence starts from what others saw;
+- the acceptance rate of each sequence: its accepted / drafted tokens so far, shrunk towards the recent
+  rate of all sequences (``PRIOR_TOKENS`` pseudo-tokens), so a new sequence starts from what others saw; that
+  shared rate forgets (its counts halve every ``HALF_LIFE_STEPS`` steps that could draft, back towards
+  ``PRIOR_RATE``), so a bad phase of the workload does not outlive it;
 - the step's cost as a function of the tokens in it (``StepCost``: measured at start-up for a few sizes,
-  then updated from every decode-only step the engine runs).
+  then updated from every decode-only step the engine runs, so that it follows the machine's load).
 
 It raises the γ of the sequence with the largest marginal expected token α_s^(γ_s+1), one token at a time,
 and keeps the prefix of those raises with the highest expected tokens per second for the whole step; drafts
 are used only if that beats the step without drafts by ``MARGIN`` (the cost model's error). Sequences
 without a proposal (prompt lookup found nothing) get γ = 0.
+
+A policy that stopped drafting would stop learning: no verify pass updates the acceptance, and no step of more
+tokens than it runs updates the curve there. So every ``PROBE_EVERY`` steps that could draft, it probes: its
+likeliest sequence verifies ``PROBE_DRAFT`` draft tokens more than the best choice (none included). What it
+measures there lets a workload that pays get drafts again, and longer ones where they pay more.
 
 A draft model's proposals are not free: each draft token at depth j is one more row of the j-th batched draft
 decode step, whose cost ``proposal_cost`` is measured the same way (at start-up, then online). So with a draft
@@ -35,7 +42,12 @@ from dataclasses import dataclass, field
 PRIOR_TOKENS = 4.0     # pseudo-tokens of the shared acceptance rate in each sequence's estimate
 PRIOR_RATE = 0.5       # the shared rate before any draft was verified
 MARGIN = 0.05          # drafts must promise this much more throughput than none (fraction)
-_EMA = 0.2             # weight of a new measurement in a step-cost bucket
+HALF_LIFE_STEPS = 256  # steps that could draft after which the shared rate's counts weigh half
+PROBE_EVERY = 64       # auto steps with candidates between two probes
+PROBE_DRAFT = 2        # draft tokens a probe adds to the best choice
+_KEEP = 0.5 ** (1 / HALF_LIFE_STEPS)  # the shared counts' decay per step that could draft
+_LOAD_EMA = 0.1        # share of a measurement's ratio to the prediction applied to the whole curve (the load)
+_EMA = 0.02            # weight of a new measurement in its own size's time (the curve's shape)
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:
@@ -49,8 +61,16 @@ class StepCost:
     """Seconds of an engine step as a function of the tokens it computes: measured sizes, interpolated
     linearly between them and extrapolated from the last two beyond. Measured times are made non-decreasing.
 
+    Every observed step moves the whole curve by a share (``_LOAD_EMA``) of its ratio to the prediction, and
+    then its own size's time a little further towards what it measured (``_EMA``): a change of the machine's
+    load moves every size, also those no step has run lately, while each size's own measurements slowly set the
+    curve's shape. So a curve measured on a busy machine recovers when the load goes.
+
     Args:
         samples: ``{tokens: seconds}`` measured, e.g. at start-up (at least one size).
+
+    Raises:
+        ValueError: no samples.
     """
 
     def __init__(self, samples: dict[int, float]) -> None:
@@ -62,13 +82,25 @@ class StepCost:
         self.seconds = [min(samples[m] for m in self.sizes[i:]) for i in range(len(self.sizes))]
 
     def observe(self, tokens: int, seconds: float) -> None:
-        """Fold in a measured step of ``tokens`` tokens (a moving average per measured size)."""
+        """Fold in a measured step of ``tokens`` tokens (see the class docstring), keeping the curve
+        non-decreasing."""
+        predicted = self(tokens)
+        if predicted > 0 and seconds > 0:
+            drift = 1.0 + _LOAD_EMA * (seconds / predicted - 1.0)
+            self.seconds = [s * drift for s in self.seconds]
         i = bisect.bisect_left(self.sizes, tokens)
         if i < len(self.sizes) and self.sizes[i] == tokens:
             self.seconds[i] += _EMA * (seconds - self.seconds[i])
         else:
             self.sizes.insert(i, tokens)
             self.seconds.insert(i, seconds)
+        # smaller steps no slower than this one; larger ones no faster, and no slower than in proportion to their
+        # tokens (a step's fixed part only amortizes): a size measured in a busy phase comes back within reach
+        at, seconds_at = self.sizes[i], self.seconds[i]
+        for j in range(i):
+            self.seconds[j] = min(self.seconds[j], seconds_at)
+        for j in range(i + 1, len(self.sizes)):
+            self.seconds[j] = min(max(self.seconds[j], seconds_at), seconds_at * self.sizes[j] / at)
 
     def __call__(self, tokens: int) -> float:
         sizes, secs = self.sizes, self.seconds
@@ -80,6 +112,10 @@ class StepCost:
         lo = min(max(i - 1, 0), len(sizes) - 2)  # the segment around tokens, or the nearest end segment
         slope = max((secs[lo + 1] - secs[lo]) / (sizes[lo + 1] - sizes[lo]), 0.0)
         return max(secs[lo] + slope * (tokens - sizes[lo]), secs[0] if tokens >= sizes[0] else 0.0)
+
+    def describe(self) -> str:
+        """The curve as it stands, for the log: ``"1: 27.0, 2: 27.4, ... ms"``."""
+        return ", ".join(f"{n}: {s * 1000:.1f}" for n, s in zip(self.sizes, self.seconds)) + " ms"
 
 
 @dataclass(slots=True)
@@ -114,7 +150,9 @@ class DraftPolicy:
         cost: the step-cost model (``auto`` needs one; None: fixed γ is used).
         proposal_cost: seconds of one batched draft-model decode step by its rows; None: proposing is free
             (prompt lookup), and γ is chosen when the drafts are verified.
-        drafted, accepted: totals over all sequences (the shared prior, and the metrics).
+        drafted, accepted: totals over all sequences (the metrics).
+        recent_drafted, recent_accepted: the same counts decayed by ``HALF_LIFE_STEPS`` (the shared prior).
+        steps_to_probe: ``auto`` steps with candidates until the next probe.
     """
 
     max_draft: int
@@ -125,6 +163,9 @@ class DraftPolicy:
     accepted: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     num_drafts: int = 0
+    recent_drafted: float = 0.0
+    recent_accepted: float = 0.0
+    steps_to_probe: int = PROBE_EVERY
 
     def __post_init__(self) -> None:
         if self.max_draft < 1:
@@ -132,14 +173,14 @@ class DraftPolicy:
 
     @property
     def shared_rate(self) -> float:
-        return (self.accepted + PRIOR_TOKENS * PRIOR_RATE) / (self.drafted + PRIOR_TOKENS)
+        return (self.recent_accepted + PRIOR_TOKENS * PRIOR_RATE) / (self.recent_drafted + PRIOR_TOKENS)
 
     def acceptance(self, candidate: Candidate) -> float:
         """The sequence's estimated per-token acceptance rate α (its counts shrunk towards the shared rate)."""
         return (candidate.accepted + PRIOR_TOKENS * self.shared_rate) / (candidate.drafted + PRIOR_TOKENS)
 
     def choose(self, candidates: list[Candidate], base_tokens: int, base_yield: int, budget: int) -> dict[int, int]:
-        """γ for each candidate (absent: 0).
+        """γ for each candidate (absent: 0): ``auto``'s best choice, every ``PROBE_EVERY`` calls with a probe.
 
         Args:
             candidates: decoding sequences with drafts available.
@@ -157,6 +198,24 @@ class DraftPolicy:
                     gammas[c.seq_id] = take
                     budget -= take
             return gammas
+        self.recent_drafted *= _KEEP
+        self.recent_accepted *= _KEEP
+        gammas = self._best(candidates, base_tokens, base_yield, budget)
+        self.steps_to_probe -= 1
+        if self.steps_to_probe > 0:
+            return gammas
+        self.steps_to_probe = PROBE_EVERY
+        likeliest = max(candidates, key=self.acceptance)
+        more = min(gammas.get(likeliest.seq_id, 0) + PROBE_DRAFT, likeliest.available, self.max_draft,
+                   budget - sum(gammas.values()) + gammas.get(likeliest.seq_id, 0))
+        if more > 0:
+            gammas[likeliest.seq_id] = more
+        return gammas
+
+    def _best(self, candidates: list[Candidate], base_tokens: int, base_yield: int,
+              budget: int) -> dict[int, int]:
+        """The γs that maximise expected tokens per second (see the module docstring), or {} when no drafts
+        beat none by ``MARGIN``."""
         alphas = {c.seq_id: self.acceptance(c) for c in candidates}
         by_id = {c.seq_id: c for c in candidates}
         # every raise (seq, its γ-th draft token) with its marginal expected tokens alpha^γ, best first
@@ -203,6 +262,8 @@ class DraftPolicy:
         self.num_drafts += 1
         self.drafted += num_draft
         self.accepted += num_accepted
+        self.recent_drafted += num_draft
+        self.recent_accepted += num_accepted
         if len(self.accepted_per_pos) < num_draft:
             self.accepted_per_pos.extend([0] * (num_draft - len(self.accepted_per_pos)))
         for position in range(num_accepted):

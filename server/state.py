@@ -29,6 +29,8 @@ log = logging.getLogger("kvserve.server")
 
 _PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line
 _CALIBRATION_CONTEXT = 256  # context (tokens) of the rows timed for speculation's step-cost curve
+_CALIBRATION_ROUNDS = 5     # timed rounds of every size (the median is kept), after a warm-up round
+_CALIBRATION_BUDGET_S = 10.0  # no further round starts after this long (s): bounded on a loaded machine
 
 
 class StepLog:
@@ -89,7 +91,7 @@ def _time_steps(runner: ModelRunner, blocks: BlockManager, sizes: list[int]) -> 
     if not blocks.allocate(table, min(_CALIBRATION_CONTEXT, runner.pool.num_slots)):
         raise ValueError("the KV pool is too small to measure step costs for --num-speculative-tokens auto")
     try:
-        return runner.time_decode_steps(sizes, table, repeats=2)
+        return runner.time_decode_steps(sizes, table, repeats=_CALIBRATION_ROUNDS, budget_s=_CALIBRATION_BUDGET_S)
     finally:
         blocks.free(table)
 
@@ -181,12 +183,13 @@ class ServerState:
         if isinstance(self.drafter, ModelDrafter):
             rows = sorted({n for n in (1, 2, 4, 8, 16, 32, config.max_num_seqs) if n <= config.max_num_seqs})
             proposal = StepCost(_time_steps(self.drafter.runner, self.drafter.blocks, rows))
-        log.info("speculation (%s), auto length up to %d; step cost (ms) by tokens: %s%s (measured in %.1f s)",
-                 config.speculative.value, AUTO_MAX_DRAFT, ", ".join(f"{n}: {s * 1000:.1f}" for n, s in seconds.items()),
-                 "" if proposal is None else "; draft step (ms) by rows: " + ", ".join(
-                     f"{n}: {s * 1000:.1f}" for n, s in zip(proposal.sizes, proposal.seconds)),
+        cost = StepCost(seconds)
+        log.info("speculation (%s), auto length up to %d; step cost by tokens (median of up to %d rounds, "
+                 "made non-decreasing; then learnt from served steps): %s%s (measured in %.1f s)",
+                 config.speculative.value, AUTO_MAX_DRAFT, _CALIBRATION_ROUNDS, cost.describe(),
+                 "" if proposal is None else "; draft step by rows: " + proposal.describe(),
                  time.perf_counter() - started)
-        return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=StepCost(seconds), proposal_cost=proposal)
+        return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=cost, proposal_cost=proposal)
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:
         """After each engine step: vLLM's tokens-per-step histogram, and the step log when asked for."""

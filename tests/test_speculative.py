@@ -12,6 +12,7 @@ import collections
 import copy
 import json
 import time
+import types
 
 import httpx
 import pytest
@@ -27,7 +28,7 @@ from kvserve.kvcache.pool import KVPool
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.sequence import FinishReason, Sequence
-from kvserve.scheduler.speculation import Candidate, DraftPolicy, StepCost, expected_tokens
+from kvserve.scheduler.speculation import PROBE_EVERY, Candidate, DraftPolicy, StepCost, expected_tokens
 from kvserve.server.config import ServeConfig
 from kvserve.server.serve import load_draft
 from kvserve.server.state import ServerState
@@ -112,7 +113,7 @@ def test_a_draft_models_catch_up_on_a_prompt_is_paid_for_by_the_tokens_it_can_sa
     target = StepCost({1: 0.027, 9: 0.037, 17: 0.060, 33: 0.099, 65: 0.251})
     draft = StepCost({1: 0.0066, 4: 0.010, 8: 0.017, 16: 0.031, 32: 0.060})
     policy = DraftPolicy(8, cost=target, proposal_cost=draft)
-    policy.drafted, policy.accepted = 100, 75
+    policy.recent_drafted, policy.recent_accepted = 100, 75
     alone = Candidate(0, 8, 0, 0, catch_up=120, remaining=96)
     assert policy.choose([alone], 1, 1, 512)  # one stream: a 120-token catch-up pays back over 96 tokens
     assert policy.choose([Candidate(0, 8, 0, 0)], 1, 1, 512)  # and so does one whose draft is in step
@@ -125,6 +126,80 @@ def test_a_draft_models_catch_up_on_a_prompt_is_paid_for_by_the_tokens_it_can_sa
 def test_step_cost_is_made_non_decreasing():
     cost = StepCost({1: 0.026, 2: 0.028, 3: 0.052, 5: 0.031})  # a busy moment measured at 3 tokens
     assert cost(3) == 0.031 and cost(4) == 0.031 and cost(2) == 0.028
+
+
+def _serve_policy(policy: DraftPolicy, steps: int, accept: bool, busy: bool) -> int:
+    """Drive ``policy`` as the scheduler does, one decoding sequence at a time (a new one every 100 steps), on a
+    machine whose step costs 30 ms + 0.5 ms a token (idle) or 90 ms + 30 ms a token (busy), with every draft
+    accepted or every one rejected; returns how many steps verified drafts."""
+    drafting, seq_id, drafted, accepted = 0, 0, 0, 0
+    for step in range(steps):
+        if step % 100 == 0:
+            seq_id, drafted, accepted = step, 0, 0
+        gamma = policy.choose([Candidate(seq_id, 8, drafted, accepted)], 1, 1, 512).get(seq_id, 0)
+        policy.record(gamma, gamma if accept else 0)
+        drafted, accepted = drafted + gamma, accepted + (gamma if accept else 0)
+        tokens = 1 + gamma
+        policy.cost.observe(tokens, 0.090 + 0.030 * (tokens - 1) if busy else 0.030 + 0.0005 * (tokens - 1))
+        drafting += gamma > 0
+    return drafting
+
+
+def test_auto_that_stopped_drafting_in_a_bad_phase_drafts_again_in_a_good_one():
+    """A busy machine and drafts that are all rejected switch auto off (but for its probes); once the load goes
+    and drafts are accepted again, what it learned has decayed, the probes re-measure, and it drafts again, and
+    longer drafts than one probe's."""
+    policy = DraftPolicy(8, cost=StepCost({1: 0.030, 2: 0.0305, 3: 0.031, 5: 0.032, 9: 0.034, 17: 0.040}))
+    assert _serve_policy(policy, 300, accept=True, busy=False) > 290
+    _serve_policy(policy, 3000, accept=False, busy=True)
+    assert _serve_policy(policy, 640, accept=False, busy=True) <= 640 // PROBE_EVERY + 1  # only the probes
+    assert policy.choose([Candidate(1, 8, 0, 0)], 1, 1, 512) == {}
+    _serve_policy(policy, 1000, accept=True, busy=False)
+    assert _serve_policy(policy, 300, accept=True, busy=False) == 300
+    assert max(policy.choose([Candidate(2, 8, 0, 0)], 1, 1, 512).values()) > 2
+
+
+def test_step_cost_follows_the_load_at_sizes_it_does_not_measure():
+    cost = StepCost({1: 0.030, 9: 0.034})
+    for _ in range(100):
+        cost.observe(1, 0.060)  # the machine is twice as busy; only one-token steps run
+    assert cost(1) == pytest.approx(0.060, rel=0.01) and cost(9) == pytest.approx(0.068, rel=0.15)
+    for _ in range(100):
+        cost.observe(1, 0.030)
+    assert cost(1) == pytest.approx(0.030, rel=0.01) and cost(9) == pytest.approx(0.034, rel=0.15)
+    assert "1: 30.0" in cost.describe()
+
+
+class _Clock:
+    """A fake ``time.perf_counter`` that a fake engine step advances by its cost."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_start_up_step_costs_are_medians_of_interleaved_rounds_within_a_time_bound(monkeypatch):
+    """A busy moment (one 2-second step) does not reach the curve, and a machine where every step is slow stops
+    measuring at the time bound, after one timed round."""
+    from kvserve.engine import runner as runner_module
+    clock = _Clock()
+    monkeypatch.setattr(runner_module.time, "perf_counter", clock)
+    calls = []
+
+    def execute(plan):
+        calls.append(len(plan.work))
+        spike = 2.0 if len(calls) == 5 else 0.0  # the first timed round's 1-token step
+        clock.now += 0.030 + 0.001 * len(plan.work) + spike
+    fake = types.SimpleNamespace(pool=types.SimpleNamespace(block_size=16), execute=execute)
+    seconds = ModelRunner.time_decode_steps(fake, [1, 2, 3, 5], [0, 1], repeats=5)
+    assert seconds == pytest.approx({1: 0.031, 2: 0.032, 3: 0.033, 5: 0.035})
+    assert len(calls) == 4 * 6  # a warm-up round and five timed ones, sizes interleaved
+    assert calls[:8] == [1, 2, 3, 5, 1, 2, 3, 5]
+    calls.clear()
+    seconds = ModelRunner.time_decode_steps(fake, [1, 2, 3, 5], [0, 1], repeats=5, budget_s=0.1)
+    assert len(calls) == 8 and set(seconds) == {1, 2, 3, 5}  # warm-up, one timed round, then the bound
 
 
 def test_expected_tokens_is_the_chapters_formula():
