@@ -57,7 +57,8 @@ class Generation:
             seq = Sequence(seq_id=state.next_id(), prompt_ids=prepared.prompt_ids, params=params,
                            max_tokens=prepared.max_tokens, stop_token_ids=prepared.stop_token_ids,
                            min_tokens=prepared.min_tokens, events=self.events, prefix_source=first,
-                           constraint=prepared.grammar.constraint() if prepared.grammar is not None else None)
+                           constraint=prepared.grammar.constraint(prepared.max_tokens)
+                           if prepared.grammar is not None else None)
             first = first or seq
             self.choices[seq.seq_id] = Choice(index, seq, state.tokenizer, prepared.prompt_ids,
                                               prepared.stop_strings)

@@ -32,7 +32,9 @@ DEFAULT_TOOL_PROMPT = (
     '<tool_call>{{"name": "<function name>", "arguments": <arguments as a JSON object>}}</tool_call>'
 )
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_HEADER = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*', re.S)
+# up to the arguments' opening brace, which must have arrived: a stream cut after `"arguments":` must not start
+# the arguments with the space that follows (streamed and whole replies give the same arguments, byte for byte)
+_HEADER = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\{)', re.S)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -83,18 +85,20 @@ def forced_grammar(body) -> GrammarSpec | None:
         return None
     if isinstance(choice, dict):
         fns = [f for f in fns if f["name"] == choice["function"]["name"]]
-    from kvserve.server.structured import json_schema_spec  # checks each parameter schema like a response_format's
+    # each parameter schema is checked like a response_format's, and read strictly (no unnamed properties)
+    from kvserve.server.structured import json_schema_spec, strict_schema
     alternatives = []
     for index, f in enumerate(fns):
-        json_schema_spec(f["parameters"], f"tools.{index}.function.parameters")
-        call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+        parameters = strict_schema(f["parameters"])
+        json_schema_spec(parameters, f"tools.{index}.function.parameters")
+        call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
                 "required": ["name", "arguments"], "additionalProperties": False,
                 "x-guidance": JSON_OPTIONS}
         alternatives.append(f"%json {json.dumps(call)}")
     repeat = "+" if body.parallel_tool_calls is not False else ""
     lark = (f"start: call{repeat}\ncall: {json.dumps(OPEN)} body {json.dumps(CLOSE)}\n"
             f"body: {' | '.join(alternatives)}\n")
-    return GrammarSpec("lark", lark)
+    return GrammarSpec("lark", lark, json_literals=True)
 
 
 @cache
