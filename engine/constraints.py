@@ -28,6 +28,8 @@ import llguidance.hf
 import numpy as np
 import torch
 
+from kvserve.engine.closing import CLOSING_SLACK, START, LexState, TokenTable, advance, closing_path, only
+
 # Work bounds for one grammar (llguidance's units); a schema past them is refused, never served slowly.
 _LIMITS = dict(max_grammar_size=200_000,     # symbols in the grammar's productions
                max_lexer_states=100_000,     # lexer DFA states (~1-2 kB each)
@@ -53,34 +55,65 @@ class GrammarSpec:
         kind: ``json_schema`` (text is a JSON schema), ``regex``, ``choice`` (a JSON list of strings),
             ``lark`` (a Lark or GBNF grammar, llguidance's syntax) or ``llguidance`` (a ready grammar).
         text: the grammar in that kind's syntax.
+        json_literals: the text it generates is JSON, or JSON inside a wrapper (a forced tool call); implied by
+            ``json_schema``. Its numbers are bounded (engine.closing).
     """
 
     kind: str
     text: str
+    json_literals: bool = False
+
+    @property
+    def is_json(self) -> bool:
+        return self.kind == "json_schema" or self.json_literals
 
 
 class Grammar:
     """A compiled grammar; ``constraint()`` gives each sequence its own matcher (a cheap copy)."""
 
-    def __init__(self, pristine: llguidance.LLMatcher, vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, pristine: llguidance.LLMatcher, vocab_size: int, eos_ids: list[int], table: TokenTable,
+                 is_json: bool) -> None:
         self._pristine = pristine
         self.vocab_size = vocab_size
         self.eos_ids = eos_ids
+        self.table = table
+        self.is_json = is_json
 
-    def constraint(self) -> Constraint:
-        return Constraint(self._pristine.deep_copy(), self.vocab_size, self.eos_ids)
+    def constraint(self, budget: int | None = None) -> Constraint:
+        """A matcher for one sequence that may generate at most ``budget`` tokens (None: no closing path)."""
+        return Constraint(self._pristine.deep_copy(), self, budget)
 
 
 class Constraint:
     """One sequence's matcher. Opaque to the scheduler; only the engine calls its methods."""
 
-    __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed")
+    __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed", "table", "budget", "lex")
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int, eos_ids: list[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, grammar: Grammar, budget: int | None = None) -> None:
         self.matcher = matcher
-        self.vocab_size = vocab_size
-        self.eos_ids = eos_ids         # allowed when the matcher allows nothing (an error, or EOS ignored)
-        self.consumed: list[int] = []  # tokens the matcher has taken, in order
+        self.vocab_size = grammar.vocab_size
+        self.eos_ids = grammar.eos_ids  # allowed when the matcher allows nothing (an error, or EOS ignored)
+        self.table = grammar.table
+        self.budget = budget            # max_tokens (the server caps it at the context); None: never forced
+        self.consumed: list[int] = []   # tokens the matcher has taken, in order
+        # a JSON grammar's lexical state before the first token and after each consumed one (engine.closing)
+        self.lex: list[LexState] | None = [START] if grammar.is_json else None
+
+    def allowed_now(self, bits: np.ndarray) -> None:
+        """Narrow this sequence's allowed tokens ``bits`` (``[words]`` uint32, in place) by the bounds on JSON
+        numbers, and to the closing path's next token once the tokens left come down to the path's length plus
+        ``CLOSING_SLACK`` (engine.closing)."""
+        state = self.lex[-1] if self.lex is not None else None
+        if state is not None:
+            ban = self.table.digit_ban(state)
+            if ban is not None:
+                bits &= ~ban
+        if self.budget is None:
+            return
+        left = self.budget - len(self.consumed)
+        path = closing_path(self.matcher, state, self.table, left)
+        if path is not None and left <= len(path) + CLOSING_SLACK:
+            bits[:] = only(path[0], bits.size)
 
     def sync(self, output_ids: list[int]) -> None:
         """Bring the matcher to the state after ``output_ids``: roll back tokens no longer there (preemption,
@@ -95,9 +128,13 @@ class Constraint:
                 self.matcher.reset()
                 common = 0
             del self.consumed[common:]
+            if self.lex is not None:
+                del self.lex[common + 1:]
         for token in output_ids[common:]:
             self.matcher.consume_token(token)
             self.consumed.append(token)
+            if self.lex is not None:
+                self.lex.append(advance(self.lex[-1], self.table.token_bytes[token]))
 
 
 class GrammarCompiler:
@@ -116,6 +153,7 @@ class GrammarCompiler:
         self._hf_tokenizer = hf_tokenizer
         self._eos_ids = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
+        self._table: TokenTable | None = None
         self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -127,7 +165,13 @@ class GrammarCompiler:
                 eos = self._eos_ids or self._hf_tokenizer.eos_token_id
                 self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
                                                                eos_token=eos)
+                self._table = TokenTable(self._tokenizer, self.vocab_size, self._closing_eos())
             return self._tokenizer
+
+    def _closing_eos(self) -> int:
+        """The EOS a closed reply ends with: the tokenizer's own when it is among the stop tokens."""
+        eos = self._hf_tokenizer.eos_token_id
+        return eos if eos in self._eos_ids or not self._eos_ids else self._eos_ids[0]
 
     def cached(self, spec: GrammarSpec) -> Grammar | None:
         with self._lock:
@@ -155,7 +199,8 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(_short(matcher.get_error()))
-        grammar = Grammar(matcher, self.vocab_size, self._eos_ids or [self._hf_tokenizer.eos_token_id])
+        grammar = Grammar(matcher, self.vocab_size, self._eos_ids or [self._hf_tokenizer.eos_token_id], self._table,
+                          spec.is_json)
         with self._lock:
             self._cache[spec] = grammar
             if len(self._cache) > self._cache_size:
@@ -207,6 +252,9 @@ def fill_masks(constraints: list[Constraint], output_ids: list[list[int]]) -> to
     _EXECUTOR.unsafe_compute_mask_ptr([(c.matcher, row) for row, c in enumerate(constraints)],
                                       bitmask.ctypes.data, words * 4, len(constraints))
     bits = bitmask.view(np.uint32)  # [rows, words]; unsigned, so bit 31 can be set without overflow
+    for constraint, row_bits in zip(constraints, bits):
+        if not constraint.matcher.is_error():
+            constraint.allowed_now(row_bits)
     for row in np.flatnonzero(~bits.any(axis=1)).tolist():
         for eos in constraints[row].eos_ids:
             bits[row, eos // 32] |= np.uint32(1 << (eos % 32))

@@ -58,7 +58,8 @@ class Generation:
                            max_tokens=prepared.max_tokens, stop_token_ids=prepared.stop_token_ids,
                            min_tokens=prepared.min_tokens, events=self.events, prefix_source=first,
                            cache_salt=prepared.cache_salt,
-                           constraint=prepared.grammar.constraint() if prepared.grammar is not None else None)
+                           constraint=prepared.grammar.constraint(prepared.max_tokens)
+                           if prepared.grammar is not None else None)
             first = first or seq
             self.choices[seq.seq_id] = Choice(index, seq, state.tokenizer, prepared.prompt_ids,
                                               prepared.stop_strings)

@@ -17,9 +17,11 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import re
 
 import jsonschema
 
+from kvserve.engine.closing import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS
 from kvserve.engine.constraints import Grammar, GrammarError, GrammarSpec
 from kvserve.server import tools
 from kvserve.server.errors import ApiError
@@ -31,6 +33,9 @@ COMPILE_TIMEOUT_S = 10.0    # wall time for one compilation (s)
 _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "lark"}
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+# keywords whose numbers the output may have to write (bounds and steps shape the number's regex)
+_NUMBER_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+_JSON_NUMBER = re.compile(r"-?([0-9.]+)(?:[eE][+-]?([0-9]+))?")
 
 
 def _depth(value, level: int = 0) -> int:
@@ -74,12 +79,82 @@ def _schema_problem(text: str) -> str | None:
     schema = json.loads(text)
     if _depth(schema) > MAX_SCHEMA_DEPTH:
         return f"is nested deeper than the limit of {MAX_SCHEMA_DEPTH} levels"
+    long_number = _long_number(schema)
+    if long_number is not None:
+        where, value = long_number
+        return (f"asks for the number {value} (at {where}), longer than a generated JSON number may be: at most "
+                f"{MAX_MANTISSA_DIGITS} digits before the exponent and {MAX_EXPONENT_DIGITS} in it")
     try:
         jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         return f"is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")
     return None
+
+
+def _long_number(value, where: str = "") -> tuple[str, str] | None:
+    """``(path, number)`` of the first number in a schema's numeric keywords that a bounded JSON number
+    (engine.closing) cannot write, or None."""
+    if isinstance(value, list):
+        return next(filter(None, (_long_number(v, f"{where}/{i}") for i, v in enumerate(value))), None)
+    if not isinstance(value, dict):
+        return None
+    for key, item in value.items():
+        numbers = item if key == "enum" and isinstance(item, list) else [item] if key in _NUMBER_KEYWORDS else []
+        for number in numbers:
+            if isinstance(number, (int, float)) and not isinstance(number, bool):
+                text = json.dumps(number)
+                match = _JSON_NUMBER.fullmatch(text)
+                if match and (len(match[1].replace(".", "")) > MAX_MANTISSA_DIGITS
+                              or len(match[2] or "") > MAX_EXPONENT_DIGITS):
+                    return f"{where}/{key}".lstrip("/"), text
+        if isinstance(item, (dict, list)) and key not in ("const", "enum", "default", "examples"):
+            found = _long_number(item, f"{where}/{key}")
+            if found is not None:
+                return found
+    return None
+
+
+# keywords whose value is one subschema, a list of them, or a mapping of names to them (JSON Schema 2020-12)
+_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
+              "unevaluatedItems", "unevaluatedProperties")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+
+
+def tool_parameters(schema, param: str) -> dict:
+    """A tool's parameter schema as a forced call serves it: read strictly (``strict_schema``), then checked like a
+    ``response_format`` schema (``json_schema_spec``; ApiError 400 naming ``param`` where it cannot be served)."""
+    strict = strict_schema(schema)
+    json_schema_spec(strict, param)
+    return strict
+
+
+def strict_schema(schema):
+    """``schema`` with ``additionalProperties: false`` on every object schema that leaves it unspecified, as
+    xgrammar's strict mode (vLLM's default backend) reads it: a property the schema does not name is not
+    generated. Applied to tool parameters and to ``response_format`` with ``strict: true``; a schema that says
+    ``additionalProperties`` (true, or a schema) keeps its word. Returns a copy; ``schema`` is unchanged."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if key in out:
+            out[key] = strict_schema(out[key]) if isinstance(out[key], dict) else out[key]
+    if isinstance(out.get("items"), list):  # draft-07 tuple form
+        out["items"] = [strict_schema(s) for s in out["items"]]
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [strict_schema(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: strict_schema(s) for name, s in out[key].items()}
+    kind = out.get("type")
+    is_object = kind == "object" or (isinstance(kind, list) and "object" in kind) or "properties" in out
+    if is_object and "additionalProperties" not in out and "unevaluatedProperties" not in out \
+            and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _response_format_spec(response_format: dict) -> GrammarSpec | None:
@@ -95,7 +170,10 @@ def _response_format_spec(response_format: dict) -> GrammarSpec | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
         raise ApiError(400, "response_format.json_schema must be an object with name and schema",
                        param="response_format.json_schema")
-    return json_schema_spec(spec.get("schema", {}), "response_format.json_schema.schema")
+    schema = spec.get("schema", {})
+    if spec.get("strict") is True:
+        schema = strict_schema(schema)
+    return json_schema_spec(schema, "response_format.json_schema.schema")
 
 
 def _text_spec(kind: str, value, param: str) -> GrammarSpec:
@@ -134,7 +212,7 @@ def grammar_spec(body) -> GrammarSpec | None:
                            param="structured_outputs")
         found.append(("structured_outputs", _text_spec(_STRUCTURED_KEYS[keys[0]], body.structured_outputs[keys[0]],
                                                        f"structured_outputs.{keys[0]}")))
-    tool_spec = tools.forced_grammar(body, json_schema_spec)
+    tool_spec = tools.forced_grammar(body, tool_parameters)
     if tool_spec is not None:
         found.append(("tool_choice", tool_spec))
     if len(found) > 1:

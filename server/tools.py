@@ -33,7 +33,9 @@ DEFAULT_TOOL_PROMPT = (
     '<tool_call>{{"name": "<function name>", "arguments": <arguments as a JSON object>}}</tool_call>'
 )
 _NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
-_HEADER = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*', re.S)
+# up to the arguments' opening brace, which must have arrived: a stream cut after `"arguments":` must not start
+# the arguments with the space that follows (streamed and whole replies give the same arguments, byte for byte)
+_HEADER = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\{)', re.S)
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -75,14 +77,15 @@ def active(body) -> bool:
     return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
 
 
-def forced_grammar(body, check_schema: Callable[[dict, str], object]) -> GrammarSpec | None:
+def forced_grammar(body, tool_parameters: Callable[[dict, str], dict]) -> GrammarSpec | None:
     """The grammar of ``tool_choice`` ``required`` or a named function: ``<tool_call>`` blocks whose JSON is
     ``{"name": <a function>, "arguments": <its parameters>}``; None for ``auto``/``none``/no tools.
 
     Args:
-        check_schema: ``(schema, param)`` raising ApiError (400) for a parameter schema that cannot be served,
-            the check a ``response_format`` schema gets (``server.structured.json_schema_spec``; passed in so
-            that this module does not import the one that imports it).
+        tool_parameters: ``(schema, param) -> schema as served``: a function's parameter schema read strictly (no
+            properties it does not name) and checked like a ``response_format`` schema, raising ApiError (400)
+            where it cannot be served (``server.structured.tool_parameters``; passed in so that this module does
+            not import the one that imports it).
     """
     fns = functions(body)
     choice = body.tool_choice
@@ -92,15 +95,15 @@ def forced_grammar(body, check_schema: Callable[[dict, str], object]) -> Grammar
         fns = [f for f in fns if f["name"] == choice["function"]["name"]]
     alternatives = []
     for index, f in enumerate(fns):
-        check_schema(f["parameters"], f"tools.{index}.function.parameters")
-        call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
+        parameters = tool_parameters(f["parameters"], f"tools.{index}.function.parameters")
+        call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
                 "required": ["name", "arguments"], "additionalProperties": False,
                 "x-guidance": JSON_OPTIONS}
         alternatives.append(f"%json {json.dumps(call)}")
     repeat = "+" if body.parallel_tool_calls is not False else ""
     lark = (f"start: call{repeat}\ncall: {json.dumps(OPEN)} body {json.dumps(CLOSE)}\n"
             f"body: {' | '.join(alternatives)}\n")
-    return GrammarSpec("lark", lark)
+    return GrammarSpec("lark", lark, json_literals=True)
 
 
 @cache

@@ -1,0 +1,192 @@
+"""Constrained replies that close: bounded JSON numbers, and the closing path when the token budget runs out.
+
+A grammar says what may come next, not when to stop; a small model given ``"population": 3121`` may add digits
+(or string characters) until ``max_tokens`` and hand the client JSON that does not parse. Two layers prevent it:
+
+1. **Bounded literals.** In a JSON grammar (a JSON schema, a forced tool call) a number has at most
+   ``MAX_MANTISSA_DIGITS`` digits before its exponent (leading zeros count, so ``0.000...`` is bounded too) and at
+   most ``MAX_EXPONENT_DIGITS`` exponent digits: a double's 17 significant digits and 3-digit exponent fit. The
+   mask drops the tokens that would go past either bound. A schema whose own numbers need more (a ``const``,
+   ``enum``, bound or ``multipleOf`` past them) is refused by name (server.structured).
+2. **Closing within the budget.** Each step, a *closing path* is walked on the sequence's matcher: from its
+   state, the grammar's forced tokens where there are any, else the first of a few closing tokens the grammar
+   accepts (in a string ``"``; in a number ``}``, ``]``, ``,``; elsewhere ``}``, ``]``, a ``0``, ...), else the
+   lowest allowed token, until the matcher accepts; then EOS. Its length D (EOS included) bounds the tokens the
+   grammar needs to reach an accepting state (greedy, so an upper bound, never under). When the tokens left
+   (``max_tokens`` minus the tokens generated; the server caps ``max_tokens`` at the context) come down to
+   D + ``CLOSING_SLACK``, the mask allows only the path's next token, so the reply closes and ends with EOS:
+   finish_reason ``stop``. If even the path does not fit, nothing is forced and the reply ends ``length``.
+   The slack is room for one sampled token that lengthens the path (a new key, an opened array item). The walk
+   costs a few microseconds per path token (llguidance's forced-token and try-consume calls, then a rollback);
+   figures in BENCHMARKS.md, "Closing within the budget".
+"""
+
+from __future__ import annotations
+
+import re
+from enum import IntEnum
+
+import llguidance
+import numpy as np
+
+MAX_MANTISSA_DIGITS = 20   # digits of a JSON number before its exponent
+MAX_EXPONENT_DIGITS = 3    # digits of its exponent
+CLOSING_SLACK = 4          # tokens of room left when the closing path is forced (see the module docstring)
+
+
+class Part(IntEnum):
+    """Where the JSON text so far ends, lexically."""
+
+    OUTSIDE = 0   # between values, or in text that is not JSON (a tool call's wrapper)
+    STRING = 1
+    ESCAPE = 2    # after a backslash in a string
+    MANTISSA = 3  # in a number, before any exponent
+    EXPONENT = 4  # in a number's exponent
+
+
+# (part, mantissa digits, exponent digits) after the text so far
+LexState = tuple[Part, int, int]
+START: LexState = (Part.OUTSIDE, 0, 0)
+_DIGITS = frozenset(b"0123456789")
+
+
+def advance(state: LexState, data: bytes) -> LexState:
+    """The lexical state after ``data`` (a token's bytes) follows ``state``. The grammar has already checked the
+    text, so this only tracks strings and numbers; text outside JSON is ``OUTSIDE`` unless it holds a quote."""
+    part, mantissa, exponent = state
+    for byte in data:
+        if part is Part.STRING:
+            part = Part.ESCAPE if byte == 0x5C else Part.OUTSIDE if byte == 0x22 else part
+            continue
+        if part is Part.ESCAPE:
+            part = Part.STRING
+            continue
+        if part is Part.MANTISSA:
+            if byte in _DIGITS:
+                mantissa += 1
+                continue
+            if byte == 0x2E:  # "."
+                continue
+            if byte in b"eE":
+                part = Part.EXPONENT
+                continue
+        elif part is Part.EXPONENT:
+            if byte in _DIGITS:
+                exponent += 1
+                continue
+            if byte in b"+-" and exponent == 0:
+                continue
+        part = Part.OUTSIDE
+        if byte == 0x22:
+            part = Part.STRING
+        elif byte in _DIGITS or byte == 0x2D:  # a number starts
+            part, mantissa, exponent = Part.MANTISSA, int(byte in _DIGITS), 0
+    return part, mantissa, exponent
+
+
+# the closing tokens tried, by where the text ends; in order of preference (a closing bracket before a comma)
+_CANDIDATES = {Part.STRING: ['"', "a", " ", "0"], Part.ESCAPE: ["n", '"', "u"],
+               Part.MANTISSA: ["}", "]", ",", "0"], Part.EXPONENT: ["}", "]", ",", "0"],
+               Part.OUTSIDE: ["}", "]", "0", '"', "null", ",", " 0", ' "', " null", " ", "[", "{"]}
+
+
+class TokenTable:
+    """What closing needs to know about every token of a vocabulary.
+
+    Args:
+        tokenizer: llguidance's tokenizer of the served model.
+        vocab_size: tokens in the mask (``ceil(vocab_size / 32)`` words).
+        eos_id: the token that ends a closed reply.
+    """
+
+    def __init__(self, tokenizer: llguidance.LLTokenizer, vocab_size: int, eos_id: int) -> None:
+        self.eos_id = eos_id
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.token_bytes = [tokenizer.decode_bytes([t]) for t in range(vocab_size)]
+        # digits a token adds to a number's mantissa (its leading run of digits and points) or exponent
+        self._mantissa_lead = np.array([_lead(b, rb"[0-9.]*") for b in self.token_bytes])  # [vocab]
+        self._exponent_lead = np.array([_lead(b, rb"[+-]?[0-9]*") for b in self.token_bytes])  # [vocab]
+        self._starts_point = np.array([b.startswith(b".") for b in self.token_bytes])  # [vocab]
+        self._bans: dict[tuple[Part, int], np.ndarray | None] = {}
+        self.candidates = {part: [ids[0] for ids in (tokenizer.tokenize_str(s) for s in texts) if len(ids) == 1]
+                           for part, texts in _CANDIDATES.items()}
+
+    def digit_ban(self, state: LexState) -> np.ndarray | None:
+        """``[words]`` uint32 bitmask of the tokens that would take a number past its bounds, or None."""
+        part, mantissa, exponent = state
+        if part is Part.MANTISSA:
+            key = (part, MAX_MANTISSA_DIGITS - mantissa)
+        elif part is Part.EXPONENT:
+            key = (part, MAX_EXPONENT_DIGITS - exponent)
+        else:
+            return None
+        if key not in self._bans:
+            room = key[1]
+            if part is Part.MANTISSA:  # at the bound a point would need another digit, so it goes too
+                banned = (self._mantissa_lead > room) | (self._starts_point if room <= 0 else False)
+            else:
+                banned = self._exponent_lead > room
+            self._bans[key] = _pack(banned, self.words) if banned.any() else None
+        return self._bans[key]
+
+
+def _lead(data: bytes, pattern: bytes) -> int:
+    return sum(byte in _DIGITS for byte in re.match(pattern, data).group())
+
+
+def _pack(flags: np.ndarray, words: int) -> np.ndarray:
+    """``[vocab]`` bool -> ``[words]`` uint32, bit j of word w = token 32 * w + j (llguidance's layout)."""
+    packed = np.packbits(flags, bitorder="little")
+    return np.pad(packed, (0, words * 4 - packed.size)).view("<u4").astype(np.uint32)
+
+
+def only(token: int, words: int) -> np.ndarray:
+    """``[words]`` uint32 bitmask allowing ``token`` alone."""
+    mask = np.zeros(words, dtype=np.uint32)
+    mask[token // 32] = np.uint32(1 << (token % 32))
+    return mask
+
+
+def closing_path(matcher: llguidance.LLMatcher, state: LexState | None, table: TokenTable,
+                 limit: int) -> list[int] | None:
+    """The tokens that close the reply from the matcher's state, EOS last, or None when more than ``limit`` are
+    needed (or the walk finds no way on). The matcher is left as it was (the walk's tokens are rolled back).
+
+    Args:
+        matcher: the sequence's matcher, synced to its output.
+        state: the lexical state of a JSON grammar's text, or None for other grammars (the candidates of
+            ``OUTSIDE`` are tried).
+        table: the vocabulary's closing facts.
+        limit: the most tokens the path may have (the tokens left).
+    """
+    path: list[int] = []
+    try:
+        while len(path) < limit:
+            if matcher.is_accepting():
+                return path + [table.eos_id]
+            if matcher.is_error():
+                return None
+            step = matcher.compute_ff_tokens()[:limit - 1 - len(path)] or _one_closing_token(matcher, state, table)
+            taken = matcher.try_consume_tokens(step) if step else 0
+            if taken == 0:
+                return None
+            for token in step[:taken]:
+                path.append(token)
+                if state is not None:
+                    state = advance(state, table.token_bytes[token])
+        return None
+    finally:
+        if path:
+            matcher.rollback(len(path))
+
+
+def _one_closing_token(matcher: llguidance.LLMatcher, state: LexState | None, table: TokenTable) -> list[int]:
+    part = Part.OUTSIDE if state is None else state[0]
+    for token in table.candidates[part]:
+        if matcher.validate_tokens([token]) == 1:
+            return [token]
+    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                                           bitorder="little")[:table.vocab_size])
+    allowed = allowed[allowed != table.eos_id]
+    return [int(allowed[0])] if allowed.size else []
