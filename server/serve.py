@@ -47,6 +47,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--share-cache-across-keys", action="store_true",
                         help="with several keys, let them share cached prefixes (default: a partition per key, so "
                              "one key cannot time another's prompts)")
+    parser.add_argument("--no-ui", action="store_true",
+                        help="do not serve the live page (/ and /ui: slots, KV blocks, steps, a playground) "
+                             "nor its event stream")
     parser.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
                         help="comma list of Host names to answer besides the loopback ones ('*.example.com' for "
                              "subdomains, '*' for any); default: loopback names only when bound to loopback, any "
@@ -95,7 +98,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        share_cache_across_keys=args.share_cache_across_keys,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
-                       vllm_metric_names=args.vllm_metric_names, allowed_hosts=args.allowed_hosts,
+                       vllm_metric_names=args.vllm_metric_names, ui=not args.no_ui, allowed_hosts=args.allowed_hosts,
                        header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,
                        speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens,
                        draft_model=args.draft_model, draft_quantization=args.draft_quantization)
