@@ -4,13 +4,14 @@ Two extensions, built once with torch's C++ extension tooling:
 
 - ``load()``: the linear (projection) kernels, one source file per family: ``linear_f32.cpp`` (float32
   weights), ``linear_int8.cpp`` (int8 weights x int16 activations), ``linear_int4.cpp`` (int4 panels x int8
-  activations), ``linear_lut4.cpp`` (NF4 and other 16-level tables), bound in ``linear_module.cpp``;
+  activations), ``linear_lut4.cpp`` (NF4 and other 16-level tables), ``linear_ggml.cpp`` (GGUF's Q4_1 and Q8_0
+  blocks, around the leaf micro-kernels of ``ukernel*.h``), bound in ``linear_module.cpp``;
 - ``load_ops()``: the fast path's fused ops (``decode_ops.cpp``: RMSNorm, RoPE, KV write, paged decode
   attention, SwiGLU, greedy pick).
 
 Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
-unless ``KVSERVE_ISA`` names a lesser one (``scalar``), so every path can be tested on one machine. ``isa()``
-says which runs and why. ``python -m kvserve.kernels --build`` compiles both extensions (the install step runs it);
+unless ``KVSERVE_ISA`` names a lesser one (``scalar``, ``avx2``; ``avx512`` is the best), so every path can be
+tested on one machine. ``isa()`` says which runs and why. ``python -m kvserve.kernels --build`` compiles both extensions (the install step runs it);
 otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
 the pure-PyTorch reference and one warning is logged. ``KVSERVE_QUANT_KERNELS=0`` forces that reference
 everywhere.
@@ -32,11 +33,11 @@ log = logging.getLogger("kvserve.kernels")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = {
     "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
-                                           "linear_int4.cpp", "linear_lut4.cpp")],
+                                           "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp")],
     "kvserve_decode_ops": [_CSRC / "decode_ops.cpp"],
 }
 # The paths csrc/cpu.h knows, best last; KVSERVE_ISA may name one to force it (a lesser one than the CPU has).
-ISAS = ("scalar", "avx2")
+ISAS = ("scalar", "avx2", "avx512")
 _state: dict[str, ModuleType | None] = {}
 
 
