@@ -46,8 +46,8 @@ class KVPool:
         # [2, num_layers, num_blocks, block_size, num_kv_heads, head_dim]
         self.data = torch.zeros(2, shape.num_layers, num_blocks, block_size, shape.num_kv_heads,
                                 shape.head_dim, dtype=dtype, device=device)
-        # Per-layer views, made once: indexing ``data`` costs ~10-20 us a call on CPU, and every layer of every
-        # step asks for its views.
+        # Per-layer views, made once: indexing ``data`` is a tensor op with its own dispatch cost on every call,
+        # and every layer of every step asks for its views.
         flat = (self.num_slots, shape.num_kv_heads, shape.head_dim)
         self._blocks = [(self.data[0, i], self.data[1, i]) for i in range(shape.num_layers)]
         self._flat = [(k.view(flat), v.view(flat)) for k, v in self._blocks]

@@ -162,7 +162,7 @@ class Metrics:
             self.success.labels(finished_reason=reason)
         self._add_vllm_families(r, max_model_len, cache_info or {})
 
-    # -- vLLM's per-request and per-step families (issue 25) ----------------------------------------------
+    # -- vLLM's per-request and per-step families (its dashboards and autoscaling rules read them) --------------
     def _add_vllm_families(self, r: CollectorRegistry, max_model_len: int, cache_info: dict[str, str]) -> None:
         tokens = buckets_1_2_5(max_model_len)
         self.tpot = Histogram(_P + "time_per_output_token_seconds", "Time per output token after the first (s).",

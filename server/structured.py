@@ -134,7 +134,7 @@ def grammar_spec(body) -> GrammarSpec | None:
                            param="structured_outputs")
         found.append(("structured_outputs", _text_spec(_STRUCTURED_KEYS[keys[0]], body.structured_outputs[keys[0]],
                                                        f"structured_outputs.{keys[0]}")))
-    tool_spec = tools.forced_grammar(body)
+    tool_spec = tools.forced_grammar(body, json_schema_spec)
     if tool_spec is not None:
         found.append(("tool_choice", tool_spec))
     if len(found) > 1:

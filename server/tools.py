@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from collections.abc import Callable
 from functools import cache
 
 import jinja2
@@ -74,19 +75,24 @@ def active(body) -> bool:
     return bool(getattr(body, "tools", None)) and body.tool_choice != "none"
 
 
-def forced_grammar(body) -> GrammarSpec | None:
+def forced_grammar(body, check_schema: Callable[[dict, str], object]) -> GrammarSpec | None:
     """The grammar of ``tool_choice`` ``required`` or a named function: ``<tool_call>`` blocks whose JSON is
-    ``{"name": <a function>, "arguments": <its parameters>}``; None for ``auto``/``none``/no tools."""
+    ``{"name": <a function>, "arguments": <its parameters>}``; None for ``auto``/``none``/no tools.
+
+    Args:
+        check_schema: ``(schema, param)`` raising ApiError (400) for a parameter schema that cannot be served,
+            the check a ``response_format`` schema gets (``server.structured.json_schema_spec``; passed in so
+            that this module does not import the one that imports it).
+    """
     fns = functions(body)
     choice = body.tool_choice
     if not fns or choice in (None, "none", "auto"):
         return None
     if isinstance(choice, dict):
         fns = [f for f in fns if f["name"] == choice["function"]["name"]]
-    from kvserve.server.structured import json_schema_spec  # checks each parameter schema like a response_format's
     alternatives = []
     for index, f in enumerate(fns):
-        json_schema_spec(f["parameters"], f"tools.{index}.function.parameters")
+        check_schema(f["parameters"], f"tools.{index}.function.parameters")
         call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": f["parameters"]},
                 "required": ["name", "arguments"], "additionalProperties": False,
                 "x-guidance": JSON_OPTIONS}

@@ -1,4 +1,4 @@
-"""Refuse what would serve garbage, and tell the truth in every field (issue 26), on a live server.
+"""Refuse what would serve garbage, and tell the truth in every field, on a live server.
 
 Strict request types, the OpenAPI document, logprobs that describe exactly the returned text, text_offset,
 fields refused by name instead of ignored, the Host guard, idle connections, 401's challenge, and the
@@ -280,7 +280,8 @@ def test_idle_and_half_header_connections_are_closed_and_never_block_a_request(g
 
 
 def test_an_assistant_turn_with_tool_calls_renders_its_calls_not_an_empty_turn():
-    """Issue 26.5's case, now served (issue 24): the call reaches the template as text, with its arguments."""
+    """An assistant turn that carries only tool_calls (once refused, now served): the call reaches the template as
+    text, with its arguments."""
     from kvserve.server import tools
     from kvserve.server.schemas import ChatCompletionRequest
 

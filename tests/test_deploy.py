@@ -41,7 +41,7 @@ RULES = DEPLOY / "rules" / "kvserve.rules.yml"
 ADAPTER = K8S / "monitoring" / "prometheus-adapter-config.yaml"
 K8S_MANIFESTS = sorted(K8S.glob("*.yaml")) + [ADAPTER]
 
-# Every series the dashboard must chart (issue 8): latency percentiles, tokens in/out, load, KV, prefix
+# Every series the dashboard must chart: latency percentiles, tokens in/out, load, KV, prefix
 # cache, preemptions, 429s and finish reasons.
 DASHBOARD_SERIES = {
     "kvserve:time_to_first_token_seconds_bucket", "kvserve:inter_token_latency_seconds_bucket",

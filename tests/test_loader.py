@@ -1,4 +1,4 @@
-"""A checkpoint that does not match its config, or that is pickled, stops the start with one line (issue 26).
+"""A checkpoint that does not match its config, or that is pickled, stops the start with one line.
 
 Tiny random Llama checkpoints are written to a temporary directory with transformers' own config class.
 """
