@@ -1,34 +1,35 @@
-"""The GGUF micro-kernels (``csrc/ukernel*.h``) built freestanding, for the CPU emulator (``kernels.emulate``).
+"""The GGUF micro-kernels (``csrc/ukernel*.h``) as a library of leaves, for the CPU emulator and ctypes.
 
-The extension compiles the same headers (``csrc/linear_ggml.cpp``); here ``csrc/leaves.c`` becomes a shared object
-of leaf functions alone: no libc (``-ffreestanding -nostdlib``), no stack protector, no position-independent code
-and no jump tables, so it has no relocations and no undefined symbols, and a loader that only copies its
-segments can run it. ``-mfma`` lets the scalar kernels' ``fmaf`` be the one instruction instead of a libm call
-(the same correctly rounded result). ``Args`` mirrors ``kv_ggml_args`` for callers that lay one out in memory.
+The extension compiles the same headers (``csrc/linear_ggml.cpp``); ``build()`` compiles ``csrc/leaves.c``, which
+includes them all, freestanding (``kernels.emulate.build_freestanding``: no libc, no relocations, checked), and
+``build(native=True)`` as an ordinary library for this CPU. ``-mfma`` makes the scalar kernels' ``fmaf`` the one
+instruction rather than a libm call (the same correctly rounded result). ``Args`` mirrors ``kv_ggml_args`` and
+``pack_panels`` is the panel layout of ukernel.h written in numpy for any panel width (the extension packs for
+its own ISA only).
 """
 
 from __future__ import annotations
 
 import ctypes
-import os
-import subprocess
 from pathlib import Path
 
-CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCE = CSRC / "leaves.c"
-FLAGS = ("-O2", "-ffreestanding", "-nostdlib", "-fno-stack-protector", "-fno-pic", "-fno-jump-tables",
-         "-fno-tree-loop-distribute-patterns", "-mfma", "-shared")
+import numpy as np
+
+from kvserve.kernels import emulate
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "leaves.c"
+FLAGS = ["-mfma", "-fno-jump-tables"]
 KINDS = ("q4_1", "q8_0")
 ISAS = ("scalar", "avx2", "avx512")
-SYMBOLS = tuple(f"kv_{kind}_{isa}" for kind in KINDS for isa in ISAS)
-# Panel widths and register tile rows (ukernel.h's KV_NR_* / KV_MR_*) per ISA; the scalar kernel reads any width.
+# Panel widths and register tile rows (ukernel.h's KV_NR_* / KV_MR_*); the scalar kernel takes any of either.
 NR = {"avx2": 8, "avx512": 16}
 MR = {"avx2": 4, "avx512": 8}
-BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
+BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}  # one block of 32 weights, as in a GGUF file
+SCALE_BYTES = {"q4_1": 4, "q8_0": 2}    # its fp16 d (and m) at the start
 
 
 class Args(ctypes.Structure):
-    """``kv_ggml_args`` (csrc/ukernel.h), field for field: pointers as 64-bit addresses."""
+    """``kv_ggml_args`` (csrc/ukernel.h), field for field; pointers are addresses (guest or host)."""
 
     _fields_ = [("w", ctypes.c_uint64), ("xq", ctypes.c_uint64), ("xd", ctypes.c_uint64), ("xs", ctypes.c_uint64),
                 ("xsum", ctypes.c_uint64), ("y", ctypes.c_uint64), ("ldq", ctypes.c_int64),
@@ -36,24 +37,27 @@ class Args(ctypes.Structure):
                 ("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("nr", ctypes.c_int32)]
 
 
-def build(out_dir: Path | None = None, compiler: str | None = None) -> Path:
-    """Compile ``csrc/leaves.c`` freestanding (again only when a source is newer) and return the .so's path.
+def build(native: bool = False) -> Path:
+    """The leaves' shared object: freestanding for ``kernels.emulate.Emulator`` or, with ``native``, for
+    ``kernels.emulate.Native`` (ctypes on this CPU). Cached; raises ``emulate.BuildError`` if a compiler fails and
+    ``emulate.NotALeafError`` if the freestanding object has relocations or undefined symbols."""
+    if native:
+        return emulate.build_native([SOURCE], "kvserve_leaves", flags=FLAGS)
+    return emulate.build_freestanding([SOURCE], "kvserve_leaves", flags=FLAGS)
 
-    Args:
-        out_dir: where the library goes; default ``$TORCH_EXTENSIONS_DIR`` (or ``~/.cache/kvserve``)/leaves.
-        compiler: a C compiler; default ``$CC`` or ``cc``.
 
-    Raises:
-        subprocess.CalledProcessError: the compiler failed (its message is in the exception's stderr).
+def pack_panels(raw: np.ndarray, kind: str, nr: int) -> np.ndarray:
+    """GGUF blocks uint8 ``[N, K/32 * bytes]`` in ukernel.h's panel order: uint8 ``[ceil(N / nr), K/32 * nr * bytes]``.
+
+    Per panel and block: the ``nr`` features' fp16 d (then m, for Q4_1), then the codes in 4-byte groups, group t
+    of feature n at lane n of chunk t; features past N are zero.
     """
-    base = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvserve")
-    out_dir = Path(out_dir or Path(base) / "leaves")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    library = out_dir / "kvserve_leaves.so"
-    newest = max(p.stat().st_mtime for p in [SOURCE, *CSRC.glob("ukernel*.h")])
-    if not library.exists() or library.stat().st_mtime < newest:
-        partial = library.with_suffix(f".{os.getpid()}.tmp")  # another process may be loading the old one
-        subprocess.run([compiler or os.environ.get("CC", "cc"), *FLAGS, str(SOURCE), "-o", str(partial)], check=True,
-                       capture_output=True, text=True)
-        partial.replace(library)
-    return library
+    N, row = raw.shape
+    nb, head = row // BLOCK_BYTES[kind], SCALE_BYTES[kind]
+    panels = -(-N // nr)
+    padded = np.zeros((panels * nr, row), np.uint8)
+    padded[:N] = raw
+    blocks = padded.reshape(panels, nr, nb, BLOCK_BYTES[kind]).transpose(0, 2, 1, 3)  # [panels, nb, nr, bytes]
+    scales = [blocks[..., s:s + 2].reshape(panels, nb, 2 * nr) for s in range(0, head, 2)]
+    codes = blocks[..., head:].reshape(panels, nb, nr, -1, 4).transpose(0, 1, 3, 2, 4).reshape(panels, nb, -1)
+    return np.ascontiguousarray(np.concatenate([*scales, codes], axis=-1).reshape(panels, -1))
