@@ -56,6 +56,20 @@ def forced_isa() -> str | None:
     return value
 
 
+def native_isas() -> tuple[str, ...]:
+    """The paths of ``ISAS`` this CPU runs natively (its /proc/cpuinfo flags, as csrc/cpu.h tests them), lesser
+    first: AVX2 needs AVX2 + FMA + F16C, AVX-512 needs F + BW + VL + VNNI as well. Tests and benchmarks force each
+    with ``KVSERVE_ISA``; the AVX-512 micro-kernels also run emulated where the CPU lacks them."""
+    from kvserve.kernels.emulate import host_cpu_flags
+
+    flags = host_cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return ("scalar",)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return ISAS
+    return ("scalar", "avx2")
+
+
 def isa() -> str:
     """Which path the kernels run and why, e.g. ``avx2 (the best this CPU supports)``, ``scalar (forced by
     KVSERVE_ISA)`` or ``reference (KVSERVE_QUANT_KERNELS=0)``."""

@@ -11,7 +11,8 @@
 5. ``--ggml``: the GGUF Q4_1 / Q8_0 kernels (kernels/csrc/linear_ggml.cpp) on each ISA path this CPU runs (one
    process per path, forced with ``KVSERVE_ISA``): GMAC/s at 1, 8, 32 and 512 rows on SmolLM2's K = 576 shapes,
    weight GB/s at 1 row (over copies of the weights larger than the caches), and the int4 panel kernel beside
-   them; written into BENCHMARKS.md's "ggml" section.
+   them; written into BENCHMARKS.md's "ggml" section. One thread, timed in CPU seconds (``time.thread_time``),
+   so the figures are per core even on a machine shared with other work (wall time there measures the queue).
 """
 
 from __future__ import annotations
@@ -134,14 +135,15 @@ def _ggml_blocks(kind: str, N: int, seed: int) -> torch.Tensor:
 
 
 def _per_call(fns, x, budget_s: float = 0.3) -> float:
-    """Seconds per call of ``fns`` (cycled, each on ``x``), over at least ``budget_s`` after one warm pass."""
+    """CPU seconds of this thread per call of ``fns`` (cycled, each on ``x``), over at least ``budget_s`` after one
+    warm pass; the kernels run on this thread (``torch.set_num_threads(1)``)."""
     for fn in fns:
         fn(x)
-    calls, started = 0, time.perf_counter()
-    while time.perf_counter() - started < budget_s or calls < len(fns):
+    calls, started = 0, time.thread_time()
+    while time.thread_time() - started < budget_s or calls < len(fns):
         fns[calls % len(fns)](x)
         calls += 1
-    return (time.perf_counter() - started) / calls
+    return (time.thread_time() - started) / calls
 
 
 @torch.inference_mode()
@@ -149,9 +151,13 @@ def ggml_path() -> None:
     """In this process (on the ISA path KVSERVE_ISA forces): one line per (kind, N, rows), as ``key=value``."""
     import kvserve.quant.linear as ql
     from kvserve import kernels
+    from kvserve.quant.schemes import INT4_OFFSET
 
+    torch.set_num_threads(1)
     module = kernels.load()
     isa = module.isa()
+    stream = torch.ones(GGML_STREAM_BYTES // 4)  # float32: what one thread reads from memory, summing it
+    print(f"isa={isa} kind=read N=0 rows=1 gmacs=0 gbs={GGML_STREAM_BYTES / _per_call([torch.sum], stream) / 1e9:.2f}")
     for kind in ("q4_1", "q8_0"):
         for N in GGML_N:
             raw = _ggml_blocks(kind, N, N)
@@ -165,24 +171,23 @@ def ggml_path() -> None:
                       f"gbs={raw.numel() / seconds / 1e9:.2f}", flush=True)
     if isa == "scalar":
         return
-    for N in GGML_N[:3]:  # the int4 panel kernel (int4/group 128) on the projections' shapes
-        layers = [ql.Int4Linear(nn.Linear(GGML_K, N, bias=False)) for _ in range(4)]
-        bound = [layer.decode_kernel() for layer in layers]
+    for N in GGML_N[:3]:  # the int4 panel kernel (int4/group 128) on the projections' shapes, streamed alike
+        layer = ql.Int4Linear(nn.Linear(GGML_K, N, bias=False))
+        copies = max(1, GGML_STREAM_BYTES // layer.weight_bytes)
+        bound = [module.bind_int4(layer.weight.clone(), layer.scales.clone(), layer.group_size, INT4_OFFSET)
+                 for _ in range(copies)]
         for rows in GGML_ROWS:
-            seconds = _per_call(bound, torch.randn(rows, GGML_K))
+            seconds = _per_call(bound if rows == 1 else bound[:1], torch.randn(rows, GGML_K))
             print(f"isa={isa} kind=int4 N={N} rows={rows} gmacs={rows * N * GGML_K / seconds / 1e9:.2f} "
-                  f"gbs={layers[0].weight_bytes / seconds / 1e9:.2f}", flush=True)
+                  f"gbs={layer.weight_bytes / seconds / 1e9:.2f}", flush=True)
 
 
 def ggml_paths() -> None:
     """Each ISA path in its own process; prints the figures and writes BENCHMARKS.md's "ggml" section."""
-    from kvserve.kernels import emulate
+    from kvserve import kernels
     from kvserve.loadtest.benchmarks_md import update_section
 
-    flags = emulate.host_cpu_flags()
-    isas = ["scalar"] + (["avx2"] if {"avx2", "fma", "f16c"} <= flags else [])
-    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags and len(isas) == 2:
-        isas.append("avx512")
+    isas = kernels.native_isas()
     rows: dict[tuple, dict[str, float]] = {}
     for isa in isas:
         done = subprocess.run([sys.executable, "-m", "kvserve.loadtest.kernelbench", "--mode", "ggml"],
@@ -193,8 +198,13 @@ def ggml_paths() -> None:
             rows[fields["isa"], fields["kind"], int(fields["N"]), int(fields["rows"])] = {
                 "gmacs": float(fields["gmacs"]), "gbs": float(fields["gbs"])}
     best = isas[-1]
-    lines = ["GMAC/s (K = 576; 1 row: weight GB/s in brackets, over copies larger than the L3). The int4 rows are "
-             f"the int4/group-128 panel kernel on the {best} path; x: the {best} Q4_1 kernel's speed over it.", "",
+    read = rows.pop((best, "read", 0, 1))["gbs"]
+    for isa in isas[:-1]:
+        rows.pop((isa, "read", 0, 1))
+    lines = [f"One thread's read bandwidth (torch.sum over {GGML_STREAM_BYTES >> 20} MB of float32): {read:.1f} GB/s.",
+             "GMAC/s of one thread per CPU second (K = 576; 1 row: weight GB/s and its share of that bandwidth in "
+             "brackets, over copies larger than the L3). The int4 rows are the int4/group-128 panel kernel on the {best} path; x: the {best} Q4_1 "
+             "kernel's speed over it.", "",
              "| path | kind | N | 1 row | 8 rows | 32 rows | 512 rows |", "|---|---|---:|---:|---:|---:|---:|"]
     for (isa, kind, N) in dict.fromkeys(key[:3] for key in rows):
         cells = []
@@ -202,7 +212,7 @@ def ggml_paths() -> None:
             figure = rows.get((isa, kind, N, m))
             text = "-" if figure is None else f"{figure['gmacs']:.1f}"
             if figure is not None and m == 1:
-                text += f" ({figure['gbs']:.1f} GB/s)"
+                text += f" ({figure['gbs']:.1f} GB/s, {100 * figure['gbs'] / read:.0f}%)"
             q4 = rows.get((best, "q4_1", N, m))
             if kind == "int4" and figure is not None and q4 is not None:
                 text += f", {q4['gmacs'] / figure['gmacs']:.2f}x"

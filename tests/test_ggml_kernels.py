@@ -130,24 +130,9 @@ def worker(out: str) -> None:
     torch.save(results, out)
 
 
-def _native_isas() -> list[str]:
-    flags = set()
-    text = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    for line in text.splitlines():
-        if line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-            break
-    isas = ["scalar"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        isas.append("avx2")
-        if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
-            isas.append("avx512")
-    return isas
-
-
 def test_every_native_path_gives_the_scalar_bits_in_every_batch(tmp_path):
     results = {}
-    for isa in _native_isas():
+    for isa in kernels.native_isas():
         out = tmp_path / f"{isa}.pt"
         done = subprocess.run([sys.executable, "-c", f"from tests.test_ggml_kernels import worker; worker({str(out)!r})"],
                               cwd=ROOT, env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True,

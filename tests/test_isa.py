@@ -19,14 +19,6 @@ from kvserve import kernels
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return set()
-    return set(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
-
-
 def _python(code: str, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=300)
@@ -43,10 +35,7 @@ def test_the_best_path_this_cpu_supports_runs_by_default(monkeypatch):
 
 
 def _best_isa() -> str:
-    flags = _cpu_flags()
-    if not {"avx2", "fma", "f16c"} <= flags:
-        return "scalar"
-    return "avx512" if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags else "avx2"
+    return kernels.native_isas()[-1]
 
 
 @needs_kernels
