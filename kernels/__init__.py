@@ -11,8 +11,8 @@ Two extensions, built once with torch's C++ extension tooling:
 
 Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
 unless ``KVSERVE_ISA`` names a lesser one (``scalar``, ``avx2``; ``avx512`` is the best), so every path can be
-tested on one machine. ``isa()`` says which runs and why. ``python -m kvserve.kernels --build`` compiles both extensions (the install step runs it);
-otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
+tested on one machine. ``isa()`` says which runs and why. ``python -m kvserve.kernels --build`` compiles both
+extensions (the install step runs it); otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
 the pure-PyTorch reference and one warning is logged. ``KVSERVE_QUANT_KERNELS=0`` forces that reference
 everywhere.
 """

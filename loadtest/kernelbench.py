@@ -203,8 +203,8 @@ def ggml_paths() -> None:
         rows.pop((isa, "read", 0, 1))
     lines = [f"One thread's read bandwidth (torch.sum over {GGML_STREAM_BYTES >> 20} MB of float32): {read:.1f} GB/s.",
              "GMAC/s of one thread per CPU second (K = 576; 1 row: weight GB/s and its share of that bandwidth in "
-             "brackets, over copies larger than the L3). The int4 rows are the int4/group-128 panel kernel on the {best} path; x: the {best} Q4_1 "
-             "kernel's speed over it.", "",
+             "brackets, over copies larger than the L3). The int4 rows are the int4/group-128 panel kernel (AVX2 code) "
+             "beside them; x: the same path's Q4_1 kernel's speed over it.", "",
              "| path | kind | N | 1 row | 8 rows | 32 rows | 512 rows |", "|---|---|---:|---:|---:|---:|---:|"]
     for (isa, kind, N) in dict.fromkeys(key[:3] for key in rows):
         cells = []
@@ -213,7 +213,7 @@ def ggml_paths() -> None:
             text = "-" if figure is None else f"{figure['gmacs']:.1f}"
             if figure is not None and m == 1:
                 text += f" ({figure['gbs']:.1f} GB/s, {100 * figure['gbs'] / read:.0f}%)"
-            q4 = rows.get((best, "q4_1", N, m))
+            q4 = rows.get((isa, "q4_1", N, m))
             if kind == "int4" and figure is not None and q4 is not None:
                 text += f", {q4['gmacs'] / figure['gmacs']:.2f}x"
             cells.append(text)

@@ -18,6 +18,7 @@ import torch
 from gguf import GGMLQuantizationType, quants
 
 from kvserve import kernels
+from kvserve.kernels import leaves
 from kvserve.quant.schemes import quantize_activations
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,6 +70,27 @@ def test_kernel_agrees_with_gguf_dequantization_in_float64():
             assert ((y.double() - ref).abs() <= bound).all(), (kind, N, K, (y.double() - ref).abs().max())
 
 
+def test_the_embedded_models_own_blocks_round_trip_and_multiply_as_gguf_dequantizes_them():
+    from gguf import GGUFReader
+
+    from kvserve.engine.loader import default_gguf_path
+
+    module = kernels.load()
+    tensors = {t.name: t for t in GGUFReader(default_gguf_path()).tensors}
+    for name, kind, rows in (("blk.0.ffn_down.weight", "q4_1", 576), ("token_embd.weight", "q8_0", 1000)):
+        tensor = tensors[name]
+        assert tensor.tensor_type is KINDS[kind]
+        raw = torch.from_numpy(np.array(tensor.data[:rows]))  # [rows, K/32 * bytes], the file's bytes
+        N, K = rows, raw.shape[1] // (20 if kind == "q4_1" else 34) * 32
+        packed = module.ggml_pack(raw, kind)
+        assert torch.equal(module.ggml_unpack(packed, kind, N, K), raw)
+        x = activations(4, K)
+        x_hat = quantize_activations(x, 32, 127).double()
+        w = dequantize(raw, kind, K)
+        error = (module.ggml_linear(x, packed, kind, N, K).double() - x_hat @ w.T).abs()
+        assert (error <= 1e-5 * (x_hat.abs() @ w.abs().T)).all(), (name, error.max())
+
+
 def test_pack_unpack_round_trips_the_raw_bytes():
     module = kernels.load()
     for kind in KINDS:
@@ -76,7 +98,9 @@ def test_pack_unpack_round_trips_the_raw_bytes():
             raw = random_blocks(kind, N, K, seed=N)
             packed = module.ggml_pack(raw, kind)
             assert torch.equal(module.ggml_unpack(packed, kind, N, K), raw)
-            assert not torch.equal(packed.flatten()[: raw.numel()], raw.flatten())  # reordered, not copied
+            # each byte where the micro-kernels read it (leaves.pack_panels: ukernel.h's layout in numpy)
+            nr = leaves.NR.get(kernels.load().isa(), 8)
+            assert np.array_equal(packed.numpy(), leaves.pack_panels(raw.numpy(), kind, nr))
 
 
 def test_bound_kernel_gives_the_bits_of_the_call():
@@ -134,9 +158,9 @@ def test_every_native_path_gives_the_scalar_bits_in_every_batch(tmp_path):
     results = {}
     for isa in kernels.native_isas():
         out = tmp_path / f"{isa}.pt"
-        done = subprocess.run([sys.executable, "-c", f"from tests.test_ggml_kernels import worker; worker({str(out)!r})"],
-                              cwd=ROOT, env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True,
-                              timeout=600)
+        code = f"from tests.test_ggml_kernels import worker; worker({str(out)!r})"
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "KVSERVE_ISA": isa},
+                              capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stderr[-3000:]
         results[isa] = torch.load(out)
         assert results[isa].pop("isa") == isa

@@ -48,7 +48,8 @@ def test_kvserve_isa_forces_the_scalar_path():
 @needs_kernels
 @pytest.mark.skipif(_best_isa() != "avx512", reason="this CPU has no AVX-512 VNNI path to step down from")
 def test_kvserve_isa_forces_the_avx2_path_on_an_avx512_cpu():
-    done = _python("from kvserve import kernels; print(kernels.isa()); print(kernels.load().vectorized())", KVSERVE_ISA="avx2")
+    done = _python("from kvserve import kernels; print(kernels.isa()); print(kernels.load().vectorized())",
+                   KVSERVE_ISA="avx2")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["avx2 (forced by KVSERVE_ISA)", "True"]
 
