@@ -4,14 +4,15 @@ Two extensions, built once with torch's C++ extension tooling:
 
 - ``load()``: the linear (projection) kernels, one source file per family: ``linear_f32.cpp`` (float32
   weights), ``linear_int8.cpp`` (int8 weights x int16 activations), ``linear_int4.cpp`` (int4 panels x int8
-  activations), ``linear_lut4.cpp`` (NF4 and other 16-level tables), bound in ``linear_module.cpp``;
+  activations), ``linear_lut4.cpp`` (NF4 and other 16-level tables), ``linear_ggml.cpp`` (GGUF's Q4_1 and Q8_0
+  blocks, around the leaf micro-kernels of ``ukernel*.h``), bound in ``linear_module.cpp``;
 - ``load_ops()``: the fast path's fused ops (``decode_ops.cpp``: RMSNorm, RoPE, KV write, paged decode
   attention, SwiGLU, greedy pick).
 
 Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
-unless ``KVSERVE_ISA`` names a lesser one (``scalar``), so every path can be tested on one machine. ``isa()``
-says which runs and why. ``python -m kvserve.kernels --build`` compiles both extensions (the install step runs it);
-otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
+unless ``KVSERVE_ISA`` names a lesser one (``scalar``, ``avx2``; ``avx512`` is the best), so every path can be
+tested on one machine. ``isa()`` says which runs and why. ``python -m kvserve.kernels --build`` compiles both
+extensions (the install step runs it); otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
 the pure-PyTorch reference and one warning is logged. ``KVSERVE_QUANT_KERNELS=0`` forces that reference
 everywhere.
 """
@@ -32,14 +33,14 @@ log = logging.getLogger("kvserve.kernels")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = {
     "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
-                                           "linear_int4.cpp", "linear_lut4.cpp")],
+                                           "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp")],
     "kvserve_decode_ops": [_CSRC / "decode_ops.cpp"],
 }
 # decode_ops.cpp's quantized-cache attention is one body for every ISA path, bit for bit: no multiply-add may
 # fuse into an FMA on the AVX2 path only (its intrinsics' FMAs are explicit and stay).
 _EXTRA_CFLAGS = {"kvserve_decode_ops": ["-ffp-contract=off"]}
 # The paths csrc/cpu.h knows, best last; KVSERVE_ISA may name one to force it (a lesser one than the CPU has).
-ISAS = ("scalar", "avx2")
+ISAS = ("scalar", "avx2", "avx512")
 _state: dict[str, ModuleType | None] = {}
 
 
@@ -56,6 +57,20 @@ def forced_isa() -> str | None:
         raise ValueError(f"KVSERVE_ISA={value!r}: expected one of {', '.join(ISAS)} (or unset for the best the "
                          "CPU supports)")
     return value
+
+
+def native_isas() -> tuple[str, ...]:
+    """The paths of ``ISAS`` this CPU runs natively (its /proc/cpuinfo flags, as csrc/cpu.h tests them), lesser
+    first: AVX2 needs AVX2 + FMA + F16C, AVX-512 needs F + BW + VL + VNNI as well. Tests and benchmarks force each
+    with ``KVSERVE_ISA``; the AVX-512 micro-kernels also run emulated where the CPU lacks them."""
+    from kvserve.kernels.emulate import host_cpu_flags
+
+    flags = host_cpu_flags()
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return ("scalar",)
+    if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return ISAS
+    return ("scalar", "avx2")
 
 
 def isa() -> str:

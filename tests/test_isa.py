@@ -1,6 +1,7 @@
 """Every instruction-set path of the native kernels is tested on one machine: KVSERVE_ISA forces the lesser one.
 
-kernels/csrc/cpu.h picks the best path the CPU supports; ``KVSERVE_ISA=scalar`` forces the portable loops.
+kernels/csrc/cpu.h picks the best path the CPU supports; ``KVSERVE_ISA=scalar`` forces the portable loops and
+``KVSERVE_ISA=avx2`` the AVX2 ones on an AVX-512 CPU.
 The kernel test files then run again on that path, in a child process (the choice is read once per process).
 """
 
@@ -30,10 +31,12 @@ needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the kernels d
 @needs_kernels
 def test_the_best_path_this_cpu_supports_runs_by_default(monkeypatch):
     monkeypatch.delenv("KVSERVE_ISA", raising=False)
-    flags = _cpu_flags()
-    expected = "avx2" if {"avx2", "fma", "f16c"} <= flags else "scalar"
-    assert kernels.isa() == f"{expected} (the best this CPU supports)"
-    assert kernels.load().vectorized() == (expected == "avx2")
+    assert kernels.isa() == f"{_best_isa()} (the best this CPU supports)"
+    assert kernels.load().vectorized() == (_best_isa() != "scalar")
+
+
+def _best_isa() -> str:
+    return kernels.native_isas()[-1]
 
 
 @needs_kernels
@@ -43,10 +46,27 @@ def test_kvserve_isa_forces_the_scalar_path():
     assert done.stdout.split("\n")[:2] == ["scalar (forced by KVSERVE_ISA)", "False"]
 
 
+@needs_kernels
+@pytest.mark.skipif(_best_isa() != "avx512", reason="this CPU has no AVX-512 VNNI path to step down from")
+def test_kvserve_isa_forces_the_avx2_path_on_an_avx512_cpu():
+    done = _python("from kvserve import kernels; print(kernels.isa()); print(kernels.load().vectorized())",
+                   KVSERVE_ISA="avx2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[:2] == ["avx2 (forced by KVSERVE_ISA)", "True"]
+
+
+@needs_kernels
+@pytest.mark.skipif(_best_isa() == "avx512", reason="this CPU runs the AVX-512 path")
+def test_kvserve_isa_asking_for_more_than_the_cpu_has_says_so():
+    done = _python("from kvserve import kernels; print(kernels.isa())", KVSERVE_ISA="avx512")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split("\n")[0] == f"{_best_isa()} (KVSERVE_ISA=avx512 asks for more than this CPU has)"
+
+
 def test_an_unknown_isa_is_refused_with_the_choices():
     done = _python("from kvserve import kernels; kernels.load()", KVSERVE_ISA="avx9000")
     assert done.returncode != 0
-    assert "KVSERVE_ISA='avx9000': expected one of scalar, avx2" in done.stderr
+    assert "KVSERVE_ISA='avx9000': expected one of scalar, avx2, avx512" in done.stderr
 
 
 @needs_kernels

@@ -2,8 +2,9 @@
 //
 // The kernels are compiled for every path with target attributes, so one build runs on any x86-64 CPU; at run
 // time the best path the CPU supports (cpuid, through the compiler's __builtin_cpu_supports) is chosen, unless
-// KVSERVE_ISA names a lesser one: `scalar` forces the portable loops on any CPU, so CI on an AVX2 machine tests
-// both paths. A value the CPU cannot run falls back to the best it can (kernels/__init__.py warns and refuses
+// KVSERVE_ISA names a lesser one: `scalar` forces the portable loops on any CPU and `avx2` the AVX2 loops on an
+// AVX-512 CPU, so one machine tests every path it can run (kernels/emulate.py runs the AVX-512 micro-kernels
+// where the CPU lacks them). A value the CPU cannot run falls back to the best it can (kernels/__init__.py warns and refuses
 // unknown names before the extension loads).
 #pragma once
 
@@ -12,24 +13,33 @@
 
 namespace kvserve::cpu {
 
-enum class Isa : int { kScalar = 0, kAvx2 = 1 };
+// Ordered: a path may use every lesser one's instructions (the AVX-512 path runs the AVX2 kernels of the
+// families that have no AVX-512 micro-kernel).
+enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The best path this CPU supports. AVX2 here means AVX2 + FMA + F16C (every AVX2 CPU has all three; the int4
-// and NF4 kernels convert float16 scales with F16C).
+// and NF4 kernels convert float16 scales with F16C). AVX-512 means F + BW + VL + VNNI (vpdpbusd: the GGUF
+// micro-kernels, ukernel.h), as on Ice Lake, Sapphire Rapids and Zen 4 and later; AVX512-BF16 (vdpbf16ps)
+// comes with it on Sapphire Rapids and Zen 4 but no kernel needs it yet, so it is not required here.
 inline Isa detected() {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
+    if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+        __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+      return Isa::kAvx512;
     return Isa::kAvx2;
+  }
 #endif
   return Isa::kScalar;
 }
 
-// detected(), capped by KVSERVE_ISA (scalar | avx2); read once per process.
+// detected(), capped by KVSERVE_ISA (scalar | avx2 | avx512); read once per process.
 inline Isa chosen() {
   static const Isa isa = [] {
     const Isa best = detected();
     const char* env = std::getenv("KVSERVE_ISA");
     if (env != nullptr && std::strcmp(env, "scalar") == 0) return Isa::kScalar;
+    if (env != nullptr && std::strcmp(env, "avx2") == 0) return best < Isa::kAvx2 ? best : Isa::kAvx2;
     return best;
   }();
   return isa;
@@ -37,6 +47,8 @@ inline Isa chosen() {
 
 inline bool avx2() { return chosen() >= Isa::kAvx2; }
 
-inline const char* name(Isa isa) { return isa == Isa::kAvx2 ? "avx2" : "scalar"; }
+inline const char* name(Isa isa) {
+  return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
+}
 
 }  // namespace kvserve::cpu

@@ -11,6 +11,9 @@
 //                (vpmaddubsw) over panels of 8 weight rows: y = W_hat @ Q8(x) up to float summation order.
 //   NF4:         float32 activations; the codes are widened through the 16-level table (lut4_linear).
 //   float32:     f32_linear, register tiles of 3 activation rows x 4 weight rows.
+//   GGUF Q4_1 / Q8_0: the file's own blocks, repacked into panels (ggml_pack), activations as Q8 blocks of 32,
+//                micro-kernels per ISA (ukernel.h: scalar, AVX2, AVX-512 VNNI) giving the same bits on every
+//                path and batch size (linear_ggml.cpp).
 //
 // Layouts (see quant/schemes.py):
 //   int8:  w int8 [N, K], scales float32 [N]                     w_hat[n,k] = w[n,k] * s[n]
@@ -46,8 +49,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut4_linear", &lut4_linear, NoGil(),
         "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, lut f32 [16] -> [M,N]");
   m.def("f32_linear", &f32_linear, NoGil(), "x [M,K] f32, w f32 [N,K] -> [M,N] (small M)");
+  m.def("ggml_pack", &ggml_pack,
+        "raw u8 [N, K/32 * bytes] (GGUF blocks), kind 'q4_1'|'q8_0' -> u8 [panels, bytes] (the chosen ISA's layout)");
+  m.def("ggml_unpack", &ggml_unpack, "packed, kind, N, K -> the raw u8 [N, K/32 * bytes] (ggml_pack's inverse)");
+  m.def("ggml_linear", &ggml_linear, NoGil(),
+        "x [M,K] f32, packed, kind, N, K -> [M,N] f32 (x as Q8 blocks of 32; no bias)");
+  m.def("bind_ggml", [](const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K) {
+    return py::cpp_function(bind_ggml(packed, kind, N, K), NoGil());
+  }, "ggml_linear bound to (packed, kind, N, K), checked once");
   m.def("vectorized", &vectorized, "True when the AVX2+FMA path runs on this CPU");
-  m.def("isa", &isa, "The instruction-set path every kernel runs (kernels/csrc/cpu.h): avx2 or scalar");
+  m.def("isa", &isa, "The instruction-set path the kernels run (kernels/csrc/cpu.h): avx512, avx2 or scalar");
   // A layer's kernel bound to its weights once: f(x) -> y. A call then converts one argument and runs no
   // Python frame (a Python lambda around the kernel cost both, on each of a decode step's ~120-210 calls).
   m.def("bind_int8", [](torch::Tensor w, torch::Tensor scales, int64_t block, bool panels) {
