@@ -24,8 +24,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype)
     parser.add_argument("--quantization", choices=["none", "int8", "int4", "nf4"], default=d.quantization)
-    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget, e.g. 1GiB")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size in blocks (overrides memory)")
+    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                        help="KV pool budget, e.g. 1GiB; with --speculative draft it holds the draft model's pool "
+                             "too (as many tokens as the served model's, at the draft's dtype and shape)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="pool size in blocks (overrides memory; a draft model's pool gets as many)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="slots (sequences per step)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import json
+import logging
 import time
 import types
 
@@ -510,6 +511,21 @@ def test_served_with_a_draft_model_the_answers_equal_those_without(smollm2, int4
     accepted = _metric(metrics, 'kvserve:spec_decode_num_accepted_tokens_total{model_name="SmolLM2-135M-Instruct"}')
     drafts = _metric(metrics, 'kvserve:spec_decode_num_draft_tokens_total{model_name="SmolLM2-135M-Instruct"}')
     assert 0.4 * drafts < accepted <= drafts
+
+
+def test_a_draft_models_pool_holds_as_many_tokens_within_the_kv_budget(smollm2, int4_draft, caplog):
+    """The draft's pool (float32 for the int4 draft) has the served pool's blocks, and both fit in
+    --kv-cache-memory: one more block of each would not."""
+    config = ServeConfig(kv_cache_memory="64MiB", speculative="draft", num_speculative_tokens=3)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = ServerState(smollm2, config, draft=int4_draft)
+    served, draft = state.pool, state.drafter.runner.pool
+    assert served.num_blocks == draft.num_blocks == state.drafter.blocks.num_blocks
+    both = served.nbytes + draft.nbytes
+    assert both <= 64 * 2**20 < both + (served.nbytes + draft.nbytes) // served.num_blocks
+    assert "KV pools: the served model's" in caplog.text and f"= {both / 2**20:.1f} MiB" in caplog.text
+    alone = ServerState(smollm2, ServeConfig(kv_cache_memory="64MiB"))
+    assert alone.pool.num_blocks > served.num_blocks
 
 
 def test_draft_flags_without_a_draft_model_or_of_the_served_model_itself_are_refused(smollm2):
