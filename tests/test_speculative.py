@@ -33,7 +33,8 @@ from kvserve.scheduler.speculation import PROBE_EVERY, Candidate, DraftPolicy, S
 from kvserve.server.config import ServeConfig
 from kvserve.server.serve import load_draft
 from kvserve.server.state import ServerState
-from tests.engineutil import EOS, engine_greedy, greedy_references, tiny
+from tests.engineutil import (EOS, REPEAT_PROMPT, SERVED, SERVED_IDS, chat_ids, engine_greedy, greedy_references,
+                              tiny)
 from tests.serverutil import running_server, serving
 
 PROMPTS = [  # text that repeats itself, so prompt lookup finds drafts, and text that does not
@@ -296,6 +297,21 @@ def test_seeded_sampling_and_penalties_with_drafts_equal_those_without(smollm2, 
         runs.append(seqs_out)
     assert runs[0] == runs[1]
     assert scheduler.draft.accepted > 0
+
+
+@pytest.mark.parametrize("served_model", SERVED, ids=SERVED_IDS, indirect=True)
+def test_every_served_configuration_speculates_exactly(served_model):
+    """In every dtype and weight format served, greedy (with logprobs), penalised and seeded output with prompt
+    lookup's drafts equals the output without: a verify row is computed as a decode row is."""
+    tok = served_model.tokenizer
+    prompts = [tok(REPEAT_PROMPT)["input_ids"], chat_ids(tok, "Write a poem about the sea.")]
+    for params in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.8, seed=7)):
+        plain, _ = engine_greedy(served_model, prompts, 40, params=params, min_tokens=0)
+        drafted, scheduler = engine_greedy(served_model, prompts, 40, params=params, min_tokens=0, draft=fixed(4),
+                                           drafter=NgramDrafter())
+        assert drafted == plain, params
+        assert scheduler.draft.accepted > 0
 
 
 @pytest.mark.parametrize("kind", ["ngram", "model"])
