@@ -90,7 +90,7 @@ def test_tiny_random_architectures_match_generate(arch):
 @pytest.mark.parametrize("served_model", SERVED, ids=SERVED_IDS, indirect=True)
 def test_every_served_configuration_is_exact_batched_preempted_and_on_a_prefix_hit(served_model):
     """In every dtype and weight format served, a sequence's greedy tokens alone equal its tokens batched with
-    others admitted later (chunked prefill, preemption) and on a prefix-cache hit (a chat prompt of 40 tokens,
+    others admitted later (chunked prefill, preemption) and on a prefix-cache hit (a chat prompt of 35 tokens,
     its first 32 cached: the rest computed as a shorter prefill). EOS may end them after min_tokens."""
     tok = served_model.tokenizer
     chat, text = chat_ids(tok, "Repeat exactly: alpha beta"), tok(REPEAT_PROMPT)["input_ids"]
