@@ -31,6 +31,11 @@ from kvserve.quant.linear import QuantLinear, concat_outputs
 # about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m kvserve.loadtest.kernelbench`).
 # Longer prefill chunks stay on torch's GEMM.
 DENSE_MAX_ROWS = 64
+# A 16-bit projection on CPU runs torch's GEMM (oneDNN), whose rows of a call of up to 32 rows equal those of the
+# same rows alone, and differ beyond, where it blocks the reduction another way (tests/test_fastpath.py checks both
+# on the served weights). Longer calls are cut into calls of this many rows, so that a row's bits never depend on
+# how many rows share its step: a prefill chunk, a verify pass or a batch.
+INVARIANT_ROWS = 32
 PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)
 
 Linear = Callable[[torch.Tensor], torch.Tensor]  # [T, in] -> [T, out]
@@ -41,7 +46,8 @@ class Projection:
 
     On CPU with float32 rows, calls go straight to a C++ kernel: ``f32_linear`` for float32 weights (up to
     DENSE_MAX_ROWS rows), the layer's own kernel for a QuantLinear (up to its ``kernel_max_rows``: every call
-    for the integer kernels). Anything else calls the module (torch's GEMM, or a bf16 ``nn.Linear``).
+    for the integer kernels). Anything else calls the module (torch's GEMM, or a bf16 ``nn.Linear``); a 16-bit
+    ``nn.Linear`` on CPU in calls of at most ``INVARIANT_ROWS`` rows, so each row is computed as if alone.
     """
 
     def __init__(self, module: nn.Module) -> None:
@@ -57,11 +63,16 @@ class Projection:
         elif isinstance(module, QuantLinear):
             limit = module.kernel_max_rows
             self.kernel, self.max_rows = module.decode_kernel(), (limit if limit is not None else sys.maxsize)
+        # a 16-bit CPU nn.Linear: cut into calls of INVARIANT_ROWS rows
+        self.row_blocks = (type(module) is nn.Linear and weight.is_cpu
+                           and weight.dtype in (torch.bfloat16, torch.float16))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype is torch.float32 and x.shape[0] <= self.max_rows:
             y = self.kernel(x if x.is_contiguous() else x.contiguous())
             return y if self.bias is None else y + self.bias
+        if self.row_blocks and x.shape[0] > INVARIANT_ROWS:
+            return torch.cat([self.module(part) for part in x.split(INVARIANT_ROWS)])  # [T, out]
         return self.module(x)
 
 

@@ -10,6 +10,17 @@ from transformers import PreTrainedTokenizerBase
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so a first word keeps its leading space
 _INCOMPLETE = "\ufffd"
+_MAX_CHAR_TOKENS = 3  # a UTF-8 character has at most 4 bytes: at most 3 of its tokens can end a text unfinished
+
+
+def complete_prefix(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> int:
+    """How many of ``ids``, from the start, decode to text that ends on a whole character: ``len(ids)`` unless
+    the last tokens hold the first bytes of a character that a later token would complete (their decode ends in
+    U+FFFD; the ids of a literal U+FFFD at the end are cut too, alike)."""
+    for cut in range(min(_MAX_CHAR_TOKENS, len(ids)) + 1):
+        if not tokenizer.decode(ids[:len(ids) - cut]).endswith(_INCOMPLETE):
+            return len(ids) - cut
+    return len(ids)
 
 
 class IncrementalDetokenizer:
@@ -20,6 +31,11 @@ class IncrementalDetokenizer:
     hold part of a multi-byte character (an emoji is often split over 2-4 tokens); SentencePiece drops a
     word's leading space when a token is decoded alone, hence the prompt context.
 
+    A prompt whose last tokens hold the first bytes of a character (token ids cut inside an emoji) leaves them to
+    the output: the completed character is the start of the first text returned; if the output does not
+    complete it, those bytes are dropped (never sent as U+FFFD). So the prompt's whole characters and the
+    returned text join to the decode of prompt and output together.
+
     Args:
         tokenizer: the model's tokenizer.
         prompt_ids: the prompt (its last tokens give context).
@@ -29,7 +45,9 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = complete_prefix(tokenizer, self.ids)
+        # characters the prompt's unfinished tail decodes to alone (its U+FFFD included); 0: it ends whole
+        self.dangling = len(self._decode(self.ids[self.read_offset:])) if self.read_offset < len(self.ids) else 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
@@ -42,14 +60,22 @@ class IncrementalDetokenizer:
         if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
             return ""
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return new_text[len(prefix_text):]
+        return self._first(new_text[len(prefix_text):])
+
+    def _first(self, text: str) -> str:
+        """The first text after a prompt that ended inside a character: without that character's U+FFFD when
+        the output did not complete it."""
+        if self.dangling and text:
+            head, text, self.dangling = text[:self.dangling], text[self.dangling:], 0
+            return head.replace(_INCOMPLETE, "") + text
+        return text
 
     def flush(self) -> str:
         """Text still held at the end, without a trailing incomplete character (never sent as U+FFFD)."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:]).rstrip(_INCOMPLETE)
         self.prefix_offset = self.read_offset = len(self.ids)
-        return new_text[len(prefix_text):] if len(new_text) > len(prefix_text) else ""
+        return self._first(new_text[len(prefix_text):]) if len(new_text) > len(prefix_text) else ""
 
 
 class StopStringMatcher:

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvserve.engine.plan import TokenLogprob
 from kvserve.server.choice import ChoiceUpdate
+from kvserve.server.detok import complete_prefix
 from kvserve.server.generation import Generation
 from kvserve.server.prepare import Prepared, prepare
 from kvserve.server.schemas import CompletionRequest
@@ -120,9 +121,13 @@ class PromptGroups:
         return self.groups[self._origin(index)[0]].prepared.prompt_ids
 
     def prompt_text(self, index: int) -> str:
-        """The prompt as sent (``echo``); token ids are decoded."""
+        """The prompt as sent (``echo``); token ids are decoded, without a character their last tokens only begin
+        (the completion's text starts with it: ``server.detok``)."""
         prompt = self.prompts[self._origin(index)[0]]
-        return prompt if isinstance(prompt, str) else self.state.tokenizer.decode(prompt)
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.state.tokenizer
+        return tokenizer.decode(prompt[:complete_prefix(tokenizer, prompt)])
 
     def prompt_logprobs(self, index: int) -> list[TokenLogprob]:
         prompt, candidate = self._origin(index)

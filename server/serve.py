@@ -29,8 +29,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "SmolLM2's Q4_1/Q8_0), int8 for a float checkpoint; gguf: the GGUF file's own blocks; "
                              "none: full precision (bfloat16 where the CPU has it, else float32); int8, int4, nf4: "
                              "kvserve's own rounding of the float weights")
-    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget, e.g. 1GiB")
-    parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size in blocks (overrides memory)")
+    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
+                        help="KV pool budget, e.g. 1GiB; with --speculative draft it holds the draft model's pool "
+                             "too (as many tokens as the served model's, at the draft's dtype and shape)")
+    parser.add_argument("--num-kv-blocks", type=int, default=None,
+                        help="pool size in blocks (overrides memory; a draft model's pool gets as many)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
     parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="slots (sequences per step)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,

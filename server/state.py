@@ -82,6 +82,26 @@ def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: 
                          f"--kv-cache-memory or --num-kv-blocks ({type(exc).__name__})") from None
 
 
+def _num_blocks(config: ServeConfig, loaded: LoadedModel, draft: LoadedModel | None) -> int:
+    """Blocks of the served model's pool: ``--num-kv-blocks``, or as many as ``--kv-cache-memory`` holds, where a
+    draft model's pool (as many blocks, at the draft's bytes per token) shares the budget.
+
+    Raises:
+        ValueError: the budget holds not even one block (of both pools).
+    """
+    if config.num_kv_blocks:
+        return config.num_kv_blocks
+    budget = parse_bytes(config.kv_cache_memory)
+    if draft is None:
+        return num_blocks_for_budget(loaded.kv_shape(), config.block_size, budget)
+    # bytes/token of both pools = the served model's + the draft's  (each 2*L*H_kv*d*b)
+    block_bytes = (loaded.kv_shape().bytes_per_token + draft.kv_shape().bytes_per_token) * config.block_size
+    if budget < block_bytes:
+        raise ValueError(f"KV budget of {budget:,} bytes holds no block of the served and the draft model's pools "
+                         f"({block_bytes:,} bytes)")
+    return budget // block_bytes
+
+
 def _time_steps(runner: ModelRunner, blocks: BlockManager, sizes: list[int]) -> dict[int, float]:
     """``runner.time_decode_steps`` on scratch blocks of ``blocks`` (freed after).
 
@@ -113,7 +133,8 @@ class ServerState:
         config: serving configuration.
         executor: the one thread that runs engine steps (default: a new thread).
         draft: the draft model of ``--speculative draft`` (``server.serve.load_draft``); it gets a KV pool of its
-            own, holding as many tokens as the served model's.
+            own, holding as many tokens as the served model's (at its own dtype and shape), both within
+            ``--kv-cache-memory``.
 
     Raises:
         ValueError: a KV pool (the served model's or the draft's) more than the machine has or torch can index;
@@ -126,9 +147,7 @@ class ServerState:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or loaded.name
-        shape = loaded.kv_shape()
-        num_blocks = config.num_kv_blocks or num_blocks_for_budget(shape, config.block_size,
-                                                                   parse_bytes(config.kv_cache_memory))
+        num_blocks = _num_blocks(config, loaded, draft if config.speculative is Drafter.DRAFT else None)
         self.pool = _allocate_pool(loaded, num_blocks, config.block_size, what="a ")
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:
@@ -168,8 +187,9 @@ class ServerState:
         if draft is None:
             raise ValueError("--speculative draft needs a draft model (server.serve.load_draft)")
         pool = _allocate_pool(draft, num_blocks, config.block_size, what="the draft model's ")
-        log.info("draft model %s (%s): its own KV pool of %d blocks, %.1f MiB", draft.name, draft.dtype,
-                 num_blocks, pool.data.numel() * pool.data.element_size() / 2**20)
+        log.info("KV pools: the served model's %d blocks, %.1f MiB (%s) + the draft model %s's %d blocks, %.1f MiB "
+                 "(%s) = %.1f MiB", num_blocks, self.pool.nbytes / 2**20, self.loaded.dtype, draft.name, num_blocks,
+                 pool.nbytes / 2**20, draft.dtype, (self.pool.nbytes + pool.nbytes) / 2**20)
         return ModelDrafter(ModelRunner(draft, pool), min(draft.max_model_len, self.max_model_len))
 
     def _draft_policy(self, config: ServeConfig, blocks: BlockManager) -> DraftPolicy:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 
 from kvserve.server.config import ServeConfig
+from tests.engineutil import Served
 from tests.serverutil import running_server
 
 
@@ -34,3 +37,23 @@ def server_url(smollm2):
     """Base URL of a live server on SmolLM2 with the default configuration (256 MiB KV pool)."""
     with running_server(smollm2, ServeConfig(kv_cache_memory="256MiB")) as url:
         yield url
+
+
+@pytest.fixture(scope="session")
+def served_model(request, smollm2):
+    """SmolLM2 in one configuration of ``tests.engineutil.SERVED`` (parametrize ``served_model`` indirectly);
+    skipped where this CPU lacks the dtype. Loaded once per configuration per session. Never mutate it."""
+    from kvserve.engine.loader import Device, DType, cpu_has_bf16, load_model
+    from kvserve.quant.model import quantize_for_serving
+    from kvserve.quant.options import Scheme
+
+    served: Served = request.param
+    if served.dtype is DType.BFLOAT16 and not cpu_has_bf16():
+        pytest.skip("this CPU has no native bfloat16 (AVX-512 BF16 or AMX): kvserve serve does not pick it here")
+    if served.dtype is DType.FLOAT32 and served.quantization is Scheme.NONE:
+        return smollm2
+    if served.quantization is Scheme.NONE:
+        return load_model(None, served.dtype, Device.CPU)
+    loaded = copy.deepcopy(smollm2)
+    quantize_for_serving(loaded.model, served.quantization)
+    return loaded

@@ -3,14 +3,17 @@
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import transformers
 
+from kvserve.engine.options import DType
 from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
 from kvserve.kvcache.pool import KVPool
+from kvserve.quant.options import Scheme
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.sequence import Sequence
@@ -19,6 +22,33 @@ GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 4  # block size of run_both's pool
 
 EOS = 2  # SmolLM2's <|im_end|>, and the tiny configs' eos_token_id
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """One configuration of ``kvserve serve``'s arithmetic (``--dtype``, ``--quantization``), as the exactness
+    tests load SmolLM2 in it (conftest's ``served_model``; quantized ones rounded to nearest, as a draft is: the
+    same kernels as the calibrated codes, without minutes of calibration)."""
+
+    name: str
+    dtype: DType
+    quantization: Scheme = Scheme.NONE
+
+
+# Every configuration `kvserve serve` accepts; the exactness tests run over all of them. A new weight format or
+# dtype joins the exactness tests by being added here.
+SERVED = [Served("float32", DType.FLOAT32), Served("bfloat16", DType.BFLOAT16),
+          Served("int8", DType.FLOAT32, Scheme.INT8), Served("int4", DType.FLOAT32, Scheme.INT4),
+          Served("nf4", DType.FLOAT32, Scheme.NF4)]
+SERVED_IDS = [s.name for s in SERVED]
+
+REPEAT_PROMPT = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta\n"  # prompt lookup finds drafts
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    """The ids of one user message through the chat template, with the assistant's turn opened."""
+    return tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                         tokenize=True, return_dict=True)["input_ids"]
 
 
 def reference_model(model):

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
+import httpx
 import pytest
 
-from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher
+from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher, complete_prefix
 
 TEXTS = [
     "Joy! 😀🎉🥳 and more 👨‍👩‍👧 family",
@@ -66,3 +69,48 @@ def test_held_text_that_never_becomes_a_stop_is_released():
     assert matcher.feed("ART") == ("START", False)
     assert matcher.feed("go S") == ("go ", False)
     assert matcher.flush() == "S"
+
+
+def _cut_inside_an_emoji(tokenizer, text: str) -> tuple[list[int], list[int]]:
+    """``text``'s ids split after the first token that ends inside a character (an emoji's first bytes)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    cut = next(n for n in range(1, len(ids)) if tokenizer.decode(ids[:n]).endswith("\ufffd"))
+    return ids[:cut], ids[cut:]
+
+
+def test_a_character_completed_across_the_prompt_boundary_starts_the_output(smollm2):
+    tokenizer = smollm2.tokenizer
+    prompt, output = _cut_inside_an_emoji(tokenizer, "Joy! 😀 and more")
+    whole = tokenizer.decode(prompt[:complete_prefix(tokenizer, prompt)])
+    assert "\ufffd" not in whole and complete_prefix(tokenizer, prompt) < len(prompt)
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    text = "".join([detok.add(t) for t in output] + [detok.flush()])
+    assert text.lstrip().startswith("😀 and more")
+    assert whole + text == tokenizer.decode(prompt + output) == "Joy! 😀 and more"
+    # an output that does not complete it: the prompt's dangling bytes are dropped, never sent as U+FFFD
+    detok = IncrementalDetokenizer(tokenizer, prompt)
+    other = tokenizer(" fine", add_special_tokens=False)["input_ids"]
+    text = "".join([detok.add(t) for t in other] + [detok.flush()])
+    assert "\ufffd" not in text and whole + text == tokenizer.decode(prompt + other).replace("\ufffd", "")
+
+
+def test_served_a_character_completed_across_the_prompt_boundary_is_the_completions_start(smollm2, server_url):
+    """Prompt token ids that end inside an emoji the model then completes: streamed and not, the completion
+    starts with the whole emoji, and the echoed prompt shows its whole characters only (no U+FFFD)."""
+    tokenizer = smollm2.tokenizer
+    prompt, _ = _cut_inside_an_emoji(tokenizer, "Repeat: 😀😀😀😀😀😀")
+    texts = []
+    for stream, echo in ((False, True), (True, True), (False, False)):
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": echo, "stream": stream}
+        with httpx.stream("POST", server_url + "/v1/completions", json=body, timeout=120) as response:
+            assert response.status_code == 200
+            if stream:
+                chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+                texts.append("".join(c["choices"][0]["text"] for c in chunks if c["choices"]))
+            else:
+                texts.append(json.loads(response.read())["choices"][0]["text"])
+    whole = tokenizer.decode(prompt[:complete_prefix(tokenizer, prompt)])  # the prompt's whole characters
+    assert texts[0] == texts[1] == whole + texts[2]
+    assert "\ufffd" not in texts[0]
+    first = texts[2].lstrip()[0]  # the character the prompt's last bytes begin, completed by the model
+    assert ord(first) >= 0x1F000  # an emoji (the model completes it as 😍)

@@ -9,7 +9,8 @@ import torch
 import transformers
 
 from kvserve.engine.loader import wrap_model
-from tests.engineutil import engine_greedy, greedy_references, reference_greedy, reference_model
+from tests.engineutil import (REPEAT_PROMPT, SERVED, SERVED_IDS, chat_ids, engine_greedy, greedy_references,
+                              reference_greedy, reference_model)
 
 PROMPTS = [
     "The capital of France is",
@@ -91,3 +92,21 @@ def test_tiny_random_architectures_match_generate(arch):
     ours, _ = engine_greedy(loaded, prompts, 24, block_size=4, num_blocks=64, budget=16, max_num_seqs=4)
     ref = reference_model(model)
     assert ours == [reference_greedy(ref, p, 24) for p in prompts]
+
+
+@pytest.mark.parametrize("served_model", SERVED, ids=SERVED_IDS, indirect=True)
+def test_every_served_configuration_is_exact_batched_preempted_and_on_a_prefix_hit(served_model):
+    """In every dtype and weight format served, a sequence's greedy tokens alone equal its tokens batched with
+    others admitted later (chunked prefill, preemption) and on a prefix-cache hit (a chat prompt of 35 tokens,
+    its first 32 cached: the rest computed as a shorter prefill). EOS may end them after min_tokens."""
+    tok = served_model.tokenizer
+    chat, text = chat_ids(tok, "Repeat exactly: alpha beta"), tok(REPEAT_PROMPT)["input_ids"]
+    alone = [engine_greedy(served_model, [p], 40, min_tokens=20)[0][0] for p in (chat, text)]
+    hit, scheduler = engine_greedy(served_model, [chat, chat], 40, min_tokens=20, arrivals_at=[0, 60])
+    assert scheduler.prefix_hits == 32 and hit == [alone[0], alone[0]]
+    others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 4 + 1))["input_ids"] for i in range(6)]
+    batched, scheduler = engine_greedy(served_model, [chat, text] + others, 40, min_tokens=20, num_blocks=14,
+                                       budget=24, max_num_seqs=8, arrivals_at=[2, 0, 0, 1, 1, 3, 5, 8],
+                                       prefix_caching=False)
+    assert scheduler.num_preemptions > 0
+    assert batched[:2] == alone

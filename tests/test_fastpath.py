@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvserve.engine.loader import wrap_model
+from kvserve.engine.kernelbind import INVARIANT_ROWS, Projection
+from kvserve.engine.loader import cpu_has_bf16, wrap_model
 from kvserve.engine.plan import SeqWork, StepPlan
 from kvserve.engine.rope import ROPE_TABLE_POSITIONS
 from kvserve.engine.runner import ModelRunner
@@ -236,3 +237,20 @@ def test_loading_a_model_on_cpu_loads_the_kernels_before_any_request(smollm2, tm
             "print(sorted(name for name, module in kernels._state.items() if module is not None))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
     assert out.stdout.split("\n")[-2] == "['kvserve_decode_ops', 'kvserve_qlinear']"
+
+
+@pytest.mark.skipif(not cpu_has_bf16(), reason="this CPU has no native bfloat16 (AVX-512 BF16 or AMX)")
+@pytest.mark.parametrize("out_features,in_features", [(960, 576), (576, 576), (1536, 576), (576, 1536),
+                                                      (49152, 576)], ids=["qkv", "o", "gate", "down", "head"])
+def test_a_bfloat16_projections_rows_are_those_of_the_row_alone(out_features, in_features):
+    """SmolLM2's projection shapes in bfloat16: torch's GEMM gives each row of a call of up to INVARIANT_ROWS rows
+    the bits of that row alone (checked for every such call size), not beyond; a Projection cuts longer calls."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(in_features, out_features, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(100, in_features, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        alone = torch.cat([linear(x[i:i + 1]) for i in range(INVARIANT_ROWS + 8)])  # [40, out]
+        for rows in range(2, INVARIANT_ROWS + 1):
+            assert torch.equal(linear(x[:rows]), alone[:rows]), rows
+        assert torch.equal(Projection(linear)(x)[:len(alone)], alone)
+        assert not all(torch.equal(linear(x[:rows])[:len(alone)], alone) for rows in (64, 100))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import copy
 import json
+import logging
 import time
 import types
 
@@ -32,7 +33,8 @@ from kvserve.scheduler.speculation import PROBE_EVERY, Candidate, DraftPolicy, S
 from kvserve.server.config import ServeConfig
 from kvserve.server.serve import load_draft
 from kvserve.server.state import ServerState
-from tests.engineutil import EOS, engine_greedy, greedy_references, tiny
+from tests.engineutil import (EOS, REPEAT_PROMPT, SERVED, SERVED_IDS, chat_ids, engine_greedy, greedy_references,
+                              tiny)
 from tests.serverutil import running_server, serving
 
 PROMPTS = [  # text that repeats itself, so prompt lookup finds drafts, and text that does not
@@ -297,6 +299,21 @@ def test_seeded_sampling_and_penalties_with_drafts_equal_those_without(smollm2, 
     assert scheduler.draft.accepted > 0
 
 
+@pytest.mark.parametrize("served_model", SERVED, ids=SERVED_IDS, indirect=True)
+def test_every_served_configuration_speculates_exactly(served_model):
+    """In every dtype and weight format served, greedy (with logprobs), penalised and seeded output with prompt
+    lookup's drafts equals the output without: a verify row is computed as a decode row is."""
+    tok = served_model.tokenizer
+    prompts = [tok(REPEAT_PROMPT)["input_ids"], chat_ids(tok, "Write a poem about the sea.")]
+    for params in (SamplingParams(temperature=0.0, logprobs=2), SamplingParams(temperature=0.0, repetition_penalty=1.3),
+                   SamplingParams(temperature=0.8, seed=7)):
+        plain, _ = engine_greedy(served_model, prompts, 40, params=params, min_tokens=0)
+        drafted, scheduler = engine_greedy(served_model, prompts, 40, params=params, min_tokens=0, draft=fixed(4),
+                                           drafter=NgramDrafter())
+        assert drafted == plain, params
+        assert scheduler.draft.accepted > 0
+
+
 @pytest.mark.parametrize("kind", ["ngram", "model"])
 def test_logprobs_of_every_emitted_token_equal_those_without_speculation(smollm2, int4_draft, prompt_ids, kind):
     params = SamplingParams(temperature=0.0, logprobs=3)
@@ -510,6 +527,21 @@ def test_served_with_a_draft_model_the_answers_equal_those_without(smollm2, int4
     accepted = _metric(metrics, 'kvserve:spec_decode_num_accepted_tokens_total{model_name="SmolLM2-135M-Instruct"}')
     drafts = _metric(metrics, 'kvserve:spec_decode_num_draft_tokens_total{model_name="SmolLM2-135M-Instruct"}')
     assert 0.4 * drafts < accepted <= drafts
+
+
+def test_a_draft_models_pool_holds_as_many_tokens_within_the_kv_budget(smollm2, int4_draft, caplog):
+    """The draft's pool (float32 for the int4 draft) has the served pool's blocks, and both fit in
+    --kv-cache-memory: one more block of each would not."""
+    config = ServeConfig(kv_cache_memory="64MiB", speculative="draft", num_speculative_tokens=3)
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = ServerState(smollm2, config, draft=int4_draft)
+    served, draft = state.pool, state.drafter.runner.pool
+    assert served.num_blocks == draft.num_blocks == state.drafter.blocks.num_blocks
+    both = served.nbytes + draft.nbytes
+    assert both <= 64 * 2**20 < both + (served.nbytes + draft.nbytes) // served.num_blocks
+    assert "KV pools: the served model's" in caplog.text and f"= {both / 2**20:.1f} MiB" in caplog.text
+    alone = ServerState(smollm2, ServeConfig(kv_cache_memory="64MiB"))
+    assert alone.pool.num_blocks > served.num_blocks
 
 
 def test_draft_flags_without_a_draft_model_or_of_the_served_model_itself_are_refused(smollm2):
