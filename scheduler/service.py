@@ -101,6 +101,11 @@ class SchedulerService:
         for seq in seqs:
             self._inbox.put_nowait((_Command.ADD, seq))
 
+    @property
+    def queued(self) -> int:
+        """Sequences submitted and not running yet: waiting in the scheduler or still in the inbox."""
+        return len(self.scheduler.waiting) + self._pending_adds
+
     def abort(self, seq_id: int) -> None:
         """Ask the loop to drop a sequence (queued or running); it is removed before the next step."""
         self._inbox.put_nowait((_Command.ABORT, seq_id))

@@ -3,7 +3,9 @@
 # binaries for tests/test_prometheus_live.py and the promtool checks in tests/test_deploy.py), and the
 # container tools for scripts/container_check.sh (tests/test_container.py): buildah and podman (with runc,
 # netavark, iptables for its port forwarding, aardvark-dns, uidmap) to build and run the image, and
-# mmdebstrap to make its base locally.
+# mmdebstrap to make its base locally; and `chromium`, the browser that tests/test_ui.py drives headless through
+# Playwright (pip's playwright package, pointed at this chromium: Playwright's own browser download needs a host
+# that CI cannot reach).
 # Never fails CI: when a package cannot be had it says why and exits 0, and those tests skip with the reason.
 set -uo pipefail
 
@@ -11,15 +13,17 @@ say() { echo "ci_system_deps: $*"; }
 
 CONTAINER_PACKAGES=(buildah podman runc crun netavark aardvark-dns iptables uidmap mmdebstrap)
 have_prometheus() { command -v prometheus >/dev/null && command -v promtool >/dev/null; }
+have_chromium() { command -v chromium >/dev/null; }
 have_container_tools() { command -v buildah >/dev/null && command -v podman >/dev/null && command -v mmdebstrap >/dev/null; }
 
-if have_prometheus && have_container_tools; then
+if have_prometheus && have_container_tools && have_chromium; then
   say "prometheus and promtool already installed ($(prometheus --version 2>&1 | head -n 1))"
   say "buildah, podman and mmdebstrap already installed ($(buildah --version))"
+  say "chromium already installed ($(chromium --version 2>/dev/null))"
   exit 0
 fi
 if ! command -v apt-get >/dev/null; then
-  say "no apt-get on this machine; the Prometheus tests and the container check will be skipped"
+  say "no apt-get on this machine; the Prometheus tests, the container check and the browser tests will be skipped"
   exit 0
 fi
 sudo=()
@@ -27,7 +31,7 @@ if [[ "$(id -u)" -ne 0 ]]; then
   if command -v sudo >/dev/null && sudo -n true 2>/dev/null; then
     sudo=(sudo -n)
   else
-    say "not root and no password-less sudo; the Prometheus tests and the container check will be skipped"
+    say "not root and no password-less sudo; the Prometheus tests, the container check and the browser tests will be skipped"
     exit 0
   fi
 fi
@@ -50,7 +54,7 @@ trap cleanup EXIT
 
 export DEBIAN_FRONTEND=noninteractive
 if ! timeout 300 "${sudo[@]}" apt-get update -q >/dev/null; then
-  say "apt-get update failed; the Prometheus tests and the container check will be skipped"
+  say "apt-get update failed; the Prometheus tests, the container check and the browser tests will be skipped"
   exit 0
 fi
 if have_prometheus; then
@@ -67,4 +71,11 @@ elif ! timeout 600 "${sudo[@]}" apt-get install -y -q --no-install-recommends "$
   say "apt-get install ${CONTAINER_PACKAGES[*]} failed; the container check will be skipped"
 else
   say "installed $(buildah --version), $(podman --version), mmdebstrap $(mmdebstrap --version | cut -d' ' -f2)"
+fi
+if have_chromium; then
+  say "chromium already installed"
+elif ! timeout 900 "${sudo[@]}" apt-get install -y -q --no-install-recommends chromium >/dev/null; then
+  say "apt-get install chromium failed; the browser tests will be skipped"
+else
+  say "installed $(chromium --version 2>/dev/null)"
 fi

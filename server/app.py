@@ -30,7 +30,7 @@ from kvserve.server.prepare import chat_prompt_ids, prepare, text_prompt_ids
 from kvserve.server.hostguard import HostGuard, HostPolicy
 from kvserve.server.openai_format import Formatter
 from kvserve.server.prompts import PromptGroups, prepare_prompts
-from kvserve.server import responses
+from kvserve.server import livepage, responses
 from kvserve.server.requestids import RequestIds, tokenizer_info
 from kvserve.server.openapi_doc import openapi_schema
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -184,6 +184,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         return await _complete(state, body, request, chat=False)
 
     responses.register(app, state, v1, _admit)
+    if state.config.ui:
+        livepage.register(app, state, v1)
     return app
 
 

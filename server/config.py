@@ -43,6 +43,7 @@ class ServeConfig:
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
     drain_s: float = 30.0               # after SIGTERM: longest wait for in-flight requests (s); 0 stops at once
     vllm_metric_names: bool = False     # also expose every metric under vLLM's "vllm:" prefix (its dashboards)
+    ui: bool = True                     # the live page at / and its event stream (--no-ui: off)
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered besides loopback ones (DNS rebinding)
     header_timeout_s: float = 10.0      # a connection must complete a request's headers within this (s)
     allow_pickle: bool = False          # load *.bin / *.pt checkpoints (unpickling can run code)

@@ -39,6 +39,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--no-ui", action="store_true",
+                        help="do not serve the live page (/ and /ui: slots, KV blocks, steps, a playground) "
+                             "nor its event stream")
     parser.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
                         help="comma list of Host names to answer besides the loopback ones ('*.example.com' for "
                              "subdomains, '*' for any); default: loopback names only when bound to loopback, any "
@@ -86,7 +89,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        enable_prefix_caching=not args.no_prefix_caching, api_key=args.api_key,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
-                       vllm_metric_names=args.vllm_metric_names, allowed_hosts=args.allowed_hosts,
+                       vllm_metric_names=args.vllm_metric_names, ui=not args.no_ui, allowed_hosts=args.allowed_hosts,
                        header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,
                        speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens,
                        draft_model=args.draft_model, draft_quantization=args.draft_quantization)

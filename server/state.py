@@ -24,6 +24,7 @@ from kvserve.scheduler.service import SchedulerService
 from kvserve.scheduler.speculation import DraftPolicy, StepCost
 from kvserve.server.config import AUTO_MAX_DRAFT, ServeConfig
 from kvserve.server.metrics import Metrics
+from kvserve.server.snapshot import StepTrace
 
 log = logging.getLogger("kvserve.server")
 
@@ -144,6 +145,7 @@ class ServerState:
                                               max_model_len=self.max_model_len,
                                               policy=config.policy), blocks, policy)
         self.step_log = StepLog(config.step_log) if config.step_log else None
+        self.step_trace = StepTrace() if config.ui else None  # the live page's recent steps
         self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
                                         on_step=self._on_step, executor=executor)
         cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(num_blocks),
@@ -189,10 +191,13 @@ class ServerState:
         return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=StepCost(seconds), proposal_cost=proposal)
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:
-        """After each engine step: vLLM's tokens-per-step histogram, and the step log when asked for."""
+        """After each engine step: vLLM's tokens-per-step histogram, the step log when asked for, the live page's
+        step trace."""
         self.metrics.iteration_tokens.observe(plan.num_tokens)
         if self.step_log is not None:
             self.step_log.write(plan, seconds)
+        if self.step_trace is not None:
+            self.step_trace.record(plan, seconds)
 
     def next_id(self) -> int:
         return next(self._ids)

@@ -91,7 +91,7 @@ def test_native_code_has_one_home():
 
 def test_the_wheel_installs_one_top_level_package(tmp_path):
     """``pip install .`` puts everything under ``kvserve`` (no ``server``, ``kernels``, ... at top level), with the
-    kernels' sources and the workload files inside it."""
+    kernels' sources, the workload files and the live page's assets inside it."""
     import subprocess
     import zipfile
 
@@ -101,3 +101,6 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     assert {name.split("/")[0] for name in names} == {"kvserve", "kvserve-0.1.0.dist-info"}
     assert {f"kvserve/{folder}/__init__.py" for folder in PACKAGES} <= set(names)
     assert "kvserve/kernels/csrc/cpu.h" in names and "kvserve/loadtest/workloads/seed64.json" in names
+    page = {f"kvserve/server/ui/{name}" for name in ("index.html", "app.js", "style.css", "vendor/uPlot.iife.min.js",
+                                                      "vendor/uPlot.min.css", "vendor/LICENSE")}
+    assert page <= set(names), sorted(page - set(names))

@@ -1,0 +1,177 @@
+"""What the live page shows, as plain data: slots, the KV pool's blocks, recent steps, counters and histograms.
+
+Everything here is read on the event loop from what the scheduler, its block manager and the metrics already
+keep. The scheduler's state changes only on the event loop too (its service task plans and applies results
+there; the engine thread works on a copy, the StepPlan), so a snapshot taken between two awaits is consistent
+and costs the step loop nothing: no lock, nothing sent to the engine thread. No token ids or text go into a
+snapshot, so a viewer never sees another request's prompt or output.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from prometheus_client import Counter, Histogram
+
+from kvserve.engine.plan import StepPlan
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.scheduler.sequence import SeqStatus, Sequence
+from kvserve.scheduler.service import SchedulerService
+from kvserve.server.metrics import Metrics
+
+MAX_WAITING_ROWS = 32   # waiting sequences listed one by one; the rest are only counted
+RATE_WINDOW_S = 2.0     # tokens/s is measured over this trailing window (s)
+
+
+class BlockState(enum.IntEnum):
+    """One block of the KV pool as the page colours it (the digit in ``Snapshot.blocks``)."""
+
+    FREE = 0     # no owner and no cached content: the next to be handed out
+    USED = 1     # in one sequence's block table
+    SHARED = 2   # in several block tables: a prefix-cache hit shares it
+    CACHED = 3   # no owner, but it keeps a full block's hash: a later prompt with that prefix reuses it
+
+
+def block_state(ref_count: int, cached: bool) -> BlockState:
+    """The state of a block with ``ref_count`` owners, ``cached`` when it holds a prefix-cache hash."""
+    if ref_count > 1:
+        return BlockState.SHARED
+    if ref_count == 1:
+        return BlockState.USED
+    return BlockState.CACHED if cached else BlockState.FREE
+
+
+def block_states(blocks: BlockManager) -> str:
+    """Every block's state as one digit per block, in block-id order (``"0012..."``; a string keeps the JSON small:
+    one byte per block)."""
+    return "".join(str(int(block_state(b.ref_count, b.block_hash is not None))) for b in blocks.blocks)
+
+
+def slot_state(seq: Sequence) -> str:
+    """``waiting``, ``preempted`` (waiting again after its blocks were taken), ``prefill`` (prompt or recompute
+    tokens still to compute: chunked prefill, or the step now running computes them) or ``decode``."""
+    if seq.status is SeqStatus.WAITING:
+        return "preempted" if seq.num_preemptions else "waiting"
+    return "prefill" if seq.num_uncomputed > 1 else "decode"
+
+
+def slot_row(seq: Sequence) -> dict:
+    """One slot row: ids and counts only (tokens), never token ids or text."""
+    return {"id": seq.seq_id, "state": slot_state(seq), "prompt": len(seq.prompt_ids), "generated": len(seq.output_ids),
+            "cached": seq.num_cached_tokens or 0, "drafted": seq.num_draft_tokens, "accepted": seq.num_accepted_tokens,
+            "preemptions": seq.num_preemptions, "blocks": list(seq.block_table)}
+
+
+@dataclass(slots=True, frozen=True)
+class StepRecord:
+    """One engine step as the page plots it. Tokens are counts in the step; ``ms`` is its wall time inside the
+    runner; ``rows`` is the number of sequences in the batch."""
+
+    n: int
+    prefill: int
+    decode: int
+    draft: int
+    ms: float
+    rows: int
+
+    @classmethod
+    def of(cls, n: int, plan: StepPlan, seconds: float) -> StepRecord:
+        """The record of step ``n`` (1-based) that ran ``plan`` in ``seconds``."""
+        prefill = sum(len(w.token_ids) for w in plan.work if not w.is_decode)
+        draft = plan.num_draft_tokens
+        return cls(n, prefill, plan.num_tokens - prefill - draft, draft, round(seconds * 1000, 3), len(plan.work))
+
+
+class StepTrace:
+    """The last ``size`` steps (a ring; appending is O(1), so the step loop pays nothing that grows)."""
+
+    def __init__(self, size: int = 240) -> None:
+        self.steps: deque[StepRecord] = deque(maxlen=size)
+        self.count = 0
+
+    def record(self, plan: StepPlan, seconds: float) -> None:
+        """Append one step (the service's ``on_step`` observer calls this on the event loop)."""
+        self.count += 1
+        self.steps.append(StepRecord.of(self.count, plan, seconds))
+
+
+def histogram(metric: Histogram) -> dict:
+    """A Prometheus histogram as the page draws it: bucket upper bounds (s) and the count in each bucket (not
+    cumulative), the last bucket being ``+Inf``."""
+    bounds, cumulative = [], []
+    for sample in metric.collect()[0].samples:
+        if sample.name.endswith("_bucket"):
+            bounds.append(sample.labels["le"])
+            cumulative.append(sample.value)
+    counts = [int(c - p) for c, p in zip(cumulative, [0.0] + cumulative[:-1])]
+    return {"le": bounds, "counts": counts}
+
+
+def counter_value(metric: Counter, **labels: str) -> int:
+    """A counter's current total (one labelled child's when ``labels`` are given)."""
+    child = metric.labels(**labels) if labels else metric
+    return int(next(s.value for s in child.collect()[0].samples if s.name.endswith("_total")))
+
+
+class SnapshotHub:
+    """Builds the page's snapshot at most once per ``min_interval_s``, however many pages are open.
+
+    Args:
+        service: the scheduler service (its scheduler, blocks and step counters are read).
+        metrics: the server's Metrics (TTFT and ITL histograms, 429s).
+        steps: the trace of recent steps.
+        info: fixed facts about the server (model, pool size, limits), sent in every snapshot.
+        min_interval_s: the fastest the snapshot is rebuilt (s); pages poll the hub at this rate.
+    """
+
+    def __init__(self, service: SchedulerService, metrics: Metrics, steps: StepTrace, info: dict,
+                 min_interval_s: float = 0.1) -> None:
+        self.service = service
+        self.metrics = metrics
+        self.steps = steps
+        self.info = info
+        self.min_interval_s = min_interval_s
+        self._json: str | None = None
+        self._built = 0.0
+        self._tokens: deque[tuple[float, int]] = deque()  # (time s, generation tokens) over RATE_WINDOW_S
+
+    def latest(self) -> str:
+        """The snapshot as JSON text, rebuilt when older than ``min_interval_s``."""
+        now = time.monotonic()
+        if self._json is None or now - self._built >= self.min_interval_s:
+            self._json = json.dumps(self.build(now), separators=(",", ":"))
+            self._built = now
+        return self._json
+
+    def tokens_per_s(self, now: float) -> float:
+        """Generated tokens per second over the trailing RATE_WINDOW_S (0 until two readings exist)."""
+        self._tokens.append((now, self.service.stats.generation_tokens))
+        while len(self._tokens) > 2 and now - self._tokens[1][0] >= RATE_WINDOW_S:
+            self._tokens.popleft()
+        (t0, n0), (t1, n1) = self._tokens[0], self._tokens[-1]
+        return round((n1 - n0) / (t1 - t0), 1) if t1 > t0 else 0.0
+
+    def build(self, now: float) -> dict:
+        """The snapshot as a dict (see docs/ui.md for what each part means)."""
+        sched = self.service.scheduler
+        waiting = list(sched.waiting)
+        pending = self.service.queued - len(waiting)  # submitted, not yet taken from the inbox
+        return {
+            "info": self.info,
+            "slots": [slot_row(s) for s in sched.running] + [slot_row(s) for s in waiting[:MAX_WAITING_ROWS]],
+            "queue": len(waiting) + pending,
+            "blocks": block_states(sched.blocks),
+            "steps": [[r.n, r.prefill, r.decode, r.draft, r.ms, r.rows] for r in self.steps.steps],
+            "totals": {"steps": self.service.stats.steps, "prompt_tokens": self.service.stats.prompt_tokens,
+                       "generation_tokens": self.service.stats.generation_tokens,
+                       "preemptions": sched.num_preemptions, "prefix_queries": sched.prefix_queries,
+                       "prefix_hits": sched.prefix_hits,
+                       "rejected": counter_value(self.metrics.rejected, reason="queue_full")},
+            "tokens_per_s": self.tokens_per_s(now),
+            "ttft": histogram(self.metrics.ttft),
+            "itl": histogram(self.metrics.itl),
+        }

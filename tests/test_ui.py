@@ -1,0 +1,344 @@
+"""The live page: its snapshot's parts, its routes and their security, and what a person sees in a real browser.
+
+The browser tests drive Debian's chromium headless through Playwright (scripts/ci_system_deps.sh installs it);
+they skip, with the reason, where either cannot be had. ``KVSERVE_UI_SCREENSHOTS=DIR`` keeps their screenshots
+(docs/img holds those of docs/ui.md).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.scheduler.sequence import SeqStatus, Sequence
+from kvserve.server.config import ServeConfig
+from kvserve.server.livepage import CSP, load_assets
+from kvserve.server.snapshot import BlockState, SnapshotHub, StepRecord, StepTrace, block_state, block_states, \
+    histogram, slot_state
+from tests.serverutil import running_server
+
+CHAT = "/v1/chat/completions"
+SECRET_WORD = "Quetzalcoatlus"  # a prompt word that must never appear in the event stream
+
+
+# -- the snapshot's parts, without a model ----------------------------------------------------------------------
+
+def test_block_states_tell_free_used_shared_and_cached():
+    blocks = BlockManager(num_blocks=6, block_size=2)
+    tokens = [1, 2, 3, 4, 5]
+    first: list[int] = []
+    assert blocks.allocate(first, 5)                     # blocks 0, 1, 2
+    blocks.cache_full_blocks(first, tokens, 5, [])      # 0 and 1 are full: hashed
+    second: list[int] = []
+    assert blocks.allocate(second, 5, blocks.find_cached_prefix(tokens))  # shares 0 and 1, takes 3
+    assert second == [0, 1, 3]
+    assert block_states(blocks) == "221100"
+    blocks.free(first)
+    assert block_states(blocks) == "110100"  # block 2 held only the first's partial tail
+    blocks.free(second)
+    assert block_states(blocks) == "330000"  # 0 and 1 keep their hashes: cached but free
+    assert [block_state(r, c) for r, c in ((0, False), (1, True), (3, False), (0, True))] == [
+        BlockState.FREE, BlockState.USED, BlockState.SHARED, BlockState.CACHED]
+
+
+def _seq(prompt: int, output: int = 0, computed: int = 0, status=SeqStatus.RUNNING, preemptions: int = 0) -> Sequence:
+    seq = Sequence(seq_id=7, prompt_ids=list(range(prompt)), params=SamplingParams(), max_tokens=16,
+                   output_ids=list(range(output)), num_computed=computed, status=status)
+    seq.num_preemptions = preemptions
+    return seq
+
+
+def test_slot_state_names_each_phase():
+    assert slot_state(_seq(10, status=SeqStatus.WAITING)) == "waiting"
+    assert slot_state(_seq(10, output=3, status=SeqStatus.WAITING, preemptions=1)) == "preempted"
+    assert slot_state(_seq(10, computed=4)) == "prefill"          # chunked prefill: 6 prompt tokens to go
+    assert slot_state(_seq(10, output=2, computed=11)) == "decode"  # only the last sampled token to compute
+
+
+def _work(prompt: int, start: int, tokens: int, num_draft: int = 0) -> SeqWork:
+    return SeqWork(seq_id=0, token_ids=[0] * tokens, start_pos=start, block_table=[], slot_mapping=[], sample=True,
+                   params=SamplingParams(), prompt_ids=[0] * prompt, output_ids=[], num_draft=num_draft)
+
+
+def test_a_step_record_splits_prefill_decode_and_draft_tokens():
+    plan = StepPlan([_work(prompt=20, start=0, tokens=20), _work(prompt=5, start=9, tokens=4, num_draft=3),
+                     _work(prompt=5, start=6, tokens=1)])
+    assert StepRecord.of(3, plan, 0.0125) == StepRecord(n=3, prefill=20, decode=2, draft=3, ms=12.5, rows=3)
+    trace = StepTrace(size=2)
+    for _ in range(3):
+        trace.record(plan, 0.01)
+    assert [r.n for r in trace.steps] == [2, 3] and trace.count == 3
+
+
+def test_histogram_counts_per_bucket():
+    from prometheus_client import CollectorRegistry, Histogram
+
+    hist = Histogram("h", "h", buckets=(0.1, 0.5), registry=CollectorRegistry())
+    for value in (0.05, 0.07, 0.3, 2.0):
+        hist.observe(value)
+    assert histogram(hist) == {"le": ["0.1", "0.5", "+Inf"], "counts": [2, 1, 1]}
+
+
+def test_the_hub_builds_at_most_once_per_interval():
+    class Counting(SnapshotHub):
+        builds = 0
+
+        def build(self, now: float) -> dict:
+            Counting.builds += 1
+            return {"n": Counting.builds}
+
+    hub = Counting(service=None, metrics=None, steps=StepTrace(), info={}, min_interval_s=60)
+    assert [hub.latest() for _ in range(5)] == ['{"n":1}'] * 5
+    hub.min_interval_s = 0
+    assert hub.latest() == '{"n":2}'
+
+
+def test_every_asset_is_in_the_package_and_the_page_loads_only_them():
+    assets = load_assets()
+    assert {"index.html", "app.js", "client.js", "charts.js", "playground.js", "style.css", "vendor/uPlot.iife.min.js",
+            "vendor/uPlot.min.css"} == set(assets)
+    html = assets["index.html"][0].decode()
+    referenced = {part.split('"')[0].removeprefix("/ui/static/") for part in html.split('="/ui/static/')[1:]}
+    assert referenced == set(assets) - {"index.html"}
+    assert "http" not in html.replace("http-equiv", "")  # no CDN, no other origin
+    assert "<script>" not in html and "style=" not in html  # nothing inline: the CSP allows none
+
+
+# -- the routes, on a live server ---------------------------------------------------------------------------------
+
+def _first_event(url: str, headers: dict | None = None, timeout_s: float = 10) -> dict:
+    with httpx.stream("GET", url + "/ui/events", headers=headers or {}, timeout=timeout_s) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if line.startswith("data: "):
+                return json.loads(line[len("data: "):])
+    raise AssertionError("no event")
+
+
+@pytest.fixture(scope="module")
+def keyed_url(smollm2):
+    with running_server(smollm2, ServeConfig(num_kv_blocks=64, max_num_seqs=8, api_key="sekrit")) as url:
+        yield url
+
+
+def test_the_page_and_its_assets_carry_a_strict_csp(server_url):
+    for path in ("/", "/ui"):
+        response = httpx.get(server_url + path)
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/html")
+        assert response.headers["content-security-policy"] == CSP
+        assert "script-src 'self';" in CSP and "unsafe" not in CSP and "frame-ancestors 'none'" in CSP
+        assert response.headers["x-content-type-options"] == "nosniff"
+        assert 'id="keyprompt"' in response.text
+    script = httpx.get(server_url + "/ui/static/vendor/uPlot.iife.min.js")
+    assert script.status_code == 200 and script.headers["content-type"].startswith("text/javascript")
+    assert script.text.startswith("/*! https://github.com/leeoniya/uPlot (v1.6.32) */")
+
+
+@pytest.mark.parametrize("path", ["/ui/static/nope.js", "/ui/static/../livepage.py", "/ui/static/%2e%2e/app.py",
+                                  "/ui/static/vendor/README.txt"])
+def test_only_the_listed_assets_are_served(server_url, path):
+    response = httpx.get(server_url + path)
+    assert response.status_code == 404
+    assert response.json()["error"]["code"] in ("not_found", None)
+
+
+def test_the_snapshot_describes_the_server(server_url, smollm2):
+    snap = _first_event(server_url)
+    assert snap["info"]["block_size"] == 16 and snap["info"]["max_num_seqs"] == 32
+    assert len(snap["blocks"]) == snap["info"]["num_blocks"] and set(snap["blocks"]) <= set("0123")
+    assert set(snap) == {"info", "slots", "queue", "blocks", "steps", "totals", "tokens_per_s", "ttft", "itl"}
+
+
+def test_the_event_stream_needs_the_key_and_the_page_does_not(keyed_url):
+    assert httpx.get(keyed_url + "/").status_code == 200  # the page only asks for the key
+    assert httpx.get(keyed_url + "/ui/events").status_code == 401
+    assert httpx.get(keyed_url + "/ui/events", headers={"Authorization": "Bearer wrong"}).status_code == 401
+    snap = _first_event(keyed_url, {"Authorization": "Bearer sekrit"})
+    assert snap["info"]["auth"] is True
+
+
+def test_the_host_guard_covers_the_page(server_url):
+    for path in ("/", "/ui/events", "/ui/static/app.js"):
+        response = httpx.get(server_url + path, headers={"Host": "evil.example"})
+        assert response.status_code == 421, path
+
+
+def test_no_ui_turns_it_off(smollm2):
+    with running_server(smollm2, ServeConfig(num_kv_blocks=16, ui=False)) as url:
+        for path in ("/", "/ui", "/ui/events", "/ui/static/app.js"):
+            assert httpx.get(url + path).status_code == 404, path
+
+
+def test_the_stream_shows_counts_never_text(server_url):
+    """While a request runs, the stream shows its slot and counts, and none of its prompt or output."""
+    events: list[str] = []
+    done = threading.Event()
+
+    def listen() -> None:
+        with httpx.stream("GET", server_url + "/ui/events", timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                if done.is_set():
+                    return
+
+    listener = threading.Thread(target=listen, daemon=True)
+    listener.start()
+    reply = httpx.post(server_url + CHAT, json={"messages": [{"role": "user", "content": f"Describe {SECRET_WORD}."}],
+                                                "max_tokens": 24, "temperature": 0}, timeout=120).json()
+    time.sleep(0.3)
+    done.set()
+    listener.join(timeout=10)
+    snaps = [json.loads(line[len("data: "):]) for line in events]
+    assert any(s["slots"] for s in snaps), "no snapshot caught the request running"
+    assert any(row["generated"] > 0 for s in snaps for row in s["slots"])
+    text = reply["choices"][0]["message"]["content"]
+    assert SECRET_WORD not in "".join(events) and text.strip() and text.strip()[:12] not in "".join(events)
+    assert snaps[-1]["totals"]["generation_tokens"] >= 24
+
+
+# -- in a real browser --------------------------------------------------------------------------------------------
+
+def _chromium() -> str:
+    path = os.environ.get("KVSERVE_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if path is None:
+        pytest.skip("no chromium on this machine (scripts/ci_system_deps.sh installs Debian's)")
+    return path
+
+
+@pytest.fixture(scope="module")
+def browser():
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed (pip install .[test])")
+    executable = _chromium()
+    with sync_api.sync_playwright() as playwright:
+        try:
+            browser = playwright.chromium.launch(executable_path=executable, headless=True,
+                                                 args=["--no-sandbox", "--disable-gpu"])
+        except Exception as exc:  # a chromium that cannot start here (no sandbox support, missing libraries)
+            pytest.skip(f"chromium at {executable} does not start: {exc}")
+        yield browser
+        browser.close()
+
+
+@pytest.fixture()
+def page(browser):
+    context = browser.new_context(viewport={"width": 1440, "height": 1000})
+    page = context.new_page()
+    page.csp_errors = []
+    page.on("console", lambda m: page.csp_errors.append(m.text) if "Content Security Policy" in m.text else None)
+    yield page
+    context.close()
+
+
+def _screenshot(page, name: str) -> None:
+    folder = os.environ.get("KVSERVE_UI_SCREENSHOTS")
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(Path(folder) / name), full_page=True)
+
+
+def _number(page, element_id: str) -> int:
+    return int(page.text_content(f"#{element_id}"))
+
+
+def _load(url: str, prompts: list[tuple[str, int, int]]) -> threading.Thread:
+    """Send streamed chats (prompt, max_tokens, n) at once through the public API, each on its own thread."""
+    def one(prompt: str, max_tokens: int, n: int) -> None:
+        body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "n": n,
+                "temperature": 0.8, "seed": 1, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + CHAT, json=body, timeout=300) as response:
+            assert response.status_code == 200
+            for _ in response.iter_lines():
+                pass
+
+    threads = [threading.Thread(target=one, args=p, daemon=True) for p in prompts]
+
+    def run_all() -> None:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+
+    runner = threading.Thread(target=run_all, daemon=True)
+    runner.start()
+    return runner
+
+
+SHARED_PROMPT = ("You are a careful assistant. Answer in plain words, give one example, and keep it short. " * 3
+                 + "Question: what is a paged KV cache?")
+
+
+@pytest.fixture(scope="module")
+def live_url(smollm2):
+    with running_server(smollm2, ServeConfig(num_kv_blocks=160, max_num_seqs=8)) as url:
+        yield url
+
+
+def test_the_page_shows_slots_blocks_sharing_and_steps_under_load(live_url, page):
+    page.goto(live_url + "/")
+    page.wait_for_selector("#main", state="visible")
+    assert page.is_hidden("#keyprompt")
+    page.wait_for_function("document.getElementById('conn').textContent === 'live'")
+    assert _number(page, "count-used") == 0
+    load = _load(live_url, [(f"Tell me a story about the number {i}.", 40, 1) for i in range(5)]
+                 + [(SHARED_PROMPT, 48, 2)])  # n=2: the second choice shares the first's prompt blocks
+    page.wait_for_function("document.querySelectorAll('#slots tbody tr[data-state=decode]').length >= 3",
+                           timeout=120_000)
+    page.wait_for_function("Number(document.getElementById('count-shared').textContent) > 0", timeout=120_000)
+    assert _number(page, "count-used") >= _number(page, "count-shared") > 0
+    assert page.locator("#grid .blk.b2").count() == _number(page, "count-shared")
+    page.hover("#slots tbody tr[data-state=decode]")  # its block table lights up in the grid
+    page.wait_for_function("document.querySelectorAll('#grid .blk.hl').length > 0")
+    page.wait_for_function("Number(document.body.dataset.steps) >= 5")
+    _screenshot(page, "ui-under-load.png")
+    load.join(timeout=300)
+    assert not load.is_alive()
+    page.wait_for_function("Number(document.getElementById('count-used').textContent) === 0", timeout=30_000)
+    page.wait_for_function("document.querySelectorAll('#slots tbody tr:not(.finished)').length === 0")
+    assert _number(page, "count-cached") > 0  # freed full blocks keep their hashes for the prefix cache
+    assert float(page.text_content("#t-prefix").rstrip("%")) > 0
+    assert page.csp_errors == []
+
+
+def test_the_playground_streams_an_answer_with_ttft(live_url, page):
+    page.goto(live_url + "/ui")
+    page.wait_for_selector("#pg-input", state="visible")
+    page.fill("#pg-temperature", "0")
+    page.fill("#pg-max-tokens", "24")
+    load = _load(live_url, [(f"Count slowly to {i + 10}.", 48, 1) for i in range(4)])
+    page.fill("#pg-input", "Name three colours of the rainbow.")
+    page.click("#pg-send")
+    page.wait_for_function("['stop', 'length'].includes(document.getElementById('pg-finish').textContent)",
+                           timeout=120_000)
+    assert page.text_content("#pg-ttft").endswith(" ms") and float(page.text_content("#pg-ttft")[:-3]) > 0
+    assert int(page.text_content("#pg-tokens")) > 0
+    assert page.locator(".msg.assistant span.lp").count() > 0
+    assert page.text_content(".msg.assistant").strip()
+    _screenshot(page, "ui-playground.png")
+    load.join(timeout=300)
+    assert page.csp_errors == []
+
+
+def test_with_an_api_key_the_page_shows_only_the_key_prompt(keyed_url, page):
+    page.goto(keyed_url + "/")
+    page.wait_for_selector("#keyprompt", state="visible")
+    assert page.is_hidden("#main") and page.is_hidden("#slots")
+    assert page.evaluate("sessionStorage.length") == 0
+    page.fill("#key", "wrong")
+    page.click("#keyprompt button")
+    page.wait_for_function("document.getElementById('keyerror').textContent.includes('refused')")
+    assert page.is_hidden("#main")
+    page.fill("#key", "sekrit")
+    page.click("#keyprompt button")
+    page.wait_for_selector("#main", state="visible")
+    assert page.is_hidden("#keyprompt")
