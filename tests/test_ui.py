@@ -295,8 +295,10 @@ def test_the_page_shows_slots_blocks_sharing_and_steps_under_load(live_url, page
     page.wait_for_function("document.querySelectorAll('#slots tbody tr[data-state=decode]').length >= 3",
                            timeout=120_000)
     page.wait_for_function("Number(document.getElementById('count-shared').textContent) > 0", timeout=120_000)
-    assert _number(page, "count-used") >= _number(page, "count-shared") > 0
-    assert page.locator("#grid .blk.b2").count() == _number(page, "count-shared")
+    # one read of the page (a snapshot may arrive between two reads): the counts and the grid agree
+    used, shared, orange = page.evaluate("""[Number(document.getElementById('count-used').textContent),
+        Number(document.getElementById('count-shared').textContent), document.querySelectorAll('#grid .b2').length]""")
+    assert used >= shared == orange > 0
     page.hover("#slots tbody tr[data-state=decode]")  # its block table lights up in the grid
     page.wait_for_function("document.querySelectorAll('#grid .blk.hl').length > 0")
     page.wait_for_function("Number(document.body.dataset.steps) >= 5")
