@@ -145,7 +145,8 @@ def render(rounds: list[Round], viewer: str, streams: int, tokens: int, scheme: 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--viewer", choices=VIEWERS, default="browser",
                         help="what keeps the page open: headless chromium, or a reader of its event stream")
-    parser.add_argument("--quantization", default="int4", choices=["none", "int8", "int4", "nf4"])
+    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "nf4"],
+                        help="as kvserve serve --quantization (none: no calibration at start)")
     parser.add_argument("--streams", type=positive_int, default=32, help="concurrent streams")
     parser.add_argument("--tokens", type=positive_int, default=128, help="output tokens per request")
     parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of (closed, open)")
@@ -179,6 +180,7 @@ def run(args: argparse.Namespace) -> int:
     print(text)
     if not args.no_write:
         update_section(f"ui-{args.viewer}", f"The live page's overhead: throughput with the page open ({args.viewer})",
-                       f"python -m kvserve.loadtest ui --viewer {args.viewer} --streams {args.streams} "
+                       f"python -m kvserve.loadtest ui --viewer {args.viewer} --quantization {args.quantization} "
+                       f"--streams {args.streams} "
                        f"--tokens {args.tokens} --rounds {args.rounds}", text)
     return 0

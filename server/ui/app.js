@@ -123,7 +123,7 @@
         const tr = document.createElement('tr');
         tr.addEventListener('mouseenter', () => { hovered = s.id; highlight(); });
         tr.addEventListener('mouseleave', () => { hovered = null; highlight(); });
-        body.appendChild(tr);
+        body.insertBefore(tr, firstFinished(body));  // live rows above the fading ones
         row = {tr, blocks: [], finished: false};
         rows.set(s.id, row);
       }
@@ -145,6 +145,7 @@
       cell(row.tr, 1, 'finished');
       row.tr.children[1].className = 'state finished';
       row.tr.classList.add('finished');
+      body.appendChild(row.tr);
       setTimeout(() => {
         if (rows.get(id) === row) { row.tr.remove(); rows.delete(id); }
       }, FADE_MS);
@@ -152,6 +153,11 @@
     const listed = snap.slots.filter((s) => s.state === 'waiting' || s.state === 'preempted').length;
     $('slots-more').textContent = snap.queue > listed ? '+ ' + (snap.queue - listed) + ' more waiting' : '';
     if (hovered !== null) highlight();
+  }
+
+  function firstFinished(body) {
+    for (const tr of body.rows) if (tr.classList.contains('finished')) return tr;
+    return null;
   }
 
   function renderBlocks(states) {

@@ -88,7 +88,7 @@ const charts = (() => {
       cursor: {points: {show: false}},
       scales: {x: {time: false}, y: {range: (u, lo, hi) => [0, Math.max(hi, 1)]}},
       axes: [{values: (u, ticks) => ticks.map((t) => labels[t] ?? ''), space: 34, size: 30},
-        {size: 40, values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? t : ''))}],
+        {size: 50, values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? t : ''))}],
       series: [{}, {fill: color, stroke: color, paths: bars(), points: {show: false}}],
     });
     let lastJson = '';
