@@ -23,7 +23,7 @@ from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.server.config import ServeConfig
 from kvserve.server.livepage import CSP, load_assets
 from kvserve.server.snapshot import BlockState, SnapshotHub, StepRecord, StepTrace, block_state, block_states, \
-    histogram, slot_state
+    counter_value, histogram, slot_state
 from tests.serverutil import running_server
 
 CHAT = "/v1/chat/completions"
@@ -79,13 +79,16 @@ def test_a_step_record_splits_prefill_decode_and_draft_tokens():
     assert [r.n for r in trace.steps] == [2, 3] and trace.count == 3
 
 
-def test_histogram_counts_per_bucket():
-    from prometheus_client import CollectorRegistry, Histogram
+def test_histograms_count_per_bucket_and_counters_read_their_total():
+    from prometheus_client import CollectorRegistry, Counter, Histogram
 
     hist = Histogram("h", "h", buckets=(0.1, 0.5), registry=CollectorRegistry())
     for value in (0.05, 0.07, 0.3, 2.0):
         hist.observe(value)
     assert histogram(hist) == {"le": ["0.1", "0.5", "+Inf"], "counts": [2, 1, 1]}
+    refused = Counter("r", "r", ["reason"], registry=CollectorRegistry())
+    refused.labels(reason="queue_full").inc(3)
+    assert counter_value(refused, reason="queue_full") == 3
 
 
 def test_the_hub_builds_at_most_once_per_interval():
@@ -344,3 +347,13 @@ def test_with_an_api_key_the_page_shows_only_the_key_prompt(keyed_url, page):
     page.click("#keyprompt button")
     page.wait_for_selector("#main", state="visible")
     assert page.is_hidden("#keyprompt")
+
+
+def test_the_overhead_table_gives_the_ratio_of_medians():
+    from kvserve.loadtest.uibench import Round, render
+
+    rounds = [Round(False, 100.0, 0.5, 0), Round(True, 99.0, 0.6, 40), Round(False, 104.0, 0.5, 0),
+              Round(True, 98.0, 0.6, 41)]
+    text = render(rounds, "stream", 32, 64, "none")
+    assert "page closed 102.0, page open 98.5: ratio open/closed **0.966**" in text
+    assert "| 2 | open | 98.0 | 0.600 | 41 |" in text

@@ -87,7 +87,7 @@ const charts = (() => {
       legend: {show: false},
       cursor: {points: {show: false}},
       scales: {x: {time: false}, y: {range: (u, lo, hi) => [0, Math.max(hi, 1)]}},
-      axes: [{values: (u, ticks) => ticks.map((t) => labels[t] ?? ''), space: 34, size: 30},
+      axes: [{values: (u, ticks) => ticks.map((t) => labels[t] ?? ''), space: 52, size: 30},
         {size: 50, values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? t : ''))}],
       series: [{}, {fill: color, stroke: color, paths: bars(), points: {show: false}}],
     });
