@@ -155,7 +155,7 @@ def test_only_the_listed_assets_are_served(server_url, path):
     assert response.json()["error"]["code"] in ("not_found", None)
 
 
-def test_the_snapshot_describes_the_server(server_url, smollm2):
+def test_the_snapshot_describes_the_server(server_url):
     snap = _first_event(server_url)
     assert snap["info"]["block_size"] == 16 and snap["info"]["max_num_seqs"] == 32
     assert len(snap["blocks"]) == snap["info"]["num_blocks"] and set(snap["blocks"]) <= set("0123")
