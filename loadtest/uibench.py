@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -139,7 +140,9 @@ def render(rounds: list[Round], viewer: str, streams: int, tokens: int, scheme: 
         f"**{opened / closed:.3f}**.\n\n`kvserve serve --quantization {scheme} --max-num-seqs {streams}`, "
         f"{streams} concurrent greedy completions of {tokens} tokens ({2 * streams} per round), rounds alternating "
         f"closed and open. Page open: {what}. Viewer count: {count} during the round. Event-loop CPU: the "
-        "server's main thread (HTTP, SSE, and the snapshots the page's stream is built from) per output token.")
+        "server's main thread (HTTP, SSE, and the snapshots the page's stream is built from) per output token."
+        + (f" Environment: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (the server's torch threads)."
+           if "OMP_NUM_THREADS" in os.environ else ""))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

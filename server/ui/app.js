@@ -76,7 +76,7 @@
     if (fresh.length) elbowChart.update(fresh);
     ttftChart.update(snap.ttft);
     itlChart.update(snap.itl);
-    document.body.dataset.steps = stepChart.count();  // what the browser tests read
+    document.body.dataset.steps = stepChart.count();  // steps drawn: what the tests and the benchmark read
   }
 
   function showInfo(info) {

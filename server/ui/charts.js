@@ -20,6 +20,7 @@ const charts = (() => {
   // uPlot does not stack: each series is drawn as the running total, biggest first, so each shows its share.
   function steps(el) {
     const raw = [[], [], [], [], []];  // step n, prefill, decode, draft, ms
+    let drawn = 0;  // steps drawn since the page opened (the chart keeps the last STEPS_SHOWN)
     const rawValue = (index) => (u, v, si, i) => (i == null || raw[index][i] == null ? '–' : raw[index][i]);
     const plot = sized(el, 220, {
       data: [[], [], [], [], []],
@@ -36,13 +37,14 @@ const charts = (() => {
       ],
     });
     return {
-      count: () => raw[0].length,
+      count: () => drawn,
       // rows: [n, prefill, decode, draft, ms, batch rows] in step order; those already shown are skipped
       update(rows) {
         const last = raw[0].length ? raw[0][raw[0].length - 1] : 0;
         const fresh = rows.filter((r) => r[0] > last);
         if (!fresh.length) return fresh;
         for (const r of fresh) for (let k = 0; k < 5; k++) raw[k].push(r[k]);
+        drawn += fresh.length;
         for (const column of raw) column.splice(0, Math.max(0, column.length - STEPS_SHOWN));
         const prefill = raw[1];
         const decode = raw[2].map((d, i) => d + prefill[i]);
@@ -87,7 +89,7 @@ const charts = (() => {
       legend: {show: false},
       cursor: {points: {show: false}},
       scales: {x: {time: false}, y: {range: (u, lo, hi) => [0, Math.max(hi, 1)]}},
-      axes: [{values: (u, ticks) => ticks.map((t) => labels[t] ?? ''), space: 34, size: 30},
+      axes: [{values: (u, ticks) => ticks.map((t) => labels[t] ?? ''), space: 52, size: 30},
         {size: 50, values: (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? t : ''))}],
       series: [{}, {fill: color, stroke: color, paths: bars(), points: {show: false}}],
     });
