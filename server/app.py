@@ -25,6 +25,7 @@ from kvserve.server.auth import ApiKeys
 from kvserve.server.bodylimit import BodyLimit
 from kvserve.server.drain import Drain, DrainGate
 from kvserve.server.errors import ApiError
+from kvserve.server.choice import ChoiceUpdate
 from kvserve.server.generation import Generation
 from kvserve.server.prepare import chat_prompt_ids, prepare, text_prompt_ids
 from kvserve.server.hostguard import HostGuard, HostPolicy
@@ -235,18 +236,29 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     echo = (not chat) and body.echo
     prompt_text = generation.prompt_text if echo else None  # index -> the prompt, for echo
     if body.stream:
-        return EventSourceResponse(_stream(generation, fmt, body, want_logprobs, echo, prompt_text),
+        return EventSourceResponse(_stream(generation, fmt, body, want_logprobs, echo, prompt_text,
+                                           request.app.state.drain),
                                    ping=state.config.sse_ping_s or None, sep="\n")
     return await _collect(generation, fmt, request, want_logprobs, echo, prompt_text)
 
 
 async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, want_logprobs: bool, echo: bool,
-                  prompt_text: Callable[[int], str] | None):
+                  prompt_text: Callable[[int], str] | None, drain: Drain):
+    """The SSE events of a streamed reply. Every stream ends with ``[DONE]``: after each choice's final chunk;
+    on an engine error after that choice's final chunk (finish_reason ``error``) and the error object; at the
+    drain's deadline after a final chunk with finish_reason ``abort`` for each choice still open."""
     echoed: set[int] = set()
+    finished: set[int] = set()
     try:
-        async for update in generation.updates():
+        async for update in drain.until_cut(generation.updates()):
+            if update is None:  # the drain's deadline: the open choices end here, saying so
+                for index in sorted(set(range(generation.num_choices)) - finished):
+                    yield {"data": json.dumps(fmt.chunk(ChoiceUpdate(index, finish_reason="abort"), want_logprobs))}
+                break
             if update.error is not None:
+                yield {"data": json.dumps(fmt.chunk(update, want_logprobs))}  # its finish_reason is "error"
                 yield {"data": json.dumps(ApiError(500, update.error, code="engine_error").body())}
+                yield {"data": "[DONE]"}
                 return
             if not (update.text or update.tokens or update.finish_reason):
                 continue
@@ -254,12 +266,14 @@ async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, w
             if echo and update.index not in echoed:
                 echoed.add(update.index)
                 echo_part = fmt.echo_prefix(update.index, prompt_text(update.index), want_logprobs)
+            if update.finish_reason is not None:
+                finished.add(update.index)
             yield {"data": json.dumps(fmt.chunk(update, want_logprobs, echo_part))}
         if body.include_usage:
             yield {"data": json.dumps(fmt.usage_chunk())}
         yield {"data": "[DONE]"}
     finally:
-        generation.abort()  # no-op for finished choices; frees a disconnected client's blocks
+        generation.abort()  # no-op for finished choices; frees a disconnected (or cut) client's blocks
 
 
 async def _collect(generation: Generation | PromptGroups, fmt: Formatter, request: Request, want_logprobs: bool,
