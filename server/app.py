@@ -113,11 +113,6 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        # a bug, never the client's fault: still an OpenAI-shaped body, never a plain-text 500
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()
-
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         """Readiness: 200 only while this replica takes new requests (routers and readiness probes ask)."""
