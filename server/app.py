@@ -189,6 +189,23 @@ def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
     return sum(len(prompt) for prompt in body.prompts if isinstance(prompt, str))
 
 
+def _check_request_size(state: ServerState, body, completions: bool) -> None:
+    """Refuse, before tokenizing or queuing anything, a request that could never be admitted whole: more prompts
+    than ``--max-prompts-per-request``, or more sequences (prompts x choices) than the server holds at once
+    (``--max-num-seqs`` running + ``--max-queue`` waiting). Otherwise one body could fill the queue for everyone."""
+    config = state.config
+    prompts = len(body.prompts) if completions else 1
+    if prompts > config.max_prompts_per_request:
+        raise ApiError(400, f"this request has {prompts} prompts; at most {config.max_prompts_per_request} are "
+                            "allowed per request (--max-prompts-per-request)", param="prompt")
+    sequences = prompts * (body.candidates if completions else body.n)
+    capacity = config.max_num_seqs + config.max_queue
+    if sequences > capacity:
+        raise ApiError(400, f"this request needs {sequences} sequences ({prompts} prompt(s) x "
+                            f"{sequences // prompts} choices); this server holds at most {capacity} at once "
+                            "(--max-num-seqs + --max-queue)", param="n")
+
+
 async def _admit(state: ServerState, body, request: Request) -> Generation:
     """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine).
 
@@ -198,6 +215,7 @@ async def _admit(state: ServerState, body, request: Request) -> Generation:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
     completions = isinstance(body, CompletionRequest)
+    _check_request_size(state, body, completions)
     prepare_all = prepare_prompts if completions else prepare
     if _prompt_chars(body) > _TOKENIZE_OFF_LOOP_CHARS:
         prepared = await asyncio.to_thread(prepare_all, state, body)

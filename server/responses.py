@@ -18,6 +18,7 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -68,6 +69,7 @@ class ResponsesRequest(_NullMeansDefault):
     """The request body of ``POST /v1/responses`` (fields as OpenAI's API reference)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _is_body: ClassVar[bool] = True
 
     model: str | None = None
     input: list[InputMessage] | str  # the list first: its errors (a non-text part) are the ones reported
@@ -99,6 +101,8 @@ class ResponsesRequest(_NullMeansDefault):
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         text_format = (self.text or {}).get("format") or {}
+        if not isinstance(text_format, dict):
+            raise ValueError("text.format must be an object, e.g. {\"type\": \"text\"}")
         unsupported = [name for name, used in (
             ("previous_response_id", self.previous_response_id is not None),
             ("store", bool(self.store)),

@@ -44,3 +44,71 @@ def test_the_request_log_escapes_the_path(bare_state, caplog):
     lines = [r.getMessage() for r in caplog.records if r.name == "kvserve.requests"]
     assert lines and all("\n" not in line and "\r" not in line for line in lines)
     assert any(line.startswith("GET /v1/x\\nGET /v1/models 200 request_id=forged\\r 404") for line in lines), lines
+
+
+def _post(url: str, path: str, body) -> httpx.Response:
+    import json
+
+    return httpx.post(url + path, content=json.dumps(body).encode(), timeout=60,
+                      headers={"content-type": "application/json"})
+
+
+def _nested(depth: int) -> list:
+    value: list = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+
+
+@pytest.mark.parametrize("path,body,named", [
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"²": 1}}, "logit_bias"),        # isdigit() yes, int() no
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1" * 5000: 1}}, "logit_bias"),  # int() refuses 4,300+ digits
+    (COMPLETIONS, {"prompt": "\ud800"}, "prompt"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "\ud800", "text": "x"}]}]}, "messages.0.content.0"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "guided_regex": "a\ud800"}, "guided_regex"),
+    ("/v1/responses", {"input": "Hi", "metadata": {"k": "\ud800"}}, "metadata.k"),
+    ("/v1/responses", {"input": "Hi", "text": {"format": "json"}}, "text.format"),
+    ("/v1/responses", {"input": "Hi", "text": {"format": ["x"]}}, "text.format"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": {"a": _nested(100)}}, "tool_choice"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"},
+                         {"role": "assistant", "content": None, "tool_calls": [
+                             {"id": "c", "type": "function",
+                              "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]},
+                         {"role": "tool", "tool_call_id": "c", "content": "1"}]}, "arguments"),
+])
+def test_validation_refuses_instead_of_throwing(server_url, path, body, named):
+    response = _post(server_url, path, body | {"max_tokens": 1} if path != "/v1/responses" else body)
+    assert response.status_code == 400, response.text
+    assert named in response.text, response.text
+
+
+@pytest.mark.parametrize("path,body", [
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 1, "n": 1.0}),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2.0, "seed": 3.0}),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1.0, "top_logprobs": 0.0}),
+])
+def test_integral_floats_are_integers(server_url, path, body):
+    assert _post(server_url, path, body).status_code == 200
+
+
+def test_a_fractional_n_is_still_refused(server_url):
+    response = _post(server_url, COMPLETIONS, {"prompt": "Hi", "n": 1.5})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "n"
+
+
+def test_one_request_cannot_outgrow_the_queue(smollm2):
+    from tests.serverutil import running_server
+
+    with running_server(smollm2, ServeConfig(num_kv_blocks=32, max_num_seqs=4, max_num_batched_tokens=64,
+                                             max_queue=12, max_prompts_per_request=10)) as url:
+        many = _post(url, COMPLETIONS, {"prompt": ["Hi"] * 11, "max_tokens": 1})
+        assert many.status_code == 400 and "at most 10" in many.json()["error"]["message"]
+        assert many.json()["error"]["param"] == "prompt"
+        wide = _post(url, COMPLETIONS, {"prompt": ["Hi"] * 2, "n": 9, "max_tokens": 1})
+        error = wide.json()["error"]
+        assert wide.status_code == 400 and "18 sequences" in error["message"] and "at most 16" in error["message"]
+        assert _post(url, COMPLETIONS, {"prompt": ["Hi"] * 2, "n": 8, "max_tokens": 1}).status_code == 200
