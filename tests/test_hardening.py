@@ -112,3 +112,17 @@ def test_one_request_cannot_outgrow_the_queue(smollm2):
         error = wide.json()["error"]
         assert wide.status_code == 400 and "18 sequences" in error["message"] and "at most 16" in error["message"]
         assert _post(url, COMPLETIONS, {"prompt": ["Hi"] * 2, "n": 8, "max_tokens": 1}).status_code == 200
+
+
+@pytest.mark.parametrize("size", [70_000, 1 << 20])
+def test_oversized_headers_get_431_and_normal_ones_pass(server_url, size):
+    big = httpx.get(server_url + "/health", headers={"x-junk": "a" * size}, timeout=30)
+    assert big.status_code == 431 and big.json()["error"]["code"] == "request_header_fields_too_large"
+    assert "x-request-id" in big.headers
+    assert httpx.get(server_url + "/health", headers={"x-junk": "a" * 30_000}).status_code == 200
+
+
+def test_a_large_body_is_not_counted_as_headers(server_url):
+    prompt = "word " * 60_000  # ~300 KB of body arrives with the headers in the first reads
+    response = httpx.post(server_url + "/tokenize", json={"prompt": prompt}, timeout=60)
+    assert response.status_code == 200 and response.json()["count"] > 50_000
