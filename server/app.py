@@ -150,9 +150,10 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
         if body.messages is not None:
-            ids = chat_prompt_ids(state, body.messages)
+            chars = sum(len(message.text) for message in body.messages)
+            ids = await _tokenizing(chars, chat_prompt_ids, state, body.messages)
         else:
-            ids = text_prompt_ids(state, body.prompt, body.add_special_tokens)
+            ids = await _tokenizing(len(body.prompt), text_prompt_ids, state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
 
     @app.get("/tokenizer_info", dependencies=v1)
@@ -181,6 +182,19 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 # Prompts longer than this (characters) are tokenized on a worker thread: megabytes take seconds to tokenize, and
 # on the event loop that would stall every other stream (the tokenizer releases the GIL while it works).
 _TOKENIZE_OFF_LOOP_CHARS = 32_768
+
+
+# At most this many long prompts are tokenized (or templated) at once, off the loop: a flood of them waits here
+# instead of taking every worker thread of the loop's default executor.
+_TOKENIZING = asyncio.Semaphore(2)
+
+
+async def _tokenizing(chars: int, fn: Callable, *args):
+    """``fn(*args)``: on the event loop for a short prompt, else on a worker thread, two at a time."""
+    if chars <= _TOKENIZE_OFF_LOOP_CHARS:
+        return fn(*args)
+    async with _TOKENIZING:
+        return await asyncio.to_thread(fn, *args)
 
 
 def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
@@ -217,10 +231,7 @@ async def _admit(state: ServerState, body, request: Request) -> Generation:
     completions = isinstance(body, CompletionRequest)
     _check_request_size(state, body, completions)
     prepare_all = prepare_prompts if completions else prepare
-    if _prompt_chars(body) > _TOKENIZE_OFF_LOOP_CHARS:
-        prepared = await asyncio.to_thread(prepare_all, state, body)
-    else:
-        prepared = prepare_all(state, body)
+    prepared = await _tokenizing(_prompt_chars(body), prepare_all, state, body)
     grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
     salt = ApiKeys.cache_salt(request, body.cache_salt)
     for one in prepared if completions else [prepared]:

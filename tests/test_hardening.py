@@ -126,3 +126,24 @@ def test_a_large_body_is_not_counted_as_headers(server_url):
     prompt = "word " * 60_000  # ~300 KB of body arrives with the headers in the first reads
     response = httpx.post(server_url + "/tokenize", json={"prompt": prompt}, timeout=60)
     assert response.status_code == 200 and response.json()["count"] > 50_000
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(bare_state, monkeypatch):
+    import threading
+
+    import kvserve.server.app as app_module
+
+    threads: list[str] = []
+    real = app_module.text_prompt_ids
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "text_prompt_ids", recording)
+    with TestClient(create_app(bare_state), base_url="http://127.0.0.1") as client:
+        short = client.post("/tokenize", json={"prompt": "Hi"})
+        long = client.post("/tokenize", json={"prompt": "word " * 10_000})
+    assert short.status_code == long.status_code == 200 and long.json()["count"] >= 10_000
+    loop_thread, worker = threads
+    assert worker != loop_thread  # the long one ran on a worker thread, the loop kept serving
