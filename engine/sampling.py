@@ -5,6 +5,8 @@ Greedy rows never touch a random generator, so greedy output is identical alone 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from kvserve.engine.plan import SeqWork, TokenLogprob
@@ -26,7 +28,14 @@ def apply_penalties(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
         picked = logits[seen]
         logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty,
                                    picked * params.repetition_penalty)
-    return logits
+    return _finite(logits)
+
+
+def _finite(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` with +inf (a tiny repetition penalty or temperature overflowing float32) at the dtype's largest
+    value and NaN masked out, so the limit of such a value is what samples (the largest logits win) and
+    softmax never sees inf - inf. Masked tokens (-inf) stay masked."""
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
@@ -48,6 +57,7 @@ def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> tor
         sorted_logits, order = logits.sort(descending=True)
         cumulative = sorted_logits.softmax(-1).cumsum(-1)
         outside = cumulative - sorted_logits.softmax(-1) >= top_p  # keep the token that crosses top_p
+        outside[0] = False  # and always the most likely one: a top_p below float32's resolution is greedy
         logits = logits.masked_fill(outside.scatter(0, order, outside), float("-inf"))
     return logits
 
@@ -75,7 +85,7 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
     if params.greedy:
         token_id = int(torch.argmax(logits))
     else:
-        processed = _filter(logits / params.temperature, params.top_k, params.top_p, params.min_p)
+        processed = _filter(_finite(logits / params.temperature), params.top_k, params.top_p, params.min_p)
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=logits.device)
@@ -146,5 +156,15 @@ def token_logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenL
     if num_top > 0:
         values, ids = torch.topk(logprobs, num_top)
         # tokens a filter or a suppression removed (-inf) are no alternatives, and JSON has no infinity
-        top = [(i, v) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
-    return TokenLogprob(token_id=token_id, logprob=float(logprobs[token_id]), top=top)
+        top = [(i, _reportable(v)) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
+    return TokenLogprob(token_id=token_id, logprob=_reportable(float(logprobs[token_id])), top=top)
+
+
+_LEAST_LOGPROB = -9999.0  # what vLLM reports for a probability that is 0 in float32: JSON has no -Infinity
+
+
+def _reportable(logprob: float) -> float:
+    """A logprob JSON can carry: finite, at least ``_LEAST_LOGPROB`` (NaN reads as that least)."""
+    if math.isnan(logprob):
+        return _LEAST_LOGPROB
+    return max(logprob, _LEAST_LOGPROB)

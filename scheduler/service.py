@@ -74,6 +74,8 @@ class SchedulerService:
         self.dead: BaseException | None = None
         self._inbox: asyncio.Queue[tuple[_Command, object]] = asyncio.Queue()
         self._pending_adds = 0
+        # submitted and not yet told their end: whatever fails, each of them hears of it (``_fail_all``)
+        self._admitted: dict[int, Sequence] = {}
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._task: asyncio.Task | None = None
 
@@ -99,6 +101,7 @@ class SchedulerService:
             raise QueueFull(waiting, self.retry_after_s(waiting))
         self._pending_adds += len(seqs)
         for seq in seqs:
+            self._admitted[seq.seq_id] = seq
             self._inbox.put_nowait((_Command.ADD, seq))
 
     @property
@@ -141,7 +144,13 @@ class SchedulerService:
         else:
             seq = self.scheduler.abort(payload)
             if seq is not None:
-                seq.events.put_nowait(SeqEvent(seq.seq_id, finish=FinishReason.ABORT))
+                self._deliver(seq, SeqEvent(seq.seq_id, finish=FinishReason.ABORT))
+
+    def _deliver(self, seq: Sequence, event: SeqEvent) -> None:
+        """Put ``event`` on the sequence's stream; its last event retires it from ``_admitted``."""
+        seq.events.put_nowait(event)
+        if event.finish is not None:
+            self._admitted.pop(seq.seq_id, None)
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -159,7 +168,7 @@ class SchedulerService:
                 plan = self.scheduler.schedule()
                 if not plan.work:
                     if plan.ended_ids:  # a plan with no work only frees what ended sequences held in the engine
-                        await loop.run_in_executor(self._executor, self.execute, plan)
+                        await self._free_ended(loop, plan)
                     if self.scheduler.has_work:
                         await asyncio.sleep(0.005)  # nothing fits now (only possible transiently)
                     continue
@@ -181,16 +190,32 @@ class SchedulerService:
                 self._count(plan, results)
                 self._learn_cost(plan, seconds)
                 for seq, event in self.scheduler.update(plan, results):
-                    seq.events.put_nowait(event)
+                    self._deliver(seq, event)
                 last_end = time.perf_counter() if self.scheduler.has_work else None
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            self.dead = exc
+            self.dead = exc  # from now on submit refuses, and /health and /live answer 503
             log.exception("scheduler loop died")
-            for seq in list(self.scheduler.waiting) + list(self.scheduler.running):
-                seq.events.put_nowait(SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine loop died: {exc!r}"))
+            self._fail_all(exc)
             raise
+
+    async def _free_ended(self, loop: asyncio.AbstractEventLoop, plan: StepPlan) -> None:
+        """Run a plan that only frees what ended sequences held in the engine (a drafter's K/V).
+
+        No sequence waits on it, so a failure is logged and serving goes on: the ended sequences' engine state
+        is at worst left allocated, never served to anyone (the next sequence with that id is a new one).
+        """
+        try:
+            await loop.run_in_executor(self._executor, self.execute, plan)
+        except Exception:
+            log.exception("freeing ended sequences in the engine failed; serving goes on")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """End every admitted sequence with an error event: waiting, running, still in the inbox, or finished in
+        a step whose events were never delivered."""
+        for seq in list(self._admitted.values()):
+            self._deliver(seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine loop died: {exc!r}"))
 
     def _observe(self, plan: StepPlan, seconds: float) -> None:
         """Call ``on_step``; an observer that fails (a step log on a full disk) is dropped, never the loop."""
@@ -222,4 +247,4 @@ class SchedulerService:
         for w in plan.work:
             seq = self.scheduler.abort(w.seq_id, FinishReason.ERROR)
             if seq is not None:
-                seq.events.put_nowait(SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine step failed: {exc}"))
+                self._deliver(seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine step failed: {exc}"))

@@ -25,6 +25,7 @@ from kvserve.server.auth import ApiKeys
 from kvserve.server.bodylimit import BodyLimit
 from kvserve.server.drain import Drain, DrainGate
 from kvserve.server.errors import ApiError
+from kvserve.server.choice import ChoiceUpdate
 from kvserve.server.generation import Generation
 from kvserve.server.prepare import chat_prompt_ids, prepare, text_prompt_ids
 from kvserve.server.hostguard import HostGuard, HostPolicy
@@ -112,11 +113,6 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
-    @app.exception_handler(Exception)
-    async def _unexpected(request: Request, exc: Exception):
-        # a bug, never the client's fault: still an OpenAI-shaped body, never a plain-text 500
-        return ApiError(500, f"internal error: {type(exc).__name__}: {exc}", code="internal_error").response()
-
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health():
         """Readiness: 200 only while this replica takes new requests (routers and readiness probes ask)."""
@@ -154,9 +150,10 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
         if body.messages is not None:
-            ids = chat_prompt_ids(state, body.messages)
+            chars = sum(len(message.text) for message in body.messages)
+            ids = await _tokenizing(chars, chat_prompt_ids, state, body.messages)
         else:
-            ids = text_prompt_ids(state, body.prompt, body.add_special_tokens)
+            ids = await _tokenizing(len(body.prompt), text_prompt_ids, state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
 
     @app.get("/tokenizer_info", dependencies=v1)
@@ -189,10 +186,40 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 _TOKENIZE_OFF_LOOP_CHARS = 32_768
 
 
+# At most this many long prompts are tokenized (or templated) at once, off the loop: a flood of them waits here
+# instead of taking every worker thread of the loop's default executor.
+_TOKENIZING = asyncio.Semaphore(2)
+
+
+async def _tokenizing(chars: int, fn: Callable, *args):
+    """``fn(*args)``: on the event loop for a short prompt, else on a worker thread, two at a time."""
+    if chars <= _TOKENIZE_OFF_LOOP_CHARS:
+        return fn(*args)
+    async with _TOKENIZING:
+        return await asyncio.to_thread(fn, *args)
+
+
 def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(body, ChatCompletionRequest):
         return sum(len(message.text) for message in body.messages)
     return sum(len(prompt) for prompt in body.prompts if isinstance(prompt, str))
+
+
+def _check_request_size(state: ServerState, body, completions: bool) -> None:
+    """Refuse, before tokenizing or queuing anything, a request that could never be admitted whole: more prompts
+    than ``--max-prompts-per-request``, or more sequences (prompts x choices) than the server holds at once
+    (``--max-num-seqs`` running + ``--max-queue`` waiting). Otherwise one body could fill the queue for everyone."""
+    config = state.config
+    prompts = len(body.prompts) if completions else 1
+    if prompts > config.max_prompts_per_request:
+        raise ApiError(400, f"this request has {prompts} prompts; at most {config.max_prompts_per_request} are "
+                            "allowed per request (--max-prompts-per-request)", param="prompt")
+    sequences = prompts * (body.candidates if completions else body.n)
+    capacity = config.max_num_seqs + config.max_queue
+    if sequences > capacity:
+        raise ApiError(400, f"this request needs {sequences} sequences ({prompts} prompt(s) x "
+                            f"{sequences // prompts} choices); this server holds at most {capacity} at once "
+                            "(--max-num-seqs + --max-queue)", param="n")
 
 
 async def _admit(state: ServerState, body, request: Request) -> Generation:
@@ -204,11 +231,9 @@ async def _admit(state: ServerState, body, request: Request) -> Generation:
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
                        param="model", code="model_not_found")
     completions = isinstance(body, CompletionRequest)
+    _check_request_size(state, body, completions)
     prepare_all = prepare_prompts if completions else prepare
-    if _prompt_chars(body) > _TOKENIZE_OFF_LOOP_CHARS:
-        prepared = await asyncio.to_thread(prepare_all, state, body)
-    else:
-        prepared = prepare_all(state, body)
+    prepared = await _tokenizing(_prompt_chars(body), prepare_all, state, body)
     grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
     salt = ApiKeys.cache_salt(request, body.cache_salt)
     for one in prepared if completions else [prepared]:
@@ -237,18 +262,29 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     echo = (not chat) and body.echo
     prompt_text = generation.prompt_text if echo else None  # index -> the prompt, for echo
     if body.stream:
-        return EventSourceResponse(_stream(generation, fmt, body, want_logprobs, echo, prompt_text),
+        return EventSourceResponse(_stream(generation, fmt, body, want_logprobs, echo, prompt_text,
+                                           request.app.state.drain),
                                    ping=state.config.sse_ping_s or None, sep="\n")
     return await _collect(generation, fmt, request, want_logprobs, echo, prompt_text)
 
 
 async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, want_logprobs: bool, echo: bool,
-                  prompt_text: Callable[[int], str] | None):
+                  prompt_text: Callable[[int], str] | None, drain: Drain):
+    """The SSE events of a streamed reply. Every stream ends with ``[DONE]``: after each choice's final chunk;
+    on an engine error after that choice's final chunk (finish_reason ``error``) and the error object; at the
+    drain's deadline after a final chunk with finish_reason ``abort`` for each choice still open."""
     echoed: set[int] = set()
+    finished: set[int] = set()
     try:
-        async for update in generation.updates():
+        async for update in drain.until_cut(generation.updates()):
+            if update is None:  # the drain's deadline: the open choices end here, saying so
+                for index in sorted(set(range(generation.num_choices)) - finished):
+                    yield {"data": json.dumps(fmt.chunk(ChoiceUpdate(index, finish_reason="abort"), want_logprobs))}
+                break
             if update.error is not None:
+                yield {"data": json.dumps(fmt.chunk(update, want_logprobs))}  # its finish_reason is "error"
                 yield {"data": json.dumps(ApiError(500, update.error, code="engine_error").body())}
+                yield {"data": "[DONE]"}
                 return
             if not (update.text or update.tokens or update.finish_reason):
                 continue
@@ -256,12 +292,14 @@ async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, w
             if echo and update.index not in echoed:
                 echoed.add(update.index)
                 echo_part = fmt.echo_prefix(update.index, prompt_text(update.index), want_logprobs)
+            if update.finish_reason is not None:
+                finished.add(update.index)
             yield {"data": json.dumps(fmt.chunk(update, want_logprobs, echo_part))}
         if body.include_usage:
             yield {"data": json.dumps(fmt.usage_chunk())}
         yield {"data": "[DONE]"}
     finally:
-        generation.abort()  # no-op for finished choices; frees a disconnected client's blocks
+        generation.abort()  # no-op for finished choices; frees a disconnected (or cut) client's blocks
 
 
 async def _collect(generation: Generation | PromptGroups, fmt: Formatter, request: Request, want_logprobs: bool,

@@ -33,6 +33,7 @@ class ServeConfig:
     max_num_seqs: int = 32              # slots: sequences decoding at once
     max_num_batched_tokens: int = 512   # per-step token budget (chunked prefill splits longer prompts)
     max_queue: int = 256                # sequences waiting beyond the free slots before 429
+    max_prompts_per_request: int = 128  # prompts in one /v1/completions body (each x n choices is a sequence)
     max_model_len: int | None = None    # context limit (tokens); default: the model's
     max_request_bytes: int | None = None  # request body limit (bytes); default: 64 per token of context, >= 1 MiB
     policy: Policy = Policy.CONTINUOUS
@@ -73,6 +74,8 @@ class ServeConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
+        if self.max_prompts_per_request < 1:
+            raise ValueError("max_prompts_per_request must be >= 1")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
         self.api_keys = tuple(dict.fromkeys(((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)))

@@ -5,10 +5,12 @@ scale-in, a node drain. Stopping at once cuts every open stream. Instead, on the
 
 1. ``/health`` answers 503 ``{"status": "draining"}``, so health-checking routers and readiness probes take
    the replica out of rotation;
-2. new generation requests (``POST /v1/chat/completions``, ``/v1/completions``) get 503 with ``Retry-After``: vllm-router retries 503 on another
-   worker (as it does 429), so the client never sees them;
+2. new generation requests (``POST /v1/chat/completions``, ``/v1/completions``, ``/v1/responses``) get 503 with
+   ``Retry-After``: vllm-router retries 503 on another worker (as it does 429), so the client never sees them;
 3. requests already admitted (streams included) run to completion, for at most ``grace_s`` seconds;
-4. then uvicorn shuts down as usual (a second SIGTERM, or SIGINT, skips the wait).
+4. streams still open then are cut cleanly (``Drain.cut``): each ends as the API says a cut reply ends (a final
+   chunk with finish_reason ``abort``, then ``[DONE]``; a Responses stream with ``response.incomplete``);
+5. then uvicorn shuts down as usual (a second SIGTERM, or SIGINT, skips the wait).
 
 Kubernetes gives a pod ``terminationGracePeriodSeconds`` between SIGTERM and SIGKILL; ``grace_s`` must be
 shorter than that (deploy/k8s/deployment.yaml: 30 s within 60 s).
@@ -20,15 +22,19 @@ import asyncio
 import logging
 import signal
 import time
+from collections.abc import AsyncIterator
 from types import FrameType
+from typing import TypeVar
 
 import uvicorn
 
 from kvserve.server.errors import ApiError
 
 log = logging.getLogger("kvserve.drain")
+T = TypeVar("T")
 
 _POLL_S = 0.05  # how often the drain looks at the in-flight count
+_CUT_WAIT_S = 2.0  # after the cut: the longest wait for the cut streams to send their last events (s)
 # What a refused client (or router) is told to wait before retrying here: the replica is going away, so it
 # should go elsewhere now; 1 s is the smallest whole value Retry-After can say.
 RETRY_AFTER_S = 1
@@ -48,14 +54,47 @@ class Drain:
         self.draining = False
         self.inflight = 0  # generation requests admitted and not yet answered in full (streams until their end)
         self.refused = 0  # new generation requests answered 503 while draining
+        self.deadline = asyncio.Event()  # set by ``cut``: open streams end now (created unbound: 3.10+)
 
+    def cut(self) -> None:
+        """The grace period is over: every open stream ends at once, with its final events (call on the loop)."""
+        self.deadline.set()
+
+    async def until_cut(self, updates: AsyncIterator[T]) -> AsyncIterator[T | None]:
+        """Yield ``updates`` as they come; once ``cut`` is called, yield None (once) and stop.
+
+        A stream reads its updates through this, so the deadline reaches a stream that waits for a token.
+        """
+        iterator = aiter(updates)
+        cut = asyncio.ensure_future(self.deadline.wait())
+        pending: asyncio.Future | None = None
+        try:
+            while True:
+                pending = asyncio.ensure_future(anext(iterator))
+                await asyncio.wait({pending, cut}, return_when=asyncio.FIRST_COMPLETED)
+                if not pending.done():
+                    yield None
+                    return
+                try:
+                    update = pending.result()
+                except StopAsyncIteration:
+                    return
+                yield update
+        finally:
+            cut.cancel()
+            if pending is not None and not pending.done():  # let the update being awaited unwind first
+                pending.cancel()
+                await asyncio.gather(pending, return_exceptions=True)
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
     def refusal(self) -> ApiError:
         """The 503 a draining replica answers to a new generation request."""
         return ApiError(503, "this replica is draining (shutting down); retry on another replica",
                         code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions")
+_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def _is_generation(scope) -> bool:
@@ -123,9 +162,14 @@ class DrainingServer(uvicorn.Server):
         at_start = self.drain.inflight
         while self.drain.inflight > 0 and time.monotonic() - start < self.drain.grace_s and not self.should_exit:
             await asyncio.sleep(_POLL_S)
+        cut = self.drain.inflight
+        if cut and not self.should_exit:  # out of time: end the open streams with their final events, then exit
+            self.drain.cut()
+            until = time.monotonic() + _CUT_WAIT_S
+            while self.drain.inflight > 0 and time.monotonic() < until and not self.should_exit:
+                await asyncio.sleep(_POLL_S)
         # one line with the outcome (python -m kvserve.loadtest cluster reads it from the replica's log)
-        log.log(logging.WARNING if self.drain.inflight else logging.INFO,
+        log.log(logging.WARNING if cut else logging.INFO,
                 "drain done in %.2f s: %d of %d in-flight request(s) finished, %d cut, %d new refused",
-                time.monotonic() - start, at_start - self.drain.inflight, at_start, self.drain.inflight,
-                self.drain.refused)
+                time.monotonic() - start, at_start - cut, at_start, cut, self.drain.refused)
         super().handle_exit(sig, None)

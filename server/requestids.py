@@ -12,6 +12,8 @@ import re
 import time
 import uuid
 
+from kvserve.server.errors import ApiError
+
 log = logging.getLogger("kvserve.requests")
 
 HEADER = b"x-request-id"
@@ -53,9 +55,24 @@ class RequestIds:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except Exception as exc:
+            # the last resort, here so that its 500 carries the id and the log line its status: a bug, never
+            # the client's fault, still answered with an OpenAI-shaped body
+            log.exception("unhandled error in %s %s request_id=%s", scope["method"], _escaped(scope["path"]),
+                          request_id)
+            if status:
+                raise  # the response has begun: nothing can be sent now; the server closes the connection
+            await ApiError(500, f"internal error: {type(exc).__name__}", code="internal_error").response()(
+                scope, receive, send_with_id)
         finally:
-            log.info("%s %s %d request_id=%s %.1f ms", scope["method"], scope["path"], status, request_id,
+            log.info("%s %s %d request_id=%s %.1f ms", scope["method"], _escaped(scope["path"]), status, request_id,
                      (time.perf_counter() - started) * 1000)
+
+
+def _escaped(path: str) -> str:
+    """The path as a log may show it: control characters and backslashes escaped (``\\n``, ``\\x1b``), so a
+    ``%0A`` in a URL can never start a forged line of the log."""
+    return path.encode("unicode_escape", "backslashreplace").decode("ascii")
 
 
 def tokenizer_info(tokenizer) -> dict:

@@ -18,12 +18,14 @@ import asyncio
 import json
 import time
 from collections.abc import Awaitable, Callable
+from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
 from sse_starlette.sse import EventSourceResponse
 
+from kvserve.server.drain import Drain
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation
 from kvserve.server.schemas import ChatCompletionRequest, _NullMeansDefault
@@ -67,6 +69,7 @@ class ResponsesRequest(_NullMeansDefault):
     """The request body of ``POST /v1/responses`` (fields as OpenAI's API reference)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _is_body: ClassVar[bool] = True
 
     model: str | None = None
     input: list[InputMessage] | str  # the list first: its errors (a non-text part) are the ones reported
@@ -98,6 +101,8 @@ class ResponsesRequest(_NullMeansDefault):
     @model_validator(mode="after")
     def _refuse_unsupported(self):
         text_format = (self.text or {}).get("format") or {}
+        if not isinstance(text_format, dict):
+            raise ValueError("text.format must be an object, e.g. {\"type\": \"text\"}")
         unsupported = [name for name, used in (
             ("previous_response_id", self.previous_response_id is not None),
             ("store", bool(self.store)),
@@ -134,6 +139,8 @@ class ResponsesRequest(_NullMeansDefault):
 
 
 _DISCONNECT_POLL_S = 0.5  # how often a non-streamed response checks that its client is still there
+_STATUS = {"length": "incomplete", "abort": "incomplete", "error": "failed"}  # finish reason -> response status
+_INCOMPLETE = {"length": {"reason": "max_output_tokens"}, "abort": {"reason": "server_shutdown"}}
 Admit = Callable[[ServerState, ChatCompletionRequest, Request], Awaitable[Generation]]
 
 
@@ -162,13 +169,13 @@ class _ResponseBuilder:
         content = [] if text is None else [self.part(text)]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
-    def response(self, text: str | None, finish_reason: str | None) -> dict:
-        """The response object: in progress (``finish_reason`` None), completed, or incomplete (length)."""
-        status = "in_progress" if finish_reason is None else (
-            "incomplete" if finish_reason == "length" else "completed")
+    def response(self, text: str | None, finish_reason: str | None, error: dict | None = None) -> dict:
+        """The response object: in progress (``finish_reason`` None), completed, incomplete (length, or cut by
+        the drain's deadline: ``abort``), or failed (``error``, with the error's code and message)."""
+        status = "in_progress" if finish_reason is None else _STATUS.get(finish_reason, "completed")
         body = self.body
         out = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
-               "error": None, "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+               "error": error, "incomplete_details": _INCOMPLETE.get(finish_reason) if status == "incomplete" else None,
                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
                "output": [] if text is None else [self.item(text, status)], "parallel_tool_calls": True,
                "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
@@ -197,7 +204,8 @@ def register(app: FastAPI, state: ServerState, dependencies: list, admit: Admit)
         generation = await admit(state, chat, request)
         builder = _ResponseBuilder(body, generation, request.state.request_id, state.model_name)
         if body.stream:
-            return EventSourceResponse(_stream(builder), ping=state.config.sse_ping_s or None, sep="\n")
+            return EventSourceResponse(_stream(builder, request.app.state.drain), ping=state.config.sse_ping_s or None,
+                                       sep="\n")
         parts: list[str] = []
         reasons: list[str] = []
 
@@ -222,7 +230,9 @@ def register(app: FastAPI, state: ServerState, dependencies: list, admit: Admit)
         return JSONResponse(builder.response("".join(parts), reasons[-1] if reasons else None))
 
 
-async def _stream(builder: _ResponseBuilder):
+async def _stream(builder: _ResponseBuilder, drain: Drain):
+    """The Responses API's stream events. It always ends with a terminal event: ``response.completed``,
+    ``response.incomplete`` (length, or the drain's deadline), or ``response.failed`` after an ``error``."""
     b = builder
     where = {"item_id": b.item_id, "output_index": 0, "content_index": 0}
     text, reason = "", None
@@ -231,15 +241,20 @@ async def _stream(builder: _ResponseBuilder):
         yield b.event("response.in_progress", response=b.response(None, None))
         yield b.event("response.output_item.added", output_index=0, item=b.item(None, "in_progress"))
         yield b.event("response.content_part.added", part=b.part(""), **where)
-        async for update in b.generation.updates():
+        async for update in drain.until_cut(b.generation.updates()):
+            if update is None:  # the drain's deadline
+                reason = "abort"
+                break
             if update.error is not None:
                 yield b.event("error", code="engine_error", message=update.error, param=None)
+                error = {"code": "server_error", "message": update.error}
+                yield b.event("response.failed", response=b.response(text + update.text, "error", error))
                 return
             reason = update.finish_reason or reason
             if update.text:
                 text += update.text
                 yield b.event("response.output_text.delta", delta=update.text, logprobs=[], **where)
-        status = "incomplete" if reason == "length" else "completed"
+        status = _STATUS.get(reason, "completed")
         yield b.event("response.output_text.done", text=text, logprobs=[], **where)
         yield b.event("response.content_part.done", part=b.part(text), **where)
         yield b.event("response.output_item.done", output_index=0, item=b.item(text, status))

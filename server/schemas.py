@@ -8,6 +8,10 @@ ignore_eos, min_tokens, stop_token_ids) are accepted too.
 
 from __future__ import annotations
 
+import functools
+import re
+import types
+import typing
 from typing import ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
@@ -19,18 +23,74 @@ class _NullMeansDefault(BaseModel):
 
     Types are strict, as OpenAI's API is: a boolean is not an integer (``"max_tokens": true`` is a 400, not 1)
     and a string is not a number (``"n": "2"`` is a 400); an integer is still a valid float.
+
+    An integral float is an integer (``"n": 1.0``), as JSON Schema's ``integer`` says. A request body (the
+    classes with ``_is_body``) is checked once as a whole by ``check_json``: nesting depth and lone surrogates.
     """
 
     model_config = ConfigDict(strict=True)  # subclasses' model_config merges with this
+    _is_body: ClassVar[bool] = False
 
     @model_validator(mode="before")
     @classmethod
     def _drop_nulls(cls, data):
         if not isinstance(data, dict):
             return data
-        fields = cls.model_fields
-        return {key: value for key, value in data.items()
+        if cls._is_body:
+            check_json(data)
+        fields, integers = cls.model_fields, _integer_fields(cls)
+        return {key: int(value) if key in integers and isinstance(value, float) and value.is_integer() else value
+                for key, value in data.items()
                 if value is not None or key not in fields or fields[key].is_required()}
+
+
+MAX_JSON_DEPTH = 64  # objects and arrays within one another in a request body; deeper is a 400, never a RecursionError
+
+
+def check_json(value) -> None:
+    """Refuse what no field could use and what would break later: nesting deeper than ``MAX_JSON_DEPTH``, and text
+    with lone surrogates (``"\\ud800"``: not Unicode, so it cannot be tokenized, compiled or echoed as UTF-8).
+
+    Raises:
+        ValueError: naming the place (``messages.0.content``) and the limit.
+    """
+    stack = [(value, 0, "")]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            _check_unicode(item, path)
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            raise ValueError(f"{path.split('.')[0] or 'the body'}: nested more than {MAX_JSON_DEPTH} levels deep")
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in pairs:
+            if isinstance(key, str):
+                _check_unicode(key, path)
+            stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
+
+
+def _check_unicode(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{path or 'a key'}: not valid Unicode text (a lone surrogate at position {exc.start})") from None
+
+
+@functools.cache
+def _integer_fields(cls: type) -> frozenset[str]:
+    """Fields of ``cls`` that take an integer and no float (``int``, ``int | None``)."""
+    names = set()
+    for name, info in cls.model_fields.items():
+        members = typing.get_args(info.annotation) if isinstance(info.annotation, types.UnionType) else (
+            info.annotation,)
+        if int in members and float not in members:
+            names.add(name)
+    return frozenset(names)
+
+
+_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,12}\s*")  # ASCII digits, as int() reads them, and not 4,300 of them
 
 
 class StreamOptions(_NullMeansDefault):
@@ -42,6 +102,7 @@ class _SamplingRequest(_NullMeansDefault):
     """Fields shared by chat and completions."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    _is_body: ClassVar[bool] = True
     _completions: ClassVar[bool] = False  # CompletionRequest serves best_of and suffix
 
     model: str | None = None
@@ -100,7 +161,7 @@ class _SamplingRequest(_NullMeansDefault):
         """OpenAI's checks: keys are token ids written as integers, values in [-100, 100]. The ids' range is
         the tokenizer's and is checked when the request is prepared."""
         for key, bias in (value or {}).items():
-            if not key.strip().lstrip("-").isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key):  # isdigit() would pass "²", which int() refuses
                 raise ValueError(f"invalid key {key!r}: keys are token ids, written as integers")
             if not -100 <= bias <= 100:
                 raise ValueError(f"the value for token {key} is {bias}; values must be between -100 and 100")
@@ -298,6 +359,7 @@ class CompletionRequest(_SamplingRequest):
 
 class TokenizeRequest(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
+    _is_body: ClassVar[bool] = True
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
@@ -312,5 +374,6 @@ class TokenizeRequest(_NullMeansDefault):
 
 class DetokenizeRequest(_NullMeansDefault):
     model_config = ConfigDict(extra="ignore")
+    _is_body: ClassVar[bool] = True
     model: str | None = None
     tokens: list[int]

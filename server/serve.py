@@ -40,6 +40,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="token budget per step (chunked prefill)")
     parser.add_argument("--max-queue", type=int, default=d.max_queue,
                         help="sequences waiting beyond the free slots before 429 (a request with n choices counts n)")
+    parser.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
+                        help="prompts one /v1/completions request may carry (a 400 beyond); a request whose "
+                             "prompts x choices exceed --max-num-seqs + --max-queue is a 400 too, before any is queued")
     parser.add_argument("--max-model-len", type=int, default=None, help="context limit (tokens)")
     parser.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
                         help="request body limit, e.g. 4MiB; larger bodies get 413 before they are read or "
@@ -99,7 +102,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                       max_queue=args.max_queue, max_model_len=args.max_model_len,
+                       max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,
+                       max_model_len=args.max_model_len,
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
                        enable_prefix_caching=not args.no_prefix_caching, api_keys=_api_keys(args),
                        share_cache_across_keys=args.share_cache_across_keys,

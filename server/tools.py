@@ -153,7 +153,7 @@ def _history_call(call, index: int) -> dict:
     arguments = function.get("arguments") or "{}"
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested thousands deep
         raise ApiError(400, f"tool_calls.{index}.function.arguments is not JSON: {exc}",
                        param=f"tool_calls.{index}") from exc
     return {"name": function["name"], "arguments": arguments}

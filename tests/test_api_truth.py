@@ -58,7 +58,7 @@ def completion_logprobs(url: str, body: dict, streamed: bool) -> tuple[str, dict
     (COMPLETIONS, {"logprobs": True}, "logprobs"),
     (COMPLETIONS, {"temperature": "0"}, "temperature"),
     (COMPLETIONS, {"echo": 1}, "echo"),
-    (CHAT, {"max_tokens": 2.0}, "max_tokens"),
+    (CHAT, {"max_tokens": 2.5}, "max_tokens"),  # 2.0 is an integer (JSON Schema), 2.5 is not
     (CHAT, {"logprobs": 1}, "logprobs"),
     (CHAT, {"stream_options": {"include_usage": "yes"}}, "stream_options.include_usage"),
     (CHAT, {"stop_token_ids": [False]}, "stop_token_ids.0"),

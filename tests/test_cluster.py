@@ -8,6 +8,7 @@ each) and the vllm-router binary, all on 127.0.0.1; it skips when vllm-router is
 
 from __future__ import annotations
 
+import json
 import signal
 import threading
 import time
@@ -66,6 +67,69 @@ def test_draining_replica_is_unready_but_alive_and_refuses_new_requests_with_ret
         assert drain.refused == 1
     finally:
         drain.draining = False
+
+
+def _stream_through_a_drain_deadline(smollm2, path: str, body: dict) -> list[str]:
+    """Start a long stream on a DrainingServer with a 1 s drain, SIGTERM it once the first event arrives;
+    returns the stream's data lines (the server exits after the deadline's cut)."""
+    from kvserve.server.drain import DrainingServer
+    from kvserve.server.httpserver import uvicorn_config
+
+    drain = Drain(1.0)
+    port = free_port()
+    config = ServeConfig(kv_cache_memory="64MiB")
+    server = DrainingServer(uvicorn_config(create_app(ServerState(smollm2, config), drain), "127.0.0.1", port,
+                                           config.header_timeout_s, log_level="warning"), drain)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    data: list[str] = []
+    try:
+        with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=60) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    if not data:
+                        server.handle_exit(signal.SIGTERM, None)  # as the signal handler would
+                        time.sleep(0.1)
+                        refused = httpx.post(url + path, json=body)  # new requests are refused while draining
+                        assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+                        assert drain.inflight == 1  # the stream counts as in flight
+                    data.append(line[6:])
+    finally:
+        thread.join(timeout=15)
+        from sse_starlette.sse import AppStatus
+
+        AppStatus.should_exit = False  # sse-starlette's process-wide exit flag: this process serves on in tests
+    assert not thread.is_alive()  # the server exited once the cut stream had ended
+    return data
+
+
+LONG = {"max_tokens": 1000, "ignore_eos": True}  # far more than 1 s of tokens
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": "Count from 1 to 10000:"} | LONG),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Count from 1 to 10000"}]} | LONG),
+])
+def test_drain_deadline_ends_a_stream_with_a_final_chunk_and_done(smollm2, path, body):
+    data = _stream_through_a_drain_deadline(smollm2, path, body)
+    assert data[-1] == "[DONE]"
+    final = json.loads(data[-2])["choices"][0]
+    assert final["finish_reason"] == "abort"
+    assert all(json.loads(d)["choices"][0]["finish_reason"] is None for d in data[:-2])
+
+
+def test_drain_deadline_ends_a_responses_stream_with_its_terminal_event(smollm2):
+    data = _stream_through_a_drain_deadline(smollm2, "/v1/responses",
+                                            {"input": "Count from 1 to 10000", "max_output_tokens": 1000})
+    events = [json.loads(d) for d in data]
+    assert events[-1]["type"] == "response.incomplete"
+    assert events[-1]["response"]["incomplete_details"] == {"reason": "server_shutdown"}
+    assert events[-2]["type"] == "response.output_item.done" and events[-2]["item"]["status"] == "incomplete"
 
 
 def test_drain_seconds_flag_is_validated():

@@ -88,3 +88,54 @@ def test_a_small_temperature_above_the_cutoff_still_samples():
     logits = torch.zeros(50)
     logits[7] = 30.0
     assert sample_token(logits, work(0, params)).token_id == 7  # finite: logits / 1e-4 stay below float32's max
+
+
+# -- every sampling field at its extremes: a token, finite logprobs, and tiny values behave like their limit -----
+_EXTREMES = {
+    "temperature": [0.0, 5e-324, 1e-300, 1e-6, 2.0],
+    "top_p": [5e-324, 1e-300, 1e-30, 0.5, 1.0],
+    "top_k": [-1, 0, 1, 10**6],
+    "min_p": [0.0, 5e-324, 1.0],
+    "presence_penalty": [-2.0, 2.0],
+    "frequency_penalty": [-2.0, 2.0],
+    "repetition_penalty": [5e-324, 1e-39, 1e-6, 10.0],
+    "logit_bias": [{5: 100.0}, {5: -100.0}, {i: -100.0 for i in range(50)}],
+}
+
+
+def _extreme_work(**params) -> SeqWork:
+    from kvserve.engine.plan import SamplingParams
+
+    return SeqWork(seq_id=0, token_ids=[1], start_pos=0, block_table=[0], slot_mapping=[0], sample=True,
+                   params=SamplingParams(seed=3, logprobs=5, **params), prompt_ids=[1, 2, 3], output_ids=[2, 7])
+
+
+@pytest.mark.parametrize("name,value", [(name, value) for name, values in _EXTREMES.items() for value in values])
+@pytest.mark.parametrize("processed", [False, True])
+def test_every_sampling_field_at_its_extremes_samples_with_finite_logprobs(name, value, processed):
+    import math
+
+    torch.manual_seed(0)
+    logits = torch.randn(64) * 8
+    logits[3] = 40.0  # a prompt token, and by far the most likely: repetition penalties act on it
+    token = sample_token(logits.clone(), _extreme_work(**{name: value}, processed_logprobs=processed))
+    assert 0 <= token.token_id < 64
+    assert math.isfinite(token.logprob) and all(math.isfinite(v) for _, v in token.top)
+
+
+@pytest.mark.parametrize("params", [{"top_p": 5e-324}, {"top_p": 1e-300}, {"temperature": 1e-300},
+                                    {"min_p": 1.0}, {"top_k": 1}])
+def test_tiny_values_behave_like_their_limit_greedy(params):
+    torch.manual_seed(1)
+    for _ in range(5):
+        logits = torch.randn(64)
+        token = sample_token(logits.clone(), _extreme_work(**({"temperature": 1.0} | params)))
+        assert token.token_id == int(torch.argmax(logits)), params
+
+
+def test_a_tiny_repetition_penalty_picks_the_best_seen_token():
+    logits = torch.full((64,), -5.0)
+    logits[[1, 2, 3, 7]] = torch.tensor([0.5, 2.0, 1.0, -1.0])  # seen: prompt 1, 2, 3 and output 2, 7
+    logits[40] = 30.0  # unseen and far ahead without a penalty
+    token = sample_token(logits.clone(), _extreme_work(repetition_penalty=1e-39, temperature=1.0))
+    assert token.token_id in (1, 2, 3)  # positive seen logits overflow to the largest float: one of them

@@ -224,3 +224,88 @@ def test_free_slots_counts_what_the_next_step_can_admit():
         static.add(make(i, 4, 4))
     static.schedule()
     assert len(static.running) == 2 and static.free_slots() == 0  # the next group waits for this one
+
+
+# -- the service: every admitted sequence hears of a failure, wherever it happens ----------------------------
+def _run_service(break_it, seqs_per_request=(1, 1, 1), execute=fake_execute, speculating=False):
+    """Start a SchedulerService, break it with ``break_it(service)``, submit requests; returns each sequence's
+    events (all of them, as the service delivered them) and the service."""
+    import asyncio
+
+    from kvserve.scheduler.service import SchedulerService
+
+    async def main():
+        sched = scheduler()
+        if speculating:  # a scheduler with a drafter hands ended sequences to the engine in plans that only free
+            from kvserve.scheduler.speculation import DraftPolicy
+
+            sched = Scheduler(sched.config, sched.blocks, DraftPolicy(max_draft=1, adaptive=False))
+        service = SchedulerService(sched, execute, max_queue=16)
+        break_it(service)
+        service.start()
+        seqs, next_id = [], 0
+        for count in seqs_per_request:
+            request = [make(next_id + i, 6, 3) for i in range(count)]
+            next_id += count
+            service.submit(request)
+            seqs += request
+        events: dict[int, list] = {s.seq_id: [] for s in seqs}
+        for seq in seqs:  # each stream ends within one step: no wait longer than a few seconds
+            while not events[seq.seq_id] or events[seq.seq_id][-1].finish is None:
+                events[seq.seq_id].append(await asyncio.wait_for(seq.events.get(), timeout=5))
+        await asyncio.sleep(0.05)  # let the loop finish dying, if it dies
+        healthy = service.healthy
+        await service.stop()
+        return events, healthy
+
+    return asyncio.run(main())
+
+
+def test_a_loop_that_dies_on_admission_fails_the_sequences_still_in_its_inbox():
+    def break_it(service):
+        add = service.scheduler.add
+
+        def failing_add(seq):
+            if seq.seq_id == 1:
+                raise SystemError("scheduler bug on admission")
+            add(seq)
+        service.scheduler.add = failing_add
+
+    events, healthy = _run_service(break_it)
+    assert not healthy
+    for seq_id in (1, 2):  # 1 failed in add; 2 was still in the inbox behind it
+        assert [e.finish for e in events[seq_id]] == [FinishReason.ERROR], seq_id
+        assert "scheduler bug on admission" in events[seq_id][-1].error
+    assert events[0][-1].finish is FinishReason.ERROR  # admitted before the failure, running: it hears too
+
+
+def test_a_loop_that_dies_while_applying_results_fails_the_sequences_of_that_step():
+    def break_it(service):
+        update = service.scheduler.update
+
+        def failing_update(plan, results):
+            events = update(plan, results)
+            if any(event.finish is not None for _, event in events):
+                raise SystemError("bug applying results")  # the finished ones left running, their events lost
+            return events
+        service.scheduler.update = failing_update
+
+    events, healthy = _run_service(break_it, seqs_per_request=(2, 1))
+    assert not healthy
+    for evs in events.values():  # tokens, then the step that finished one of them failed: all hear of it
+        assert [e.finish for e in evs] == [None] * (len(evs) - 1) + [FinishReason.ERROR] and len(evs) >= 2
+        assert "bug applying results" in evs[-1].error
+
+
+def test_a_failed_free_only_step_does_not_kill_the_loop():
+    calls = {"free_only": 0}
+
+    def execute(plan):
+        if not plan.work:
+            calls["free_only"] += 1
+            raise RuntimeError("drafter could not free")
+        return fake_execute(plan)
+
+    events, healthy = _run_service(lambda service: None, seqs_per_request=(1,), execute=execute, speculating=True)
+    assert [e.finish for e in events[0]][-1] is FinishReason.LENGTH and len(events[0]) == 3
+    assert calls["free_only"] >= 1 and healthy  # the failure was logged; the loop serves on

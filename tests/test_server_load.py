@@ -200,12 +200,49 @@ def test_failed_step_fails_only_its_requests(state_factory):
         with httpx.stream("POST", url + "/v1/completions", json={"prompt": "BOOM", "stream": True}) as response:
             assert response.status_code == 200
             lines = [line for line in response.iter_lines() if line.startswith("data: ")]
-        assert len(lines) == 1 and "kernel exploded" in json.loads(lines[0][6:])["error"]["message"]
+        # the choice's final chunk says "error", then the error object, then [DONE]: the stream never hangs
+        assert len(lines) == 3 and lines[2] == "data: [DONE]", lines
+        assert json.loads(lines[0][6:])["choices"][0]["finish_reason"] == "error"
+        assert "kernel exploded" in json.loads(lines[1][6:])["error"]["message"]
         ok = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(url + "/health").status_code == 200
         blocks = state.service.scheduler.blocks
         assert blocks.num_free_blocks == blocks.num_blocks
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/v1/responses"])
+def test_streams_end_with_an_error_when_the_engine_loop_dies(state_factory, path):
+    """A loop that dies mid-generation ends every open stream at once: the final chunk's finish_reason is
+    "error" (Responses: response.failed), then the stream ends; /health and /live turn 503."""
+    state = state_factory()
+    update = state.service.scheduler.update
+    steps = {"n": 0}
+
+    def dying_update(plan, results):
+        steps["n"] += 1
+        if steps["n"] == 4:
+            raise SystemError("scheduler bug mid-stream")
+        return update(plan, results)
+
+    state.service.scheduler.update = dying_update
+    body = {"stream": True, **({"input": "Count to 100", "max_output_tokens": 50} if path == "/v1/responses" else
+                              {"prompt": "Count to 100", "max_tokens": 50} if path == "/v1/completions" else
+                              {"messages": [{"role": "user", "content": "Count to 100"}], "max_tokens": 50})}
+    with serving(state) as url:
+        with httpx.stream("POST", url + path, json=body, timeout=30) as response:
+            assert response.status_code == 200
+            data = [line[6:] for line in response.iter_lines() if line.startswith("data: ")]
+        if path == "/v1/responses":
+            events = [json.loads(d) for d in data]
+            assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+            assert events[-1]["response"]["status"] == "failed" and "mid-stream" in events[-2]["message"]
+        else:
+            assert data[-1] == "[DONE]" and "mid-stream" in json.loads(data[-2])["error"]["message"]
+            assert json.loads(data[-3])["choices"][0]["finish_reason"] == "error"
+        assert httpx.get(url + "/health").status_code == 503 and httpx.get(url + "/live").status_code == 503
+        refused = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 1})
+        assert refused.status_code == 503 and "died" in refused.json()["error"]["message"]
 
 
 def test_health_reports_a_dead_engine_loop(state_factory):
