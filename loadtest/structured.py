@@ -57,6 +57,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
 
 
+def _trajectory(tokenizer) -> list[int]:
+    """The tokens of one MID_SCHEMA order, its last 3 cut (the masks of a reply still open)."""
+    text = json.dumps({"order_id": "0b7e4f0e-3c1a-4d55-9a8e-5f2d1c3b4a6e",
+                       "customer": {"name": "Ada", "email": "ada@example.com"},
+                       "items": [{"sku": "ABC-1234", "name": "Hammer", "qty": 2, "category": "tools", "price": 9.5}]})
+    return tokenizer(text, add_special_tokens=False)["input_ids"][:-3]
+
+
 def _compile_figures() -> tuple[list[float], list[float], dict[int, float]]:
     """Cold compile ms per test schema, cache-hit ms, and mask ms per step (fill and apply to the logits) for 1 and
     32 sequences."""
@@ -79,10 +87,7 @@ def _compile_figures() -> tuple[list[float], list[float], dict[int, float]]:
         compiler.compile(spec)
         hit.append((time.perf_counter() - start) * 1000)
     grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(MID_SCHEMA)))
-    text = json.dumps({"order_id": "0b7e4f0e-3c1a-4d55-9a8e-5f2d1c3b4a6e",
-                       "customer": {"name": "Ada", "email": "ada@example.com"},
-                       "items": [{"sku": "ABC-1234", "name": "Hammer", "qty": 2, "category": "tools", "price": 9.5}]})
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:-3]
+    ids = _trajectory(tokenizer)
     masks_ms = {}
     for rows in (1, 32):
         constraints = [grammar.constraint() for _ in range(rows)]
@@ -110,10 +115,7 @@ def _closing_figures(repeats: int = 5) -> dict[int, tuple[float, float, float]]:
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
     compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id])
     grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(MID_SCHEMA)))
-    text = json.dumps({"order_id": "0b7e4f0e-3c1a-4d55-9a8e-5f2d1c3b4a6e",
-                       "customer": {"name": "Ada", "email": "ada@example.com"},
-                       "items": [{"sku": "ABC-1234", "name": "Hammer", "qty": 2, "category": "tools", "price": 9.5}]})
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:-3]
+    ids = _trajectory(tokenizer)
     figures = {}
     for rows in (1, 32):
         plain = [grammar.constraint() for _ in range(rows)]
