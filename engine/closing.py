@@ -17,8 +17,11 @@ A grammar says what may come next, not when to stop; a small model given ``"popu
    D + ``CLOSING_SLACK``, the mask allows only the path's next token, so the reply closes and ends with EOS:
    finish_reason ``stop``. If even the path does not fit, nothing is forced and the reply ends ``length``.
    The slack is room for one sampled token that lengthens the path (a new key, an opened array item). The walk
-   costs a few microseconds per path token (llguidance's forced-token and try-consume calls, then a rollback);
-   figures in BENCHMARKS.md, "Closing within the budget".
+   costs microseconds per path token (llguidance's forced-token and try-consume calls, then a rollback) and is
+   capped at the tokens left. It runs every step once the tokens left are within twice the path (plus the
+   slack), and every ``RECHECK_EVERY`` tokens while they are farther: the path would have to more than double
+   within those tokens to be missed. A path that did not fit is not walked again (it shrinks by at most one
+   token per token, as the tokens left do). Figures in BENCHMARKS.md, "closing within the budget".
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import numpy as np
 MAX_MANTISSA_DIGITS = 20   # digits of a JSON number before its exponent
 MAX_EXPONENT_DIGITS = 3    # digits of its exponent
 CLOSING_SLACK = 4          # tokens of room left when the closing path is forced (see the module docstring)
+RECHECK_EVERY = 16         # tokens between walks while the budget is far (more than twice the path away)
 
 
 class Part(IntEnum):
