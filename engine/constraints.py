@@ -28,8 +28,8 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from kvserve.engine.closing import (CLOSING_SLACK, RECHECK_EVERY, START, LexState, TokenTable, advance, closing_path,
-                                    only)
+from kvserve.engine.closing import (CLOSING_SLACK, RECHECK_EVERY, START, LexState, TokenTable, advance,
+                                    closing_path, only)
 
 # Work bounds for one grammar (llguidance's units); a schema past them is refused, never served slowly.
 _LIMITS = dict(max_grammar_size=200_000,     # symbols in the grammar's productions
@@ -125,7 +125,9 @@ class Constraint:
         """Whether the closing path must be walked again now (engine.closing: when it is walked)."""
         if self.path_len > left:  # it did not fit, and a path shrinks by at most a token per token: it never will
             return False
-        return left <= 2 * self.path_len + CLOSING_SLACK or len(self.consumed) - self.walked_at >= RECHECK_EVERY
+        # a quarter of the way to where the path would be forced, at most RECHECK_EVERY tokens: every step near it
+        gap = left - self.path_len - CLOSING_SLACK
+        return len(self.consumed) - self.walked_at >= max(1, min(RECHECK_EVERY, gap // 4))
 
     def sync(self, output_ids: list[int]) -> None:
         """Bring the matcher to the state after ``output_ids``: roll back tokens no longer there (preemption,

@@ -102,11 +102,11 @@ def _compile_figures() -> tuple[list[float], list[float], dict[int, float]]:
     return cold, hit, masks_ms
 
 
-def _closing_figures(repeats: int = 5) -> dict[int, tuple[float, float, float, float]]:
+def _closing_figures(repeats: int = 1) -> dict[int, tuple[float, float, float, float]]:
     """What the closing path costs: mask fill (``fill_masks``) of each step of the mid-sized schema's trajectory,
     without a budget and with a far one (the path walked every RECHECK_EVERY tokens), side by side in one run
-    (interleaved per step, best of ``repeats``), and one walk alone; per rows (1, 32): (mean ms without, mean ms
-    with, mean path tokens, us per path token of a walk)."""
+    (interleaved per step; each step once, as served: a walk happens on the steps it is due), and one walk
+    alone; per rows (1, 32): (mean ms without, mean ms with, mean path tokens, us per path token of a walk)."""
     from transformers import AutoTokenizer
 
     from kvserve.engine.closing import closing_path
@@ -147,10 +147,11 @@ def _closing_body(figures: dict[int, tuple[float, float, float, float]]) -> str:
         lines.append(f"| {rows} | {without:.3f} | {with_budget:.3f} | {with_budget / without:.2f}x |")
     path, per_token = figures[1][2], figures[1][3]
     return ("\n".join(lines) + f"\n\nMid-sized schema (the loads' `MID_SCHEMA`, at least 20 items: a long path), "
-            f"each step of one order's trajectory (mean over steps of the best of 5, both variants interleaved per "
-            f"step); a far budget walks the path every {RECHECK_EVERY} tokens. One walk costs {per_token:.1f} us "
-            f"per path token ({path:.0f} tokens on average here, {path * per_token / 1000:.2f} ms); near the "
-            f"budget (tokens left within twice the path) it is walked every step, capped at the tokens left. It "
+            f"each step of one order's trajectory once (mean over steps, both variants interleaved per step); "
+            f"a far budget walks the path every {RECHECK_EVERY} tokens, all rows on the first step. One walk "
+            f"costs {per_token:.1f} us "
+            f"per path token ({path:.0f} tokens on average here, {path * per_token / 1000:.2f} ms); nearer the "
+            f"budget it is walked after a quarter of the gap to the point of forcing, capped at the tokens left. It "
             f"runs on the mask thread, during the forward pass.\n")
 
 
