@@ -17,8 +17,12 @@ A grammar says what may come next, not when to stop; a small model given ``"popu
    D + ``CLOSING_SLACK``, the mask allows only the path's next token, so the reply closes and ends with EOS:
    finish_reason ``stop``. If even the path does not fit, nothing is forced and the reply ends ``length``.
    The slack is room for one sampled token that lengthens the path (a new key, an opened array item). The walk
-   costs a few microseconds per path token (llguidance's forced-token and try-consume calls, then a rollback);
-   figures in BENCHMARKS.md, "Closing within the budget".
+   costs microseconds per path token (llguidance's forced-token and try-consume calls, then a rollback) and is
+   capped at the tokens left. It is walked again after a quarter of the gap between the tokens left and the
+   point of forcing (path + slack), at most ``RECHECK_EVERY`` tokens, and every step in the last few tokens
+   before it: the path would have to grow by a quarter of that gap in between to be missed. A path that did
+   not fit is not walked again (it shrinks by at most one token per token, as the tokens left do). Figures in
+   BENCHMARKS.md, "closing within the budget".
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ import numpy as np
 MAX_MANTISSA_DIGITS = 20   # digits of a JSON number before its exponent
 MAX_EXPONENT_DIGITS = 3    # digits of its exponent
 CLOSING_SLACK = 4          # tokens of room left when the closing path is forced (see the module docstring)
+RECHECK_EVERY = 64         # most tokens between two walks (while the budget is far)
+MAX_RUN = 4                # a closing token taken this often in a row inside a string is not taken again there
 
 
 class Part(IntEnum):
@@ -85,8 +91,8 @@ def advance(state: LexState, data: bytes) -> LexState:
 
 
 # the closing tokens tried, by where the text ends; in order of preference (a closing bracket before a comma)
-_CANDIDATES = {Part.STRING: ['"', "a", " ", "0"], Part.ESCAPE: ["n", '"', "u"],
-               Part.MANTISSA: ["}", "]", ",", "0"], Part.EXPONENT: ["}", "]", ",", "0"],
+_CANDIDATES = {Part.STRING: ['"', "a", "0", "@", ".", "-", ":", " "], Part.ESCAPE: ["n", '"', "u"],
+               Part.MANTISSA: ["}", "]", ",", "1", ".", "0"], Part.EXPONENT: ["}", "]", ",", "0"],
                Part.OUTSIDE: ["}", "]", "0", '"', "null", ",", " 0", ' "', " null", " ", "[", "{"]}
 
 
@@ -161,13 +167,21 @@ def closing_path(matcher: llguidance.LLMatcher, state: LexState | None, table: T
         limit: the most tokens the path may have (the tokens left).
     """
     path: list[int] = []
+    # a string whose format or pattern refuses the closing quote (an email, a date) takes any character the
+    # grammar allows, but one repeated without end would never close: after MAX_RUN in a row it is left out
+    run, left_out = 0, set()
     try:
         while len(path) < limit:
             if matcher.is_accepting():
                 return path + [table.eos_id]
             if matcher.is_error():
                 return None
-            step = matcher.compute_ff_tokens()[:limit - 1 - len(path)] or _one_closing_token(matcher, state, table)
+            step = matcher.compute_ff_tokens()[:limit - 1 - len(path)]
+            if not step:
+                step = _one_closing_token(matcher, state, table, left_out)
+                run = run + 1 if step and path and step[0] == path[-1] else 1
+                if run >= MAX_RUN and state is not None and state[0] is Part.STRING:
+                    left_out.add(step[0])
             taken = matcher.try_consume_tokens(step) if step else 0
             if taken == 0:
                 return None
@@ -175,18 +189,25 @@ def closing_path(matcher: llguidance.LLMatcher, state: LexState | None, table: T
                 path.append(token)
                 if state is not None:
                     state = advance(state, table.token_bytes[token])
+            if state is not None and state[0] is not Part.STRING:
+                left_out.clear()
         return None
     finally:
         if path:
             matcher.rollback(len(path))
 
 
-def _one_closing_token(matcher: llguidance.LLMatcher, state: LexState | None, table: TokenTable) -> list[int]:
+def _one_closing_token(matcher: llguidance.LLMatcher, state: LexState | None, table: TokenTable,
+                       left_out: set[int]) -> list[int]:
     part = Part.OUTSIDE if state is None else state[0]
     for token in table.candidates[part]:
-        if matcher.validate_tokens([token]) == 1:
+        if token not in left_out and matcher.validate_tokens([token]) == 1:
             return [token]
-    allowed = np.flatnonzero(np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
-                                           bitorder="little")[:table.vocab_size])
-    allowed = allowed[allowed != table.eos_id]
-    return [int(allowed[0])] if allowed.size else []
+    words = np.frombuffer(matcher.compute_bitmask(), dtype="<u4").copy()  # [words], llguidance's layout
+    for token in (table.eos_id, *left_out):
+        words[token // 32] &= ~np.uint32(1 << (token % 32))
+    nonzero = np.flatnonzero(words)
+    if not nonzero.size:
+        return []
+    word = int(words[nonzero[0]])
+    return [int(nonzero[0]) * 32 + (word & -word).bit_length() - 1]  # its lowest set bit

@@ -28,7 +28,8 @@ import llguidance.hf
 import numpy as np
 import torch
 
-from kvserve.engine.closing import CLOSING_SLACK, START, LexState, TokenTable, advance, closing_path, only
+from kvserve.engine.closing import (CLOSING_SLACK, RECHECK_EVERY, START, LexState, TokenTable, advance,
+                                    closing_path, only)
 
 # Work bounds for one grammar (llguidance's units); a schema past them is refused, never served slowly.
 _LIMITS = dict(max_grammar_size=200_000,     # symbols in the grammar's productions
@@ -87,7 +88,7 @@ class Grammar:
 class Constraint:
     """One sequence's matcher. Opaque to the scheduler; only the engine calls its methods."""
 
-    __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed", "table", "budget", "lex")
+    __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed", "table", "budget", "lex", "path_len", "walked_at")
 
     def __init__(self, matcher: llguidance.LLMatcher, grammar: Grammar, budget: int | None = None) -> None:
         self.matcher = matcher
@@ -98,6 +99,8 @@ class Constraint:
         self.consumed: list[int] = []   # tokens the matcher has taken, in order
         # a JSON grammar's lexical state before the first token and after each consumed one (engine.closing)
         self.lex: list[LexState] | None = [START] if grammar.is_json else None
+        self.path_len: int | None = None  # the closing path's length at the last walk; None: not walked
+        self.walked_at = 0                # tokens consumed at the last walk
 
     def allowed_now(self, bits: np.ndarray) -> None:
         """Narrow this sequence's allowed tokens ``bits`` (``[words]`` uint32, in place) by the bounds on JSON
@@ -111,9 +114,20 @@ class Constraint:
         if self.budget is None:
             return
         left = self.budget - len(self.consumed)
+        if self.path_len is not None and not self._walk_due(left):
+            return
         path = closing_path(self.matcher, state, self.table, left)
+        self.path_len, self.walked_at = (len(path) if path is not None else left + 1), len(self.consumed)
         if path is not None and left <= len(path) + CLOSING_SLACK:
             bits[:] = only(path[0], bits.size)
+
+    def _walk_due(self, left: int) -> bool:
+        """Whether the closing path must be walked again now (engine.closing: when it is walked)."""
+        if self.path_len > left:  # it did not fit, and a path shrinks by at most a token per token: it never will
+            return False
+        # a quarter of the way to where the path would be forced, at most RECHECK_EVERY tokens: every step near it
+        gap = left - self.path_len - CLOSING_SLACK
+        return len(self.consumed) - self.walked_at >= max(1, min(RECHECK_EVERY, gap // 4))
 
     def sync(self, output_ids: list[int]) -> None:
         """Bring the matcher to the state after ``output_ids``: roll back tokens no longer there (preemption,
@@ -128,6 +142,7 @@ class Constraint:
                 self.matcher.reset()
                 common = 0
             del self.consumed[common:]
+            self.path_len = None  # walk again from the state rolled back to
             if self.lex is not None:
                 del self.lex[common + 1:]
         for token in output_ids[common:]:

@@ -269,12 +269,31 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
 
     The runner calls this once, when it is built: the only place the switch is read.
     """
-    reason = "KVSERVE_FASTPATH=0" if os.environ.get("KVSERVE_FASTPATH", "1") == "0" else unsupported_reason(model)
+    if os.environ.get("KVSERVE_FASTPATH", "1") == "0":
+        log.info("engine: transformers forward (KVSERVE_FASTPATH=0 turns the lean forward off; unset it to use it)")
+        return None
+    reason = unsupported_reason(model)
     if reason is not None:
-        log.info("engine: transformers forward (%s)", reason)
+        log.info("engine: transformers forward: the lean forward does not take this model (%s)", reason)
         return None
     decoder = FastDecoder(model)
     with_kernels = any(p.kernel is not None for p in decoder.all_projections())
-    log.info("engine: lean Llama-family forward (fused q/k/v; %s)",
-             "C++ kernels for decode-sized projections" if with_kernels else "torch's ops: the C++ kernels are off")
+    log.info("engine: lean Llama-family forward (fused q/k/v; KVSERVE_FASTPATH=0 turns it off); %s",
+             f"C++ kernels ({kernels.isa()}) for decode-sized projections" if with_kernels
+             else f"torch's ops for the projections: the C++ kernels are off because {kernels_off_reason(model)}")
     return decoder
+
+
+def kernels_off_reason(model: nn.Module) -> str:
+    """Why no projection of ``model`` runs a C++ kernel, and what would turn them on (for the start log)."""
+    weight = model.get_input_embeddings().weight
+    if weight.device.type != "cpu":
+        return f"the model runs on {weight.device.type} (the kernels are CPU code; --device cpu runs them)"
+    if kernels.load(build=False) is None:
+        if os.environ.get("KVSERVE_QUANT_KERNELS", "1") == "0":
+            return "KVSERVE_QUANT_KERNELS=0 turns them off (unset it to use them)"
+        return "they could not be built (the warning above says why; `python -m kvserve.kernels --build` retries)"
+    if weight.dtype is not torch.float32:
+        return (f"the weights are {str(weight.dtype).removeprefix('torch.')} (the kernels take float32 or quantized "
+                "weights: --dtype float32 or --quantization int8/int4/nf4)")
+    return "no projection is an nn.Linear or a quantized layer they know"

@@ -147,11 +147,19 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
             raise ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
         return model_card
 
+    async def pooling_not_served(request: Request):
+        raise ApiError(400, f"{request.url.path} is not served: {state.model_name} is a generative model (it "
+                            "gives next-token logits, not pooled embeddings or scores); use /v1/chat/completions, "
+                            "/v1/completions or /v1/responses", param="model", code="model_not_supported")
+
+    for path in POOLING_PATHS:  # vLLM's pooling endpoints: named, never a bare 404
+        app.add_api_route(path, pooling_not_served, methods=["POST"], dependencies=v1, include_in_schema=False)
+
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
         if body.messages is not None:
             chars = sum(len(message.text) for message in body.messages)
-            ids = await _tokenizing(chars, chat_prompt_ids, state, body.messages)
+            ids = await _tokenizing(chars, chat_prompt_ids, state, body.messages, body, body.add_generation_prompt)
         else:
             ids = await _tokenizing(len(body.prompt), text_prompt_ids, state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
@@ -180,6 +188,9 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         livepage.register(app, state, v1)
     return app
 
+
+# the endpoints of embedding, scoring and classifying models (vLLM's), which a generative model does not serve
+POOLING_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank")
 
 # Prompts longer than this (characters) are tokenized on a worker thread: megabytes take seconds to tokenize, and
 # on the event loop that would stall every other stream (the tokenizer releases the GIL while it works).

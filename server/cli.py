@@ -1,4 +1,4 @@
-"""The ``kvserve`` command: ``serve``, ``plan`` and ``quant report``.
+"""The ``kvserve`` command: ``serve``, ``model-path``, ``plan`` and ``quant report``.
 
 Each subcommand's module owns its flags (``add_arguments``) and its work (``run``); this file only
 dispatches, and imports each module lazily so ``kvserve plan`` starts without loading a model.
@@ -13,6 +13,8 @@ import sys
 # subcommand path -> (module, help)
 _COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("kvserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
+    ("model-path",): ("kvserve.server.model_path", "print the served model's directory (its tokenizer, for clients "
+                                                   "that tokenize locally: guidellm --processor)"),
     ("plan",): ("kvserve.planner.capacity", "capacity planner: how much context, for how many users"),
     ("quant", "report"): ("kvserve.server.quant_report", "quantization quality report (error, perplexity, agreement)"),
 }

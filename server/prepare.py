@@ -43,9 +43,10 @@ def _check_text(text: str, param: str) -> None:
                        param=param) from exc
 
 
-def chat_prompt_ids(state: ServerState, messages: list, request: ChatCompletionRequest | None = None) -> list[int]:
-    """Token ids of chat messages through the model's chat template, ready for the assistant's turn (with the
-    request's tools, see server.tools)."""
+def chat_prompt_ids(state: ServerState, messages: list, request=None, add_generation_prompt: bool = True) -> list[int]:
+    """Token ids of chat messages through the model's chat template, ready for the assistant's turn unless
+    ``add_generation_prompt`` is False, with the tools of ``request`` (a chat or a tokenize request, see
+    server.tools). /tokenize and generation both render through here, so they count the same tokens."""
     for index, message in enumerate(messages):
         _check_text(message.text, f"messages.{index}.content")
     if state.tokenizer.chat_template is None:  # a base model: only plain-text completions make sense
@@ -53,7 +54,8 @@ def chat_prompt_ids(state: ServerState, messages: list, request: ChatCompletionR
                        param="messages")
     turns, tool_defs = tools.template_inputs(messages, request, state.tokenizer.chat_template)
     try:
-        text = state.tokenizer.apply_chat_template(turns, tools=tool_defs, add_generation_prompt=True, tokenize=False)
+        text = state.tokenizer.apply_chat_template(turns, tools=tool_defs, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False)
     except TemplateError as exc:  # the template's own refusal, e.g. roles that do not alternate
         raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
     return state.tokenizer(text, add_special_tokens=False)["input_ids"]

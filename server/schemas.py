@@ -363,7 +363,11 @@ class TokenizeRequest(_NullMeansDefault):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
-    add_special_tokens: bool = True
+    add_special_tokens: bool = True  # a text prompt's; chat messages render as generation renders them
+    # chat: what generation renders too (vLLM's tokenize fields), so the count is the request's prompt tokens
+    add_generation_prompt: bool = True
+    tools: list | None = None
+    tool_choice: str | dict | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

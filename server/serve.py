@@ -148,11 +148,35 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     choice = weights.choose(config.quantization, config.model)
     loaded = load_model(config.model, config.dtype, config.device,
                         quantized=choice.scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
-    log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
+    log.info("model %s loaded: %s on %s (%s)", loaded.name, loaded.dtype, loaded.device,
+             dtype_reason(config, loaded, choice.scheme))
+    log.info("tokenizer: %s (for clients that tokenize locally, e.g. guidellm --processor; `kvserve model-path` "
+             "prints it)", loaded.tokenizer.name_or_path)
     described = weights.apply(loaded, choice.scheme, config.model, loaded.tokenizer)
     log.info("weights: %s (%s; %s)", described, choice.reason, weights.FULL_PRECISION_HINT)
     draft = load_draft(config, loaded) if config.speculative is Drafter.DRAFT else None
     return ServerState(loaded, config, executor, draft)
+
+
+def dtype_reason(config: ServeConfig, loaded, scheme: Scheme) -> str:
+    """Why the model runs in its dtype, and which flag changes it (for the start log); ``scheme``: the weights
+    actually served (``--quantization auto`` resolved)."""
+    import torch
+
+    from kvserve.engine.options import DType
+
+    if config.dtype is not DType.AUTO:
+        return f"--dtype {config.dtype.value}"
+    other = "float32" if loaded.dtype is torch.bfloat16 else "bfloat16"
+    if loaded.device.type != "cpu":
+        why = f"bfloat16 on {loaded.device.type}"
+    elif scheme is not Scheme.NONE:
+        why = "float32 activations for quantized weights on a CPU (the kernels take float32 rows)"
+    elif loaded.dtype is torch.bfloat16:
+        why = "this CPU has native bfloat16 matmul (AVX-512 BF16 or AMX)"
+    else:
+        why = "this CPU has no native bfloat16 matmul, so float32 is faster"
+    return f"--dtype auto: {why}; --dtype {other} changes it"
 
 
 def load_draft(config: ServeConfig, served):
