@@ -106,14 +106,25 @@ def convert_gguf(gguf: Path, out_dir: Path) -> Path:
     return target
 
 
+def gguf_file(model: str | None) -> Path | None:
+    """The GGUF file ``--model`` names: the embedded one for None/"smollm2", a ``*.gguf`` path, else None."""
+    if model in (None, DEFAULT_MODEL):
+        return default_gguf_path()
+    return Path(model) if model.endswith(".gguf") else None
+
+
 def resolve_model_dir(model: str | None) -> Path:
-    """``None``/"smollm2" -> the converted embedded model; otherwise a local HF model directory.
+    """``None``/"smollm2" -> the converted embedded model; a ``*.gguf`` file -> that file converted; otherwise a
+    local HF model directory.
 
     Raises:
-        FileNotFoundError: the directory does not exist or has no config.json.
+        FileNotFoundError: the GGUF file or the directory does not exist, or the directory has no config.json.
     """
-    if model in (None, DEFAULT_MODEL):
-        return convert_gguf(default_gguf_path(), cache_dir())
+    gguf = gguf_file(model)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise FileNotFoundError(f"--model {model!r}: no such GGUF file")
+        return convert_gguf(gguf, cache_dir())
     path = Path(model)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--model {model!r} is not a Hugging Face model directory (no config.json); "
@@ -200,7 +211,7 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
     """Load a model for serving.
 
     Args:
-        model: None for the embedded SmolLM2, or a local HF model directory.
+        model: None for the embedded SmolLM2, a local GGUF file, or a local HF model directory.
         dtype: weight and activation dtype.
         device: where to run.
         quantized: the weights will be quantized next (``resolve_dtype``'s auto then keeps float32 on a CPU).
@@ -229,7 +240,7 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
         kernels.load()
         kernels.load_ops()
     tokenizer = AutoTokenizer.from_pretrained(path)
-    name = SERVED_NAME if model in (None, DEFAULT_MODEL) else Path(model).name
+    name = SERVED_NAME if model in (None, DEFAULT_MODEL) else Path(model).name.removesuffix(".gguf")
     return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=torch_device, dtype=torch_dtype)
 
 

@@ -71,14 +71,18 @@ class QuantLinear(nn.Module):
         super().__init__()
         if spec.scheme is not self.scheme:
             raise ValueError(f"{type(self).__name__} takes {self.scheme.value} specs, got {spec.label}")
-        self.in_features = linear.in_features
-        self.out_features = linear.out_features
         self.spec = spec
-        self.group_size = spec.group_for(linear.in_features)
+        self._init_shape(linear.in_features, linear.out_features, spec.group_for(linear.in_features), linear.bias)
+
+    def _init_shape(self, in_features: int, out_features: int, group_size: int, bias: torch.Tensor | None) -> None:
+        """The attributes every layer has (the codes and scales are the subclass's)."""
+        self.in_features = in_features
+        self.out_features = out_features
+        self.group_size = group_size
         self.layout = self._layout_for_shape()  # fixed here: concat_outputs keeps it for the stacked codes
         self.use_kernel = True
         self.act_block = self.kernel_act_block
-        self.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def dequantize(self) -> torch.Tensor:
         """``W_hat`` as float32 ``[out, in]``."""
@@ -140,7 +144,11 @@ class QuantLinear(nn.Module):
         if self.act_block is not None:
             x = quantize_activations(x, self.act_block, self.act_qmax)
         bias = None if self.bias is None else self.bias.to(x.dtype)
-        return F.linear(x, self.dequantize().to(x.dtype), bias)
+        return F.linear(x, self._reference_weight(x.dtype), bias)
+
+    def _reference_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        """``W_hat`` ``[out, in]`` in ``dtype`` for the reference path (dequantized per call unless overridden)."""
+        return self.dequantize().to(dtype)
 
     @property
     def weight_bytes(self) -> int:
@@ -170,6 +178,15 @@ class QuantLinear(nn.Module):
             self.set_extra_state(extra)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
+
+    def _stack_rows(self, layers: list[QuantLinear]) -> None:
+        """Set this (fused) layer's codes and scales to ``layers``' rows stacked; theirs become views of them."""
+        self.weight = torch.cat([m.weight for m in layers])  # [sum(out), in] or [sum(out), in // 2]
+        self.scales = torch.cat([m.scales for m in layers], dim=-1)  # [sum(out)] or [groups, sum(out)]
+        start = 0
+        for m in layers:
+            m.weight = self.weight[start:start + m.out_features]
+            start += m.out_features
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.spec.label} (group {self.group_size})"
@@ -335,19 +352,15 @@ def concat_outputs(layers: list[QuantLinear]) -> QuantLinear:
         ValueError: mixed classes, input sizes, group sizes or layouts.
     """
     first = layers[0]
-    if any(type(m) is not type(first) or m.in_features != first.in_features or m.group_size != first.group_size
-           or m.layout != first.layout for m in layers):
+    # the saved state names the scheme, group size, layout (and a GGUF layer's block format): all must agree
+    if any(type(m) is not type(first) or m.in_features != first.in_features
+           or m.get_extra_state() != first.get_extra_state() for m in layers):
         raise ValueError("concat_outputs needs layers of one scheme, input size, group size and layout")
     fused = copy.copy(first)
     fused._parameters, fused._buffers, fused._modules = dict(first._parameters), dict(first._buffers), {}
     fused.out_features = sum(m.out_features for m in layers)
-    fused.weight = torch.cat([m.weight for m in layers])  # [sum(out), in] or [sum(out), in // 2]
-    fused.scales = torch.cat([m.scales for m in layers], dim=-1)  # [sum(out)] or [groups, sum(out)]
+    fused._stack_rows(layers)
     biases = [m.bias for m in layers if m.bias is not None]
     fused.bias = None if not biases else nn.Parameter(torch.cat(
         [m.bias if m.bias is not None else biases[0].new_zeros(m.out_features) for m in layers]), requires_grad=False)
-    start = 0
-    for m in layers:
-        m.weight = fused.weight[start:start + m.out_features]
-        start += m.out_features
     return fused

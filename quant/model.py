@@ -105,6 +105,9 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
     param = next(model.parameters())
     if scheme is Scheme.NONE:
         return QuantSummary(Scheme.NONE, "none", (), 0, float(param.element_size() * 8), 0, 0)
+    if scheme not in SERVING_SPECS:
+        raise ValueError(f"--quantization {scheme.value} is not a rounding recipe (int8, int4, nf4): "
+                         "engine.weights resolves it")
     spec = spec or SERVING_SPECS[scheme]
     if spec.scheme is not scheme:
         raise ValueError(f"spec {spec.label} is not a {scheme.value} spec")

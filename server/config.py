@@ -26,7 +26,7 @@ class ServeConfig:
     port: int = 8000
     device: Device = Device.AUTO        # auto | cpu | cuda
     dtype: DType = DType.AUTO           # auto | float32 | bfloat16; auto picks bf16 where the CPU has it
-    quantization: Scheme = Scheme.NONE  # none | int8 | int4 | nf4 (weight-only, linear projections)
+    quantization: Scheme = Scheme.AUTO  # auto | none | gguf | int8 | int4 | nf4 (engine.weights: auto picks per model)
     kv_cache_memory: str = "1GiB"       # KV pool budget; blocks = budget // (block_size * bytes/token)
     num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use tiny pools)
     block_size: int = 16                # tokens per KV block
@@ -86,6 +86,8 @@ class ServeConfig:
             raise ValueError("num_speculative_tokens must be in 1..64 (or auto)")
         if self.draft_quantization is not None:
             self.draft_quantization = Scheme(self.draft_quantization)
+            if self.draft_quantization is Scheme.AUTO:
+                raise ValueError("draft_quantization names a scheme (auto is for the served model)")
         if self.speculative is not Drafter.DRAFT:
             if self.draft_model is not None or self.draft_quantization is not None:
                 raise ValueError("--draft-model and --draft-quantization need --speculative draft")

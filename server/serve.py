@@ -23,7 +23,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
     parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype)
-    parser.add_argument("--quantization", choices=["none", "int8", "int4", "nf4"], default=d.quantization)
+    parser.add_argument("--quantization", choices=[q.value for q in Scheme], default=d.quantization.value,
+                        help="the weights computed with: auto (default): a GGUF model's own blocks (the embedded "
+                             "SmolLM2's Q4_1/Q8_0), int8 for a float checkpoint; gguf: the GGUF file's own blocks; "
+                             "none: full precision (bfloat16 where the CPU has it, else float32); int8, int4, nf4: "
+                             "kvserve's own rounding of the float weights")
     parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory, help="KV pool budget, e.g. 1GiB")
     parser.add_argument("--num-kv-blocks", type=int, default=None, help="pool size in blocks (overrides memory)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
@@ -67,7 +71,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default=None, metavar="DIR",
                         help="with --speculative draft: a local HF model directory with the same tokenizer "
                              "(default: the served model's own weights, quantized by --draft-quantization)")
-    parser.add_argument("--draft-quantization", default=None, choices=[q.value for q in Scheme],
+    parser.add_argument("--draft-quantization", default=None, choices=[q.value for q in Scheme if q is not Scheme.AUTO],
                         help="with --speculative draft: the draft's weights (default: int4 for the served model's "
                              "own weights, none for --draft-model); rounded to nearest, no calibration")
     parser.add_argument("--num-speculative-tokens", type=_draft_length, default=None, metavar="N|auto",
@@ -112,17 +116,16 @@ def _host_list(text: str) -> tuple[str, ...]:
 
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):
     """Load and (optionally) quantize the model, then build the ServerState (steps run on ``executor``)."""
+    from kvserve.engine import weights
     from kvserve.engine.loader import load_model
     from kvserve.server.state import ServerState
 
+    choice = weights.choose(config.quantization, config.model)
     loaded = load_model(config.model, config.dtype, config.device,
-                        quantized=config.quantization is not Scheme.NONE, allow_pickle=config.allow_pickle)
+                        quantized=choice.scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
     log.info("model %s loaded: %s on %s", loaded.name, loaded.dtype, loaded.device)
-    if config.quantization is not Scheme.NONE:
-        from kvserve.quant.model import quantize_for_serving
-
-        summary = quantize_for_serving(loaded.model, config.quantization, loaded.tokenizer)
-        log.info("quantized: %s", summary.describe())
+    described = weights.apply(loaded, choice.scheme, config.model, loaded.tokenizer)
+    log.info("weights: %s (%s; %s)", described, choice.reason, weights.FULL_PRECISION_HINT)
     draft = load_draft(config, loaded) if config.speculative is Drafter.DRAFT else None
     return ServerState(loaded, config, executor, draft)
 
@@ -144,10 +147,9 @@ def load_draft(config: ServeConfig, served):
         raise ValueError(f"the draft model {draft.name} has another tokenizer than {served.name}: its drafts would "
                          "be other tokens")
     if scheme is not Scheme.NONE:
-        from kvserve.quant.model import quantize_for_serving
+        from kvserve.engine import weights
 
-        summary = quantize_for_serving(draft.model, scheme)
-        log.info("draft model %s quantized: %s", draft.name, summary.describe())
+        log.info("draft model %s: %s", draft.name, weights.apply(draft, scheme, config.draft_model or config.model))
     return draft
 
 
