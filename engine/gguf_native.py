@@ -1,7 +1,7 @@
 """Serve a GGUF file's own quantized blocks: its projections and LM head become ``GGMLLinear`` layers.
 
 The model skeleton (config, tokenizer, norms) is the one ``engine.loader`` builds from the file; this module then
-reads each projection's tensor with the ``gguf`` package and, where its type is one kvserve computes with
+reads each projection's tensor (engine.gguf_index) and, where its type is one kvserve computes with
 (Q4_1, Q4_0 as Q4_1, Q8_0), installs the file's bytes as they are. A tensor of any other type keeps the loaded
 float weights (the file's own dequantization), and the log says so per type.
 
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from kvserve.engine.gguf_index import read_index
 from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear, q4_0_as_q4_1
 from kvserve.quant.linear import Layout
 from kvserve.quant.model import projection_names
@@ -61,12 +62,6 @@ class NativeSummary:
                 f"{self.bytes_after / 2**20:.1f} MiB{kept}")
 
 
-def gguf_architecture(reader) -> str:
-    """``general.architecture`` of an open ``gguf.GGUFReader``, e.g. "llama"."""
-    field = reader.fields["general.architecture"]
-    return bytes(field.parts[field.data[0]]).decode()
-
-
 def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
     """Row order that undoes llama.cpp's Q/K permutation: ``hf[i] = gguf[order[i]]``, int64 ``[rows]``.
 
@@ -90,11 +85,11 @@ def tensor_blocks(tensor) -> tuple[torch.Tensor, GGMLKind] | None:
     return blocks, kind
 
 
-def gguf_name_map(reader, num_layers: int):
-    """gguf's map from transformers module names to the file's tensor names, for the file's architecture."""
+def gguf_name_map(architecture: str, num_layers: int):
+    """gguf's map from transformers module names to a file's tensor names, for its architecture (e.g. "llama")."""
     import gguf
 
-    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[gguf_architecture(reader)]
+    arch = {name: arch for arch, name in gguf.MODEL_ARCH_NAMES.items()}[architecture]
     return gguf.get_tensor_name_map(arch, num_layers)
 
 
@@ -111,13 +106,11 @@ def use_gguf_blocks(model: nn.Module, path: Path) -> NativeSummary:
     Raises:
         ValueError: the file has no tensor for a projection, or a tensor of another shape than the layer's.
     """
-    import gguf
-
-    reader = gguf.GGUFReader(path)
+    index = read_index(path)
     config = model.config
-    names = gguf_name_map(reader, config.num_hidden_layers)
-    tensors = {t.name.removesuffix(".weight"): t for t in reader.tensors}
-    permuted = gguf_architecture(reader) in PERMUTED_ARCHITECTURES
+    names = gguf_name_map(index.architecture, config.num_hidden_layers)
+    tensors = {name.removesuffix(".weight"): t for name, t in index.tensors.items()}
+    permuted = index.architecture in PERMUTED_ARCHITECTURES
     heads = {"q_proj": config.num_attention_heads,
              "k_proj": getattr(config, "num_key_value_heads", None) or config.num_attention_heads}
     kinds, kept, total = Counter(), Counter(), 0

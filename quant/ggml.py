@@ -103,8 +103,8 @@ class GGMLLinear(QuantLinear):
 
     The kernel (``ggml_linear``) quantizes the activations to int8 per block of 32, as llama.cpp does for these
     formats; the reference applies the same ``quantize_activations(x, 32, 127)`` before ``F.linear`` on the
-    dequantized weights, which it keeps once computed (float32, four to seven times the blocks' bytes) since
-    dequantizing per call would cost more than the product.
+    dequantized weights, which it keeps (float32, four to seven times the blocks' bytes: made at load where there
+    is no kernel, else at the first reference call) since dequantizing per call would cost more than the product.
 
     Raises:
         ValueError: a row that is not whole blocks.
@@ -121,7 +121,8 @@ class GGMLLinear(QuantLinear):
         self._init_shape(width // kind.block_bytes * BLOCK, rows, BLOCK, bias)
         blocks = blocks.to(torch.uint8).contiguous()
         self.register_buffer("weight", self._packed(blocks))
-        self._reference_cache: torch.Tensor | None = None
+        # without the kernel every call runs the reference: dequantize now, at load, not inside a request
+        self._reference_cache = None if self.has_kernel else self.dequantize()
 
     def _layout_for_shape(self) -> Layout:
         return Layout.PANELS if self.has_kernel else Layout.ROWS
@@ -164,12 +165,15 @@ class GGMLLinear(QuantLinear):
     def _stack_rows(self, layers: list[QuantLinear]) -> None:
         raw = torch.cat([m.blocks() for m in layers])  # [sum(out), bytes]: blocks run along `in`, rows stack
         self.weight = self._packed(raw)
-        self._reference_cache = None
+        caches = [m._reference_cache for m in layers]
+        self._reference_cache = None if any(c is None for c in caches) else torch.cat(caches)  # [sum(out), in]
         start = 0
         for m in layers:  # share the storage where the kernel's order keeps each layer's rows apart
             rows = self.weight[start:start + m.out_features]
             if rows.shape == m.weight.shape and torch.equal(rows, m.weight):
                 m.weight = rows
+            if self._reference_cache is not None:
+                m._reference_cache = self._reference_cache[start:start + m.out_features]
             start += m.out_features
 
     @property
