@@ -17,6 +17,19 @@ def smollm2():
 
 
 @pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The embedded SmolLM2 as ``kvserve serve`` serves it by default: the GGUF's own Q4_1/Q8_0 blocks, float32
+    activations, on CPU. Never mutate it."""
+    from kvserve.engine import weights
+    from kvserve.engine.loader import Device, DType, load_model
+    from kvserve.quant.options import Scheme
+
+    loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True)
+    weights.apply(loaded, Scheme.GGUF, None)
+    return loaded
+
+
+@pytest.fixture(scope="session")
 def server_url(smollm2):
     """Base URL of a live server on SmolLM2 with the default configuration (256 MiB KV pool)."""
     with running_server(smollm2, ServeConfig(kv_cache_memory="256MiB")) as url:

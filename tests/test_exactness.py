@@ -24,42 +24,49 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(smollm2):
-    return [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
+# every weight format `kvserve serve` picks by default: full precision, and the GGUF's own blocks (--quantization
+# auto for the embedded model)
+@pytest.fixture(scope="module", params=["float32", "gguf"])
+def served(request):
+    return request.getfixturevalue({"float32": "smollm2", "gguf": "smollm2_gguf"}[request.param])
 
 
 @pytest.fixture(scope="module")
-def references(smollm2, prompt_ids):
-    return greedy_references(smollm2, prompt_ids, 64)
+def prompt_ids(served):
+    return [served.tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
-def test_each_prompt_alone_matches_generate(smollm2, prompt_ids, references):
+@pytest.fixture(scope="module")
+def references(served, prompt_ids):
+    return greedy_references(served, prompt_ids, 64)
+
+
+def test_each_prompt_alone_matches_generate(served, prompt_ids, references):
     for ids, ref in zip(prompt_ids, references):
-        ours, _ = engine_greedy(smollm2, [ids], 64)
+        ours, _ = engine_greedy(served, [ids], 64)
         assert ours[0] == ref
 
 
-def test_batched_with_others_admitted_at_different_steps(smollm2, prompt_ids, references):
-    tok = smollm2.tokenizer
+def test_batched_with_others_admitted_at_different_steps(served, prompt_ids, references):
+    tok = served.tokenizer
     others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 5 + 1))["input_ids"] for i in range(15)]
     batch = prompt_ids + others
     arrivals = [0, 3, 0, 7, 1, 12, 5, 2] + [i % 9 for i in range(15)]
-    ours, _ = engine_greedy(smollm2, batch, 64, arrivals_at=arrivals, budget=64)
+    ours, _ = engine_greedy(served, batch, 64, arrivals_at=arrivals, budget=64)
     assert ours[:len(prompt_ids)] == references
 
 
-def test_chunked_prefill_and_preemption_keep_tokens(smollm2, prompt_ids, references):
+def test_chunked_prefill_and_preemption_keep_tokens(served, prompt_ids, references):
     # 8 sequences of ~80 tokens in a 24-block pool of 16 tokens: preemption must happen; 16-token chunks.
-    ours, scheduler = engine_greedy(smollm2, prompt_ids, 64, num_blocks=24, budget=16, max_num_seqs=8)
+    ours, scheduler = engine_greedy(served, prompt_ids, 64, num_blocks=24, budget=16, max_num_seqs=8)
     assert scheduler.num_preemptions > 0
     assert ours == references
     assert scheduler.blocks.num_free_blocks == 24
 
 
-def test_prefix_cache_hit_gives_same_tokens(smollm2, prompt_ids, references):
+def test_prefix_cache_hit_gives_same_tokens(served, prompt_ids, references):
     shared = prompt_ids[7]  # 47 tokens: two full blocks of 16 to share
-    ours, scheduler = engine_greedy(smollm2, [shared, shared], 64, arrivals_at=[0, 70])
+    ours, scheduler = engine_greedy(served, [shared, shared], 64, arrivals_at=[0, 70])
     assert scheduler.prefix_hits == 32
     assert ours == [references[7], references[7]]
 
