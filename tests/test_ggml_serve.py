@@ -260,3 +260,35 @@ def test_quant_report_row_of_the_files_own_blocks_has_zero_weight_error(smollm2)
         assert row["bits_per_weight"] == 5.0  # Q4_1: 20 bytes per 32 weights
     assert all("GGMLLinear" in names and "GGMLEmbedding" in names for names in measured)
     assert not any(isinstance(m, GGMLLinear) for m in smollm2.model.modules())  # measured on copies
+
+
+def test_a_float_checkpoints_calibrated_codes_are_cached_so_only_the_first_start_calibrates(smollm2, tmp_path,
+                                                                                          monkeypatch, caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvserve.engine.loader import Device, DType, load_model
+    from kvserve.quant import gptq
+
+    config = LlamaConfig(vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "tiny"
+    LlamaForCausalLM(config).save_pretrained(checkpoint)
+    smollm2.tokenizer.save_pretrained(checkpoint)
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gptq, "CALIBRATION_NEW_TOKENS", 8)
+    choice = weights.choose(Scheme.AUTO, str(checkpoint))
+    first = load_model(str(checkpoint), DType.FLOAT32, Device.CPU, quantized=True)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        assert "int8/row+gptq" in weights.apply(first, choice.scheme, str(checkpoint), first.tokenizer)
+    assert any("calibrated in" in r.getMessage() and "later starts skip" in r.getMessage() for r in caplog.records)
+    assert len(list((tmp_path / "cache" / "codes").glob("tiny-*-int8-gptq-*.safetensors"))) == 1
+    monkeypatch.setattr(gptq, "calibration_batch", lambda *a: pytest.fail("calibrated again"))
+    again = load_model(str(checkpoint), DType.FLOAT32, Device.CPU, quantized=True)
+    assert "int8/row+gptq" in weights.apply(again, choice.scheme, str(checkpoint), again.tokenizer)
+    layer, cached = first.model.model.layers[1].mlp.down_proj, again.model.model.layers[1].mlp.down_proj
+    assert torch.equal(layer.weight, cached.weight) and torch.equal(layer.scales, cached.scales)
+    rounded = load_model(str(checkpoint), DType.FLOAT32, Device.CPU, quantized=True)
+    weights.apply(rounded, Scheme.INT8, str(checkpoint))  # no tokenizer: rounded to nearest, other codes
+    assert not torch.equal(rounded.model.model.layers[1].mlp.down_proj.weight, layer.weight)
