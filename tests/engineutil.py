@@ -35,6 +35,23 @@ def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt_ids):].tolist()
 
 
+# Where activations are quantized (the GGUF's own blocks: int8 per block of 32), a last-bit difference between two
+# float paths (the C++ RMSNorm and attention against transformers' modules) can move one activation code and so
+# flip a near-tie: there, "the same model" means every token the engine picks is one the reference scores within
+# this many logits of its own best, given the same prefix.
+NEAR_TIE_LOGITS = 0.5
+
+
+@torch.inference_mode()
+def reference_shortfall(ref, prompt_ids: list[int], tokens: list[int]) -> float:
+    """The largest gap (logits) between the reference's best token and ``tokens``' own, teacher-forced on them
+    (0 where every token is the reference's greedy choice)."""
+    ids = torch.tensor([prompt_ids + tokens[:-1]], device=ref.device)
+    logits = ref(input_ids=ids).logits[0, len(prompt_ids) - 1:].float()  # [len(tokens), vocab]
+    chosen = logits.gather(1, torch.tensor(tokens, device=ref.device)[:, None])[:, 0]
+    return float((logits.amax(dim=-1) - chosen).max())
+
+
 def greedy_references(loaded, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:
     """transformers' greedy continuation of each prompt (``reference_greedy`` on a copy of the model)."""
     ref = reference_model(loaded.model)

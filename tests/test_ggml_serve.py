@@ -22,7 +22,7 @@ from kvserve.quant.linear import Layout, concat_outputs
 from kvserve.quant.options import Scheme
 from kvserve.quant.schemes import quantize_activations
 from kvserve.server.config import ServeConfig
-from tests.engineutil import engine_greedy, reference_greedy, reference_model
+from tests.engineutil import NEAR_TIE_LOGITS, engine_greedy, reference_model, reference_shortfall
 
 Q = gguf.GGMLQuantizationType
 needs_ggml_kernels = pytest.mark.skipif(native_ops() is None, reason="ggml kernels not built")
@@ -121,6 +121,9 @@ def test_saved_state_names_the_block_format():
     fresh = GGMLLinear(torch.zeros_like(layer.blocks()), GGMLKind.Q4_1)
     fresh.load_state_dict(state)
     assert torch.equal(fresh.blocks(), layer.blocks())
+    x = torch.randn(2, 64)
+    fresh.use_kernel = layer.use_kernel = False
+    assert torch.equal(fresh(x), layer(x))  # the reference computes with the loaded blocks, not the zeros
     other = GGMLLinear(blocks_of(torch.randn(32, 64), Q.Q8_0), GGMLKind.Q8_0)
     with pytest.raises(ValueError, match="q4_1 blocks"):
         other.set_extra_state(state["_extra_state"])
@@ -201,16 +204,18 @@ def test_start_log_says_what_was_picked_why_and_how_to_get_full_precision(smollm
     assert isinstance(state.loaded.model.lm_head, GGMLLinear)
 
 
-def test_served_greedy_output_equals_the_layers_reference_path(smollm2_gguf):
+def test_served_greedy_output_is_the_layers_reference_path_up_to_near_ties(smollm2_gguf):
     prompts = [smollm2_gguf.tokenizer(p)["input_ids"] for p in ("The capital of France is", "def add(a, b):")]
     ref = reference_model(smollm2_gguf.model)
     for module in ref.modules():
         if isinstance(module, GGMLLinear):
             module.use_kernel = False
-    expected = [reference_greedy(ref, ids, 24) for ids in prompts]
     ours, _ = engine_greedy(smollm2_gguf, prompts, 24)
-    assert ours == expected
-    assert smollm2_gguf.tokenizer.decode(expected[0]).strip().startswith("Paris")
+    assert smollm2_gguf.tokenizer.decode(ours[0]).strip().startswith("Paris")
+    for ids, tokens in zip(prompts, ours):
+        assert reference_shortfall(ref, ids, tokens) <= NEAR_TIE_LOGITS
+    # and a token the model would not pick is far outside it
+    assert reference_shortfall(ref, prompts[0], [ours[0][0] + 1] + ours[0][1:]) > NEAR_TIE_LOGITS
 
 
 @needs_ggml_kernels
