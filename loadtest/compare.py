@@ -122,11 +122,12 @@ def step_cost(before: dict[tuple[int, int], float] | None, after: dict[tuple[int
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The ``--model``/``--device``/``--dtype``/``--quantization`` flags the servers get (only those given)."""
+    """The ``--model``/``--device``/``--dtype`` flags the servers get (only those given), and ``--quantization``
+    always: this comparison's default, none, is not the server's (auto)."""
     flags = ["--model", args.model] if args.model else []
     flags += ["--device", args.device] if args.device != "auto" else []
     flags += ["--dtype", args.dtype] if args.dtype != "auto" else []
-    return flags + (["--quantization", args.quantization] if args.quantization != "none" else [])
+    return flags + ["--quantization", args.quantization]
 
 
 def section_and_title(device: str, quantization: str) -> tuple[str, str]:

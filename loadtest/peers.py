@@ -38,7 +38,7 @@ OUTPUT_TOKENS = 128
 TTFT_PROMPT_TOKENS = 512
 STREAMS = (1, 8, 32)
 SEED64_SLOTS = 8
-QUANTIZATIONS = ("none", "int8", "int4", "nf4")
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "nf4")  # gguf: the GGUF's own blocks, the default
 SYSTEMS = ("llama.cpp", "transformers", *(f"kvserve-{q}" for q in QUANTIZATIONS))
 _FIRST_WORDS = (" apple", " river", " Note", " stone", " cloud", " table")  # one token each in SmolLM2
 

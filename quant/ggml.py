@@ -196,6 +196,10 @@ class GGMLLinear(QuantLinear):
             raise ValueError(f"state holds {state.get('kind')} blocks, layer is {self.kind.value}")
         super().set_extra_state(state)
 
+    def _load_from_state_dict(self, *args, **kwargs) -> None:
+        super()._load_from_state_dict(*args, **kwargs)
+        self._reference_cache = None if self.has_kernel else self.dequantize()  # of the blocks just loaded
+
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_features}, {self.kind.value} (GGUF blocks of {BLOCK})"
 

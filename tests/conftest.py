@@ -52,6 +52,8 @@ def served_model(request, smollm2):
         pytest.skip("this CPU has no native bfloat16 (AVX-512 BF16 or AMX): kvserve serve does not pick it here")
     if served.dtype is DType.FLOAT32 and served.quantization is Scheme.NONE:
         return smollm2
+    if served.quantization is Scheme.GGUF:  # the default: the file's own blocks, loaded once per session
+        return request.getfixturevalue("smollm2_gguf")
     if served.quantization is Scheme.NONE:
         return load_model(None, served.dtype, Device.CPU)
     loaded = copy.deepcopy(smollm2)

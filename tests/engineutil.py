@@ -39,7 +39,7 @@ class Served:
 # dtype joins the exactness tests by being added here.
 SERVED = [Served("float32", DType.FLOAT32), Served("bfloat16", DType.BFLOAT16),
           Served("int8", DType.FLOAT32, Scheme.INT8), Served("int4", DType.FLOAT32, Scheme.INT4),
-          Served("nf4", DType.FLOAT32, Scheme.NF4)]
+          Served("nf4", DType.FLOAT32, Scheme.NF4), Served("gguf", DType.FLOAT32, Scheme.GGUF)]
 SERVED_IDS = [s.name for s in SERVED]
 
 REPEAT_PROMPT = "Repeat exactly: alpha beta gamma delta alpha beta gamma delta\n"  # prompt lookup finds drafts
@@ -63,6 +63,23 @@ def reference_greedy(ref, prompt_ids: list[int], new_tokens: int) -> list[int]:
     out = ref.generate(torch.tensor([prompt_ids], device=ref.device), max_new_tokens=new_tokens,
                        min_new_tokens=new_tokens, do_sample=False, pad_token_id=0, eos_token_id=EOS)
     return out[0, len(prompt_ids):].tolist()
+
+
+# Where activations are quantized (the GGUF's own blocks: int8 per block of 32), a last-bit difference between two
+# float paths (the C++ RMSNorm and attention against transformers' modules) can move one activation code and so
+# flip a near-tie: there, "the same model" means every token the engine picks is one the reference scores within
+# this many logits of its own best, given the same prefix.
+NEAR_TIE_LOGITS = 0.5
+
+
+@torch.inference_mode()
+def reference_shortfall(ref, prompt_ids: list[int], tokens: list[int]) -> float:
+    """The largest gap (logits) between the reference's best token and ``tokens``' own, teacher-forced on them
+    (0 where every token is the reference's greedy choice)."""
+    ids = torch.tensor([prompt_ids + tokens[:-1]], device=ref.device)
+    logits = ref(input_ids=ids).logits[0, len(prompt_ids) - 1:].float()  # [len(tokens), vocab]
+    chosen = logits.gather(1, torch.tensor(tokens, device=ref.device)[:, None])[:, 0]
+    return float((logits.amax(dim=-1) - chosen).max())
 
 
 def greedy_references(loaded, prompt_ids: list[list[int]], new_tokens: int) -> list[list[int]]:

@@ -9,8 +9,9 @@ import torch
 import transformers
 
 from kvserve.engine.loader import wrap_model
-from tests.engineutil import (REPEAT_PROMPT, SERVED, SERVED_IDS, chat_ids, engine_greedy, greedy_references,
-                              reference_greedy, reference_model)
+from kvserve.quant.linear import QuantLinear
+from tests.engineutil import (NEAR_TIE_LOGITS, REPEAT_PROMPT, SERVED, SERVED_IDS, chat_ids, engine_greedy,
+                              greedy_references, reference_greedy, reference_model, reference_shortfall)
 
 PROMPTS = [
     "The capital of France is",
@@ -37,12 +38,26 @@ def prompt_ids(served):
     return [served.tokenizer(p)["input_ids"] for p in PROMPTS]
 
 
+def quantized_activations(loaded) -> bool:
+    return any(isinstance(m, QuantLinear) and m.act_block is not None for m in loaded.model.modules())
+
+
 @pytest.fixture(scope="module")
 def references(served, prompt_ids):
+    """transformers' generate; for quantized activations, the engine's run of each prompt alone, which every
+    batched, chunked, preempted or prefix-cached run must equal token for token (transformers' float path differs
+    in last bits, which quantized activations can turn into another token at a near-tie)."""
+    if quantized_activations(served):
+        return [engine_greedy(served, [ids], 64)[0][0] for ids in prompt_ids]
     return greedy_references(served, prompt_ids, 64)
 
 
 def test_each_prompt_alone_matches_generate(served, prompt_ids, references):
+    if quantized_activations(served):  # the engine's runs alone against transformers', up to near-ties
+        ref = reference_model(served.model)
+        for ids, ours in zip(prompt_ids, references):
+            assert reference_shortfall(ref, ids, ours) <= NEAR_TIE_LOGITS
+        return
     for ids, ref in zip(prompt_ids, references):
         ours, _ = engine_greedy(served, [ids], 64)
         assert ours[0] == ref

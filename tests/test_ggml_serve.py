@@ -22,7 +22,7 @@ from kvserve.quant.linear import Layout, concat_outputs
 from kvserve.quant.options import Scheme
 from kvserve.quant.schemes import quantize_activations
 from kvserve.server.config import ServeConfig
-from tests.engineutil import engine_greedy, reference_greedy, reference_model
+from tests.engineutil import NEAR_TIE_LOGITS, engine_greedy, reference_model, reference_shortfall
 
 Q = gguf.GGMLQuantizationType
 needs_ggml_kernels = pytest.mark.skipif(native_ops() is None, reason="ggml kernels not built")
@@ -121,6 +121,9 @@ def test_saved_state_names_the_block_format():
     fresh = GGMLLinear(torch.zeros_like(layer.blocks()), GGMLKind.Q4_1)
     fresh.load_state_dict(state)
     assert torch.equal(fresh.blocks(), layer.blocks())
+    x = torch.randn(2, 64)
+    fresh.use_kernel = layer.use_kernel = False
+    assert torch.equal(fresh(x), layer(x))  # the reference computes with the loaded blocks, not the zeros
     other = GGMLLinear(blocks_of(torch.randn(32, 64), Q.Q8_0), GGMLKind.Q8_0)
     with pytest.raises(ValueError, match="q4_1 blocks"):
         other.set_extra_state(state["_extra_state"])
@@ -201,16 +204,18 @@ def test_start_log_says_what_was_picked_why_and_how_to_get_full_precision(smollm
     assert isinstance(state.loaded.model.lm_head, GGMLLinear)
 
 
-def test_served_greedy_output_equals_the_layers_reference_path(smollm2_gguf):
+def test_served_greedy_output_is_the_layers_reference_path_up_to_near_ties(smollm2_gguf):
     prompts = [smollm2_gguf.tokenizer(p)["input_ids"] for p in ("The capital of France is", "def add(a, b):")]
     ref = reference_model(smollm2_gguf.model)
     for module in ref.modules():
         if isinstance(module, GGMLLinear):
             module.use_kernel = False
-    expected = [reference_greedy(ref, ids, 24) for ids in prompts]
     ours, _ = engine_greedy(smollm2_gguf, prompts, 24)
-    assert ours == expected
-    assert smollm2_gguf.tokenizer.decode(expected[0]).strip().startswith("Paris")
+    assert smollm2_gguf.tokenizer.decode(ours[0]).strip().startswith("Paris")
+    for ids, tokens in zip(prompts, ours):
+        assert reference_shortfall(ref, ids, tokens) <= NEAR_TIE_LOGITS
+    # and a token the model would not pick is far outside it
+    assert reference_shortfall(ref, prompts[0], [ours[0][0] + 1] + ours[0][1:]) > NEAR_TIE_LOGITS
 
 
 @needs_ggml_kernels
@@ -260,3 +265,35 @@ def test_quant_report_row_of_the_files_own_blocks_has_zero_weight_error(smollm2)
         assert row["bits_per_weight"] == 5.0  # Q4_1: 20 bytes per 32 weights
     assert all("GGMLLinear" in names and "GGMLEmbedding" in names for names in measured)
     assert not any(isinstance(m, GGMLLinear) for m in smollm2.model.modules())  # measured on copies
+
+
+def test_a_float_checkpoints_calibrated_codes_are_cached_so_only_the_first_start_calibrates(smollm2, tmp_path,
+                                                                                          monkeypatch, caplog):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvserve.engine.loader import Device, DType, load_model
+    from kvserve.quant import gptq
+
+    config = LlamaConfig(vocab_size=len(smollm2.tokenizer), hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=256, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    checkpoint = tmp_path / "tiny"
+    LlamaForCausalLM(config).save_pretrained(checkpoint)
+    smollm2.tokenizer.save_pretrained(checkpoint)
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(gptq, "CALIBRATION_NEW_TOKENS", 8)
+    choice = weights.choose(Scheme.AUTO, str(checkpoint))
+    first = load_model(str(checkpoint), DType.FLOAT32, Device.CPU, quantized=True)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        assert "int8/row+gptq" in weights.apply(first, choice.scheme, str(checkpoint), first.tokenizer)
+    assert any("calibrated in" in r.getMessage() and "later starts skip" in r.getMessage() for r in caplog.records)
+    assert len(list((tmp_path / "cache" / "codes").glob("tiny-*-int8-gptq-*.safetensors"))) == 1
+    monkeypatch.setattr(gptq, "calibration_batch", lambda *a: pytest.fail("calibrated again"))
+    again = load_model(str(checkpoint), DType.FLOAT32, Device.CPU, quantized=True)
+    assert "int8/row+gptq" in weights.apply(again, choice.scheme, str(checkpoint), again.tokenizer)
+    layer, cached = first.model.model.layers[1].mlp.down_proj, again.model.model.layers[1].mlp.down_proj
+    assert torch.equal(layer.weight, cached.weight) and torch.equal(layer.scales, cached.scales)
+    rounded = load_model(str(checkpoint), DType.FLOAT32, Device.CPU, quantized=True)
+    weights.apply(rounded, Scheme.INT8, str(checkpoint))  # no tokenizer: rounded to nearest, other codes
+    assert not torch.equal(rounded.model.model.layers[1].mlp.down_proj.weight, layer.weight)

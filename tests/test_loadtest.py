@@ -150,6 +150,8 @@ def test_compare_against_fake_servers(tmp_path):
 def test_compare_gives_each_weight_scheme_its_flags_and_section():
     args = argparse.Namespace(model=None, device="auto", dtype="auto", quantization="int4")
     assert compare.engine_flags(args) == ["--quantization", "int4"]
+    args.quantization = "none"  # named: the server's own default is auto
+    assert compare.engine_flags(args) == ["--quantization", "none"]
     assert compare.section_and_title("cpu", "int4") == ("compare-int4",
                                                         "Static vs continuous batching (seed64, 8 slots, int4 weights)")
     assert compare.section_and_title("cpu", "none") == ("compare", "Static vs continuous batching (seed64, 8 slots)")
