@@ -28,6 +28,16 @@ CHAT = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
 
 # ---- the drain's HTTP side, in-process ---------------------------------------------------------------
 
+def _started(server: uvicorn.Server, port: int) -> tuple[threading.Thread, str]:
+    """Run ``server`` in a daemon thread; returns the thread and the base URL once it has started (30 s at most)."""
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return thread, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="module")
 def drained_app(smollm2):
     """A live in-process server whose Drain the test sets draining by hand; yields (url, drain)."""
@@ -35,12 +45,7 @@ def drained_app(smollm2):
     port = free_port()
     server = uvicorn.Server(uvicorn.Config(create_app(ServerState(smollm2, ServeConfig(kv_cache_memory="64MiB")),
                                                       drain), host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    thread, url = _started(server, port)
     try:
         yield url, drain
     finally:
@@ -70,22 +75,17 @@ def test_draining_replica_is_unready_but_alive_and_refuses_new_requests_with_ret
 
 
 def _stream_through_a_drain_deadline(smollm2, path: str, body: dict) -> list[str]:
-    """Start a long stream on a DrainingServer with a 1 s drain, SIGTERM it once the first event arrives;
+    """Start a long stream on a DrainingServer with a 3 s drain, SIGTERM it once the first event arrives;
     returns the stream's data lines (the server exits after the deadline's cut)."""
     from kvserve.server.drain import DrainingServer
     from kvserve.server.httpserver import uvicorn_config
 
-    drain = Drain(1.0)
+    drain = Drain(3.0)
     port = free_port()
     config = ServeConfig(kv_cache_memory="64MiB")
     server = DrainingServer(uvicorn_config(create_app(ServerState(smollm2, config), drain), "127.0.0.1", port,
                                            config.header_timeout_s, log_level="warning"), drain)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started and time.monotonic() < deadline:
-        time.sleep(0.05)
+    thread, url = _started(server, port)
     data: list[str] = []
     try:
         with httpx.stream("POST", url + path, json=body | {"stream": True}, timeout=60) as response:
@@ -95,9 +95,9 @@ def _stream_through_a_drain_deadline(smollm2, path: str, body: dict) -> list[str
                     if not data:
                         server.handle_exit(signal.SIGTERM, None)  # as the signal handler would
                         time.sleep(0.1)
+                        assert drain.inflight == 1  # the stream counts as in flight
                         refused = httpx.post(url + path, json=body)  # new requests are refused while draining
                         assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
-                        assert drain.inflight == 1  # the stream counts as in flight
                     data.append(line[6:])
     finally:
         thread.join(timeout=15)
@@ -108,7 +108,7 @@ def _stream_through_a_drain_deadline(smollm2, path: str, body: dict) -> list[str
     return data
 
 
-LONG = {"max_tokens": 1000, "ignore_eos": True}  # far more than 1 s of tokens
+LONG = {"max_tokens": 1000, "ignore_eos": True}  # far more than 3 s of tokens
 
 
 @pytest.mark.parametrize("path,body", [
