@@ -191,6 +191,8 @@ def test_entrypoint_covers_every_serve_flag(tmp_path):
             numeric = action.type in (int, float, parse_bytes) or getattr(action.type, "__name__", "") == "_draft_length"
             value = action.choices[-1] if action.choices else ("7" if numeric else "v-" + action.dest)
             env[name], expected[action.dest] = value, (action.type or str)(value)
+            if isinstance(action, argparse._AppendAction):  # --api-key may be repeated
+                expected[action.dest] = [expected[action.dest]]
     rc, argv, err = run_entrypoint(tmp_path, env)
     assert (rc, err) == (0, "")
     assert argv[0] == "serve"

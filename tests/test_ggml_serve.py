@@ -88,7 +88,9 @@ def test_layer_computes_q8_activations_times_the_files_weights(kind, qtype):
     bias = torch.randn(40)
     layer = GGMLLinear(raw, kind, bias)
     assert torch.equal(layer.dequantize(), torch.from_numpy(gguf.quants.dequantize(raw.numpy(), qtype)))
-    assert torch.equal(layer.blocks(), raw) and layer.weight_bytes == raw.numel()
+    assert torch.equal(layer.blocks(), raw)
+    # the kernel's panels are padded to whole panels (16 features on AVX-512), the file's rows are not
+    assert layer.weight_bytes == layer.weight.numel() >= raw.numel()
     x = torch.randn(5, 128)
     layer.use_kernel = False
     reference = F.linear(quantize_activations(x, 32, 127), layer.dequantize(), bias)
