@@ -8,6 +8,7 @@ import time
 
 import torch
 
+from kvserve import kernels
 from kvserve.engine.attention import AttentionMetadata, PrefillSpan
 from kvserve.engine.constraints import apply_masks, fill_masks_async
 from kvserve.engine.drafters import DraftRequest, NgramDrafter
@@ -24,6 +25,22 @@ def padded_tables(tables: list[list[int]], lengths: list[int], block_size: int, 
     width = max(counts)
     rows = [table[:count] + [0] * (width - count) for table, count in zip(tables, counts)]
     return torch.tensor(rows, dtype=torch.long, device=device)
+
+
+def _rows_alone(loaded: LoadedModel, pool: KVPool) -> bool:
+    """Whether every token, prefill ones included, attends as a decode row does: through the C++ paged attention
+    (``kernels/csrc/decode_ops.cpp``), one query row at a time against its own context in block order.
+
+    Where that kernel runs (float32 on CPU, no logit soft-cap), it does: a token's attention then has the same
+    bits however the scheduler cut its prompt into chunks, batched it, or found part of it in the prefix cache.
+    SDPA, which prefill spans use otherwise, blocks its reduction by the number of queries and keys of the call
+    (a prompt cut at another place gives rows that differ in last bits), and the GGUF default quantizes
+    activations to int8 per block of 32, which turns such a last bit into another code and, at a near-tie,
+    another token.
+    """
+    softcap = getattr(getattr(loaded.model, "config", None), "attn_logit_softcapping", None)
+    return (loaded.dtype is torch.float32 and pool.data.dtype is torch.float32 and pool.data.is_cpu
+            and softcap is None and kernels.load_ops() is not None)
 
 
 class ModelRunner:
@@ -45,6 +62,7 @@ class ModelRunner:
         self.device = loaded.device
         self.fast = fast_decoder(loaded.model)
         self.drafter = drafter
+        self.rows_alone = _rows_alone(loaded, pool)
 
     def time_decode_steps(self, sizes: list[int], block_table: list[int], repeats: int = 3,
                           budget_s: float | None = None) -> dict[int, float]:
@@ -83,7 +101,8 @@ class ModelRunner:
     def _metadata(self, plan: StepPlan) -> AttentionMetadata:
         """The step's attention metadata: every token of a decoding sequence is a decode row (each attends to
         the cache up to its own position through the block table, so a row computes the same bits as if it
-        were decoded alone); a prefilling sequence is one span."""
+        were decoded alone); a prefilling sequence is one span, except where ``rows_alone``: then its tokens
+        are decode rows too (see ``_rows_alone``)."""
         device, block_size = self.device, self.pool.block_size
         slot_mapping = [slot for w in plan.work for slot in w.slot_mapping]
         decode_rows: list[int] = []
@@ -93,7 +112,7 @@ class ModelRunner:
         row = 0
         for w in plan.work:
             n = len(w.token_ids)
-            if w.is_decode:
+            if w.is_decode or self.rows_alone:
                 decode_rows.extend(range(row, row + n))
                 decode_lens.extend(range(w.start_pos + 1, w.context_len + 1))
                 decode_tables.extend([w.block_table] * n)

@@ -56,8 +56,10 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     loc = [str(part) for part in first.get("loc", ()) if part != "body"]
     while loc and (loc[-1].split("[")[0] in _UNION_MEMBERS):
         loc.pop()
-    param = ".".join(loc) or None
+    param = ".".join(loc) or getattr(first.get("ctx", {}).get("error"), "param", None)
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+    if not loc and param and message.startswith(f"{param}: "):  # a BodyError names its place itself
+        return ApiError(400, message, param=param)
     if param is None and first.get("type") == "missing":
         message = "the request body is required (a JSON object)"
     return ApiError(400, f"{param}: {message}" if param else message, param=param)

@@ -44,6 +44,15 @@ class _NullMeansDefault(BaseModel):
                 if value is not None or key not in fields or fields[key].is_required()}
 
 
+class BodyError(ValueError):
+    """A ValueError about one place in a request body, which the 400 names as its ``param``: pydantic reports a
+    whole-body check (``check_json``) at no field, so the place travels with the exception."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
 MAX_JSON_DEPTH = 64  # objects and arrays within one another in a request body; deeper is a 400, never a RecursionError
 
 
@@ -52,7 +61,7 @@ def check_json(value) -> None:
     with lone surrogates (``"\\ud800"``: not Unicode, so it cannot be tokenized, compiled or echoed as UTF-8).
 
     Raises:
-        ValueError: naming the place (``messages.0.content``) and the limit.
+        BodyError: naming the place (``messages.0.content``) and the limit.
     """
     stack = [(value, 0, "")]
     while stack:
@@ -63,7 +72,8 @@ def check_json(value) -> None:
         if not isinstance(item, (dict, list)):
             continue
         if depth >= MAX_JSON_DEPTH:
-            raise ValueError(f"{path.split('.')[0] or 'the body'}: nested more than {MAX_JSON_DEPTH} levels deep")
+            top = path.split('.')[0]
+            raise BodyError(f"{top or 'the body'}: nested more than {MAX_JSON_DEPTH} levels deep", top or None)
         pairs = item.items() if isinstance(item, dict) else enumerate(item)
         for key, child in pairs:
             if isinstance(key, str):
@@ -75,7 +85,8 @@ def _check_unicode(text: str, path: str) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise ValueError(f"{path or 'a key'}: not valid Unicode text (a lone surrogate at position {exc.start})") from None
+        raise BodyError(f"{path or 'a key'}: not valid Unicode text (a lone surrogate at position {exc.start})",
+                        path or None) from None
 
 
 @functools.cache

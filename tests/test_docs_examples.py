@@ -42,6 +42,18 @@ def test_every_python_example_runs_in_order(server_url, capsys):
     assert "Paris" in capsys.readouterr().out
 
 
+def json_bodies(out: str):
+    """(text, object) for each JSON body curl printed: a line that begins with ``{`` holds one or more bodies back
+    to back (curl prints no newline after a body, and a body's strings may hold ``}{`` themselves)."""
+    decoder = json.JSONDecoder()
+    for line in out.splitlines():
+        at = 0
+        while line.startswith("{", at):
+            body, end = decoder.raw_decode(line, at)
+            yield line[at:end], body
+            at = end
+
+
 @pytest.mark.parametrize("line, code", blocks("bash"), ids=lambda v: f"line{v}" if isinstance(v, int) else "")
 def test_every_shell_example_runs(server_url, line, code):
     env = os.environ | {"KVSERVE_URL": server_url, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
@@ -49,7 +61,5 @@ def test_every_shell_example_runs(server_url, line, code):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, f"docs/api.md line {line}: {done.stderr[-2000:]}"
     assert done.stdout.strip(), f"docs/api.md line {line}: no output"
-    bodies = done.stdout.replace("}{", "}\n{")  # curl prints no newline after a body
-    for part in re.findall(r"^\{.*\}$", bodies, re.M):  # a JSON body: an error only where the doc shows one
-        body = json.loads(part)
+    for part, body in json_bodies(done.stdout):  # a JSON body: an error only where the doc shows one
         assert "error" not in body or any(r in code for r in REFUSALS), f"docs/api.md line {line}: {part[:500]}"

@@ -477,11 +477,11 @@ def test_tool_arguments_and_strict_schemas_allow_no_unnamed_properties(smollm2):
     from types import SimpleNamespace
 
     from kvserve.server import tools
-    from kvserve.server.structured import grammar_spec
+    from kvserve.server.structured import grammar_spec, tool_parameters
 
     body = SimpleNamespace(tools=[LANGCHAIN_TOOL], tool_choice={"type": "function", "function": {"name": "Weather"}},
                            parallel_tool_calls=False)
-    call = tools.forced_grammar(body)
+    call = tools.forced_grammar(body, tool_parameters)
     done = '<tool_call>{"name": "Weather", "arguments": {"city": "Paris", "unit": "celsius"'
     assert not _allows_after(smollm2, call, done, ",") and _allows_after(smollm2, call, done, "}}")
     schema = {"type": "object", "required": ["city"], "properties": {
