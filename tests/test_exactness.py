@@ -10,7 +10,13 @@ import transformers
 
 from kvserve.engine.loader import wrap_model
 from kvserve.quant.linear import QuantLinear
-from tests.engineutil import (NEAR_TIE_LOGITS, REPEAT_PROMPT, SERVED, SERVED_IDS, chat_ids, engine_greedy,
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.pool import KVPool
+from kvserve.scheduler.offline import run_offline
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.sequence import Sequence
+from tests.engineutil import (GREEDY, NEAR_TIE_LOGITS, REPEAT_PROMPT, SERVED, chat_ids, engine_greedy,
                               greedy_references, reference_greedy, reference_model, reference_shortfall)
 
 PROMPTS = [
@@ -24,6 +30,8 @@ PROMPTS = [
     "In 1969, Neil Armstrong became the first person to walk on the Moon. He said that the step was one small "
     "step for a man and one giant leap for mankind. Afterwards, the astronauts of the mission",
 ]
+
+NEW_TOKENS = 48  # greedy tokens per prompt: long enough that a wrong cache entry shows, short enough for CI
 
 
 # every weight format `kvserve serve` picks by default: full precision, and the GGUF's own blocks (--quantization
@@ -48,8 +56,8 @@ def references(served, prompt_ids):
     batched, chunked, preempted or prefix-cached run must equal token for token (transformers' float path differs
     in last bits, which quantized activations can turn into another token at a near-tie)."""
     if quantized_activations(served):
-        return [engine_greedy(served, [ids], 64)[0][0] for ids in prompt_ids]
-    return greedy_references(served, prompt_ids, 64)
+        return [engine_greedy(served, [ids], NEW_TOKENS)[0][0] for ids in prompt_ids]
+    return greedy_references(served, prompt_ids, NEW_TOKENS)
 
 
 def test_each_prompt_alone_matches_generate(served, prompt_ids, references):
@@ -59,7 +67,7 @@ def test_each_prompt_alone_matches_generate(served, prompt_ids, references):
             assert reference_shortfall(ref, ids, ours) <= NEAR_TIE_LOGITS
         return
     for ids, ref in zip(prompt_ids, references):
-        ours, _ = engine_greedy(served, [ids], 64)
+        ours, _ = engine_greedy(served, [ids], NEW_TOKENS)
         assert ours[0] == ref
 
 
@@ -68,21 +76,51 @@ def test_batched_with_others_admitted_at_different_steps(served, prompt_ids, ref
     others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 5 + 1))["input_ids"] for i in range(15)]
     batch = prompt_ids + others
     arrivals = [0, 3, 0, 7, 1, 12, 5, 2] + [i % 9 for i in range(15)]
-    ours, _ = engine_greedy(served, batch, 64, arrivals_at=arrivals, budget=64)
+    ours, _ = engine_greedy(served, batch, NEW_TOKENS, arrivals_at=arrivals, budget=64)
     assert ours[:len(prompt_ids)] == references
 
 
 def test_chunked_prefill_and_preemption_keep_tokens(served, prompt_ids, references):
-    # 8 sequences of ~80 tokens in a 24-block pool of 16 tokens: preemption must happen; 16-token chunks.
-    ours, scheduler = engine_greedy(served, prompt_ids, 64, num_blocks=24, budget=16, max_num_seqs=8)
+    # 8 sequences of ~65 tokens in a 24-block pool of 16 tokens: preemption must happen; 16-token chunks.
+    ours, scheduler = engine_greedy(served, prompt_ids, NEW_TOKENS, num_blocks=24, budget=16, max_num_seqs=8)
     assert scheduler.num_preemptions > 0
     assert ours == references
     assert scheduler.blocks.num_free_blocks == 24
 
 
+def step_logits(served, ids: list[int], budget: int, new_tokens: int = 4) -> list[torch.Tensor]:
+    """The float32 logits of each sampled row of ``ids``' greedy run with a ``budget``-token step (prefill chunks
+    of ``budget`` tokens)."""
+    pool = KVPool(served.kv_shape(), 64, 16, served.dtype, served.device)
+    runner = ModelRunner(served, pool, None)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=4096),
+                          BlockManager(64, 16, True), None)
+    seq = Sequence(seq_id=0, prompt_ids=ids, params=GREEDY, max_tokens=new_tokens, min_tokens=new_tokens)
+    rows, logits = [], runner.logits
+
+    def recording(plan):
+        out = logits(plan)
+        if out is not None:
+            rows.append(out[-1].clone())
+        return out
+
+    runner.logits = recording
+    run_offline(scheduler, runner.execute, {0: [seq]})
+    return rows
+
+
+def test_a_rows_bits_do_not_depend_on_where_its_prompt_was_cut(served, prompt_ids):
+    # chunks of 7 start inside blocks and give SDPA other query and key counts than one chunk does: every row
+    # attends as a decode row does (engine/runner.py _rows_alone), so the logits are bitwise those of one chunk
+    ids = prompt_ids[7]
+    whole = step_logits(served, ids, 512)
+    for budget in (7, 16, 33):
+        assert all(torch.equal(a, b) for a, b in zip(whole, step_logits(served, ids, budget))), budget
+
+
 def test_prefix_cache_hit_gives_same_tokens(served, prompt_ids, references):
     shared = prompt_ids[7]  # 47 tokens: two full blocks of 16 to share
-    ours, scheduler = engine_greedy(served, [shared, shared], 64, arrivals_at=[0, 70])
+    ours, scheduler = engine_greedy(served, [shared, shared], NEW_TOKENS, arrivals_at=[0, 70])
     assert scheduler.prefix_hits == 32
     assert ours == [references[7], references[7]]
 
@@ -109,18 +147,22 @@ def test_tiny_random_architectures_match_generate(arch):
     assert ours == [reference_greedy(ref, p, 24) for p in prompts]
 
 
-@pytest.mark.parametrize("served_model", SERVED, ids=SERVED_IDS, indirect=True)
+# the configurations the tests above do not run (they run float32 and the GGUF default, on eight prompts)
+OTHER_SERVED = [s for s in SERVED if s.name not in ("float32", "gguf")]
+
+
+@pytest.mark.parametrize("served_model", OTHER_SERVED, ids=[s.name for s in OTHER_SERVED], indirect=True)
 def test_every_served_configuration_is_exact_batched_preempted_and_on_a_prefix_hit(served_model):
     """In every dtype and weight format served, a sequence's greedy tokens alone equal its tokens batched with
     others admitted later (chunked prefill, preemption) and on a prefix-cache hit (a chat prompt of 35 tokens,
     its first 32 cached: the rest computed as a shorter prefill). EOS may end them after min_tokens."""
     tok = served_model.tokenizer
     chat, text = chat_ids(tok, "Repeat exactly: alpha beta"), tok(REPEAT_PROMPT)["input_ids"]
-    alone = [engine_greedy(served_model, [p], 40, min_tokens=20)[0][0] for p in (chat, text)]
-    hit, scheduler = engine_greedy(served_model, [chat, chat], 40, min_tokens=20, arrivals_at=[0, 60])
+    alone = [engine_greedy(served_model, [p], 32, min_tokens=16)[0][0] for p in (chat, text)]
+    hit, scheduler = engine_greedy(served_model, [chat, chat], 32, min_tokens=16, arrivals_at=[0, 60])
     assert scheduler.prefix_hits == 32 and hit == [alone[0], alone[0]]
     others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 4 + 1))["input_ids"] for i in range(6)]
-    batched, scheduler = engine_greedy(served_model, [chat, text] + others, 40, min_tokens=20, num_blocks=14,
+    batched, scheduler = engine_greedy(served_model, [chat, text] + others, 32, min_tokens=16, num_blocks=14,
                                        budget=24, max_num_seqs=8, arrivals_at=[2, 0, 0, 1, 1, 3, 5, 8],
                                        prefix_caching=False)
     assert scheduler.num_preemptions > 0

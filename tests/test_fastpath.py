@@ -158,7 +158,7 @@ def decode_step_both_loops(loaded) -> tuple[list[bool], list[tuple[torch.Tensor,
         runner.execute(StepPlan([SeqWork(s, list(range(3 + s, 12 + s)), 0, tables[s],
                                          [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in range(9)], False,
                                          GREEDY, list(range(3, 12)), []) for s in range(3)]))
-        assert not calls  # a prefill step takes the checked projections
+        calls.clear()  # prefill rows attend as decode rows (engine/runner.py _rows_alone): the bare kernels may run
         logits = runner.logits(StepPlan([SeqWork(s, [20 + s], 9, tables[s], [tables[s][2] * BLOCK + 1], True, GREEDY,
                                                  list(range(3, 12)), [20 + s]) for s in range(3)]))
         ran.append(len(calls) == len(loaded.model.model.layers))

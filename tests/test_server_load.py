@@ -111,13 +111,15 @@ def _rss_mib() -> float:
         return next(int(line.split()[1]) / 1024 for line in status if line.startswith("VmRSS:"))
 
 
-def test_four_times_overload_for_sixty_seconds(state_factory):
+def test_four_times_overload_for_twenty_seconds(state_factory):
+    # the long version (minutes, figures) is `python -m kvserve.loadtest backpressure`; 20 s of 4x keeps every
+    # slot and the queue full long enough for RSS growth and a stalled /health to show
     state = state_factory(max_num_seqs=4, max_queue=4)
     with serving(state) as url:
         body = {"prompt": "Write about the sea. " * 20, "max_tokens": 16, "ignore_eos": True}
         asyncio.run(overload(url, 8, 3, body))  # warm up allocator pools before measuring memory
         rss_before = _rss_mib()
-        report = asyncio.run(overload(url, 4 * (4 + 4), 60, body))
+        report = asyncio.run(overload(url, 4 * (4 + 4), 20, body))
         rss_after = _rss_mib()
         summary = report.summary()
         print(json.dumps(summary))
@@ -125,7 +127,7 @@ def test_four_times_overload_for_sixty_seconds(state_factory):
         assert report.transport_errors <= report.sent // 1000, summary["failure_kinds"]  # keep-alive races only
         assert report.rejected_429 > 0 and report.rejected_without_retry_after == 0
         assert report.admitted > 0 and report.completed == report.admitted
-        assert report.health_failures == 0 and report.health_checks >= 60  # answered at least once a second
+        assert report.health_failures == 0 and report.health_checks >= 20  # answered at least once a second
         assert rss_after - rss_before < 200, (rss_before, rss_after)
         assert state.service.scheduler.blocks.num_free_blocks == state.service.scheduler.blocks.num_blocks
 
@@ -261,8 +263,8 @@ def test_ttft_histogram_matches_what_clients_measured(state_factory, smollm2):
     state = state_factory()
     with serving(state) as url:
         client_ttfts = []
-        for i in range(10):
-            prompt = [100 + i] + [200 + (j * 7919) % 40000 for j in range(1999)]  # ~2,000 distinct tokens
+        for i in range(5):
+            prompt = [100 + i] + [200 + (j * 7919) % 40000 for j in range(399)]  # 400 distinct tokens: TTFT >> HTTP
             start = time.perf_counter()
             with httpx.stream("POST", url + "/v1/completions",
                               json={"prompt": prompt, "max_tokens": 2, "stream": True}, timeout=120) as response:
@@ -275,9 +277,9 @@ def test_ttft_histogram_matches_what_clients_measured(state_factory, smollm2):
     total = _sample(metrics, "kvserve:time_to_first_token_seconds_sum")
     buckets = [float(line.split()[-1]) for line in metrics.splitlines()
                if line.startswith("kvserve:time_to_first_token_seconds_bucket")]
-    assert count == 10
+    assert count == 5
     assert total > 0 and abs(total - sum(client_ttfts)) <= 0.2 * sum(client_ttfts)
-    assert buckets == sorted(buckets) and buckets[-1] == 10
+    assert buckets == sorted(buckets) and buckets[-1] == 5
 
 
 def _sample(metrics: str, name: str) -> float:
@@ -288,7 +290,7 @@ def _sample(metrics: str, name: str) -> float:
 def test_batch_invariance_32_at_once_equals_alone(state_factory):
     state = state_factory(max_num_seqs=32, kv_cache_memory="512MiB")
     body = {"messages": [{"role": "user", "content": "List five prime numbers."}], "temperature": 0,
-            "max_tokens": 128}
+            "max_tokens": 64}
     with serving(state) as url:
         alone = httpx.post(url + "/v1/chat/completions", json=body, timeout=300).json()["choices"][0]["message"]
 
@@ -301,18 +303,18 @@ def test_batch_invariance_32_at_once_equals_alone(state_factory):
 
 
 def test_long_shared_prefix_same_tokens_on_hit_miss_and_with_caching_off(state_factory):
-    prefix = [300 + (j * 104729) % 30000 for j in range(2000)]  # 2,000 tokens shared by both requests
+    prefix = [300 + (j * 104729) % 30000 for j in range(640)]  # 640 tokens (40 blocks) shared by both requests
     body = {"prompt": prefix + [42, 43], "max_tokens": 24, "temperature": 0, "ignore_eos": True}
     results = {}
     for caching in (True, False):
-        state = state_factory(enable_prefix_caching=caching, max_num_batched_tokens=1024)
+        state = state_factory(enable_prefix_caching=caching, max_num_batched_tokens=256)  # chunked
         with serving(state) as url:
             miss = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
             hit = httpx.post(url + "/v1/completions", json=body, timeout=300).json()
         results[caching] = (miss, hit)
     (miss, hit), (off_first, off_second) = results[True], results[False]
     assert miss["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
-    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 2000
+    assert hit["usage"]["prompt_tokens_details"]["cached_tokens"] == 640
     assert off_second["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     texts = {r["choices"][0]["text"] for r in (miss, hit, off_first, off_second)}
     assert len(texts) == 1
