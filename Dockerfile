@@ -75,6 +75,7 @@ ENV TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
 WORKDIR /opt/kvserve/kernels-src
 # As installed: the kernels are the kvserve.kernels package (pyproject.toml's package-dir).
 COPY kernels ./kvserve/kernels
+COPY kvserve/environment.py ./kvserve/environment.py
 # The image carries the compiled libraries, so a container needs no compiler; sources.sha256 records what they
 # were compiled from, which the build stage checks against the kvserve it installs.
 RUN python -c "import sys; from kvserve.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')" \

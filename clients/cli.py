@@ -6,13 +6,13 @@ The text goes to stdout as it arrives; the timing line and any error go to stder
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from kvserve import environment
 from kvserve.clients.client import DEFAULT_URL, KVServeClient
 from kvserve.clients.stream import KVServeError, StreamResult
 
@@ -25,9 +25,9 @@ def build_parser() -> argparse.ArgumentParser:
                             ("complete", "text completion (/v1/completions)")):
         sub = commands.add_parser(name, help=help_text, description=help_text)
         sub.add_argument("prompt", help="the user message (chat) or the text to continue (complete)")
-        sub.add_argument("--url", default=os.environ.get("KVSERVE_URL", DEFAULT_URL),
+        sub.add_argument("--url", default=environment.value(environment.CLIENT_URL) or DEFAULT_URL,
                          help=f"server root (default $KVSERVE_URL or {DEFAULT_URL})")
-        sub.add_argument("--api-key", default=os.environ.get("KVSERVE_API_KEY"),
+        sub.add_argument("--api-key", default=environment.value(environment.CLIENT_API_KEY) or None,
                          help="bearer token if the server runs with --api-key (default $KVSERVE_API_KEY)")
         sub.add_argument("--model", default=None, help="model field (default: the first of /v1/models)")
         sub.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -43,7 +42,7 @@ from torch import nn
 from kvserve.engine.attention import AttentionMetadata, paged_attention
 from kvserve.engine.kernelbind import PROFILE_LABEL, LayerKernels, LayerProjections, Projection, labelled, profiling
 from kvserve.engine.rope import Rope, RopeTable
-from kvserve import kernels
+from kvserve import environment, kernels
 
 log = logging.getLogger("kvserve.engine")
 
@@ -269,7 +268,7 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
 
     The runner calls this once, when it is built: the only place the switch is read.
     """
-    if os.environ.get("KVSERVE_FASTPATH", "1") == "0":
+    if not environment.fastpath_on():
         log.info("engine: transformers forward (KVSERVE_FASTPATH=0 turns the lean forward off; unset it to use it)")
         return None
     reason = unsupported_reason(model)
@@ -290,8 +289,8 @@ def kernels_off_reason(model: nn.Module) -> str:
     if weight.device.type != "cpu":
         return f"the model runs on {weight.device.type} (the kernels are CPU code; --device cpu runs them)"
     if kernels.load(build=False) is None:
-        if os.environ.get("KVSERVE_QUANT_KERNELS", "1") == "0":
-            return "KVSERVE_QUANT_KERNELS=0 turns them off (unset it to use them)"
+        if not environment.native_kernels_on():
+            return "KVSERVE_NATIVE_KERNELS=0 turns them off (unset it to use them)"
         return "they could not be built (the warning above says why; `python -m kvserve.kernels --build` retries)"
     if weight.dtype is not torch.float32:
         return (f"the weights are {str(weight.dtype).removeprefix('torch.')} (the kernels take float32 or quantized "

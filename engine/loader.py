@@ -1,6 +1,7 @@
 """Model loading: the embedded SmolLM2 GGUF (converted once, cached as safetensors) or any HF directory.
 
-Never touches the network: HF_HUB_OFFLINE is forced before transformers loads anything.
+Never touches the network: HF_HUB_OFFLINE is set (``kvserve.environment.stay_offline``) before transformers
+loads anything.
 """
 
 from __future__ import annotations
@@ -8,12 +9,12 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
-os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+from kvserve import environment
+
+environment.stay_offline()  # before transformers is imported, which reads it once
 
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
@@ -71,7 +72,7 @@ def resolve_dtype(choice: DType, device: torch.device, quantized: bool = False) 
 
 def cache_dir() -> Path:
     """Where converted weights live: ``$KVSERVE_CACHE`` or ``~/.cache/kvserve``."""
-    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve"))
+    return environment.cache_dir()
 
 
 def default_gguf_path() -> Path:

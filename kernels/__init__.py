@@ -13,7 +13,7 @@ Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the bes
 unless ``KVSERVE_ISA`` names a lesser one (``scalar``, ``avx2``; ``avx512`` is the best), so every path can be
 tested on one machine. ``isa()`` says which runs and why. ``python -m kvserve.kernels --build`` compiles both
 extensions (the install step runs it); otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
-the pure-PyTorch reference and one warning is logged. ``KVSERVE_QUANT_KERNELS=0`` forces that reference
+the pure-PyTorch reference and one warning is logged. ``KVSERVE_NATIVE_KERNELS=0`` forces that reference
 everywhere.
 """
 
@@ -27,6 +27,8 @@ import sys
 import time
 from pathlib import Path
 from types import ModuleType
+
+from kvserve import environment
 
 log = logging.getLogger("kvserve.kernels")
 
@@ -47,13 +49,7 @@ def forced_isa() -> str | None:
     Raises:
         ValueError: the variable names no path kvserve has (the message lists them).
     """
-    value = os.environ.get("KVSERVE_ISA", "").strip().lower()
-    if not value:
-        return None
-    if value not in ISAS:
-        raise ValueError(f"KVSERVE_ISA={value!r}: expected one of {', '.join(ISAS)} (or unset for the best the "
-                         "CPU supports)")
-    return value
+    return environment.forced_isa()
 
 
 def native_isas() -> tuple[str, ...]:
@@ -72,10 +68,10 @@ def native_isas() -> tuple[str, ...]:
 
 def isa() -> str:
     """Which path the kernels run and why, e.g. ``avx2 (the best this CPU supports)``, ``scalar (forced by
-    KVSERVE_ISA)`` or ``reference (KVSERVE_QUANT_KERNELS=0)``."""
+    KVSERVE_ISA)`` or ``reference (KVSERVE_NATIVE_KERNELS=0)``."""
     module = load()
     if module is None:
-        return "reference (pure PyTorch: " + ("KVSERVE_QUANT_KERNELS=0)" if _disabled() else "no kernel build)")
+        return "reference (pure PyTorch: " + ("KVSERVE_NATIVE_KERNELS=0)" if _disabled() else "no kernel build)")
     chosen = module.isa()
     forced = forced_isa()
     if forced is None:
@@ -86,7 +82,7 @@ def isa() -> str:
 
 
 def _disabled() -> bool:
-    return os.environ.get("KVSERVE_QUANT_KERNELS", "1") == "0"
+    return not environment.native_kernels_on()
 
 
 def load(build: bool = True) -> ModuleType | None:

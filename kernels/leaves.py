@@ -18,6 +18,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve import environment
+
 CSRC = Path(__file__).resolve().parent / "csrc"
 
 
@@ -40,7 +42,7 @@ _FREESTANDING_LINK = ["-shared", "-nostdlib", "-Wl,-Bsymbolic"]
 
 def cache_dir() -> Path:
     """Where emulator builds go: ``$KVSERVE_CACHE/emu`` (``~/.cache/kvserve/emu`` by default)."""
-    return Path(os.environ.get("KVSERVE_CACHE", Path.home() / ".cache" / "kvserve")) / "emu"
+    return environment.cache_dir() / "emu"
 
 
 def build_freestanding(sources: list[Path], name: str, defines: dict | None = None,

@@ -119,8 +119,8 @@ class QuantLinear(nn.Module):
         """The C++ kernel bound to this layer's codes and scales (bias not added), or None where it cannot run.
 
         For callers that already hold a contiguous float32 CPU ``[M, in]`` with ``M <= kernel_max_rows``:
-        it skips ``forward``'s checks and reshapes: 25 us against 7 us for an int8 576->192 layer at one row
-        (``python -m kvserve.loadtest.kernelbench``), and a SmolLM2 step makes 210 such calls.
+        it skips ``forward``'s checks and reshapes, which cost more than a one-row product of a small layer
+        (BENCHMARKS.md, "Kernel crossovers"), and a SmolLM2 step makes 210 such calls.
         """
         if not self._kernel_usable():
             return None

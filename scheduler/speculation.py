@@ -39,15 +39,26 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass, field
 
-PRIOR_TOKENS = 4.0     # pseudo-tokens of the shared acceptance rate in each sequence's estimate
-PRIOR_RATE = 0.5       # the shared rate before any draft was verified
-MARGIN = 0.05          # drafts must promise this much more throughput than none (fraction)
-HALF_LIFE_STEPS = 256  # steps that could draft after which the shared rate's counts weigh half
-PROBE_EVERY = 64       # auto steps with candidates between two probes
-PROBE_DRAFT = 2        # draft tokens a probe adds to the best choice
+# Where these values come from: none is a peer's default (vLLM and SGLang fix the draft length; llama.cpp's
+# server adapts only its n-gram size), and none was tuned on a benchmark. Each is a chosen order of magnitude,
+# named so a change is one line; the policy's behaviour with them (drafts on copying prompts, none on prose,
+# recovery after a bad phase) is what tests/test_speculative.py asserts, and BENCHMARKS.md's speculation section
+# measures their result against speculation off.
+PRIOR_TOKENS = 4.0     # pseudo-tokens of the shared acceptance rate in each sequence's estimate: a Beta prior
+                       # worth one draft of 4, so a sequence's own first verify outweighs it
+PRIOR_RATE = 0.5       # the shared rate before any draft was verified: the uninformed middle
+MARGIN = 0.05          # drafts must promise this much more throughput than none (fraction): above the few per
+                       # cent by which the start-up step-cost curve's points scatter, so noise alone never drafts
+HALF_LIFE_STEPS = 256  # steps that could draft after which the shared rate's counts weigh half: about one long
+                       # reply (AMORTIZE_OVER's 256 tokens), so the rate follows the workload of the last minutes
+PROBE_EVERY = 64       # auto steps with candidates between two probes: a probe costs at most PROBE_DRAFT rejected
+                       # tokens, so probing costs under 2 / 64 = 3% of drafting steps at worst
+PROBE_DRAFT = 2        # draft tokens a probe adds to the best choice: the least that measures a second position
 _KEEP = 0.5 ** (1 / HALF_LIFE_STEPS)  # the shared counts' decay per step that could draft
-_LOAD_EMA = 0.1        # share of a measurement's ratio to the prediction applied to the whole curve (the load)
-_EMA = 0.02            # weight of a new measurement in its own size's time (the curve's shape)
+_LOAD_EMA = 0.1        # share of a measurement's ratio to the prediction applied to the whole curve (the load):
+                       # a load change is followed within ~10 steps (1 / 0.1)
+_EMA = 0.02            # weight of a new measurement in its own size's time (the curve's shape): ~50 steps, so a
+                       # stray slow step moves a point by 2%
 
 
 def expected_tokens(alpha: float, gamma: int) -> float:

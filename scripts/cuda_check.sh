@@ -46,7 +46,7 @@ fi
 
 stage "tests/test_cuda.py on $DEVICE"
 # the CPU side of these tests runs the PyTorch reference: no C++ build needed here
-KVSERVE_TEST_DEVICE=$DEVICE KVSERVE_QUANT_KERNELS=0 timeout 420 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25
+KVSERVE_TEST_DEVICE=$DEVICE KVSERVE_NATIVE_KERNELS=0 timeout 420 "$PY" -m pytest -q -p no:cacheprovider tests/test_cuda.py 2>&1 | tail -25
 rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "CUDA tests" "$rc"
 
 # the C++ CPU kernels on this machine's CPU, one file at a time (the tests that need the embedded model's

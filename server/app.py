@@ -7,7 +7,6 @@ no SSE byte is ever sent for it.
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import Callable
 from contextlib import asynccontextmanager
@@ -19,25 +18,24 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvserve.scheduler.service import QueueFull
-from kvserve.server import structured, tools
+from kvserve.server import tools
 from kvserve.server.auth import ApiKeys
+from kvserve.server.admission import admit, tokenizing
 from kvserve.server.bodylimit import BodyLimit
 from kvserve.server.drain import Drain, DrainGate
 from kvserve.server.errors import ApiError
 from kvserve.server.choice import ChoiceUpdate
-from kvserve.server.generation import Generation
-from kvserve.server.prepare import chat_prompt_ids, prepare, text_prompt_ids
+from kvserve.server.generation import Generation, until_done_or_gone
+from kvserve.server.prepare import chat_prompt_ids, text_prompt_ids
 from kvserve.server.hostguard import HostGuard, HostPolicy
 from kvserve.server.openai_format import Formatter
-from kvserve.server.prompts import PromptGroups, prepare_prompts
+from kvserve.server.prompts import PromptGroups
 from kvserve.server import livepage, responses
 from kvserve.server.requestids import RequestIds, tokenizer_info
 from kvserve.server.openapi_doc import openapi_schema
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.server.state import ServerState
 
-_DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
 # pydantic names the member of a union that failed (``stop.str``); the client only needs the field
 _UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
 
@@ -161,9 +159,9 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         if body.messages is not None:
             chars = sum(len(message.text) for message in body.messages)
-            ids = await _tokenizing(chars, chat_prompt_ids, state, body.messages, body, body.add_generation_prompt)
+            ids = await tokenizing(chars, chat_prompt_ids, state, body.messages, body, body.add_generation_prompt)
         else:
-            ids = await _tokenizing(len(body.prompt), text_prompt_ids, state, body.prompt, body.add_special_tokens)
+            ids = await tokenizing(len(body.prompt), text_prompt_ids, state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
 
     @app.get("/tokenizer_info", dependencies=v1)
@@ -185,7 +183,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         return await _complete(state, body, request, chat=False)
 
-    responses.register(app, state, v1, _admit)
+    responses.register(app, state, v1)
     if state.config.ui:
         livepage.register(app, state, v1)
     return app
@@ -194,79 +192,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 # the endpoints of embedding, scoring and classifying models (vLLM's), which a generative model does not serve
 POOLING_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank")
 
-# Prompts longer than this (characters) are tokenized on a worker thread: megabytes take seconds to tokenize, and
-# on the event loop that would stall every other stream (the tokenizer releases the GIL while it works).
-_TOKENIZE_OFF_LOOP_CHARS = 32_768
-
-
-# At most this many long prompts are tokenized (or templated) at once, off the loop: a flood of them waits here
-# instead of taking every worker thread of the loop's default executor.
-_TOKENIZING = asyncio.Semaphore(2)
-
-
-async def _tokenizing(chars: int, fn: Callable, *args):
-    """``fn(*args)``: on the event loop for a short prompt, else on a worker thread, two at a time."""
-    if chars <= _TOKENIZE_OFF_LOOP_CHARS:
-        return fn(*args)
-    async with _TOKENIZING:
-        return await asyncio.to_thread(fn, *args)
-
-
-def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
-    if isinstance(body, ChatCompletionRequest):
-        return sum(len(message.text) for message in body.messages)
-    return sum(len(prompt) for prompt in body.prompts if isinstance(prompt, str))
-
-
-def _check_request_size(state: ServerState, body, completions: bool) -> None:
-    """Refuse, before tokenizing or queuing anything, a request that could never be admitted whole: more prompts
-    than ``--max-prompts-per-request``, or more sequences (prompts x choices) than the server holds at once
-    (``--max-num-seqs`` running + ``--max-queue`` waiting). Otherwise one body could fill the queue for everyone."""
-    config = state.config
-    prompts = len(body.prompts) if completions else 1
-    if prompts > config.max_prompts_per_request:
-        raise ApiError(400, f"this request has {prompts} prompts; at most {config.max_prompts_per_request} are "
-                            "allowed per request (--max-prompts-per-request)", param="prompt")
-    sequences = prompts * (body.candidates if completions else body.n)
-    capacity = config.max_num_seqs + config.max_queue
-    if sequences > capacity:
-        raise ApiError(400, f"this request needs {sequences} sequences ({prompts} prompt(s) x "
-                            f"{sequences // prompts} choices); this server holds at most {capacity} at once "
-                            "(--max-num-seqs + --max-queue)", param="n")
-
-
-async def _admit(state: ServerState, body, request: Request) -> Generation:
-    """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine).
-
-    Its sequences use the prefix-cache partition of its API key and its ``cache_salt`` (server.auth).
-    """
-    if body.model is not None and body.model not in (state.model_name, "default"):
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
-    completions = isinstance(body, CompletionRequest)
-    _check_request_size(state, body, completions)
-    prepare_all = prepare_prompts if completions else prepare
-    prepared = await _tokenizing(_prompt_chars(body), prepare_all, state, body)
-    grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
-    salt = ApiKeys.cache_salt(request, body.cache_salt)
-    for one in prepared if completions else [prepared]:
-        one.grammar, one.cache_salt = grammar, salt
-    if completions:  # one prompt or several, numbered as OpenAI numbers them
-        generation = PromptGroups(state, prepared, body.n, body.prompts)
-    else:
-        generation = Generation(state, prepared)
-    try:
-        generation.start()
-    except QueueFull as exc:
-        state.metrics.rejected.labels(reason="queue_full").inc()
-        raise ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from exc
-    except RuntimeError as exc:
-        raise ApiError(503, str(exc)) from exc
-    return generation
-
-
 async def _complete(state: ServerState, body, request: Request, chat: bool):
-    generation = await _admit(state, body, request)
+    generation = await admit(state, body, request)
     prefix = "chatcmpl-" if chat else "cmpl-"
     # vLLM's form: the response id is the request id (x-request-id when the client sent one)
     fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer,
@@ -333,16 +260,8 @@ async def _collect(generation: Generation | PromptGroups, fmt: Formatter, reques
             if update.finish_reason is not None:
                 reasons[update.index] = update.finish_reason
 
-    task = asyncio.create_task(consume())
-    try:
-        while not task.done():
-            await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-            if not task.done() and await request.is_disconnected():
-                task.cancel()
-                return Response(status_code=499)  # client gone: nobody reads this
-        task.result()
-    finally:
-        generation.abort()
+    if not await until_done_or_gone(consume(), request, generation):
+        return Response(status_code=499)  # client gone: nobody reads this
     if isinstance(generation, PromptGroups):  # best_of: keep the n best candidates of each prompt
         texts, tokens, reasons, offsets = generation.pick_best(texts, tokens, reasons, offsets)
     echoes = {i: fmt.echo_prefix(i, prompt_text(i), want_logprobs) for i in texts} if echo else {}

@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 
 from kvserve.engine.plan import TokenLogprob
 from kvserve.scheduler.sequence import SeqEvent, Sequence
@@ -136,6 +136,10 @@ class Generation:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
+    def prompt_ids(self, index: int) -> list[int]:
+        """The prompt's tokens of choice ``index`` (every choice shares one prompt; PromptGroups has several)."""
+        return self.prepared.prompt_ids
+
     def timings(self, index: int) -> dict:
         """Queue time, TTFT (ms) and decode tokens/s of one choice, as measured by the server."""
         choice = self._choice(index)
@@ -147,6 +151,38 @@ class Generation:
         timings = {"queue_ms": round(queue_ms, 3), "ttft_ms": round(ttft_ms, 3), "decode_tokens_per_s": round(tps, 3),
                    "prompt_tokens": len(self.prepared.prompt_ids), "completion_tokens": choice.completion_tokens,
                    "cached_tokens": seq.num_cached_tokens or 0}
-        if self.state.service.scheduler.draft is not None:  # speculative decoding: what it drafted and kept
+        if self.state.speculating:  # speculative decoding: what it drafted and kept
             timings |= {"draft_tokens": seq.num_draft_tokens, "accepted_tokens": seq.num_accepted_tokens}
         return timings
+
+
+DISCONNECT_POLL_S = 0.5  # how often a non-streamed request checks that its client is still there: a hung-up
+                         # client's tokens stop within half a second (a streamed one is stopped by its send failing)
+
+
+async def until_done_or_gone(consume: Coroutine, request, generation) -> bool:
+    """Run ``consume`` (a non-streamed request's reading of ``generation``) to its end, unless the client hangs
+    up first; the generation is aborted either way, so its slot is freed.
+
+    Args:
+        consume: the coroutine that reads every update.
+        request: the starlette Request (``is_disconnected`` is polled every ``DISCONNECT_POLL_S``).
+        generation: what ``consume`` reads.
+
+    Returns:
+        True when ``consume`` finished; False when the client went away (the caller answers 499).
+
+    Raises:
+        whatever ``consume`` raised (an ApiError for an engine error).
+    """
+    task = asyncio.create_task(consume)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                return False
+        task.result()
+        return True
+    finally:
+        generation.abort()

@@ -118,7 +118,7 @@ class Formatter:
         self.text_base[index] = len(prompt_text)  # the completion's offsets start after the echoed prompt
         if not want_logprobs:
             return prompt_text, None
-        prompt_ids = self.generation.prompt_ids(index)  # completions only: a PromptGroups
+        prompt_ids = self.generation.prompt_ids(index)
         first = TokenLogprob(token_id=prompt_ids[0], logprob=0.0)
         return prompt_text, self._completion_logprobs(index, [first] + self.generation.prompt_logprobs(index))
 

@@ -14,10 +14,8 @@ Streaming sends OpenAI's event sequence (each with ``sequence_number``)::
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
 from typing import ClassVar
 
 from fastapi import FastAPI, Request
@@ -25,9 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
 from sse_starlette.sse import EventSourceResponse
 
+from kvserve.server.admission import admit
 from kvserve.server.drain import Drain
 from kvserve.server.errors import ApiError
-from kvserve.server.generation import Generation
+from kvserve.server.generation import Generation, until_done_or_gone
 from kvserve.server.schemas import ChatCompletionRequest, _NullMeansDefault
 from kvserve.server.state import ServerState
 
@@ -138,10 +137,8 @@ class ResponsesRequest(_NullMeansDefault):
                                      user=self.user, cache_salt=self.cache_salt)
 
 
-_DISCONNECT_POLL_S = 0.5  # how often a non-streamed response checks that its client is still there
 _STATUS = {"length": "incomplete", "abort": "incomplete", "error": "failed"}  # finish reason -> response status
 _INCOMPLETE = {"length": {"reason": "max_output_tokens"}, "abort": {"reason": "server_shutdown"}}
-Admit = Callable[[ServerState, ChatCompletionRequest, Request], Awaitable[Generation]]
 
 
 class _ResponseBuilder:
@@ -191,8 +188,9 @@ class _ResponseBuilder:
         return out
 
 
-def register(app: FastAPI, state: ServerState, dependencies: list, admit: Admit) -> None:
-    """Add ``POST /v1/responses`` to ``app``; ``admit`` queues a chat request (app's, with its 4xx/429s)."""
+def register(app: FastAPI, state: ServerState, dependencies: list) -> None:
+    """Add ``POST /v1/responses`` to ``app``; its body is admitted as the chat request it becomes (server.admission,
+    with chat's 4xx/429s)."""
 
     @app.post("/v1/responses", dependencies=dependencies)
     async def responses(body: ResponsesRequest, request: Request):
@@ -217,16 +215,8 @@ def register(app: FastAPI, state: ServerState, dependencies: list, admit: Admit)
                 if update.finish_reason is not None:
                     reasons.append(update.finish_reason)
 
-        task = asyncio.create_task(consume())
-        try:
-            while not task.done():  # a client that hung up stops its generation (as chat does)
-                await asyncio.wait({task}, timeout=_DISCONNECT_POLL_S)
-                if not task.done() and await request.is_disconnected():
-                    task.cancel()
-                    return Response(status_code=499)
-            task.result()
-        finally:
-            generation.abort()
+        if not await until_done_or_gone(consume(), request, generation):  # a client that hung up stops it
+            return Response(status_code=499)
         return JSONResponse(builder.response("".join(parts), reasons[-1] if reasons else None))
 
 

@@ -6,6 +6,7 @@ import argparse
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
+from kvserve import environment
 from kvserve.kvcache.sizing import parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.quant.options import Scheme
@@ -17,7 +18,9 @@ log = logging.getLogger("kvserve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``kvserve serve`` (each maps to a ServeConfig field)."""
+    """Flags of ``kvserve serve`` (each maps to a ServeConfig field); the environment variables in the epilog."""
+    parser.epilog = environment.help_text()
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     d = ServeConfig()
     parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2)")
     parser.add_argument("--host", default=d.host)
@@ -210,6 +213,8 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        for line in environment.check():  # every switch read once, before anything loads
+            log.info("environment: %s", line)
         config = config_from_args(args)
         if config.step_log:
             open(config.step_log, "a").close()  # a bad path fails now, not after the model has loaded
@@ -218,8 +223,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     # All torch work (loading, pool allocation, every step) runs on this one thread. A parallel region on
     # the main thread too would start a second OpenMP team; libgomp then counts more threads than CPUs,
-    # stops spinning between regions and sleeps on futexes instead: at batch 8 on 2 cores, 93 ms per decode
-    # step instead of 66 ms, CPU use 137% instead of 199% (`python -m kvserve.loadtest.kernelbench --threads`).
+    # stops spinning between regions and sleeps on futexes instead (BENCHMARKS.md, "One engine thread").
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
     try:
         state = engine_thread.submit(build_state, config, engine_thread).result()

@@ -28,10 +28,14 @@ from kvserve.server.snapshot import StepTrace
 
 log = logging.getLogger("kvserve.server")
 
-_PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line
-_CALIBRATION_CONTEXT = 256  # context (tokens) of the rows timed for speculation's step-cost curve
-_CALIBRATION_ROUNDS = 5     # timed rounds of every size (the median is kept), after a warm-up round
-_CALIBRATION_BUDGET_S = 10.0  # no further round starts after this long (s): bounded on a loaded machine
+_PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line: a round chat-sized context, not the
+                          # model's limit (the line is an example; `kvserve plan` answers for any context)
+_CALIBRATION_CONTEXT = 256  # context (tokens) of the rows timed for speculation's step-cost curve: a chat
+                            # turn's order of magnitude; the curve is relearned from served steps anyway
+_CALIBRATION_ROUNDS = 5     # timed rounds of every size (the median is kept), after a warm-up round: the
+                            # fewest whose median ignores two stray slow rounds
+_CALIBRATION_BUDGET_S = 10.0  # no further round starts after this long (s): bounded on a loaded machine, where
+                              # unbounded rounds once made start-up take 110 s
 
 
 class StepLog:
@@ -157,7 +161,7 @@ class ServerState:
         # or as a list of token ids; 1 MiB at least, for short-context models with long sampling options
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        speculating = config.speculative is not Drafter.OFF
+        speculating = self.speculating = config.speculative is not Drafter.OFF
         self.drafter = self._drafter(config, draft, num_blocks) if speculating else None
         self.runner = ModelRunner(loaded, self.pool, self.drafter)
         policy = self._draft_policy(config, blocks) if speculating else None

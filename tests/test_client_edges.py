@@ -92,9 +92,9 @@ def test_start_log_says_why_each_forward_path_was_chosen(smollm2, caplog, monkey
     half = copy.deepcopy(smollm2.model).bfloat16()
     assert "the weights are bfloat16" in kernels_off_reason(half) and "--dtype float32" in kernels_off_reason(half)
     monkeypatch.setattr(kernels, "load", lambda build=True: None)
-    monkeypatch.setenv("KVSERVE_QUANT_KERNELS", "0")
-    assert "KVSERVE_QUANT_KERNELS=0 turns them off" in kernels_off_reason(smollm2.model)
-    monkeypatch.setenv("KVSERVE_QUANT_KERNELS", "1")
+    monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "0")
+    assert "KVSERVE_NATIVE_KERNELS=0 turns them off" in kernels_off_reason(smollm2.model)
+    monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "1")
     assert "could not be built" in kernels_off_reason(smollm2.model)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):

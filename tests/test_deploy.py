@@ -150,7 +150,7 @@ def test_entrypoint_dry_run_prints_the_command(tmp_path):
 
 @pytest.mark.parametrize("switch", ["1", "TRUE", "on"])
 def test_entrypoint_dry_run_prints_a_given_command_too(switch):
-    env = {"KVSERVE_DRY_RUN": switch, "KVSERVE_FASTPATH": "0", "KVSERVE_QUANT_KERNELS": "0"}
+    env = {"KVSERVE_DRY_RUN": switch, "KVSERVE_FASTPATH": "0", "KVSERVE_NATIVE_KERNELS": "0"}
     proc = subprocess.run(["bash", str(ENTRYPOINT), "kvserve", "plan", "--memory", "8 GiB"],
                           env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, text=True, timeout=30)
     # variables kvserve reads itself are known, not reported as typos

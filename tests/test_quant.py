@@ -105,7 +105,7 @@ def test_stacking_row_major_layers_keeps_their_layout_even_when_the_sum_fills_pa
     assert torch.allclose(fused(x), torch.cat([m(x) for m in parts], dim=-1), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.skipif(shutil.which("c++") is None or os.environ.get("KVSERVE_QUANT_KERNELS", "1") == "0",
+@pytest.mark.skipif(shutil.which("c++") is None or not environment.native_kernels_on(),
                     reason="no C++ compiler here (or kernels disabled): the reference path serves")
 def test_kernels_build_where_a_compiler_exists():
     # the kernel tests below skip when the build fails, so a broken build must fail here instead of hiding

@@ -1,0 +1,135 @@
+"""Every environment variable kvserve's own code reads, in one table, and the one place that reads them.
+
+A variable is a switch for debugging or a path, never a serving setting (those are ``kvserve serve`` flags; the
+container's ``KVSERVE_*`` settings are flags too, which ``docker/entrypoint.sh`` turns into them). ``kvserve
+serve --help`` prints this table (``help_text``), docs/operations.md lists it, and ``check`` reads every switch
+at start-up so that a bad value stops the server before it loads anything.
+
+The values are read when asked (``value``), not once at import: the kernels' build, the lean forward and the
+weight cache are each set up once per process anyway, and tests set a variable for one subprocess.
+
+This module imports nothing of kvserve and no third-party package, so that every layer may read it.
+"""
+
+from __future__ import annotations
+
+import os
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Variable:
+    """One environment variable.
+
+    Attributes:
+        name: its name.
+        default: the value when unset (a description for a path).
+        does: what it does, in one line.
+        choices: the values it takes (empty: any).
+        replaces: an earlier name still read, with a warning (``check``), when the new one is unset.
+    """
+
+    name: str
+    default: str
+    does: str
+    choices: tuple[str, ...] = ()
+    replaces: str | None = None
+
+
+FASTPATH = Variable("KVSERVE_FASTPATH", "1", "0 runs transformers' own forward instead of the lean Llama-family one "
+                    "(engine/fastpath.py): a debugging switch", ("0", "1"))
+NATIVE_KERNELS = Variable("KVSERVE_NATIVE_KERNELS", "1", "0 turns off every C++ kernel (projections, RMSNorm, RoPE, "
+                          "attention): pure PyTorch, for debugging", ("0", "1"), replaces="KVSERVE_QUANT_KERNELS")
+ISA = Variable("KVSERVE_ISA", "the best the CPU has", "forces the kernels' instruction-set path (a lesser one on "
+               "any CPU; a greater one than the CPU has falls back to the best it has)", ("scalar", "avx2", "avx512"))
+CACHE = Variable("KVSERVE_CACHE", "~/.cache/kvserve", "where converted weights, quantized codes and emulator builds "
+                 "are kept")
+HUB_OFFLINE = Variable("HF_HUB_OFFLINE", "1", "kvserve never downloads: set to 1 unless the environment says "
+                       "otherwise, before transformers loads")
+CLIENT_URL = Variable("KVSERVE_URL", "", "the server `python -m kvserve.clients` talks to (its --url; unset: "
+                     "http://127.0.0.1:8000)")
+CLIENT_API_KEY = Variable("KVSERVE_API_KEY", "", "the bearer token `python -m kvserve.clients` sends (its --api-key; "
+                         "the container's entrypoint passes it to kvserve serve as --api-key)")
+
+VARIABLES = (FASTPATH, NATIVE_KERNELS, ISA, CACHE, HUB_OFFLINE, CLIENT_URL, CLIENT_API_KEY)
+
+
+def value(variable: Variable) -> str:
+    """The variable's value (stripped; an ISA lower-cased), its earlier name's where only that is set, else its
+    default. Paths are not validated here.
+
+    Raises:
+        ValueError: a value outside ``variable.choices`` (the message lists them).
+    """
+    raw = os.environ.get(variable.name)
+    if raw is None and variable.replaces is not None:
+        raw = os.environ.get(variable.replaces)
+    if raw is None or not raw.strip():
+        return variable.default
+    text = raw.strip().lower() if variable.choices else raw
+    if variable.choices and text not in variable.choices:
+        raise ValueError(f"{variable.name}={raw!r}: expected one of {', '.join(variable.choices)} (or unset: "
+                         f"{variable.default})")
+    return text
+
+
+def fastpath_on() -> bool:
+    """Whether the lean forward may run (``KVSERVE_FASTPATH`` is not 0)."""
+    return value(FASTPATH) != "0"
+
+
+def native_kernels_on() -> bool:
+    """Whether the C++ kernels may be built and run (``KVSERVE_NATIVE_KERNELS`` is not 0)."""
+    return value(NATIVE_KERNELS) != "0"
+
+
+def forced_isa() -> str | None:
+    """The path ``KVSERVE_ISA`` forces, or None when unset.
+
+    Raises:
+        ValueError: a path kvserve does not have.
+    """
+    chosen = value(ISA)
+    return None if chosen == ISA.default else chosen
+
+
+def cache_dir() -> Path:
+    """``$KVSERVE_CACHE``, or ``~/.cache/kvserve``."""
+    chosen = value(CACHE)
+    return Path.home() / ".cache" / "kvserve" if chosen == CACHE.default else Path(chosen)
+
+
+def stay_offline() -> None:
+    """Tell the Hugging Face libraries never to reach a hub, unless the environment already says what to do
+    (called before transformers is imported by the model loader)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def check() -> list[str]:
+    """Read every variable once (at start-up) and return the lines a start log shows: each one that is set, and
+    a warning for an earlier name still in use.
+
+    Raises:
+        ValueError: a value a variable does not take.
+    """
+    lines = []
+    for variable in VARIABLES:
+        value(variable)
+        if variable.name in os.environ:
+            lines.append(f"{variable.name}={os.environ[variable.name]}")
+        elif variable.replaces is not None and variable.replaces in os.environ:
+            lines.append(f"{variable.replaces}={os.environ[variable.replaces]} (an earlier name: use "
+                         f"{variable.name})")
+    return lines
+
+
+def help_text() -> str:
+    """The table as ``--help`` prints it: a line per variable."""
+    width = max(len(v.name) for v in VARIABLES)
+    rows = [textwrap.fill(v.does + (f" (default: {v.default})" if v.default else ""), 100,
+                          initial_indent=f"  {v.name:<{width}}  ", subsequent_indent=" " * (width + 4))
+            for v in VARIABLES]
+    return "environment variables (switches and paths, not settings):\n" + "\n".join(rows)

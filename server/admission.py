@@ -1,0 +1,92 @@
+"""Admission: a chat or completions body becomes a queued Generation, or a 4xx/429/503.
+
+One home for what the chat, completions and Responses routes share: the size limits checked before any work,
+tokenizing long prompts off the event loop, compiling a grammar, the prefix-cache partition, and queuing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+
+from fastapi import Request
+
+from kvserve.scheduler.service import QueueFull
+from kvserve.server import structured
+from kvserve.server.auth import ApiKeys
+from kvserve.server.errors import ApiError
+from kvserve.server.generation import Generation
+from kvserve.server.prepare import prepare
+from kvserve.server.prompts import PromptGroups, prepare_prompts
+from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
+from kvserve.server.state import ServerState
+
+# Prompts longer than this (characters) are tokenized on a worker thread: megabytes take seconds to tokenize, and
+# on the event loop that would stall every other stream (the tokenizer releases the GIL while it works).
+_TOKENIZE_OFF_LOOP_CHARS = 32_768
+
+
+# At most this many long prompts are tokenized (or templated) at once, off the loop: a flood of them waits here
+# instead of taking every worker thread of the loop's default executor.
+_TOKENIZING = asyncio.Semaphore(2)
+
+
+async def tokenizing(chars: int, fn: Callable, *args):
+    """``fn(*args)``: on the event loop for a short prompt, else on a worker thread, two at a time."""
+    if chars <= _TOKENIZE_OFF_LOOP_CHARS:
+        return fn(*args)
+    async with _TOKENIZING:
+        return await asyncio.to_thread(fn, *args)
+
+
+def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
+    if isinstance(body, ChatCompletionRequest):
+        return sum(len(message.text) for message in body.messages)
+    return sum(len(prompt) for prompt in body.prompts if isinstance(prompt, str))
+
+
+def _check_request_size(state: ServerState, body, completions: bool) -> None:
+    """Refuse, before tokenizing or queuing anything, a request that could never be admitted whole: more prompts
+    than ``--max-prompts-per-request``, or more sequences (prompts x choices) than the server holds at once
+    (``--max-num-seqs`` running + ``--max-queue`` waiting). Otherwise one body could fill the queue for everyone."""
+    config = state.config
+    prompts = len(body.prompts) if completions else 1
+    if prompts > config.max_prompts_per_request:
+        raise ApiError(400, f"this request has {prompts} prompts; at most {config.max_prompts_per_request} are "
+                            "allowed per request (--max-prompts-per-request)", param="prompt")
+    sequences = prompts * (body.candidates if completions else body.n)
+    capacity = config.max_num_seqs + config.max_queue
+    if sequences > capacity:
+        raise ApiError(400, f"this request needs {sequences} sequences ({prompts} prompt(s) x "
+                            f"{sequences // prompts} choices); this server holds at most {capacity} at once "
+                            "(--max-num-seqs + --max-queue)", param="n")
+
+
+async def admit(state: ServerState, body, request: Request) -> Generation:
+    """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine).
+
+    Its sequences use the prefix-cache partition of its API key and its ``cache_salt`` (server.auth).
+    """
+    if body.model is not None and body.model not in (state.model_name, "default"):
+        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+    completions = isinstance(body, CompletionRequest)
+    _check_request_size(state, body, completions)
+    prepare_all = prepare_prompts if completions else prepare
+    prepared = await tokenizing(_prompt_chars(body), prepare_all, state, body)
+    grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
+    salt = ApiKeys.cache_salt(request, body.cache_salt)
+    for one in prepared if completions else [prepared]:
+        one.grammar, one.cache_salt = grammar, salt
+    if completions:  # one prompt or several, numbered as OpenAI numbers them
+        generation = PromptGroups(state, prepared, body.n, body.prompts)
+    else:
+        generation = Generation(state, prepared)
+    try:
+        generation.start()
+    except QueueFull as exc:
+        state.metrics.rejected.labels(reason="queue_full").inc()
+        raise ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from exc
+    except RuntimeError as exc:
+        raise ApiError(503, str(exc)) from exc
+    return generation
