@@ -23,6 +23,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "quant": ("kvserve.loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
     "cluster": ("kvserve.loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
     "structured": ("kvserve.loadtest.structured", "grammar compile time and the throughput cost of constrained decoding"),
+    "prefill": ("kvserve.loadtest.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
     "hashbench": ("kvserve.loadtest.hashbench", "prefix-cache hashing cost per full block: hash() vs SHA-256"),
     "ui": ("kvserve.loadtest.uibench", "serving throughput with the live page open, against without it"),
     "speculative": ("kvserve.loadtest.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
