@@ -27,17 +27,18 @@ from kvserve.server.admission import admit
 from kvserve.server.drain import Drain
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation, until_done_or_gone
-from kvserve.server.schemas import ChatCompletionRequest, _NullMeansDefault
+from kvserve.server.schemas import ChatCompletionRequest
+from kvserve.server.validation import RequestModel
 from kvserve.server.state import ServerState
 
 
-class InputPart(_NullMeansDefault):
+class InputPart(RequestModel):
     model_config = ConfigDict(extra="ignore")
     type: str
     text: str = ""
 
 
-class InputMessage(_NullMeansDefault):
+class InputMessage(RequestModel):
     """A message item of ``input``; other item types (function call outputs, ...) are 400s."""
 
     model_config = ConfigDict(extra="ignore")
@@ -64,7 +65,7 @@ class InputMessage(_NullMeansDefault):
         return "".join(part.text for part in self.content)
 
 
-class ResponsesRequest(_NullMeansDefault):
+class ResponsesRequest(RequestModel):
     """The request body of ``POST /v1/responses`` (fields as OpenAI's API reference)."""
 
     model_config = ConfigDict(extra="ignore", allow_inf_nan=False)

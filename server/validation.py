@@ -1,0 +1,97 @@
+"""How every request body is checked before any field is read: strict types, null meaning "the default", and a
+whole-body pass (nesting depth, lone surrogates) whose 400 names the place. The bodies themselves are in
+server/schemas.py (chat, completions, tokenize) and server/responses.py (the Responses API).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+import typing
+from typing import ClassVar
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class RequestModel(BaseModel):
+    """An explicit ``null`` for a field with a default gives the default, as OpenAI's nullable fields and vLLM
+    do (SDKs and proxies send ``"temperature": null``); a required field stays required.
+
+    Types are strict, as OpenAI's API is: a boolean is not an integer (``"max_tokens": true`` is a 400, not 1)
+    and a string is not a number (``"n": "2"`` is a 400); an integer is still a valid float.
+
+    An integral float is an integer (``"n": 1.0``), as JSON Schema's ``integer`` says. A request body (the
+    classes with ``_is_body``) is checked once as a whole by ``check_json``: nesting depth and lone surrogates.
+    """
+
+    model_config = ConfigDict(strict=True)  # subclasses' model_config merges with this
+    _is_body: ClassVar[bool] = False
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_nulls(cls, data):
+        if not isinstance(data, dict):
+            return data
+        if cls._is_body:
+            check_json(data)
+        fields, integers = cls.model_fields, _integer_fields(cls)
+        return {key: int(value) if key in integers and isinstance(value, float) and value.is_integer() else value
+                for key, value in data.items()
+                if value is not None or key not in fields or fields[key].is_required()}
+
+
+class BodyError(ValueError):
+    """A ValueError about one place in a request body, which the 400 names as its ``param``: pydantic reports a
+    whole-body check (``check_json``) at no field, so the place travels with the exception."""
+
+    def __init__(self, message: str, param: str | None):
+        super().__init__(message)
+        self.param = param
+
+
+MAX_JSON_DEPTH = 64  # objects and arrays within one another in a request body; deeper is a 400, never a RecursionError
+
+
+def check_json(value) -> None:
+    """Refuse what no field could use and what would break later: nesting deeper than ``MAX_JSON_DEPTH``, and text
+    with lone surrogates (``"\\ud800"``: not Unicode, so it cannot be tokenized, compiled or echoed as UTF-8).
+
+    Raises:
+        BodyError: naming the place (``messages.0.content``) and the limit.
+    """
+    stack = [(value, 0, "")]
+    while stack:
+        item, depth, path = stack.pop()
+        if isinstance(item, str):
+            _check_unicode(item, path)
+            continue
+        if not isinstance(item, (dict, list)):
+            continue
+        if depth >= MAX_JSON_DEPTH:
+            top = path.split('.')[0]
+            raise BodyError(f"{top or 'the body'}: nested more than {MAX_JSON_DEPTH} levels deep", top or None)
+        pairs = item.items() if isinstance(item, dict) else enumerate(item)
+        for key, child in pairs:
+            if isinstance(key, str):
+                _check_unicode(key, path)
+            stack.append((child, depth + 1, f"{path}.{key}" if path else str(key)))
+
+
+def _check_unicode(text: str, path: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BodyError(f"{path or 'a key'}: not valid Unicode text (a lone surrogate at position {exc.start})",
+                        path or None) from None
+
+
+@functools.cache
+def _integer_fields(cls: type) -> frozenset[str]:
+    """Fields of ``cls`` that take an integer and no float (``int``, ``int | None``)."""
+    names = set()
+    for name, info in cls.model_fields.items():
+        members = typing.get_args(info.annotation) if isinstance(info.annotation, types.UnionType) else (
+            info.annotation,)
+        if int in members and float not in members:
+            names.add(name)
+    return frozenset(names)
