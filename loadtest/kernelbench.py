@@ -61,7 +61,7 @@ def dense_vs_gemm() -> None:
 
 @torch.inference_mode()
 def quant_kernel_vs_dequantize() -> None:
-    import kvserve.quant.linear as ql
+    import kvserve.quant.layers as ql
     from kvserve.quant.schemes import quantize_activations
 
     for cls in (ql.Int8Linear, ql.Int4Linear):
@@ -149,7 +149,7 @@ def _per_call(fns, x, budget_s: float = 0.3) -> float:
 @torch.inference_mode()
 def ggml_path() -> None:
     """In this process (on the ISA path KVSERVE_ISA forces): one line per (kind, N, rows), as ``key=value``."""
-    import kvserve.quant.linear as ql
+    import kvserve.quant.layers as ql
     from kvserve import kernels
     from kvserve.quant.schemes import INT4_OFFSET
 

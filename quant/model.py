@@ -20,7 +20,8 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.quant import gptq
-from kvserve.quant.linear import LAYER_CLASSES, Int8Linear, QuantLinear
+from kvserve.quant.layers import LAYER_CLASSES, Int8Linear
+from kvserve.quant.linear import QuantLinear
 from kvserve.quant.schemes import SERVING_SPECS, QuantSpec, Scheme
 
 log = logging.getLogger("kvserve.quant")

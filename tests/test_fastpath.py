@@ -15,7 +15,8 @@ from kvserve.engine.rope import ROPE_TABLE_POSITIONS
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.pool import KVPool
 from kvserve import kernels
-from kvserve.quant.linear import Int4Linear, Int8Linear, concat_outputs
+from kvserve.quant.layers import Int4Linear, Int8Linear
+from kvserve.quant.linear import concat_outputs
 from kvserve.quant.model import quantize_model
 from tests.engineutil import BLOCK, GREEDY, engine_greedy, reference_greedy, reference_model, run_both, tiny
 

@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve import kernels
-from kvserve.quant.linear import Int4Linear, Int8Linear, Layout, NF4Linear, QuantLinear, concat_outputs
+from kvserve import environment, kernels
+from kvserve.quant.layers import Int4Linear, Int8Linear, NF4Linear
+from kvserve.quant.linear import Layout, QuantLinear, concat_outputs
 from kvserve.quant.model import projection_names, quantize_model, serving_quantizes_head
 from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
                            dequantize_nf4, fake_quantize, pack_int8_panels, pack_nibble_panels, pack_nibbles,
