@@ -284,7 +284,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
 async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, want_logprobs: bool, echo: bool,
                   prompt_text: Callable[[int], str] | None, drain: Drain):
     """The SSE events of a streamed reply. Every stream ends with ``[DONE]``: after each choice's final chunk;
-    on an engine error after that choice's final chunk (finish_reason ``error``) and the error object; at the
+    on an engine error or a reply that fell short of its grammar, after that choice's final chunk (finish_reason
+    ``error``) and the error object; at the
     drain's deadline after a final chunk with finish_reason ``abort`` for each choice still open."""
     echoed: set[int] = set()
     finished: set[int] = set()
@@ -296,7 +297,7 @@ async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, w
                 break
             if update.error is not None:
                 yield {"data": json.dumps(fmt.chunk(update, want_logprobs))}  # its finish_reason is "error"
-                yield {"data": json.dumps(ApiError(500, update.error, code="engine_error").body())}
+                yield {"data": json.dumps(update.error.body())}
                 yield {"data": "[DONE]"}
                 return
             if not (update.text or update.tokens or update.finish_reason):
@@ -326,7 +327,7 @@ async def _collect(generation: Generation | PromptGroups, fmt: Formatter, reques
     async def consume() -> None:
         async for update in generation.updates():
             if update.error is not None:
-                raise ApiError(500, update.error, code="engine_error")
+                raise update.error
             texts[update.index] += update.text
             tokens[update.index].extend(update.tokens)
             offsets[update.index].extend(update.offsets)

@@ -29,6 +29,10 @@ from kvserve.server.errors import ApiError
 MAX_SCHEMA_BYTES = 65_536   # a schema's JSON text; the largest real-world ones are a few kB
 MAX_SCHEMA_DEPTH = 32       # nesting of objects/arrays in the schema document
 COMPILE_TIMEOUT_S = 10.0    # wall time for one compilation (s)
+# a counted repetition (regex ``a{n}``, Lark ``"a"~n``) is unrolled into n states when the grammar is built:
+# 10,000 builds in milliseconds, a million takes seconds of CPU and a mask per token past llguidance's fuel
+MAX_REPEAT = 10_000
+MAX_CHOICES = 1_024         # options of a guided_choice (the choice list's JSON text is under MAX_SCHEMA_BYTES too)
 
 _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "lark"}
@@ -36,6 +40,8 @@ _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
 # keywords whose numbers the output may have to write (bounds and steps shape the number's regex)
 _NUMBER_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _JSON_NUMBER = re.compile(r"-?([0-9.]+)(?:[eE][+-]?([0-9]+))?")
+# the counts of a repetition: regex {n}, {n,} and {n,m} (not after a backslash), and Lark's ~n and ~n..m
+_REPEAT_COUNTS = re.compile(r"(?<!\\)\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}|~\s*([0-9]+)(?:\s*\.\.\s*([0-9]+))?")
 
 
 def _depth(value, level: int = 0) -> int:
@@ -89,7 +95,33 @@ def _schema_problem(text: str) -> str | None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         return f"is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")
+    return next(filter(None, map(repetition_problem, _patterns(schema))), None)
+
+
+def repetition_problem(text: str) -> str | None:
+    """Why a regex or Lark grammar's counted repetitions cannot be built (a count past ``MAX_REPEAT``), or None.
+    Read from the text: a brace that is not a repetition (inside a class or a quoted literal) is counted too,
+    which can only refuse, never let a large one through."""
+    for match in _REPEAT_COUNTS.finditer(text):
+        # a count of 10+ digits is past the limit without reading it (int() refuses 4,300+ digits)
+        count = max(int(number) if len(number) < 10 else 10**9 for number in match.groups() if number)
+        if count > MAX_REPEAT:
+            return (f"repeats {match.group().strip()[:24]!r}, more than the limit of {MAX_REPEAT:,} "
+                    "repetitions a grammar may count")
     return None
+
+
+def _patterns(value) -> list[str]:
+    """The regexes of a schema's ``pattern`` and ``patternProperties`` keywords, nested ones included."""
+    if isinstance(value, list):
+        return [p for item in value for p in _patterns(item)]
+    if not isinstance(value, dict):
+        return []
+    found = [value["pattern"]] if isinstance(value.get("pattern"), str) else []
+    if isinstance(value.get("patternProperties"), dict):
+        found += list(value["patternProperties"])
+    return found + [p for key, item in value.items() if key not in ("const", "enum", "default", "examples")
+                    for p in _patterns(item)]
 
 
 def _long_number(value, where: str = "") -> tuple[str, str] | None:
@@ -182,11 +214,20 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise ApiError(400, f"{param} must be a non-empty list of strings", param=param)
-        return GrammarSpec("choice", json.dumps(value))
+        if len(value) > MAX_CHOICES:
+            raise ApiError(400, f"{param} has {len(value):,} options, more than the limit of {MAX_CHOICES:,}",
+                           param=param)
+        text = json.dumps(value)
+        if len(text.encode()) > MAX_SCHEMA_BYTES:
+            raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
+        return GrammarSpec("choice", text)
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"{param} must be a non-empty string", param=param)
     if len(value.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
+    problem = repetition_problem(value)
+    if problem is not None:
+        raise ApiError(400, f"{param} {problem}", param=param)
     return GrammarSpec(kind, value)
 
 
