@@ -132,7 +132,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
             return JSONResponse({"status": "unhealthy", "error": repr(state.service.dead)}, status_code=503)
         return {"status": "draining" if drain.draining else "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
