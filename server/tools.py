@@ -99,10 +99,9 @@ def forced_grammar(body, tool_parameters: Callable[[dict, str], dict]) -> Gramma
     for index, f in enumerate(fns):
         parameters = tool_parameters(f["parameters"], f"tools.{index}.function.parameters")
         # the arguments are a JSON document of their own, the parameters its root schema, so that the schema's
-        # references ("#/$defs/...", "#") resolve against it; the call's header around it is literal text, in
-        # the separators JSON_OPTIONS writes
-        header = "{" + json.dumps("name") + JSON_OPTIONS["key_separator"] + json.dumps(f["name"]) \
-            + JSON_OPTIONS["item_separator"] + json.dumps("arguments") + JSON_OPTIONS["key_separator"]
+        # references ("#/$defs/...", "#") resolve against it; the call's JSON around them is literal text,
+        # spaced as JSON_OPTIONS spaces the arguments
+        header = '{"name": ' + json.dumps(f["name"]) + ', "arguments": '
         arguments = parameters | {"x-guidance": JSON_OPTIONS}
         alternatives.append(f"{json.dumps(header)} %json {json.dumps(arguments)} \"}}\"")
     repeat = "+" if body.parallel_tool_calls is not False else ""
