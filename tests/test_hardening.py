@@ -164,6 +164,10 @@ def _stream_events(response: httpx.Response) -> list:
     ("guided_grammar", 'start: "a"~50000', "limit of 10,000 repetitions"),
     ("guided_grammar", 'start: a\na: a "x"\n', "admits no output"),    # no rule that ends
     ("guided_json", {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}, "admits no output"),
+    ("guided_json", {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                                        "required": ["next"]}}, "$ref": "#/$defs/node"}, "admits no output"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "t", "schema": {
+        "type": "array", "minItems": 1, "items": {"$ref": "#"}}}}, "admits no output"),
     ("guided_json", {"type": "string", "pattern": "[0-9]{99999}"}, "limit of 10,000 repetitions"),
     ("guided_choice", [f"option {i}" for i in range(5000)], "limit of 1,024"),
 ])
