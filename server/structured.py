@@ -24,15 +24,12 @@ import jsonschema
 from kvserve.engine.closing import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS
 from kvserve.engine.constraints import Grammar, GrammarError, GrammarSpec
 from kvserve.server import tools
+from kvserve.server.grammar_limits import has_finite_value, lark_problem, patterns, repetition_problem
 from kvserve.server.errors import ApiError
 
 MAX_SCHEMA_BYTES = 65_536   # a schema's JSON text; the largest real-world ones are a few kB
 MAX_SCHEMA_DEPTH = 32       # nesting of objects/arrays in the schema document
 COMPILE_TIMEOUT_S = 10.0    # wall time for one compilation (s)
-# a counted repetition (regex ``a{n}``, Lark ``"a"~n``) is unrolled into n states when the grammar is built:
-# 10,000 builds in milliseconds, a million takes seconds of CPU and a mask per token past llguidance's fuel
-MAX_REPEAT = 10_000
-MAX_DEFS_CHECKED = 200      # $defs past which a schema's $ref cycles are not read (the check is quadratic)
 MAX_CHOICES = 1_024         # options of a guided_choice (the choice list's JSON text is under MAX_SCHEMA_BYTES too)
 
 _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
@@ -41,8 +38,6 @@ _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
 # keywords whose numbers the output may have to write (bounds and steps shape the number's regex)
 _NUMBER_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
 _JSON_NUMBER = re.compile(r"-?([0-9.]+)(?:[eE][+-]?([0-9]+))?")
-# the counts of a repetition: regex {n}, {n,} and {n,m} (not after a backslash), and Lark's ~n and ~n..m
-_REPEAT_COUNTS = re.compile(r"(?<!\\)\{\s*([0-9]+)\s*(?:,\s*([0-9]*)\s*)?\}|~\s*([0-9]+)(?:\s*\.\.\s*([0-9]+))?")
 
 
 def _depth(value, level: int = 0) -> int:
@@ -96,87 +91,10 @@ def _schema_problem(text: str) -> str | None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         return f"is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")
-    if not _has_finite_value(schema):
+    if not has_finite_value(schema):
         return ("admits no output at all: every value it allows contains itself (a required $ref cycle with no "
                 "way out, such as a required property that refers back to its object)")
-    return next(filter(None, map(repetition_problem, _patterns(schema))), None)
-
-
-def _has_finite_value(root: dict) -> bool:
-    """Whether some finite JSON value can satisfy ``root`` as far as its local ``$ref`` cycles go (the least fixed
-    point over its ``$defs``: a definition has a finite value once one of its ways out does). Keywords read:
-    ``$ref``, ``required`` properties, ``allOf``/``anyOf``/``oneOf`` and ``minItems`` of ``items``; whatever else a
-    schema says is taken to allow a finite value, so this refuses only true cycles. Past ``MAX_DEFS_CHECKED``
-    definitions it is not checked (a pass per definition: quadratic, and it runs on the event loop)."""
-    defs = {f"#/{key}/{name}": sub for key in ("$defs", "definitions") if isinstance(root.get(key), dict)
-            for name, sub in root[key].items()}
-    if len(defs) > MAX_DEFS_CHECKED:
-        return True
-    defs["#"] = root
-    finite: set[str] = set()
-    changed = True
-    while changed:
-        changed = False
-        for ref, sub in defs.items():
-            if ref not in finite and _finite(sub, finite, defs.keys()):
-                finite.add(ref)
-                changed = True
-    return "#" in finite
-
-
-
-def _finite(schema, finite: set[str], known) -> bool:
-    """Whether ``schema`` allows a finite value when, of the ``known`` references, only those in ``finite`` do
-    (see above); a reference to anything else is not read here."""
-    if not isinstance(schema, dict):
-        return schema is not False
-
-    def allows(sub) -> bool:
-        return _finite(sub, finite, known)
-
-    ref = schema.get("$ref")
-    if isinstance(ref, str) and ref in known and ref not in finite:
-        return False
-    properties = schema.get("properties") if isinstance(schema.get("properties"), dict) else {}
-    required = schema.get("required") if isinstance(schema.get("required"), list) else []
-    if any(not allows(properties[name]) for name in required if isinstance(name, str) and name in properties):
-        return False
-    if isinstance(schema.get("allOf"), list) and not all(map(allows, schema["allOf"])):
-        return False
-    for key in ("anyOf", "oneOf"):
-        options = schema.get(key)
-        if isinstance(options, list) and options and not any(map(allows, options)):
-            return False
-    min_items = schema.get("minItems", 0)
-    if isinstance(min_items, int) and min_items > 0 and isinstance(schema.get("items"), dict):
-        return allows(schema["items"])
-    return True
-
-
-def repetition_problem(text: str) -> str | None:
-    """Why a regex or Lark grammar's counted repetitions cannot be built (a count past ``MAX_REPEAT``), or None.
-    Read from the text: a brace that is not a repetition (inside a class or a quoted literal) is counted too,
-    which can only refuse, never let a large one through."""
-    for match in _REPEAT_COUNTS.finditer(text):
-        # a count of 10+ digits is past the limit without reading it (int() refuses 4,300+ digits)
-        count = max(int(number) if len(number) < 10 else 10**9 for number in match.groups() if number)
-        if count > MAX_REPEAT:
-            return (f"repeats {match.group().strip()[:24]!r}, more than the limit of {MAX_REPEAT:,} "
-                    "repetitions a grammar may count")
-    return None
-
-
-def _patterns(value) -> list[str]:
-    """The regexes of a schema's ``pattern`` and ``patternProperties`` keywords, nested ones included."""
-    if isinstance(value, list):
-        return [p for item in value for p in _patterns(item)]
-    if not isinstance(value, dict):
-        return []
-    found = [value["pattern"]] if isinstance(value.get("pattern"), str) else []
-    if isinstance(value.get("patternProperties"), dict):
-        found += list(value["patternProperties"])
-    return found + [p for key, item in value.items() if key not in ("const", "enum", "default", "examples")
-                    for p in _patterns(item)]
+    return next(filter(None, map(repetition_problem, patterns(schema))), None)
 
 
 def _long_number(value, where: str = "") -> tuple[str, str] | None:
@@ -280,7 +198,7 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
         raise ApiError(400, f"{param} must be a non-empty string", param=param)
     if len(value.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
-    problem = repetition_problem(value)
+    problem = repetition_problem(value) or (lark_problem(value) if kind == "lark" else None)
     if problem is not None:
         raise ApiError(400, f"{param} {problem}", param=param)
     return GrammarSpec(kind, value)

@@ -163,6 +163,8 @@ def _stream_events(response: httpx.Response) -> list:
     ("structured_outputs", {"regex": "(ab){20000,}"}, "limit of 10,000 repetitions"),
     ("guided_grammar", 'start: "a"~50000', "limit of 10,000 repetitions"),
     ("guided_grammar", 'start: a\na: a "x"\n', "admits no output"),    # no rule that ends
+    ("guided_grammar", 'start: a\na: "x" a\n', "admits no output"),
+    ("guided_grammar", 'start: "ok" (b | c)\nb: "y" c\nc: [b] "x" c\n', "admits no output"),
     ("guided_json", {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}, "admits no output"),
     ("guided_json", {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
                                         "required": ["next"]}}, "$ref": "#/$defs/node"}, "admits no output"),
@@ -181,9 +183,13 @@ def test_constraints_that_cannot_be_served_are_refused_before_queueing(server_ur
 
 
 def test_a_reply_that_stops_short_of_its_grammar_is_never_labelled_stop(server_url):
-    # "ok" is allowed, after it no token is (the rule b never ends): the reply cannot satisfy its grammar
+    import json
+
+    # "ok" is allowed, after it no token is (the embedded schema has no value); the checks before compiling do
+    # not read a grammar with %json, and llguidance learns it only after "ok": the reply cannot satisfy it
+    embedded = json.dumps({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})
     body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0,
-            "guided_grammar": 'start: "ok" b\nb: b "x"\n'}
+            "guided_grammar": f'start: "ok" %json {embedded}'}
     whole = _post(server_url, CHAT, body)
     assert whole.status_code == 400, whole.text
     assert whole.json()["error"]["code"] == "constraint_unsatisfied"
