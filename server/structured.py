@@ -8,8 +8,10 @@ Which fields are read (one of them per request; two is a 400):
 - ``tool_choice`` ``required`` or a named function (server.tools builds that grammar).
 
 Compilation runs on a worker thread (never the event loop, never the engine thread), is cached by spec in the
-engine's ``GrammarCompiler`` and is bounded: the schema's size and nesting are checked first, llguidance's parser
-limits bound its work, and a compile past ``COMPILE_TIMEOUT_S`` is a 400; each names the limit.
+engine's ``GrammarCompiler`` and is bounded: the schema's size and nesting are checked first, then what its text
+says it needs (server.grammar_limits: counted repetitions, a grammar with no finite output), llguidance's parser
+limits bound its work, and a compile past ``COMPILE_TIMEOUT_S`` is a 400; each names the limit. A grammar that
+admits no output at all is refused when compiled (engine.constraints).
 """
 
 from __future__ import annotations
