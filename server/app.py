@@ -115,7 +115,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health")  # a route each: GET and HEAD get operation ids of their own in /openapi.json
     async def health():
         """Readiness: 200 only while this replica takes new requests (routers and readiness probes ask)."""
         if not state.service.healthy:
@@ -125,7 +126,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
                                 headers=drain.refusal().headers)
         return {"status": "ok"}
 
-    @app.api_route("/live", methods=["GET", "HEAD"])
+    @app.get("/live")
+    @app.head("/live")  # a route each: GET and HEAD get operation ids of their own in /openapi.json
     async def live():
         """Liveness: 200 while the engine loop runs, draining or not (a draining pod must not be restarted)."""
         if not state.service.healthy:
