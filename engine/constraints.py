@@ -214,6 +214,7 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
         if matcher.is_error():
             raise GrammarError(_short(matcher.get_error()))
+        _check_has_output(matcher)
         grammar = Grammar(matcher, self.vocab_size, self._eos_ids or [self._hf_tokenizer.eos_token_id], self._table,
                           spec.is_json)
         with self._lock:
@@ -221,6 +222,33 @@ class GrammarCompiler:
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def _check_has_output(matcher: llguidance.LLMatcher) -> None:
+    """Refuse a grammar that admits no text at all (an empty class such as ``[^\\s\\S]``, a ``$ref`` to itself, a
+    rule with only a left-recursive alternative): llguidance builds it, and its first mask is an error. Served,
+    such a reply would be empty and would end at once.
+
+    Raises:
+        GrammarError: naming why (llguidance's reason).
+    """
+    probe = matcher.deep_copy()
+    probe.compute_bitmask()
+    if probe.is_error() and not matcher.is_accepting():
+        raise GrammarError(f"the grammar admits no output at all ({_short(probe.get_error())})")
+
+
+def unsatisfied(constraint: Constraint) -> str | None:
+    """Why the reply a sequence ended with does not satisfy its grammar, or None when it does: its matcher, synced
+    to every token but the last (the stop token, which no mask after it consumed), is not in an accepting state.
+    It happens where the grammar left no token to sample (a mask that was an error, such as a work limit hit
+    mid-reply): ``fill_masks`` then allows EOS so that the sequence ends.
+    """
+    matcher = constraint.matcher
+    if matcher.is_accepting():
+        return None
+    reason = _short(matcher.get_error()) if matcher.is_error() else "the grammar allowed no further token"
+    return f"the reply stops short of its constraint after {len(constraint.consumed)} tokens: {reason}"
 
 
 def _grammar_text(spec: GrammarSpec) -> str:
@@ -235,7 +263,7 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
 def _short(error: str) -> str:
     """llguidance's error without the parser-state dump it may append."""
-    return error.split("\n<state>")[0].strip()
+    return error.split("\n")[0].strip()
 
 
 # Masks of one step are computed here while the forward pass runs. This thread runs no torch ops: a second

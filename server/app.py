@@ -113,7 +113,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.get("/health")
+    @app.head("/health")  # a route each: GET and HEAD get operation ids of their own in /openapi.json
     async def health():
         """Readiness: 200 only while this replica takes new requests (routers and readiness probes ask)."""
         if not state.service.healthy:
@@ -123,14 +124,16 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
                                 headers=drain.refusal().headers)
         return {"status": "ok"}
 
-    @app.api_route("/live", methods=["GET", "HEAD"])
+    @app.get("/live")
+    @app.head("/live")  # a route each: GET and HEAD get operation ids of their own in /openapi.json
     async def live():
         """Liveness: 200 while the engine loop runs, draining or not (a draining pod must not be restarted)."""
         if not state.service.healthy:
             return JSONResponse({"status": "unhealthy", "error": repr(state.service.dead)}, status_code=503)
         return {"status": "draining" if drain.draining else "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=Response, responses={200: {
+        "description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -211,7 +214,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
 async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, want_logprobs: bool, echo: bool,
                   prompt_text: Callable[[int], str] | None, drain: Drain):
     """The SSE events of a streamed reply. Every stream ends with ``[DONE]``: after each choice's final chunk;
-    on an engine error after that choice's final chunk (finish_reason ``error``) and the error object; at the
+    on an engine error or a reply that fell short of its grammar, after that choice's final chunk (finish_reason
+    ``error``) and the error object; at the
     drain's deadline after a final chunk with finish_reason ``abort`` for each choice still open."""
     echoed: set[int] = set()
     finished: set[int] = set()
@@ -223,7 +227,7 @@ async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, w
                 break
             if update.error is not None:
                 yield {"data": json.dumps(fmt.chunk(update, want_logprobs))}  # its finish_reason is "error"
-                yield {"data": json.dumps(ApiError(500, update.error, code="engine_error").body())}
+                yield {"data": json.dumps(update.error.body())}
                 yield {"data": "[DONE]"}
                 return
             if not (update.text or update.tokens or update.finish_reason):
@@ -253,7 +257,7 @@ async def _collect(generation: Generation | PromptGroups, fmt: Formatter, reques
     async def consume() -> None:
         async for update in generation.updates():
             if update.error is not None:
-                raise ApiError(500, update.error, code="engine_error")
+                raise update.error
             texts[update.index] += update.text
             tokens[update.index].extend(update.tokens)
             offsets[update.index].extend(update.offsets)

@@ -12,9 +12,11 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
+from kvserve.engine.constraints import unsatisfied
 from kvserve.engine.plan import TokenLogprob
 from kvserve.scheduler.sequence import FinishReason, SeqEvent, Sequence
 from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher
+from kvserve.server.errors import ApiError
 
 
 @dataclass(slots=True)
@@ -30,7 +32,7 @@ class ChoiceUpdate:
     text: str = ""
     tokens: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
-    error: str | None = None
+    error: ApiError | None = None  # set with finish_reason "error": what the response or the stream's last event says
     offsets: list[int] = field(default_factory=list)
 
 
@@ -39,7 +41,8 @@ class Choice:
 
     Args:
         index: the choice's index in the response.
-        seq: its sequence (read here only for its id; the scheduler owns it).
+        seq: its sequence (the scheduler owns it; read here for its id, and for its grammar's verdict once it
+            has ended).
         tokenizer: the model's tokenizer.
         prompt_ids: the prompt (the detokenizer's context, and the count of prompt logprobs expected).
         stop_strings: strings that end the choice; the text returned stops before them.
@@ -96,7 +99,7 @@ class Choice:
                 return self._finish(update, "stop")
         if event.finish is FinishReason.ERROR:
             self._release(update, everything=True)
-            update.error = event.error or "engine error"
+            update.error = ApiError(500, event.error or "engine error", code="engine_error")
             return self._finish(update, "error")
         if event.finish is FinishReason.ABORT:
             self.finish_reason = "abort"
@@ -109,6 +112,11 @@ class Choice:
             update.text += tail
             self.emitted_chars += len(tail)
             self._release(update, everything=not hit)
+            if event.finish is FinishReason.STOP and not hit and self.seq.constraint is not None:
+                why = unsatisfied(self.seq.constraint)
+                if why is not None:  # a stop token where the grammar was not complete: never labelled "stop"
+                    update.error = ApiError(400, why, code="constraint_unsatisfied")
+                    return self._finish(update, "error")
             return self._finish(update, "stop" if hit else event.finish.value)
         return update
 

@@ -94,13 +94,13 @@ class Drain:
                         code="draining", headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
-_GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+GENERATION_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 
 
 def _is_generation(scope) -> bool:
     # only generation: vllm-router's cache_aware policy tokenizes every request on every worker first
     # (/v1/chat/completions/render, then /tokenize), and those stay cheap and answered while draining
-    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/") in _GENERATION_PATHS
+    return scope["type"] == "http" and scope["method"] == "POST" and scope["path"].rstrip("/") in GENERATION_PATHS
 
 
 class DrainGate:

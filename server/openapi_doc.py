@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
+from fastapi.routing import APIRoute
 from pydantic import BaseModel
+
+from kvserve.server.drain import GENERATION_PATHS
 
 
 class ErrorDetail(BaseModel):
@@ -29,37 +32,55 @@ class ErrorResponse(BaseModel):
 
 
 _REF = "#/components/schemas/ErrorResponse"
-# status -> (description, applies to): "body" routes that read a JSON body, "v1" routes behind --api-key,
-# "generate" the two completion routes, "model" routes that name a model, "all" every route
+# status -> (description, applies to): "body" routes that read a JSON body, "key" routes behind --api-key,
+# "generate" the generation routes (server.drain names them), "model" routes that name a model, "all" every route
 _ERRORS = {
-    "400": ("invalid request: the message names the field (param)", "body"),
-    "401": ("missing or wrong API key (only when the server has --api-key); carries WWW-Authenticate: Bearer", "v1"),
+    "400": ("invalid request: the message names the field (param); on a generation route also a reply that "
+            "stopped short of its grammar (code constraint_unsatisfied)", "body"),
+    "401": ("missing or wrong API key (only when the server has --api-key); carries WWW-Authenticate: Bearer", "key"),
     "404": ("no such model", "model"),
     "413": ("request body over --max-request-bytes", "body"),
     "415": ("the body is not sent as application/json", "body"),
     "421": ("Host header not allowed (DNS rebinding guard: --allowed-hosts)", "all"),
     "429": ("waiting queue full; Retry-After says when to retry", "generate"),
-    "503": ("the engine loop has stopped", "generate"),
+    "431": ("request headers over the server's limit (server.httpserver)", "all"),
+    "500": ("a bug (code internal_error), or on a generation route the engine step failed (engine_error)", "all"),
+    "503": ("draining (Retry-After) or the engine loop has stopped", "generate"),
 }
+# what /health and /live answer while not ready or not alive: their own status object, not an error body
+_PROBE_503 = {"description": "not ready (draining, or the engine loop has stopped) or, for /live, not alive",
+              "content": {"application/json": {"schema": {"type": "object", "properties": {
+                  "status": {"type": "string"}, "error": {"type": "string"}, "inflight": {"type": "integer"}}}}}}
+_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"},
+                                       "description": "with \"stream\": true: server-sent events"}}
+
+
+def _applies(path: str, operation: dict, keyed: set[str]) -> set[str]:
+    model = path in GENERATION_PATHS or "{model_id" in path
+    return {"all", *(("body",) if "requestBody" in operation else ()), *(("key",) if path in keyed else ()),
+            *(("generate",) if path in GENERATION_PATHS else ()), *(("model",) if model else ())}
 
 
 def openapi_schema(app: FastAPI) -> dict:
-    """The app's OpenAPI document with FastAPI's 422 replaced by the error answers kvserve sends (cached)."""
+    """The app's OpenAPI document with FastAPI's 422 replaced by the answers kvserve sends (cached): the error
+    statuses of each route, /health's and /live's 503, and the event stream of a generation route."""
     if app.openapi_schema is not None:
         return app.openapi_schema
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+    keyed = {route.path_format for route in app.routes if isinstance(route, APIRoute) and route.dependencies}
     for path, operations in schema.get("paths", {}).items():
         for operation in operations.values():
             responses = operation.setdefault("responses", {})
             responses.pop("422", None)
-            applies = {"all", *(("body",) if "requestBody" in operation else ()),
-                       *(("v1",) if path.startswith("/v1/") else ()),
-                       *(("generate", "model") if path.endswith("completions") else ()),
-                       *(("model",) if "{model_id" in path else ())}
+            applies = _applies(path, operation, keyed)
             for status, (description, where) in _ERRORS.items():
                 if where in applies:
                     responses[status] = {"description": description,
                                          "content": {"application/json": {"schema": {"$ref": _REF}}}}
+            if path in ("/health", "/live"):
+                responses["503"] = _PROBE_503
+            if path in GENERATION_PATHS:
+                responses["200"].setdefault("content", {}).update(_EVENT_STREAM)
     components = schema.setdefault("components", {}).setdefault("schemas", {})
     for name in ("HTTPValidationError", "ValidationError"):
         components.pop(name, None)

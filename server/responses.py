@@ -211,7 +211,7 @@ def register(app: FastAPI, state: ServerState, dependencies: list) -> None:
         async def consume() -> None:
             async for update in generation.updates():
                 if update.error is not None:
-                    raise ApiError(500, update.error, code="engine_error")
+                    raise update.error
                 parts.append(update.text)
                 if update.finish_reason is not None:
                     reasons.append(update.finish_reason)
@@ -237,8 +237,8 @@ async def _stream(builder: _ResponseBuilder, drain: Drain):
                 reason = "abort"
                 break
             if update.error is not None:
-                yield b.event("error", code="engine_error", message=update.error, param=None)
-                error = {"code": "server_error", "message": update.error}
+                yield b.event("error", code=update.error.code, message=update.error.message, param=None)
+                error = {"code": "server_error", "message": update.error.message}
                 yield b.event("response.failed", response=b.response(text + update.text, "error", error))
                 return
             reason = update.finish_reason or reason

@@ -8,8 +8,10 @@ Which fields are read (one of them per request; two is a 400):
 - ``tool_choice`` ``required`` or a named function (server.tools builds that grammar).
 
 Compilation runs on a worker thread (never the event loop, never the engine thread), is cached by spec in the
-engine's ``GrammarCompiler`` and is bounded: the schema's size and nesting are checked first, llguidance's parser
-limits bound its work, and a compile past ``COMPILE_TIMEOUT_S`` is a 400; each names the limit.
+engine's ``GrammarCompiler`` and is bounded: the schema's size and nesting are checked first, then what its text
+says it needs (server.grammar_limits: counted repetitions, a grammar with no finite output), llguidance's parser
+limits bound its work, and a compile past ``COMPILE_TIMEOUT_S`` is a 400; each names the limit. A grammar that
+admits no output at all is refused when compiled (engine.constraints).
 """
 
 from __future__ import annotations
@@ -24,11 +26,13 @@ import jsonschema
 from kvserve.engine.closing import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS
 from kvserve.engine.constraints import Grammar, GrammarError, GrammarSpec
 from kvserve.server import tools
+from kvserve.server.grammar_limits import has_finite_value, lark_problem, patterns, repetition_problem
 from kvserve.server.errors import ApiError
 
 MAX_SCHEMA_BYTES = 65_536   # a schema's JSON text; the largest real-world ones are a few kB
 MAX_SCHEMA_DEPTH = 32       # nesting of objects/arrays in the schema document
 COMPILE_TIMEOUT_S = 10.0    # wall time for one compilation (s)
+MAX_CHOICES = 1_024         # options of a guided_choice (the choice list's JSON text is under MAX_SCHEMA_BYTES too)
 
 _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "lark"}
@@ -89,7 +93,10 @@ def _schema_problem(text: str) -> str | None:
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         return f"is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")
-    return None
+    if not has_finite_value(schema):
+        return ("admits no output at all: every value it allows contains itself (a required $ref cycle with no "
+                "way out, such as a required property that refers back to its object)")
+    return next(filter(None, map(repetition_problem, patterns(schema))), None)
 
 
 def _long_number(value, where: str = "") -> tuple[str, str] | None:
@@ -182,11 +189,20 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value):
             raise ApiError(400, f"{param} must be a non-empty list of strings", param=param)
-        return GrammarSpec("choice", json.dumps(value))
+        if len(value) > MAX_CHOICES:
+            raise ApiError(400, f"{param} has {len(value):,} options, more than the limit of {MAX_CHOICES:,}",
+                           param=param)
+        text = json.dumps(value)
+        if len(text.encode()) > MAX_SCHEMA_BYTES:
+            raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
+        return GrammarSpec("choice", text)
     if not isinstance(value, str) or not value:
         raise ApiError(400, f"{param} must be a non-empty string", param=param)
     if len(value.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
+    problem = repetition_problem(value) or (lark_problem(value) if kind == "lark" else None)
+    if problem is not None:
+        raise ApiError(400, f"{param} {problem}", param=param)
     return GrammarSpec(kind, value)
 
 

@@ -32,7 +32,8 @@ DEFAULT_TOOL_PROMPT = (
     "To call a function, reply with one block per call and nothing else:\n"
     '<tool_call>{{"name": "<function name>", "arguments": <arguments as a JSON object>}}</tool_call>'
 )
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+# OpenAI's rule for a function name, matched whole (fullmatch): a pattern's `$` also matches before a final "\n"
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # up to the arguments' opening brace, which must have arrived: a stream cut after `"arguments":` must not start
 # the arguments with the space that follows (streamed and whole replies give the same arguments, byte for byte)
 _HEADER = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\{)', re.S)
@@ -53,8 +54,9 @@ def functions(body) -> list[dict]:
             raise ApiError(400, f"{param} must be {{\"type\": \"function\", \"function\": {{...}}}}", param=param)
         function = tool["function"]
         name = function.get("name")
-        if not isinstance(name, str) or not _NAME.match(name):
-            raise ApiError(400, f"{param}.function.name must be 1-64 letters, digits, _ or -", param=param)
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
+            raise ApiError(400, f"{param}.function.name must be 1-64 letters, digits, _ or - and nothing else",
+                           param=f"{param}.function.name")
         parameters = function.get("parameters") or _EMPTY_PARAMETERS
         if not isinstance(parameters, dict):
             raise ApiError(400, f"{param}.function.parameters must be a JSON Schema object", param=param)
@@ -96,13 +98,15 @@ def forced_grammar(body, tool_parameters: Callable[[dict, str], dict]) -> Gramma
     alternatives = []
     for index, f in enumerate(fns):
         parameters = tool_parameters(f["parameters"], f"tools.{index}.function.parameters")
-        call = {"type": "object", "properties": {"name": {"const": f["name"]}, "arguments": parameters},
-                "required": ["name", "arguments"], "additionalProperties": False,
-                "x-guidance": JSON_OPTIONS}
-        alternatives.append(f"%json {json.dumps(call)}")
+        # the arguments are a JSON document of their own, the parameters its root schema, so that the schema's
+        # references ("#/$defs/...", "#") resolve against it; the call's JSON around them is literal text,
+        # spaced as JSON_OPTIONS spaces the arguments
+        header = '{"name": ' + json.dumps(f["name"]) + ', "arguments": '
+        arguments = parameters | {"x-guidance": JSON_OPTIONS}
+        alternatives.append(f"{json.dumps(header)} %json {json.dumps(arguments)} \"}}\"")
     repeat = "+" if body.parallel_tool_calls is not False else ""
     lark = (f"start: call{repeat}\ncall: {json.dumps(OPEN)} body {json.dumps(CLOSE)}\n"
-            f"body: {' | '.join(alternatives)}\n")
+            f"body: {' | '.join(f'({a})' for a in alternatives)}\n")
     return GrammarSpec("lark", lark, json_literals=True)
 
 

@@ -24,7 +24,7 @@ class RequestModel(BaseModel):
     classes with ``_is_body``) is checked once as a whole by ``check_json``: nesting depth and lone surrogates.
     """
 
-    model_config = ConfigDict(strict=True)  # subclasses' model_config merges with this
+    model_config = ConfigDict(strict=True, json_schema_extra=lambda schema, cls: _document_nulls(schema, cls))
     _is_body: ClassVar[bool] = False
 
     @model_validator(mode="before")
@@ -38,6 +38,21 @@ class RequestModel(BaseModel):
         return {key: int(value) if key in integers and isinstance(value, float) and value.is_integer() else value
                 for key, value in data.items()
                 if value is not None or key not in fields or fields[key].is_required()}
+
+
+def _document_nulls(schema: dict, cls: type[BaseModel]) -> None:
+    """Say in the JSON schema (/openapi.json) what ``_drop_nulls`` does: a field with a default also takes
+    ``null``. Schema-driven clients and fuzzers then neither avoid it nor expect it refused."""
+    for name, info in cls.model_fields.items():
+        prop = schema.get("properties", {}).get(name)
+        if prop is None or info.is_required() or _takes_null(prop):
+            continue
+        kept = {key: prop.pop(key) for key in ("title", "default", "description") if key in prop}
+        schema["properties"][name] = kept | {"anyOf": [prop, {"type": "null"}]}
+
+
+def _takes_null(prop: dict) -> bool:
+    return prop.get("type") == "null" or any(_takes_null(p) for p in prop.get("anyOf", ()))
 
 
 class BodyError(ValueError):

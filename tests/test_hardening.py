@@ -147,3 +147,136 @@ def test_long_prompts_are_tokenized_off_the_event_loop(bare_state, monkeypatch):
     assert short.status_code == long.status_code == 200 and long.json()["count"] >= 10_000
     loop_thread, worker = threads
     assert worker != loop_thread  # the long one ran on a worker thread, the loop kept serving
+
+
+def _stream_events(response: httpx.Response) -> list:
+    import json
+
+    return [line[len("data: "):] if line == "data: [DONE]" else json.loads(line[len("data: "):])
+            for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+@pytest.mark.parametrize("field,value,limit", [
+    ("guided_regex", r"[^\s\S]", "admits no output"),                  # an empty class
+    ("guided_regex", r"a[^\s\S]b", "admits no output"),
+    ("guided_regex", "a{1000000}", "limit of 10,000 repetitions"),
+    ("structured_outputs", {"regex": "(ab){20000,}"}, "limit of 10,000 repetitions"),
+    ("guided_grammar", 'start: "a"~50000', "limit of 10,000 repetitions"),
+    ("guided_grammar", 'start: a\na: a "x"\n', "admits no output"),    # no rule that ends
+    ("guided_grammar", 'start: a\na: "x" a\n', "admits no output"),
+    ("guided_grammar", 'start: "ok" (b | c)\nb: "y" c\nc: [b] "x" c\n', "admits no output"),
+    ("guided_json", {"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"}, "admits no output"),
+    ("guided_json", {"$defs": {"node": {"type": "object", "properties": {"next": {"$ref": "#/$defs/node"}},
+                                        "required": ["next"]}}, "$ref": "#/$defs/node"}, "admits no output"),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "t", "schema": {
+        "type": "array", "minItems": 1, "items": {"$ref": "#"}}}}, "admits no output"),
+    ("guided_json", {"type": "string", "pattern": "[0-9]{99999}"}, "limit of 10,000 repetitions"),
+    ("guided_choice", [f"option {i}" for i in range(5000)], "limit of 1,024"),
+])
+def test_constraints_that_cannot_be_served_are_refused_before_queueing(server_url, field, value, limit):
+    for stream in (False, True):
+        response = _post(server_url, CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                            "stream": stream, field: value})
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert limit in error["message"] and error["param"].startswith(field.split(".")[0]), error
+
+
+def test_a_reply_that_stops_short_of_its_grammar_is_never_labelled_stop(server_url):
+    import json
+
+    # "ok" is allowed, after it no token is (the embedded schema has no value); the checks before compiling do
+    # not read a grammar with %json, and llguidance learns it only after "ok": the reply cannot satisfy it
+    embedded = json.dumps({"$defs": {"n": {"$ref": "#/$defs/n"}}, "$ref": "#/$defs/n"})
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8, "temperature": 0,
+            "guided_grammar": f'start: "ok" %json {embedded}'}
+    whole = _post(server_url, CHAT, body)
+    assert whole.status_code == 400, whole.text
+    assert whole.json()["error"]["code"] == "constraint_unsatisfied"
+    streamed = _post(server_url, CHAT, body | {"stream": True})
+    events = _stream_events(streamed)
+    assert streamed.status_code == 200 and events[-1] == "[DONE]"
+    final, error = events[-3], events[-2]
+    assert final["choices"][0]["finish_reason"] == "error"
+    assert error["error"]["code"] == "constraint_unsatisfied"
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events[:-2]) == "ok"
+    completion = _post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 8, "temperature": 0,
+                                                  "guided_grammar": body["guided_grammar"]})
+    assert completion.status_code == 400 and completion.json()["error"]["code"] == "constraint_unsatisfied"
+
+
+@pytest.mark.parametrize("name", ["get_weather\n", "get weather", "x" * 65, "météo", ""])
+def test_a_tool_name_outside_openais_rule_is_refused_by_field(server_url, name):
+    tool = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    response = _post(server_url, CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                        "tools": [tool]})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tools.0.function.name"
+
+
+@pytest.mark.parametrize("path,body", [
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1}),
+    (COMPLETIONS, {"prompt": "Hi", "max_tokens": 1}),
+    ("/v1/responses", {"input": "Hi", "max_output_tokens": 1}),
+])
+def test_stream_null_means_the_default_everywhere_and_the_schema_says_so(server_url, path, body):
+    response = _post(server_url, path, body | {"stream": None})
+    assert response.status_code == 200 and response.headers["content-type"] == "application/json"
+    schema = httpx.get(server_url + "/openapi.json").json()
+    ref = schema["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]["$ref"]
+    stream = schema["components"]["schemas"][ref.rsplit("/", 1)[1]]["properties"]["stream"]
+    assert {"type": "null"} in stream["anyOf"] and stream["default"] is False
+
+
+_BODIES = {"/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
+           "/v1/completions": {"prompt": "Hi", "max_tokens": 1},
+           "/v1/responses": {"input": "Hi", "max_output_tokens": 1},
+           "/tokenize": {"prompt": "Hi"}, "/detokenize": {"tokens": [1, 2]}}
+
+
+def _provocations(path: str, method: str, has_body: bool, model: str) -> list[dict]:
+    """Requests that draw each answer a route can give: served, no key, a wrong Host, oversized headers, and
+    for a body a form, an oversized one, broken JSON, a wrong model and a stream."""
+    key = {"authorization": "Bearer k"}
+    url = path.replace("{model_id}", model)
+    cases = [{"url": url, "headers": key}, {"url": url, "headers": {}},
+             {"url": url, "headers": key | {"host": "evil.example"}},
+             {"url": url, "headers": key | {"x-junk": "a" * 70_000}}]
+    if "{model_id}" in path:
+        cases.append({"url": path.replace("{model_id}", "nope"), "headers": key})
+    if has_body:
+        body = _BODIES.get(path, {})
+        json_headers = key | {"content-type": "application/json"}
+        import json
+
+        cases = [dict(c, content=json.dumps(body), headers=c["headers"] | {"content-type": "application/json"})
+                 for c in cases]
+        cases += [{"url": url, "headers": key | {"content-type": "text/plain"}, "content": "prompt=Hi"},
+                  {"url": url, "headers": json_headers, "content": json.dumps({"prompt": "a" * 40_000})},
+                  {"url": url, "headers": json_headers, "content": '{"prompt": '},
+                  {"url": url, "headers": json_headers, "content": json.dumps(body | {"model": "nope"})},
+                  {"url": url, "headers": json_headers, "content": json.dumps(body | {"stream": True})}]
+    return [c | {"method": method.upper()} for c in cases]
+
+
+def test_every_status_and_content_type_answered_is_in_the_openapi_document(smollm2):
+    from tests.serverutil import running_server
+
+    with running_server(smollm2, ServeConfig(num_kv_blocks=16, block_size=16, api_key="k",
+                                             max_request_bytes=16_384)) as url:
+        document = httpx.get(url + "/openapi.json").json()
+        model = httpx.get(url + "/v1/models", headers={"authorization": "Bearer k"}).json()["data"][0]["id"]
+        undocumented, seen = [], set()
+        for path, operations in document["paths"].items():
+            for method, operation in operations.items():
+                for case in _provocations(path, method, "requestBody" in operation, model):
+                    response = httpx.request(case["method"], url + case["url"], headers=case["headers"],
+                                             content=case.get("content"), timeout=60)
+                    status = str(response.status_code)
+                    kind = response.headers.get("content-type", "").split(";")[0]
+                    seen.add(status)
+                    documented = operation["responses"].get(status, {}).get("content", {})
+                    if kind not in documented:
+                        undocumented.append(f"{method.upper()} {path}: {status} {kind or 'no content type'}")
+    assert not undocumented, undocumented
+    assert {"200", "400", "401", "404", "413", "415", "421", "431"} <= seen
