@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve import kernels
 from kvserve.kernels.leaves import host_cpu_flags as _cpu_flags
@@ -71,13 +72,30 @@ def test_an_unknown_isa_is_refused_with_the_choices():
 
 @needs_kernels
 @pytest.mark.skipif(os.environ.get("KVSERVE_ISA") == "scalar", reason="already on the scalar path")
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_cache_attention_has_the_scalar_paths_bits(bits, tmp_path):
+    """The int8 / int4 cache's write and attention are one body compiled per path: the best path and the forced
+    scalar one give the same bits (not merely close ones)."""
+    from tests.test_decode_ops import quantized_attention_case
+
+    code = ("import sys, torch; from tests.test_decode_ops import quantized_attention_case; "
+            f"torch.save(quantized_attention_case({bits}), sys.argv[1])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "scalar.pt")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "KVSERVE_ISA": "scalar"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    scalar, best = torch.load(tmp_path / "scalar.pt"), quantized_attention_case(bits)
+    assert all(torch.equal(a, b) for a, b in zip(best, scalar))
+
+
+@needs_kernels
+@pytest.mark.skipif(os.environ.get("KVSERVE_ISA") == "scalar", reason="already on the scalar path")
 def test_kernel_tests_pass_on_the_scalar_path():
     """The kernel test files (against the PyTorch reference, batch invariance, thread invariance) on the forced
     scalar path; the suite itself runs them on the best path."""
     env = {**os.environ, "KVSERVE_ISA": "scalar"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_decode_ops.py",
                            "tests/test_quant.py", "-k", "kernel or fused or norms or attention or greedy_pick or "
-                           "log_softmax or silu or bits"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "log_softmax or silu or bits or quant"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     tail = done.stdout[-3000:]
     assert done.returncode == 0, tail
