@@ -15,10 +15,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", type=Path, default=None, help="also write the markdown report to this file")
     parser.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     parser.add_argument("--kv-only", action="store_true",
-                        help="only the KV cache section (bfloat16, int8 and int4 caches against the model's own)")
+                        help="only the KV cache section (int8 and int4 caches against the model's own)")
 
 
-KV_REPORTED = ("bfloat16", "int8", "int4")  # the cache dtypes of the KV section
+KV_REPORTED = ("int8", "int4")  # the cache dtypes of the KV section
 
 
 def register_kv_caches(config) -> dict[str, tuple[str, int]]:

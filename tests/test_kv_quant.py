@@ -22,7 +22,7 @@ PROMPTS = [
     "In 1969, Neil Armstrong became the first person to walk on the Moon. He said that the step was one small "
     "step for a man and one giant leap for mankind. Afterwards, the astronauts of the mission",
 ]
-NEW = 32
+NEW = 20
 CACHES = ["int8", "int4"]
 
 
@@ -36,14 +36,6 @@ def alone(smollm2, prompt_ids):
     """Each prompt decoded on its own, per cache dtype: the reference of every test below."""
     return {cache: [engine_greedy(smollm2, [ids], NEW, kv_cache_dtype=cache)[0][0] for ids in prompt_ids]
             for cache in CACHES}
-
-
-def test_a_quantized_cache_changes_the_output_but_not_its_start(smollm2, prompt_ids, alone):
-    # the references are a quantized cache's own: they start as the float cache's and int4 drifts further
-    float_cache = [engine_greedy(smollm2, [ids], NEW)[0][0] for ids in prompt_ids]
-    for cache in CACHES:
-        assert all(ours[:4] == ref[:4] for ours, ref in zip(alone[cache], float_cache))
-    assert alone["int8"] != alone["int4"] or alone["int8"] != float_cache
 
 
 @pytest.mark.parametrize("cache", CACHES)
