@@ -42,12 +42,12 @@ def alone(smollm2, prompt_ids):
 def test_batched_chunked_and_preempted_equal_alone(smollm2, prompt_ids, alone, cache):
     tok = smollm2.tokenizer
     others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 4 + 1))["input_ids"] for i in range(6)]
-    # a 20-block pool of 16 tokens for 9 sequences of up to ~80 tokens: preemption; 16-token prefill chunks
+    # a 12-block pool of 16 tokens for 9 sequences of up to ~67 tokens, 8 at once: preemption; 16-token chunks
     ours, scheduler = engine_greedy(smollm2, prompt_ids + others, NEW, arrivals_at=[0, 2, 0, 1, 3, 0, 5, 2, 4],
-                                    num_blocks=20, budget=16, max_num_seqs=8, kv_cache_dtype=cache)
+                                    num_blocks=12, budget=16, max_num_seqs=8, kv_cache_dtype=cache)
     assert scheduler.num_preemptions > 0
     assert ours[:len(prompt_ids)] == alone[cache]
-    assert scheduler.blocks.num_free_blocks == 20
+    assert scheduler.blocks.num_free_blocks == 12
 
 
 @pytest.mark.parametrize("cache", CACHES)
