@@ -3,18 +3,25 @@
 Greedy output with an int8 or int4 cache differs from the float cache's (the keys and values are rounded), but the
 engine must still be exact with respect to that cache: alone equals batched, chunked and preempted, a prefix hit
 equals a miss, and speculation on equals off, because a token's codes depend on its own vector only and every
-attention (prefill, chunk, decode, verify) reads the keys and values as the cache gives them back.
+token (prefill, chunk, decode, verify) attends as one row through the C++ kernel that reads the codes. Each test
+runs on the float32 weights and on the default ones (the GGUF's own blocks, whose int8 activations turn any
+last-bit difference into a near-tie flip).
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvserve.engine.drafters import NgramDrafter
 from kvserve.scheduler.speculation import DraftPolicy
 from kvserve.server.config import ServeConfig
 from kvserve.server.state import ServerState
-from tests.engineutil import engine_greedy
+from kvserve.engine.plan import SeqWork, StepPlan
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.pool import KVPool, storage_dtype
+from kvserve.kvcache.sizing import KVCacheDType
+from tests.engineutil import GREEDY, engine_greedy
 
 PROMPTS = [
     "The capital of France is",
@@ -26,24 +33,57 @@ NEW = 20
 CACHES = ["int8", "int4"]
 
 
-@pytest.fixture(scope="module")
-def prompt_ids(smollm2):
-    return [smollm2.tokenizer(p)["input_ids"] for p in PROMPTS]
+# the float32 weights and the default ones (--quantization auto: the GGUF's own blocks)
+@pytest.fixture(scope="module", params=["float32", "gguf"])
+def served(request):
+    return request.getfixturevalue({"float32": "smollm2", "gguf": "smollm2_gguf"}[request.param])
 
 
 @pytest.fixture(scope="module")
-def alone(smollm2, prompt_ids):
+def prompt_ids(served):
+    return [served.tokenizer(p)["input_ids"] for p in PROMPTS]
+
+
+@pytest.fixture(scope="module")
+def alone(served, prompt_ids):
     """Each prompt decoded on its own, per cache dtype: the reference of every test below."""
-    return {cache: [engine_greedy(smollm2, [ids], NEW, kv_cache_dtype=cache)[0][0] for ids in prompt_ids]
+    return {cache: [engine_greedy(served, [ids], NEW, kv_cache_dtype=cache)[0][0] for ids in prompt_ids]
             for cache in CACHES}
 
 
+def _last_logits(loaded, cache: str, ids: list[int], cuts: list[int]) -> torch.Tensor:
+    """The logits after ``ids``, its prompt computed in steps ending at each of ``cuts`` (then the rest): one
+    runner over a fresh ``cache`` pool."""
+    shape = loaded.kv_shape(KVCacheDType(cache))
+    pool = KVPool(shape, 8, 16, storage_dtype(shape, loaded.dtype), loaded.device)
+    runner = ModelRunner(loaded, pool)
+    table = list(range(8))
+    start = 0
+    for end in [*cuts, len(ids)]:
+        work = SeqWork(0, ids[start:end], start, table, list(range(start, end)), end == len(ids), GREEDY,
+                       ids, [])
+        if end < len(ids):
+            runner.execute(StepPlan([work]))
+        start = end
+    return runner.logits(StepPlan([work]))[0]
+
+
 @pytest.mark.parametrize("cache", CACHES)
-def test_batched_chunked_and_preempted_equal_alone(smollm2, prompt_ids, alone, cache):
-    tok = smollm2.tokenizer
+def test_every_token_attends_through_the_codes_kernel_so_chunking_changes_no_bit(served, prompt_ids, cache):
+    ids = prompt_ids[2]  # 47 tokens
+    shape = served.kv_shape(KVCacheDType(cache))
+    assert ModelRunner(served, KVPool(shape, 1, 16, storage_dtype(shape, served.dtype))).rows_alone
+    whole = _last_logits(served, cache, ids, [])
+    for cuts in ([16], [5, 21, 40], [46]):
+        assert torch.equal(_last_logits(served, cache, ids, cuts), whole), cuts
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_batched_chunked_and_preempted_equal_alone(served, prompt_ids, alone, cache):
+    tok = served.tokenizer
     others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 4 + 1))["input_ids"] for i in range(6)]
     # a 12-block pool of 16 tokens for 9 sequences of up to ~67 tokens, 8 at once: preemption; 16-token chunks
-    ours, scheduler = engine_greedy(smollm2, prompt_ids + others, NEW, arrivals_at=[0, 2, 0, 1, 3, 0, 5, 2, 4],
+    ours, scheduler = engine_greedy(served, prompt_ids + others, NEW, arrivals_at=[0, 2, 0, 1, 3, 0, 5, 2, 4],
                                     num_blocks=12, budget=16, max_num_seqs=8, kv_cache_dtype=cache)
     assert scheduler.num_preemptions > 0
     assert ours[:len(prompt_ids)] == alone[cache]
@@ -51,16 +91,16 @@ def test_batched_chunked_and_preempted_equal_alone(smollm2, prompt_ids, alone, c
 
 
 @pytest.mark.parametrize("cache", CACHES)
-def test_prefix_hit_equals_miss(smollm2, prompt_ids, alone, cache):
+def test_prefix_hit_equals_miss(served, prompt_ids, alone, cache):
     shared = prompt_ids[2]  # 47 tokens: two full blocks of 16 to share
-    ours, scheduler = engine_greedy(smollm2, [shared, shared], NEW, arrivals_at=[0, 40], kv_cache_dtype=cache)
+    ours, scheduler = engine_greedy(served, [shared, shared], NEW, arrivals_at=[0, 40], kv_cache_dtype=cache)
     assert scheduler.prefix_hits == 32
     assert ours == [alone[cache][2]] * 2
 
 
 @pytest.mark.parametrize("cache", CACHES)
-def test_speculation_on_equals_off(smollm2, prompt_ids, alone, cache):
-    ours, scheduler = engine_greedy(smollm2, prompt_ids, NEW, draft=DraftPolicy(max_draft=4, adaptive=False),
+def test_speculation_on_equals_off(served, prompt_ids, alone, cache):
+    ours, scheduler = engine_greedy(served, prompt_ids, NEW, draft=DraftPolicy(max_draft=4, adaptive=False),
                                     drafter=NgramDrafter(), kv_cache_dtype=cache)
     assert scheduler.draft.accepted > 0 and scheduler.draft.drafted > scheduler.draft.accepted
     assert ours == alone[cache]
