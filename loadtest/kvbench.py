@@ -8,8 +8,9 @@ Per ``--kv-cache-dtype`` (float32 = the model's own here, bfloat16, int8, int4),
   (its own blocks: no two streams read the same cache lines), for each (S, C) asked (the median of
   ``--repeats`` steps after a warm-up). The cache's contents do not change the work, so the pool is not filled.
 
-The model runs in float32 (the C++ paths: float32 and int8 / int4 caches; a bfloat16 cache under a float32 model
-takes torch's gather and SDPA).
+The model runs as ``kvserve serve`` runs it by default on a CPU (``--weights gguf``: the GGUF's own blocks, float32
+activations; ``--weights float32``: full precision), so ``auto`` is a float32 cache (the C++ paths: float32 and
+int8 / int4 caches; a bfloat16 cache under float32 activations takes torch's gather and SDPA).
 """
 
 from __future__ import annotations
@@ -43,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--caches", default=",".join(CACHES), help=f"cache dtypes (default {','.join(CACHES)})")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per workload, after a warm-up")
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--weights", choices=["gguf", "float32"], default="gguf",
+                        help="gguf (default, as kvserve serve): the GGUF's own blocks; float32: full precision")
 
 
 def capacity(loaded, cache: str, budget: int, block_size: int) -> dict:
@@ -98,7 +101,15 @@ def run(args: argparse.Namespace) -> int:
     if args.repeats < 1:
         raise UsageError("--repeats must be >= 1")
     budget = parse_bytes(args.kv_cache_memory)
-    loaded = load_model(None, DType.FLOAT32, Device.CPU)
+    if args.weights == "gguf":
+        from kvserve.engine import weights
+        from kvserve.quant.options import Scheme
+
+        loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True)
+        described = weights.apply(loaded, Scheme.GGUF, None)
+    else:
+        loaded = load_model(None, DType.FLOAT32, Device.CPU)
+        described = "full precision (float32)"
     rows = []
     for cache in caches:
         row = {"cache": "float32 (auto)" if cache == "auto" else cache,
@@ -110,7 +121,8 @@ def run(args: argparse.Namespace) -> int:
         rows.append(row)
     base = rows[0]
     names = [f"{s}x{c}" for s, c in args.workloads]
-    print(f"\nSmolLM2-135M float32 weights, kernels: {kernels.isa()}; capacity at --kv-cache-memory "
+    print(f"\nSmolLM2-135M, weights: {described}, {str(loaded.dtype).removeprefix('torch.')} activations; "
+          f"kernels: {kernels.isa()}; capacity at --kv-cache-memory "
           f"{args.kv_cache_memory}; decode tokens/s (median of {args.repeats} steps), ratio to {base['cache']}\n")
     print("| KV cache | bytes/token | blocks | 2,048-token sequences | vs float32 | "
           + " | ".join(f"{n} tok/s | vs float32" for n in names) + " |")
