@@ -33,12 +33,6 @@ NEW = 20
 CACHES = ["int8", "int4"]
 
 
-# the float32 weights and the default ones (--quantization auto: the GGUF's own blocks)
-@pytest.fixture(scope="module", params=["float32", "gguf"])
-def served(request):
-    return request.getfixturevalue({"float32": "smollm2", "gguf": "smollm2_gguf"}[request.param])
-
-
 @pytest.fixture(scope="module")
 def prompt_ids(served):
     return [served.tokenizer(p)["input_ids"] for p in PROMPTS]

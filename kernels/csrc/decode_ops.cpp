@@ -501,6 +501,27 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   }
 }
 
+// The decode rows' indices of paged_decode_attention(_quant): rows [B], tables [B, max_blocks], lens [B]
+// contiguous int64, each row inside q [T, ...], each context inside its table, each block inside the pool.
+static void check_decode_rows(const torch::Tensor& q, const torch::Tensor& rows, const torch::Tensor& tables,
+                              const torch::Tensor& lens, int64_t num_blocks, int64_t bs) {
+  KV_CHECK(rows.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
+               lens.scalar_type() == torch::kLong && rows.is_contiguous() && tables.is_contiguous() &&
+               lens.is_contiguous() && tables.dim() == 2 && tables.size(0) == rows.numel() &&
+               lens.numel() == rows.numel(),
+           "rows [B], tables [B, max_blocks], lens [B] must be contiguous int64");
+  const int64_t B = rows.numel(), width = tables.size(1);
+  const int64_t* rp = rows.data_ptr<int64_t>();
+  const int64_t* tp = tables.data_ptr<int64_t>();
+  const int64_t* lp = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    KV_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "context length ", lp[b], " does not fit its block table");
+    KV_CHECK(rp[b] >= 0 && rp[b] < q.size(0), "row ", rp[b], " out of range");
+    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
+      KV_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
+  }
+}
+
 // Decode attention over the paged pool. q [T, H, D] (any row/head strides); rows [B]: the decode rows of q;
 // tables [B, max_blocks] int64 block tables; lens [B] context lengths (the query is the last position);
 // k_blocks, v_blocks [num_blocks, block_size, H_kv, D] contiguous; window: sliding window (tokens) or <= 0;
@@ -517,24 +538,14 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
                k_blocks.sizes() == v_blocks.sizes() && k_blocks.size(3) == q.size(2),
            "k_blocks and v_blocks must be contiguous [blocks, block_size, H_kv, D]");
   KV_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
-  KV_CHECK(rows.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
-               lens.scalar_type() == torch::kLong && rows.is_contiguous() && tables.is_contiguous() &&
-               lens.is_contiguous() && tables.dim() == 2 && tables.size(0) == rows.numel() &&
-               lens.numel() == rows.numel(),
-           "rows [B], tables [B, max_blocks], lens [B] must be contiguous int64");
   const int64_t B = rows.numel(), H = q.size(1), D = q.size(2);
   const int64_t num_blocks = k_blocks.size(0), bs = k_blocks.size(1), H_kv = k_blocks.size(2);
+  check_decode_rows(q, rows, tables, lens, num_blocks, bs);
   KV_CHECK(H % H_kv == 0, "query heads ", H, " not a multiple of KV heads ", H_kv);
   const int64_t group = H / H_kv, width = tables.size(1);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    KV_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "context length ", lp[b], " does not fit its block table");
-    KV_CHECK(rp[b] >= 0 && rp[b] < q.size(0), "row ", rp[b], " out of range");
-    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
-      KV_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
-  }
   const float* kp = k_blocks.data_ptr<float>();
   const float* vp = v_blocks.data_ptr<float>();
   const float* qp = q.data_ptr<float>();
@@ -638,22 +649,13 @@ void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& r
            "k and v caches must have the same shapes");
   KV_CHECK(k_codes.dim() == 4, "codes must be [blocks, block_size, H_kv, row]");
   KV_CHECK(out.is_contiguous() && out.sizes() == q.sizes(), "out must be contiguous like q");
-  KV_CHECK(rows.scalar_type() == torch::kLong && tables.scalar_type() == torch::kLong &&
-               lens.scalar_type() == torch::kLong && rows.is_contiguous() && tables.is_contiguous() &&
-               lens.is_contiguous() && tables.dim() == 2 && tables.size(0) == B && lens.numel() == B,
-           "rows [B], tables [B, max_blocks], lens [B] must be contiguous int64");
   const int64_t num_blocks = k_codes.size(0), bs = k_codes.size(1), H_kv = k_codes.size(2);
+  check_decode_rows(q, rows, tables, lens, num_blocks, bs);
   KV_CHECK(H % H_kv == 0, "query heads ", H, " not a multiple of KV heads ", H_kv);
   const int64_t group = H / H_kv, width = tables.size(1);
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* tp = tables.data_ptr<int64_t>();
   const int64_t* lp = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; ++b) {
-    KV_CHECK(lp[b] >= 1 && lp[b] <= width * bs, "context length ", lp[b], " does not fit its block table");
-    KV_CHECK(rp[b] >= 0 && rp[b] < q.size(0), "row ", rp[b], " out of range");
-    for (int64_t i = 0; i < (lp[b] + bs - 1) / bs; ++i)
-      KV_CHECK(tp[b * width + i] >= 0 && tp[b * width + i] < num_blocks, "block id out of range");
-  }
   const auto* kc = static_cast<const uint8_t*>(k_codes.data_ptr());
   const auto* vc = static_cast<const uint8_t*>(v_codes.data_ptr());
   const c10::Half* ks = k_scales.data_ptr<c10::Half>();
