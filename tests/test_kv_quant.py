@@ -72,19 +72,6 @@ def test_every_token_attends_through_the_codes_kernel_so_chunking_changes_no_bit
         assert torch.equal(_last_logits(served, cache, ids, cuts), whole), cuts
 
 
-def test_a_float32_projections_rows_do_not_depend_on_how_many_rows_share_the_call(smollm2):
-    # past 64 rows too: torch's GEMM would change last bits there, and a quantized cache would round them into
-    # other codes (speculation's verify rows batched with long prefills changed greedy tokens with float32 weights)
-    from kvserve.engine.kernelbind import DENSE_MAX_ROWS, Projection
-
-    projection = Projection(smollm2.model.model.layers[0].mlp.down_proj)
-    assert projection.dense
-    torch.manual_seed(0)
-    x = torch.randn(2 * DENSE_MAX_ROWS + 9, projection.module.in_features)
-    alone = torch.cat([projection(row[None]) for row in x])
-    assert torch.equal(projection(x), alone) and torch.equal(projection(x[:DENSE_MAX_ROWS + 1]), alone[:65])
-
-
 @pytest.mark.parametrize("cache", CACHES)
 def test_batched_chunked_and_preempted_equal_alone(served, prompt_ids, alone, cache):
     tok = served.tokenizer
