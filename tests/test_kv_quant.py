@@ -112,3 +112,28 @@ def test_one_server_has_one_cache_dtype_so_its_prefix_cache_shares_only_like_blo
     assert info.samples[0].labels["cache_dtype"] == "int8" and info.samples[0].labels["bytes_per_token"] == "11880"
     with pytest.raises(ValueError, match="'int2' is not a valid"):
         ServeConfig(kv_cache_dtype="int2")
+
+
+def test_the_quant_reports_kv_caches_attend_to_what_each_cache_gives_back(smollm2):
+    # kvserve quant report --kv-only: one transformers attention per cache dtype, SDPA over the round-tripped K/V
+    from transformers import AttentionInterface
+
+    from kvserve.quant.report import kv_table
+    from kvserve.server.quant_report import register_kv_caches
+
+    caches = register_kv_caches(smollm2.model.config)
+    assert caches == {"int8": ("kvserve-kv-int8", 11_880), "int4": ("kvserve-kv-int4", 6_480)}
+    torch.manual_seed(0)
+    q, k, v = torch.randn(1, 9, 5, 64), torch.randn(1, 3, 5, 64), torch.randn(1, 3, 5, 64)
+    module = smollm2.model.model.layers[0].self_attn
+    shape = smollm2.kv_shape(KVCacheDType.INT4)
+    pool = KVPool(shape, 1, 1, storage_dtype(shape, torch.float32))
+    ours, _ = AttentionInterface()["kvserve-kv-int4"](module, q, k, v, None, scaling=0.125, is_causal=True)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, pool.roundtrip(k), pool.roundtrip(v),
+                                                                is_causal=True, scale=0.125, enable_gqa=True)
+    torch.testing.assert_close(ours, expected.transpose(1, 2))
+    row = {"weights": "float32", "kv_cache": "int4", "kv_bytes_per_token": 6480, "perplexity": 31.8, "facts_right": 7,
+           "agreement": 0.794, "heldout_top1": 0.792, "heldout_kl": 0.1166}
+    base = {"perplexity": 28.3, "facts_right": 9}
+    assert "| float32 | int4 | 6,480 | 31.800 | +12.37% | 7 | 79.4% | 79.2% | 116.60 |" in kv_table(
+        {"baseline": base, "kv_rows": [row]})
