@@ -12,7 +12,7 @@ set -euo pipefail
 
 # Flags that take a value; each is read from KVSERVE_<FLAG> with '-' -> '_' and upper case.
 VALUE_FLAGS=(
-  model host port device dtype quantization kv-cache-memory num-kv-blocks block-size max-num-seqs
+  model host port device dtype quantization kv-cache-memory kv-cache-dtype num-kv-blocks block-size max-num-seqs
   max-num-batched-tokens max-queue max-model-len max-request-bytes scheduler api-key served-model-name
   sse-ping-seconds
   step-log

@@ -106,13 +106,6 @@ def _causal_mask(num_queries: int, start_pos: int, sliding_window: int | None,
     return allowed
 
 
-def _gather_blocks(blocks: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Whole blocks of each table ``[num_seqs, n]``, as ``[num_seqs, n * block_size, H_kv, D]``."""
-    num_seqs, width = tables.shape
-    picked = blocks.index_select(0, tables.flatten())  # [num_seqs * n, block_size, H_kv, D]
-    return picked.view(num_seqs, width * blocks.shape[1], *blocks.shape[2:])
-
-
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
             scale: float, softcap: float | None) -> torch.Tensor:
     """Scaled dot-product attention with GQA; q ``[..., H, t, D]``, k/v ``[..., H_kv, L, D]``."""
@@ -136,10 +129,41 @@ def op_label(name: str):
 
 
 def _fused_ops(q: torch.Tensor, k_cache: torch.Tensor):
-    """kernels/csrc/decode_ops.cpp's ops when this step can use them (float32 on CPU), else None."""
-    if q.dtype is not torch.float32 or k_cache.dtype is not torch.float32 or not q.is_cpu:
+    """kernels/csrc/decode_ops.cpp's ops when this step can use them (float32 queries on CPU over a float32 or
+    int8 / int4 cache), else None."""
+    if q.dtype is not torch.float32 or k_cache.dtype not in (torch.float32, torch.int8, torch.uint8) or not q.is_cpu:
         return None
     return kernels.load_ops()
+
+
+def _write(ops, pool: KVPool, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+    """This step's K/V into the pool: the C++ write (quantizing for an int8 / int4 cache) or torch's."""
+    if ops is None:
+        pool.write(layer_idx, slots, k, v)
+        return
+    k_cache, v_cache = pool.layer(layer_idx)
+    with op_label("kvserve::kv_write"):
+        if pool.quantized:
+            k_scales, v_scales = pool.layer_scales(layer_idx)
+            ops.write_kv_quant(k_cache, k_scales, v_cache, v_scales, slots, k, v, pool.bits)
+        else:
+            ops.write_kv(k_cache, v_cache, slots, k, v)
+
+
+def _decode_in_place(ops, pool: KVPool, layer_idx: int, q: torch.Tensor, meta: AttentionMetadata, scale: float,
+                     sliding_window: int | None, out: torch.Tensor) -> None:
+    """The decode rows of ``out`` by the C++ paged attention, reading each context through its block table in
+    place (no gathered copy, no mask; codes dequantized in registers for a quantized cache)."""
+    k_blocks, v_blocks = pool.layer_blocks(layer_idx)  # [num_blocks, block_size, H_kv, row]
+    window = sliding_window or 0
+    with op_label("kvserve::paged_attention"):
+        if pool.quantized:
+            k_scales, v_scales = pool.layer_scale_blocks(layer_idx)
+            ops.paged_decode_attention_quant(q, meta.decode_rows, meta.decode_tables, meta.decode_lens, k_blocks,
+                                             k_scales, v_blocks, v_scales, pool.bits, scale, window, out)
+        else:
+            ops.paged_decode_attention(q, meta.decode_rows, meta.decode_tables, meta.decode_lens, k_blocks,
+                                       v_blocks, scale, window, out)
 
 
 def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -158,47 +182,41 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     Returns:
         ``[num_tokens, num_heads, head_dim]`` attention output (contiguous).
 
-    float32 on CPU uses the C++ ops (kernels/csrc/decode_ops.cpp) for the KV write and the decode rows; prefill
-    spans and other dtypes/devices use torch (SDPA).
+    float32 queries on CPU use the C++ ops (kernels/csrc/decode_ops.cpp) for the KV write and the decode rows;
+    prefill spans and other dtypes/devices use torch (SDPA). Every token attends to what the cache gives back
+    (``KVPool.roundtrip``: its codes, for a quantized cache), its own step's keys included, so a prompt computed
+    whole, in chunks or over a cached prefix sees the same keys.
     """
-    k_cache, v_cache = meta.pool.layer(layer_idx)  # [num_slots, H_kv, D]
-    k_blocks, v_blocks = meta.pool.layer_blocks(layer_idx)  # [num_blocks, block_size, H_kv, D]
+    pool = meta.pool
+    k_cache, _ = pool.layer(layer_idx)  # [num_slots, H_kv, row]
     ops = _fused_ops(q, k_cache) if softcap is None else None
-    if ops is not None:
-        with op_label("kvserve::kv_write"):
-            ops.write_kv(k_cache, v_cache, meta.slot_mapping, k, v)
-    else:
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))  # index_copy_/index_select: 2-4x faster
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))  # than advanced indexing on CPU
+    _write(ops, pool, layer_idx, meta.slot_mapping, k, v)
 
     out = q.new_empty(q.shape)  # [num_tokens, H, D], contiguous
     if meta.decode_rows.numel() and ops is not None:
-        # reads each context through its block table in place: no gathered copy, no mask
-        with op_label("kvserve::paged_attention"):
-            ops.paged_decode_attention(q, meta.decode_rows, meta.decode_tables, meta.decode_lens, k_blocks,
-                                       v_blocks, scale, sliding_window or 0, out)
+        _decode_in_place(ops, pool, layer_idx, q, meta, scale, sliding_window, out)
         if meta.all_decodes:
             return out
     q = q.transpose(0, 1)  # [H, num_tokens, D]
     if meta.decode_rows.numel() and ops is None:
         q_dec = (q.transpose(0, 1) if meta.all_decodes else q[:, meta.decode_rows].transpose(0, 1))[:, :, None, :]
         # whole blocks are gathered (one copy per block, not per token); the mask hides what lies past a context
-        k_dec = _gather_blocks(k_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)  # [B_dec, H_kv, keys, D]
-        v_dec = _gather_blocks(v_blocks, meta.decode_tables).transpose(1, 2).to(q.dtype)
-        o_dec = _attend(q_dec, k_dec, v_dec, meta.decode_mask(sliding_window), scale, softcap)  # [B_dec, H, 1, D]
+        k_dec, v_dec = pool.gather(layer_idx, meta.decode_tables, q.dtype)  # [B_dec, keys, H_kv, D]
+        o_dec = _attend(q_dec, k_dec.transpose(1, 2), v_dec.transpose(1, 2), meta.decode_mask(sliding_window),
+                        scale, softcap)  # [B_dec, H, 1, D]
         if meta.all_decodes:
             return o_dec.reshape(out.shape)
         out[meta.decode_rows] = o_dec[:, :, 0, :]  # [B_dec, H, D]
     for span in meta.prefills:
         q_i = q[:, span.start:span.end]  # [H, t, D]
         if span.start_pos == 0:
-            k_i = k[span.start:span.end].transpose(0, 1)  # [H_kv, t, D]: the whole context is new
-            v_i = v[span.start:span.end].transpose(0, 1)
+            # the whole context is new: this step's keys as the cache gives them back
+            k_i = pool.roundtrip(k[span.start:span.end]).transpose(0, 1)  # [H_kv, t, D]
+            v_i = pool.roundtrip(v[span.start:span.end]).transpose(0, 1)
         else:
             context = span.context_len
-            k_i = _gather_blocks(k_blocks, span.block_table[None])[0, :context]  # [context, H_kv, D]
-            v_i = _gather_blocks(v_blocks, span.block_table[None])[0, :context]
-            k_i, v_i = k_i.transpose(0, 1).to(q.dtype), v_i.transpose(0, 1).to(q.dtype)  # [H_kv, context, D]
+            k_i, v_i = pool.gather(layer_idx, span.block_table[None], q.dtype)  # [1, n * block_size, H_kv, D]
+            k_i, v_i = k_i[0, :context].transpose(0, 1), v_i[0, :context].transpose(0, 1)  # [H_kv, context, D]
         if span.start_pos == 0 and sliding_window is None and softcap is None:
             # a whole prompt from position 0: SDPA's own causal kernel, no mask tensor
             out[span.start:span.end] = F.scaled_dot_product_attention(

@@ -29,7 +29,9 @@ from kvserve.quant.linear import QuantLinear, concat_outputs
 # Up to this many rows (decode batches, and steps mixing a short prefill with decodes), float32 CPU projections
 # use kernels/csrc/linear_f32.cpp, which reads each weight row once for all rows; it beats torch's GEMM up to
 # about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m kvserve.loadtest.kernelbench`).
-# Longer prefill chunks stay on torch's GEMM.
+# Longer calls run it on blocks of this many rows: torch's GEMM would block its reduction by the call's size, so a
+# row's last bits would depend on how many rows share its step, and an int8 / int4 KV cache turns such a bit into
+# another code (a visible change, not a last-bit one).
 DENSE_MAX_ROWS = 64
 # A 16-bit projection on CPU runs torch's GEMM (oneDNN), whose rows of a call of up to 32 rows equal those of the
 # same rows alone, and differ beyond, where it blocks the reduction another way (tests/test_fastpath.py checks both
@@ -44,8 +46,8 @@ Linear = Callable[[torch.Tensor], torch.Tensor]  # [T, in] -> [T, out]
 class Projection:
     """A projection as the fast path calls it: ``[T, in]`` -> ``[T, out]``.
 
-    On CPU with float32 rows, calls go straight to a C++ kernel: ``f32_linear`` for float32 weights (up to
-    DENSE_MAX_ROWS rows), the layer's own kernel for a QuantLinear (up to its ``kernel_max_rows``: every call
+    On CPU with float32 rows, calls go straight to a C++ kernel: ``f32_linear`` for float32 weights (in calls of
+    at most DENSE_MAX_ROWS rows), the layer's own kernel for a QuantLinear (up to its ``kernel_max_rows``: every call
     for the integer kernels). Anything else calls the module (torch's GEMM, or a bf16 ``nn.Linear``); a 16-bit
     ``nn.Linear`` on CPU in calls of at most ``INVARIANT_ROWS`` rows, so each row is computed as if alone.
     """
@@ -68,8 +70,10 @@ class Projection:
                            and weight.dtype in (torch.bfloat16, torch.float16))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype is torch.float32 and x.shape[0] <= self.max_rows:
-            y = self.kernel(x if x.is_contiguous() else x.contiguous())
+        if self.kernel is not None and x.dtype is torch.float32 and (x.shape[0] <= self.max_rows or self.dense):
+            x = x if x.is_contiguous() else x.contiguous()
+            y = self.kernel(x) if x.shape[0] <= self.max_rows else torch.cat(
+                [self.kernel(part) for part in x.split(self.max_rows)])  # [T, out], blocks of DENSE_MAX_ROWS rows
             return y if self.bias is None else y + self.bias
         if self.row_blocks and x.shape[0] > INVARIANT_ROWS:
             return torch.cat([self.module(part) for part in x.split(INVARIANT_ROWS)])  # [T, out]

@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 
 from kvserve.engine import attention  # noqa: E402
 from kvserve.engine.options import Device, DType  # noqa: E402,F401  (re-exported: callers name them with the loader)
-from kvserve.kvcache.sizing import KVShape  # noqa: E402
+from kvserve.kvcache.sizing import KVCacheDType, KVShape, cache_shape  # noqa: E402
 from kvserve import kernels  # noqa: E402
 
 log = logging.getLogger("kvserve.engine")
@@ -148,20 +148,23 @@ class LoadedModel:
         """Context length (tokens) from the config."""
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
-    def kv_shape(self) -> KVShape:
-        """KV geometry of this model; the cache holds the model's dtype."""
-        return kv_shape_of(self.model.config, self.dtype)
+    def kv_shape(self, cache_dtype: KVCacheDType = KVCacheDType.AUTO) -> KVShape:
+        """KV geometry of this model with a ``cache_dtype`` cache (auto: the model's dtype).
+
+        Raises:
+            ValueError: a quantized cache this head size cannot take (``kvcache.sizing.cache_shape``).
+        """
+        return kv_shape_of(self.model.config, self.dtype, cache_dtype)
 
 
-def kv_shape_of(config, dtype: torch.dtype) -> KVShape:
-    """KV geometry from a transformers config (text config for multimodal wrappers)."""
+def kv_shape_of(config, dtype: torch.dtype, cache_dtype: KVCacheDType = KVCacheDType.AUTO) -> KVShape:
+    """KV geometry from a transformers config (text config for multimodal wrappers), for a ``cache_dtype`` cache
+    of a model in ``dtype``."""
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = config.num_attention_heads
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    return KVShape(num_layers=config.num_hidden_layers,
-                   num_kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim=head_dim,
-                   bytes_per_element=torch.empty((), dtype=dtype).element_size())
+    return cache_shape(config.num_hidden_layers, getattr(config, "num_key_value_heads", None) or heads, head_dim,
+                       cache_dtype, torch.empty((), dtype=dtype).element_size())
 
 
 PICKLED_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt")  # torch.save / pickle checkpoints

@@ -38,6 +38,9 @@ _SOURCES = {
                                            "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp")],
     "kvserve_decode_ops": [_CSRC / "decode_ops.cpp"],
 }
+# decode_ops.cpp's quantized-cache attention is one body for every ISA path, bit for bit: no multiply-add may
+# fuse into an FMA on the AVX2 path only (its intrinsics' FMAs are explicit and stay).
+_EXTRA_CFLAGS = {"kvserve_decode_ops": ["-ffp-contract=off"]}
 # The paths csrc/cpu.h knows, best last; KVSERVE_ISA may name one to force it (a lesser one than the CPU has).
 ISAS = ("scalar", "avx2", "avx512")
 _state: dict[str, ModuleType | None] = {}
@@ -201,7 +204,8 @@ def _compile(name: str) -> ModuleType:
             log.info("rebuilding %s (%s)", name, exc)
     # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
     # (and `omp simd` reductions stay scalar).
-    return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES[name]], extra_cflags=["-O3", "-fopenmp"],
+    return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES[name]],
+                              extra_cflags=["-O3", "-fopenmp", *_EXTRA_CFLAGS.get(name, [])],
                               extra_ldflags=["-fopenmp"], verbose=False)
 
 

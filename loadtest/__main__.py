@@ -26,6 +26,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "prefill": ("kvserve.loadtest.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
     "hashbench": ("kvserve.loadtest.hashbench", "prefix-cache hashing cost per full block: hash() vs SHA-256"),
     "ui": ("kvserve.loadtest.uibench", "serving throughput with the live page open, against without it"),
+    "kvcache": ("kvserve.loadtest.kvbench", "KV cache dtypes side by side: sequences that fit, decode tokens/s"),
     "speculative": ("kvserve.loadtest.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
 }
 

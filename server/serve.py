@@ -7,7 +7,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve import environment
-from kvserve.kvcache.sizing import parse_bytes
+from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.quant.options import Scheme
 from kvserve.server.auth import read_key_file
@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
                         help="KV pool budget, e.g. 1GiB; with --speculative draft it holds the draft model's pool "
                              "too (as many tokens as the served model's, at the draft's dtype and shape)")
+    parser.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDType], default=d.kv_cache_dtype.value,
+                        help="what the KV cache stores: auto (the model's dtype), float32, bfloat16, or int8 / int4 "
+                             "codes with float16 scales per token and head (int4: per 32 channels): about 2x / 3.6x "
+                             "the tokens of bfloat16 in the same memory, at a small (int8) or measurable (int4) "
+                             "cost in quality (BENCHMARKS.md)")
     parser.add_argument("--num-kv-blocks", type=int, default=None,
                         help="pool size in blocks (overrides memory; a draft model's pool gets as many)")
     parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
@@ -103,6 +108,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                        quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
+                       kv_cache_dtype=args.kv_cache_dtype,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                        max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,

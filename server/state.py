@@ -17,8 +17,8 @@ from kvserve.engine.loader import LoadedModel
 from kvserve.engine.plan import StepPlan
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
-from kvserve.kvcache.pool import KVPool
-from kvserve.kvcache.sizing import num_blocks_for_budget, parse_bytes
+from kvserve.kvcache.pool import KVPool, storage_dtype
+from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.service import SchedulerService
 from kvserve.scheduler.speculation import DraftPolicy, StepCost
@@ -66,13 +66,15 @@ class StepLog:
             "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6)}) + "\n")
 
 
-def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: str = "") -> KVPool:
-    """A KV pool of ``num_blocks`` for ``loaded``'s geometry, refused before allocating if it exceeds the RAM.
+def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: str = "",
+                   shape: KVShape | None = None) -> KVPool:
+    """A KV pool of ``num_blocks`` for ``shape`` (default: ``loaded``'s geometry in its own dtype), refused before
+    allocating if it exceeds the RAM.
 
     Raises:
         ValueError: more bytes than this machine's memory, or than torch can allocate or index.
     """
-    shape = loaded.kv_shape()
+    shape = shape or loaded.kv_shape()
     pool_bytes = num_blocks * block_size * shape.bytes_per_token
     ram = _physical_memory()
     if loaded.device.type == "cpu" and ram is not None and pool_bytes > ram:
@@ -80,15 +82,16 @@ def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: 
         raise ValueError(f"{what}KV pool of {pool_bytes:,} bytes is more than this machine's {ram:,} bytes of "
                          "memory: lower --kv-cache-memory or --num-kv-blocks")
     try:
-        return KVPool(shape, num_blocks, block_size, loaded.dtype, loaded.device)
+        return KVPool(shape, num_blocks, block_size, storage_dtype(shape, loaded.dtype), loaded.device)
     except (RuntimeError, TypeError, OverflowError) as exc:  # more than the machine has, or than torch indexes
         raise ValueError(f"cannot allocate {what}KV pool of {num_blocks:,} blocks ({pool_bytes:,} bytes): lower "
                          f"--kv-cache-memory or --num-kv-blocks ({type(exc).__name__})") from None
 
 
-def _num_blocks(config: ServeConfig, loaded: LoadedModel, draft: LoadedModel | None) -> int:
-    """Blocks of the served model's pool: ``--num-kv-blocks``, or as many as ``--kv-cache-memory`` holds, where a
-    draft model's pool (as many blocks, at the draft's bytes per token) shares the budget.
+def _num_blocks(config: ServeConfig, shape: KVShape, draft: LoadedModel | None) -> int:
+    """Blocks of the served model's pool (geometry ``shape``, at its cache dtype): ``--num-kv-blocks``, or as many
+    as ``--kv-cache-memory`` holds, where a draft model's pool (as many blocks, at the draft's bytes per token)
+    shares the budget.
 
     Raises:
         ValueError: the budget holds not even one block (of both pools).
@@ -97,9 +100,9 @@ def _num_blocks(config: ServeConfig, loaded: LoadedModel, draft: LoadedModel | N
         return config.num_kv_blocks
     budget = parse_bytes(config.kv_cache_memory)
     if draft is None:
-        return num_blocks_for_budget(loaded.kv_shape(), config.block_size, budget)
+        return num_blocks_for_budget(shape, config.block_size, budget)
     # bytes/token of both pools = the served model's + the draft's  (each 2*L*H_kv*d*b)
-    block_bytes = (loaded.kv_shape().bytes_per_token + draft.kv_shape().bytes_per_token) * config.block_size
+    block_bytes = (shape.bytes_per_token + draft.kv_shape().bytes_per_token) * config.block_size
     if budget < block_bytes:
         raise ValueError(f"KV budget of {budget:,} bytes holds no block of the served and the draft model's pools "
                          f"({block_bytes:,} bytes)")
@@ -140,9 +143,12 @@ class ServerState:
             own, holding as many tokens as the served model's (at its own dtype and shape), both within
             ``--kv-cache-memory``.
 
+    One server has one KV cache dtype (``--kv-cache-dtype``), so the prefix cache only ever shares blocks between
+    requests whose keys and values were stored the same way. A draft model's own pool keeps the draft's dtype.
+
     Raises:
         ValueError: a KV pool (the served model's or the draft's) more than the machine has or torch can index;
-            ``--speculative draft`` without a draft model.
+            ``--speculative draft`` without a draft model; a quantized cache the model's head size cannot take.
     """
 
     def __init__(self, loaded: LoadedModel, config: ServeConfig, executor: ThreadPoolExecutor | None = None,
@@ -151,8 +157,9 @@ class ServerState:
         self.config = config
         self.tokenizer = loaded.tokenizer
         self.model_name = config.served_model_name or loaded.name
-        num_blocks = _num_blocks(config, loaded, draft if config.speculative is Drafter.DRAFT else None)
-        self.pool = _allocate_pool(loaded, num_blocks, config.block_size, what="a ")
+        shape = loaded.kv_shape(config.kv_cache_dtype)
+        num_blocks = _num_blocks(config, shape, draft if config.speculative is Drafter.DRAFT else None)
+        self.pool = _allocate_pool(loaded, num_blocks, config.block_size, what="a ", shape=shape)
         self.max_model_len = min(config.max_model_len or loaded.max_model_len, loaded.max_model_len)
         if config.max_model_len is not None and config.max_model_len > loaded.max_model_len:
             log.warning("--max-model-len %d is above the model's context of %d tokens; serving %d",
@@ -174,7 +181,7 @@ class ServerState:
         self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
                                         on_step=self._on_step, executor=executor)
         cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(num_blocks),
-                      "cache_dtype": str(loaded.dtype).removeprefix("torch."),
+                      "cache_dtype": self.pool.cache_dtype, "bytes_per_token": str(shape.bytes_per_token),
                       "enable_prefix_caching": str(config.enable_prefix_caching), "engine": "0"}
         self.metrics = Metrics(self.service, self.model_name, self.max_model_len, cache_info,
                                vllm_names=config.vllm_metric_names)
@@ -253,7 +260,7 @@ class ServerState:
         """Log the KV formula, allocated bytes per token (must equal it), blocks and sequences that fit."""
         shape = self.pool.shape
         per_token_allocated = self.pool.nbytes / self.pool.num_slots
-        log.info("KV cache: %s", shape.formula())
+        log.info("KV cache (%s): %s", self.pool.cache_dtype, shape.formula())
         log.info("KV pool: %s bytes allocated / %s tokens = %s bytes/token (%s)", f"{self.pool.nbytes:,}",
                  f"{self.pool.num_slots:,}", f"{per_token_allocated:,.0f}",
                  "equal" if per_token_allocated == shape.bytes_per_token else "MISMATCH")

@@ -32,6 +32,13 @@ def smollm2_gguf():
     return loaded
 
 
+@pytest.fixture(scope="module", params=["float32", "gguf"])
+def served(request):
+    """Each weight format ``kvserve serve`` picks by default for the embedded model, in turn: full precision
+    (``smollm2``) and the GGUF's own blocks (``smollm2_gguf``, --quantization auto). Never mutate it."""
+    return request.getfixturevalue({"float32": "smollm2", "gguf": "smollm2_gguf"}[request.param])
+
+
 @pytest.fixture(scope="session")
 def server_url(smollm2):
     """Base URL of a live server on SmolLM2 with the default configuration (256 MiB KV pool)."""

@@ -12,7 +12,8 @@ from kvserve.engine.options import DType
 from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
-from kvserve.kvcache.pool import KVPool
+from kvserve.kvcache.pool import KVPool, storage_dtype
+from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.quant.options import Scheme
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -91,11 +92,12 @@ def greedy_references(loaded, prompt_ids: list[list[int]], new_tokens: int) -> l
 def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks: int = 512, block_size: int = 16,
                   max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
                   prefix_caching: bool = True, draft=None, drafter=None, params: SamplingParams = GREEDY,
-                  min_tokens: int | None = None) -> tuple[list[list[int]], Scheduler]:
+                  min_tokens: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list[list[int]], Scheduler]:
     """Our engine end to end (scheduler + paged runner), greedy unless ``params`` say otherwise, EOS suppressed
     until ``min_tokens`` (default: all ``new_tokens``); with ``draft`` (a DraftPolicy) and ``drafter``,
-    speculative decoding."""
-    pool = KVPool(loaded.kv_shape(), num_blocks, block_size, loaded.dtype, loaded.device)
+    speculative decoding; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
+    shape = loaded.kv_shape(KVCacheDType(kv_cache_dtype))
+    pool = KVPool(shape, num_blocks, block_size, storage_dtype(shape, loaded.dtype), loaded.device)
     runner = ModelRunner(loaded, pool, drafter)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                           max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching),

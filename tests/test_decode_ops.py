@@ -8,6 +8,7 @@ import torch
 from kvserve.engine.rope import Rope
 from kvserve.engine.loader import wrap_model
 from kvserve import kernels
+from kvserve.kvcache.pool import dequantize, quantize
 from tests.engineutil import run_both, tiny
 
 ops = kernels.load_ops()
@@ -115,6 +116,83 @@ def test_decode_attention_is_rope_kv_write_and_attention_in_one_call(heads, kv_h
     with pytest.raises(RuntimeError, match="qkv must be contiguous"):
         ops.decode_attention_(qkv[:, 1:], heads, kv_heads, cos, sin, slots, k_blocks, v_blocks, rows, tables, lens,
                               0.3, window)
+
+
+def quantized_attention_case(bits: int, heads: int = 9, kv_heads: int = 3, dim: int = 64, window: int = 0,
+                             context: int = 45) -> tuple[torch.Tensor, ...]:
+    """A seeded int8 / int4 pool written by the C++ op over scattered blocks, and the quantized paged attention's
+    output over it: (out, q, tables, lens, k_codes, k_scales, v_codes, v_scales). tests/test_isa.py runs it on
+    each ISA path and compares the bits."""
+    torch.manual_seed(bits * 100 + dim + window)
+    batch, block_size, per_seq = 3, 16, -(-context // 16)
+    num_blocks = batch * per_seq + 2
+    group = dim if bits == 8 else 32
+    codes = torch.zeros(2, num_blocks, block_size, kv_heads, dim * bits // 8,
+                        dtype=torch.int8 if bits == 8 else torch.uint8)
+    scales = torch.zeros(2, num_blocks, block_size, kv_heads, dim // group, dtype=torch.float16)
+    slots = torch.randperm(num_blocks * block_size)
+    k, v = torch.randn(slots.numel(), kv_heads, dim) * 2, torch.randn(slots.numel(), kv_heads, dim)
+    ops.write_kv_quant(codes[0].flatten(0, 1), scales[0].flatten(0, 1), codes[1].flatten(0, 1),
+                       scales[1].flatten(0, 1), slots, k, v, bits)
+    tables = torch.randperm(num_blocks)[:batch * per_seq].view(batch, per_seq).contiguous()
+    lens = torch.tensor([context, max(1, context - 20), 1])
+    q = torch.randn(batch, heads, dim) * 3
+    out = torch.empty_like(q)
+    ops.paged_decode_attention_quant(q, torch.arange(batch), tables, lens, codes[0], scales[0], codes[1], scales[1],
+                                     bits, dim ** -0.5, window, out)
+    return out, q, tables, lens, codes[0], scales[0], codes[1], scales[1]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_write_kv_quant_gives_the_torch_reference_codes(bits):
+    # kvcache.pool.quantize is the rule; the C++ write must give its bits, from strided K/V rows
+    torch.manual_seed(bits)
+    T, H, D = 6, 3, 64
+    qkv = torch.randn(T, 9 + 2 * H, D) * torch.logspace(-3, 3, T)[:, None, None]
+    k, v = qkv[:, 9:9 + H], qkv[:, 9 + H:]
+    k[2, 1] = 0.0
+    row, group = D * bits // 8, D if bits == 8 else 32
+    dtype = torch.int8 if bits == 8 else torch.uint8
+    k_codes, v_codes = torch.zeros(10, H, row, dtype=dtype), torch.zeros(10, H, row, dtype=dtype)
+    k_scales, v_scales = torch.zeros(10, H, D // group, dtype=torch.float16), torch.zeros(10, H, D // group,
+                                                                                          dtype=torch.float16)
+    slots = torch.tensor([7, 0, 3, 9, 4, 1])
+    v_codes.fill_(99 if bits == 8 else 255)  # stale codes of a freed block must not survive the write
+    ops.write_kv_quant(k_codes, k_scales, v_codes, v_scales, slots, k, v, bits)
+    for codes, scales, x in ((k_codes, k_scales, k), (v_codes, v_scales, v)):
+        expected_codes, expected_scales = quantize(x, bits, group)
+        assert torch.equal(codes[slots], expected_codes) and torch.equal(scales[slots], expected_scales)
+    with pytest.raises(RuntimeError, match="slot 10 out of range"):
+        ops.write_kv_quant(k_codes, k_scales, v_codes, v_scales, torch.tensor([10] * T), k, v, bits)
+    with pytest.raises(RuntimeError, match="bits must be 8 or 4"):
+        ops.write_kv_quant(k_codes, k_scales, v_codes, v_scales, slots, k, v, 2)
+
+
+@pytest.mark.parametrize("bits,heads,kv_heads,dim,window", [
+    (8, 9, 3, 64, 0),     # SmolLM2's heads
+    (4, 9, 3, 64, 0),
+    (8, 4, 4, 16, 7),     # no GQA, a sliding window
+    (4, 8, 1, 128, 0),    # 4 scales per head vector
+])
+def test_quantized_paged_attention_equals_a_float64_softmax_over_the_dequantized_cache(bits, heads, kv_heads, dim,
+                                                                                      window):
+    out, q, tables, lens, k_codes, k_scales, v_codes, v_scales = quantized_attention_case(bits, heads, kv_heads, dim,
+                                                                                          window)
+    k_blocks = dequantize(k_codes, k_scales, bits, torch.float64)
+    v_blocks = dequantize(v_codes, v_scales, bits, torch.float64)
+    expected = _attention_reference(q, tables, lens, k_blocks, v_blocks, dim ** -0.5, window)
+    torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+
+
+def test_quantized_paged_attention_refuses_mismatched_caches():
+    _, q, tables, lens, k_codes, k_scales, v_codes, v_scales = quantized_attention_case(8)
+    out = torch.empty_like(q)
+    with pytest.raises(RuntimeError, match="k codes must be contiguous int8"):
+        ops.paged_decode_attention_quant(q, torch.arange(3), tables, lens, k_codes.view(torch.uint8), k_scales,
+                                         v_codes, v_scales, 8, 0.1, 0, out)
+    with pytest.raises(RuntimeError, match="v scales must be contiguous float16"):
+        ops.paged_decode_attention_quant(q, torch.arange(3), tables, lens, k_codes, k_scales, v_codes,
+                                         v_scales.float(), 8, 0.1, 0, out)
 
 
 def test_bad_indices_raise_instead_of_reading_out_of_bounds():

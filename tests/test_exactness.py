@@ -34,13 +34,6 @@ PROMPTS = [
 NEW_TOKENS = 48  # greedy tokens per prompt: long enough that a wrong cache entry shows, short enough for CI
 
 
-# every weight format `kvserve serve` picks by default: full precision, and the GGUF's own blocks (--quantization
-# auto for the embedded model)
-@pytest.fixture(scope="module", params=["float32", "gguf"])
-def served(request):
-    return request.getfixturevalue({"float32": "smollm2", "gguf": "smollm2_gguf"}[request.param])
-
-
 @pytest.fixture(scope="module")
 def prompt_ids(served):
     return [served.tokenizer(p)["input_ids"] for p in PROMPTS]

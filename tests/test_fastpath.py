@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kvserve.engine.kernelbind import INVARIANT_ROWS, Projection
+from kvserve.engine.kernelbind import DENSE_MAX_ROWS, INVARIANT_ROWS, Projection
 from kvserve.engine.loader import cpu_has_bf16, wrap_model
 from kvserve.engine.plan import SeqWork, StepPlan
 from kvserve.engine.rope import ROPE_TABLE_POSITIONS
@@ -255,3 +255,15 @@ def test_a_bfloat16_projections_rows_are_those_of_the_row_alone(out_features, in
             assert torch.equal(linear(x[:rows]), alone[:rows]), rows
         assert torch.equal(Projection(linear)(x)[:len(alone)], alone)
         assert not all(torch.equal(linear(x[:rows])[:len(alone)], alone) for rows in (64, 100))
+
+
+def test_a_float32_projections_rows_do_not_depend_on_how_many_rows_share_the_call(smollm2):
+    # past 64 rows too: torch's GEMM would change last bits there, and a quantized cache would round them into
+    # other codes (speculation's verify rows batched with long prefills changed greedy tokens with float32 weights)
+    projection = Projection(smollm2.model.model.layers[0].mlp.down_proj)
+    assert projection.dense
+    torch.manual_seed(0)
+    x = torch.randn(2 * DENSE_MAX_ROWS + 9, projection.module.in_features)
+    alone = torch.cat([projection(row[None]) for row in x])
+    assert torch.equal(projection(x), alone)
+    assert torch.equal(projection(x[:DENSE_MAX_ROWS + 1]), alone[:DENSE_MAX_ROWS + 1])

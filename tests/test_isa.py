@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from kvserve import kernels
 from kvserve.kernels.leaves import host_cpu_flags as _cpu_flags
@@ -70,6 +71,26 @@ def test_an_unknown_isa_is_refused_with_the_choices():
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_cache_attention_has_the_same_bits_on_every_path(bits, isa, tmp_path):
+    """The int8 / int4 cache's write and attention are one body compiled per path (decode_ops.cpp has a scalar
+    and an AVX2 one; an AVX-512 CPU runs the AVX2 one): the best path and each forced lesser one give the same
+    bits (not merely close ones)."""
+    from tests.test_decode_ops import quantized_attention_case
+
+    if isa not in kernels.native_isas() or os.environ.get("KVSERVE_ISA") == isa:
+        pytest.skip(f"{isa} is not a lesser path here")
+    code = ("import sys, torch; from tests.test_decode_ops import quantized_attention_case; "
+            f"torch.save(quantized_attention_case({bits}), sys.argv[1])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{isa}.pt")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "KVSERVE_ISA": isa})
+    assert done.returncode == 0, done.stderr[-2000:]
+    forced, best = torch.load(tmp_path / f"{isa}.pt"), quantized_attention_case(bits)
+    assert all(torch.equal(a, b) for a, b in zip(best, forced))
+
+
+@needs_kernels
 @pytest.mark.skipif(os.environ.get("KVSERVE_ISA") == "scalar", reason="already on the scalar path")
 def test_kernel_tests_pass_on_the_scalar_path():
     """The kernel test files (against the PyTorch reference, batch invariance, thread invariance) on the forced
@@ -77,7 +98,7 @@ def test_kernel_tests_pass_on_the_scalar_path():
     env = {**os.environ, "KVSERVE_ISA": "scalar"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_decode_ops.py",
                            "tests/test_quant.py", "-k", "kernel or fused or norms or attention or greedy_pick or "
-                           "log_softmax or silu or bits"], cwd=ROOT, env=env, capture_output=True, text=True,
+                           "log_softmax or silu or bits or quant"], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     tail = done.stdout[-3000:]
     assert done.returncode == 0, tail

@@ -8,8 +8,8 @@ import transformers
 
 from kvserve.engine.loader import kv_shape_of
 from kvserve.kvcache.block_manager import BlockManager
-from kvserve.kvcache.pool import KVPool
-from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
+from kvserve.kvcache.pool import KVPool, dequantize, quantize, storage_dtype
+from kvserve.kvcache.sizing import KVCacheDType, KVShape, cache_shape, num_blocks_for_budget, parse_bytes
 
 
 def test_allocate_takes_blocks_in_order_and_frees_tail_first():
@@ -252,6 +252,63 @@ def test_pool_layer_views_write_through_to_the_pool():
     v_blocks[4, 3] = 2.0  # slot 19
     assert torch.equal(pool.data[0, 1, 2, 1], torch.ones(2, 4)) and torch.equal(v_flat[19], torch.full((2, 4), 2.0))
     assert pool.data[:, [0, 2]].abs().sum() == 0 and pool.data.abs().sum() == 8 + 16
+
+
+@pytest.mark.parametrize("cache,per_token,formula", [
+    ("auto", 46_080, "x 64 head_dim x 4 B = 46,080"), ("bfloat16", 23_040, "x 64 head_dim x 2 B = 23,040"),
+    ("int8", 11_880, "x (64 head_dim x 1 B + 1 scale x 2 B) = 11,880"),
+    ("int4", 6_480, "x (64 head_dim x 0.5 B + 2 scales x 2 B) = 6,480"),
+])
+def test_quantized_pools_count_their_scales_in_the_bytes_per_token(smollm2, cache, per_token, formula):
+    shape = kv_shape_of(smollm2.model.config, torch.float32, KVCacheDType(cache))
+    assert shape.bytes_per_token == per_token and formula in shape.formula()
+    pool = KVPool(shape, num_blocks_for_budget(shape, 16, parse_bytes("8MiB")), 16,
+                  storage_dtype(shape, torch.float32))
+    assert pool.nbytes / pool.num_slots == per_token and pool.cache_dtype == {"auto": "float32"}.get(cache, cache)
+    # the issue's capacity figures at 1GiB and 2,048-token sequences: int8 twice bfloat16, int4 at least 3.5x
+    sequences = parse_bytes("1GiB") // 16 // per_token * 16 // 2048
+    assert sequences == {"auto": 11, "bfloat16": 22, "int8": 44, "int4": 80}[cache]
+
+
+def test_quantized_caches_refuse_head_sizes_their_kernels_cannot_read():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cache_shape(2, 2, 48, KVCacheDType.INT4, 4)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        cache_shape(2, 2, 20, KVCacheDType.INT8, 4)
+    with pytest.raises(ValueError, match="stores torch.int8"):
+        KVPool(cache_shape(2, 2, 16, KVCacheDType.INT8, 4), 4, 4, torch.float32)
+
+
+@pytest.mark.parametrize("bits,group", [(8, 64), (4, 32)])
+def test_quantize_is_per_vector_symmetric_and_round_to_nearest(bits, group):
+    torch.manual_seed(0)
+    x = torch.randn(5, 3, 64) * torch.logspace(-2, 2, 5)[:, None, None]
+    x[1, 2] = 0.0  # an all-zero vector: scale 0, codes 0, back to 0
+    codes, scales = quantize(x, bits, group)
+    assert codes.shape == (5, 3, 64 * bits // 8) and scales.shape == (5, 3, 64 // group)
+    qmax = 2 ** (bits - 1) - 1
+    expected_scales = (x.unflatten(-1, (-1, group)).abs().amax(-1) / qmax).half()
+    assert torch.equal(scales, expected_scales)
+    back = dequantize(codes, scales, bits, torch.float32)
+    step = scales.float().repeat_interleave(group, -1)  # [5, 3, 64]: each element's quantization step
+    assert torch.all((back - x).abs() <= step / 2 * 1.002 + 1e-12)  # round to nearest (fp16 scale rounding)
+    assert torch.equal(back[1, 2], torch.zeros(64))
+    # a vector's codes depend on that vector alone: quantizing it alongside others changes nothing
+    alone = quantize(x[3:4, 1:2], bits, group)
+    assert torch.equal(alone[0][0, 0], codes[3, 1]) and torch.equal(alone[1][0, 0], scales[3, 1])
+    if bits == 4:  # q4_0's layout: byte j of a group holds codes j and j + 16, each plus 8
+        c = torch.round(x[0, 0, :32] / scales[0, 0, 0].float()).clamp(-7, 7).to(torch.int64) + 8
+        assert codes[0, 0, :16].tolist() == (c[:16] | (c[16:] << 4)).tolist()
+
+
+def test_quantized_pool_write_gather_and_roundtrip_agree():
+    shape = cache_shape(2, 2, 32, KVCacheDType.INT4, 4)
+    pool = KVPool(shape, 6, 4, torch.uint8)
+    k, v = torch.randn(5, 2, 32), torch.randn(5, 2, 32)
+    pool.write(1, torch.tensor([9, 10, 11, 12, 13]), k, v)  # positions 0..4 of table [2, 3]
+    keys, values = pool.gather(1, torch.tensor([[2, 3]]), torch.float32)  # [1, 8, 2, 32]
+    assert torch.equal(keys[0, 1:6], pool.roundtrip(k)) and torch.equal(values[0, 1:6], pool.roundtrip(v))
+    assert 0 < (pool.roundtrip(k) - k).abs().max() < 0.5 and pool.data[:, 0].abs().sum() == 0
 
 
 def test_parse_bytes():

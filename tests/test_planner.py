@@ -34,7 +34,9 @@ def test_issue_facts_bytes_per_token():
     assert KVShape(24, 2, 64, 2).bytes_per_token == 12_288
     assert KVShape(32, 8, 128, 2).bytes_per_token == 131_072
     assert qwen.kv_shape(KVDType.FP8).bytes_per_token == 6_144
-    assert qwen.kv_shape(KVDType.INT8).bytes_per_token == 6_144
+    # int8 and int4 count their float16 scales: one per token and head, one per 32 channels for int4
+    assert qwen.kv_shape(KVDType.INT8).bytes_per_token == 2 * 24 * 2 * (64 + 2) == 6_336
+    assert qwen.kv_shape(KVDType.INT4).bytes_per_token == 2 * 24 * 2 * (32 + 2 * 2) == 3_456
 
 
 def test_preset_geometry():
