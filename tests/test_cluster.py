@@ -74,13 +74,13 @@ def test_draining_replica_is_unready_but_alive_and_refuses_new_requests_with_ret
         drain.draining = False
 
 
-def _stream_through_a_drain_deadline(smollm2, path: str, body: dict) -> list[str]:
-    """Start a long stream on a DrainingServer with a 3 s drain, SIGTERM it once the first event arrives;
+def _stream_through_a_drain_deadline(smollm2, path: str, body: dict, drain_s: float = 3.0) -> list[str]:
+    """Start a long stream on a DrainingServer with a ``drain_s`` drain, SIGTERM it once the first event arrives;
     returns the stream's data lines (the server exits after the deadline's cut)."""
     from kvserve.server.drain import DrainingServer
     from kvserve.server.httpserver import uvicorn_config
 
-    drain = Drain(3.0)
+    drain = Drain(drain_s)
     port = free_port()
     config = ServeConfig(kv_cache_memory="64MiB")
     server = DrainingServer(uvicorn_config(create_app(ServerState(smollm2, config), drain), "127.0.0.1", port,
@@ -124,8 +124,9 @@ def test_drain_deadline_ends_a_stream_with_a_final_chunk_and_done(smollm2, path,
 
 
 def test_drain_deadline_ends_a_responses_stream_with_its_terminal_event(smollm2):
+    # the Responses API has no ignore_eos: a 1 s drain cuts the count long before the model could end it itself
     data = _stream_through_a_drain_deadline(smollm2, "/v1/responses",
-                                            {"input": "Count from 1 to 10000", "max_output_tokens": 1000})
+                                            {"input": "Count from 1 to 10000", "max_output_tokens": 1000}, 1.0)
     events = [json.loads(d) for d in data]
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "server_shutdown"}
@@ -243,8 +244,9 @@ def test_killed_replica_costs_only_its_own_requests_and_drained_replica_finishes
     assert kill.hung == 0 and all(s < 10 for s in kill.failed_after_kill_s), kill  # an error, promptly
     assert kill.survivors_healthy and kill.served_by_survivors > 0, kill
 
-    # 64-token replies: a stream seen busy is still in flight a moment later, when the SIGTERM goes out
-    drain = measure_drain(cluster, Workload(**{**WORKLOAD, "conversations": 4, "turns": 2, "max_tokens": 64}),
+    # 256-token replies (seconds each, even on the fast default): a stream seen busy is still in flight a moment
+    # later, when the SIGTERM goes out
+    drain = measure_drain(cluster, Workload(**{**WORKLOAD, "conversations": 4, "turns": 2, "max_tokens": 256}),
                           deadline_s=90, grace_s=30)
     assert drain.inflight_at_sigterm >= 1, drain
     assert drain.failed == 0, drain  # its streams completed, and the requests refused meanwhile went elsewhere
