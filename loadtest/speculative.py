@@ -97,7 +97,7 @@ async def _load(url: str, prompts: list[str], clients: int, requests: int, max_t
 
 def _step_costs(log_text: str) -> dict[int, float]:
     """The auto server's start-up step-cost curve (ms by tokens) from its log line."""
-    match = re.search(r"step cost \(ms\) by tokens: ([^;]*)", log_text)
+    match = re.search(r"step cost by tokens (?:\([^)]*\))?: ([^;]*?) ms", log_text)
     pairs = re.findall(r"(\d+): ([\d.]+)", match.group(1)) if match else []
     return {int(n): float(ms) for n, ms in pairs}
 

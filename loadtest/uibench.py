@@ -59,8 +59,7 @@ def view(url: str, viewer: str, out_path: str) -> None:
                 if line.startswith("data: "):
                     json.loads(line[len("data: "):])
                     count += 1
-                    with open(out_path, "w") as out:
-                        out.write(str(count))
+                    _write_count(out_path, count)
         return
     import shutil
 
@@ -73,9 +72,15 @@ def view(url: str, viewer: str, out_path: str) -> None:
         page.goto(url + "/")
         page.wait_for_selector("#main", state="visible")
         while True:
-            time.sleep(1)
-            with open(out_path, "w") as out:  # steps drawn so far: proof the page keeps up
-                out.write(str(page.evaluate("Number(document.body.dataset.steps || 0)")))
+            time.sleep(1)  # steps drawn so far: proof the page keeps up
+            _write_count(out_path, page.evaluate("Number(document.body.dataset.steps || 0)"))
+
+
+def _write_count(path: str, count: int) -> None:
+    """Replace the count file whole: a reader never sees it truncated (read as 0, a negative difference)."""
+    with open(path + ".tmp", "w") as out:
+        out.write(str(count))
+    os.replace(path + ".tmp", path)
 
 
 class _Viewer:
@@ -131,13 +136,16 @@ def render(rounds: list[Round], viewer: str, streams: int, tokens: int, scheme: 
                      f"{r.loop_cpu_ms:.3f} | {r.snapshots if r.page_open else '–'} |")
     closed = statistics.median(r.tokens_per_s for r in rounds if not r.page_open)
     opened = statistics.median(r.tokens_per_s for r in rounds if r.page_open)
+    # each open round against the closed round just before it: a drift of the machine's speed over the run
+    # cancels within a pair, which the ratio of the two medians does not
+    paired = statistics.median(o.tokens_per_s / c.tokens_per_s for c, o in zip(rounds[::2], rounds[1::2]))
     what = ("the page in headless chromium on this machine (its rendering shares the CPU with the server)"
             if viewer == "browser" else "a reader of /ui/events parsing every snapshot (the server's side of an "
             "open page)")
     count = "steps drawn by the page" if viewer == "browser" else "snapshots received"
     return "\n".join(lines) + (
-        f"\n\nMedian output tokens/s: page closed {closed:.1f}, page open {opened:.1f}: ratio open/closed "
-        f"**{opened / closed:.3f}**.\n\n`kvserve serve --quantization {scheme} --max-num-seqs {streams}`, "
+        f"\n\nMedian output tokens/s: page closed {closed:.1f}, page open {opened:.1f} (ratio {opened / closed:.3f}); "
+        f"median of each round's open / closed ratio: **{paired:.3f}**.\n\n`kvserve serve --quantization {scheme} --max-num-seqs {streams}`, "
         f"{streams} concurrent greedy completions of {tokens} tokens ({2 * streams} per round), rounds alternating "
         f"closed and open. Page open: {what}. Viewer count: {count} during the round. Event-loop CPU: the "
         "server's main thread (HTTP, SSE, and the snapshots the page's stream is built from) per output token."
@@ -148,11 +156,11 @@ def render(rounds: list[Round], viewer: str, streams: int, tokens: int, scheme: 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--viewer", choices=VIEWERS, default="browser",
                         help="what keeps the page open: headless chromium, or a reader of its event stream")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "nf4"],
-                        help="as kvserve serve --quantization (none: no calibration at start)")
+    parser.add_argument("--quantization", default="auto", choices=["auto", "none", "gguf", "int8", "int4", "nf4"],
+                        help="as kvserve serve --quantization (default auto: the server as the README starts it)")
     parser.add_argument("--streams", type=positive_int, default=32, help="concurrent streams")
     parser.add_argument("--tokens", type=positive_int, default=128, help="output tokens per request")
-    parser.add_argument("--rounds", type=positive_int, default=3, help="rounds of (closed, open)")
+    parser.add_argument("--rounds", type=positive_int, default=5, help="rounds of (closed, open)")
     parser.add_argument("--no-write", action="store_true")
 
 

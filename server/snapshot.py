@@ -25,6 +25,9 @@ from kvserve.server.metrics import Metrics
 
 MAX_WAITING_ROWS = 32   # waiting sequences listed one by one; the rest are only counted
 RATE_WINDOW_S = 2.0     # tokens/s is measured over this trailing window (s)
+SLOW_PARTS_S = 1.0      # the histograms and totals are rebuilt at most this often (s): reading a Prometheus
+                        # histogram costs about as much as the rest of a snapshot, and a person reads a
+                        # distribution or a total once a second at most (the live page's overhead: BENCHMARKS.md)
 
 
 class BlockState(enum.IntEnum):
@@ -45,10 +48,13 @@ def block_state(ref_count: int, cached: bool) -> BlockState:
     return BlockState.CACHED if cached else BlockState.FREE
 
 
+_DIGITS = {state: str(int(state)) for state in BlockState}
+
+
 def block_states(blocks: BlockManager) -> str:
     """Every block's state as one digit per block, in block-id order (``"0012..."``; a string keeps the JSON small:
     one byte per block)."""
-    return "".join(str(int(block_state(b.ref_count, b.block_hash is not None))) for b in blocks.blocks)
+    return "".join(_DIGITS[block_state(b.ref_count, b.block_hash is not None)] for b in blocks.blocks)
 
 
 def slot_state(seq: Sequence) -> str:
@@ -89,7 +95,9 @@ class StepRecord:
 class StepTrace:
     """The last ``size`` steps (a ring; appending is O(1), so the step loop pays nothing that grows)."""
 
-    def __init__(self, size: int = 240) -> None:
+    # Every snapshot carries the whole ring; a page keeps its own longer history (charts.js), so the ring only
+    # needs the steps of one snapshot interval with room to spare (64: eight 0.1 s intervals at 80 steps a second).
+    def __init__(self, size: int = 64) -> None:
         self.steps: deque[StepRecord] = deque(maxlen=size)
         self.count = 0
 
@@ -137,6 +145,8 @@ class SnapshotHub:
         self.min_interval_s = min_interval_s
         self._json: str | None = None
         self._built = 0.0
+        self._slow: dict | None = None  # the histograms and totals, rebuilt every SLOW_PARTS_S
+        self._slow_built = 0.0
         self._tokens: deque[tuple[float, int]] = deque()  # (time s, generation tokens) over RATE_WINDOW_S
 
     def latest(self) -> str:
@@ -156,16 +166,27 @@ class SnapshotHub:
         return round((n1 - n0) / (t1 - t0), 1) if t1 > t0 else 0.0
 
     def build(self, now: float) -> dict:
-        """The snapshot as a dict (see docs/ui.md for what each part means)."""
+        """The snapshot as a dict (see docs/ui.md for what each part means). Slots, blocks, steps and the queue
+        are read now; the histograms and totals at most every ``SLOW_PARTS_S``."""
         sched = self.service.scheduler
         waiting = list(sched.waiting)
         pending = self.service.queued - len(waiting)  # submitted, not yet taken from the inbox
+        if self._slow is None or now - self._slow_built >= SLOW_PARTS_S:
+            self._slow = self.slow_parts(now)
+            self._slow_built = now
         return {
             "info": self.info,
             "slots": [slot_row(s) for s in sched.running] + [slot_row(s) for s in waiting[:MAX_WAITING_ROWS]],
             "queue": len(waiting) + pending,
             "blocks": block_states(sched.blocks),
             "steps": [[r.n, r.prefill, r.decode, r.draft, r.ms, r.rows] for r in self.steps.steps],
+            **self._slow,
+        }
+
+    def slow_parts(self, now: float) -> dict:
+        """The snapshot's totals, tokens/s and TTFT / ITL histograms."""
+        sched = self.service.scheduler
+        return {
             "totals": {"steps": self.service.stats.steps, "prompt_tokens": self.service.stats.prompt_tokens,
                        "generation_tokens": self.service.stats.generation_tokens,
                        "preemptions": sched.num_preemptions, "prefix_queries": sched.prefix_queries,

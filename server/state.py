@@ -38,6 +38,12 @@ _CALIBRATION_BUDGET_S = 10.0  # no further round starts after this long (s): bou
                               # unbounded rounds once made start-up take 110 s
 
 
+# The start-up line that gives speculation's measured step costs; `python -m kvserve.loadtest speculative` reads
+# the curve back from it.
+SPECULATION_LOG = ("speculation (%s), auto length up to %d; step cost by tokens (median of up to %d rounds, made "
+                   "non-decreasing; then learnt from served steps): %s%s (measured in %.1f s)")
+
+
 class StepLog:
     """``--step-log``: one JSON line per engine step, the raw material of the simulator's step-cost fit.
 
@@ -217,9 +223,7 @@ class ServerState:
             rows = sorted({n for n in (1, 2, 4, 8, 16, 32, config.max_num_seqs) if n <= config.max_num_seqs})
             proposal = StepCost(_time_steps(self.drafter.runner, self.drafter.blocks, rows))
         cost = StepCost(seconds)
-        log.info("speculation (%s), auto length up to %d; step cost by tokens (median of up to %d rounds, "
-                 "made non-decreasing; then learnt from served steps): %s%s (measured in %.1f s)",
-                 config.speculative.value, AUTO_MAX_DRAFT, _CALIBRATION_ROUNDS, cost.describe(),
+        log.info(SPECULATION_LOG, config.speculative.value, AUTO_MAX_DRAFT, _CALIBRATION_ROUNDS, cost.describe(),
                  "" if proposal is None else "; draft step by rows: " + proposal.describe(),
                  time.perf_counter() - started)
         return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=cost, proposal_cost=proposal)

@@ -592,3 +592,14 @@ def test_processed_logprobs_are_soft_labels_at_the_temperature(server_url):
     assert top(1.0, None) == top(2.0, None) == t1
     response = httpx.post(server_url + "/v1/completions", json={"prompt": "x", "logprobs_mode": "raw_logits"})
     assert response.status_code == 400 and "logprobs_mode" in response.text
+
+
+def test_the_speculation_benchmark_reads_the_curve_the_server_logs():
+    """`loadtest speculative` prints the auto server's start-up curve from its log: the line it parses is the
+    one the server writes (with a draft model's curve after it)."""
+    from kvserve.loadtest.speculative import _step_costs
+    from kvserve.server.state import SPECULATION_LOG
+
+    target, draft = StepCost({1: 0.0249, 2: 0.0251, 9: 0.0312}), StepCost({1: 0.0101, 2: 0.0121})
+    line = SPECULATION_LOG % ("draft", 8, 5, target.describe(), "; draft step by rows: " + draft.describe(), 8.8)
+    assert _step_costs("INFO kvserve.server: " + line + "\n") == {1: 24.9, 2: 25.1, 9: 31.2}
