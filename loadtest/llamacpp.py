@@ -21,9 +21,31 @@ from pathlib import Path
 DEFAULT_DIR = Path("/tmp/kvserve-llamacpp")
 
 
+def cpu_key() -> str:
+    """This CPU's model name and feature flags (/proc/cpuinfo), hashed to 12 hex digits: the name of its build.
+
+    The build is native (``GGML_NATIVE``: the build machine's instructions), and /tmp can outlive a move to
+    another CPU, where such a binary dies on an invalid opcode; so each CPU gets a build directory of its own."""
+    import hashlib
+
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        lines = [platform.processor() or platform.machine()]
+    wanted = sorted({line for line in lines if line.startswith(("model name", "flags"))})
+    return hashlib.sha256("\n".join(wanted).encode()).hexdigest()[:12]
+
+
+def build_dir_name() -> str:
+    """The build directory (under the vendored llama.cpp tree) of this CPU's build."""
+    return f"build-{cpu_key()}"
+
+
 def find_server(workdir: Path = DEFAULT_DIR) -> Path | None:
-    """The built ``llama-server`` binary under ``workdir``, or None when it has not been built."""
-    for candidate in sorted(workdir.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server")):
+    """The ``llama-server`` built for this CPU under ``workdir``, or None when it has not been built here."""
+    for candidate in sorted(workdir.glob(f"llama_cpp_python-*/vendor/llama.cpp/{build_dir_name()}/bin/llama-server")):
         return candidate
     return None
 
@@ -56,14 +78,15 @@ def build(workdir: Path = DEFAULT_DIR, jobs: int = 2) -> Path:
     llama = source_root / "vendor" / "llama.cpp"
     nice = ["nice", "-n", "19"] if shutil.which("nice") else []
     # No network at build time: no prebuilt web UI download, no curl/openssl; Release for a fair comparison.
-    subprocess.run(nice + ["cmake", "-S", str(llama), "-B", str(llama / "build"), "-DCMAKE_BUILD_TYPE=Release",
+    out = llama / build_dir_name()
+    subprocess.run(nice + ["cmake", "-S", str(llama), "-B", str(out), "-DCMAKE_BUILD_TYPE=Release",
                            "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
                            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"], check=True)
-    subprocess.run(nice + ["cmake", "--build", str(llama / "build"), "--target", "llama-server",
+    subprocess.run(nice + ["cmake", "--build", str(out), "--target", "llama-server",
                            "-j", str(jobs)], check=True)
     server = find_server(workdir)
     if server is None:
-        raise FileNotFoundError(f"llama-server was not produced under {llama / 'build'}")
+        raise FileNotFoundError(f"llama-server was not produced under {out}")
     return server
 
 

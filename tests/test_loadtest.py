@@ -332,3 +332,26 @@ def test_prefixbench_takes_server_flags_as_one_quoted_string():
         "--dtype", "float32", "--quantization", "int8"]
     assert parser.parse_args(["--extra=--dtype float32"]).extra == ["--dtype", "float32"]
     assert parser.parse_args([]).extra == []
+
+
+def test_llama_server_is_found_only_in_the_build_for_this_cpu(tmp_path, monkeypatch):
+    """A native build from another CPU (a /tmp that outlived a move) is not this CPU's: it can die on an invalid
+    opcode, so peers must build again rather than run it."""
+    from kvserve.loadtest import llamacpp
+
+    tree = tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    other = tree / "build-0123456789ab" / "bin" / "llama-server"
+    other.parent.mkdir(parents=True)
+    other.touch()
+    monkeypatch.setattr(llamacpp, "cpu_key", lambda: "fedcba987654")
+    assert llamacpp.find_server(tmp_path) is None
+    mine = tree / "build-fedcba987654" / "bin" / "llama-server"
+    mine.parent.mkdir(parents=True)
+    mine.touch()
+    assert llamacpp.find_server(tmp_path) == mine
+
+
+def test_the_cpu_key_is_stable_and_short():
+    from kvserve.loadtest.llamacpp import cpu_key
+
+    assert cpu_key() == cpu_key() and len(cpu_key()) == 12 and int(cpu_key(), 16) >= 0
