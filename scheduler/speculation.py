@@ -24,7 +24,10 @@ without a proposal (prompt lookup found nothing) get γ = 0.
 A policy that stopped drafting would stop learning: no verify pass updates the acceptance, and no step of more
 tokens than it runs updates the curve there. So every ``PROBE_EVERY`` steps that could draft, it probes: its
 likeliest sequence verifies ``PROBE_DRAFT`` draft tokens more than the best choice (none included). What it
-measures there lets a workload that pays get drafts again, and longer ones where they pay more.
+measures there lets a workload that pays get drafts again, and longer ones where they pay more. It does not probe
+where not even drafts that were all accepted would pay (a draft model as slow as the target, or one whose
+catch-up on a long context costs more than the tokens left could save): no acceptance could change the choice,
+and with a draft model such a probe would pay that catch-up.
 
 A draft model's proposals are not free: each draft token at depth j is one more row of the j-th batched draft
 decode step, whose cost ``proposal_cost`` is measured the same way (at start-up, then online). So with a draft
@@ -216,6 +219,8 @@ class DraftPolicy:
         if self.steps_to_probe > 0:
             return gammas
         self.steps_to_probe = PROBE_EVERY
+        if not self._best(candidates, base_tokens, base_yield, budget, certain=True):
+            return gammas  # not even drafts that were all accepted would pay here: a probe has nothing to learn
         likeliest = max(candidates, key=self.acceptance)
         more = min(gammas.get(likeliest.seq_id, 0) + PROBE_DRAFT, likeliest.available, self.max_draft,
                    budget - sum(gammas.values()) + gammas.get(likeliest.seq_id, 0))
@@ -224,10 +229,10 @@ class DraftPolicy:
         return gammas
 
     def _best(self, candidates: list[Candidate], base_tokens: int, base_yield: int,
-              budget: int) -> dict[int, int]:
+              budget: int, certain: bool = False) -> dict[int, int]:
         """The γs that maximise expected tokens per second (see the module docstring), or {} when no drafts
-        beat none by ``MARGIN``."""
-        alphas = {c.seq_id: self.acceptance(c) for c in candidates}
+        beat none by ``MARGIN``; ``certain``: as if every draft were accepted (the most drafts could pay)."""
+        alphas = {c.seq_id: 1.0 if certain else self.acceptance(c) for c in candidates}
         by_id = {c.seq_id: c for c in candidates}
         # every raise (seq, its γ-th draft token) with its marginal expected tokens alpha^γ, best first
         raises = sorted(((alphas[c.seq_id] ** g, c.seq_id) for c in candidates

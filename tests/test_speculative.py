@@ -603,3 +603,18 @@ def test_the_speculation_benchmark_reads_the_curve_the_server_logs():
     target, draft = StepCost({1: 0.0249, 2: 0.0251, 9: 0.0312}), StepCost({1: 0.0101, 2: 0.0121})
     line = SPECULATION_LOG % ("draft", 8, 5, target.describe(), "; draft step by rows: " + draft.describe(), 8.8)
     assert _step_costs("INFO kvserve.server: " + line + "\n") == {1: 24.9, 2: 25.1, 9: 31.2}
+
+
+def test_auto_never_probes_where_even_accepted_drafts_could_not_pay():
+    """A draft model slower than the target (an int4 copy of a 4-bit target): no acceptance makes its drafts
+    pay, so auto never probes it (a probe would also pay the draft's catch-up on the context); with a cheap
+    draft the same policy still probes."""
+    target = StepCost({1: 0.0117, 5: 0.0153, 9: 0.0180})
+    slow = DraftPolicy(8, cost=target, proposal_cost=StepCost({1: 0.0142, 4: 0.0180}))
+    cheap = DraftPolicy(8, cost=target, proposal_cost=StepCost({1: 0.0020, 4: 0.0030}))
+    for policy in (slow, cheap):
+        policy.recent_drafted = 1000  # all rejected lately: the best choice is none, only probes draft
+    doubtful = [Candidate(0, 8, 100, 0, catch_up=0, remaining=200)]
+    slow_drafts = sum(bool(slow.choose(doubtful, 1, 1, 512)) for _ in range(4 * PROBE_EVERY))
+    cheap_drafts = sum(bool(cheap.choose(doubtful, 1, 1, 512)) for _ in range(4 * PROBE_EVERY))
+    assert slow_drafts == 0 and cheap_drafts == 4
