@@ -46,3 +46,8 @@ def positive_float(text: str) -> float:
 def positive_floats(text: str) -> list[float]:
     """A comma list of numbers > 0, e.g. ``0.5,2,8``."""
     return _listed(text, positive_float)
+
+
+# --quantization of the benchmarks that load or serve the model: the server's choices; auto (their default) is
+# what `kvserve serve` picks (for the embedded model: the GGUF's own blocks)
+QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "nf4")

@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pathlib import Path
 
 from kvserve.loadtest import report, simulate, workloads
-from kvserve.loadtest.argtypes import positive_int
+from kvserve.loadtest.argtypes import QUANTIZATIONS, positive_int
 from kvserve.loadtest.benchmarks_md import BENCHMARKS, update_section
 from kvserve.loadtest.generator import LoadConfig, Mode, RunResult, run_sync
 from kvserve.loadtest.runcmd import server_model
@@ -78,8 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--device of both servers and of the simulator's engine")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="--dtype of both servers and of the simulator's engine")
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "nf4"],
-                        help="--quantization of both servers and of the simulator's engine")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="--quantization of both servers and of the simulator's engine (default auto: the server's)")
     parser.add_argument("--section", default=None,
                         help="BENCHMARKS.md section to write (default: compare, compare-cuda on a GPU, "
                              "compare-int4 etc. with --quantization)")
@@ -122,8 +122,7 @@ def step_cost(before: dict[tuple[int, int], float] | None, after: dict[tuple[int
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The ``--model``/``--device``/``--dtype`` flags the servers get (only those given), and ``--quantization``
-    always: this comparison's default, none, is not the server's (auto)."""
+    """The ``--model``/``--device``/``--dtype`` flags the servers get (only those given), and ``--quantization``."""
     flags = ["--model", args.model] if args.model else []
     flags += ["--device", args.device] if args.device != "auto" else []
     flags += ["--dtype", args.dtype] if args.dtype != "auto" else []
@@ -132,8 +131,8 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
 
 def section_and_title(device: str, quantization: str) -> tuple[str, str]:
     """BENCHMARKS.md section and title for a run: one section per device and weight scheme."""
-    suffixes = ([] if device == "cpu" else [device]) + ([] if quantization == "none" else [quantization])
-    title = "Static vs continuous batching (seed64, 8 slots" + ("" if quantization == "none" else
+    suffixes = ([] if device == "cpu" else [device]) + ([] if quantization == "auto" else [quantization])
+    title = "Static vs continuous batching (seed64, 8 slots" + ("" if quantization == "auto" else
                                                                 f", {quantization} weights") + ")"
     return "-".join(["compare", *suffixes]), title + ("" if device == "cpu" else f" on {device}")
 

@@ -128,3 +128,24 @@ def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = D
     (``quantized``: as it loads a model it is about to quantize)."""
     torch.manual_seed(0)
     return load_model(model, dtype, device, quantized)
+
+
+def load_served(quantization: str = "auto", dtype: DType = DType.AUTO, model: str | None = None,
+                device: Device = Device.AUTO) -> tuple[LoadedModel, str]:
+    """``model`` with its weights as ``kvserve serve --quantization Q`` serves them (``engine.weights``: auto is
+    the GGUF's own blocks for the embedded model). int8/int4 codes are rounded to nearest, not calibrated: the same
+    kernels at the same cost.
+
+    Returns:
+        The model, and the scheme served (auto resolved).
+
+    Raises:
+        ValueError: as ``engine.weights.choose`` (gguf for a model that is not a GGUF file).
+    """
+    from kvserve.engine import weights
+    from kvserve.quant.options import Scheme
+
+    choice = weights.choose(Scheme(quantization), model)
+    loaded = load(dtype, model, device, quantized=choice.scheme is not Scheme.NONE)
+    weights.apply(loaded, choice.scheme, model)
+    return loaded, choice.scheme.value

@@ -16,7 +16,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvserve.loadtest.argtypes import positive_int, positive_ints
+from kvserve.loadtest.argtypes import QUANTIZATIONS, positive_int, positive_ints
 from kvserve.loadtest.benchmarks_md import update_section
 
 _CATEGORIES = (
@@ -75,29 +75,26 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[f
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+
     parser.add_argument("--batch", type=positive_ints, default=[1, 8, 32], help="comma list of batch sizes")
     parser.add_argument("--context", type=positive_int, default=64, help="cached tokens per sequence")
     parser.add_argument("--steps", type=positive_int, default=7, help="timed and profiled steps per batch size")
     parser.add_argument("--model", default=None, help="as kvserve serve --model (default: the embedded SmolLM2)")
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
-    parser.add_argument("--quantization", default="none", choices=["none", "int8", "int4", "nf4"],
-                        help="as kvserve serve --quantization")
+    parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
+                        help="as kvserve serve --quantization (default auto: the weights the server picks)")
     parser.add_argument("--no-write", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
     torch.set_grad_enabled(False)
     from kvserve.engine.loader import Device, DType
-    from kvserve.loadtest.enginebench import check_engine_flags, load
+    from kvserve.loadtest.enginebench import check_engine_flags, load_served
 
     check_engine_flags(args.model, args.device)
     batches = args.batch
-    loaded = load(DType(args.dtype), args.model, Device(args.device), quantized=args.quantization != "none")
-    if args.quantization != "none":
-        from kvserve.quant.model import quantize_for_serving
-
-        quantize_for_serving(loaded.model, args.quantization)  # codes rounded to nearest: the same kernels, the same cost
+    loaded, served = load_served(args.quantization, DType(args.dtype), args.model, Device(args.device))
     results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
     rows = ["| share of a decode step | " + " | ".join(f"B = {b}" for b, *_ in results) + " |",
@@ -119,14 +116,14 @@ def run(args: argparse.Namespace) -> int:
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "
                               + ", ".join(f"`{name}` {ms:.1f}" for name, ms in top) + ".")
     print(text)
-    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization}")
+    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served})")
     if not args.no_write:
         # each device and quantization gets its own section
         on_cpu, scheme = loaded.device.type == "cpu", args.quantization
-        key = "profile" + ("" if on_cpu else f"-{loaded.device.type}") + ("" if scheme == "none" else f"-{scheme}")
+        key = "profile" + ("" if on_cpu else f"-{loaded.device.type}") + ("" if scheme == "auto" else f"-{scheme}")
         what = ", ".join(["our engine", f"{args.context}-token caches"] + ([] if on_cpu else [loaded.device.type])
-                         + ([] if scheme == "none" else [f"{scheme} weights"]))
+                         + ([f"the default weights ({served})"] if scheme == "auto" else [f"{scheme} weights"]))
         update_section(key, f"Where a decode step's time goes ({what})",
                        "python -m kvserve.loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
-                       + ("" if scheme == "none" else f" --quantization {scheme}"), text)
+                       + ("" if scheme == "auto" else f" --quantization {scheme}"), text)
     return 0

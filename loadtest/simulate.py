@@ -113,7 +113,7 @@ def flat_cost(_prefills: int, _decodes: int) -> float:
 
 def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int = 5, model: str | None = None,
                        device: str = "auto", dtype: str = "auto",
-                       quantization: str = "none") -> dict[tuple[int, int], float]:
+                       quantization: str = "auto") -> dict[tuple[int, int], float]:
     """Median engine step time (s) for every (prefills, decodes) with 1 <= prefills + decodes <= slots.
 
     Prefills are ``prompt_len`` tokens each; decodes attend to a real cache of ``context_len`` tokens. The
@@ -121,13 +121,9 @@ def measure_step_costs(slots: int, prompt_len: int, context_len: int, reps: int 
     load it.
     """
     from kvserve.engine.loader import Device, DType
-    from kvserve.loadtest.enginebench import EngineBench, dummy_ids, load
+    from kvserve.loadtest.enginebench import EngineBench, dummy_ids, load_served
 
-    loaded = load(DType(dtype), model, Device(device), quantized=quantization != "none")
-    if quantization != "none":
-        from kvserve.quant.model import quantize_for_serving
-
-        quantize_for_serving(loaded.model, quantization)  # codes rounded to nearest: the same kernels, the same cost
+    loaded, _ = load_served(quantization, DType(dtype), model, Device(device))
     bench = EngineBench(loaded, num_seqs=2 * slots, max_len=max(prompt_len, context_len) + 1)
     for s in range(slots):
         bench.fill(slots + s, context_len)

@@ -150,13 +150,25 @@ def test_compare_against_fake_servers(tmp_path):
 def test_compare_gives_each_weight_scheme_its_flags_and_section():
     args = argparse.Namespace(model=None, device="auto", dtype="auto", quantization="int4")
     assert compare.engine_flags(args) == ["--quantization", "int4"]
-    args.quantization = "none"  # named: the server's own default is auto
-    assert compare.engine_flags(args) == ["--quantization", "none"]
+    args.quantization = "auto"  # the default: the servers pick their weights as `kvserve serve` does
+    assert compare.engine_flags(args) == ["--quantization", "auto"]
     assert compare.section_and_title("cpu", "int4") == ("compare-int4",
                                                         "Static vs continuous batching (seed64, 8 slots, int4 weights)")
-    assert compare.section_and_title("cpu", "none") == ("compare", "Static vs continuous batching (seed64, 8 slots)")
-    assert compare.section_and_title("cuda", "none")[0] == "compare-cuda"
-    assert compare.section_and_title("cuda", "none")[1].endswith("on cuda")
+    assert compare.section_and_title("cpu", "auto") == ("compare", "Static vs continuous batching (seed64, 8 slots)")
+    assert compare.section_and_title("cpu", "none")[0] == "compare-none"
+    assert compare.section_and_title("cuda", "auto")[0] == "compare-cuda"
+    assert compare.section_and_title("cuda", "auto")[1].endswith("on cuda")
+
+
+def test_the_engine_benchmarks_load_the_weights_the_server_serves():
+    """profile and the simulator default to auto: for the embedded model the GGUF's own blocks, as served."""
+    from kvserve.loadtest.enginebench import load_served
+    from kvserve.quant.ggml import GGMLLinear
+
+    loaded, served = load_served("auto")
+    assert served == "gguf"
+    assert isinstance(loaded.model.model.layers[0].self_attn.o_proj, GGMLLinear)
+    assert isinstance(loaded.model.get_output_embeddings(), GGMLLinear)
 
 
 def test_agreement_is_relative_error():
@@ -340,12 +352,12 @@ def test_llama_server_is_found_only_in_the_build_for_this_cpu(tmp_path, monkeypa
     from kvserve.loadtest import llamacpp
 
     tree = tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
-    other = tree / "build-0123456789ab" / "bin" / "llama-server"
+    other = tree / "build-0123456789ab-noamx" / "bin" / "llama-server"
     other.parent.mkdir(parents=True)
     other.touch()
     monkeypatch.setattr(llamacpp, "cpu_key", lambda: "fedcba987654")
     assert llamacpp.find_server(tmp_path) is None
-    mine = tree / "build-fedcba987654" / "bin" / "llama-server"
+    mine = tree / "build-fedcba987654-noamx" / "bin" / "llama-server"
     mine.parent.mkdir(parents=True)
     mine.touch()
     assert llamacpp.find_server(tmp_path) == mine
