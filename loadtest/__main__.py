@@ -13,21 +13,21 @@ import sys
 
 # command -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("kvserve.loadtest.runcmd", "drive a workload at an OpenAI-compatible server"),
-    "compare": ("kvserve.loadtest.compare", "kvserve static vs continuous batching on seed64, measured"),
-    "simulate": ("kvserve.loadtest.simulate", "static vs continuous on seed64, replayed at measured step costs"),
-    "tables": ("kvserve.loadtest.tables", "the chapter's KV-cache tables, measured on our engine"),
-    "peers": ("kvserve.loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
-    "profile": ("kvserve.loadtest.profile_step", "where a decode step's time goes on our engine"),
-    "overhead": ("kvserve.loadtest.overhead", "where a served token's time and CPU go beyond the model step"),
-    "quant": ("kvserve.loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
-    "cluster": ("kvserve.loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
-    "structured": ("kvserve.loadtest.structured", "grammar compile time and the throughput cost of constrained decoding"),
-    "prefill": ("kvserve.loadtest.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
-    "hashbench": ("kvserve.loadtest.hashbench", "prefix-cache hashing cost per full block: hash() vs SHA-256"),
-    "ui": ("kvserve.loadtest.uibench", "serving throughput with the live page open, against without it"),
-    "kvcache": ("kvserve.loadtest.kvbench", "KV cache dtypes side by side: sequences that fit, decode tokens/s"),
-    "speculative": ("kvserve.loadtest.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
+    "run": ("kvserve.loadtest.loadgen.runcmd", "drive a workload at an OpenAI-compatible server"),
+    "compare": ("kvserve.loadtest.served.compare", "kvserve static vs continuous batching on seed64, measured"),
+    "simulate": ("kvserve.loadtest.sim.simulate", "static vs continuous on seed64, replayed at measured step costs"),
+    "tables": ("kvserve.loadtest.engine.tables", "the chapter's KV-cache tables, measured on our engine"),
+    "peers": ("kvserve.loadtest.served.peers", "kvserve vs llama.cpp's server vs transformers generate"),
+    "profile": ("kvserve.loadtest.engine.profile_step", "where a decode step's time goes on our engine"),
+    "overhead": ("kvserve.loadtest.served.overhead", "where a served token's time and CPU go beyond the model step"),
+    "quant": ("kvserve.loadtest.engine.quantbench", "decode speed and quality of each weight quantization, side by side"),
+    "cluster": ("kvserve.loadtest.served.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
+    "structured": ("kvserve.loadtest.served.structured", "grammar compile time and the throughput cost of constrained decoding"),
+    "prefill": ("kvserve.loadtest.engine.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
+    "hashbench": ("kvserve.loadtest.engine.hashbench", "prefix-cache hashing cost per full block: hash() vs SHA-256"),
+    "ui": ("kvserve.loadtest.served.uibench", "serving throughput with the live page open, against without it"),
+    "kvcache": ("kvserve.loadtest.engine.kvbench", "KV cache dtypes side by side: sequences that fit, decode tokens/s"),
+    "speculative": ("kvserve.loadtest.served.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
 }
 
 

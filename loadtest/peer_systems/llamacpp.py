@@ -1,0 +1,80 @@
+"""Build llama.cpp's ``llama-server`` from the sources inside the llama-cpp-python sdist, outside the repo.
+
+The peers benchmark needs llama.cpp's own server serving the same GGUF file. We take the llama.cpp tree that
+llama-cpp-python vendors (one PyPI download, no git), configure it with cmake, and build only the
+``llama-server`` target, at the lowest CPU priority so it yields to whoever else shares the machine.
+The sources and the build live in a temporary directory (default ``/tmp/kvserve-llamacpp``) and never enter
+the repo.
+
+    python -m kvserve.loadtest.peer_systems.llamacpp            # prints the path of the built binary
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+DEFAULT_DIR = Path("/tmp/kvserve-llamacpp")
+
+
+def find_server(workdir: Path = DEFAULT_DIR) -> Path | None:
+    """The built ``llama-server`` binary under ``workdir``, or None when it has not been built."""
+    for candidate in sorted(workdir.glob("llama_cpp_python-*/vendor/llama.cpp/build/bin/llama-server")):
+        return candidate
+    return None
+
+
+def _download_sdist(workdir: Path) -> Path:
+    """Fetch the llama-cpp-python source distribution with pip (sources only, no dependencies)."""
+    found = sorted(workdir.glob("llama_cpp_python-*.tar.gz"))
+    if not found:
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-binary", ":all:", "--no-deps",
+                        "llama-cpp-python", "-d", str(workdir)], check=True)
+        found = sorted(workdir.glob("llama_cpp_python-*.tar.gz"))
+    return found[-1]
+
+
+def build(workdir: Path = DEFAULT_DIR, jobs: int = 2) -> Path:
+    """Download, configure and build ``llama-server``; returns the binary's path.
+
+    Raises:
+        subprocess.CalledProcessError: pip, cmake or the compiler failed.
+    """
+    existing = find_server(workdir)
+    if existing is not None:
+        return existing
+    workdir.mkdir(parents=True, exist_ok=True)
+    sdist = _download_sdist(workdir)
+    source_root = workdir / sdist.name.removesuffix(".tar.gz")
+    if not source_root.exists():
+        with tarfile.open(sdist) as archive:
+            archive.extractall(workdir, filter="data")
+    llama = source_root / "vendor" / "llama.cpp"
+    nice = ["nice", "-n", "19"] if shutil.which("nice") else []
+    # No network at build time: no prebuilt web UI download, no curl/openssl; Release for a fair comparison.
+    subprocess.run(nice + ["cmake", "-S", str(llama), "-B", str(llama / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                           "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF",
+                           "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON"], check=True)
+    subprocess.run(nice + ["cmake", "--build", str(llama / "build"), "--target", "llama-server",
+                           "-j", str(jobs)], check=True)
+    server = find_server(workdir)
+    if server is None:
+        raise FileNotFoundError(f"llama-server was not produced under {llama / 'build'}")
+    return server
+
+
+def main(argv: list[str] | None = None) -> None:
+    """CLI: build (or find) llama-server and print its path."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--workdir", type=Path, default=DEFAULT_DIR, help="temporary build directory")
+    parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
+    args = parser.parse_args(argv)
+    print(build(args.workdir, args.jobs))
+
+
+if __name__ == "__main__":
+    main()
