@@ -1,7 +1,8 @@
 """``python -m kvserve.loadtest COMMAND``: load runs, static vs continuous, the simulator, engine tables, peers.
 
 Each command's module owns its flags (``add_arguments``) and its work (``run``); this file only dispatches,
-importing each module lazily so ``run`` starts without torch.
+importing each module lazily so ``run`` starts without torch. Two modules also run as child processes of
+other commands, never by hand: ``loadgen.fakeserver`` (a stand-in server command) and ``engine.memprobe``.
 """
 
 from __future__ import annotations
@@ -28,6 +29,11 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "ui": ("kvserve.loadtest.served.uibench", "serving throughput with the live page open, against without it"),
     "kvcache": ("kvserve.loadtest.engine.kvbench", "KV cache dtypes side by side: sequences that fit, decode tokens/s"),
     "speculative": ("kvserve.loadtest.served.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
+    "backpressure": ("kvserve.loadtest.served.backpressure", "overload (4x) and disconnect drills against a small server"),
+    "prefix": ("kvserve.loadtest.served.prefixbench", "prefix cache: TTFT of a shared 1,024-token prefix, cold vs warm"),
+    "kernelbench": ("kvserve.loadtest.engine.kernelbench", "the measurements behind the engine's kernel choices"),
+    "llamacpp": ("kvserve.loadtest.peer_systems.llamacpp", "build llama.cpp's llama-server outside the repo (peers needs it)"),
+    "randmodel": ("kvserve.loadtest.fixtures.randmodel", "a model directory with a real model's shapes and random weights"),
 }
 
 

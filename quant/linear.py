@@ -34,7 +34,7 @@ from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, Q8_MAX, QuantSpec, Sc
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 in panels) serve
 # every call instead: they beat dequantize + GEMM at every chunk size measured, 32 to 512 rows (BENCHMARKS.md,
-# "Kernel crossovers", `python -m kvserve.loadtest.engine.kernelbench`). One code path for every batch also keeps greedy output independent
+# "Kernel crossovers", `python -m kvserve.loadtest kernelbench`). One code path for every batch also keeps greedy output independent
 # of what else is in the step: a prefill in the same step does not move a sequence onto other arithmetic, which
 # quantized activations could amplify into another token.
 KERNEL_MAX_ROWS = 32

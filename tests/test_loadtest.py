@@ -244,8 +244,6 @@ def test_bad_numbers_are_usage_errors(argv):
 
 
 def test_randmodel_refuses_bad_arguments_before_any_work(tmp_path):
-    from kvserve.loadtest.fixtures import randmodel
-
     a_file = tmp_path / "file"
     a_file.write_text("x")
     for argv in (["--from", str(tmp_path / "missing"), str(tmp_path / "out")],
@@ -253,7 +251,7 @@ def test_randmodel_refuses_bad_arguments_before_any_work(tmp_path):
                  ["--shape-of", "smollm2", "--shape-only", str(a_file)],
                  ["--shape-of", str(tmp_path / "missing"), "--shape-only", str(tmp_path / "out")]):
         with pytest.raises(SystemExit) as exit_info:
-            randmodel.main(argv)
+            loadtest_main(["randmodel", *argv])
         assert exit_info.value.code == 2, argv
     assert not (tmp_path / "out").exists()
 
@@ -327,9 +325,10 @@ def test_overhead_measures_a_served_run(server_url):
 
 
 def test_prefixbench_takes_server_flags_as_one_quoted_string():
-    from kvserve.loadtest.served.prefixbench import build_parser
+    from kvserve.loadtest.served.prefixbench import add_arguments
 
-    parser = build_parser()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
     assert parser.parse_args(["--extra", "--dtype float32 --quantization int8"]).extra == [
         "--dtype", "float32", "--quantization", "int8"]
     assert parser.parse_args(["--extra=--dtype float32"]).extra == ["--dtype", "float32"]

@@ -1,4 +1,4 @@
-"""``python -m kvserve.loadtest.engine.kernelbench``: the measurements behind the engine's kernel choices, rerunnable.
+"""``python -m kvserve.loadtest kernelbench``: the measurements behind the engine's kernel choices, rerunnable.
 
 1. ``f32_linear`` (kernels/csrc/linear_*.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
    576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 to 128 rows.
@@ -190,7 +190,7 @@ def ggml_paths() -> None:
     isas = kernels.native_isas()
     rows: dict[tuple, dict[str, float]] = {}
     for isa in isas:
-        done = subprocess.run([sys.executable, "-m", "kvserve.loadtest.engine.kernelbench", "--mode", "ggml"],
+        done = subprocess.run([sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", "ggml"],
                               env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True, check=True)
         for line in done.stdout.splitlines():
             fields = dict(item.split("=") for item in line.split())
@@ -218,16 +218,19 @@ def ggml_paths() -> None:
                 text += f", {q4['gmacs'] / figure['gmacs']:.2f}x"
             cells.append(text)
         lines.append(f"| {isa} | {kind} | {N} | " + " | ".join(cells) + " |")
-    update_section("ggml", "GGUF Q4_1 / Q8_0 kernels per ISA path", "python -m kvserve.loadtest.engine.kernelbench --ggml",
+    update_section("ggml", "GGUF Q4_1 / Q8_0 kernels per ISA path", "python -m kvserve.loadtest kernelbench --ggml",
                    "\n".join(lines))
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's flags: which measurements to run (``--mode``: one child process's part)."""
     parser.add_argument("--threads", action="store_true", help="only the one-team-or-two comparison")
     parser.add_argument("--ggml", action="store_true", help="only the GGUF Q4_1 / Q8_0 kernels, per ISA path")
     parser.add_argument("--mode", choices=["one-thread", "split", "ggml"], help=argparse.SUPPRESS)
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The measurements ``args`` asks for (all but ``--ggml`` by default), printed."""
     if args.mode == "ggml":
         ggml_path()
         return 0
@@ -241,9 +244,5 @@ def main(argv: list[str] | None = None) -> int:
         dense_vs_gemm()
         quant_kernel_vs_dequantize()
     for mode in ("one-thread", "split"):
-        subprocess.run([sys.executable, "-m", "kvserve.loadtest.engine.kernelbench", "--mode", mode], check=True)
+        subprocess.run([sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", mode], check=True)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -6,7 +6,7 @@ llama-cpp-python vendors (one PyPI download, no git), configure it with cmake, a
 The sources and the build live in a temporary directory (default ``/tmp/kvserve-llamacpp``) and never enter
 the repo.
 
-    python -m kvserve.loadtest.peer_systems.llamacpp            # prints the path of the built binary
+    python -m kvserve.loadtest llamacpp            # prints the path of the built binary
 """
 
 from __future__ import annotations
@@ -67,14 +67,13 @@ def build(workdir: Path = DEFAULT_DIR, jobs: int = 2) -> Path:
     return server
 
 
-def main(argv: list[str] | None = None) -> None:
-    """CLI: build (or find) llama-server and print its path."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's flags: where to build, how many compile jobs."""
     parser.add_argument("--workdir", type=Path, default=DEFAULT_DIR, help="temporary build directory")
     parser.add_argument("--jobs", type=int, default=2, help="parallel compile jobs")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build (or find) llama-server and print its path."""
     print(build(args.workdir, args.jobs))
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,6 +1,6 @@
 """Overload and disconnect drills against a kvserve server on 127.0.0.1 (bounded in time, stops by itself).
 
-``python -m kvserve.loadtest.served.backpressure`` starts ``kvserve serve`` with small limits, then:
+``python -m kvserve.loadtest backpressure`` starts ``kvserve serve`` with small limits, then:
 - overload: keeps ``4 x (slots + queue)`` closed-loop clients busy for ``--seconds``; counts requests sent,
   admitted, 429s (each checked for Retry-After and an OpenAI error body), 5xx and other failures, TTFT
   percentiles of admitted requests, /health answers during the run, and the server's RSS before/after;
@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from dataclasses import dataclass, field
 
@@ -167,15 +166,18 @@ def _rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command's flags: the server's limits and the drills' sizes."""
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--max-num-seqs", type=int, default=8)
     parser.add_argument("--max-queue", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=32)
     parser.add_argument("--disconnects", type=int, default=20, help="streams the disconnect drill opens and drops")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
-    args = parser.parse_args(argv)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Both drills against one server; prints them and writes BENCHMARKS.md's "backpressure" section."""
     flags = ["--max-num-seqs", str(args.max_num_seqs), "--max-queue", str(args.max_queue), "--log-level", "warning"]
     with launch(kvserve_command(flags), name="backpressure") as server:
         clients = 4 * (args.max_num_seqs + args.max_queue)
@@ -207,9 +209,5 @@ def main(argv: list[str] | None = None) -> int:
              f"{args.max_tokens} output tokens per request, clients back off 0.2 s after a 429.")
     print(table)
     if not args.no_write:
-        update_section("backpressure", "Overload (4x) and disconnects", "python -m kvserve.loadtest.served.backpressure", table)
+        update_section("backpressure", "Overload (4x) and disconnects", "python -m kvserve.loadtest backpressure", table)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -11,7 +11,7 @@ Figures per system (all outputs pinned to their length with ignore_eos / min_tok
 - seed64 with 8 slots (all 64 at once; transformers: static batches of 8, as ``generate`` must).
 Each is also shown as a ratio to llama.cpp. Systems run one after another; ``--repeats`` alternates them.
 
-    python -m kvserve.loadtest.peer_systems.llamacpp          # builds llama-server in /tmp (once, a while on 2 cores)
+    python -m kvserve.loadtest llamacpp          # builds llama-server in /tmp (once, a while on 2 cores)
     flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers
     flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers --systems kvserve-int8,kvserve-int4   # more later
 
@@ -116,7 +116,7 @@ def measure(system: str) -> PeerFigures:
 
             binary = find_server()
             if binary is None:
-                raise FileNotFoundError("llama-server not built: run python -m kvserve.loadtest.peer_systems.llamacpp")
+                raise FileNotFoundError("llama-server not built: run python -m kvserve.loadtest llamacpp")
             gguf = default_gguf_path()
             measure_server(figures, lambda slots: llama_command(binary, gguf, slots))
         elif system == "transformers":

@@ -1,6 +1,6 @@
 """Prefix-cache benchmark: TTFT of a request that shares a 1,024-token prefix with an earlier one, cold vs warm.
 
-``python -m kvserve.loadtest.served.prefixbench`` starts ``kvserve serve`` on 127.0.0.1, then for each of a few distinct
+``python -m kvserve.loadtest prefix`` starts ``kvserve serve`` on 127.0.0.1, then for each of a few distinct
 1,024-token prefixes sends (cold) prefix + question A, then (warm) prefix + question B, and reads the TTFT
 of each stream at the client. Prints the medians and their ratio and writes the BENCHMARKS.md section.
 """
@@ -11,7 +11,6 @@ import argparse
 import json
 import shlex
 import statistics
-import sys
 import time
 
 import httpx
@@ -37,20 +36,18 @@ def ttft_s(url: str, prompt: list[int]) -> tuple[float, int]:
     return first, cached
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The command line of ``python -m kvserve.loadtest.served.prefixbench``."""
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The command line of ``python -m kvserve.loadtest prefix``."""
     parser.add_argument("--prefix-tokens", type=int, default=1024)
     parser.add_argument("--trials", type=int, default=5)
     parser.add_argument("--extra", type=shlex.split, default=[],
                         help="extra flags for kvserve serve, one quoted string: --extra '--dtype float32' "
                              "(a single flag: --extra=--no-prefix-caching)")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
-    return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    """Cold and warm TTFT over ``args.trials`` prefixes; prints the table, writes BENCHMARKS.md's "prefix"."""
     with launch(kvserve_command(["--max-num-batched-tokens", "2048", "--log-level", "warning", *args.extra]),
                 name="prefixbench") as server:
         url = server.url
@@ -71,11 +68,7 @@ def main(argv: list[str] | None = None) -> int:
              f"`--max-num-batched-tokens 2048 {' '.join(args.extra)}`.")
     print(table)
     if not args.no_write:
-        command = "python -m kvserve.loadtest.served.prefixbench" + (f" --extra {shlex.quote(shlex.join(args.extra))}"
+        command = "python -m kvserve.loadtest prefix" + (f" --extra {shlex.quote(shlex.join(args.extra))}"
                                                       if args.extra else "")
         update_section("prefix", "Prefix cache: TTFT cold vs warm", command, table)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
