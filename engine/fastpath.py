@@ -208,7 +208,7 @@ class FastDecoder:
     @contextlib.contextmanager
     def aten_ops(self):
         """Within the block every projection runs torch's own ops instead of a C++ kernel, and so do the norms,
-        RoPE and attention, so dispatch-level tools (``loadtest.macs.MacCounter``) see every product."""
+        RoPE and attention, so dispatch-level tools (``loadtest.engine.macs.MacCounter``) see every product."""
         self._torch_projections = True
         try:
             with kernels.torch_ops_only():

@@ -28,7 +28,7 @@ from kvserve.quant.linear import QuantLinear, concat_outputs
 
 # Up to this many rows (decode batches, and steps mixing a short prefill with decodes), float32 CPU projections
 # use kernels/csrc/linear_f32.cpp, which reads each weight row once for all rows; it beats torch's GEMM up to
-# about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m kvserve.loadtest.kernelbench`).
+# about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m kvserve.loadtest kernelbench`).
 # Longer calls run it on blocks of this many rows: torch's GEMM would block its reduction by the call's size, so a
 # row's last bits would depend on how many rows share its step, and an int8 / int4 KV cache turns such a bit into
 # another code (a visible change, not a last-bit one).

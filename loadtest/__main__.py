@@ -1,7 +1,8 @@
 """``python -m kvserve.loadtest COMMAND``: load runs, static vs continuous, the simulator, engine tables, peers.
 
 Each command's module owns its flags (``add_arguments``) and its work (``run``); this file only dispatches,
-importing each module lazily so ``run`` starts without torch.
+importing each module lazily so ``run`` starts without torch. Two modules also run as child processes of
+other commands, never by hand: ``loadgen.fakeserver`` (a stand-in server command) and ``engine.memprobe``.
 """
 
 from __future__ import annotations
@@ -13,21 +14,26 @@ import sys
 
 # command -> (module, help)
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "run": ("kvserve.loadtest.runcmd", "drive a workload at an OpenAI-compatible server"),
-    "compare": ("kvserve.loadtest.compare", "kvserve static vs continuous batching on seed64, measured"),
-    "simulate": ("kvserve.loadtest.simulate", "static vs continuous on seed64, replayed at measured step costs"),
-    "tables": ("kvserve.loadtest.tables", "the chapter's KV-cache tables, measured on our engine"),
-    "peers": ("kvserve.loadtest.peers", "kvserve vs llama.cpp's server vs transformers generate"),
-    "profile": ("kvserve.loadtest.profile_step", "where a decode step's time goes on our engine"),
-    "overhead": ("kvserve.loadtest.overhead", "where a served token's time and CPU go beyond the model step"),
-    "quant": ("kvserve.loadtest.quantbench", "decode speed and quality of each weight quantization, side by side"),
-    "cluster": ("kvserve.loadtest.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
-    "structured": ("kvserve.loadtest.structured", "grammar compile time and the throughput cost of constrained decoding"),
-    "prefill": ("kvserve.loadtest.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
-    "hashbench": ("kvserve.loadtest.hashbench", "prefix-cache hashing cost per full block: hash() vs SHA-256"),
-    "ui": ("kvserve.loadtest.uibench", "serving throughput with the live page open, against without it"),
-    "kvcache": ("kvserve.loadtest.kvbench", "KV cache dtypes side by side: sequences that fit, decode tokens/s"),
-    "speculative": ("kvserve.loadtest.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
+    "run": ("kvserve.loadtest.loadgen.runcmd", "drive a workload at an OpenAI-compatible server"),
+    "compare": ("kvserve.loadtest.served.compare", "kvserve static vs continuous batching on seed64, measured"),
+    "simulate": ("kvserve.loadtest.sim.simulate", "static vs continuous on seed64, replayed at measured step costs"),
+    "tables": ("kvserve.loadtest.engine.tables", "the chapter's KV-cache tables, measured on our engine"),
+    "peers": ("kvserve.loadtest.served.peers", "kvserve vs llama.cpp's server vs transformers generate"),
+    "profile": ("kvserve.loadtest.engine.profile_step", "where a decode step's time goes on our engine"),
+    "overhead": ("kvserve.loadtest.served.overhead", "where a served token's time and CPU go beyond the model step"),
+    "quant": ("kvserve.loadtest.engine.quantbench", "decode speed and quality of each weight quantization, side by side"),
+    "cluster": ("kvserve.loadtest.served.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
+    "structured": ("kvserve.loadtest.served.structured", "grammar compile time and the throughput cost of constrained decoding"),
+    "prefill": ("kvserve.loadtest.engine.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
+    "hashbench": ("kvserve.loadtest.engine.hashbench", "prefix-cache hashing cost per full block: hash() vs SHA-256"),
+    "ui": ("kvserve.loadtest.served.uibench", "serving throughput with the live page open, against without it"),
+    "kvcache": ("kvserve.loadtest.engine.kvbench", "KV cache dtypes side by side: sequences that fit, decode tokens/s"),
+    "speculative": ("kvserve.loadtest.served.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
+    "backpressure": ("kvserve.loadtest.served.backpressure", "overload (4x) and disconnect drills against a small server"),
+    "prefix": ("kvserve.loadtest.served.prefixbench", "prefix cache: TTFT of a shared 1,024-token prefix, cold vs warm"),
+    "kernelbench": ("kvserve.loadtest.engine.kernelbench", "the measurements behind the engine's kernel choices"),
+    "llamacpp": ("kvserve.loadtest.peer_systems.llamacpp", "build llama.cpp's llama-server outside the repo (peers needs it)"),
+    "randmodel": ("kvserve.loadtest.fixtures.randmodel", "a model directory with a real model's shapes and random weights"),
 }
 
 

@@ -15,17 +15,17 @@ from torch import nn
 
 from kvserve import kernels
 from kvserve.quant.linear import Layout, QuantLinear
-from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, INT4_PANEL_ROWS, INT8_PANEL_ROWS, NF4_LEVELS,
-                                   Q16_MAX, SERVING_SPECS, QuantSpec, Scheme, dequantize_int, dequantize_nf4,
-                                   pack_int8_panels, pack_nibble_panels, pack_nibbles, quantize_int, quantize_nf4,
-                                   unpack_int8_panels, unpack_nibble_panels, unpack_nibbles)
+from kvserve.quant.panels import (INT4_PANEL_ROWS, INT8_PANEL_ROWS, pack_int8_panels, pack_nibble_panels, pack_nibbles,
+                                  unpack_int8_panels, unpack_nibble_panels, unpack_nibbles)
+from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, INT4_OFFSET, NF4_LEVELS, Q16_MAX, SERVING_SPECS, QuantSpec,
+                                   Scheme, dequantize_int, dequantize_nf4, quantize_int, quantize_nf4)
 
 
 class Int8Linear(QuantLinear):
     """int8 codes ``weight [out, in]`` with float32 ``scales [out]`` (per output row); int16 activations.
 
     Where the kernel serves the layer and ``out`` is a multiple of 16, the codes are stored in its panel order
-    (``quant.schemes.pack_int8_panels``); ``dequantize`` reads either order.
+    (``quant.panels.pack_int8_panels``); ``dequantize`` reads either order.
     """
 
     scheme = Scheme.INT8
@@ -91,7 +91,7 @@ class Int4Linear(Nibble4Linear):
     """Symmetric int4 (codes -7..7 stored as nibbles 1..15) with a 16-bit scale per group.
 
     Where the integer kernel serves the layer (groups of whole activation blocks, ``out`` a multiple of 8) the
-    codes are stored in its panel order (``quant.schemes.pack_nibble_panels``), otherwise row-major for the float
+    codes are stored in its panel order (``quant.panels.pack_nibble_panels``), otherwise row-major for the float
     table kernel; ``dequantize`` reads either.
     """
 

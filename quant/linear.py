@@ -28,13 +28,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve import kernels
-from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, Q8_MAX, QuantSpec, Scheme, pack_int8_panels,
-                                   pack_nibble_panels, quantize_activations)
+from kvserve.quant.schemes import ACT16_BLOCK, ACT_BLOCK, Q8_MAX, QuantSpec, Scheme, quantize_activations
 
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
 # dequantize once and run a float GEMM, which is faster there. The integer kernels (int8; int4 in panels) serve
 # every call instead: they beat dequantize + GEMM at every chunk size measured, 32 to 512 rows (BENCHMARKS.md,
-# "Kernel crossovers", `python -m kvserve.loadtest.kernelbench`). One code path for every batch also keeps greedy output independent
+# "Kernel crossovers", `python -m kvserve.loadtest kernelbench`). One code path for every batch also keeps greedy output independent
 # of what else is in the step: a prefill in the same step does not move a sequence onto other arithmetic, which
 # quantized activations could amplify into another token.
 KERNEL_MAX_ROWS = 32
@@ -45,7 +44,7 @@ class Layout(enum.Enum):
     """How a layer's integer codes are ordered in memory (recorded in its saved state)."""
 
     ROWS = "rows"      # row-major [out, in]
-    PANELS = "panels"  # the integer kernels' order: quant.schemes.pack_int8_panels, pack_nibble_panels
+    PANELS = "panels"  # the integer kernels' order: quant.panels.pack_int8_panels, pack_nibble_panels
 
 class QuantLinear(nn.Module):
     """Base class: bookkeeping shared by the schemes.

@@ -7,7 +7,7 @@
 #
 # Needs: a CUDA GPU, python3 with torch (CUDA build) and kvserve's dependencies. Where the embedded model's
 # package is missing (a machine that receives only this repo), set KVSERVE_SHAPE_DIR to a directory made by
-# `python -m kvserve.loadtest.randmodel --shape-of smollm2 --shape-only DIR`: SmolLM2's config and tokenizer; the
+# `python -m kvserve.loadtest randmodel --shape-of smollm2 --shape-only DIR`: SmolLM2's config and tokenizer; the
 # weights are then random (same shapes, same step cost, text is noise). Wheels in $KVSERVE_WHEELS are installed
 # to /tmp/site first (for a machine without a package index). KVSERVE_DEVICE=cpu runs the same stages on a CPU
 # (to try the script without a GPU); KVSERVE_CHECK_PORT moves the server off port 18431.
@@ -63,7 +63,7 @@ MODEL=smollm2
 if [ -n "${KVSERVE_SHAPE_DIR:-}" ]; then
   stage "random-weight model with the shape of $KVSERVE_SHAPE_DIR"
   MODEL=/tmp/kvserve-random-model
-  "$PY" -m kvserve.loadtest.randmodel --from "$KVSERVE_SHAPE_DIR" "$MODEL" || { fail randmodel $?; exit "$status"; }
+  "$PY" -m kvserve.loadtest randmodel --from "$KVSERVE_SHAPE_DIR" "$MODEL" || { fail randmodel $?; exit "$status"; }
 fi
 
 stage "where a decode step's time goes on $DEVICE"

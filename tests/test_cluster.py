@@ -169,7 +169,7 @@ def test_router_retries_a_full_queues_429_and_a_draining_replicas_503_on_another
     Retry-After) make vllm-router try another worker: the client sees only 200s."""
     from fastapi.responses import JSONResponse
 
-    from kvserve.loadtest.clusterproc import Cluster, Proc, router_binary
+    from kvserve.loadtest.procs.clusterproc import Cluster, Proc, router_binary
     from kvserve.server.errors import ApiError
 
     try:
@@ -200,7 +200,7 @@ def test_router_retries_a_full_queues_429_and_a_draining_replicas_503_on_another
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from kvserve.loadtest.clusterproc import router_binary, serve_flags, start_cluster
+    from kvserve.loadtest.procs.clusterproc import router_binary, serve_flags, start_cluster
 
     try:
         router_binary()
@@ -221,7 +221,8 @@ WORKLOAD = dict(conversations=6, turns=3, concurrency=2, max_tokens=4, opening_w
 
 
 def test_cache_aware_routing_doubles_the_prefix_hit_rate_of_round_robin(cluster):
-    from kvserve.loadtest.cluster import Workload, measure_policy
+    from kvserve.loadtest.loadgen.conversations import Workload
+    from kvserve.loadtest.served.cluster import measure_policy
 
     workload = Workload(**WORKLOAD)
     round_robin = measure_policy(cluster, "round_robin", workload, deadline_s=90)
@@ -235,7 +236,8 @@ def test_cache_aware_routing_doubles_the_prefix_hit_rate_of_round_robin(cluster)
 
 
 def test_killed_replica_costs_only_its_own_requests_and_drained_replica_finishes_its_streams(cluster):
-    from kvserve.loadtest.cluster import Workload, measure_drain, measure_failover
+    from kvserve.loadtest.loadgen.conversations import Workload
+    from kvserve.loadtest.served.cluster import measure_drain, measure_failover
 
     workload = Workload(**{**WORKLOAD, "conversations": 4, "max_tokens": 12})
     kill = measure_failover(cluster, workload, deadline_s=90, after_requests=1)

@@ -197,7 +197,7 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     assert {name.split("/")[0] for name in names} == {"kvserve", "kvserve-0.1.0.dist-info"}
     assert {f"kvserve/{folder}/__init__.py" for folder in PACKAGES} <= set(names)
     assert {"kvserve/kernels/csrc/cpu.h", "kvserve/kernels/csrc/emu_isoc23_shim.c",
-            "kvserve/loadtest/workloads/seed64.json"} <= set(names)
+            "kvserve/loadtest/loadgen/workloads/seed64.json"} <= set(names)
     page = {f"kvserve/server/ui/{name}" for name in ("index.html", "app.js", "style.css", "vendor/uPlot.iife.min.js",
                                                       "vendor/uPlot.min.css", "vendor/LICENSE")}
     assert page <= set(names), sorted(page - set(names))

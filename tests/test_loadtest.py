@@ -13,10 +13,12 @@ import sys
 
 import pytest
 
-from kvserve.loadtest import compare, peers, report, simulate, workloads
 from kvserve.loadtest.__main__ import main as loadtest_main
-from kvserve.loadtest.fakeserver import FakeEngine, serve_in_thread
-from kvserve.loadtest.generator import LoadConfig, Mode, run_sync
+from kvserve.loadtest.loadgen import report, workloads
+from kvserve.loadtest.loadgen.fakeserver import FakeEngine, serve_in_thread
+from kvserve.loadtest.loadgen.generator import LoadConfig, Mode, run_sync
+from kvserve.loadtest.served import compare, peers
+from kvserve.loadtest.sim import simulate
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +126,7 @@ def test_fit_cost_recovers_a_linear_step_cost():
 
 
 def test_compare_prices_steps_at_the_mean_of_costs_measured_before_and_after():
-    from kvserve.loadtest.compare import step_cost
+    from kvserve.loadtest.served.compare import step_cost
     before = {(0, 1): 0.020, (1, 0): 0.050, (1, 1): 0.060}
     after = {(0, 1): 0.030, (1, 0): 0.060, (1, 1): 0.066}  # the machine slowed down during the runs
     cost, how, costs_ms = step_cost(before, after, 18, 3)
@@ -136,7 +138,7 @@ def test_compare_prices_steps_at_the_mean_of_costs_measured_before_and_after():
 
 def test_compare_against_fake_servers(tmp_path):
     bench = tmp_path / "BENCHMARKS.md"
-    args = [sys.executable, "-m", "kvserve.loadtest.fakeserver", "--port", "{port}", "--step-ms", "2"]
+    args = [sys.executable, "-m", "kvserve.loadtest.loadgen.fakeserver", "--port", "{port}", "--step-ms", "2"]
     code = loadtest_main(["compare", "--flat-sim", "--server-cmd", " ".join(args), "--benchmarks", str(bench),
                           "--out", str(tmp_path), "--no-progress"])
     assert code in (0, 2)  # 2: the fake's per-step overhead may put it outside 15% of the flat ideal
@@ -162,7 +164,7 @@ def test_compare_gives_each_weight_scheme_its_flags_and_section():
 
 def test_the_engine_benchmarks_load_the_weights_the_server_serves():
     """profile and the simulator default to auto: for the embedded model the GGUF's own blocks, as served."""
-    from kvserve.loadtest.enginebench import load_served
+    from kvserve.loadtest.engine.enginebench import load_served
     from kvserve.quant.ggml import GGMLLinear
 
     loaded, served = load_served("auto")
@@ -209,8 +211,8 @@ def test_simulated_queue_order_decides_the_tail():
 
 
 def test_admission_order_follows_server_queue_time():
-    from kvserve.loadtest.client import RequestRecord
-    from kvserve.loadtest.generator import RunResult
+    from kvserve.loadtest.loadgen.client import RequestRecord
+    from kvserve.loadtest.loadgen.generator import RunResult
     records = [RequestRecord(index=0, start_s=0.00, ttft_s=5.0, server_queue_ms=3000.0),
                RequestRecord(index=1, start_s=0.01, ttft_s=1.0, server_queue_ms=10.0),
                RequestRecord(index=2, start_s=0.02, ttft_s=2.0)]  # no server timings: first token
@@ -254,8 +256,6 @@ def test_bad_numbers_are_usage_errors(argv):
 
 
 def test_randmodel_refuses_bad_arguments_before_any_work(tmp_path):
-    from kvserve.loadtest import randmodel
-
     a_file = tmp_path / "file"
     a_file.write_text("x")
     for argv in (["--from", str(tmp_path / "missing"), str(tmp_path / "out")],
@@ -263,7 +263,7 @@ def test_randmodel_refuses_bad_arguments_before_any_work(tmp_path):
                  ["--shape-of", "smollm2", "--shape-only", str(a_file)],
                  ["--shape-of", str(tmp_path / "missing"), "--shape-only", str(tmp_path / "out")]):
         with pytest.raises(SystemExit) as exit_info:
-            randmodel.main(argv)
+            loadtest_main(["randmodel", *argv])
         assert exit_info.value.code == 2, argv
     assert not (tmp_path / "out").exists()
 
@@ -273,7 +273,7 @@ def test_a_terminated_compare_stops_its_servers(tmp_path):
     import time
     from pathlib import Path
 
-    fake = f"{sys.executable} -m kvserve.loadtest.fakeserver --port {{port}} --step-ms 50 --max-queue 25673"
+    fake = f"{sys.executable} -m kvserve.loadtest.loadgen.fakeserver --port {{port}} --step-ms 50 --max-queue 25673"
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen([sys.executable, "-m", "kvserve.loadtest", "compare", "--flat-sim", "--server-cmd", fake,
                              "--no-write", "--no-progress", "--out", str(tmp_path)], cwd=root,
@@ -302,7 +302,7 @@ def test_thread_cpu_splits_the_main_thread_from_the_others():
     import threading
     import time
 
-    from kvserve.loadtest.overhead import thread_cpu_s
+    from kvserve.loadtest.served.overhead import thread_cpu_s
 
     def spin(seconds=0.3):
         end = time.thread_time() + seconds
@@ -326,7 +326,7 @@ def test_thread_cpu_splits_the_main_thread_from_the_others():
 def test_overhead_measures_a_served_run(server_url):
     import os
 
-    from kvserve.loadtest.overhead import measure, render
+    from kvserve.loadtest.served.overhead import measure, render
 
     row = measure(server_url, os.getpid(), streams=2, tokens=8)  # the server runs in this process here
     assert row.streams == 2 and row.tokens_per_s > 0 and row.itl_ms > 0
@@ -337,9 +337,10 @@ def test_overhead_measures_a_served_run(server_url):
 
 
 def test_prefixbench_takes_server_flags_as_one_quoted_string():
-    from kvserve.loadtest.prefixbench import build_parser
+    from kvserve.loadtest.served.prefixbench import add_arguments
 
-    parser = build_parser()
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
     assert parser.parse_args(["--extra", "--dtype float32 --quantization int8"]).extra == [
         "--dtype", "float32", "--quantization", "int8"]
     assert parser.parse_args(["--extra=--dtype float32"]).extra == ["--dtype", "float32"]
@@ -349,7 +350,7 @@ def test_prefixbench_takes_server_flags_as_one_quoted_string():
 def test_llama_server_is_found_only_in_the_build_for_this_cpu(tmp_path, monkeypatch):
     """A native build from another CPU (a /tmp that outlived a move) is not this CPU's: it can die on an invalid
     opcode, so peers must build again rather than run it."""
-    from kvserve.loadtest import llamacpp
+    from kvserve.loadtest.peer_systems import llamacpp
 
     tree = tmp_path / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
     other = tree / "build-0123456789ab-noamx" / "bin" / "llama-server"
@@ -364,6 +365,6 @@ def test_llama_server_is_found_only_in_the_build_for_this_cpu(tmp_path, monkeypa
 
 
 def test_the_cpu_key_is_stable_and_short():
-    from kvserve.loadtest.llamacpp import cpu_key
+    from kvserve.loadtest.peer_systems.llamacpp import cpu_key
 
     assert cpu_key() == cpu_key() and len(cpu_key()) == 12 and int(cpu_key(), 16) >= 0

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve.engine.loader import wrap_model
-from kvserve.loadtest import macs, tables
+from kvserve.loadtest.engine import macs, tables
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +61,7 @@ def test_engine_sweeps_on_smollm2(smollm2):
 
 
 def test_profile_categories():
-    from kvserve.loadtest.profile_step import _category
+    from kvserve.loadtest.engine.profile_step import _category
 
     assert _category("aten::addmm") == "projections (linear/matmul)"
     assert _category("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention (SDPA)"
@@ -73,8 +73,8 @@ def test_profile_categories():
 def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkeypatch, capsys):
     """`python -m kvserve.loadtest profile --quantization X` quantizes as serve does, and the C++ kernels' time lands
     in the projections row (labelled, not lost in the Python/dispatch remainder)."""
-    from kvserve.loadtest import enginebench
     from kvserve.loadtest.__main__ import main as loadtest_main
+    from kvserve.loadtest.engine import enginebench
     from kvserve import kernels
     from kvserve.quant.linear import QuantLinear
 

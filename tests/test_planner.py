@@ -1,4 +1,4 @@
-"""planner/capacity.py: KV bytes per token, parameter counts, the memory split, and the ``kvserve plan`` command."""
+"""planner/ (models.py, capacity.py): KV bytes per token, parameter counts, the memory split, ``kvserve plan``."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from safetensors.numpy import save_file
 
-from kvserve.planner.capacity import (ALIASES, PRESETS, KVDType, ModelSpec, PlanConfig, add_arguments, plan, run,
-                             spec_from_hf_dir)
 from kvserve.kvcache.sizing import KVShape
+from kvserve.planner.capacity import PlanConfig, add_arguments, plan, run
+from kvserve.planner.models import ALIASES, PRESETS, KVDType, ModelSpec, spec_from_hf_dir
 
 GiB = 2**30
 

@@ -16,10 +16,11 @@ from kvserve import environment, kernels
 from kvserve.quant.layers import Int4Linear, Int8Linear, NF4Linear
 from kvserve.quant.linear import Layout, QuantLinear, concat_outputs
 from kvserve.quant.model import projection_names, quantize_model, serving_quantizes_head
+from kvserve.quant.panels import (pack_int8_panels, pack_nibble_panels, pack_nibbles, unpack_int8_panels,
+                                  unpack_nibble_panels, unpack_nibbles)
 from kvserve.quant.schemes import (ACT16_BLOCK, ACT_BLOCK, NF4_LEVELS, Granularity, QuantSpec, Scheme, dequantize_int,
-                           dequantize_nf4, fake_quantize, pack_int8_panels, pack_nibble_panels, pack_nibbles,
-                           quantize_activations, quantize_int, quantize_nf4, relative_error, unpack_int8_panels,
-                           unpack_nibble_panels, unpack_nibbles)
+                                   dequantize_nf4, fake_quantize, quantize_activations, quantize_int, quantize_nf4,
+                                   relative_error)
 
 INT4_TENSOR = QuantSpec(Scheme.INT4, Granularity.TENSOR)
 INT4_ROW = QuantSpec(Scheme.INT4, Granularity.ROW)

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from kvserve.loadtest.backpressure import disconnect_drill, overload
+from kvserve.loadtest.served.backpressure import disconnect_drill, overload
 from kvserve.server.config import Policy, ServeConfig
 from kvserve.server.state import ServerState
 from tests.serverutil import serving

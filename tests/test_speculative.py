@@ -597,7 +597,7 @@ def test_processed_logprobs_are_soft_labels_at_the_temperature(server_url):
 def test_the_speculation_benchmark_reads_the_curve_the_server_logs():
     """`loadtest speculative` prints the auto server's start-up curve from its log: the line it parses is the
     one the server writes (with a draft model's curve after it)."""
-    from kvserve.loadtest.speculative import _step_costs
+    from kvserve.loadtest.served.speculative import _step_costs
     from kvserve.server.state import SPECULATION_LOG
 
     target, draft = StepCost({1: 0.0249, 2: 0.0251, 9: 0.0312}), StepCost({1: 0.0101, 2: 0.0121})

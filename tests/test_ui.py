@@ -374,7 +374,7 @@ def test_with_an_api_key_the_page_shows_only_the_key_prompt(keyed_url, page):
 
 
 def test_the_overhead_table_gives_the_ratio_of_medians_and_the_median_of_paired_ratios():
-    from kvserve.loadtest.uibench import Round, render
+    from kvserve.loadtest.served.uibench import Round, render
 
     # the machine slows down over the run: each pair shows the page's cost, the medians mix it with the drift
     rounds = [Round(False, 100.0, 0.5, 0), Round(True, 99.0, 0.6, 40), Round(False, 90.0, 0.5, 0),

@@ -1,0 +1,1 @@
+"""The HTTP load generator: workloads, a streaming client, closed/open-loop runs, reports, and a fake server."""

@@ -1,0 +1,131 @@
+"""Multi-turn chat conversations driven at an OpenAI-compatible server, each turn resending the growing history.
+
+A conversation's opening is unique to it, so its prefix is cached only where its earlier turns were served: the
+workload that tells a cache-aware router from round robin (``python -m kvserve.loadtest cluster``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from dataclasses import dataclass
+
+import httpx
+
+_WORDS = ("river stone lantern orchard signal harbor meadow copper window ladder engine garden violet "
+          "compass winter ember canyon thread marble falcon pepper saddle quartz tundra velvet".split())
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Multi-turn chat: ``conversations`` of ``turns`` each, ``concurrency`` conversations at a time.
+
+    The opening (system) message is ``opening_words`` words unique to the conversation (so no two share a
+    cached block); each later turn appends the reply and a ``followup_words``-word question, after a think time.
+    """
+
+    conversations: int = 12
+    turns: int = 4
+    # not a multiple of the replica count: conversations moving in lockstep would meet round robin's cycle
+    # and keep their replica by accident
+    concurrency: int = 4
+    max_tokens: int = 12
+    opening_words: int = 160
+    followup_words: int = 20
+    think_s: float = 0.5  # a user reads the reply: a random pause of up to this before the next turn (s)
+    timeout_s: float = 120.0  # one request, start to [DONE]
+
+
+@dataclass
+class Result:
+    """One streamed request as the client saw it (times in s since the phase started)."""
+
+    conversation: int
+    turn: int
+    start_s: float
+    end_s: float = 0.0
+    status: int = 0
+    ttft_s: float | None = None
+    done: bool = False  # [DONE] arrived
+    error: str | None = None
+    text: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.done and self.error is None
+
+
+def _words(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(_WORDS) for _ in range(n))
+
+
+async def _one(client: httpx.AsyncClient, messages: list[dict], workload: Workload, result: Result, t0: float) -> None:
+    body = {"messages": messages, "max_tokens": workload.max_tokens, "stream": True, "temperature": 0}
+    sent = time.perf_counter()
+    try:
+        async with client.stream("POST", "/v1/chat/completions", json=body,
+                                 timeout=httpx.Timeout(workload.timeout_s, connect=10.0)) as response:
+            result.status = response.status_code
+            if response.status_code != 200:
+                result.error = (await response.aread()).decode(errors="replace")[:200]
+                return
+            async for line in response.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    result.done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:  # kvserve's error event
+                    result.error = f"error event: {chunk['error'].get('message', '')}"[:200]
+                    break
+                for choice in chunk.get("choices") or []:
+                    piece = (choice.get("delta") or {}).get("content") or ""
+                    if piece and result.ttft_s is None:
+                        result.ttft_s = time.perf_counter() - sent
+                    result.text += piece
+        if not result.done and result.error is None:
+            result.error = "stream ended without [DONE]"
+    except (httpx.HTTPError, json.JSONDecodeError) as exc:
+        result.error = f"{type(exc).__name__}: {exc}"[:200] or type(exc).__name__
+    finally:
+        result.end_s = time.perf_counter() - t0
+
+
+async def run_conversations(base_url: str, workload: Workload, tag: str, deadline_s: float,
+                            results: list[Result] | None = None) -> list[Result]:
+    """Drive the workload at ``base_url``; a conversation stops at its first failed turn.
+
+    ``tag`` makes every opening unique to this run (a later run never hits an earlier one's cache);
+    ``results`` (appended to as requests start) lets a caller watch progress. Returns every request's Result.
+    """
+    results = [] if results is None else results
+    t0 = time.perf_counter()
+    gate = asyncio.Semaphore(workload.concurrency)
+
+    async def conversation(i: int, client: httpx.AsyncClient) -> None:
+        rng = random.Random(f"{tag}-{i}")
+        # The opening is the system message: without one, SmolLM2's template inserts its default system prompt,
+        # a block every conversation shares, which every policy hits on every replica
+        messages = [{"role": "system", "content": f"Conversation {tag}-{i}. Answer questions about these words: "
+                                                  f"{_words(rng, workload.opening_words)}."},
+                    {"role": "user", "content": "Which word comes first?"}]
+        async with gate:
+            for turn in range(workload.turns):
+                if time.perf_counter() - t0 > deadline_s:
+                    return
+                result = Result(i, turn, time.perf_counter() - t0)
+                results.append(result)
+                await _one(client, messages, workload, result, t0)
+                if not result.ok:
+                    return
+                messages += [{"role": "assistant", "content": result.text},
+                             {"role": "user", "content": f"And then? {_words(rng, workload.followup_words)}"}]
+                await asyncio.sleep(rng.uniform(0, workload.think_s))
+
+    async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_connections=64)) as client:
+        await asyncio.gather(*(conversation(i, client) for i in range(workload.conversations)))
+    return results

@@ -1,0 +1,1 @@
+"""The systems the peers benchmark runs beside kvserve: llama.cpp's server built from source, transformers' generate."""

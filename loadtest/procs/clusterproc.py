@@ -1,0 +1,217 @@
+"""The processes of ``python -m kvserve.loadtest cluster``: kvserve replicas and vllm-router on 127.0.0.1, and their metrics.
+
+Every process runs in its own session, so it and its children can be signalled as a group; ``Cluster.close``
+stops all of them (the command and the tests call it in ``finally``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvserve.loadtest.loadgen.report import OUT_DIR
+from kvserve.loadtest.procs.serverproc import ServerStartError, _tail, free_port, kvserve_command, spawn
+
+
+# ---- processes ---------------------------------------------------------------------------------------
+
+@dataclass
+class Proc:
+    """A started process (its own session, so its whole group can be signalled) and where it listens.
+
+    ``popen`` None: a server someone else runs (tests put stand-ins behind the router); never signalled.
+    """
+
+    name: str
+    url: str
+    popen: subprocess.Popen | None
+    log: Path
+
+    @property
+    def alive(self) -> bool:
+        return self.popen is None or self.popen.poll() is None
+
+    def signal(self, sig: int) -> None:
+        if self.popen is not None and self.popen.poll() is None:
+            os.killpg(self.popen.pid, sig)
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """SIGTERM, then SIGKILL after ``timeout_s``; returns once the process is gone."""
+        if self.popen is not None and self.popen.poll() is None:
+            self.signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+                self.popen.wait()
+
+
+def _spawn(name: str, argv: list[str], port: int, log_dir: Path, env: dict[str, str] | None = None) -> Proc:
+    popen, log = spawn(name, argv, log_dir, env)
+    return Proc(name, f"http://127.0.0.1:{port}", popen, log)
+
+
+def _wait_ready(proc: Proc, path: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.popen.poll() is not None:
+            raise ServerStartError(f"{proc.name} exited with {proc.popen.returncode}; log {proc.log}:\n"
+                                   f"{_tail(proc.log)}")
+        try:
+            if httpx.get(proc.url + path, timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise ServerStartError(f"{proc.name}: no 200 from {path} after {timeout_s:.0f} s; log {proc.log}:\n"
+                           f"{_tail(proc.log)}")
+
+
+def router_binary() -> str:
+    """Path of the ``vllm-router`` launcher beside this Python, or on PATH.
+
+    Raises:
+        FileNotFoundError: not installed (``pip install -e '.[cluster]'``).
+    """
+    beside = Path(sys.executable).parent / "vllm-router"
+    found = str(beside) if beside.exists() else shutil.which("vllm-router")
+    if found is None:
+        raise FileNotFoundError("vllm-router is not installed: pip install -e '.[cluster]' (or pip install vllm-router)")
+    return found
+
+
+def router_command(port: int, metrics_port: int, workers: list[str], policy: str) -> list[str]:
+    """vllm-router on 127.0.0.1 in front of ``workers``, tuned to notice a dead or draining replica quickly.
+
+    Health checks every second, one failure takes a worker out and one success puts it back; a failed
+    attempt (connection refused, 503 from a draining replica, 429 from a full one) is retried up to 5 times
+    with backoff from 100 ms, long enough (~1.5 s) for the health check to steer the retry elsewhere
+    (``cache_aware`` retries on the worker holding the prefix until that worker is out); two failures in a
+    row open the worker's circuit breaker for 5 s, which also takes it out.
+    """
+    return [router_binary(), "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--worker-urls", *workers,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port),
+            "--worker-startup-check-interval", "1", "--health-check-interval-secs", "1",
+            "--health-failure-threshold", "1", "--health-success-threshold", "1", "--health-check-timeout-secs", "2",
+            "--retry-max-retries", "5", "--retry-initial-backoff-ms", "100", "--retry-max-backoff-ms", "1000",
+            "--cb-failure-threshold", "2", "--cb-timeout-duration-secs", "5",
+            "--log-level", "warning"]
+
+
+@dataclass
+class Cluster:
+    """Replicas and (at most one at a time) a router; ``close`` stops all of them."""
+
+    replicas: list[Proc]
+    log_dir: Path
+    router: Proc | None = None
+    router_policy: str = ""
+    router_metrics: str = ""
+
+    def start_router(self, policy: str, timeout_s: float = 60.0) -> Proc:
+        """A router with ``policy`` over the live replicas, once it has found all of them healthy.
+
+        The running one is kept when it has the same policy (a start costs several seconds), else replaced.
+        """
+        if self.router is not None and self.router.alive and self.router_policy == policy:
+            return self.router
+        self.stop_router()
+        self.router_policy = policy
+        port, metrics_port = free_port(), free_port()
+        live = [r.url for r in self.replicas if r.alive]
+        self.router = _spawn(f"router-{policy}", router_command(port, metrics_port, live, policy), port, self.log_dir)
+        self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
+        # /readiness counts the workers the router has found healthy; wait for all of them
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.router.popen.poll() is not None:
+                raise ServerStartError(f"router exited with {self.router.popen.returncode}; log {self.router.log}:\n"
+                                       f"{_tail(self.router.log)}")
+            try:
+                if httpx.get(self.router.url + "/readiness", timeout=5).json().get("healthy_workers") == len(live):
+                    return self.router
+            except (httpx.HTTPError, ValueError):
+                pass
+            time.sleep(0.3)
+        raise ServerStartError(f"router did not see all {len(live)} workers healthy after {timeout_s:.0f} s; log "
+                               f"{self.router.log}:\n{_tail(self.router.log)}")
+
+    def stop_router(self) -> None:
+        if self.router is not None:
+            self.router.stop()
+            self.router = None
+
+    def close(self) -> None:
+        self.stop_router()
+        for replica in self.replicas:
+            replica.stop()
+
+
+def start_cluster(replicas: int, serve_flags: list[str], log_dir: Path = OUT_DIR / "cluster",
+                  start_timeout_s: float = 600.0) -> Cluster:
+    """Start ``replicas`` kvserve processes at once and wait until every one answers /health.
+
+    Each gets one OpenMP thread (they share the machine's cores). On failure every one started is stopped.
+
+    Raises:
+        ServerStartError: a replica exited or was not ready within ``start_timeout_s``.
+    """
+    procs = []
+    try:
+        for i in range(replicas):
+            port = free_port()
+            argv = [p.replace("{port}", str(port)) for p in kvserve_command(serve_flags)]
+            procs.append(_spawn(f"replica{i}", argv, port, log_dir, env={"OMP_NUM_THREADS": "1"}))
+        for proc in procs:
+            _wait_ready(proc, "/health", start_timeout_s)
+    except BaseException:
+        for proc in procs:
+            proc.stop()
+        raise
+    return Cluster(procs, log_dir)
+
+
+# ---- metrics -----------------------------------------------------------------------------------------
+
+def scrape(url: str) -> dict[str, float]:
+    """``{series name: value}`` from a Prometheus text page, label sets summed (empty if unreachable)."""
+    try:
+        text = httpx.get(url, timeout=5).text
+    except httpx.HTTPError:
+        return {}
+    totals: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
+    return totals
+
+
+def replica_counts(replica: Proc) -> dict[str, float]:
+    """The kvserve counters the report uses: prefix-cache hits and queries, finished requests, running, waiting."""
+    m = scrape(replica.url + "/metrics")
+    return {"hits": m.get("kvserve:prefix_cache_hits_total", 0.0),
+            "queries": m.get("kvserve:prefix_cache_queries_total", 0.0),
+            "finished": m.get("kvserve:request_success_total", 0.0) + m.get("kvserve:request_failure_total", 0.0),
+            "busy": m.get("kvserve:num_requests_running", 0.0) + m.get("kvserve:num_requests_waiting", 0.0)}
+
+
+def router_retries(metrics_url: str) -> float:
+    """Attempts the router repeated (``vllm_router_retries_total``, all routes), 0 before its first."""
+    return scrape(metrics_url).get("vllm_router_retries_total", 0.0)
+
+
+def serve_flags(kv_cache_memory: str, drain_s: float) -> list[str]:
+    """A small replica: SmolLM2 float32 on CPU, a small pool, a short context."""
+    return ["--device", "cpu", "--dtype", "float32", "--kv-cache-memory", kv_cache_memory,
+            "--max-num-seqs", "8", "--max-model-len", "2048", "--drain-seconds", str(drain_s),
+            "--sse-ping-seconds", "0", "--log-level", "info"]

@@ -1,0 +1,1 @@
+"""Publishing: each benchmark's section of BENCHMARKS.md, stamped with its command, machine and date."""

@@ -1,0 +1,1 @@
+"""Benchmarks of a served model: each starts kvserve (or a peer) and measures it over HTTP."""

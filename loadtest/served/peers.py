@@ -1,0 +1,236 @@
+"""``python -m kvserve.loadtest peers``: kvserve side by side with llama.cpp's server and transformers' ``generate``.
+
+Same machine, same model (SmolLM2-135M-Instruct: llama.cpp serves the GGUF file kvserve converts from),
+same requests. Servers go through the same load generator; transformers runs in-process.
+
+Figures per system (all outputs pinned to their length with ignore_eos / min_tokens):
+- single-stream decode tokens/s: one stream of 128 tokens, (tokens - 1) / (e2e - TTFT);
+- TTFT of a 512-token prompt (each prompt starts with a different word, so no prefix cache can help);
+- aggregate output tokens/s with 1, 8 and 32 concurrent streams of 128 tokens (one request per stream
+  at 8 and 32, two at 1);
+- seed64 with 8 slots (all 64 at once; transformers: static batches of 8, as ``generate`` must).
+Each is also shown as a ratio to llama.cpp. Systems run one after another; ``--repeats`` alternates them.
+
+    python -m kvserve.loadtest llamacpp          # builds llama-server in /tmp (once, a while on 2 cores)
+    flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers
+    flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers --systems kvserve-int8,kvserve-int4   # more later
+
+Results are kept per system in ``loadtest/out/peers.json``, so the section can be built over several runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+from datetime import datetime, timezone
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvserve.loadtest.loadgen import report, workloads
+from kvserve.loadtest.loadgen.generator import LoadConfig, run_sync
+from kvserve.loadtest.loadgen.runcmd import server_model
+from kvserve.loadtest.peer_systems.llamacpp import find_server
+from kvserve.loadtest.procs.serverproc import ServerStartError, kvserve_command, launch
+from kvserve.loadtest.publish.benchmarks_md import BENCHMARKS, update_section
+
+OUTPUT_TOKENS = 128
+TTFT_PROMPT_TOKENS = 512
+STREAMS = (1, 8, 32)
+SEED64_SLOTS = 8
+QUANTIZATIONS = ("none", "gguf", "int8", "int4", "nf4")  # gguf: the GGUF's own blocks, the default
+SYSTEMS = ("llama.cpp", "transformers", *(f"kvserve-{q}" for q in QUANTIZATIONS))
+_FIRST_WORDS = (" apple", " river", " Note", " stone", " cloud", " table")  # one token each in SmolLM2
+
+
+@dataclass(slots=True)
+class PeerFigures:
+    """One system's figures (tokens/s, seconds); None where it could not be measured, with ``error`` saying why."""
+
+    system: str
+    single_decode_tps: float | None = None
+    ttft_512_s: float | None = None
+    aggregate_tps: dict[str, float] = field(default_factory=dict)  # str(streams) -> tokens/s
+    seed64_tps: float | None = None
+    error: str | None = None
+
+
+def ttft_prompts(count: int) -> list[workloads.RequestSpec]:
+    """``count`` distinct 512-token prompts asking for one token each."""
+    return [workloads.fixed(1, 1, word + workloads.repeated_word_prompt(TTFT_PROMPT_TOKENS - 1))[0]
+            for word in _FIRST_WORDS[:count]]
+
+
+def _load(url: str, specs, streams: int, count: int, label: str) -> report.Summary:
+    config = LoadConfig(url=url, concurrency=streams, count=count, duration_s=900, timeout_s=900,
+                        model=server_model(url), progress=False)
+    summary = report.summarize(run_sync(specs, config, label))
+    if summary.ok != summary.sent:
+        raise RuntimeError(f"{label}: {summary.sent - summary.ok} of {summary.sent} requests failed")
+    print(f"  {label}: {summary.tokens_per_s:.1f} tok/s, ttft {summary.ttft_mean_s:.3f} s, "
+          f"decode {summary.decode_tokens_per_s:.1f} tok/s/stream")
+    return summary
+
+
+def measure_server(figures: PeerFigures, command_for_slots) -> None:
+    """Fill ``figures`` from a server; ``command_for_slots(slots)`` gives its command line."""
+    with launch(command_for_slots(max(STREAMS)), name=f"peers-{figures.system}") as server:
+        figures.single_decode_tps = _load(server.url, workloads.fixed(2, OUTPUT_TOKENS), 1, 2,
+                                          "single").decode_tokens_per_s
+        figures.ttft_512_s = _load(server.url, ttft_prompts(3), 1, 3, "ttft-512").ttft_mean_s
+        for streams in STREAMS:
+            count = max(streams, 2)
+            figures.aggregate_tps[str(streams)] = _load(server.url, workloads.fixed(count, OUTPUT_TOKENS), streams,
+                                                        count, f"streams={streams}").tokens_per_s
+    with launch(command_for_slots(SEED64_SLOTS), name=f"peers-{figures.system}-seed64") as server:
+        figures.seed64_tps = _load(server.url, workloads.seed64(), 64, 64, "seed64").tokens_per_s
+
+
+def llama_command(binary: Path, gguf: Path, slots: int) -> list[str]:
+    """llama-server on 127.0.0.1 with ``slots`` parallel slots (continuous batching is its default)."""
+    per_slot = TTFT_PROMPT_TOKENS + OUTPUT_TOKENS + 64
+    return [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-t", "2", "-np", str(slots),
+            "-c", str(per_slot * slots), "-cb"]
+
+
+def measure_transformers(figures: PeerFigures) -> None:
+    """transformers' own ``generate`` on the same weights (sdpa attention, its own cache), static batches."""
+    from kvserve.loadtest.peer_systems.hfgenerate import HFGenerate
+
+    hf = HFGenerate()
+    figures.single_decode_tps = hf.single_decode_tps(OUTPUT_TOKENS)
+    figures.ttft_512_s = statistics.median(hf.ttft_s(spec.prompt) for spec in ttft_prompts(3))
+    for streams in STREAMS:
+        figures.aggregate_tps[str(streams)] = hf.batch_tps(streams, OUTPUT_TOKENS)
+    figures.seed64_tps = hf.seed64_tps(SEED64_SLOTS)
+    print(f"  transformers: {asdict(figures)}")
+
+
+def measure(system: str) -> PeerFigures:
+    """Measure one system; a failure (e.g. a quantization scheme that does not load) is recorded, not raised."""
+    figures = PeerFigures(system)
+    print(f"{system}:")
+    try:
+        if system == "llama.cpp":
+            from kvserve.engine.loader import default_gguf_path
+
+            binary = find_server()
+            if binary is None:
+                raise FileNotFoundError("llama-server not built: run python -m kvserve.loadtest llamacpp")
+            gguf = default_gguf_path()
+            measure_server(figures, lambda slots: llama_command(binary, gguf, slots))
+        elif system == "transformers":
+            measure_transformers(figures)
+        else:
+            scheme = system.removeprefix("kvserve-")
+            measure_server(figures, lambda slots: kvserve_command(["--quantization", scheme,
+                                                                   "--max-num-seqs", str(slots)]))
+    except (ServerStartError, RuntimeError, FileNotFoundError, OSError) as exc:
+        figures.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        print(f"  failed: {figures.error}")
+    return figures
+
+
+def _ratio(value: float | None, base: float | None, lower_is_better: bool = False) -> str:
+    if value is None or base is None or value == 0 or base == 0:
+        return "-"
+    return f"{(base / value if lower_is_better else value / base):.2f}x"
+
+
+def render(results: dict[str, dict]) -> str:
+    """Markdown: one row per system, each figure with its ratio to llama.cpp (higher is better throughout)."""
+    base = results.get("llama.cpp")
+    head = ("| system | decode tok/s (1 stream) | TTFT 512-token prompt | tok/s @1 | tok/s @8 | tok/s @32 "
+            "| seed64 tok/s (8 slots) | measured (UTC) |")
+    rows = [head, "|---" * 8 + "|"]
+    for name in SYSTEMS:
+        r = results.get(name)
+        if r is None:
+            continue
+        if r.get("error"):
+            rows.append(f"| {name} | failed: {r['error']} | | | | | | {r.get('measured_utc', '?')} |")
+            continue
+
+        def cell(value, key_path, lower=False, unit=""):
+            if value is None:
+                return "-"
+            ref = base
+            for key in key_path:
+                ref = ref.get(key) if isinstance(ref, dict) else None
+            shown = f"{value:.2f} s" if unit == "s" else f"{value:.1f}"
+            return f"{shown} ({_ratio(value, ref, lower)})" if base and not base.get("error") else shown
+
+        agg = r.get("aggregate_tps", {})
+        rows.append(f"| {name} | {cell(r['single_decode_tps'], ['single_decode_tps'])} | "
+                    f"{cell(r['ttft_512_s'], ['ttft_512_s'], lower=True, unit='s')} | "
+                    + " | ".join(cell(agg.get(str(s)), ['aggregate_tps', str(s)]) for s in STREAMS)
+                    + f" | {cell(r['seed64_tps'], ['seed64_tps'])} | {r.get('measured_utc', 'before 18:00')} |")
+    return "\n".join(rows) + (
+        "\n\nRatios in brackets are to llama.cpp's server (> 1 is better than llama.cpp; for TTFT the ratio is "
+        "llama.cpp's TTFT over this one). llama.cpp serves the Q4_1 GGUF with 2 threads and continuous "
+        "batching (`-np 32`, or `-np 8` for seed64); kvserve runs at its default dtype for this CPU, "
+        "with `--max-num-seqs 32` (8 for seed64); transformers runs `generate` in-process on the same weights.")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    parser.add_argument("--repeats", type=int, default=1, help="passes over the systems (the median is kept)")
+    parser.add_argument("--results", type=Path, default=report.OUT_DIR / "peers.json",
+                        help="per-system results, merged across runs")
+    parser.add_argument("--benchmarks", type=Path, default=BENCHMARKS)
+    parser.add_argument("--img", type=Path, default=None, help="also save the throughput plot here (e.g. docs/img)")
+    parser.add_argument("--render-only", action="store_true",
+                        help="measure nothing: rebuild the section from --results")
+    parser.add_argument("--no-write", action="store_true")
+
+
+def plot(results: dict[str, dict], directory: Path) -> Path:
+    """Aggregate tokens/s against concurrent streams, one line per system that ran."""
+    series = {name: [(int(k), v) for k, v in r["aggregate_tps"].items() if v is not None]
+              for name, r in results.items() if not r.get("error") and r.get("aggregate_tps")}
+    return report.plot_throughput(series, directory / "peers-throughput.png",
+                                  "SmolLM2-135M, 128-token outputs: throughput vs concurrency")
+
+
+def run(args: argparse.Namespace) -> int:
+    chosen = [s for s in args.systems.split(",") if s]
+    unknown = set(chosen) - set(SYSTEMS)
+    if unknown:
+        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+    passes: dict[str, list[PeerFigures]] = {s: [] for s in chosen} if not args.render_only else {}
+    for _ in range(args.repeats if passes else 0):
+        for system in chosen:
+            passes[system].append(measure(system))
+    results = json.loads(args.results.read_text()) if args.results.exists() else {}
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+    for system, figures in passes.items():
+        results[system] = _median(figures) | {"measured_utc": stamp}  # results merge across runs: say when
+    args.results.parent.mkdir(parents=True, exist_ok=True)
+    args.results.write_text(json.dumps(results, indent=1))
+    text = render(results)
+    print(text)
+    print("wrote", plot(results, args.results.parent))
+    if args.img:
+        plot(results, args.img)
+        text += f"\n\n![throughput vs concurrency]({args.img.as_posix()}/peers-throughput.png)"
+    if not args.no_write:
+        # results merge across runs, so the command that reproduces the whole table is the plain one
+        update_section("peers", "kvserve vs llama.cpp's server vs transformers generate (SmolLM2-135M)",
+                       "python -m kvserve.loadtest peers", text, args.benchmarks)
+    return 0
+
+
+def _median(figures: list[PeerFigures]) -> dict:
+    """The per-figure median over repeats that succeeded (the last error if none did)."""
+    good = [f for f in figures if f.error is None]
+    if not good:
+        return asdict(figures[-1])
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    return {"system": good[0].system, "single_decode_tps": med(f.single_decode_tps for f in good),
+            "ttft_512_s": med(f.ttft_512_s for f in good),
+            "aggregate_tps": {k: med(f.aggregate_tps.get(k) for f in good) for k in good[0].aggregate_tps},
+            "seed64_tps": med(f.seed64_tps for f in good), "error": None}

@@ -1,0 +1,1 @@
+"""The simulator: static vs continuous batching replayed on a workload at measured step costs."""
