@@ -237,9 +237,10 @@ def _run_service(break_it, seqs_per_request=(1, 1, 1), execute=fake_execute, spe
     async def main():
         sched = scheduler()
         if speculating:  # a scheduler with a drafter hands ended sequences to the engine in plans that only free
-            from kvserve.scheduler.speculation import DraftPolicy
+            from kvserve.speculation.decoder import SpecDecoder
+            from kvserve.speculation.policy import DraftPolicy
 
-            sched = Scheduler(sched.config, sched.blocks, DraftPolicy(max_draft=1, adaptive=False))
+            sched = Scheduler(sched.config, sched.blocks, SpecDecoder(DraftPolicy(max_draft=1, adaptive=False)))
         service = SchedulerService(sched, execute, max_queue=16)
         break_it(service)
         service.start()

@@ -31,7 +31,7 @@ decode step, whose cost ``proposal_cost`` is measured the same way (at start-up,
 model the policy decides before the proposing, when the draft length is still a choice: it chooses γ for the
 next step of every sampling sequence, counting for each raise the target's extra token and the draft step's
 extra row (a whole draft step for the first sequence at a new depth), and the engine proposes exactly that.
-Works on token counts only.
+Works on token counts only; ``speculation.decoder.SpecDecoder`` feeds it what the steps measure.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ PRIOR_RATE = 0.5       # the shared rate before any draft was verified: the unin
 MARGIN = 0.05          # drafts must promise this much more throughput than none (fraction): above the few per
                        # cent by which the start-up step-cost curve's points scatter, so noise alone never drafts
 HALF_LIFE_STEPS = 256  # steps that could draft after which the shared rate's counts weigh half: about one long
-                       # reply (AMORTIZE_OVER's 256 tokens), so the rate follows the workload of the last minutes
+                       # reply (the decoder's AMORTIZE_OVER, 256 tokens), so the rate follows the last minutes
 PROBE_EVERY = 64       # auto steps with candidates between two probes: a probe costs at most PROBE_DRAFT rejected
                        # tokens, so probing costs under 2 / 64 = 3% of drafting steps at worst
 PROBE_DRAFT = 2        # draft tokens a probe adds to the best choice: the least that measures a second position
