@@ -20,7 +20,7 @@ from kvserve.kvcache.pool import KVPool, storage_dtype
 from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.service import SchedulerService
-from kvserve.server.config import AUTO_MAX_DRAFT, ServeConfig
+from kvserve.server.config import ServeConfig
 from kvserve.server.metrics import Metrics
 from kvserve.server.snapshot import StepTrace
 from kvserve.speculation.decoder import SpecDecoder
@@ -186,8 +186,8 @@ class ServerState:
                       blocks: BlockManager) -> SpecDecoder:
         """Speculation: its drafter, and its draft length fixed or ``auto`` (step costs measured now)."""
         return SpecDecoder.start(self.runner, blocks, self._drafter(config, draft, num_blocks),
-                                 config.num_speculative_tokens, AUTO_MAX_DRAFT, config.max_num_seqs,
-                                 config.max_num_batched_tokens, config.speculative.value)
+                                 config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens,
+                                 config.speculative.value)
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:
         """After each engine step: vLLM's tokens-per-step histogram, the step log when asked for, the live page's

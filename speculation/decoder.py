@@ -27,7 +27,7 @@ from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
 from kvserve.scheduler.scheduler import SchedulerConfig
 from kvserve.scheduler.sequence import Sequence
-from kvserve.speculation.policy import Candidate, DraftPolicy, StepCost
+from kvserve.speculation.policy import AUTO_MAX_DRAFT, Candidate, DraftPolicy, StepCost
 
 log = logging.getLogger("kvserve.speculation")
 
@@ -91,15 +91,15 @@ class SpecDecoder:
 
     @classmethod
     def start(cls, runner: ModelRunner, blocks: BlockManager, drafter: NgramDrafter | ModelDrafter,
-              num_speculative_tokens: int | None, auto_max_draft: int, max_num_seqs: int,
-              max_num_batched_tokens: int, name: str) -> SpecDecoder:
+              num_speculative_tokens: int | None, max_num_seqs: int, max_num_batched_tokens: int,
+              name: str) -> SpecDecoder:
         """A fixed draft length, or ``auto`` (``num_speculative_tokens`` None) over step-cost curves measured now on
         scratch blocks of ``blocks``: the served model's by tokens in a step, and a draft model's by rows.
 
         Args:
             runner, blocks: the served model's runner and its pool's block manager.
             drafter: who proposes (``name`` is its ``--speculative`` value, for the log).
-            num_speculative_tokens: ``--num-speculative-tokens``: N, or None for auto up to ``auto_max_draft``.
+            num_speculative_tokens: ``--num-speculative-tokens``: N, or None for auto up to ``AUTO_MAX_DRAFT``.
             max_num_seqs, max_num_batched_tokens: the scheduler's limits (the largest step to time).
 
         Raises:
@@ -107,7 +107,7 @@ class SpecDecoder:
         """
         if num_speculative_tokens is not None:
             return cls(DraftPolicy(max_draft=num_speculative_tokens, adaptive=False), drafter, runner)
-        most = min(max_num_batched_tokens, max_num_seqs * (1 + auto_max_draft))
+        most = min(max_num_batched_tokens, max_num_seqs * (1 + AUTO_MAX_DRAFT))
         sizes = sorted({n for n in (*_STEP_TOKENS, most) if n <= most})
         started = time.perf_counter()
         seconds = time_steps(runner, blocks, sizes)
@@ -118,10 +118,10 @@ class SpecDecoder:
         cost = StepCost(seconds)
         log.info("speculation (%s), auto length up to %d; step cost by tokens (median of up to %d rounds, "
                  "made non-decreasing; then learnt from served steps): %s%s (measured in %.1f s)",
-                 name, auto_max_draft, _CALIBRATION_ROUNDS, cost.describe(),
+                 name, AUTO_MAX_DRAFT, _CALIBRATION_ROUNDS, cost.describe(),
                  "" if proposal is None else "; draft step by rows: " + proposal.describe(),
                  time.perf_counter() - started)
-        policy = DraftPolicy(max_draft=auto_max_draft, adaptive=True, cost=cost, proposal_cost=proposal)
+        policy = DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=cost, proposal_cost=proposal)
         return cls(policy, drafter, runner)
 
     # -- before a step (the scheduler's task) -------------------------------------------------------------

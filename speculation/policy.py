@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 # named so a change is one line; the policy's behaviour with them (drafts on copying prompts, none on prose,
 # recovery after a bad phase) is what tests/test_speculative.py asserts, and BENCHMARKS.md's speculation section
 # measures their result against speculation off.
+AUTO_MAX_DRAFT = 8     # --num-speculative-tokens auto: the longest draft one sequence verifies in a step
 PRIOR_TOKENS = 4.0     # pseudo-tokens of the shared acceptance rate in each sequence's estimate: a Beta prior
                        # worth one draft of 4, so a sequence's own first verify outweighs it
 PRIOR_RATE = 0.5       # the shared rate before any draft was verified: the uninformed middle
