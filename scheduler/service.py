@@ -56,7 +56,8 @@ class SchedulerService:
 
     Args:
         scheduler: the planning core (owned by this service's task from now on).
-        execute: computes a StepPlan (the model runner's ``execute``); runs in a worker thread.
+        execute: computes a StepPlan (the model runner's ``execute``, or with speculation the ``execute`` of the
+            scheduler's ``spec``, which runs the runner's and then its drafter); runs in a worker thread.
         max_queue: waiting sequences beyond which ``submit`` raises QueueFull.
         on_step: called after each successful step with its plan and wall time (s), e.g. to log step costs.
         executor: the single worker thread that runs steps; pass the thread that loaded the model (see

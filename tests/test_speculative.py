@@ -22,18 +22,18 @@ import torch
 from kvserve.engine.draft_model import ModelDrafter, common_prefix
 from kvserve.engine.drafters import DraftRequest, NgramDrafter
 from kvserve.engine.loader import wrap_model
-from kvserve.engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
+from kvserve.engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
 from kvserve.kvcache.pool import KVPool
 from kvserve.scheduler.offline import run_offline, run_step
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.sequence import FinishReason, Sequence
-from kvserve.speculation.decoder import SpecDecoder
-from kvserve.speculation.policy import PROBE_EVERY, Candidate, DraftPolicy, StepCost, expected_tokens
 from kvserve.server.config import ServeConfig
 from kvserve.server.serve import load_draft
 from kvserve.server.state import ServerState
+from kvserve.speculation.decoder import SpecDecoder
+from kvserve.speculation.policy import PROBE_EVERY, Candidate, DraftPolicy, StepCost, expected_tokens
 from tests.engineutil import (EOS, REPEAT_PROMPT, SERVED, chat_ids, engine_greedy, greedy_references,
                               tiny)
 from tests.serverutil import running_server, serving
@@ -203,6 +203,53 @@ def test_start_up_step_costs_are_medians_of_interleaved_rounds_within_a_time_bou
     calls.clear()
     seconds = ModelRunner.time_decode_steps(fake, [1, 2, 3, 5], [0, 1], repeats=5, budget_s=0.1)
     assert len(calls) == 8 and set(seconds) == {1, 2, 3, 5}  # warm-up, one timed round, then the bound
+
+
+class _TimedDrafter:
+    """Proposes ``k`` copies of token 4, taking ``seconds`` of a fake clock and reporting one draft step."""
+
+    def __init__(self, clock: _Clock, seconds: float) -> None:
+        self.clock, self.seconds, self.steps, self.released = clock, seconds, [], []
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.released += seq_ids
+
+    def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
+        self.clock.now += self.seconds
+        self.steps = [(len(requests), 0.004)]
+        return [[4] * r.k for r in requests]
+
+
+def test_the_spec_decoder_learns_step_costs_from_decode_steps_less_their_proposing(monkeypatch):
+    """``observe`` teaches the target's curve an all-decode step's time less the drafter's share of it, the draft
+    model's curve its decode steps, the policy each verify pass of a live sequence; a prefill step teaches no cost."""
+    from kvserve.speculation import decoder
+    clock = _Clock()
+    monkeypatch.setattr(decoder.time, "perf_counter", clock)
+    greedy = SamplingParams(temperature=0.0)
+    accepted_one = [TokenLogprob(9, 0.0), TokenLogprob(7, 0.0)]
+    runner = types.SimpleNamespace(execute=lambda plan: [SeqResult(w.seq_id, accepted_one) for w in plan.work])
+    drafter = _TimedDrafter(clock, seconds=0.5)
+    policy = DraftPolicy(8, cost=StepCost({1: 0.030, 9: 0.034}), proposal_cost=StepCost({1: 0.005, 8: 0.010}))
+    spec = SpecDecoder(policy, drafter, runner)
+    seq = Sequence(seq_id=0, prompt_ids=[1, 2, 3], params=greedy, max_tokens=20, output_ids=[7, 9], draft_ids=[9])
+    work = SeqWork(0, [9, 9], 4, [0, 1], [4, 5], True, greedy, [1, 2, 3], [7], num_draft=1)
+    plan = StepPlan([work], ended_ids=[5])
+    spec.propose(plan, [seq], budget=100, limits=SchedulerConfig())
+    work.propose = 3  # whatever auto chose, the drafter is asked for this many
+    results = spec.execute(plan)
+    assert drafter.released == [5] and results[0].draft_ids == [4, 4, 4]
+    spec.observe(plan, results, [seq], seconds=0.030 + 0.5)
+    assert policy.cost(2) == pytest.approx(0.030)  # the step's own time: its 0.5 s of proposing is not counted
+    assert policy.proposal_cost(1) < 0.005                    # the draft step's 4 ms pulls its curve down
+    assert (policy.drafted, policy.accepted, policy.num_drafts) == (1, 1, 1)
+    spec.observe(plan, [SeqResult(0, error="boom")], [seq])   # a failed step teaches nothing
+    spec.observe(plan, results, [])                           # nor one of a sequence no longer running
+    assert (policy.drafted, policy.accepted) == (1, 1)
+    prefill = SeqWork(1, [1, 2, 3], 0, [2], [8, 9, 10], True, greedy, [1, 2, 3], [])
+    before = policy.cost.describe()
+    spec.observe(StepPlan([prefill]), [SeqResult(1, [TokenLogprob(7, 0.0)])], [], seconds=2.0)
+    assert policy.cost.describe() == before
 
 
 def test_expected_tokens_is_the_chapters_formula():
