@@ -43,6 +43,10 @@ _CALIBRATION_ROUNDS = 5     # timed rounds of every size (the median is kept), a
                             # fewest whose median ignores two stray slow rounds
 _CALIBRATION_BUDGET_S = 10.0  # no further round starts after this long (s): bounded on a loaded machine, where
                               # unbounded rounds once made start-up take 110 s
+# The start-up line that gives speculation's measured step costs; `python -m kvserve.loadtest speculative` reads
+# the curve back from it.
+SPECULATION_LOG = ("speculation (%s), auto length up to %d; step cost by tokens (median of up to %d rounds, made "
+                   "non-decreasing; then learnt from served steps): %s%s (measured in %.1f s)")
 # Step sizes timed at start-up: the served model's by tokens (doubling, so the curve's bend is seen at every
 # scale), a draft model's by rows (powers of two up to the slots); each list is cut at what a step can hold.
 _STEP_TOKENS = (1, 2, 3, 5, 9, 17, 33, 65, 129, 257)
@@ -116,9 +120,7 @@ class SpecDecoder:
             rows = sorted({n for n in (*_DRAFT_ROWS, max_num_seqs) if n <= max_num_seqs})
             proposal = StepCost(time_steps(drafter.runner, drafter.blocks, rows))
         cost = StepCost(seconds)
-        log.info("speculation (%s), auto length up to %d; step cost by tokens (median of up to %d rounds, "
-                 "made non-decreasing; then learnt from served steps): %s%s (measured in %.1f s)",
-                 name, AUTO_MAX_DRAFT, _CALIBRATION_ROUNDS, cost.describe(),
+        log.info(SPECULATION_LOG, name, AUTO_MAX_DRAFT, _CALIBRATION_ROUNDS, cost.describe(),
                  "" if proposal is None else "; draft step by rows: " + proposal.describe(),
                  time.perf_counter() - started)
         policy = DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=cost, proposal_cost=proposal)
