@@ -146,9 +146,9 @@ class ServerState:
         # or as a list of token ids; 1 MiB at least, for short-context models with long sampling options
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.speculating = config.speculative is not Drafter.OFF
         self.runner = ModelRunner(loaded, self.pool)
-        self.spec = self._spec_decoder(config, draft, num_blocks, blocks) if self.speculating else None
+        speculating = config.speculative is not Drafter.OFF
+        self.spec = self._spec_decoder(config, draft, num_blocks, blocks) if speculating else None
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               max_model_len=self.max_model_len,
@@ -197,6 +197,11 @@ class ServerState:
             self.step_log.write(plan, seconds)
         if self.step_trace is not None:
             self.step_trace.record(plan, seconds)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether speculative decoding is on (``--speculative`` not off): replies report their drafts."""
+        return self.spec is not None
 
     def next_id(self) -> int:
         return next(self._ids)
