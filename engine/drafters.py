@@ -10,8 +10,8 @@ prompt and output, and propose the tokens that followed it. No second model, no 
 it pays where the output copies its input (extraction, quoting, code edits) and proposes nothing elsewhere.
 
 A draft model (``engine.draft_model.ModelDrafter``) is the other kind: a smaller or quantized model with its own
-paged KV cache. Both answer the same two calls the runner makes: ``propose_batch`` after a step's sampling, and
-``release`` for sequences that ended.
+paged KV cache. Both answer the same two calls that ``speculation.decoder.SpecDecoder`` makes: ``propose_batch``
+after a step's sampling, and ``release`` for sequences that ended.
 """
 
 from __future__ import annotations

@@ -80,7 +80,8 @@ class SeqWork:
         params: sampling settings.
         num_draft: the last ``num_draft`` of ``token_ids`` are draft tokens to verify (0: plain decode or prefill);
             only a decoding sequence carries drafts.
-        propose: how many draft tokens the engine should propose for this sequence's next step (0: none).
+        propose: how many draft tokens the engine should propose for this sequence's next step (0: none; set by
+            speculation, ``speculation.decoder.SpecDecoder.propose``).
         prompt_ids: the prompt (for repetition penalty and prompt logprobs).
         output_ids: tokens generated so far (for penalties and seeds).
         suppress_ids: tokens that may not be sampled now (EOS while below min_tokens).
@@ -130,14 +131,10 @@ class StepPlan:
     Attributes:
         work: the sequences' shares, in scheduler order.
         ended_ids: sequences that ended or were preempted since the last plan (a drafter frees their state).
-        draft_seconds: filled in by the runner: seconds it spent proposing drafts after this step's sampling.
-        draft_steps: filled in by the runner: ``(rows, seconds)`` of each decode-only draft-model forward.
     """
 
     work: list[SeqWork]
     ended_ids: list[int] = field(default_factory=list)
-    draft_seconds: float = 0.0
-    draft_steps: list[tuple[int, float]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

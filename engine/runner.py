@@ -11,7 +11,6 @@ import torch
 from kvserve import kernels
 from kvserve.engine.attention import AttentionMetadata, PrefillSpan
 from kvserve.engine.constraints import apply_masks, fill_masks_async
-from kvserve.engine.drafters import DraftRequest, NgramDrafter
 from kvserve.engine.fastpath import fast_decoder
 from kvserve.engine.loader import LoadedModel
 from kvserve.engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
@@ -53,23 +52,23 @@ class ModelRunner:
     Args:
         loaded: the model (already wired to the ``kvserve`` attention, quantized if it is to be).
         pool: the KV pool; its geometry must match the model.
-        drafter: proposes draft tokens where a SeqWork asks (``propose``): an ``NgramDrafter`` or an
-            ``engine.draft_model.ModelDrafter``; None proposes nothing.
+
+    Draft tokens in a plan are verified by ``_sample``; proposing them is speculation's
+    (``speculation.decoder.SpecDecoder.execute`` runs this runner's steps and then its drafter).
     """
 
-    def __init__(self, loaded: LoadedModel, pool: KVPool, drafter: NgramDrafter | None = None) -> None:
+    def __init__(self, loaded: LoadedModel, pool: KVPool) -> None:
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
         self.fast = fast_decoder(loaded.model)
-        self.drafter = drafter
         self.rows_alone = _rows_alone(loaded, pool)
 
     def time_decode_steps(self, sizes: list[int], block_table: list[int], repeats: int = 3,
                           budget_s: float | None = None) -> dict[int, float]:
         """Seconds of an all-decode greedy step of each of ``sizes`` rows, every row attending to a context that
         fills ``block_table``: the step-cost curve speculation weighs drafts against
-        (``scheduler.speculation.StepCost``).
+        (``speculation.policy.StepCost``).
 
         Method: a warm-up round, then up to ``repeats`` rounds, each running every size once in turn (so a busy
         moment of the machine falls on all sizes of a round alike, not on one size), and per size the median
@@ -136,31 +135,18 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SeqResult]:
-        """Compute every token in ``plan``, sample where asked, verify drafts and propose the next ones.
+        """Compute every token in ``plan``, sample where asked and verify drafts.
 
         Returns:
             One SeqResult per SeqWork, in plan order (no tokens for a non-final prefill chunk); none for a plan
-            with no work, which only frees what the drafter held for ``plan.ended_ids``.
+            with no work (one that only hands a drafter ``plan.ended_ids``).
         """
-        if self.drafter is not None and plan.ended_ids:
-            self.drafter.release(plan.ended_ids)
         if not plan.work:
             return []
         logits = self.logits(plan)
         if logits is None:
             return [SeqResult(seq_id=w.seq_id) for w in plan.work]
-        results = self._sample(plan, _logit_spans(plan), logits)
-        if self.drafter is not None:
-            asking = [(w, result) for w, result in zip(plan.work, results) if w.propose and result.tokens]
-            if asking:
-                started = time.perf_counter()
-                requests = [DraftRequest(w.seq_id, w.prompt_ids + w.output_ids + [t.token_id for t in result.tokens],
-                                         w.propose) for w, result in asking]
-                for (_, result), draft_ids in zip(asking, self.drafter.propose_batch(requests)):
-                    result.draft_ids = draft_ids
-                plan.draft_seconds = time.perf_counter() - started
-                plan.draft_steps, self.drafter.steps = self.drafter.steps, []
-        return results
+        return self._sample(plan, _logit_spans(plan), logits)
 
     @torch.inference_mode()
     def logits(self, plan: StepPlan) -> torch.Tensor | None:

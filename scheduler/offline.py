@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 from kvserve.engine.plan import SeqResult, StepPlan
 from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.sequence import Sequence
+from kvserve.scheduler.sequence import SeqEvent, Sequence
 
 
 def run_offline(scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResult]],
@@ -44,6 +44,16 @@ def run_offline(scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResu
             raise RuntimeError("nothing schedulable: the pool is too small for one sequence")
         if on_step is not None:
             on_step(step, plan)
-        scheduler.update(plan, execute(plan))
+        run_step(scheduler, execute, plan)
         step += 1
     raise RuntimeError(f"work left after {max_steps} steps")
+
+
+def run_step(scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResult]],
+             plan: StepPlan) -> list[tuple[Sequence, SeqEvent]]:
+    """Run one planned step and apply it as the service does (speculation observes it first, without its time:
+    offline steps teach no step costs); returns ``Scheduler.update``'s events."""
+    results = execute(plan)
+    if scheduler.spec is not None:
+        scheduler.spec.observe(plan, results, scheduler.running)
+    return scheduler.update(plan, results)

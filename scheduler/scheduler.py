@@ -11,12 +11,14 @@ Who may start, and when a finished sequence's last event goes out, is the admiss
 (``scheduler.policies``: continuous batching, or the static baseline); the finish rate behind Retry-After
 is ``scheduler.finish_rate``'s.
 
-With speculation (``draft``: a DraftPolicy), a decoding sequence also verifies draft tokens the engine
-proposed after its previous step: the policy chooses how many from the token budget left once every
-sequence has its token and the waiting ones are admitted (drafts never displace a prefill or preempt anyone),
-and ``update`` appends the accepted ones, checks stop conditions on each, and lowers the computed count
-past the rejected ones (their slots are overwritten by later steps; only verified tokens are hashed into
-the prefix cache).
+Speculation adds one rule (as vLLM v1's scheduler has it): a sequence's computed tokens catch up to its tokens
+plus its speculative tokens (``draft_ids``, proposed by the engine after its previous step). Drafts only get the
+token budget and the blocks left over once every sequence's own work is planned, so they never displace a prefill
+or preempt anyone; how many each decoding sequence verifies is the one call ``spec.propose`` (a
+``speculation.decoder.SpecDecoder``, which owns everything else about speculation). ``update`` appends the
+accepted ones, checks stop conditions on each, and keeps the computed count at the known tokens plus the accepted
+drafts (the rejected ones' slots are overwritten by later steps; only verified tokens are hashed into the prefix
+cache).
 
 Works on token counts and block ids only; never touches a tensor.
 """
@@ -26,19 +28,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Protocol
 
 from kvserve.engine.plan import SeqResult, SeqWork, StepPlan
 from kvserve.kvcache.block_manager import BlockManager
 from kvserve.scheduler.finish_rate import FinishRate
 from kvserve.scheduler.policies import Policy, make_policy
 from kvserve.scheduler.sequence import FinishReason, SeqEvent, SeqStatus, Sequence
-from kvserve.scheduler.speculation import Candidate, DraftPolicy
-
-# A draft model's catch-up on a new sequence (its prompt) is paid back over at most this many output tokens: a
-# request's max_tokens is often far more than it generates. A chosen bound, not a tuned one: it covers the longest
-# reply of the seed64 workload (231 tokens; loadtest/workloads/seed64.json), and with it draft auto measured at
-# least 0.98x of speculation off at 1, 8 and 32 streams (BENCHMARKS.md, "Speculative decoding, served side by side").
-AMORTIZE_OVER = 256
 
 
 @dataclass(slots=True)
@@ -61,19 +57,31 @@ class SchedulerConfig:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
 
 
+class Speculation(Protocol):
+    """What the scheduler asks of speculative decoding (``speculation.decoder.SpecDecoder`` answers)."""
+
+    def propose(self, plan: StepPlan, running: list[Sequence], budget: int,
+                limits: SchedulerConfig) -> dict[int, int]:
+        """Draft tokens each decoding sequence of ``plan`` verifies in it, within ``budget`` tokens."""
+
+    def observe(self, plan: StepPlan, results: list[SeqResult], running: list[Sequence],
+                seconds: float | None = None) -> None:
+        """Learn from a step that ran (called before ``Scheduler.update`` applies it)."""
+
+
 class Scheduler:
     """Plans steps and applies their results. Synchronous; owned by one asyncio task (SchedulerService).
 
     Args:
         config: limits and policy.
         blocks: the block manager of the KV pool.
-        draft: how many draft tokens decoding sequences verify (speculative decoding); None: none.
+        spec: speculative decoding (a ``speculation.decoder.SpecDecoder``); None: none.
     """
 
-    def __init__(self, config: SchedulerConfig, blocks: BlockManager, draft: DraftPolicy | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, blocks: BlockManager, spec: Speculation | None = None) -> None:
         self.config = config
         self.blocks = blocks
-        self.draft = draft
+        self.spec = spec
         self.policy = make_policy(config.policy, config.max_num_seqs)
         self.finish_rate = FinishRate()
         self.waiting: deque[Sequence] = deque()
@@ -121,11 +129,9 @@ class Scheduler:
             work.append(self._work(seq, num_new))
             budget -= num_new
         budget = self._admit(work, budget)
-        if self.draft is not None:
-            budget = self._add_drafts(work, budget)
-            if self.draft.proposal_cost is not None:
-                self._plan_proposals(work)
         plan, self._ended = StepPlan(work, ended_ids=self._ended), []
+        if self.spec is not None:
+            self._add_drafts(plan, budget)
         return plan
 
     @property
@@ -134,67 +140,15 @@ class Scheduler:
         no work only does that)."""
         return self._ended
 
-    def _draft_room(self, seq: Sequence, available: int | None = None, ahead: int = 0) -> int:
-        """Draft tokens ``seq`` could verify now: its proposal (or ``available``), cut so that every token the step
-        might accept stays within max_tokens and the context, and, below min_tokens, so that every sampled row has
-        stop tokens suppressed alike; ``ahead``: as if that many more tokens were output first. 0 for a
-        constrained sequence (its grammar checks one token a step)."""
-        if available is None:
-            if not seq.draft_ids or seq.num_uncomputed != 1:
-                return 0
-            available = len(seq.draft_ids)
-        if seq.constraint is not None:
-            return 0
-        output = len(seq.output_ids) + ahead
-        room = min(available, seq.max_tokens - output - 1, self.config.max_model_len - seq.num_tokens - ahead - 1)
-        if output < seq.min_tokens:
-            room = min(room, seq.min_tokens - output - 1)
-        return max(room, 0)
-
-    def _plan_proposals(self, work: list[SeqWork]) -> None:
-        """With a draft model (proposals cost a draft step per depth), choose how many tokens the engine drafts
-        after this step for each sampling sequence: γ for its next step, as if the next step were these
-        sequences decoding (``DraftPolicy.choose`` with the proposal cost)."""
+    def _add_drafts(self, plan: StepPlan, budget: int) -> None:
+        """Speculation's rule: a decoding sequence computes, after its own token, the draft tokens ``spec`` grants
+        it from the ``budget`` left, where its blocks can grow to hold them."""
         by_id = {seq.seq_id: seq for seq in self.running}
-        candidates = []
-        for w in work:
-            if w.propose:
-                seq = by_id[w.seq_id]
-                room = self._draft_room(seq, self.draft.max_draft, ahead=1)
-                if room:
-                    candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens,
-                                                catch_up=seq.num_tokens - seq.draft_synced,
-                                                remaining=min(seq.max_tokens - len(seq.output_ids), AMORTIZE_OVER)))
-        rows = len(candidates)
-        gammas = self.draft.choose(candidates, rows, rows, self.config.max_num_batched_tokens - rows)
-        for w in work:
-            w.propose = gammas.get(w.seq_id, 0)
-
-    def _add_drafts(self, work: list[SeqWork], budget: int) -> int:
-        """Give decoding sequences the draft tokens the policy chooses, where their blocks can grow; returns the
-        budget left. With a draft model the choice was made when proposing, so every proposal is verified."""
-        by_id = {seq.seq_id: seq for seq in self.running}
-        candidates = []
-        for w in work:
-            seq = by_id.get(w.seq_id)
-            room = self._draft_room(seq) if seq is not None and w.is_decode else 0
-            if room:
-                candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens))
-        if self.draft.proposal_cost is not None:
-            gammas, left = {}, budget
-            for c in candidates:
-                gammas[c.seq_id] = min(c.available, left)
-                left -= gammas[c.seq_id]
-        else:
-            yield_ = sum(1 for w in work if w.sample)
-            gammas = self.draft.choose(candidates, sum(len(w.token_ids) for w in work), yield_, budget)
-        for index, w in enumerate(work):
-            gamma = gammas.get(w.seq_id, 0)
-            seq = by_id.get(w.seq_id)
-            if gamma and self.blocks.allocate(seq.block_table, seq.num_computed + 1 + gamma):
-                work[index] = self._work(seq, 1, gamma)
-                budget -= gamma
-        return budget
+        drafts = self.spec.propose(plan, self.running, budget, self.config)
+        for index, w in enumerate(plan.work):
+            num_draft, seq = drafts.get(w.seq_id, 0), by_id.get(w.seq_id)
+            if num_draft and self.blocks.allocate(seq.block_table, seq.num_computed + 1 + num_draft):
+                plan.work[index] = self._work(seq, 1, num_draft, propose=w.propose)
 
     def _reserve(self, seq: Sequence, num_new: int) -> bool:
         """Make room for ``num_new`` more tokens of a running sequence, preempting the newest if needed."""
@@ -211,7 +165,6 @@ class Scheduler:
         self.blocks.free(seq.block_table)
         seq.block_hashes.clear()  # its recomputed blocks are registered again (the old ones may be evicted)
         seq.num_computed = 0
-        seq.draft_synced = 0  # the drafter frees its draft K/V too (StepPlan.ended_ids)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
@@ -250,14 +203,14 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _work(self, seq: Sequence, num_new: int, num_draft: int = 0) -> SeqWork:
-        """The sequence's next ``num_new`` known tokens, then ``num_draft`` of its draft tokens."""
+    def _work(self, seq: Sequence, num_new: int, num_draft: int = 0, propose: int = 0) -> SeqWork:
+        """The sequence's next ``num_new`` known tokens, then ``num_draft`` of its draft tokens (``propose``: as
+        ``SeqWork.propose``, which ``spec`` sets)."""
         start = seq.num_computed
         bs = self.blocks.block_size
         end = start + num_new + num_draft
         slots = [seq.block_table[p // bs] * bs + p % bs for p in range(start, end)]
         sample = start + num_new == seq.num_tokens
-        propose = self.draft.max_draft if self.draft is not None and sample and seq.constraint is None else 0
         return SeqWork(seq_id=seq.seq_id, token_ids=seq.all_ids[start:start + num_new] + seq.draft_ids[:num_draft],
                        start_pos=start, block_table=list(seq.block_table), slot_mapping=slots, sample=sample,
                        params=seq.params, prompt_ids=seq.prompt_ids, output_ids=list(seq.output_ids),
@@ -282,10 +235,7 @@ class Scheduler:
             if w.num_draft:
                 seq.num_draft_tokens += w.num_draft
                 seq.num_accepted_tokens += result.num_accepted
-                self.draft.record(w.num_draft, result.num_accepted)
             seq.draft_ids = result.draft_ids
-            if result.draft_ids and w.propose:
-                seq.draft_synced = w.context_len - w.num_draft + len(result.tokens)  # its num_tokens after this step
             if result.prompt_logprobs and not result.tokens:
                 events.append((seq, SeqEvent(seq.seq_id, prompt_logprobs=result.prompt_logprobs, time=now)))
             reason, delivered = None, []
@@ -303,7 +253,8 @@ class Scheduler:
             if reason is not None and self.policy.hold(seq, delivered[-1]):
                 delivered.pop()
             events.extend((seq, event) for event in delivered)
-            # K/V are valid for the known tokens and the accepted drafts; the last new token is computed next step
+            # K/V are valid for the known tokens and the accepted drafts (speculation's rule); the last new token
+            # is computed next step
             seq.num_computed = min(w.context_len - w.num_draft + result.num_accepted, seq.num_tokens - 1
                                    if result.tokens else w.context_len)
             self.blocks.cache_full_blocks(seq.block_table, seq.all_ids, seq.num_computed, seq.block_hashes,
@@ -320,7 +271,7 @@ class Scheduler:
         return None
 
     def _note_ended(self, seq: Sequence) -> None:
-        if self.draft is not None:  # only a drafter keeps per-sequence state in the engine
+        if self.spec is not None:  # only speculation keeps per-sequence state in the engine (a drafter's)
             self._ended.append(seq.seq_id)
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:

@@ -74,8 +74,6 @@ class Sequence:
         constraint: the grammar matcher of a structured-output request (engine.constraints.Constraint), carried
             opaquely into the plan; the engine keeps it in step with ``output_ids``.
         draft_ids: draft tokens the engine proposed after the last step, not yet verified (speculation).
-        draft_synced: tokens of this sequence a draft model has computed, as far as the scheduler knows (its
-            ``num_tokens`` after the last step that proposed; 0 after preemption, when the drafter frees them).
         num_draft_tokens, num_accepted_tokens: draft tokens verified for this sequence so far, and how many of
             them were accepted (its acceptance rate; the final ``timings``).
     """
@@ -102,7 +100,6 @@ class Sequence:
     prefix_source: Sequence | None = None
     constraint: object | None = None
     draft_ids: list[int] = field(default_factory=list)
-    draft_synced: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 

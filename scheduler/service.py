@@ -56,7 +56,8 @@ class SchedulerService:
 
     Args:
         scheduler: the planning core (owned by this service's task from now on).
-        execute: computes a StepPlan (the model runner's ``execute``); runs in a worker thread.
+        execute: computes a StepPlan (the model runner's ``execute``, or with speculation the ``execute`` of the
+            scheduler's ``spec``, which runs the runner's and then its drafter); runs in a worker thread.
         max_queue: waiting sequences beyond which ``submit`` raises QueueFull.
         on_step: called after each successful step with its plan and wall time (s), e.g. to log step costs.
         executor: the single worker thread that runs steps; pass the thread that loaded the model (see
@@ -188,7 +189,8 @@ class SchedulerService:
                 if self.on_step is not None:
                     self._observe(plan, seconds)
                 self._count(plan, results)
-                self._learn_cost(plan, seconds)
+                if self.scheduler.spec is not None:  # speculation learns acceptance and step costs
+                    self.scheduler.spec.observe(plan, results, self.scheduler.running, seconds)
                 for seq, event in self.scheduler.update(plan, results):
                     self._deliver(seq, event)
                 last_end = time.perf_counter() if self.scheduler.has_work else None
@@ -230,18 +232,6 @@ class SchedulerService:
             if not w.is_decode:  # a recompute after preemption also recomputes generated tokens: not prompt ones
                 self.stats.prompt_tokens += min(w.context_len, len(w.prompt_ids)) - w.start_pos
             self.stats.generation_tokens += len(result.tokens)
-
-    def _learn_cost(self, plan: StepPlan, seconds: float) -> None:
-        """Feed an all-decode step's time (less its proposing) to the speculation policy's step-cost model, and a
-        draft model's decode steps to its proposal cost: what ``auto`` weighs."""
-        draft = self.scheduler.draft
-        if draft is None or draft.cost is None:
-            return
-        if all(w.is_decode for w in plan.work):
-            draft.cost.observe(plan.num_tokens, seconds - plan.draft_seconds)
-        if draft.proposal_cost is not None:
-            for rows, step_seconds in plan.draft_steps:
-                draft.proposal_cost.observe(rows, step_seconds)
 
     def _fail(self, plan: StepPlan, exc: Exception) -> None:
         for w in plan.work:

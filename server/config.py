@@ -9,8 +9,7 @@ from kvserve.engine.options import Device, DType
 from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.quant.options import Scheme
 from kvserve.scheduler.policies import Policy
-
-AUTO_MAX_DRAFT = 8  # --num-speculative-tokens auto: the longest draft one sequence verifies in a step
+from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 
 @dataclass(slots=True)

@@ -17,6 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from kvserve.scheduler.sequence import Sequence
 from kvserve.scheduler.service import SchedulerService
+from kvserve.speculation.policy import DraftPolicy
 
 _P = "kvserve:"
 VLLM_PREFIX = "vllm:"
@@ -47,10 +48,11 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 
 class _SchedulerCollector:
-    """Reads gauges and the scheduler's counters at scrape time."""
+    """Reads gauges and the scheduler's counters at scrape time, and speculation's from ``drafts``."""
 
-    def __init__(self, service: SchedulerService) -> None:
+    def __init__(self, service: SchedulerService, drafts: DraftPolicy | None) -> None:
         self.service = service
+        self.drafts = drafts
 
     def collect(self):
         sched = self.service.scheduler
@@ -75,7 +77,7 @@ class _SchedulerCollector:
                                   value=self.service.stats.engine_s)
         # vLLM's speculative-decoding families under our prefix; zero without --speculative, so that the
         # dashboard's panel and a rule over them evaluate on every server
-        draft = sched.draft
+        draft = self.drafts
         yield CounterMetricFamily(_P + "spec_decode_num_drafts", "Verify passes of sequences with drafts.",
                                   value=draft.num_drafts if draft else 0)
         yield CounterMetricFamily(_P + "spec_decode_num_draft_tokens", "Draft tokens verified.",
@@ -132,16 +134,19 @@ class Metrics:
         max_model_len: context length (tokens); the token-count histograms' buckets end there.
         cache_info: ``cache_config_info``'s labels (block size, blocks, dtype, prefix caching).
         vllm_names: expose every family under ``vllm:`` too (``--vllm-metric-names``).
+        drafts: speculation's draft-length policy, whose totals the spec_decode families read; None without
+            speculation (they read 0).
 
     ``registry`` is what ``/metrics`` serves; metrics are defined in ``source`` (``r`` below).
     """
 
     def __init__(self, service: SchedulerService, model_name: str = "", max_model_len: int = 2048,
-                 cache_info: dict[str, str] | None = None, vllm_names: bool = False) -> None:
+                 cache_info: dict[str, str] | None = None, vllm_names: bool = False,
+                 drafts: DraftPolicy | None = None) -> None:
         self.source = CollectorRegistry()
         self.registry = CollectorRegistry()
         self.registry.register(_Exposed(self.source, model_name, vllm_names))
-        self.source.register(_SchedulerCollector(service))
+        self.source.register(_SchedulerCollector(service, drafts))
         r = self.source
         self.ttft = Histogram(_P + "time_to_first_token_seconds", "Time to first token (s), from arrival.",
                               buckets=_TTFT_BUCKETS, registry=r)

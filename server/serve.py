@@ -11,8 +11,9 @@ from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.quant.options import Scheme
 from kvserve.server.auth import read_key_file
-from kvserve.server.config import AUTO_MAX_DRAFT, Policy, ServeConfig
+from kvserve.server.config import Policy, ServeConfig
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
+from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 log = logging.getLogger("kvserve")
 

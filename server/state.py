@@ -6,7 +6,6 @@ import itertools
 import json
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,27 +20,15 @@ from kvserve.kvcache.pool import KVPool, storage_dtype
 from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.service import SchedulerService
-from kvserve.scheduler.speculation import DraftPolicy, StepCost
-from kvserve.server.config import AUTO_MAX_DRAFT, ServeConfig
+from kvserve.server.config import ServeConfig
 from kvserve.server.metrics import Metrics
 from kvserve.server.snapshot import StepTrace
+from kvserve.speculation.decoder import SpecDecoder
 
 log = logging.getLogger("kvserve.server")
 
 _PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line: a round chat-sized context, not the
                           # model's limit (the line is an example; `kvserve plan` answers for any context)
-_CALIBRATION_CONTEXT = 256  # context (tokens) of the rows timed for speculation's step-cost curve: a chat
-                            # turn's order of magnitude; the curve is relearned from served steps anyway
-_CALIBRATION_ROUNDS = 5     # timed rounds of every size (the median is kept), after a warm-up round: the
-                            # fewest whose median ignores two stray slow rounds
-_CALIBRATION_BUDGET_S = 10.0  # no further round starts after this long (s): bounded on a loaded machine, where
-                              # unbounded rounds once made start-up take 110 s
-
-
-# The start-up line that gives speculation's measured step costs; `python -m kvserve.loadtest speculative` reads
-# the curve back from it.
-SPECULATION_LOG = ("speculation (%s), auto length up to %d; step cost by tokens (median of up to %d rounds, made "
-                   "non-decreasing; then learnt from served steps): %s%s (measured in %.1f s)")
 
 
 class StepLog:
@@ -115,21 +102,6 @@ def _num_blocks(config: ServeConfig, shape: KVShape, draft: LoadedModel | None) 
     return budget // block_bytes
 
 
-def _time_steps(runner: ModelRunner, blocks: BlockManager, sizes: list[int]) -> dict[int, float]:
-    """``runner.time_decode_steps`` on scratch blocks of ``blocks`` (freed after).
-
-    Raises:
-        ValueError: the pool cannot hold the calibration context.
-    """
-    table: list[int] = []
-    if not blocks.allocate(table, min(_CALIBRATION_CONTEXT, runner.pool.num_slots)):
-        raise ValueError("the KV pool is too small to measure step costs for --num-speculative-tokens auto")
-    try:
-        return runner.time_decode_steps(sizes, table, repeats=_CALIBRATION_ROUNDS, budget_s=_CALIBRATION_BUDGET_S)
-    finally:
-        blocks.free(table)
-
-
 def _physical_memory() -> int | None:
     """This machine's RAM (bytes), or None where the OS does not say."""
     try:
@@ -174,23 +146,24 @@ class ServerState:
         # or as a list of token ids; 1 MiB at least, for short-context models with long sampling options
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
         blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        speculating = self.speculating = config.speculative is not Drafter.OFF
-        self.drafter = self._drafter(config, draft, num_blocks) if speculating else None
-        self.runner = ModelRunner(loaded, self.pool, self.drafter)
-        policy = self._draft_policy(config, blocks) if speculating else None
+        self.runner = ModelRunner(loaded, self.pool)
+        speculating = config.speculative is not Drafter.OFF
+        self.spec = self._spec_decoder(config, draft, num_blocks, blocks) if speculating else None
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               max_model_len=self.max_model_len,
-                                              policy=config.policy), blocks, policy)
+                                              policy=config.policy), blocks, self.spec)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         self.step_trace = StepTrace() if config.ui else None  # the live page's recent steps
-        self.service = SchedulerService(scheduler, self.runner.execute, config.max_queue,
-                                        on_step=self._on_step, executor=executor)
+        execute = self.runner.execute if self.spec is None else self.spec.execute
+        self.service = SchedulerService(scheduler, execute, config.max_queue, on_step=self._on_step,
+                                        executor=executor)
         cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(num_blocks),
                       "cache_dtype": self.pool.cache_dtype, "bytes_per_token": str(shape.bytes_per_token),
                       "enable_prefix_caching": str(config.enable_prefix_caching), "engine": "0"}
         self.metrics = Metrics(self.service, self.model_name, self.max_model_len, cache_info,
-                               vllm_names=config.vllm_metric_names)
+                               vllm_names=config.vllm_metric_names,
+                               drafts=None if self.spec is None else self.spec.policy)
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
         self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids))  # structured outputs; built lazily
@@ -209,24 +182,12 @@ class ServerState:
                  pool.nbytes / 2**20, draft.dtype, (self.pool.nbytes + pool.nbytes) / 2**20)
         return ModelDrafter(ModelRunner(draft, pool), min(draft.max_model_len, self.max_model_len))
 
-    def _draft_policy(self, config: ServeConfig, blocks: BlockManager) -> DraftPolicy:
-        """Speculation's γ policy: fixed, or ``auto`` over step-cost curves measured now on scratch blocks (the
-        served model's by tokens in a step; a draft model's too, by rows)."""
-        if config.num_speculative_tokens is not None:
-            return DraftPolicy(max_draft=config.num_speculative_tokens, adaptive=False)
-        most = min(config.max_num_batched_tokens, config.max_num_seqs * (1 + AUTO_MAX_DRAFT))
-        sizes = sorted({n for n in (1, 2, 3, 5, 9, 17, 33, 65, 129, 257, most) if n <= most})
-        started = time.perf_counter()
-        seconds = _time_steps(self.runner, blocks, sizes)
-        proposal = None
-        if isinstance(self.drafter, ModelDrafter):
-            rows = sorted({n for n in (1, 2, 4, 8, 16, 32, config.max_num_seqs) if n <= config.max_num_seqs})
-            proposal = StepCost(_time_steps(self.drafter.runner, self.drafter.blocks, rows))
-        cost = StepCost(seconds)
-        log.info(SPECULATION_LOG, config.speculative.value, AUTO_MAX_DRAFT, _CALIBRATION_ROUNDS, cost.describe(),
-                 "" if proposal is None else "; draft step by rows: " + proposal.describe(),
-                 time.perf_counter() - started)
-        return DraftPolicy(max_draft=AUTO_MAX_DRAFT, adaptive=True, cost=cost, proposal_cost=proposal)
+    def _spec_decoder(self, config: ServeConfig, draft: LoadedModel | None, num_blocks: int,
+                      blocks: BlockManager) -> SpecDecoder:
+        """Speculation: its drafter, and its draft length fixed or ``auto`` (step costs measured now)."""
+        return SpecDecoder.start(self.runner, blocks, self._drafter(config, draft, num_blocks),
+                                 config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens,
+                                 config.speculative.value)
 
     def _on_step(self, plan: StepPlan, seconds: float) -> None:
         """After each engine step: vLLM's tokens-per-step histogram, the step log when asked for, the live page's
@@ -236,6 +197,11 @@ class ServerState:
             self.step_log.write(plan, seconds)
         if self.step_trace is not None:
             self.step_trace.record(plan, seconds)
+
+    @property
+    def speculating(self) -> bool:
+        """Whether speculative decoding is on (``--speculative`` not off): replies report their drafts."""
+        return self.spec is not None
 
     def next_id(self) -> int:
         return next(self._ids)

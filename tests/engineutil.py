@@ -18,6 +18,7 @@ from kvserve.quant.options import Scheme
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.sequence import Sequence
+from kvserve.speculation.decoder import SpecDecoder
 
 GREEDY = SamplingParams(temperature=0.0)
 BLOCK = 4  # block size of run_both's pool
@@ -98,16 +99,17 @@ def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks:
     speculative decoding; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
     shape = loaded.kv_shape(KVCacheDType(kv_cache_dtype))
     pool = KVPool(shape, num_blocks, block_size, storage_dtype(shape, loaded.dtype), loaded.device)
-    runner = ModelRunner(loaded, pool, drafter)
+    runner = ModelRunner(loaded, pool)
+    spec = None if draft is None else SpecDecoder(draft, drafter, runner)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                           max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching),
-                          draft)
+                          spec)
     seqs = [Sequence(seq_id=i, prompt_ids=p, params=params, max_tokens=new_tokens, stop_token_ids=frozenset({EOS}),
                      min_tokens=new_tokens if min_tokens is None else min_tokens) for i, p in enumerate(prompts)]
     arrivals: dict[int, list[Sequence]] = {}
     for seq, step in zip(seqs, arrivals_at or [0] * len(seqs)):
         arrivals.setdefault(step, []).append(seq)
-    run_offline(scheduler, runner.execute, arrivals)
+    run_offline(scheduler, runner.execute if spec is None else spec.execute, arrivals)
     return [s.output_ids for s in seqs], scheduler
 
 

@@ -13,7 +13,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-PACKAGES = ("server", "scheduler", "kvcache", "engine", "quant", "kernels", "planner", "clients", "loadtest")
+PACKAGES = ("server", "scheduler", "speculation", "kvcache", "engine", "quant", "kernels", "planner", "clients",
+            "loadtest")
 
 
 def rules(text: str) -> tuple[dict[str, set[str]], dict[str, set[str]]]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvserve.engine.drafters import NgramDrafter
-from kvserve.scheduler.speculation import DraftPolicy
+from kvserve.speculation.policy import DraftPolicy
 from kvserve.server.config import ServeConfig
 from kvserve.server.state import ServerState
 from kvserve.engine.plan import SeqWork, StepPlan
@@ -96,7 +96,7 @@ def test_prefix_hit_equals_miss(served, prompt_ids, alone, cache):
 def test_speculation_on_equals_off(served, prompt_ids, alone, cache):
     ours, scheduler = engine_greedy(served, prompt_ids, NEW, draft=DraftPolicy(max_draft=4, adaptive=False),
                                     drafter=NgramDrafter(), kv_cache_dtype=cache)
-    assert scheduler.draft.accepted > 0 and scheduler.draft.drafted > scheduler.draft.accepted
+    assert scheduler.spec.policy.accepted > 0 and scheduler.spec.policy.drafted > scheduler.spec.policy.accepted
     assert ours == alone[cache]
 
 

@@ -237,9 +237,10 @@ def _run_service(break_it, seqs_per_request=(1, 1, 1), execute=fake_execute, spe
     async def main():
         sched = scheduler()
         if speculating:  # a scheduler with a drafter hands ended sequences to the engine in plans that only free
-            from kvserve.scheduler.speculation import DraftPolicy
+            from kvserve.speculation.decoder import SpecDecoder
+            from kvserve.speculation.policy import DraftPolicy
 
-            sched = Scheduler(sched.config, sched.blocks, DraftPolicy(max_draft=1, adaptive=False))
+            sched = Scheduler(sched.config, sched.blocks, SpecDecoder(DraftPolicy(max_draft=1, adaptive=False)))
         service = SchedulerService(sched, execute, max_queue=16)
         break_it(service)
         service.start()
@@ -309,3 +310,57 @@ def test_a_failed_free_only_step_does_not_kill_the_loop():
     events, healthy = _run_service(lambda service: None, seqs_per_request=(1,), execute=execute, speculating=True)
     assert [e.finish for e in events[0]][-1] is FinishReason.LENGTH and len(events[0]) == 3
     assert calls["free_only"] >= 1 and healthy  # the failure was logged; the loop serves on
+
+
+# -- speculation's one rule: drafts get only what is left over ----------------------------------------------
+class _Greedy:
+    """A stand-in for speculation that grants every draft token on hand while the budget lasts (the contract) and
+    records the budget it was offered."""
+
+    def __init__(self) -> None:
+        self.offered: list[int] = []
+
+    def propose(self, plan, running, budget, limits):
+        self.offered.append(budget)
+        by_id, drafts = {seq.seq_id: seq for seq in running}, {}
+        for w in plan.work:
+            if w.is_decode and budget:
+                drafts[w.seq_id] = min(len(by_id[w.seq_id].draft_ids), budget)
+                budget -= drafts[w.seq_id]
+        return drafts
+
+    def observe(self, plan, results, running, seconds=None):
+        pass
+
+
+def _decoding_and_newcomer(num_blocks: int):
+    """A scheduler (8 tokens a step, blocks of 4) whose sequence 0 decodes with 6 draft tokens on hand while
+    sequence 1 (a 5-token prompt) arrives; returns it, its stand-in speculation, sequence 0 and the next plan."""
+    spec = _Greedy()
+    s = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8, max_model_len=1024),
+                  BlockManager(num_blocks, 4), spec)
+    decoding = make(0, 3, 20)
+    s.add(decoding)
+    s.update(p := s.schedule(), fake_execute(p))
+    decoding.draft_ids = [9] * 6                        # more drafts than the budget will leave
+    s.add(make(1, 5, 5))
+    return s, spec, decoding, s.schedule()
+
+
+def test_drafts_get_only_the_budget_left_after_every_sequences_own_work():
+    s, spec, decoding, plan = _decoding_and_newcomer(num_blocks=8)
+    by_id = {w.seq_id: w for w in plan.work}
+    assert spec.offered == [8 - 3, 8 - 1 - 5]          # the decode's token and the whole prompt come first
+    assert len(by_id[1].token_ids) == 5 and by_id[0].num_draft == 2 and plan.num_tokens == 8
+    assert by_id[0].token_ids == [7, 9, 9] and by_id[0].slot_mapping[-1] == by_id[0].block_table[1] * 4 + 1
+    s.update(plan, [SeqResult(0, [TokenLogprob(9, 0.0), TokenLogprob(5, 0.0)]), SeqResult(1, [TokenLogprob(7, 0.0)])])
+    # one draft accepted: computed tokens are the known ones plus it (the rejected draft's slot is reused)
+    assert decoding.output_ids == [7, 9, 5] and decoding.num_computed == 5
+    assert decoding.num_draft_tokens == 2 and decoding.num_accepted_tokens == 1
+
+
+def test_drafts_get_only_the_blocks_left_and_never_preempt():
+    s, _, decoding, plan = _decoding_and_newcomer(num_blocks=3)  # the newcomer's prompt takes the last 2 blocks
+    assert {w.seq_id: w.num_draft for w in plan.work} == {0: 0, 1: 0}
+    assert [len(w.token_ids) for w in plan.work] == [1, 5] and s.num_preemptions == 0
+    assert len(decoding.block_table) == 1

@@ -22,17 +22,18 @@ import torch
 from kvserve.engine.draft_model import ModelDrafter, common_prefix
 from kvserve.engine.drafters import DraftRequest, NgramDrafter
 from kvserve.engine.loader import wrap_model
-from kvserve.engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
+from kvserve.engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
 from kvserve.kvcache.pool import KVPool
-from kvserve.scheduler.offline import run_offline
+from kvserve.scheduler.offline import run_offline, run_step
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.sequence import FinishReason, Sequence
-from kvserve.scheduler.speculation import PROBE_EVERY, Candidate, DraftPolicy, StepCost, expected_tokens
 from kvserve.server.config import ServeConfig
 from kvserve.server.serve import load_draft
 from kvserve.server.state import ServerState
+from kvserve.speculation.decoder import SpecDecoder
+from kvserve.speculation.policy import PROBE_EVERY, Candidate, DraftPolicy, StepCost, expected_tokens
 from tests.engineutil import (EOS, REPEAT_PROMPT, SERVED, chat_ids, engine_greedy, greedy_references,
                               tiny)
 from tests.serverutil import running_server, serving
@@ -204,6 +205,53 @@ def test_start_up_step_costs_are_medians_of_interleaved_rounds_within_a_time_bou
     assert len(calls) == 8 and set(seconds) == {1, 2, 3, 5}  # warm-up, one timed round, then the bound
 
 
+class _TimedDrafter:
+    """Proposes ``k`` copies of token 4, taking ``seconds`` of a fake clock and reporting one draft step."""
+
+    def __init__(self, clock: _Clock, seconds: float) -> None:
+        self.clock, self.seconds, self.steps, self.released = clock, seconds, [], []
+
+    def release(self, seq_ids: list[int]) -> None:
+        self.released += seq_ids
+
+    def propose_batch(self, requests: list[DraftRequest]) -> list[list[int]]:
+        self.clock.now += self.seconds
+        self.steps = [(len(requests), 0.004)]
+        return [[4] * r.k for r in requests]
+
+
+def test_the_spec_decoder_learns_step_costs_from_decode_steps_less_their_proposing(monkeypatch):
+    """``observe`` teaches the target's curve an all-decode step's time less the drafter's share of it, the draft
+    model's curve its decode steps, the policy each verify pass of a live sequence; a prefill step teaches no cost."""
+    from kvserve.speculation import decoder
+    clock = _Clock()
+    monkeypatch.setattr(decoder.time, "perf_counter", clock)
+    greedy = SamplingParams(temperature=0.0)
+    accepted_one = [TokenLogprob(9, 0.0), TokenLogprob(7, 0.0)]
+    runner = types.SimpleNamespace(execute=lambda plan: [SeqResult(w.seq_id, accepted_one) for w in plan.work])
+    drafter = _TimedDrafter(clock, seconds=0.5)
+    policy = DraftPolicy(8, cost=StepCost({1: 0.030, 9: 0.034}), proposal_cost=StepCost({1: 0.005, 8: 0.010}))
+    spec = SpecDecoder(policy, drafter, runner)
+    seq = Sequence(seq_id=0, prompt_ids=[1, 2, 3], params=greedy, max_tokens=20, output_ids=[7, 9], draft_ids=[9])
+    work = SeqWork(0, [9, 9], 4, [0, 1], [4, 5], True, greedy, [1, 2, 3], [7], num_draft=1)
+    plan = StepPlan([work], ended_ids=[5])
+    spec.propose(plan, [seq], budget=100, limits=SchedulerConfig())
+    work.propose = 3  # whatever auto chose, the drafter is asked for this many
+    results = spec.execute(plan)
+    assert drafter.released == [5] and results[0].draft_ids == [4, 4, 4]
+    spec.observe(plan, results, [seq], seconds=0.030 + 0.5)
+    assert policy.cost(2) == pytest.approx(0.030)  # the step's own time: its 0.5 s of proposing is not counted
+    assert policy.proposal_cost(1) < 0.005                    # the draft step's 4 ms pulls its curve down
+    assert (policy.drafted, policy.accepted, policy.num_drafts) == (1, 1, 1)
+    spec.observe(plan, [SeqResult(0, error="boom")], [seq])   # a failed step teaches nothing
+    spec.observe(plan, results, [])                           # nor one of a sequence no longer running
+    assert (policy.drafted, policy.accepted) == (1, 1)
+    prefill = SeqWork(1, [1, 2, 3], 0, [2], [8, 9, 10], True, greedy, [1, 2, 3], [])
+    before = policy.cost.describe()
+    spec.observe(StepPlan([prefill]), [SeqResult(1, [TokenLogprob(7, 0.0)])], [], seconds=2.0)
+    assert policy.cost.describe() == before
+
+
 def test_expected_tokens_is_the_chapters_formula():
     assert expected_tokens(0.0, 4) == 1.0
     assert expected_tokens(1.0, 4) == 5.0
@@ -250,11 +298,12 @@ def test_greedy_with_drafts_equals_generate(smollm2, int4_draft, prompt_ids, ref
     drafter = drafter_of(kind, int4_draft)
     ours, scheduler = engine_greedy(smollm2, prompt_ids, 48, draft=copy.deepcopy(draft), drafter=drafter)
     assert ours == references
-    assert scheduler.draft.accepted > 20 and scheduler.draft.drafted > scheduler.draft.accepted  # both outcomes
+    drafts = scheduler.spec.policy
+    assert drafts.accepted > 20 and drafts.drafted > drafts.accepted  # both outcomes
     assert scheduler.blocks.num_free_blocks == scheduler.blocks.num_blocks
     if kind == "model":  # the draft pool is all free again, and the draft was mostly right (int4 of itself)
         assert drafter.blocks.num_free_blocks == drafter.blocks.num_blocks and not drafter.held
-        assert scheduler.draft.accepted > 0.4 * scheduler.draft.drafted
+        assert scheduler.spec.policy.accepted > 0.4 * scheduler.spec.policy.drafted
 
 
 @pytest.mark.parametrize("kind", ["ngram", "model"])
@@ -268,7 +317,7 @@ def test_batched_chunked_preempted_and_prefix_hits_with_drafts_equal_generate(sm
     drafter = drafter_of(kind, int4_draft, num_blocks=24)
     ours, scheduler = engine_greedy(smollm2, batch, 48, arrivals_at=arrivals, budget=48, num_blocks=40,
                                     max_num_seqs=16, draft=fixed(3), drafter=drafter)
-    assert scheduler.num_preemptions > 0 and scheduler.prefix_hits > 0 and scheduler.draft.accepted > 0
+    assert scheduler.num_preemptions > 0 and scheduler.prefix_hits > 0 and scheduler.spec.policy.accepted > 0
     assert ours[:len(prompt_ids)] == references
     assert ours[len(prompt_ids)] == references[0]
     assert scheduler.blocks.num_free_blocks == 40
@@ -296,7 +345,7 @@ def test_seeded_sampling_and_penalties_with_drafts_equal_those_without(smollm2, 
                                             drafter=drafter_of(kind, int4_draft) if draft else None)
         runs.append(seqs_out)
     assert runs[0] == runs[1]
-    assert scheduler.draft.accepted > 0
+    assert scheduler.spec.policy.accepted > 0
 
 
 # float32 speculates in every test above (greedy, batched, chunked, preempted, prefix hits, seeded, penalised)
@@ -316,7 +365,8 @@ def test_every_served_configuration_speculates_exactly(served_model):
         drafted, scheduler = engine_greedy(served_model, prompts, 32, params=params, min_tokens=0, draft=fixed(4),
                                            drafter=NgramDrafter())
         assert drafted == plain, params
-        accepted[params.repetition_penalty] = accepted.get(params.repetition_penalty, 0) + scheduler.draft.accepted
+        drafts = scheduler.spec.policy
+        accepted[params.repetition_penalty] = accepted.get(params.repetition_penalty, 0) + drafts.accepted
     assert accepted[1.0] > 0, accepted  # greedy and seeded runs accept drafts (a penalty may leave none to draft)
 
 
@@ -325,19 +375,20 @@ def test_logprobs_of_every_emitted_token_equal_those_without_speculation(smollm2
     params = SamplingParams(temperature=0.0, logprobs=3)
     logprobs = []
     for draft in (None, fixed(4)):
-        scheduler = Scheduler(SchedulerConfig(max_model_len=4096), BlockManager(64, 16), draft)
-        runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 64, 16, smollm2.dtype),
-                             drafter_of(kind, int4_draft) if draft else None)
+        runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 64, 16, smollm2.dtype))
+        spec = SpecDecoder(draft, drafter_of(kind, int4_draft), runner) if draft else None
+        scheduler = Scheduler(SchedulerConfig(max_model_len=4096), BlockManager(64, 16), spec)
+        execute = runner.execute if spec is None else spec.execute
         seq = Sequence(seq_id=0, prompt_ids=prompt_ids[0], params=params, max_tokens=24)
         seen: list[TokenLogprob] = []
         scheduler.add(seq)
         while scheduler.has_work:
             plan = scheduler.schedule()
-            seen += [e.token for _, e in scheduler.update(plan, runner.execute(plan)) if e.token is not None]
+            seen += [e.token for _, e in run_step(scheduler, execute, plan) if e.token is not None]
         logprobs.append([(t.token_id, t.logprob, t.top) for t in seen])
     assert len(logprobs[1]) == 24 and logprobs[0] == logprobs[1]
     assert all(lp <= 0 for _, lp, _ in logprobs[1]) and all(len(top) == 3 for _, _, top in logprobs[1])
-    assert scheduler.draft.accepted > 0
+    assert scheduler.spec.policy.accepted > 0
 
 
 # ---- stop conditions inside an accepted block (a scripted engine) ---------------------------------------
@@ -360,13 +411,13 @@ def scripted(tokens: list[int]):
 
 
 def run_scripted(tokens, **seq_fields):
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(16, 4), fixed(4))
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(16, 4), SpecDecoder(fixed(4)))
     seq = Sequence(seq_id=0, prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0), **seq_fields)
     events = []
     scheduler.add(seq)
     while scheduler.has_work:
         plan = scheduler.schedule()
-        events += [e for _, e in scheduler.update(plan, scripted(tokens)(plan))]
+        events += [e for _, e in run_step(scheduler, scripted(tokens), plan)]
     assert scheduler.blocks.num_free_blocks == 16
     return seq, events
 
@@ -399,13 +450,14 @@ def test_one_step_delivers_several_tokens_with_one_time():
 
 
 def test_aborts_and_preemptions_with_drafts_free_every_block():
-    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), BlockManager(12, 4), fixed(4))
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), BlockManager(12, 4),
+                          SpecDecoder(fixed(4)))
     seqs = [Sequence(seq_id=i, prompt_ids=[1, 2, 3, 4, 5], params=SamplingParams(temperature=0.0), max_tokens=30)
             for i in range(4)]
     tokens = [20 + i % 7 for i in range(40)]
     steps = run_offline(scheduler, scripted(tokens), {0: seqs[:3], 2: seqs[3:]}, max_steps=500,
                         on_step=lambda step, plan: step == 4 and scheduler.abort(1))
-    assert steps > 0 and scheduler.num_preemptions > 0 and scheduler.draft.accepted > 0
+    assert steps > 0 and scheduler.num_preemptions > 0 and scheduler.spec.policy.accepted > 0
     assert scheduler.blocks.num_free_blocks == 12
     assert [s.output_ids for s in seqs if s.seq_id != 1] == [tokens[:30]] * 3
 
@@ -414,14 +466,16 @@ def test_a_draft_model_frees_its_blocks_after_aborts_preemptions_and_rejections(
     """Aborted, preempted and finished sequences all give their draft blocks back (StepPlan.ended_ids), and the
     survivors' output is still the output without speculation."""
     drafter = drafter_of("model", int4_draft, num_blocks=10)
-    runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 12, 16, smollm2.dtype), drafter)
+    runner = ModelRunner(smollm2, KVPool(smollm2.kv_shape(), 12, 16, smollm2.dtype))
+    spec = SpecDecoder(fixed(3), drafter, runner)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096),
-                          BlockManager(12, 16), fixed(3))
+                          BlockManager(12, 16), spec)
     seqs = [Sequence(seq_id=i, prompt_ids=p, params=SamplingParams(temperature=0.0), max_tokens=40, min_tokens=40)
             for i, p in enumerate(prompt_ids)]
-    steps = run_offline(scheduler, runner.execute, {0: seqs[:3], 2: seqs[3:]},
+    steps = run_offline(scheduler, spec.execute, {0: seqs[:3], 2: seqs[3:]},
                         on_step=lambda step, plan: step == 6 and scheduler.abort(1))
-    assert steps > 0 and scheduler.num_preemptions > 0 and 0 < scheduler.draft.accepted < scheduler.draft.drafted
+    drafts = scheduler.spec.policy
+    assert steps > 0 and scheduler.num_preemptions > 0 and 0 < drafts.accepted < drafts.drafted
     assert scheduler.blocks.num_free_blocks == 12
     assert drafter.blocks.num_free_blocks == 10 and not drafter.held
     alone, _ = engine_greedy(smollm2, [prompt_ids[0], prompt_ids[2], prompt_ids[3]], 40)
@@ -464,7 +518,7 @@ def test_unseeded_sampling_with_drafts_keeps_the_models_distribution():
                                         budget=1024, params=params, draft=draft,
                                         drafter=OracleDrafter(model) if draft else None)
         counts.append(collections.Counter(tuple(o) for o in outs))
-    assert scheduler.draft.accepted > 100 and scheduler.draft.drafted - scheduler.draft.accepted > 100
+    assert scheduler.spec.policy.accepted > 100 and scheduler.spec.policy.drafted - scheduler.spec.policy.accepted > 100
     outcomes = set(counts[0]) | set(counts[1])
     tv = sum(abs(counts[0][o] - counts[1][o]) for o in outcomes) / (2 * 800)
     assert tv < 0.15, tv
@@ -522,10 +576,10 @@ def test_served_with_a_draft_model_the_answers_equal_those_without(smollm2, int4
         metrics = httpx.get(url + "/metrics").text
         # once idle, the engine has been handed the ended sequences and the draft pool is all free again
         deadline = time.monotonic() + 10
-        while state.drafter.held and time.monotonic() < deadline:
+        while state.spec.drafter.held and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not state.drafter.held
-        assert state.drafter.blocks.num_free_blocks == state.drafter.blocks.num_blocks
+        assert not state.spec.drafter.held
+        assert state.spec.drafter.blocks.num_free_blocks == state.spec.drafter.blocks.num_blocks
     assert len(drafted[-1]["choices"]) == 2
     for a, b in zip(plain, drafted):
         assert a["choices"] == b["choices"]
@@ -543,8 +597,8 @@ def test_a_draft_models_pool_holds_as_many_tokens_within_the_kv_budget(smollm2, 
     config = ServeConfig(kv_cache_memory="64MiB", speculative="draft", num_speculative_tokens=3)
     with caplog.at_level(logging.INFO, logger="kvserve"):
         state = ServerState(smollm2, config, draft=int4_draft)
-    served, draft = state.pool, state.drafter.runner.pool
-    assert served.num_blocks == draft.num_blocks == state.drafter.blocks.num_blocks
+    served, draft = state.pool, state.spec.drafter.runner.pool
+    assert served.num_blocks == draft.num_blocks == state.spec.drafter.blocks.num_blocks
     both = served.nbytes + draft.nbytes
     assert both <= 64 * 2**20 < both + (served.nbytes + draft.nbytes) // served.num_blocks
     assert "KV pools: the served model's" in caplog.text and f"= {both / 2**20:.1f} MiB" in caplog.text
@@ -598,7 +652,7 @@ def test_the_speculation_benchmark_reads_the_curve_the_server_logs():
     """`loadtest speculative` prints the auto server's start-up curve from its log: the line it parses is the
     one the server writes (with a draft model's curve after it)."""
     from kvserve.loadtest.served.speculative import _step_costs
-    from kvserve.server.state import SPECULATION_LOG
+    from kvserve.speculation.decoder import SPECULATION_LOG
 
     target, draft = StepCost({1: 0.0249, 2: 0.0251, 9: 0.0312}), StepCost({1: 0.0101, 2: 0.0121})
     line = SPECULATION_LOG % ("draft", 8, 5, target.describe(), "; draft step by rows: " + draft.describe(), 8.8)

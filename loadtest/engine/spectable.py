@@ -37,7 +37,8 @@ from kvserve.quant.quality import AGREEMENT_PROMPTS, AGREEMENT_TOKENS, chat_ids
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.sequence import Sequence
-from kvserve.scheduler.speculation import DraftPolicy, expected_tokens
+from kvserve.speculation.decoder import SpecDecoder
+from kvserve.speculation.policy import DraftPolicy, expected_tokens
 
 GAMMAS = (1, 2, 4, 8)
 PAIRS = ((Scheme.NONE, Scheme.INT8), (Scheme.NONE, Scheme.INT4), (Scheme.NONE, Scheme.NF4),
@@ -54,25 +55,25 @@ def _copy(served: LoadedModel, scheme: Scheme) -> LoadedModel:
     return dataclasses.replace(served, model=model)
 
 
-def _runner(loaded: LoadedModel, drafter=None) -> ModelRunner:
-    return ModelRunner(loaded, KVPool(loaded.kv_shape(), _BLOCKS, _BLOCK_SIZE, loaded.dtype, loaded.device), drafter)
+def _runner(loaded: LoadedModel) -> ModelRunner:
+    return ModelRunner(loaded, KVPool(loaded.kv_shape(), _BLOCKS, _BLOCK_SIZE, loaded.dtype, loaded.device))
 
 
 def _generate(target: LoadedModel, prompts: list[list[int]], draft: LoadedModel | None,
               gamma: int) -> tuple[float, int, int, int]:
     """Seconds to generate ``AGREEMENT_TOKENS`` per prompt, one prompt at a time, and the drafted and accepted
     tokens and the verify passes; ``draft`` None: speculation off."""
-    drafter = None if draft is None else ModelDrafter(_runner(draft), 4096)
-    runner = _runner(target, drafter)
+    runner = _runner(target)
     policy = None if draft is None else DraftPolicy(max_draft=gamma, adaptive=False)
+    spec = None if draft is None else SpecDecoder(policy, ModelDrafter(_runner(draft), 4096), runner)
     seconds = 0.0
     for seq_id, prompt in enumerate(prompts):
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=4096),
-                              BlockManager(_BLOCKS, _BLOCK_SIZE, enable_prefix_caching=False), policy)
+                              BlockManager(_BLOCKS, _BLOCK_SIZE, enable_prefix_caching=False), spec)
         seq = Sequence(seq_id=seq_id, prompt_ids=prompt, params=_GREEDY, max_tokens=AGREEMENT_TOKENS,
                        min_tokens=AGREEMENT_TOKENS)
         started = time.perf_counter()
-        run_offline(scheduler, runner.execute, {0: [seq]})
+        run_offline(scheduler, runner.execute if spec is None else spec.execute, {0: [seq]})
         seconds += time.perf_counter() - started
     if policy is None:
         return seconds, 0, 0, 0

@@ -29,7 +29,7 @@ import httpx
 
 from kvserve.loadtest.procs.serverproc import kvserve_command, launch
 from kvserve.loadtest.publish.benchmarks_md import update_section
-from kvserve.scheduler.speculation import StepCost, expected_tokens
+from kvserve.speculation.policy import StepCost, expected_tokens
 
 DOCUMENTS = [
     "The Harbour Street library opens at nine in the morning and closes at six in the evening on weekdays. On "

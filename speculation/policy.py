@@ -34,7 +34,7 @@ decode step, whose cost ``proposal_cost`` is measured the same way (at start-up,
 model the policy decides before the proposing, when the draft length is still a choice: it chooses γ for the
 next step of every sampling sequence, counting for each raise the target's extra token and the draft step's
 extra row (a whole draft step for the first sequence at a new depth), and the engine proposes exactly that.
-Works on token counts only.
+Works on token counts only; ``speculation.decoder.SpecDecoder`` feeds it what the steps measure.
 """
 
 from __future__ import annotations
@@ -47,13 +47,14 @@ from dataclasses import dataclass, field
 # named so a change is one line; the policy's behaviour with them (drafts on copying prompts, none on prose,
 # recovery after a bad phase) is what tests/test_speculative.py asserts, and BENCHMARKS.md's speculation section
 # measures their result against speculation off.
+AUTO_MAX_DRAFT = 8     # --num-speculative-tokens auto: the longest draft one sequence verifies in a step
 PRIOR_TOKENS = 4.0     # pseudo-tokens of the shared acceptance rate in each sequence's estimate: a Beta prior
                        # worth one draft of 4, so a sequence's own first verify outweighs it
 PRIOR_RATE = 0.5       # the shared rate before any draft was verified: the uninformed middle
 MARGIN = 0.05          # drafts must promise this much more throughput than none (fraction): above the few per
                        # cent by which the start-up step-cost curve's points scatter, so noise alone never drafts
 HALF_LIFE_STEPS = 256  # steps that could draft after which the shared rate's counts weigh half: about one long
-                       # reply (AMORTIZE_OVER's 256 tokens), so the rate follows the workload of the last minutes
+                       # reply (the decoder's AMORTIZE_OVER, 256 tokens), so the rate follows the last minutes
 PROBE_EVERY = 64       # auto steps with candidates between two probes: a probe costs at most PROBE_DRAFT rejected
                        # tokens, so probing costs under 2 / 64 = 3% of drafting steps at worst
 PROBE_DRAFT = 2        # draft tokens a probe adds to the best choice: the least that measures a second position

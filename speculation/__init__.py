@@ -1,0 +1,1 @@
+"""Speculative decoding as one plug-in: the drafter, the draft-length policy and its step costs (``decoder``)."""
