@@ -86,7 +86,7 @@ def step_logits(served, ids: list[int], budget: int, new_tokens: int = 4) -> lis
     """The float32 logits of each sampled row of ``ids``' greedy run with a ``budget``-token step (prefill chunks
     of ``budget`` tokens)."""
     pool = KVPool(served.kv_shape(), 64, 16, served.dtype, served.device)
-    runner = ModelRunner(served, pool, None)
+    runner = ModelRunner(served, pool)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=4096),
                           BlockManager(64, 16, True), None)
     seq = Sequence(seq_id=0, prompt_ids=ids, params=GREEDY, max_tokens=new_tokens, min_tokens=new_tokens)
