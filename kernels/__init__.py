@@ -7,7 +7,7 @@ Two extensions, built once with torch's C++ extension tooling:
   activations), ``linear_lut4.cpp`` (NF4 and other 16-level tables), ``linear_ggml.cpp`` (GGUF's Q4_1 and Q8_0
   blocks, around the leaf micro-kernels of ``ukernel*.h``), bound in ``linear_module.cpp``;
 - ``load_ops()``: the fast path's fused ops (``decode_ops.cpp``: RMSNorm, RoPE, KV write, paged decode
-  attention, SwiGLU, greedy pick).
+  attention, SwiGLU, greedy pick; ``kv_quant.cpp``: the int8 / int4 cache's write and attention).
 
 Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
 unless ``KVSERVE_ISA`` names a lesser one (``scalar``, ``avx2``; ``avx512`` is the best), so every path can be
@@ -36,10 +36,10 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = {
     "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
                                            "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp")],
-    "kvserve_decode_ops": [_CSRC / "decode_ops.cpp"],
+    "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp"],
 }
-# decode_ops.cpp's quantized-cache attention is one body for every ISA path, bit for bit: no multiply-add may
-# fuse into an FMA on the AVX2 path only (its intrinsics' FMAs are explicit and stay).
+# kv_quant.cpp's attention gives the same bits on every ISA path: its fused multiply-adds are written out
+# (intrinsics, std::fma); no other multiply and add may fuse into one on one path only.
 _EXTRA_CFLAGS = {"kvserve_decode_ops": ["-ffp-contract=off"]}
 # The paths csrc/cpu.h knows, best last; KVSERVE_ISA may name one to force it (a lesser one than the CPU has).
 ISAS = ("scalar", "avx2", "avx512")
@@ -98,7 +98,7 @@ def load(build: bool = True) -> ModuleType | None:
 
 
 def load_ops(build: bool = True) -> ModuleType | None:
-    """The fast path's fused ops (csrc/decode_ops.cpp), or None when disabled or unbuildable (cached)."""
+    """The fast path's fused ops (csrc/decode_ops.cpp, csrc/kv_quant.cpp), or None when disabled or unbuildable (cached)."""
     if _torch_only:
         return None
     return _load("kvserve_decode_ops", build)

@@ -119,14 +119,15 @@ def test_decode_attention_is_rope_kv_write_and_attention_in_one_call(heads, kv_h
 
 
 def quantized_attention_case(bits: int, heads: int = 9, kv_heads: int = 3, dim: int = 64, window: int = 0,
-                             context: int = 45) -> tuple[torch.Tensor, ...]:
+                             context: int = 45, group: int | None = None) -> tuple[torch.Tensor, ...]:
     """A seeded int8 / int4 pool written by the C++ op over scattered blocks, and the quantized paged attention's
-    output over it: (out, q, tables, lens, k_codes, k_scales, v_codes, v_scales). tests/test_isa.py runs it on
-    each ISA path and compares the bits."""
-    torch.manual_seed(bits * 100 + dim + window)
+    output over it: (out, q, tables, lens, k_codes, k_scales, v_codes, v_scales). group: elements per scale
+    (default the pool's: dim for int8, 32 for int4). tests/test_isa.py runs it on each ISA path and compares the
+    bits."""
+    torch.manual_seed(bits * 100 + dim + window + context)
     batch, block_size, per_seq = 3, 16, -(-context // 16)
     num_blocks = batch * per_seq + 2
-    group = dim if bits == 8 else 32
+    group = group or (dim if bits == 8 else 32)
     codes = torch.zeros(2, num_blocks, block_size, kv_heads, dim * bits // 8,
                         dtype=torch.int8 if bits == 8 else torch.uint8)
     scales = torch.zeros(2, num_blocks, block_size, kv_heads, dim // group, dtype=torch.float16)
@@ -141,6 +142,21 @@ def quantized_attention_case(bits: int, heads: int = 9, kv_heads: int = 3, dim: 
     ops.paged_decode_attention_quant(q, torch.arange(batch), tables, lens, codes[0], scales[0], codes[1], scales[1],
                                      bits, dim ** -0.5, window, out)
     return out, q, tables, lens, codes[0], scales[0], codes[1], scales[1]
+
+
+# Shapes that reach every branch of kv_quant.cpp's attention: SmolLM2's (9 query heads on 3 KV heads of 64),
+# head blocks of 3 + 1 and 3 + 3 + 2, a head size with an odd 8-lane tail (40: int8 on the AVX2 order's first
+# accumulator, the AVX-512 path stepping down), int4 scales per 16 (AVX-512 steps down), 4 scales per head, a
+# sliding window, and softmax tails (contexts not a multiple of 8).
+QUANT_SHAPES = [  # bits, heads, kv_heads, dim, window, context, group
+    (8, 9, 3, 64, 0, 45, None),
+    (4, 9, 3, 64, 0, 45, None),
+    (8, 4, 1, 128, 0, 300, None),
+    (4, 8, 1, 128, 0, 77, None),
+    (8, 4, 4, 40, 7, 30, None),
+    (4, 6, 2, 64, 0, 50, 16),
+    (8, 2, 2, 16, 0, 19, 8),
+]
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -182,6 +198,32 @@ def test_quantized_paged_attention_equals_a_float64_softmax_over_the_dequantized
     v_blocks = dequantize(v_codes, v_scales, bits, torch.float64)
     expected = _attention_reference(q, tables, lens, k_blocks, v_blocks, dim ** -0.5, window)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("bits,heads,kv_heads,dim,window,context,group", QUANT_SHAPES)
+def test_quantized_attention_has_the_float32_kernels_bits_over_the_dequantized_cache(bits, heads, kv_heads, dim,
+                                                                                     window, context, group):
+    # kv_quant.cpp performs the float32 cache's AVX2 kernel's operations in its order on code * scale (exact), so
+    # over the dequantized pool the two ops agree bit for bit, on the AVX-512 path as on the AVX2 one
+    if kernels.isa().startswith("scalar"):
+        pytest.skip("the float32 kernel's scalar path has its own order; tests/test_isa.py compares the quantized "
+                    "kernel's scalar bits with its vector paths'")
+    out, q, tables, lens, k_codes, k_scales, v_codes, v_scales = quantized_attention_case(
+        bits, heads, kv_heads, dim, window, context, group)
+    expected = torch.empty_like(q)
+    ops.paged_decode_attention(q, torch.arange(3), tables, lens, dequantize(k_codes, k_scales, bits, torch.float32),
+                               dequantize(v_codes, v_scales, bits, torch.float32), dim ** -0.5, window, expected)
+    assert torch.equal(out, expected)
+
+
+def test_the_quantized_attention_runs_the_avx512_path_on_the_pools_groupings():
+    best = kernels.native_isas()[-1]
+    forced = kernels.forced_isa()
+    if best != "avx512" or forced not in (None, "avx512"):
+        pytest.skip("AVX-512 is not this CPU's path (or KVSERVE_ISA forces a lesser one); kv_quant.cpp's AVX-512 "
+                    "path is not a freestanding leaf, so it is not run under the emulator either")
+    assert ops.kv_quant_path(8, 64) == ops.kv_quant_path(4, 32) == "avx512"  # the pool's: a scale per head, per 32
+    assert ops.kv_quant_path(4, 16) == ops.kv_quant_path(8, 40) == "avx2"  # 16 codes of one scale do not fit a Vec
 
 
 def test_quantized_paged_attention_refuses_mismatched_caches():

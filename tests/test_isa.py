@@ -72,22 +72,24 @@ def test_an_unknown_isa_is_refused_with_the_choices():
 
 @needs_kernels
 @pytest.mark.parametrize("isa", ["scalar", "avx2"])
-@pytest.mark.parametrize("bits", [8, 4])
-def test_quantized_cache_attention_has_the_same_bits_on_every_path(bits, isa, tmp_path):
-    """The int8 / int4 cache's write and attention are one body compiled per path (decode_ops.cpp has a scalar
-    and an AVX2 one; an AVX-512 CPU runs the AVX2 one): the best path and each forced lesser one give the same
-    bits (not merely close ones)."""
-    from tests.test_decode_ops import quantized_attention_case
+def test_quantized_cache_attention_has_the_same_bits_on_every_path(isa, tmp_path):
+    """The int8 / int4 cache's write and attention (kv_quant.cpp: one body compiled for AVX-512, AVX2 and the
+    baseline, with the same operations in the same order) give the same bits on the best path and on each forced
+    lesser one (not merely close ones), on every shape of tests/test_decode_ops.QUANT_SHAPES. The scalar path is
+    the reference: std::fma where the vector paths fuse."""
+    from tests.test_decode_ops import QUANT_SHAPES, quantized_attention_case
 
     if isa not in kernels.native_isas() or os.environ.get("KVSERVE_ISA") == isa:
         pytest.skip(f"{isa} is not a lesser path here")
-    code = ("import sys, torch; from tests.test_decode_ops import quantized_attention_case; "
-            f"torch.save(quantized_attention_case({bits}), sys.argv[1])")
+    code = ("import sys, torch; from tests.test_decode_ops import QUANT_SHAPES, quantized_attention_case; "
+            "torch.save([quantized_attention_case(*shape) for shape in QUANT_SHAPES], sys.argv[1])")
     done = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{isa}.pt")], cwd=ROOT, capture_output=True,
                           text=True, timeout=600, env={**os.environ, "KVSERVE_ISA": isa})
     assert done.returncode == 0, done.stderr[-2000:]
-    forced, best = torch.load(tmp_path / f"{isa}.pt"), quantized_attention_case(bits)
-    assert all(torch.equal(a, b) for a, b in zip(best, forced))
+    forced = torch.load(tmp_path / f"{isa}.pt")
+    for shape, theirs in zip(QUANT_SHAPES, forced, strict=True):
+        ours = quantized_attention_case(*shape)
+        assert all(torch.equal(a, b) for a, b in zip(ours, theirs)), shape
 
 
 @needs_kernels
