@@ -35,7 +35,8 @@ log = logging.getLogger("kvserve.kernels")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = {
     "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
-                                           "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp")],
+                                           "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp",
+                                           "linear_bf16.cpp")],
     "kvserve_decode_ops": [_CSRC / "decode_ops.cpp"],
 }
 # decode_ops.cpp's quantized-cache attention is one body for every ISA path, bit for bit: no multiply-add may
