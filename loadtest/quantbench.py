@@ -185,10 +185,26 @@ def speed_table(rows: list[dict], bandwidth: float) -> str:
     return "\n".join(lines)
 
 
+QUALITY_START = "\nQuality (as `kvserve quant report`"
+
+
+def previous_quality() -> str:
+    """The quality part of BENCHMARKS.md's current "quant" section (from its "Quality" paragraph on), or ""."""
+    from kvserve.loadtest.benchmarks_md import BENCHMARKS
+
+    text = BENCHMARKS.read_text() if BENCHMARKS.exists() else ""
+    section = text.partition("<!-- BEGIN quant -->")[2].partition("<!-- END quant -->")[0]
+    start = section.find(QUALITY_START)
+    if start < 0:
+        return ""
+    return section[start:].rstrip()
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of ``python -m kvserve.loadtest quant``."""
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per variant")
-    parser.add_argument("--skip-quality", action="store_true", help="speed only (no quality table)")
+    parser.add_argument("--skip-quality", action="store_true",
+                        help="speed only: the section keeps the quality table of its previous run, marked as such")
     parser.add_argument("--no-write", action="store_true", help="print only; leave BENCHMARKS.md alone")
 
 
@@ -232,7 +248,12 @@ def run(args: argparse.Namespace) -> int:
     body += ["", f"Where one {PROFILED[0]} decode step goes (torch.profiler, 8 steps; the C++ kernels are not aten "
              "operators, so the runner labels each projection call `kvserve::projection`):", "",
              "```", profile.strip(), "```"]
-    if not args.skip_quality:
+    if args.skip_quality:
+        kept = previous_quality()
+        if kept:
+            body += ["", "(The quality table below is the section's previous run, kept: this run measured speed only, "
+                     "`--skip-quality`.)", kept]
+    else:
         model = copy.deepcopy(loaded.model)
         model.set_attn_implementation("sdpa")
         data = collect(model, loaded.tokenizer, log)
