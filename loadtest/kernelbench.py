@@ -14,7 +14,7 @@
    them; written into BENCHMARKS.md's "ggml" section. One thread, timed in CPU seconds (``time.thread_time``),
    so the figures are per core even on a machine shared with other work (wall time there measures the queue).
 6. ``--bf16``: the bfloat16-weight kernel (kernels/csrc/linear_bf16.cpp, AVX512-BF16) on SmolLM2's shapes at 1,
-   8, 32 and 512 rows, one thread, against the core's measured ``vdpbf16ps`` peak (24 independent chains on
+   8, 32 and 512 rows, one thread, against the core's measured ``vdpbf16ps`` peak (16 independent chains on
    registers, ``kv_bf16_peak``) and torch's bfloat16 GEMM on the same weights; written into BENCHMARKS.md's "bf16"
    section.
 """
@@ -230,7 +230,7 @@ BF16_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  
 
 
 def bf16_peak_gmacs(iterations: int = 20_000_000) -> float:
-    """One core's vdpbf16ps multiply-adds per CPU second: ``kv_bf16_peak`` (24 chains, 32 MACs each a round) run
+    """One core's vdpbf16ps multiply-adds per CPU second: ``kv_bf16_peak`` (16 chains, 32 MACs each a round) run
     through ctypes from the native library of leaves."""
     import ctypes
 
@@ -241,7 +241,7 @@ def bf16_peak_gmacs(iterations: int = 20_000_000) -> float:
     library.kv_bf16_peak(iterations // 10)
     started = time.thread_time()
     library.kv_bf16_peak(iterations)
-    return iterations * 24 * 32 / (time.thread_time() - started) / 1e9
+    return iterations * 16 * 32 / (time.thread_time() - started) / 1e9
 
 
 @torch.inference_mode()
@@ -259,7 +259,7 @@ def bf16_kernel() -> None:
     peak = bf16_peak_gmacs()
     stream = torch.ones(GGML_STREAM_BYTES // 4)
     read = GGML_STREAM_BYTES / _per_call([torch.sum], stream) / 1e9
-    lines = [f"One thread (core), CPU seconds. vdpbf16ps peak measured in the same run (24 independent chains on "
+    lines = [f"One thread (core), CPU seconds. vdpbf16ps peak measured in the same run (16 independent chains on "
              f"registers, no loads): {peak:.1f} GMAC/s. Read bandwidth (torch.sum over {GGML_STREAM_BYTES >> 20} MB "
              f"of float32): {read:.1f} GB/s. Cells: the kernel's GMAC/s (% of that peak); 1 row: weight GB/s "
              "(% of the read bandwidth), over copies larger than the L3; torch: torch's bfloat16 GEMM on the same "
