@@ -14,24 +14,10 @@ import pytest
 
 from kvserve.kernels import bf16_leaves as leaves
 from kvserve.kernels import emulate
+from tests.test_ggml_emulated import runner  # noqa: F401  (one library of leaves holds both families)
 
-AVAILABLE, REASON = emulate.available()
 NATIVE_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}
 SHAPES = [(21, 7), (49, 64), (40, 1), (64, 576), (32, 1536), (17, 2)]  # (N, K): 21 < 16 + 16; 49 = 32 + 17
-
-
-@pytest.fixture(scope="module", params=["emulated", "native"])
-def runner(request):
-    """The leaves in the emulator, or on this CPU (ctypes; the vector kernel only where it has AVX512-BF16)."""
-    if request.param == "emulated":
-        if not AVAILABLE:
-            pytest.skip(REASON)
-        with emulate.Emulator(emulate.CpuModel.SAPPHIRE_RAPIDS) as emu:
-            emu.load(leaves.build())
-            yield emu
-    else:
-        with emulate.Native(leaves.build(native=True)) as native:
-            yield native
 
 
 def runs_vector(runner) -> bool:
