@@ -55,19 +55,29 @@ def cpu_has_bf16() -> bool:
 
 
 def resolve_dtype(choice: DType, device: torch.device, quantized: bool = False) -> torch.dtype:
-    """auto -> bfloat16 on a GPU or a CPU with native bf16, float32 otherwise, and float32 on any CPU when the
-    weights are quantized: the integer kernels take float32 activations and kvserve's fused CPU ops are
-    float32-only, so bfloat16 activations would only add conversions and lose the fused path (int8 decode
-    with bfloat16 activations against float32: ``python -m kvserve.loadtest quant``, on a CPU with native bf16)."""
+    """The activation (and KV cache) dtype: auto -> bfloat16 on a GPU, float32 on a CPU.
+
+    On a CPU float32 activations keep kvserve's fused float32 ops and kernels: quantized weights take float32
+    rows, and an unquantized model is served either with float32 weights or, where the AVX512-BF16 kernel runs
+    (``serves_bf16_kernel``), with its bfloat16 weights through that kernel. torch's bfloat16 ops (kvserve's
+    slowest configuration) run only when ``--dtype bfloat16`` asks for them.
+    """
     if choice is DType.FLOAT32:
         return torch.float32
     if choice is DType.BFLOAT16:
         return torch.bfloat16
-    if device.type == "cuda":
-        return torch.bfloat16
-    if cpu_has_bf16() and not quantized:
-        return torch.bfloat16
-    return torch.float32
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def serves_bf16_kernel(choice: DType, device: torch.device, quantized: bool = False) -> bool:
+    """Whether the model is loaded in bfloat16 and its projections served by the AVX512-BF16 kernel with float32
+    activations (``quant.bf16.use_bf16_kernel``): ``--dtype auto``, a CPU, full precision, and the kernel runs
+    here (the kernels' chosen ISA path is avx512 and the CPU has AVX512-BF16: ``quant.bf16.kernel_runs``)."""
+    if choice is not DType.AUTO or device.type != "cpu" or quantized:
+        return False
+    from kvserve.quant.bf16 import kernel_runs
+
+    return kernel_runs()
 
 
 def cache_dir() -> Path:
@@ -141,7 +151,8 @@ class LoadedModel:
     tokenizer: PreTrainedTokenizerBase
     name: str
     device: torch.device
-    dtype: torch.dtype
+    dtype: torch.dtype  # of the activations and the KV cache
+    bf16_weights: bool = False  # the projections hold bfloat16 weights on the AVX512-BF16 kernel (quant.bf16)
 
     @property
     def max_model_len(self) -> int:
@@ -216,7 +227,8 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
 
     Args:
         model: None for the embedded SmolLM2, a local GGUF file, or a local HF model directory.
-        dtype: weight and activation dtype.
+        dtype: weight and activation dtype (auto: ``resolve_dtype``, and bfloat16 weights on the AVX512-BF16
+            kernel where ``serves_bf16_kernel``).
         device: where to run.
         quantized: the weights will be quantized next (``resolve_dtype``'s auto then keeps float32 on a CPU).
         allow_pickle: load pickled checkpoints (``*.bin``, ``*.pt``) when there are no safetensors.
@@ -230,22 +242,28 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
     path = resolve_model_dir(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, quantized)
+    bf16_weights = serves_bf16_kernel(dtype, torch_device, quantized)
     use_safetensors = checkpoint_format(path, allow_pickle)
     try:
         hf_model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype, attn_implementation=attention.ATTN_IMPLEMENTATION,
+            path, dtype=torch.bfloat16 if bf16_weights else torch_dtype, attn_implementation=attention.ATTN_IMPLEMENTATION,
             use_safetensors=use_safetensors, output_loading_info=True)
     except Exception as exc:  # noqa: BLE001 - any reader's failure (a refused pickle too) ends the start in one line
         first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise ValueError(f"cannot load the weights in {path}: {type(exc).__name__}: {first_line}") from None
     check_loading_info(info, path)
     hf_model.to(torch_device).eval()
+    if bf16_weights:
+        from kvserve.quant.bf16 import use_bf16_kernel
+
+        use_bf16_kernel(hf_model)  # projections on the kernel, the rest widened to float32
     if torch_device.type == "cpu":  # build (or load) the C++ kernels now, at startup, never inside a request
         kernels.load()
         kernels.load_ops()
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = SERVED_NAME if model in (None, DEFAULT_MODEL) else Path(model).name.removesuffix(".gguf")
-    return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=torch_device, dtype=torch_dtype)
+    return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=torch_device, dtype=torch_dtype,
+                       bf16_weights=bf16_weights)
 
 
 def wrap_model(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "model") -> LoadedModel:

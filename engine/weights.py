@@ -3,7 +3,9 @@
     auto   a GGUF model (the embedded SmolLM2, or ``--model FILE.gguf``): the file's own blocks;
            a float (Hugging Face) checkpoint: FLOAT_DEFAULT, the recipe ``kvserve quant report`` finds lossless
     gguf   the GGUF file's own blocks (engine.gguf_native): no rounding beyond the file's
-    none   full precision (float32 on a CPU without a bfloat16 kernel: engine.loader.resolve_dtype)
+    none   full precision: on a CPU whose kernel path has AVX512-BF16, the model's bfloat16 weights on that kernel
+           with float32 activations (quant.bf16), else float32 weights on the float32 kernels
+           (engine.loader.serves_bf16_kernel, resolve_dtype)
     int8, int4, nf4   kvserve's own rounding of the float weights (quant.model.quantize_for_serving); int8 on a
            float checkpoint keeps its GPTQ-calibrated codes in the cache, so only the first start calibrates
 """
@@ -69,6 +71,8 @@ def apply(loaded: LoadedModel, scheme: Scheme, model: str | None, tokenizer=None
     if scheme is Scheme.AUTO:
         raise ValueError("resolve --quantization auto with choose() first")
     if scheme is Scheme.NONE:
+        if loaded.bf16_weights:
+            return "full precision (bfloat16 weights on the AVX512-BF16 kernel, float32 activations)"
         return f"full precision ({str(loaded.dtype).removeprefix('torch.')})"
     if scheme is Scheme.GGUF:
         from kvserve.engine.gguf_native import use_gguf_blocks

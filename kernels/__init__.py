@@ -5,7 +5,8 @@ Two extensions, built once with torch's C++ extension tooling:
 - ``load()``: the linear (projection) kernels, one source file per family: ``linear_f32.cpp`` (float32
   weights), ``linear_int8.cpp`` (int8 weights x int16 activations), ``linear_int4.cpp`` (int4 panels x int8
   activations), ``linear_lut4.cpp`` (NF4 and other 16-level tables), ``linear_ggml.cpp`` (GGUF's Q4_1 and Q8_0
-  blocks, around the leaf micro-kernels of ``ukernel*.h``), bound in ``linear_module.cpp``;
+  blocks, around the leaf micro-kernels of ``ukernel*.h``), ``linear_bf16.cpp`` (bfloat16 weights, AVX512-BF16,
+  around ``ukernel_bf16.h``), bound in ``linear_module.cpp``;
 - ``load_ops()``: the fast path's fused ops (``decode_ops.cpp``: RMSNorm, RoPE, KV write, paged decode
   attention, SwiGLU, greedy pick; ``kv_quant.cpp``: the int8 / int4 cache's write and attention).
 
@@ -35,7 +36,8 @@ log = logging.getLogger("kvserve.kernels")
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = {
     "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
-                                           "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp")],
+                                           "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp",
+                                           "linear_bf16.cpp")],
     "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp"],
 }
 # kv_quant.cpp's attention gives the same bits on every ISA path: its fused multiply-adds are written out
@@ -230,7 +232,8 @@ def main(argv: list[str] | None = None) -> int:
     if module is None:
         print("linear kernels: not built (the pure-PyTorch reference will be used)", file=sys.stderr)
         return 0  # the install must not fail over an optional speed-up
-    print(f"linear kernels: built, {isa()}")
+    print(f"linear kernels: built, {isa()}; bfloat16-weight kernel (AVX512-BF16): "
+          + ("runs" if module.bf16_native() else "off (needs AVX512-BF16 on the avx512 path)"))
     ops = load_ops(build=True)
     print("engine decode ops: " + ("built" if ops is not None else "not built (torch ops will be used)"))
     return 0

@@ -171,22 +171,25 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
 def dtype_reason(config: ServeConfig, loaded, scheme: Scheme) -> str:
     """Why the model runs in its dtype, and which flag changes it (for the start log); ``scheme``: the weights
     actually served (``--quantization auto`` resolved)."""
-    import torch
-
+    from kvserve import kernels
     from kvserve.engine.options import DType
 
     if config.dtype is not DType.AUTO:
         return f"--dtype {config.dtype.value}"
-    other = "float32" if loaded.dtype is torch.bfloat16 else "bfloat16"
     if loaded.device.type != "cpu":
-        why = f"bfloat16 on {loaded.device.type}"
-    elif scheme is not Scheme.NONE:
-        why = "float32 activations for quantized weights on a CPU (the kernels take float32 rows)"
-    elif loaded.dtype is torch.bfloat16:
-        why = "this CPU has native bfloat16 matmul (AVX-512 BF16 or AMX)"
-    else:
-        why = "this CPU has no native bfloat16 matmul, so float32 is faster"
-    return f"--dtype auto: {why}; --dtype {other} changes it"
+        return f"--dtype auto: bfloat16 on {loaded.device.type}; --dtype float32 changes it"
+    if scheme is not Scheme.NONE:
+        return ("--dtype auto: float32 activations for quantized weights on a CPU (the kernels take float32 rows); "
+                "--dtype bfloat16 changes it")
+    if loaded.bf16_weights:
+        return (f"--dtype auto: bfloat16 weights on the AVX512-BF16 kernel with float32 activations and KV cache "
+                f"(kernel path {kernels.isa()}, and this CPU has AVX512-BF16), so the fused float32 ops serve it; "
+                "--dtype float32 serves float32 weights, --dtype bfloat16 torch's bfloat16 ops")
+    if kernels.load(build=False) is None:
+        return ("--dtype auto: float32 on a CPU (the C++ kernels are off, so torch's float32 ops run); --dtype "
+                "bfloat16 runs torch's bfloat16 ops")
+    return (f"--dtype auto: float32 weights with the float32 kernels, as no bfloat16 kernel runs on the kernel path "
+            f"{kernels.isa()} (it needs AVX512-BF16 on the avx512 path); --dtype bfloat16 runs torch's bfloat16 ops")
 
 
 def load_draft(config: ServeConfig, served):

@@ -50,13 +50,18 @@ def server_url(smollm2):
 def served_model(request, smollm2):
     """SmolLM2 in one configuration of ``tests.engineutil.SERVED`` (parametrize ``served_model`` indirectly);
     skipped where this CPU lacks the dtype. Loaded once per configuration per session. Never mutate it."""
-    from kvserve.engine.loader import Device, DType, cpu_has_bf16, load_model
+    import torch
+
+    from kvserve.engine.loader import Device, DType, cpu_has_bf16, load_model, serves_bf16_kernel
     from kvserve.quant.model import quantize_for_serving
     from kvserve.quant.options import Scheme
 
     served: Served = request.param
     if served.dtype is DType.BFLOAT16 and not cpu_has_bf16():
         pytest.skip("this CPU has no native bfloat16 (AVX-512 BF16 or AMX): kvserve serve does not pick it here")
+    if served.dtype is DType.AUTO and not serves_bf16_kernel(DType.AUTO, torch.device("cpu")):
+        pytest.skip("the AVX512-BF16 kernel does not run here (no AVX512-BF16, or KVSERVE_ISA forces a lesser path): "
+                    "--quantization none serves float32, which the float32 configuration covers")
     if served.dtype is DType.FLOAT32 and served.quantization is Scheme.NONE:
         return smollm2
     if served.quantization is Scheme.GGUF:  # the default: the file's own blocks, loaded once per session

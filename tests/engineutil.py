@@ -39,7 +39,9 @@ class Served:
 
 # Every configuration `kvserve serve` accepts; the exactness tests run over all of them. A new weight format or
 # dtype joins the exactness tests by being added here.
-SERVED = [Served("float32", DType.FLOAT32), Served("bfloat16", DType.BFLOAT16),
+# "bf16-kernel" is `--quantization none` as `kvserve serve` runs it on a CPU with AVX512-BF16 (bfloat16 weights on
+# that kernel, float32 activations); "bfloat16" is `--dtype bfloat16` (torch's bfloat16 ops).
+SERVED = [Served("float32", DType.FLOAT32), Served("bfloat16", DType.BFLOAT16), Served("bf16-kernel", DType.AUTO),
           Served("int8", DType.FLOAT32, Scheme.INT8), Served("int4", DType.FLOAT32, Scheme.INT4),
           Served("nf4", DType.FLOAT32, Scheme.NF4), Served("gguf", DType.FLOAT32, Scheme.GGUF)]
 SERVED_IDS = [s.name for s in SERVED]

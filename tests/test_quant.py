@@ -643,17 +643,21 @@ def test_quality_table_rows_have_every_column():
     assert "| +1.00% |" in lines[-1]
 
 
-def test_auto_dtype_keeps_float32_activations_for_quantized_weights_on_a_cpu(monkeypatch):
-    from kvserve.engine import loader
-    from kvserve.engine.loader import DType, resolve_dtype
+def test_auto_dtype_keeps_float32_activations_on_a_cpu_and_bf16_weights_only_on_the_bf16_kernel(monkeypatch):
+    from kvserve.engine.loader import DType, resolve_dtype, serves_bf16_kernel
+    from kvserve.quant import bf16
 
     cpu = torch.device("cpu")
-    for native_bf16 in (True, False):
-        monkeypatch.setattr(loader, "cpu_has_bf16", lambda native_bf16=native_bf16: native_bf16)
-        assert resolve_dtype(DType.AUTO, cpu) == (torch.bfloat16 if native_bf16 else torch.float32)
+    for runs in (True, False):
+        monkeypatch.setattr(bf16, "kernel_runs", lambda runs=runs: runs)
+        assert resolve_dtype(DType.AUTO, cpu) == torch.float32
         assert resolve_dtype(DType.AUTO, cpu, quantized=True) == torch.float32
-        assert resolve_dtype(DType.BFLOAT16, cpu, quantized=True) == torch.bfloat16  # asked for: given
+        assert serves_bf16_kernel(DType.AUTO, cpu) is runs  # bfloat16 weights only where the kernel runs
+        assert not serves_bf16_kernel(DType.AUTO, cpu, quantized=True)
+        assert not serves_bf16_kernel(DType.BFLOAT16, cpu) and not serves_bf16_kernel(DType.FLOAT32, cpu)
+    assert resolve_dtype(DType.BFLOAT16, cpu, quantized=True) == torch.bfloat16  # asked for: given
     assert resolve_dtype(DType.AUTO, torch.device("cuda"), quantized=True) == torch.bfloat16
+    assert not serves_bf16_kernel(DType.AUTO, torch.device("cuda"))
 
 
 def test_gptq_dead_inputs_do_not_change_the_live_columns_codes():

@@ -19,8 +19,9 @@ enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 
 // The best path this CPU supports. AVX2 here means AVX2 + FMA + F16C (every AVX2 CPU has all three; the int4
 // and NF4 kernels convert float16 scales with F16C). AVX-512 means F + BW + VL + VNNI (vpdpbusd: the GGUF
-// micro-kernels, ukernel.h), as on Ice Lake, Sapphire Rapids and Zen 4 and later; AVX512-BF16 (vdpbf16ps)
-// comes with it on Sapphire Rapids and Zen 4 but no kernel needs it yet, so it is not required here.
+// micro-kernels, ukernel.h), as on Ice Lake, Sapphire Rapids and Zen 4 and later. AVX512-BF16 (vdpbf16ps, the
+// bfloat16-weight micro-kernel of ukernel_bf16.h) is not required for it: Ice Lake lacks it; bf16() says whether
+// that kernel runs.
 inline Isa detected() {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
   if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c")) {
@@ -46,6 +47,17 @@ inline Isa chosen() {
 }
 
 inline bool avx2() { return chosen() >= Isa::kAvx2; }
+
+// Whether the bfloat16-weight kernel (ukernel_bf16.h) runs: the AVX-512 path is chosen (so KVSERVE_ISA=avx2 or
+// scalar turns it off) and the CPU has AVX512-BF16, as Sapphire Rapids and Zen 4 do.
+inline bool bf16() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  static const bool has = chosen() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+  return has;
+#else
+  return false;
+#endif
+}
 
 inline const char* name(Isa isa) {
   return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";

@@ -14,6 +14,9 @@
 //   GGUF Q4_1 / Q8_0: the file's own blocks, repacked into panels (ggml_pack), activations as Q8 blocks of 32,
 //                micro-kernels per ISA (ukernel.h: scalar, AVX2, AVX-512 VNNI) giving the same bits on every
 //                path and batch size (linear_ggml.cpp).
+//   bfloat16:    an unquantized bf16 model's weights, repacked into panels of 32 (bf16_pack), float32 activations
+//                rounded to bf16, AVX512-BF16 dot products (vdpbf16ps) accumulated in float32 in K order
+//                (ukernel_bf16.h; linear_bf16.cpp). Runs where bf16_native() is true, else the scalar reference.
 //
 // Layouts (see quant/schemes.py):
 //   int8:  w int8 [N, K], scales float32 [N]                     w_hat[n,k] = w[n,k] * s[n]
@@ -36,6 +39,8 @@ bool vectorized() { return kvserve::cpu::avx2(); }
 
 std::string isa() { return kvserve::cpu::name(kvserve::cpu::chosen()); }
 
+bool bf16_native() { return kvserve::cpu::bf16(); }
+
 using NoGil = py::call_guard<py::gil_scoped_release>;
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -57,6 +62,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bind_ggml", [](const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K) {
     return py::cpp_function(bind_ggml(packed, kind, N, K), NoGil());
   }, "ggml_linear bound to (packed, kind, N, K), checked once");
+  m.def("bf16_pack", &bf16_pack, "w bf16 [N,K] -> bf16 [panels, kp * 64] (ukernel_bf16.h's panel order)");
+  m.def("bf16_unpack", &bf16_unpack, "packed, N, K -> w bf16 [N,K] (bf16_pack's inverse)");
+  m.def("bf16_linear", &bf16_linear, NoGil(),
+        "x [M,K] f32, packed bf16 panels, N, K -> [M,N] f32 (x rounded to bf16; float32 sums in K order; no bias)");
+  m.def("bind_bf16", [](const torch::Tensor& packed, int64_t N, int64_t K) {
+    return py::cpp_function(bind_bf16(packed, N, K), NoGil());
+  }, "bf16_linear bound to (packed, N, K), checked once");
+  m.def("bf16_native", &bf16_native,
+        "True when bf16_linear runs the AVX512-BF16 micro-kernel (the avx512 path is chosen and the CPU has BF16)");
   m.def("vectorized", &vectorized, "True when the AVX2+FMA path runs on this CPU");
   m.def("isa", &isa, "The instruction-set path the kernels run (kernels/csrc/cpu.h): avx512, avx2 or scalar");
   // A layer's kernel bound to its weights once: f(x) -> y. A call then converts one argument and runs no

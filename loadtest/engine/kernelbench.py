@@ -13,6 +13,10 @@
    weight GB/s at 1 row (over copies of the weights larger than the caches), and the int4 panel kernel beside
    them; written into BENCHMARKS.md's "ggml" section. One thread, timed in CPU seconds (``time.thread_time``),
    so the figures are per core even on a machine shared with other work (wall time there measures the queue).
+6. ``--bf16``: the bfloat16-weight kernel (kernels/csrc/linear_bf16.cpp, AVX512-BF16) on SmolLM2's shapes at 1,
+   8, 32 and 512 rows, one thread, against the core's measured ``vdpbf16ps`` peak (16 independent chains on
+   registers, ``kv_bf16_peak``) and torch's bfloat16 GEMM on the same weights; written into BENCHMARKS.md's "bf16"
+   section.
 """
 
 from __future__ import annotations
@@ -222,15 +226,81 @@ def ggml_paths() -> None:
                    "\n".join(lines))
 
 
+BF16_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # (N, K): q/o, k/v, gate/up, down, head
+
+
+def bf16_peak_gmacs(iterations: int = 20_000_000) -> float:
+    """One core's vdpbf16ps multiply-adds per CPU second: ``kv_bf16_peak`` (16 chains, 32 MACs each a round) run
+    through ctypes from the native library of leaves."""
+    import ctypes
+
+    from kvserve.kernels import bf16_leaves
+
+    library = ctypes.CDLL(str(bf16_leaves.build(native=True)))
+    library.kv_bf16_peak.argtypes, library.kv_bf16_peak.restype = [ctypes.c_int64], ctypes.c_float
+    library.kv_bf16_peak(iterations // 10)
+    started = time.thread_time()
+    library.kv_bf16_peak(iterations)
+    return iterations * 16 * 32 / (time.thread_time() - started) / 1e9
+
+
+@torch.inference_mode()
+def bf16_kernel() -> None:
+    """The bf16 kernel's GMAC/s per CPU second against the measured peak and torch's bf16 GEMM; writes "bf16"."""
+    from kvserve import kernels
+    from kvserve.loadtest.publish.benchmarks_md import update_section
+    from kvserve.quant.bf16 import kernel_runs
+
+    if not kernel_runs():
+        print("the AVX512-BF16 kernel does not run on this CPU / ISA path: nothing to measure", file=sys.stderr)
+        return
+    torch.set_num_threads(1)
+    module = kernels.load()
+    peak = bf16_peak_gmacs()
+    stream = torch.ones(GGML_STREAM_BYTES // 4)
+    read = GGML_STREAM_BYTES / _per_call([torch.sum], stream) / 1e9
+    lines = [f"One thread (core), CPU seconds. vdpbf16ps peak measured in the same run (16 independent chains on "
+             f"registers, no loads): {peak:.1f} GMAC/s. Read bandwidth (torch.sum over {GGML_STREAM_BYTES >> 20} MB "
+             f"of float32): {read:.1f} GB/s. Cells: the kernel's GMAC/s (% of that peak); 1 row: weight GB/s "
+             "(% of the read bandwidth), over copies larger than the L3; torch: torch's bfloat16 GEMM on the same "
+             "weights (bf16 activations, oneDNN), GMAC/s.", "",
+             "| N x K | 1 row | 8 rows | 32 rows | 512 rows | torch bf16, 1 / 32 / 512 rows |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for N, K in BF16_SHAPES:
+        w = (torch.randn(N, K) * 0.05).bfloat16()
+        copies = max(1, GGML_STREAM_BYTES // (w.numel() * 2))
+        bound = [module.bind_bf16(module.bf16_pack(w), N, K) for _ in range(copies)]
+        cells, torch_cells = [], []
+        for rows in GGML_ROWS:
+            seconds = _per_call(bound if rows == 1 else bound[:1], torch.randn(rows, K))
+            gmacs = rows * N * K / seconds / 1e9
+            text = f"{gmacs:.1f} ({100 * gmacs / peak:.0f}%)"
+            if rows == 1:
+                gbs = w.numel() * 2 / seconds / 1e9
+                text += f", {gbs:.1f} GB/s ({100 * gbs / read:.0f}%)"
+            cells.append(text)
+            if rows in (1, 32, 512):
+                reference = _per_call([lambda x: F.linear(x, w)], torch.randn(rows, K).bfloat16())
+                torch_cells.append(f"{rows * N * K / reference / 1e9:.1f}")
+            print(f"bf16 N={N} K={K} rows={rows}: {text}", flush=True)
+        lines.append(f"| {N} x {K} | " + " | ".join(cells) + " | " + " / ".join(torch_cells) + " |")
+    update_section("bf16", "bfloat16-weight kernel (AVX512-BF16) against its peak",
+                   "python -m kvserve.loadtest kernelbench --bf16", "\n".join(lines))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's flags: which measurements to run (``--mode``: one child process's part)."""
     parser.add_argument("--threads", action="store_true", help="only the one-team-or-two comparison")
     parser.add_argument("--ggml", action="store_true", help="only the GGUF Q4_1 / Q8_0 kernels, per ISA path")
+    parser.add_argument("--bf16", action="store_true", help="only the bfloat16-weight kernel against its peak")
     parser.add_argument("--mode", choices=["one-thread", "split", "ggml"], help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
     """The measurements ``args`` asks for (all but ``--ggml`` by default), printed."""
+    if args.bf16:
+        bf16_kernel()
+        return 0
     if args.mode == "ggml":
         ggml_path()
         return 0
