@@ -21,12 +21,12 @@
 // Layouts (see quant/schemes.py):
 //   int8:  w int8 [N, K], scales float32 [N]                     w_hat[n,k] = w[n,k] * s[n]
 //   int8 panels (int8_linear with panels): w int8 [N, K] holding N/16 panels of 16 rows, each 16 * K contiguous
-//          bytes in k pairs: byte 2r + j of pair i = w[16p + r, 2i + j] (quant.schemes.pack_int8_panels)
+//          bytes in k pairs: byte 2r + j of pair i = w[16p + r, 2i + j] (quant.panels.pack_int8_panels)
 //   4-bit: w uint8 [N, K/2] (k even: low nibble, k odd: high),   w_hat[n,k] = lut[code] * s[k/G, n]
 //          scales float16 [K/G, N], lut float32 [16]            (int4: lut[c] = c - 8; NF4: the NF4 levels)
 //   int4 panels (int4_linear): w uint8 [N, K/2] holding N/8 panels of 8 rows, each K * 4 contiguous bytes in
 //          chunks of 8 k: byte 4r + i of chunk t = code(r, 8t + i) | code(r, 8t + 4 + i) << 4
-//          (quant.schemes.pack_nibble_panels), scales float16 [K/G, N]  w_hat[n,k] = (code - offset) * s[k/G, n]
+//          (quant.panels.pack_nibble_panels), scales float16 [K/G, N]  w_hat[n,k] = (code - offset) * s[k/G, n]
 //
 // Each family has its own file (linear_f32/int8/int4/lut4.cpp, activation quantizers in act_quant.h); this file
 // binds them. The AVX2+FMA paths are compiled with target attributes and chosen at run time by cpu.h, so one
