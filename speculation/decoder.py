@@ -33,8 +33,8 @@ log = logging.getLogger("kvserve.speculation")
 
 # A draft model's catch-up on a new sequence (its prompt) is paid back over at most this many output tokens: a
 # request's max_tokens is often far more than it generates. A chosen bound, not a tuned one: it covers the longest
-# reply of the seed64 workload (231 tokens; loadtest/loadgen/workloads/seed64.json), and with it draft auto measured at
-# least 0.98x of speculation off at 1, 8 and 32 streams (BENCHMARKS.md, "Speculative decoding, served side by side").
+# reply of the seed64 workload (231 tokens; loadtest/loadgen/workloads/seed64.json). What draft auto then gains or
+# costs against speculation off: BENCHMARKS.md, "Speculative decoding, served side by side".
 AMORTIZE_OVER = 256
 
 _CALIBRATION_CONTEXT = 256  # context (tokens) of the rows timed for speculation's step-cost curve: a chat
