@@ -72,7 +72,7 @@ def test_start_log_names_the_tokenizer(smollm2, caplog, monkeypatch):
     with caplog.at_level(logging.INFO, logger="kvserve"):
         serve.build_state(ServeConfig(kv_cache_memory="16MiB", quantization="none", speculative="off"))
     assert f"tokenizer: {smollm2.tokenizer.name_or_path}" in caplog.text and "kvserve model-path" in caplog.text
-    assert "--dtype auto: " in caplog.text and "--dtype bfloat16 changes it" in caplog.text  # a float32 model
+    assert "--dtype auto: float32 weights" in caplog.text and "--dtype bfloat16 runs" in caplog.text  # says how to change it
 
 
 def test_start_log_says_why_each_forward_path_was_chosen(smollm2, caplog, monkeypatch):

@@ -124,9 +124,10 @@ def test_drain_deadline_ends_a_stream_with_a_final_chunk_and_done(smollm2, path,
 
 
 def test_drain_deadline_ends_a_responses_stream_with_its_terminal_event(smollm2):
-    # the Responses API has no ignore_eos: a 1 s drain cuts the count long before the model could end it itself
-    data = _stream_through_a_drain_deadline(smollm2, "/v1/responses",
-                                            {"input": "Count from 1 to 10000", "max_output_tokens": 1000}, 1.0)
+    # the Responses API has no ignore_eos: greedy (its default temperature is 1, whose samples may end the reply at
+    # any token) and a 0.2 s drain, a few tokens' time, cut the count long before the model could end it itself
+    body = {"input": "Count from 1 to 10000", "max_output_tokens": 1000, "temperature": 0}
+    data = _stream_through_a_drain_deadline(smollm2, "/v1/responses", body, 0.2)
     events = [json.loads(d) for d in data]
     assert events[-1]["type"] == "response.incomplete"
     assert events[-1]["response"]["incomplete_details"] == {"reason": "server_shutdown"}

@@ -36,6 +36,7 @@ class Workload:
     followup_words: int = 20
     think_s: float = 0.5  # a user reads the reply: a random pause of up to this before the next turn (s)
     timeout_s: float = 120.0  # one request, start to [DONE]
+    ignore_eos: bool = False  # replies run to max_tokens (kvserve's extension): streams that last by construction
 
 
 @dataclass
@@ -63,6 +64,8 @@ def _words(rng: random.Random, n: int) -> str:
 
 async def _one(client: httpx.AsyncClient, messages: list[dict], workload: Workload, result: Result, t0: float) -> None:
     body = {"messages": messages, "max_tokens": workload.max_tokens, "stream": True, "temperature": 0}
+    if workload.ignore_eos:
+        body["ignore_eos"] = True
     sent = time.perf_counter()
     try:
         async with client.stream("POST", "/v1/chat/completions", json=body,

@@ -152,7 +152,9 @@ _DRAIN_COUNTS = re.compile(r"(\d+) of (\d+) in-flight")
 
 
 def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace_s: float) -> DrainFigures:
-    """SIGTERM a live replica while it has streams in flight; the load keeps coming through the router."""
+    """SIGTERM a live replica while it has streams in flight; the load keeps coming through the router. Replies
+    run to their max_tokens (ignore_eos): a reply the model ends early could finish before the signal."""
+    workload = dataclasses.replace(workload, ignore_eos=True)
     cluster.start_router("cache_aware")
     live = [r for r in cluster.replicas if r.alive]
     results: list[Result] = []
