@@ -10,7 +10,7 @@ import torch
 
 from kvserve import kernels
 from kvserve.engine.attention import AttentionMetadata, PrefillSpan
-from kvserve.engine.constraints import apply_masks, fill_masks_async
+from kvserve.engine.masks import apply_masks, fill_masks_async
 from kvserve.engine.fastpath import fast_decoder
 from kvserve.engine.loader import LoadedModel
 from kvserve.engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob

@@ -287,7 +287,7 @@ def test_matcher_follows_rollback_as_after_preemption(smollm2):
     compiler = GrammarCompiler(smollm2.tokenizer, [smollm2.tokenizer.eos_token_id])
     grammar = compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"])))
     assert compiler.compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"]))) is grammar  # cached
-    from kvserve.engine.constraints import disallowed, fill_masks
+    from kvserve.engine.masks import disallowed, fill_masks
     ids = smollm2.tokenizer('{"name": "Al", "age": 3', add_special_tokens=False)["input_ids"]
     fresh, moved = grammar.constraint(), grammar.constraint()
     expected = fill_masks([fresh], [ids[:2]])
@@ -306,7 +306,7 @@ def packed(allowed: list[list[bool]]) -> torch.Tensor:
 
 
 def test_bitmask_unpacks_in_token_order():
-    from kvserve.engine.constraints import disallowed
+    from kvserve.engine.masks import disallowed
 
     allowed = [[t in (0, 31, 32, 40) for t in range(70)], [t == 69 for t in range(70)]]
     banned = disallowed(packed(allowed))  # [2, 96]
@@ -315,7 +315,7 @@ def test_bitmask_unpacks_in_token_order():
 
 
 def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
-    from kvserve.engine.constraints import apply_masks
+    from kvserve.engine.masks import apply_masks
     from kvserve.engine.sampling import greedy_tokens, log_softmax
 
     logits = torch.tensor([[5.0, 1.0, 3.0, 0.5], [5.0, 1.0, 3.0, 0.5], [0.0, 0.0, 0.0, 9.0]])  # [3, vocab 4]
@@ -332,7 +332,7 @@ def test_masked_rows_pick_only_allowed_tokens_and_other_rows_are_untouched():
 
 def test_cpu_masks_equal_the_torch_path():
     """The in-place numpy path (CPU) against the torch path (other devices), with logits wider than the mask."""
-    from kvserve.engine.constraints import _apply_torch, apply_masks, disallowed
+    from kvserve.engine.masks import _apply_torch, apply_masks, disallowed
 
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 80, generator=generator)  # [rows, model vocab 80]; the mask covers 64
@@ -381,7 +381,7 @@ def test_plain_reply_with_tools_stays_content():
 
 def test_a_refused_token_leaves_only_eos(smollm2):
     """A matcher in its error state (a token the grammar refuses) allows only EOS, so the sequence ends."""
-    from kvserve.engine.constraints import disallowed, fill_masks
+    from kvserve.engine.masks import disallowed, fill_masks
 
     tokenizer = smollm2.tokenizer
     grammar = GrammarCompiler(tokenizer, [tokenizer.eos_token_id]).compile(GrammarSpec("regex", "[0-9]+"))
@@ -425,7 +425,7 @@ def test_numbers_are_bounded_and_a_runaway_reply_closes(smollm2):
     mantissa digits and 3 exponent digits, every reply closes with EOS within its budget, exactly at it when
     the budget is tight."""
     from kvserve.engine.closing import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS
-    from kvserve.engine.constraints import disallowed, fill_masks
+    from kvserve.engine.masks import disallowed, fill_masks
 
     tokenizer = smollm2.tokenizer
     eos = tokenizer.eos_token_id
@@ -482,7 +482,7 @@ LANGCHAIN_TOOL = {"type": "function", "function": {
 
 def _allows_after(smollm2, spec: GrammarSpec, text: str, next_text: str) -> bool:
     """Whether the grammar of ``spec`` allows ``next_text``'s first token after ``text``."""
-    from kvserve.engine.constraints import disallowed, fill_masks
+    from kvserve.engine.masks import disallowed, fill_masks
 
     tokenizer = smollm2.tokenizer
     grammar = GrammarCompiler(tokenizer, [tokenizer.eos_token_id]).compile(spec)

@@ -26,8 +26,10 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 # `--quantization none` on a CPU whose kernel path has AVX512-BF16: bfloat16 weights on that kernel (quant.bf16),
 # float32 activations; measured beside `--dtype bfloat16` (torch's bf16 ops, what `none` ran before the kernel)
 BF16_KERNEL = "none (bf16 kernel)"
+# gguf: the embedded model's own Q4_1 / Q8_0 blocks (int8 activations per block of 32), what `kvserve serve` serves
 VARIANTS = (("none", torch.bfloat16), (BF16_KERNEL, torch.float32), ("none", torch.float32),
-            ("int8", torch.bfloat16), ("int8", torch.float32), ("int4", torch.float32), ("nf4", torch.float32))
+            ("gguf", torch.float32), ("int8", torch.bfloat16), ("int8", torch.float32), ("int4", torch.float32),
+            ("nf4", torch.float32))
 PROFILED = ("int8", torch.float32)  # the variant whose decode steps are profiled operator by operator
 
 
@@ -127,6 +129,14 @@ def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
             model = copy.deepcopy(loaded.model).to(torch.bfloat16)
             use_bf16_kernel(model)  # as `kvserve serve --quantization none` loads it here
             bits = 16.0
+        elif scheme == "gguf":
+            from kvserve.engine.gguf_native import use_gguf_blocks
+            from kvserve.engine.loader import default_gguf_path
+
+            model = copy.deepcopy(loaded.model).to(dtype)
+            installed = use_gguf_blocks(model, default_gguf_path())  # the default: the file's own blocks
+            bits = 8 * installed.bytes_after / sum(m.in_features * m.out_features for m in model.modules()
+                                                   if isinstance(m, QuantLinear))
         else:
             model = copy.deepcopy(loaded.model).to(dtype)
             bits = quantize_for_serving(model, scheme).bits_per_weight  # rounded to nearest: the same cost
@@ -234,7 +244,8 @@ def run(args: argparse.Namespace) -> int:
             f"variant, median step). C++ kernel path: {path}; torch threads: {torch.get_num_threads()}. "
             f"This CPU {'has' if native_bf16 else 'has no'} native bfloat16 (AVX-512 BF16 / AMX); "
             f"`kvserve serve --quantization none` serves {auto} here. Quantized variants are served as `kvserve serve --quantization` serves "
-            "them (the step's cost does not depend on how the codes were rounded): int8 "
+            "them (the step's cost does not depend on how the codes were rounded): gguf, the default, computes "
+            "with the file's own Q4_1 / Q8_0 blocks and int8 activations per block of 32 (kernels/csrc/ukernel.h); int8 "
             "projections multiply int16 activations (quantized per block of 64) and int4 projections int8 "
             "activations (per block of 32) with integer dot products, "
             "NF4 multiplies float32 activations through a 16-level table; with the 4-bit schemes the LM head "

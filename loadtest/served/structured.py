@@ -71,7 +71,8 @@ def _compile_figures() -> tuple[list[float], list[float], dict[int, float]]:
     32 sequences."""
     import torch
 
-    from kvserve.engine.constraints import GrammarCompiler, GrammarSpec, apply_masks, fill_masks
+    from kvserve.engine.constraints import GrammarCompiler, GrammarSpec
+    from kvserve.engine.masks import apply_masks, fill_masks
     from kvserve.engine.loader import load_model
     from kvserve.server.structured import json_schema_spec
 
@@ -110,7 +111,8 @@ def _closing_figures(repeats: int = 1) -> dict[int, tuple[float, float, float, f
     from transformers import AutoTokenizer
 
     from kvserve.engine.closing import closing_path
-    from kvserve.engine.constraints import GrammarCompiler, GrammarSpec, fill_masks
+    from kvserve.engine.constraints import GrammarCompiler, GrammarSpec
+    from kvserve.engine.masks import fill_masks
     from kvserve.engine.loader import resolve_model_dir
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None))
