@@ -41,7 +41,8 @@ _SOURCES = {
     "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp"],
 }
 # kv_quant.cpp's attention gives the same bits on every ISA path: its fused multiply-adds are written out
-# (intrinsics, std::fma); no other multiply and add may fuse into one on one path only.
+# (intrinsics, std::fma); no other multiply and add may fuse into one on one path only (kernels/kv_leaves.py builds
+# the same body as leaves with the same flag).
 _EXTRA_CFLAGS = {"kvserve_decode_ops": ["-ffp-contract=off"]}
 # The paths csrc/cpu.h knows, best last; KVSERVE_ISA may name one to force it (a lesser one than the CPU has).
 ISAS = ("scalar", "avx2", "avx512")

@@ -221,7 +221,7 @@ def test_the_quantized_attention_runs_the_avx512_path_on_the_pools_groupings():
     forced = kernels.forced_isa()
     if best != "avx512" or forced not in (None, "avx512"):
         pytest.skip("AVX-512 is not this CPU's path (or KVSERVE_ISA forces a lesser one); kv_quant.cpp's AVX-512 "
-                    "path is not a freestanding leaf, so it is not run under the emulator either")
+                    "path runs as a leaf under the emulator in tests/test_kv_quant_emulated.py")
     assert ops.kv_quant_path(8, 64) == ops.kv_quant_path(4, 32) == "avx512"  # the pool's: a scale per head, per 32
     assert ops.kv_quant_path(4, 16) == ops.kv_quant_path(8, 40) == "avx2"  # 16 codes of one scale do not fit a Vec
 

@@ -1,4 +1,4 @@
-// The quantized cache's attention for one (sequence, KV head): one body, included by kv_quant.cpp once per ISA
+// The quantized cache's attention for one (sequence, KV head): one body, included by kv_attend.h once per ISA
 // path inside a namespace that first defines the path's lanes (no include guard: that is the point):
 //
 //   kW                      floats per Vec (8 or 16)
@@ -6,7 +6,8 @@
 //   Vec codes_of<Bits>(row, chunk)  kW codes of one head vector as floats (exact small integers)
 //   float reduce16(parts)         the 16 lanes' sum of parts[0 .. 16 / kW) in hsum8's order of (lanes 0-7 +
 //                                 lanes 8-15): ((0+4) + (2+6)) + ((1+5) + (3+7))
-//   float half_to_float(h), void softmax(s, span) (softmax_avx2's operations), void prefetch(p)
+//   float half_to_float(h)        float16 bits (uint16_t) -> float, exactly
+//   void softmax(s, span) (softmax_avx2's operations), void prefetch(p)
 //
 // The order of every float operation is the float32 cache's AVX2 kernel's (attend_kv_head_avx2) run on the
 // dequantized cache: a key value is code * scale (exact: a 4- or 8-bit code times a float16 scale fits a
@@ -14,6 +15,11 @@
 // hsum8 does, times the softmax scale; an output element is fma(weight_t, value_t, acc) over t in order from 0.
 // So every path gives the same bits, and the same bits as paged_decode_attention over dequantize(codes).
 // Nothing in the order depends on the batch, the thread or another sequence.
+//
+// Torch-free and leaf-safe (no libc or libm call, no allocation: scores come from the caller), so the extension
+// (kv_quant.cpp) and the freestanding leaves (kv_leaves.cpp, built by kernels/kv_leaves.py) compile this same
+// body; tests/test_kv_quant_emulated.py runs every path's leaf under the CPU emulator and natively, the vector
+// paths against the scalar one bit for bit, and the native leaves against the extension's op.
 
 // One (sequence, KV head) task of a quantized pool: codes [slots, H_kv, row_bytes], scales [slots, H_kv, S].
 struct HeadTask {
@@ -54,7 +60,7 @@ inline void chunk_map(int bits, int64_t D, int64_t G, Chunk* map) {
 
 // Row `at`'s scales as floats, s [S], and its codes; the row of `ahead` (kRowsAhead positions on, or nullptr)
 // brought towards the cache.
-inline const uint8_t* open_row(const HeadTask& task, const uint8_t* codes, const c10::Half* scales, int64_t at,
+inline const uint8_t* open_row(const HeadTask& task, const uint8_t* codes, const uint16_t* scales, int64_t at,
                                const Rows* ahead, float* s) {
   if (ahead != nullptr) {
     const uint8_t* next = codes + ahead->at() * task.row_bytes;
@@ -66,7 +72,7 @@ inline const uint8_t* open_row(const HeadTask& task, const uint8_t* codes, const
 
 // fn(t, codes of row t, its scales s) for t = first .. len - 1 in order.
 template <class Fn>
-inline void for_rows(const HeadTask& task, const uint8_t* codes, const c10::Half* scales, Fn&& fn) {
+inline void for_rows(const HeadTask& task, const uint8_t* codes, const uint16_t* scales, Fn&& fn) {
   float s[kMaxScales];
   Rows row(task, task.first), ahead(task, std::min(task.first + kRowsAhead, task.len - 1));
   for (int64_t t = task.first; t < task.len; ++t, row.next()) {
@@ -78,7 +84,7 @@ inline void for_rows(const HeadTask& task, const uint8_t* codes, const c10::Half
 
 // scores[h * span + t - first] = (q_h . k_t) * scale for NH query heads q + h * q_head against every key.
 template <int Bits, int NH>
-inline void key_scores(const HeadTask& task, const uint8_t* codes, const c10::Half* scales, const float* q,
+inline void key_scores(const HeadTask& task, const uint8_t* codes, const uint16_t* scales, const float* q,
                        int64_t q_head, float scale, float* scores, int64_t span) {
   constexpr int kParts = 16 / kW;  // Vecs per 16 lanes
   for_rows(task, codes, scales, [&](int64_t t, const uint8_t* row, const float* s) {
@@ -100,7 +106,7 @@ inline void key_scores(const HeadTask& task, const uint8_t* codes, const c10::Ha
 // out[h * D + d] = sum over t of w[h * span + t - first] * v_t[d], fused multiply-adds from 0 in t's order, for
 // NH heads, in tiles of kTile Vecs per head held in registers.
 template <int Bits, int NH>
-inline void weighted_values(const HeadTask& task, const uint8_t* codes, const c10::Half* scales, const float* w,
+inline void weighted_values(const HeadTask& task, const uint8_t* codes, const uint16_t* scales, const float* w,
                             int64_t span, float* out, int64_t D) {
   constexpr int kTile = 4;
   for (int64_t c0 = 0; c0 < task.nchunks; c0 += kTile) {
@@ -136,7 +142,7 @@ inline void in_head_blocks(int64_t group, Fn&& fn) {
 }
 
 template <int Bits>
-void attend_head_bits(const QuantAttend& a, int64_t b, int64_t g, float* scores) {
+inline void attend_head_bits(const QuantAttend& a, int64_t b, int64_t g, float* scores) {
   Chunk map[kMaxChunks];
   chunk_map(Bits, a.call.D, a.G, map);
   const DecodeCall& call = a.call;
@@ -157,7 +163,7 @@ void attend_head_bits(const QuantAttend& a, int64_t b, int64_t g, float* scores)
 }
 
 // The task (sequence b, KV head g) of a paged_decode_attention_quant call; scores: group * span floats.
-void attend_head(const QuantAttend& a, int64_t b, int64_t g, float* scores) {
+inline void attend_head(const QuantAttend& a, int64_t b, int64_t g, float* scores) {
   if (a.bits == 8)
     attend_head_bits<8>(a, b, g, scores);
   else
