@@ -373,14 +373,34 @@ def test_with_an_api_key_the_page_shows_only_the_key_prompt(keyed_url, page):
     assert page.is_hidden("#keyprompt")
 
 
-def test_the_overhead_table_gives_the_ratio_of_medians_and_the_median_of_paired_ratios():
-    from kvserve.loadtest.served.uibench import Round, render
+def test_the_overhead_compares_each_open_window_with_the_closed_ones_on_either_side():
+    from kvserve.loadtest.served.uibench import paired_ratios, read_switches, render, windows
 
-    # the machine slows down over the run: each pair shows the page's cost, the medians mix it with the drift
-    rounds = [Round(False, 100.0, 0.5, 0), Round(True, 99.0, 0.6, 40), Round(False, 90.0, 0.5, 0),
-              Round(True, 89.1, 0.6, 41), Round(False, 80.0, 0.5, 0), Round(True, 79.2, 0.6, 39)]
-    text = render(rounds, "stream", 32, 64, "none")
-    assert "page closed 90.0, page open 89.1 (ratio 0.990); median of each round's open / closed ratio: **0.990**" in text
-    rounds[3] = Round(True, 70.0, 0.6, 41)  # one disturbed open round moves the median of pairs not at all
-    assert "open / closed ratio: **0.990**" in render(rounds, "stream", 32, 64, "none")
-    assert "| 2 | open | 89.1 | 0.600 | 41 |" in text
+    # the viewer's log: closed at 0, open at 1, closed at 2 (30 snapshots), ...; a cut last line is ignored
+    log = "".join(f"{t}.0 {t % 2} {t * 0.01:.4f} {30 if t % 2 == 0 and t else 0}\n" for t in range(9)) + "9.0 1"
+    switches = read_switches(log)
+    assert [(s.at, s.page_open) for s in switches] == [(float(t), t % 2 == 1) for t in range(9)]
+    assert [s.count for s in switches if s.page_open] == [30] * 4
+    # the machine slows down 10% a window while the open windows lose 2% more: 100 closed tokens a second at 0,
+    # 90 * 0.98 open at 1, 81 closed at 2, ...; tokens outside the steady span (before 1, after 8) never count
+    rate = [100 * 0.9 ** w * (0.98 if w % 2 else 1.0) for w in range(8)]
+    tokens = [(w + (i + 0.5) / 100, rate[w] / 100) for w in range(8) for i in range(100)] + [(0.5, 1000.0)]
+    ws = windows(switches, tokens, steady=(1.0, 8.0))
+    assert [w.page_open for w in ws] == [True, False, True, False, True, False, True]
+    assert ws[1].tokens_per_s == pytest.approx(rate[2])
+    assert ws[0].loop_cpu_ms == pytest.approx(1000 * 0.01 / rate[1])  # 10 ms of CPU over the window's tokens
+    # linear drift cancels only roughly for a geometric one: each pair sees the 2% and (0.9 + 1/0.9) / 2's bend
+    bend = 2 / (0.9 + 1 / 0.9)
+    assert paired_ratios(ws) == [pytest.approx(0.98 * bend)] * 2  # the first open window has no closed one before
+    text = render(ws, "stream", 32, 64, "auto", 1.0, viewer_cpu_s=0.5, span_s=7.0)
+    assert f"mean **{0.98 * bend:.3f}**" in text and "2 open windows" in text
+    assert "| open | 4 |" in text and "| closed | 3 |" in text
+    assert "Only 0 open window(s)" in render(ws[:2], "stream", 32, 64, "auto", 1.0, 0.5, 2.0)
+
+
+def test_the_overhead_load_is_staggered_so_streams_end_at_different_steps():
+    from kvserve.loadtest.served.uibench import staggered
+
+    lengths = [spec.max_tokens for spec in staggered(256, 128)]
+    assert min(lengths) >= 64 and max(lengths) <= 192 and len(set(lengths)) > 50
+    assert lengths == [spec.max_tokens for spec in staggered(256, 128)]  # seeded

@@ -76,12 +76,15 @@ class LoadConfig:
 
 @dataclass(slots=True)
 class RunResult:
-    """Records of one run plus its wall time (s): first send to last response."""
+    """Records of one run plus its wall time (s): first send to last response. ``started`` is
+    ``time.perf_counter()`` when the run began (records' ``start_s`` count from it): CLOCK_MONOTONIC on Linux, the
+    same clock in every process, so another process's timestamps can be placed on the run's time line."""
 
     label: str
     config: dict
     wall_s: float
     records: list[RequestRecord] = field(default_factory=list)
+    started: float = 0.0
 
 
 def _schedule(specs: list[RequestSpec], count: int | None) -> list[RequestSpec]:
@@ -121,7 +124,7 @@ async def run_load(specs: list[RequestSpec], config: LoadConfig, label: str = "r
                 await _open_loop(one, len(todo), config.rate, deadline, config)
             wall = max((r.start_s + r.e2e_s for r in records), default=0.0)
     records.sort(key=lambda r: r.index)
-    return RunResult(label=label, config=_config_json(config), wall_s=wall, records=records)
+    return RunResult(label=label, config=_config_json(config), wall_s=wall, records=records, started=start)
 
 
 SendOne = Callable[[int], Awaitable[None]]  # sends request i and records it

@@ -6,12 +6,12 @@
 (() => {
   const $ = (id) => document.getElementById(id);
   const RETRY_MS = 1000;
-  const FADE_MS = 4000;  // a finished slot row fades out over this long, then goes (style.css .finished)
+  const FADE_MS = 4000;  // a finished slot row fades out over this long, then goes (fade, style.css .finished)
   const STATES = ['b0', 'b1', 'b2', 'b3'];  // free, in use, shared, cached-but-free (server/snapshot.py)
 
   let infoShown = false;
   let stepChart, elbowChart, ttftChart, itlChart;
-  const rows = new Map();  // seq id -> {tr, blocks, finished}
+  const rows = new Map();  // seq id -> {tr, blocks, finished: when it finished (ms), or false}
   let hovered = null;      // seq id whose block table is highlighted
   let cells = [];
 
@@ -140,19 +140,32 @@
     }
     for (const [id, row] of rows) {
       if (seen.has(id) || row.finished) continue;
-      row.finished = true;  // gone from the scheduler: finished (or aborted)
+      row.finished = performance.now();  // gone from the scheduler: finished (or aborted)
       row.tr.dataset.state = 'finished';
       cell(row.tr, 1, 'finished');
       row.tr.children[1].className = 'state finished';
       row.tr.classList.add('finished');
       body.appendChild(row.tr);
-      setTimeout(() => {
-        if (rows.get(id) === row) { row.tr.remove(); rows.delete(id); }
-      }, FADE_MS);
     }
+    fade(performance.now());
     const listed = snap.slots.filter((s) => s.state === 'waiting' || s.state === 'preempted').length;
     $('slots-more').textContent = snap.queue > listed ? '+ ' + (snap.queue - listed) + ' more waiting' : '';
     if (hovered !== null) highlight();
+  }
+
+  // Finished rows step towards transparent as snapshots are drawn (style.css, .f1-.f3) and go after FADE_MS.
+  function fade(now) {
+    for (const [id, row] of rows) {
+      if (!row.finished) continue;
+      const step = Math.floor(4 * (now - row.finished) / FADE_MS);
+      if (step >= 4) {
+        row.tr.remove();
+        rows.delete(id);
+      } else if (step > 0 && !row.tr.classList.contains('f' + step)) {
+        row.tr.classList.remove('f' + (step - 1));
+        row.tr.classList.add('f' + step);
+      }
+    }
   }
 
   function firstFinished(body) {
@@ -192,5 +205,6 @@
     connect();
   });
 
+  setInterval(() => fade(performance.now()), 1000);  // an idle server sends no snapshots: rows still go
   connect();
 })();
