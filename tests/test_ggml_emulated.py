@@ -13,8 +13,8 @@ import pytest
 
 from kvserve.kernels import emulate
 from kvserve.kernels import ggml_leaves as leaves
+from tests.leafutil import leaf_runner
 
-AVAILABLE, REASON = emulate.available()
 NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}
 SHAPES = [(40, 32), (21, 64), (40, 576)]  # (N, K): 40 = 2.5 AVX-512 panels, 5 AVX2 ones; 21 = 1 + 5/16, 2 + 5/8
 
@@ -22,15 +22,7 @@ SHAPES = [(40, 32), (21, 64), (40, 576)]  # (N, K): 40 = 2.5 AVX-512 panels, 5 A
 @pytest.fixture(scope="module", params=["emulated", "native"])
 def runner(request):
     """The leaves in the emulator, or on this CPU (ctypes)."""
-    if request.param == "emulated":
-        if not AVAILABLE:
-            pytest.skip(REASON)
-        with emulate.Emulator(emulate.CpuModel.SAPPHIRE_RAPIDS) as emu:
-            emu.load(leaves.build())
-            yield emu
-    else:
-        with emulate.Native(leaves.build(native=True)) as native:
-            yield native
+    yield from leaf_runner(request.param, leaves.build)
 
 
 def random_blocks(kind: str, N: int, K: int, rng: np.random.Generator) -> np.ndarray:

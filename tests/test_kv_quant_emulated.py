@@ -17,8 +17,8 @@ import pytest
 
 from kvserve.kernels import emulate
 from kvserve.kernels import kv_leaves as leaves
+from tests.leafutil import leaf_runner
 
-AVAILABLE, REASON = emulate.available()
 # bits, heads, kv_heads, dim, group, lens, block_size, window
 SHAPES = [
     (8, 9, 3, 64, 64, (45, 25, 1), 16, 0),   # SmolLM2's heads, its int8 pool (a scale per head vector)
@@ -42,15 +42,7 @@ def shape_id(shape) -> str:
 @pytest.fixture(scope="module", params=["emulated", "native"])
 def runner(request):
     """The leaves in the emulator, or on this CPU (ctypes)."""
-    if request.param == "emulated":
-        if not AVAILABLE:
-            pytest.skip(REASON)
-        with emulate.Emulator(emulate.CpuModel.SAPPHIRE_RAPIDS) as emu:
-            emu.load(leaves.build())
-            yield emu
-    else:
-        with emulate.Native(leaves.build(native=True)) as native:
-            yield native
+    yield from leaf_runner(request.param, leaves.build)
 
 
 def runs(runner, isa: str) -> bool:
