@@ -13,6 +13,12 @@ The viewer:
 - ``browser``: the page itself in headless chromium (Playwright with the system chromium), drawing every
   snapshot, opened with ``page.goto`` and closed to ``about:blank``; its rendering runs on the server's cores.
 
+``--pin`` puts the server on CPU 0 with one torch thread and the load and the viewer on the other CPUs, in both
+states: the page's drawing then takes none of the server's CPU, as when the browser runs on another machine,
+and what is left is the server's own cost of an open page (its requests, the event stream, the snapshots).
+Unpinned, on this 2-core machine, a browser drawing ten snapshots a second in software competes with the
+server's two torch threads, and the figure is the cost of running the browser there.
+
 Per window: output tokens/s (from the client's token arrival times) and the CPU the server's main thread (its
 event loop: HTTP, SSE, and the snapshots) spent, read by the viewer at each switch from /proc.
 """
@@ -209,7 +215,7 @@ def paired_ratios(ws: list[Window]) -> list[float]:
 
 
 def render(ws: list[Window], viewer: str, streams: int, tokens: int, scheme: str, switch_s: float,
-           viewer_cpu_s: float, span_s: float) -> str:
+           viewer_cpu_s: float, span_s: float, pinned: bool = False) -> str:
     """The summary table, the paired ratio with its 95% interval, and what the figures mean."""
     ratios = paired_ratios(ws)
     if len(ratios) < 2:
@@ -225,8 +231,10 @@ def render(ws: list[Window], viewer: str, streams: int, tokens: int, scheme: str
         count = f"{statistics.median(w.count for w in part):.0f}" if state else "–"
         rows.append(f"| {'open' if state else 'closed'} | {len(part)} | {statistics.median(w.tokens_per_s for w in part):.1f} "
                     f"| {cpu:.3f} | {count} |")
-    what = ("the page in headless chromium on this machine (its rendering shares the CPU with the server)"
-            if viewer == "browser" else "a reader of /ui/events parsing every snapshot (the server's side of an "
+    what = (("the page in headless chromium on CPUs the server does not use (as from another machine)" if pinned
+             else "the page in headless chromium on this machine (its rendering shares the CPU with the server)")
+            if viewer == "browser" else "nothing (the control: the same switches, the method's own noise)"
+            if viewer == "none" else "a reader of /ui/events parsing every snapshot (the server's side of an "
             "open page)")
     count = "steps drawn by the page" if viewer == "browser" else "snapshots received"
     return "\n".join(rows) + (
@@ -237,8 +245,9 @@ def render(ws: list[Window], viewer: str, streams: int, tokens: int, scheme: str
         f"turns of {switch_s:g} s. Page open: {what}. Viewer count: {count} per open window. Event-loop CPU: the "
         f"server's main thread (HTTP, SSE, and the snapshots the page's stream is built from) per output token. "
         f"The viewer process itself used {viewer_cpu_s:.1f} CPU s over the run."
-        + (f" Environment: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (the server's torch threads)."
-           if "OMP_NUM_THREADS" in os.environ else ""))
+        + (" Pinned: the server on one CPU with one torch thread, the load and the viewer on the others."
+           if pinned else f" Environment: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (the server's torch "
+           "threads)." if "OMP_NUM_THREADS" in os.environ else ""))
 
 
 def staggered(count: int, tokens: int, seed: int = 0) -> list[workloads.RequestSpec]:
@@ -271,6 +280,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tokens", type=positive_int, default=128, help="output tokens per request")
     parser.add_argument("--duration", type=positive_int, default=240, help="seconds of load")
     parser.add_argument("--switch", type=float, default=3.0, help="seconds the page stays open, then closed")
+    parser.add_argument("--pin", action="store_true",
+                        help="the server on CPU 0 with one torch thread; the load and the viewer on the other CPUs")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -287,9 +298,17 @@ def run(args: argparse.Namespace) -> int:
     if args.switch <= 0 or args.duration < 6 * args.switch:
         raise UsageError("--switch must be positive and --duration at least 6 switches long")
     command = kvserve_command(["--quantization", args.quantization, "--max-num-seqs", str(args.streams)])
+    env = None
+    if args.pin:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < 2:
+            raise UsageError("--pin needs two CPUs or more")
+        command = ["taskset", "-c", str(cpus[0]), *command]
+        env = {"OMP_NUM_THREADS": "1"}
+        os.sched_setaffinity(0, cpus[1:])  # the load generator, and the viewer it starts
     log_path = str(report.OUT_DIR / "ui-viewer.txt")
     try:
-        with launch(command, name="ui") as server:
+        with launch(command, name="ui", env=env) as server:
             warm = LoadConfig(url=server.url, concurrency=4, count=4, model=server_model(server.url), progress=False)
             run_sync(workloads.fixed(4, 16), warm, "warm-up")  # first requests pay one-time costs
             config = LoadConfig(url=server.url, concurrency=args.streams, count=100_000, duration_s=args.duration,
@@ -308,11 +327,14 @@ def run(args: argparse.Namespace) -> int:
     steady = steady_span(load, args.streams, args.duration)
     ws = windows(switches, token_times(load), steady)
     text = render(ws, args.viewer, args.streams, args.tokens, args.quantization, args.switch, viewer_cpu,
-                  steady[1] - steady[0])
+                  steady[1] - steady[0], args.pin)
     print(text)
     if not args.no_write:
-        update_section(f"ui-{args.viewer}", f"The live page's overhead: throughput with the page open ({args.viewer})",
+        pin = " --pin" if args.pin else ""
+        update_section(f"ui-{args.viewer}{'-pinned' if args.pin else ''}",
+                       f"The live page's overhead: throughput with the page open ({args.viewer}"
+                       f"{', pinned' if args.pin else ''})",
                        f"python -m kvserve.loadtest ui --viewer {args.viewer} --quantization {args.quantization} "
                        f"--streams {args.streams} --tokens {args.tokens} --duration {args.duration} "
-                       f"--switch {args.switch:g}", text)
+                       f"--switch {args.switch:g}{pin}", text)
     return 0

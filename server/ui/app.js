@@ -14,6 +14,7 @@
   const rows = new Map();  // seq id -> {tr, blocks, finished: when it finished (ms), or false}
   let hovered = null;      // seq id whose block table is highlighted
   let cells = [];
+  let latest = null;       // the last snapshot received, drawn when a hidden tab is shown again
 
   function setConn(text, cls) {
     const el = $('conn');
@@ -61,7 +62,10 @@
     showMain();
     setConn('live', 'on');
     try {
-      await kv.readEvents(response, (data) => render(JSON.parse(data)));
+      await kv.readEvents(response, (data) => {
+        latest = JSON.parse(data);
+        if (!document.hidden) render(latest);  // a tab in the background draws nothing (it costs no CPU)
+      });
     } catch (e) { /* the server went away: reconnect below */ }
     setConn('reconnecting', 'off');
     setTimeout(connect, RETRY_MS);
@@ -205,6 +209,7 @@
     connect();
   });
 
+  document.addEventListener('visibilitychange', () => { if (!document.hidden && latest) render(latest); });
   setInterval(() => fade(performance.now()), 1000);  // an idle server sends no snapshots: rows still go
   connect();
 })();

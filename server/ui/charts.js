@@ -6,6 +6,7 @@ const charts = (() => {
   const COLORS = {prefill: '#e08a1e', decode: '#2f7ed8', draft: '#8e5bd0', ms: '#333', point: '#2f7ed8'};
   const STEPS_SHOWN = 200;   // steps in the scrolling chart
   const POINTS_KEPT = 3000;  // (tokens, ms) points the elbow keeps
+  const ELBOW_MS = 1000;     // the elbow's redraws are at least this far apart
 
   function sized(el, height, opts) {
     const plot = new uPlot({width: Math.max(el.clientWidth, 200), height, ...opts}, opts.data, el);
@@ -68,13 +69,21 @@ const charts = (() => {
       series: [{label: 'tokens'}, {label: 'ms', stroke: COLORS.point, paths: dots,
         points: {show: true, size: 5, fill: COLORS.point, stroke: COLORS.point}}],
     });
+    let timer = null;
+    let drawnAt = -Infinity;
+    function draw() {
+      timer = null;
+      drawnAt = performance.now();
+      const sorted = points.slice().sort((a, b) => a[0] - b[0]);  // uPlot wants ascending x
+      plot.setData([sorted.map((p) => p[0]), sorted.map((p) => p[1])]);
+    }
     return {
       count: () => points.length,
+      // thousands of points, whose shape changes slowly: redrawn at most once per ELBOW_MS, not per snapshot
       update(fresh) {
         for (const r of fresh) points.push([r[1] + r[2] + r[3], r[4]]);
         points.splice(0, Math.max(0, points.length - POINTS_KEPT));
-        const sorted = points.slice().sort((a, b) => a[0] - b[0]);  // uPlot wants ascending x
-        plot.setData([sorted.map((p) => p[0]), sorted.map((p) => p[1])]);
+        if (timer === null) timer = setTimeout(draw, Math.max(0, drawnAt + ELBOW_MS - performance.now()));
       },
     };
   }
