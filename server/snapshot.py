@@ -25,6 +25,7 @@ from kvserve.server.metrics import Metrics
 
 MAX_WAITING_ROWS = 32   # waiting sequences listed one by one; the rest are only counted
 RATE_WINDOW_S = 2.0     # tokens/s is measured over this trailing window (s)
+STEP_BUILDS = 3         # a snapshot carries the steps of the last this many builds (see SnapshotHub)
 SLOW_PARTS_S = 1.0      # the histograms and totals are rebuilt at most this often (s): reading a Prometheus
                         # histogram costs about as much as the rest of a snapshot, and a person reads a
                         # distribution or a total once a second at most (the live page's overhead: BENCHMARKS.md)
@@ -147,6 +148,10 @@ class SnapshotHub:
         self._slow: dict | None = None  # the histograms and totals, rebuilt every SLOW_PARTS_S
         self._slow_built = 0.0
         self._tokens: deque[tuple[float, int]] = deque()  # (time s, generation tokens) over RATE_WINDOW_S
+        # the step count at each of the last STEP_BUILDS builds: a snapshot carries the steps since the oldest, so a
+        # page that missed a build or two (pages poll at the hub's rate, on their own clocks) still gets every step,
+        # and no snapshot carries the whole ring (most of a snapshot's JSON, encoded ten times a second)
+        self._marks: deque[int] = deque(maxlen=STEP_BUILDS)
 
     def latest(self) -> str:
         """The snapshot as JSON text, rebuilt when older than ``min_interval_s``."""
@@ -173,12 +178,14 @@ class SnapshotHub:
         if self._slow is None or now - self._slow_built >= SLOW_PARTS_S:
             self._slow = self.slow_parts(now)
             self._slow_built = now
+        since = self._marks[0] if len(self._marks) == STEP_BUILDS else 0
+        self._marks.append(self.steps.count)
         return {
             "info": self.info,
             "slots": [slot_row(s) for s in sched.running] + [slot_row(s) for s in waiting[:MAX_WAITING_ROWS]],
             "queue": len(waiting) + pending,
             "blocks": block_states(sched.blocks),
-            "steps": [[r.n, r.prefill, r.decode, r.draft, r.ms, r.rows] for r in self.steps.steps],
+            "steps": [[r.n, r.prefill, r.decode, r.draft, r.ms, r.rows] for r in self.steps.steps if r.n > since],
             **self._slow,
         }
 

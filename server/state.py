@@ -6,6 +6,7 @@ import itertools
 import json
 import logging
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,7 +38,9 @@ class StepLog:
     Fields: ``prefills`` (sequences computing prompt tokens: ``SeqWork.is_decode`` is false), ``decodes``
     (sequences computing generated tokens: one, plus ``draft_tokens`` in all of them with speculation),
     ``prefill_tokens``, ``max_context`` (longest context among the decodes, tokens; the paged
-    gather pads every decode to it), ``seconds`` (wall time inside the runner).
+    gather pads every decode to it), ``seconds`` (wall time inside the runner), ``end_s`` (``time.perf_counter()``
+    when the line is written, just after the step: CLOCK_MONOTONIC on Linux, so it lines up with other processes'
+    perf_counter() on the same machine, as ``loadtest ui``'s windows need).
     """
 
     def __init__(self, path: str) -> None:
@@ -56,7 +59,8 @@ class StepLog:
             "prefills": len(prefills), "decodes": len(decodes),
             "prefill_tokens": sum(len(w.token_ids) for w in prefills),
             "draft_tokens": plan.num_draft_tokens,
-            "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6)}) + "\n")
+            "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6),
+            "end_s": round(time.perf_counter(), 6)}) + "\n")
 
 
 def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: str = "",

@@ -6,6 +6,7 @@ Each kind from ../shared/cases/api_cases.json is a test here, with our own promp
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -373,6 +374,9 @@ def test_step_log_and_step_counters(smollm2, tmp_path):
     assert steps[0]["prefill_tokens"] == len(smollm2.tokenizer(prompt)["input_ids"])
     assert [s["max_context"] for s in steps[1:]] == [steps[0]["prefill_tokens"] + i for i in range(1, 5)]
     assert all(s["seconds"] > 0 for s in steps)
+    ends = [s["end_s"] for s in steps]  # perf_counter() at each step's end: increasing, each a step's time apart
+    assert all(b - a >= s["seconds"] for a, b, s in zip(ends, ends[1:], steps[1:]))
+    assert ends[-1] <= time.perf_counter()
     counters = {line.split("{")[0]: float(line.split()[-1]) for line in text.splitlines()
                 if line.startswith(("kvserve:engine_steps_total", "kvserve:engine_step_seconds_total"))}
     assert counters["kvserve:engine_steps_total"] == 5

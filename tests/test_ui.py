@@ -127,6 +127,22 @@ def test_the_histograms_and_totals_are_read_once_a_second_and_the_rest_every_bui
     assert seen == [(1, "1"), (1, "11"), (1, "111"), (2, "1111"), (2, "11111")]
 
 
+def test_a_snapshot_carries_the_steps_of_the_last_three_builds_not_the_whole_ring():
+    scheduler = types.SimpleNamespace(running=[], waiting=[], blocks=types.SimpleNamespace(blocks=[]))
+    trace = StepTrace()
+    hub = SnapshotHub(service=types.SimpleNamespace(scheduler=scheduler, queued=0), metrics=None, steps=trace, info={})
+    hub.slow_parts = lambda now: {}
+    shown = []
+    for build, new_steps in enumerate([5, 2, 3, 4, 1, 0]):
+        for _ in range(new_steps):
+            trace.count += 1
+            trace.steps.append(StepRecord(trace.count, 0, 1, 0, 1.0, 1))
+        shown.append([row[0] for row in hub.build(float(build))["steps"]])
+    # the first three builds carry the whole ring (5, 7, 10 steps), then the steps after the count three builds ago
+    assert shown == [[1, 2, 3, 4, 5], list(range(1, 8)), list(range(1, 11)), list(range(6, 15)),
+                     list(range(8, 16)), list(range(11, 16))]
+
+
 def test_every_asset_is_in_the_package_and_the_page_loads_only_them():
     assets = load_assets()
     assert {"index.html", "app.js", "client.js", "charts.js", "playground.js", "style.css", "vendor/uPlot.iife.min.js",
@@ -381,14 +397,17 @@ def test_the_overhead_compares_each_open_window_with_the_closed_ones_on_either_s
     switches = read_switches(log)
     assert [(s.at, s.page_open) for s in switches] == [(float(t), t % 2 == 1) for t in range(9)]
     assert [s.count for s in switches if s.page_open] == [30] * 4
-    # the machine slows down 10% a window while the open windows lose 2% more: 100 closed tokens a second at 0,
-    # 90 * 0.98 open at 1, 81 closed at 2, ...; tokens outside the steady span (before 1, after 8) never count
+    # the machine slows down 10% a window while the open windows lose 2% more: steps of 10 tokens, 100 closed tokens
+    # a second in window 0, 90 * 0.98 open in 1, 81 closed in 2, ...; steps outside the steady span never count
     rate = [100 * 0.9 ** w * (0.98 if w % 2 else 1.0) for w in range(8)]
-    tokens = [(w + (i + 0.5) / 100, rate[w] / 100) for w in range(8) for i in range(100)] + [(0.5, 1000.0)]
-    ws = windows(switches, tokens, steady=(1.0, 8.0))
+    steps = [(w + (i + 0.5) * 10 / rate[w], 10) for w in range(8) for i in range(int(rate[w] / 10))] + [(0.5, 1000)]
+    ws = windows(switches, steps, steady=(1.0, 8.0))
     assert [w.page_open for w in ws] == [True, False, True, False, True, False, True]
     assert ws[1].tokens_per_s == pytest.approx(rate[2])
-    assert ws[0].loop_cpu_ms == pytest.approx(1000 * 0.01 / rate[1])  # 10 ms of CPU over the window's tokens
+    # a window ends part-way through a step: its rate still counts whole steps over their own time, not the
+    # window's (window 2 has 8 steps of 10 tokens, 80 tokens in 1 s at 81 a second)
+    assert sum(1 for t, _ in steps if 2 < t <= 3) == 8
+    assert ws[0].loop_cpu_ms == pytest.approx(1000 * 0.01 / (10 * int(rate[1] / 10)))  # 10 ms over the window's tokens
     # linear drift cancels only roughly for a geometric one: each pair sees the 2% and (0.9 + 1/0.9) / 2's bend
     bend = 2 / (0.9 + 1 / 0.9)
     assert paired_ratios(ws) == [pytest.approx(0.98 * bend)] * 2  # the first open window has no closed one before
@@ -396,6 +415,14 @@ def test_the_overhead_compares_each_open_window_with_the_closed_ones_on_either_s
     assert f"mean **{0.98 * bend:.3f}**" in text and "2 open windows" in text
     assert "| open | 4 |" in text and "| closed | 3 |" in text
     assert "Only 0 open window(s)" in render(ws[:2], "stream", 32, 64, "auto", 1.0, 0.5, 2.0)
+
+
+def test_the_overhead_reads_output_tokens_from_the_step_log():
+    from kvserve.loadtest.served.uibench import step_tokens
+
+    log = ('{"prefills": 2, "decodes": 30, "prefill_tokens": 40, "draft_tokens": 0, "max_context": 9, '
+           '"seconds": 0.1, "end_s": 5.25}\n{"prefills": 0, "decodes": 32, "draft_tokens": 3, "end_s": 5.3}\n{"pre')
+    assert step_tokens(log) == [(5.25, 32), (5.3, 32)]  # a token per sequence (drafts proposed are not output)
 
 
 def test_the_overhead_load_is_staggered_so_streams_end_at_different_steps():

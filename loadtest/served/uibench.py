@@ -19,7 +19,8 @@ and what is left is the server's own cost of an open page (its requests, the eve
 Unpinned, on this 2-core machine, a browser drawing ten snapshots a second in software competes with the
 server's two torch threads, and the figure is the cost of running the browser there.
 
-Per window: output tokens/s (from the client's token arrival times) and the CPU the server's main thread (its
+Per window: output tokens/s (from the server's ``--step-log``, between the ends of the window's first and last
+steps) and the CPU the server's main thread (its
 event loop: HTTP, SSE, and the snapshots) spent, read by the viewer at each switch from /proc.
 """
 
@@ -33,7 +34,6 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from itertools import accumulate
 
 import httpx
 
@@ -170,36 +170,48 @@ class _Viewer:
             return read_switches(log.read())
 
 
-def token_times(run: RunResult) -> list[tuple[float, float]]:
-    """(perf_counter() time, tokens) of every content chunk of the run's successful requests: a chunk's
-    tokens are its request's output tokens spread evenly over its chunks."""
+def step_tokens(step_log: str) -> list[tuple[float, int]]:
+    """(perf_counter() time at the step's end, output tokens) of every step in the server's ``--step-log`` text: a
+    step's output tokens are a token per decode plus one per prefill (the prompt's first token; a chunk of a longer
+    prompt yields none, an error of at most a token per request). Drafts are not counted: the log has those
+    proposed, not those accepted, and this benchmark's server runs without speculation. A line cut by the server's
+    end is skipped."""
+    import json
+
     out = []
-    for r in run.records:
-        if not r.ok or r.ttft_s is None:
+    for line in step_log.splitlines():
+        try:
+            step = json.loads(line)
+        except json.JSONDecodeError:
             continue
-        first = run.started + r.start_s + r.ttft_s
-        times = [first, *(first + gap for gap in accumulate(r.itl_s))]
-        out.extend((t, r.output_tokens / len(times)) for t in times)
+        out.append((step["end_s"], step["decodes"] + step["prefills"]))
     return out
 
 
-def windows(switches: list[Switch], tokens: list[tuple[float, float]], steady: tuple[float, float]) -> list[Window]:
+def windows(switches: list[Switch], steps: list[tuple[float, int]], steady: tuple[float, float]) -> list[Window]:
     """The windows between consecutive switches that lie inside ``steady`` (perf_counter() s: every stream
-    busy), with their rates; ``start_s`` counts from ``steady[0]``."""
-    tokens = sorted(tokens)
-    times = [t for t, _ in tokens]
-    cumulative = [0.0, *accumulate(n for _, n in tokens)]
+    busy), with their rates; ``start_s`` counts from ``steady[0]``.
+
+    A window's rate runs from the end of its first step to the end of its last (the tokens of the steps after the
+    first, over that time), not from switch to switch: steps of tens to hundreds of ms end a few seconds' window
+    at any point of a step, and counting whole steps against the switches' times would move each window's rate by
+    up to a step's share (6% for 17 steps), far more than the effect measured."""
     import bisect
 
+    steps = sorted(steps)
+    times = [t for t, _ in steps]
     out = []
     for a, b in zip(switches, switches[1:]):
         if a.at < steady[0] or b.at > steady[1]:
             continue
-        n = cumulative[bisect.bisect_left(times, b.at)] - cumulative[bisect.bisect_left(times, a.at)]
+        inside = steps[bisect.bisect_right(times, a.at):bisect.bisect_right(times, b.at)]
+        if len(inside) < 3:
+            continue
+        n = sum(tokens for _, tokens in inside[1:])
         if n <= 0:
             continue
-        out.append(Window(a.page_open, a.at - steady[0], n / (b.at - a.at), 1000 * (b.loop_cpu_s - a.loop_cpu_s) / n,
-                          a.count))
+        out.append(Window(a.page_open, a.at - steady[0], n / (inside[-1][0] - inside[0][0]),
+                          1000 * (b.loop_cpu_s - a.loop_cpu_s) / sum(tokens for _, tokens in inside), a.count))
     return out
 
 
@@ -297,7 +309,11 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--viewer browser needs chromium (scripts/ci_system_deps.sh); or use --viewer stream")
     if args.switch <= 0 or args.duration < 6 * args.switch:
         raise UsageError("--switch must be positive and --duration at least 6 switches long")
-    command = kvserve_command(["--quantization", args.quantization, "--max-num-seqs", str(args.streams)])
+    step_log = report.OUT_DIR / "ui-steps.jsonl"
+    report.OUT_DIR.mkdir(parents=True, exist_ok=True)
+    step_log.write_text("")
+    command = kvserve_command(["--quantization", args.quantization, "--max-num-seqs", str(args.streams),
+                               "--step-log", str(step_log)])
     env = None
     if args.pin:
         cpus = sorted(os.sched_getaffinity(0))
@@ -325,7 +341,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"ui: {len(failed)} of {len(load.records)} requests failed, e.g. {failed[0].error}", file=sys.stderr)
         return 1
     steady = steady_span(load, args.streams, args.duration)
-    ws = windows(switches, token_times(load), steady)
+    ws = windows(switches, step_tokens(step_log.read_text()), steady)
     text = render(ws, args.viewer, args.streams, args.tokens, args.quantization, args.switch, viewer_cpu,
                   steady[1] - steady[0], args.pin)
     print(text)
