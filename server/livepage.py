@@ -6,8 +6,8 @@ anyone the Host guard lets through; the event stream is behind ``--api-key`` lik
 key and keeps it in the tab's sessionStorage). Each page response carries a strict Content-Security-Policy:
 scripts, styles and connections from this origin only, no inline code, no framing.
 
-The event stream sends the hub's snapshot (server/snapshot.py) whenever it has changed, polled at most about
-10 times a second; an idle server sends nothing but sse_starlette's keep-alive comments.
+The event stream sends the hub's snapshot (server/snapshot.py) whenever it has changed, polled at most
+5 times a second; an idle server sends nothing but sse_starlette's keep-alive comments.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from kvserve.server.snapshot import SnapshotHub
 from kvserve.server.state import ServerState
 
 ASSETS = Path(__file__).resolve().parent / "ui"
-POLL_S = 0.1  # the stream's polling period (s): at most 10 snapshots a second
+POLL_S = 0.2  # the stream's polling period (s): at most 5 snapshots a second. Live to a person's eye, and half
+              # the cost of 10 a second on the server's event loop and in the browser (docs/ui.md, BENCHMARKS.md)
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 PAGE_HEADERS = {"Content-Security-Policy": CSP, "X-Content-Type-Options": "nosniff", "Referrer-Policy": "no-referrer",

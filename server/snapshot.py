@@ -96,7 +96,7 @@ class StepTrace:
     """The last ``size`` steps (a ring; appending is O(1), so the step loop pays nothing that grows)."""
 
     # Every snapshot carries the whole ring; a page keeps its own longer history (charts.js), so the ring only
-    # needs the steps of one snapshot interval with room to spare (64: eight 0.1 s intervals at 80 steps a second).
+    # needs the steps of one snapshot interval with room to spare (64: four 0.2 s intervals at 80 steps a second).
     def __init__(self, size: int = 64) -> None:
         self.steps: deque[StepRecord] = deque(maxlen=size)
         self.count = 0
@@ -150,7 +150,7 @@ class SnapshotHub:
         self._tokens: deque[tuple[float, int]] = deque()  # (time s, generation tokens) over RATE_WINDOW_S
         # the step count at each of the last STEP_BUILDS builds: a snapshot carries the steps since the oldest, so a
         # page that missed a build or two (pages poll at the hub's rate, on their own clocks) still gets every step,
-        # and no snapshot carries the whole ring (most of a snapshot's JSON, encoded ten times a second)
+        # and no snapshot carries the whole ring (most of a snapshot's JSON, encoded at every build)
         self._marks: deque[int] = deque(maxlen=STEP_BUILDS)
 
     def latest(self) -> str:

@@ -60,6 +60,30 @@ def _cpu_s(stat: Path) -> float:
     return (int(fields[11]) + int(fields[12])) * _TICK_S
 
 
+def tree_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) of process ``pid`` and every process below it: the live ones read from /proc,
+    the ended ones as the kernel adds them to their parent when it reaps them (``cutime``/``cstime``). A browser
+    is such a tree (a driver, the browser, its renderer and GPU processes).
+
+    Raises:
+        OSError: no process ``pid``, or no ``/proc`` (not Linux).
+    """
+    text = Path(f"/proc/{pid}/stat").read_text()
+    fields = text[text.rindex(")") + 2:].split()
+    total = sum(int(f) for f in fields[11:15]) * _TICK_S  # utime, stime, cutime, cstime
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            children = (task / "children").read_text().split()
+        except OSError:
+            continue  # the thread ended
+        for child in children:
+            try:
+                total += tree_cpu_s(int(child))
+            except OSError:
+                pass  # ended between the two reads: its time went to cutime, read already or not at all
+    return total
+
+
 def own_cpu_s() -> float:
     """CPU seconds (user + system) of this process, all threads."""
     usage = resource.getrusage(resource.RUSAGE_SELF)

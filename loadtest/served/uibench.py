@@ -16,7 +16,7 @@ The viewer:
 ``--pin`` puts the server on CPU 0 with one torch thread and the load and the viewer on the other CPUs, in both
 states: the page's drawing then takes none of the server's CPU, as when the browser runs on another machine,
 and what is left is the server's own cost of an open page (its requests, the event stream, the snapshots).
-Unpinned, on this 2-core machine, a browser drawing ten snapshots a second in software competes with the
+Unpinned, on this 2-core machine, a browser drawing five snapshots a second in software competes with the
 server's two torch threads, and the figure is the cost of running the browser there.
 
 Per window: output tokens/s (from the server's ``--step-log``, between the ends of the window's first and last
@@ -44,7 +44,7 @@ from kvserve.loadtest.loadgen.generator import LoadConfig, RunResult, run_sync
 from kvserve.loadtest.loadgen.runcmd import server_model
 from kvserve.loadtest.procs.serverproc import ServerStartError, kvserve_command, launch
 from kvserve.loadtest.publish.benchmarks_md import update_section
-from kvserve.loadtest.served.overhead import thread_cpu_s
+from kvserve.loadtest.served.overhead import thread_cpu_s, tree_cpu_s
 
 VIEWERS = ("browser", "stream", "none")
 
@@ -159,6 +159,7 @@ class _Viewer:
     def __enter__(self) -> _Viewer:
         open(self.log_path, "w").close()
         self.proc = subprocess.Popen(self.argv)
+        self.started = time.perf_counter()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -227,9 +228,10 @@ def paired_ratios(ws: list[Window]) -> list[float]:
 
 
 def render(ws: list[Window], viewer: str, streams: int, tokens: int, scheme: str, switch_s: float,
-           viewer_cpu_s: float, span_s: float, pinned: bool = False) -> str:
+           viewer_cpu_s: float, span_s: float, pinned: bool = False, viewer_s: float = 0.0) -> str:
     """The summary table, the paired ratio with its 95% interval, and what the figures mean."""
     ratios = paired_ratios(ws)
+    viewer_s = viewer_s or span_s
     if len(ratios) < 2:
         return f"Only {len(ratios)} open window(s) with closed ones on both sides inside the steady load: run longer."
     mean = statistics.fmean(ratios)
@@ -256,7 +258,8 @@ def render(ws: list[Window], viewer: str, streams: int, tokens: int, scheme: str
         f"of {tokens} tokens, refilled as they end, for {span_s:.0f} s of steady load; the page open and closed in "
         f"turns of {switch_s:g} s. Page open: {what}. Viewer count: {count} per open window. Event-loop CPU: the "
         f"server's main thread (HTTP, SSE, and the snapshots the page's stream is built from) per output token. "
-        f"The viewer process itself used {viewer_cpu_s:.1f} CPU s over the run."
+        f"The viewer (with its browser's processes) used {viewer_cpu_s:.1f} CPU s in its {viewer_s:.0f} s, "
+        f"{100 * viewer_cpu_s / viewer_s:.0f}% of one CPU (the page was open half of that time)."
         + (" Pinned: the server on one CPU with one torch thread, the load and the viewer on the others."
            if pinned else f" Environment: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (the server's torch "
            "threads)." if "OMP_NUM_THREADS" in os.environ else ""))
@@ -331,7 +334,8 @@ def run(args: argparse.Namespace) -> int:
                                 timeout_s=600, model=warm.model, progress=False)
             with _Viewer(server.url, args.viewer, log_path, args.switch, server.pid) as viewer:
                 load = run_sync(staggered(256, args.tokens), config, "ui")
-                viewer_cpu = sum(thread_cpu_s(viewer.proc.pid).values())
+                viewer_cpu = tree_cpu_s(viewer.proc.pid)  # with the browser's processes
+                viewer_s = time.perf_counter() - viewer.started
                 switches = viewer.switches()
     except (ServerStartError, RuntimeError, OSError) as exc:
         print(f"ui: {exc}", file=sys.stderr)
@@ -343,7 +347,7 @@ def run(args: argparse.Namespace) -> int:
     steady = steady_span(load, args.streams, args.duration)
     ws = windows(switches, step_tokens(step_log.read_text()), steady)
     text = render(ws, args.viewer, args.streams, args.tokens, args.quantization, args.switch, viewer_cpu,
-                  steady[1] - steady[0], args.pin)
+                  steady[1] - steady[0], args.pin, viewer_s)
     print(text)
     if not args.no_write:
         pin = " --pin" if args.pin else ""
