@@ -259,7 +259,7 @@ def render(ws: list[Window], viewer: str, streams: int, tokens: int, scheme: str
         f"turns of {switch_s:g} s. Page open: {what}. Viewer count: {count} per open window. Event-loop CPU: the "
         f"server's main thread (HTTP, SSE, and the snapshots the page's stream is built from) per output token. "
         f"The viewer (with its browser's processes) used {viewer_cpu_s:.1f} CPU s in its {viewer_s:.0f} s, "
-        f"{100 * viewer_cpu_s / viewer_s:.0f}% of one CPU (the page was open half of that time)."
+        f"{100 * viewer_cpu_s / viewer_s:.1f}% of one CPU (the page was open half of that time)."
         + (" Pinned: the server on one CPU with one torch thread, the load and the viewer on the others."
            if pinned else f" Environment: OMP_NUM_THREADS={os.environ['OMP_NUM_THREADS']} (the server's torch "
            "threads)." if "OMP_NUM_THREADS" in os.environ else ""))
