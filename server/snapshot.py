@@ -95,8 +95,9 @@ class StepRecord:
 class StepTrace:
     """The last ``size`` steps (a ring; appending is O(1), so the step loop pays nothing that grows)."""
 
-    # Every snapshot carries the whole ring; a page keeps its own longer history (charts.js), so the ring only
-    # needs the steps of one snapshot interval with room to spare (64: four 0.2 s intervals at 80 steps a second).
+    # A snapshot carries the steps of its last STEP_BUILDS builds and a page keeps its own longer history
+    # (charts.js), so the ring only needs those with room to spare (64: three 0.2 s builds at 80 steps a second
+    # are 48).
     def __init__(self, size: int = 64) -> None:
         self.steps: deque[StepRecord] = deque(maxlen=size)
         self.count = 0

@@ -64,7 +64,7 @@
     try {
       await kv.readEvents(response, (data) => {
         latest = JSON.parse(data);
-        if (!document.hidden) render(latest);  // a tab in the background draws nothing (it costs no CPU)
+        if (!document.hidden) render(latest);  // a tab in the background draws nothing
       });
     } catch (e) { /* the server went away: reconnect below */ }
     setConn('reconnecting', 'off');
