@@ -16,10 +16,15 @@ Prefix cache, the standard way (vLLM's v1 KV cache manager):
   takes from the head (least recently freed), evicting that block's hash; a hit on a free block removes
   it from the middle of the list in O(1) (an OrderedDict);
 - a sequence's blocks are freed tail first, so shared heads outlive tails in the LRU order.
+
+The manager also keeps each block's state (free, used, shared, cached: ``BlockState``) as one byte per block,
+updated where a ref count or a hash changes, so that a reader of the whole pool (the live page's snapshot) copies
+one bytearray instead of looping over every block in Python.
 """
 
 from __future__ import annotations
 
+import enum
 import hashlib
 import itertools
 from array import array
@@ -27,6 +32,27 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 _ROOT_SERIAL = 0  # the parent serial of every sequence's first block; registered blocks count from 1
+
+
+class BlockState(enum.IntEnum):
+    """What a block holds, as the live page colours it (its value is the digit in ``BlockManager.states``)."""
+
+    FREE = 0     # no owner and no cached content: the next to be handed out
+    USED = 1     # in one sequence's block table
+    SHARED = 2   # in several block tables: a prefix-cache hit shares it
+    CACHED = 3   # no owner, but it keeps a full block's hash: a later prompt with that prefix reuses it
+
+
+def block_state(ref_count: int, cached: bool) -> BlockState:
+    """The state of a block with ``ref_count`` owners, ``cached`` when it holds a prefix-cache hash."""
+    if ref_count > 1:
+        return BlockState.SHARED
+    if ref_count == 1:
+        return BlockState.USED
+    return BlockState.CACHED if cached else BlockState.FREE
+
+
+_DIGITS = [ord(str(int(state))) for state in BlockState]  # BlockState -> its ASCII digit
 
 
 @dataclass(slots=True)
@@ -106,6 +132,9 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # head = LRU
         self._cached: dict[bytes, int] = {}  # block digest -> block id
         self._serials = itertools.count(_ROOT_SERIAL + 1)
+        # each block's BlockState as an ASCII digit, in block-id order; kept by _mark wherever a ref count or a hash
+        # changes (tests/test_kvcache.py checks it against the blocks after random allocations and frees)
+        self.states = bytearray(b"0" * num_blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -120,6 +149,13 @@ class BlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by sequences, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def state_digits(self) -> str:
+        """Every block's ``BlockState`` as one digit per block, in block-id order (``"0012..."``)."""
+        return self.states.decode("ascii")
+
+    def _mark(self, block: Block) -> None:
+        self.states[block.block_id] = _DIGITS[block_state(block.ref_count, block.block_hash is not None)]
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -178,12 +214,14 @@ class BlockManager:
             if block.ref_count == 0:
                 del self._free[block_id]  # O(1) removal from the middle of the LRU list
             block.ref_count += 1
+            self._mark(block)
             block_table.append(block_id)
         for _ in range(fresh):
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             self._evict(block)
             block.ref_count = 1
+            self._mark(block)
             block_table.append(block_id)
         return True
 
@@ -235,6 +273,7 @@ class BlockManager:
         block.block_hash, block.token_ids, block.salt = digest, chunk, salt
         block.serial, block.parent_serial = next(self._serials), parent_serial
         self._cached[digest] = block_id
+        self._mark(block)
         return block.serial
 
     def free(self, block_table: list[int]) -> None:
@@ -244,4 +283,5 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None  # most recently freed: evicted last
+            self._mark(block)
         block_table.clear()

@@ -9,16 +9,15 @@ snapshot, so a viewer never sees another request's prompt or output.
 
 from __future__ import annotations
 
-import enum
-import json
 import time
 from collections import deque
 from dataclasses import dataclass
 
+import orjson
 from prometheus_client import Counter, Histogram
 
 from kvserve.engine.plan import StepPlan
-from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.block_manager import BlockState, block_state  # noqa: F401  (re-exported: the page's colours)
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.scheduler.service import SchedulerService
 from kvserve.server.metrics import Metrics
@@ -29,32 +28,6 @@ STEP_BUILDS = 3         # a snapshot carries the steps of the last this many bui
 SLOW_PARTS_S = 1.0      # the histograms and totals are rebuilt at most this often (s): reading a Prometheus
                         # histogram costs about as much as the rest of a snapshot, and a person reads a
                         # distribution or a total once a second at most (the live page's overhead: BENCHMARKS.md)
-
-
-class BlockState(enum.IntEnum):
-    """One block of the KV pool as the page colours it (the digit in ``Snapshot.blocks``)."""
-
-    FREE = 0     # no owner and no cached content: the next to be handed out
-    USED = 1     # in one sequence's block table
-    SHARED = 2   # in several block tables: a prefix-cache hit shares it
-    CACHED = 3   # no owner, but it keeps a full block's hash: a later prompt with that prefix reuses it
-
-
-def block_state(ref_count: int, cached: bool) -> BlockState:
-    """The state of a block with ``ref_count`` owners, ``cached`` when it holds a prefix-cache hash."""
-    if ref_count > 1:
-        return BlockState.SHARED
-    if ref_count == 1:
-        return BlockState.USED
-    return BlockState.CACHED if cached else BlockState.FREE
-
-
-def block_states(blocks: BlockManager) -> str:
-    """Every block's state as one digit per block, in block-id order (``"0012..."``; a string keeps the JSON small:
-    one byte per block). ``block_state``'s rule, inlined: this runs over every block of the pool in every snapshot,
-    and a call per block would be most of a snapshot's cost."""
-    return "".join(["2" if b.ref_count > 1 else "1" if b.ref_count else "0" if b.block_hash is None else "3"
-                    for b in blocks.blocks])
 
 
 def slot_state(seq: Sequence) -> str:
@@ -158,7 +131,9 @@ class SnapshotHub:
         """The snapshot as JSON text, rebuilt when older than ``min_interval_s``."""
         now = time.monotonic()
         if self._json is None or now - self._built >= self.min_interval_s:
-            self._json = json.dumps(self.build(now), separators=(",", ":"))
+            # orjson, not json: encoding is most of a snapshot's cost on the event loop, and orjson's is ten times
+            # cheaper on a snapshot's lists of small ints (python -m kvserve.loadtest ui measures the page's cost)
+            self._json = orjson.dumps(self.build(now)).decode()
             self._built = now
         return self._json
 
@@ -185,7 +160,7 @@ class SnapshotHub:
             "info": self.info,
             "slots": [slot_row(s) for s in sched.running] + [slot_row(s) for s in waiting[:MAX_WAITING_ROWS]],
             "queue": len(waiting) + pending,
-            "blocks": block_states(sched.blocks),
+            "blocks": sched.blocks.state_digits(),
             "steps": [[r.n, r.prefill, r.decode, r.draft, r.ms, r.rows] for r in self.steps.steps if r.n > since],
             **self._slow,
         }

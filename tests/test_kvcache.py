@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 import transformers
 
 from kvserve.engine.loader import kv_shape_of
-from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.block_manager import BlockManager, block_state
 from kvserve.kvcache.pool import KVPool, dequantize, quantize, storage_dtype
 from kvserve.kvcache.sizing import KVCacheDType, KVShape, cache_shape, num_blocks_for_budget, parse_bytes
 
@@ -211,6 +213,38 @@ def test_prefix_caching_off():
     bm.allocate(table, 4)
     bm.cache_full_blocks(table, [1, 2, 3, 4], 4, [])
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == []
+
+
+def test_the_kept_block_states_match_the_blocks_after_random_allocations_hits_and_frees():
+    """``states`` is updated where ref counts and hashes change, not recomputed: after every operation of a random
+    mix (new prompts, several sharing prefixes, growth, caching, frees, evictions of cached blocks) it must equal
+    the state computed from each block."""
+    rng = random.Random(7)
+    bm = BlockManager(num_blocks=24, block_size=2)
+    prompts = [[rng.randrange(4) for _ in range(rng.randint(2, 9))] for _ in range(6)]  # few tokens: many hits
+    live: list[tuple[list[int], list[int], list]] = []  # (block table, tokens, chain)
+    seen_states = set()
+    for _ in range(600):
+        op = rng.random()
+        if op < 0.4 or not live:
+            tokens = list(rng.choice(prompts))
+            table: list[int] = []
+            if bm.allocate(table, len(tokens), bm.find_cached_prefix(tokens)):
+                live.append((table, tokens, []))
+        elif op < 0.75:
+            table, tokens, chain = rng.choice(live)
+            tokens.append(rng.randrange(4))
+            if bm.allocate(table, len(tokens)):
+                bm.cache_full_blocks(table, tokens, len(tokens) - 1, chain)
+            else:
+                tokens.pop()
+        else:
+            table, _, _ = live.pop(rng.randrange(len(live)))
+            bm.free(table)
+        expected = "".join(str(int(block_state(b.ref_count, b.block_hash is not None))) for b in bm.blocks)
+        assert bm.state_digits() == expected
+        seen_states |= set(expected)
+    assert seen_states == {"0", "1", "2", "3"}  # the mix reached every state
 
 
 def test_bytes_per_token_formula_facts():

@@ -23,7 +23,7 @@ from kvserve.kvcache.block_manager import BlockManager
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.server.config import ServeConfig
 from kvserve.server.livepage import CSP, load_assets
-from kvserve.server.snapshot import SLOW_PARTS_S, BlockState, SnapshotHub, StepRecord, StepTrace, block_state, block_states, \
+from kvserve.server.snapshot import SLOW_PARTS_S, BlockState, SnapshotHub, StepRecord, StepTrace, block_state, \
     counter_value, histogram, slot_state
 from tests.serverutil import running_server
 
@@ -42,11 +42,11 @@ def test_block_states_tell_free_used_shared_and_cached():
     second: list[int] = []
     assert blocks.allocate(second, 5, blocks.find_cached_prefix(tokens))  # shares 0 and 1, takes 3
     assert second == [0, 1, 3]
-    assert block_states(blocks) == "221100"
+    assert blocks.state_digits() == "221100"
     blocks.free(first)
-    assert block_states(blocks) == "110100"  # block 2 held only the first's partial tail
+    assert blocks.state_digits() == "110100"  # block 2 held only the first's partial tail
     blocks.free(second)
-    assert block_states(blocks) == "330000"  # 0 and 1 keep their hashes: cached but free
+    assert blocks.state_digits() == "330000"  # 0 and 1 keep their hashes: cached but free
     assert [block_state(r, c) for r, c in ((0, False), (1, True), (3, False), (0, True))] == [
         BlockState.FREE, BlockState.USED, BlockState.SHARED, BlockState.CACHED]
 
@@ -116,19 +116,19 @@ def test_the_histograms_and_totals_are_read_once_a_second_and_the_rest_every_bui
             Counting.slow += 1
             return {"totals": {"n": Counting.slow}}
 
-    scheduler = types.SimpleNamespace(running=[], waiting=[], blocks=types.SimpleNamespace(blocks=[]))
+    scheduler = types.SimpleNamespace(running=[], waiting=[], blocks=BlockManager(num_blocks=5, block_size=1))
     service = types.SimpleNamespace(scheduler=scheduler, queued=0)
     hub = Counting(service=service, metrics=None, steps=StepTrace(), info={})
-    seen = []
-    for now in (100.0, 100.4, 100.9, 100.0 + SLOW_PARTS_S, 100.5 + SLOW_PARTS_S):
-        scheduler.blocks.blocks.append(types.SimpleNamespace(ref_count=1, block_hash=None))
+    seen, table = [], []
+    for tokens, now in enumerate((100.0, 100.4, 100.9, 100.0 + SLOW_PARTS_S, 100.5 + SLOW_PARTS_S), start=1):
+        assert scheduler.blocks.allocate(table, tokens)
         snap = hub.build(now)
         seen.append((snap["totals"]["n"], snap["blocks"]))
-    assert seen == [(1, "1"), (1, "11"), (1, "111"), (2, "1111"), (2, "11111")]
+    assert seen == [(1, "10000"), (1, "11000"), (1, "11100"), (2, "11110"), (2, "11111")]
 
 
 def test_a_snapshot_carries_the_steps_of_the_last_three_builds_not_the_whole_ring():
-    scheduler = types.SimpleNamespace(running=[], waiting=[], blocks=types.SimpleNamespace(blocks=[]))
+    scheduler = types.SimpleNamespace(running=[], waiting=[], blocks=BlockManager(num_blocks=1, block_size=1))
     trace = StepTrace()
     hub = SnapshotHub(service=types.SimpleNamespace(scheduler=scheduler, queued=0), metrics=None, steps=trace, info={})
     hub.slow_parts = lambda now: {}
