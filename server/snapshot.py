@@ -131,8 +131,8 @@ class SnapshotHub:
         """The snapshot as JSON text, rebuilt when older than ``min_interval_s``."""
         now = time.monotonic()
         if self._json is None or now - self._built >= self.min_interval_s:
-            # orjson, not json: encoding is most of a snapshot's cost on the event loop, and orjson's is ten times
-            # cheaper on a snapshot's lists of small ints (python -m kvserve.loadtest ui measures the page's cost)
+            # orjson, not json: with the standard encoder, encoding the lists of small ints was most of a snapshot's
+            # cost on the event loop (python -m kvserve.loadtest ui measures the page's cost: BENCHMARKS.md)
             self._json = orjson.dumps(self.build(now)).decode()
             self._built = now
         return self._json
