@@ -17,7 +17,6 @@ import orjson
 from prometheus_client import Counter, Histogram
 
 from kvserve.engine.plan import StepPlan
-from kvserve.kvcache.block_manager import BlockState, block_state  # noqa: F401  (re-exported: the page's colours)
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.scheduler.service import SchedulerService
 from kvserve.server.metrics import Metrics

@@ -19,12 +19,12 @@ import httpx
 import pytest
 
 from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
-from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.block_manager import BlockManager, BlockState, block_state
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.server.config import ServeConfig
 from kvserve.server.livepage import CSP, load_assets
-from kvserve.server.snapshot import SLOW_PARTS_S, BlockState, SnapshotHub, StepRecord, StepTrace, block_state, \
-    counter_value, histogram, slot_state
+from kvserve.server.snapshot import SLOW_PARTS_S, SnapshotHub, StepRecord, StepTrace, counter_value, histogram, \
+    slot_state
 from tests.serverutil import running_server
 
 CHAT = "/v1/chat/completions"
