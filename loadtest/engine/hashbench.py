@@ -2,8 +2,9 @@
 
 ``python -m kvserve.loadtest hashbench`` times, in one process and interleaved round by round, the digest of
 one full block given its parent's (the work ``BlockManager`` does once per block filled and once per block
-looked up), then the whole register-and-look-up path of the block manager on a long prompt. Prints the
-medians and their ratios to the old ``hash()`` chain and writes the BENCHMARKS.md section.
+looked up), then the whole register-and-look-up path of the block manager on a long prompt, and its allocate-and-free path
+with and without the per-block state bytes it keeps for the live page. Prints the medians and their ratios and
+writes the BENCHMARKS.md section.
 """
 
 from __future__ import annotations
@@ -46,6 +47,20 @@ def _manager_us_per_block(block_size: int, prompt: list[int]) -> float:
     return (time.perf_counter_ns() - start) / 1000 / (len(prompt) // block_size)
 
 
+def _alloc_free_us_per_block(block_size: int, num_blocks: int, keep_states: bool) -> float:
+    """Grow one table a block at a time as decode does, then free it: microseconds per block, both together.
+    ``keep_states=False`` turns the manager's state bytes off (the cost they add to this path)."""
+    manager = BlockManager(num_blocks=num_blocks, block_size=block_size)
+    if not keep_states:
+        manager._mark = lambda block: None
+    table: list[int] = []
+    start = time.perf_counter_ns()
+    for n in range(1, num_blocks + 1):
+        manager.allocate(table, n * block_size)
+    manager.free(table)
+    return (time.perf_counter_ns() - start) / 1000 / num_blocks
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-sizes", type=int, nargs="+", default=[16, 32], help="tokens per block")
     parser.add_argument("--blocks", type=int, default=2000, help="blocks hashed per round")
@@ -60,26 +75,32 @@ def run(args: argparse.Namespace) -> int:
     for block_size in args.block_sizes:
         blocks = [tuple((b * 7919 + j * 104729) % 49152 for j in range(block_size)) for b in range(args.blocks)]
         prompt = [token for block in blocks[:256] for token in block]
-        times: dict[str, list[float]] = {"hash": [], "sha256": [], "blake2b": [], "manager": []}
+        times: dict[str, list[float]] = {"hash": [], "sha256": [], "blake2b": [], "manager": [], "alloc": [],
+                                         "alloc_bare": []}
         for _ in range(args.rounds):  # interleaved, so drift in the machine's speed hits every variant alike
             times["hash"].append(_ns_per_block(_builtin, 0x6B7673, blocks))
             times["sha256"].append(_ns_per_block(chain_hash, root_hash(None), blocks))
             times["blake2b"].append(_ns_per_block(_blake2, root_hash(None), blocks))
             times["manager"].append(_manager_us_per_block(block_size, prompt))
+            times["alloc"].append(_alloc_free_us_per_block(block_size, 1456, keep_states=True))
+            times["alloc_bare"].append(_alloc_free_us_per_block(block_size, 1456, keep_states=False))
         med = {name: statistics.median(values) for name, values in times.items()}
         prompt_ms = med["manager"] * 2048 // block_size / 1000
         rows.append(f"| {block_size} | {med['hash']:.0f} | {med['sha256']:.0f} ({med['sha256'] / med['hash']:.2f}x) "
                     f"| {med['blake2b']:.0f} ({med['blake2b'] / med['hash']:.2f}x) | {med['manager']:.2f} "
-                    f"| {prompt_ms:.2f} |")
+                    f"| {prompt_ms:.2f} | {med['alloc']:.2f} ({med['alloc'] / med['alloc_bare']:.2f}x) |")
     table = ("| block size (tokens) | `hash()` chain ns/block | SHA-256 ns/block | keyed BLAKE2b ns/block "
-             "| manager register + lookup us/block (SHA-256) | a 2,048-token prompt, ms |\n"
-             "|---|---|---|---|---|---|\n" + "\n".join(rows))
+             "| manager register + lookup us/block (SHA-256) | a 2,048-token prompt, ms "
+             "| allocate + free us/block (x without state bytes) |\n"
+             "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     body = (f"{table}\n\nMedians of {args.rounds} interleaved rounds of {args.blocks} chained blocks each, one "
             "process, one core. The digest is SHA-256 over the parent digest and the block's token ids as uint32 "
             "(vLLM's choice; deterministic, so no key to manage and a digest that means the same in every "
             "process); keyed BLAKE2b is shown for comparison. The last two columns are the block manager's whole cost "
             "per full block of a 256-block prompt: registering it after its prefill and verifying it on a later "
-            "lookup (tokens, salt, parent), both together, and that cost for a 2,048-token prompt.")
+            "lookup (tokens, salt, parent), both together, and that cost for a 2,048-token prompt. The last: growing a "
+            "table of 1,456 blocks a block at a time (as decode does) and freeing it, per block, and its ratio to the "
+            "same with the per-block state bytes (the live page's block grid) turned off.")
     print(body)
     if not args.no_write:
         update_section("hashbench", "Prefix-cache hashing cost per full block",
