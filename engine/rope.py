@@ -47,7 +47,7 @@ class RopeTable:
 class Rope:
     """The rotation for one step's positions, in transformers' rotate_half layout.
 
-    With ``rope_`` (kernels/csrc/decode_ops.cpp's op, float32 CPU) it rotates ``[T, heads, d]`` in place in one
+    With ``rope_`` (native/csrc/decode_ops.cpp's op, float32 CPU) it rotates ``[T, heads, d]`` in place in one
     call; otherwise ``x * cos + roll(x, d / 2) * [-sin_1, sin_2]`` (one call for q and k together; the sign
     moves onto sin).
 

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.engine.attention import AttentionMetadata, PrefillSpan
 from kvserve.engine.masks import apply_masks, fill_masks_async
 from kvserve.engine.fastpath import fast_decoder
@@ -28,7 +28,7 @@ def padded_tables(tables: list[list[int]], lengths: list[int], block_size: int, 
 
 def _rows_alone(loaded: LoadedModel, pool: KVPool) -> bool:
     """Whether every token, prefill ones included, attends as a decode row does: through the C++ paged attention
-    (``kernels/csrc/decode_ops.cpp``), one query row at a time against its own context in block order.
+    (``native/csrc/decode_ops.cpp``), one query row at a time against its own context in block order.
 
     Where that kernel runs (float32 activations on CPU over a float32 pool or an int8 / int4 one, whose codes it
     reads in place; no logit soft-cap), it does: a token's attention then has the same bits however the scheduler
@@ -40,7 +40,7 @@ def _rows_alone(loaded: LoadedModel, pool: KVPool) -> bool:
     softcap = getattr(getattr(loaded.model, "config", None), "attn_logit_softcapping", None)
     kernel_reads_pool = pool.data.dtype is torch.float32 or pool.quantized
     return (loaded.dtype is torch.float32 and kernel_reads_pool and pool.data.is_cpu
-            and softcap is None and kernels.load_ops() is not None)
+            and softcap is None and native.load_ops() is not None)
 
 
 class ModelRunner:

@@ -10,7 +10,7 @@ import math
 import torch
 
 from kvserve.engine.plan import SeqWork, TokenLogprob
-from kvserve import kernels
+from kvserve import native
 
 _SEED_STRIDE = 1_000_003  # mixes the output length into the seed: one generator per (seed, step)
 _SEED_MODULUS = 2**63 - 1  # torch generators take seeds below 2**64; stay in the signed range
@@ -97,9 +97,9 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
 
 
 def _ops(logits: torch.Tensor):
-    """kernels/csrc/decode_ops.cpp's ops for float32 CPU logits where the install step built them, else None
+    """native/csrc/decode_ops.cpp's ops for float32 CPU logits where the install step built them, else None
     (build=False: never a compile inside a request)."""
-    return kernels.load_ops(build=False) if logits.dtype is torch.float32 and logits.is_cpu else None
+    return native.load_ops(build=False) if logits.dtype is torch.float32 and logits.is_cpu else None
 
 
 def log_softmax(logits: torch.Tensor) -> torch.Tensor:

@@ -114,10 +114,10 @@ def cached_calibration(loaded: LoadedModel, directory: Path, scheme: Scheme, tok
     from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.quant.model import quantize_for_serving, quantize_model, serving_quantizes_head
 
-    layout = "kernels" if loaded.device.type == "cpu" and kernels.load() is not None else "reference"
+    layout = "kernels" if loaded.device.type == "cpu" and native.load() is not None else "reference"
     recipe = f"{scheme.value}-gptq"
     path = cache_dir() / "codes" / f"{directory.name}-{checkpoint_hash(directory)}-{recipe}-{layout}.safetensors"
     started = time.perf_counter()

@@ -25,7 +25,7 @@ codes depend on that token's vector alone, never on which tokens, sequences or s
 
 int4 packs a group of 32 codes into 16 bytes as llama.cpp's q4_0 does: byte j holds code j + 8 in its low nibble
 and code j + 16 + 8 in its high one. ``quantize`` / ``dequantize`` are the torch reference; the C++ write and
-attention (kernels/csrc/kv_quant.cpp) give the same codes and read them in place.
+attention (native/csrc/kv_quant.cpp) give the same codes and read them in place.
 """
 
 from __future__ import annotations

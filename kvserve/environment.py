@@ -46,6 +46,9 @@ ISA = Variable("KVSERVE_ISA", "the best the CPU has", "forces the kernels' instr
                "any CPU; a greater one than the CPU has falls back to the best it has)", ("scalar", "avx2", "avx512"))
 CACHE = Variable("KVSERVE_CACHE", "~/.cache/kvserve", "where converted weights, quantized codes and emulator builds "
                  "are kept")
+KERNEL_CACHE = Variable("KVSERVE_KERNEL_CACHE", "$KVSERVE_CACHE/kernels", "where the C++ kernels are built, one folder "
+                        "per build key (sources, flags, torch and Python versions): the container prebuilds them here")
+COMPILER = Variable("CXX", "c++", "the C++ compiler torch builds the kernels with; part of their build key")
 HUB_OFFLINE = Variable("HF_HUB_OFFLINE", "1", "kvserve never downloads: set to 1 unless the environment says "
                        "otherwise, before transformers loads")
 CLIENT_URL = Variable("KVSERVE_URL", "", "the server `python -m kvserve.clients` talks to (its --url; unset: "
@@ -53,7 +56,7 @@ CLIENT_URL = Variable("KVSERVE_URL", "", "the server `python -m kvserve.clients`
 CLIENT_API_KEY = Variable("KVSERVE_API_KEY", "", "the bearer token `python -m kvserve.clients` sends (its --api-key; "
                          "the container's entrypoint passes it to kvserve serve as --api-key)")
 
-VARIABLES = (FASTPATH, NATIVE_KERNELS, ISA, CACHE, HUB_OFFLINE, CLIENT_URL, CLIENT_API_KEY)
+VARIABLES = (FASTPATH, NATIVE_KERNELS, ISA, CACHE, KERNEL_CACHE, COMPILER, HUB_OFFLINE, CLIENT_URL, CLIENT_API_KEY)
 
 
 def value(variable: Variable) -> str:
@@ -99,6 +102,17 @@ def cache_dir() -> Path:
     """``$KVSERVE_CACHE``, or ``~/.cache/kvserve``."""
     chosen = value(CACHE)
     return Path.home() / ".cache" / "kvserve" if chosen == CACHE.default else Path(chosen)
+
+
+def kernel_cache_dir() -> Path:
+    """``$KVSERVE_KERNEL_CACHE``, or ``cache_dir() / "kernels"``."""
+    chosen = value(KERNEL_CACHE)
+    return cache_dir() / "kernels" if chosen == KERNEL_CACHE.default else Path(chosen)
+
+
+def compiler() -> str:
+    """``$CXX``, or ``c++`` (what torch's extension build runs)."""
+    return value(COMPILER)
 
 
 def stay_offline() -> None:

@@ -1,7 +1,7 @@
 """An unquantized bfloat16 model served through the AVX512-BF16 kernel: ``BF16Linear`` and ``use_bf16_kernel``.
 
 Not a quantization: the weights are the model's own bfloat16 values, packed once into the kernel's panels
-(``bf16_pack``, kernels/csrc/ukernel_bf16.h). The kernel rounds each float32 activation to bfloat16 (round to
+(``bf16_pack``, native/csrc/ukernel_bf16.h). The kernel rounds each float32 activation to bfloat16 (round to
 nearest even), multiplies pairs with ``vdpbf16ps`` and accumulates in float32 in K order, one chain per output:
 a row's result never depends on the other rows of its call, so the layer serves every call (any batch, any
 prefill chunk). Everything else of the model (embedding, norms, attention, the residual stream) runs in float32:
@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.quant.linear import Layout, QuantLinear
 from kvserve.quant.model import projection_names
 from kvserve.quant.options import Scheme
@@ -24,13 +24,13 @@ PANEL = 32  # output features per packed panel (KV_NR_BF16)
 
 def native_ops():
     """The C++ kernels when they have the bfloat16 ops (``bf16_linear`` and its packing), else None."""
-    module = kernels.load()
+    module = native.load()
     return module if module is not None and hasattr(module, "bf16_linear") else None
 
 
 def kernel_runs() -> bool:
     """Whether the AVX512-BF16 micro-kernel runs here: the kernels are built, their chosen ISA path is avx512 and
-    the CPU has AVX512-BF16 (kernels/csrc/cpu.h ``bf16()``; ``KVSERVE_ISA=avx2`` or ``scalar`` turns it off)."""
+    the CPU has AVX512-BF16 (native/csrc/cpu.h ``bf16()``; ``KVSERVE_ISA=avx2`` or ``scalar`` turns it off)."""
     module = native_ops()
     return module is not None and module.bf16_native()
 
@@ -56,7 +56,7 @@ class BF16Linear(QuantLinear):
         nn.Module.__init__(self)  # QuantLinear.__init__ quantizes: nothing to round here
         module = native_ops()
         if module is None:
-            raise RuntimeError("BF16Linear needs the C++ kernels (python -m kvserve.kernels --build)")
+            raise RuntimeError("BF16Linear needs the C++ kernels (python -m kvserve.native --build)")
         out_features, in_features = weight.shape
         self._init_shape(in_features, out_features, in_features, bias)
         self.register_buffer("weight", module.bf16_pack(weight.detach().to(torch.bfloat16).contiguous().cpu()))

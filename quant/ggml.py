@@ -24,7 +24,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.quant.linear import Layout, QuantLinear
 from kvserve.quant.schemes import ACT_BLOCK, Scheme
 
@@ -88,7 +88,7 @@ def q4_0_as_q4_1(blocks: torch.Tensor) -> torch.Tensor:
 
 def native_ops():
     """The C++ kernels when they have the GGUF block ops (``ggml_linear`` and its packing), else None."""
-    module = kernels.load()
+    module = native.load()
     return module if module is not None and hasattr(module, "ggml_linear") else None
 
 

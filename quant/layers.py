@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.quant.linear import Layout, QuantLinear
 from kvserve.quant.panels import (INT4_PANEL_ROWS, INT8_PANEL_ROWS, pack_int8_panels, pack_nibble_panels, pack_nibbles,
                                   unpack_int8_panels, unpack_nibble_panels, unpack_nibbles)
@@ -57,7 +57,7 @@ class Int8Linear(QuantLinear):
         return self.in_features % ACT_BLOCK == 0
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.load().int8_linear(x, self.weight, self.scales, self.kernel_act_block, self.layout is Layout.PANELS)
+        return native.load().int8_linear(x, self.weight, self.scales, self.kernel_act_block, self.layout is Layout.PANELS)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         return module.bind_int8(self.weight, self.scales, self.kernel_act_block, self.layout is Layout.PANELS)
@@ -81,7 +81,7 @@ class Nibble4Linear(QuantLinear):
         raise NotImplementedError
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
-        return kernels.load().lut4_linear(x, self.weight, self.scales, self.group_size, self.lut)
+        return native.load().lut4_linear(x, self.weight, self.scales, self.group_size, self.lut)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         return module.bind_lut4(self.weight, self.scales, self.group_size, self.lut)
@@ -130,7 +130,7 @@ class Int4Linear(Nibble4Linear):
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel_act_block is None:
             return super()._kernel(x)
-        return kernels.load().int4_linear(x, self.weight, self.scales, self.group_size, INT4_OFFSET)
+        return native.load().int4_linear(x, self.weight, self.scales, self.group_size, INT4_OFFSET)
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         if self.kernel_act_block is None:

@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.quant.schemes import ACT16_BLOCK, ACT_BLOCK, Q8_MAX, QuantSpec, Scheme, quantize_activations
 
 # NF4's float-table kernel serves up to this many tokens per call (decode batches); longer prefill chunks
@@ -107,7 +107,7 @@ class QuantLinear(nn.Module):
 
     def _kernel_usable(self) -> bool:
         return (self.use_kernel and self.weight.is_cpu and self.has_kernel and self.act_block == self.kernel_act_block
-                and kernels.load() is not None)
+                and native.load() is not None)
 
     def _kernel(self, x: torch.Tensor) -> torch.Tensor:
         """``[M, in]`` float32 -> ``[M, out]`` float32 with the C++ kernel."""
@@ -122,7 +122,7 @@ class QuantLinear(nn.Module):
         """
         if not self._kernel_usable():
             return None
-        return self._bind(kernels.load())
+        return self._bind(native.load())
 
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         raise NotImplementedError

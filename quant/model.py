@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.quant import gptq
 from kvserve.quant.layers import LAYER_CLASSES, Int8Linear
 from kvserve.quant.linear import QuantLinear
@@ -113,7 +113,7 @@ def quantize_model(model: nn.Module, scheme: Scheme | str, spec: QuantSpec | Non
     if spec.scheme is not scheme:
         raise ValueError(f"spec {spec.label} is not a {scheme.value} spec")
     if param.is_cpu:
-        kernels.load()  # build (or load) the CPU kernels now, at startup, not inside the first request
+        native.load()  # build (or load) the CPU kernels now, at startup, not inside the first request
     names = projection_names(model)
     layer_class = LAYER_CLASSES[scheme]
     built: dict[str, QuantLinear] = {}

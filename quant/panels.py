@@ -4,7 +4,7 @@
 nibble and weight ``2j+1`` in its high nibble (``pack_nibbles``). int4 layers served by the integer kernel
 store the same bytes in panels of 8 rows instead (``pack_nibble_panels``), the order that kernel reads;
 int8 layers likewise in panels of 16 rows (``pack_int8_panels``). The codes themselves come from
-quant/schemes.py; these orders change when a kernel in kernels/csrc reads its weights differently.
+quant/schemes.py; these orders change when a kernel in native/csrc reads its weights differently.
 """
 
 from __future__ import annotations

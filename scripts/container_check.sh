@@ -9,7 +9,7 @@
 #   3. `buildah bud --layers --isolation chroot` of ./Dockerfile (BASE_IMAGE, TORCH_INDEX_URL=) into a storage
 #      directory of its own that persists, ~/.cache/kvserve/container/storage-DRIVER (overlay as root, else
 #      vfs): the layer cache. The Dockerfile puts the heavy layers (apt, torch, the dependencies, the GGUF
-#      conversion, the C++ kernels, keyed on kernels/ only) before the one that copies the source, so after a
+#      conversion, the C++ kernels, keyed on native/ only) before the one that copies the source, so after a
 #      source edit only kvserve's own small layers are built again (minutes, not the cold build's ~30);
 #   4. `podman run` with the port published on 127.0.0.1 only, then checks from outside: /health turns
 #      ready within the HEALTHCHECK's start period (and the image's HEALTHCHECK passes), the README's curl
@@ -156,7 +156,7 @@ if ! "${PODMAN[@]}" image exists "$BASE_IMAGE"; then
   timeout 300 "${PODMAN[@]}" import --quiet --change 'CMD ["python3"]' "$base_tar" "$BASE_IMAGE" >/dev/null \
     || fail "podman import of the base failed"
 fi
-# What the heavy layers depend on: the base, the wheel, the Dockerfile and kernels/ (the C++ build, the
+# What the heavy layers depend on: the base, the wheel, the Dockerfile and native/ (the C++ build, the
 # slowest step). A marker in the storage says a build from these inputs finished, so their layers are in the
 # cache; WARM_ONLY runs refuse to build without it, as a cold build would take the CI run's whole budget.
 # pyproject.toml is left out: a change there rebuilds the dependencies' layer and the GGUF conversion only
@@ -165,7 +165,7 @@ heavy_key="$(cd "$ROOT" && { echo "$key ${torch_wheel##*/}"; find Dockerfile ker
   ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum; } | sha256sum | cut -c1-16)"
 warm_marker="$STORAGE/warm-$heavy_key"
 if [[ "$WARM_ONLY" == 1 && ! -e "$warm_marker" ]]; then
-  cannot "the layer cache is cold for these inputs (no build yet from this Dockerfile, kernels/, base and torch \
+  cannot "the layer cache is cold for these inputs (no build yet from this Dockerfile, native/, base and torch \
 wheel) and KVSERVE_CONTAINER_WARM_ONLY=1: a cold build takes about 30 min on 2 cores; run \
 bash scripts/container_check.sh once, or set KVSERVE_CONTAINER_CHECK=1 for the test"
 fi

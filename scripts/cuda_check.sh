@@ -52,7 +52,7 @@ rc=${PIPESTATUS[0]}; [ "$rc" = 0 ] || fail "CUDA tests" "$rc"
 # the C++ CPU kernels on this machine's CPU, one file at a time (the tests that need the embedded model's
 # weights are left out)
 stage "C++ CPU kernels: build and test on this machine's CPU"
-timeout 240 "$PY" -m kvserve.kernels --build || fail "kernel build" $?
+timeout 240 "$PY" -m kvserve.native --build || fail "kernel build" $?
 for file in test_decode_ops test_quant test_fastpath test_sampling; do
   timeout 200 "$PY" -X faulthandler -m pytest -q -p no:cacheprovider "tests/$file.py" -k "not smollm2" 2>&1 \
     | grep -v -E '^  File "/opt/|^Extension modules' | tail -40

@@ -171,7 +171,7 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
 def dtype_reason(config: ServeConfig, loaded, scheme: Scheme) -> str:
     """Why the model runs in its dtype, and which flag changes it (for the start log); ``scheme``: the weights
     actually served (``--quantization auto`` resolved)."""
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.engine.options import DType
 
     if config.dtype is not DType.AUTO:
@@ -183,13 +183,13 @@ def dtype_reason(config: ServeConfig, loaded, scheme: Scheme) -> str:
                 "--dtype bfloat16 changes it")
     if loaded.bf16_weights:
         return (f"--dtype auto: bfloat16 weights on the AVX512-BF16 kernel with float32 activations and KV cache "
-                f"(kernel path {kernels.isa()}, and this CPU has AVX512-BF16), so the fused float32 ops serve it; "
+                f"(kernel path {native.isa()}, and this CPU has AVX512-BF16), so the fused float32 ops serve it; "
                 "--dtype float32 serves float32 weights, --dtype bfloat16 torch's bfloat16 ops")
-    if kernels.load(build=False) is None:
+    if native.load(build=False) is None:
         return ("--dtype auto: float32 on a CPU (the C++ kernels are off, so torch's float32 ops run); --dtype "
                 "bfloat16 runs torch's bfloat16 ops")
     return (f"--dtype auto: float32 weights with the float32 kernels, as no bfloat16 kernel runs on the kernel path "
-            f"{kernels.isa()} (it needs AVX512-BF16 on the avx512 path); --dtype bfloat16 runs torch's bfloat16 ops")
+            f"{native.isa()} (it needs AVX512-BF16 on the avx512 path); --dtype bfloat16 runs torch's bfloat16 ops")
 
 
 def load_draft(config: ServeConfig, served):

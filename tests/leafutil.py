@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from kvserve.kernels import emulate
+from kvserve.native import emulate
 
 
 def leaf_runner(param: str, build: Callable[..., Path]) -> Iterator[emulate.Emulator | emulate.Native]:

@@ -1,4 +1,4 @@
-"""The bfloat16-weight micro-kernels (kernels/csrc/ukernel_bf16.h) run as leaves: the AVX512-BF16 kernel and the
+"""The bfloat16-weight micro-kernels (native/csrc/ukernel_bf16.h) run as leaves: the AVX512-BF16 kernel and the
 activation conversion against the scalar reference and a numpy model of the Intel SDM's VDPBF16PS /
 VCVTNEPS2BF16, bit for bit, under the CPU emulator (a Sapphire Rapids core: BF16 on any x86-64 machine) and, where
 this CPU has AVX512-BF16, natively too.
@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvserve.kernels import bf16_leaves as leaves
-from kvserve.kernels import emulate
+from kvserve.native import bf16_leaves as leaves
+from kvserve.native import emulate
 from tests.test_ggml_emulated import runner  # noqa: F401  (one library of leaves holds both families)
 
 NATIVE_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"}

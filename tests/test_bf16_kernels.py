@@ -1,4 +1,4 @@
-"""The bfloat16-weight kernel (kernels/csrc/linear_bf16.cpp, ukernel_bf16.h) through the extension: against float64
+"""The bfloat16-weight kernel (native/csrc/linear_bf16.cpp, ukernel_bf16.h) through the extension: against float64
 products of the bf16-rounded operands, batch invariance, the AVX512-BF16 path's bits against the scalar path's
 (forced with KVSERVE_ISA in a child process), exact pack/unpack, clear shape errors, and which path runs.
 
@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 import torch
 
-from kvserve import kernels
-from kvserve.kernels import bf16_leaves as leaves
-from kvserve.kernels.emulate import host_cpu_flags
+from kvserve import native
+from kvserve.native import bf16_leaves as leaves
+from kvserve.native.emulate import host_cpu_flags
 from kvserve.quant.bf16 import BF16Linear, kernel_runs
 
 ROOT = Path(__file__).resolve().parent.parent
 SHAPES = [(21, 7), (49, 64), (40, 1), (64, 576), (192, 1536)]  # (N, K): panel and pair remainders, SmolLM2's sizes
 NATIVE_BF16 = {"avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16"} <= host_cpu_flags()
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this machine")
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the kernels do not build on this machine")
 
 
 def weights(N: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -41,7 +41,7 @@ def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
 
 
 def test_the_layer_is_the_product_of_the_bf16_rounded_operands():
-    module = kernels.load()
+    module = native.load()
     for N, K in SHAPES:
         w, x = weights(N, K), activations(9, K)
         y = module.bf16_linear(x, module.bf16_pack(w), N, K)
@@ -55,7 +55,7 @@ def test_the_layer_is_the_product_of_the_bf16_rounded_operands():
 
 
 def test_a_rows_bits_are_the_same_alone_and_in_every_batch():
-    module = kernels.load()
+    module = native.load()
     N, K = 96, 576
     packed, x = module.bf16_pack(weights(N, K)), activations(512, K)
     full = module.bf16_linear(x, packed, N, K)  # [512, N]
@@ -67,7 +67,7 @@ def test_a_rows_bits_are_the_same_alone_and_in_every_batch():
 
 
 def test_pack_is_the_micro_kernels_order_and_unpack_inverts_it():
-    module = kernels.load()
+    module = native.load()
     for N, K in SHAPES:
         w = weights(N, K)
         packed = module.bf16_pack(w)
@@ -77,7 +77,7 @@ def test_pack_is_the_micro_kernels_order_and_unpack_inverts_it():
 
 
 def test_shape_and_dtype_errors_are_clear():
-    module = kernels.load()
+    module = native.load()
     packed = module.bf16_pack(weights(40, 64))
     with pytest.raises(RuntimeError, match=r"must be \[2, 4096\], got \[2, 2048\]"):
         module.bf16_linear(activations(2, 64), packed, 40, 64 * 2)
@@ -90,7 +90,7 @@ def test_shape_and_dtype_errors_are_clear():
 def worker(out: str) -> None:
     """In a child process (on the ISA KVSERVE_ISA forces): whether the AVX512-BF16 kernel runs, and every shape's
     outputs at 1..9, 33 and 200 rows; saved to ``out``."""
-    module = kernels.load()
+    module = native.load()
     results = {"isa": module.isa(), "bf16": module.bf16_native(), "kernel_runs": kernel_runs()}
     for N, K in SHAPES:
         packed = module.bf16_pack(weights(N, K))
@@ -109,7 +109,7 @@ def child(isa: str, tmp_path: Path) -> dict:
 
 
 def test_the_avx512_bf16_path_gives_the_scalar_paths_bits_and_lesser_paths_turn_it_off(tmp_path):
-    results = {isa: child(isa, tmp_path) for isa in kernels.native_isas()}
+    results = {isa: child(isa, tmp_path) for isa in native.native_isas()}
     for isa, got in results.items():
         assert got.pop("isa") == isa
         runs = isa == "avx512" and NATIVE_BF16
@@ -123,7 +123,7 @@ def test_the_avx512_bf16_path_gives_the_scalar_paths_bits_and_lesser_paths_turn_
 
 
 def test_the_layer_serves_every_call_through_the_kernel_and_keeps_its_weights():
-    module = kernels.load()
+    module = native.load()
     w, bias = weights(70, 64), torch.randn(70)
     layer = BF16Linear(w, bias)
     assert layer.kernel_max_rows is None and layer.decode_kernel() is not None

@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve import kernels
+from kvserve import native
 from kvserve.engine.fastpath import fast_decoder
 from kvserve.engine.loader import DType, serves_bf16_kernel
 from kvserve.quant.bf16 import BF16Linear
@@ -26,7 +26,7 @@ from kvserve.server.config import ServeConfig
 from tests.engineutil import NEAR_TIE_LOGITS, engine_greedy, reference_model, reference_shortfall
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNS = kernels.load() is not None and serves_bf16_kernel(DType.AUTO, torch.device("cpu"))
+RUNS = native.load() is not None and serves_bf16_kernel(DType.AUTO, torch.device("cpu"))
 needs_kernel = pytest.mark.skipif(not RUNS, reason="the AVX512-BF16 kernel does not run on this CPU / ISA path")
 
 
@@ -111,7 +111,7 @@ print(dtype_reason(ServeConfig(quantization="none"), loaded, Scheme.NONE))
 """
 
 
-@pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this machine")
+@pytest.mark.skipif(native.load() is None, reason="the kernels do not build on this machine")
 @pytest.mark.parametrize("isa", ["avx2", "scalar"])
 def test_a_lesser_isa_path_serves_float32_weights_on_the_float32_kernels(isa):
     done = subprocess.run([sys.executable, "-c", CHILD], cwd=ROOT, env={**os.environ, "KVSERVE_ISA": isa},

@@ -80,7 +80,7 @@ def test_start_log_says_why_each_forward_path_was_chosen(smollm2, caplog, monkey
     line says why and what changes it."""
     import copy
 
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.engine.fastpath import fast_decoder, kernels_off_reason
 
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
@@ -88,10 +88,10 @@ def test_start_log_says_why_each_forward_path_was_chosen(smollm2, caplog, monkey
         assert fast_decoder(smollm2.model) is None
         monkeypatch.delenv("KVSERVE_FASTPATH")
     assert "KVSERVE_FASTPATH=0 turns the lean forward off" in caplog.text
-    monkeypatch.setattr(kernels, "load", lambda build=True: object())  # built: the dtype is the reason
+    monkeypatch.setattr(native, "load", lambda build=True: object())  # built: the dtype is the reason
     half = copy.deepcopy(smollm2.model).bfloat16()
     assert "the weights are bfloat16" in kernels_off_reason(half) and "--dtype float32" in kernels_off_reason(half)
-    monkeypatch.setattr(kernels, "load", lambda build=True: None)
+    monkeypatch.setattr(native, "load", lambda build=True: None)
     monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "0")
     assert "KVSERVE_NATIVE_KERNELS=0 turns them off" in kernels_off_reason(smollm2.model)
     monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "1")

@@ -5,7 +5,7 @@ with its port on 127.0.0.1 and checks readiness, a streamed answer, the non-root
 variables and SIGTERM with a stream in flight (see the script's header). The build is real, from the
 checkout under test, with the layer cache the script keeps in ~/.cache/kvserve/container: when that cache
 holds the heavy layers (apt, torch, the dependencies, the GGUF conversion, the C++ kernels) for this
-Dockerfile and kernels/, only kvserve's own layers are built again and the whole check takes minutes.
+Dockerfile and native/, only kvserve's own layers are built again and the whole check takes minutes.
 Skipped, with the reason, where the tools are missing (``bash scripts/ci_system_deps.sh`` installs them) or
 where the script says it cannot run, which includes "the layer cache is cold for these inputs" (a cold build
 takes about half an hour on 2 cores, past the suite's budget) unless KVSERVE_CONTAINER_CHECK=1 asks for

@@ -1,4 +1,4 @@
-"""kernels/csrc/decode_ops.cpp (fused RMSNorm, RoPE, KV write, paged decode attention) computes what the torch ops do."""
+"""native/csrc/decode_ops.cpp (fused RMSNorm, RoPE, KV write, paged decode attention) computes what the torch ops do."""
 
 from __future__ import annotations
 
@@ -7,16 +7,16 @@ import torch
 
 from kvserve.engine.rope import Rope
 from kvserve.engine.loader import wrap_model
-from kvserve import kernels
+from kvserve import native
 from kvserve.kvcache.pool import dequantize, quantize
 from tests.engineutil import run_both, tiny
 
-ops = kernels.load_ops()
+ops = native.load_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="engine decode ops could not be built here")
 
 
 def _torch_only(monkeypatch) -> None:
-    monkeypatch.setattr(kernels, "load_ops", lambda build=True: None)
+    monkeypatch.setattr(native, "load_ops", lambda build=True: None)
 
 
 @pytest.mark.parametrize("arch,overrides", [("llama", {"attention_bias": True}), ("qwen2", {}),
@@ -205,7 +205,7 @@ def test_quantized_attention_has_the_float32_kernels_bits_over_the_dequantized_c
                                                                                      window, context, group):
     # kv_quant.cpp performs the float32 cache's AVX2 kernel's operations in its order on code * scale (exact), so
     # over the dequantized pool the two ops agree bit for bit, on the AVX-512 path as on the AVX2 one
-    if kernels.isa().startswith("scalar"):
+    if native.isa().startswith("scalar"):
         pytest.skip("the float32 kernel's scalar path has its own order; tests/test_isa.py compares the quantized "
                     "kernel's scalar bits with its vector paths'")
     out, q, tables, lens, k_codes, k_scales, v_codes, v_scales = quantized_attention_case(
@@ -217,8 +217,8 @@ def test_quantized_attention_has_the_float32_kernels_bits_over_the_dequantized_c
 
 
 def test_the_quantized_attention_runs_the_avx512_path_on_the_pools_groupings():
-    best = kernels.native_isas()[-1]
-    forced = kernels.forced_isa()
+    best = native.native_isas()[-1]
+    forced = native.forced_isa()
     if best != "avx512" or forced not in (None, "avx512"):
         pytest.skip("AVX-512 is not this CPU's path (or KVSERVE_ISA forces a lesser one); kv_quant.cpp's AVX-512 "
                     "path runs as a leaf under the emulator in tests/test_kv_quant_emulated.py")
@@ -253,13 +253,13 @@ def test_bad_indices_raise_instead_of_reading_out_of_bounds():
 
 def test_the_kernels_format_error_messages_without_iostreams():
     # Where libstdc++ is linked statically into an extension (an H200 host: gcc 13, torch 2.11), a number
-    # formatted through TORCH_CHECK's ostringstream crashed the process instead of raising; kernels/csrc/check.h
+    # formatted through TORCH_CHECK's ostringstream crashed the process instead of raising; native/csrc/check.h
     # builds messages from std::string. Every check in every source must go through it.
     import re
     from pathlib import Path
 
     root = Path(__file__).resolve().parent.parent
-    sources = sorted((root / "kernels" / "csrc").glob("*.cpp")) + sorted((root / "kernels" / "csrc").glob("*.h"))
+    sources = sorted((root / "native" / "csrc").glob("*.cpp")) + sorted((root / "native" / "csrc").glob("*.h"))
     assert len(sources) >= 8
     for source in sources:
         if source.name == "check.h":
@@ -269,13 +269,13 @@ def test_the_kernels_format_error_messages_without_iostreams():
         assert "TORCH_CHECK(" not in text, source.name
     checked = [s.name for s in sources if "KV_CHECK(" in s.read_text()]
     assert {"decode_ops.cpp", "linear_int8.cpp", "linear_int4.cpp", "linear_lut4.cpp", "linear_f32.cpp"} <= set(checked)
-    qlinear = kernels.load()
+    qlinear = native.load()
     with pytest.raises(RuntimeError, match="per block of 32 or 64 that divides K; block = 32, K = 30$"):
         qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32, False)
 
 
 def test_silu_mul_is_torch_bits_on_contiguous_and_strided_halves():
-    ops = kernels.load_ops()
+    ops = native.load_ops()
     torch.manual_seed(0)
     both = torch.randn(5, 2 * 96) * 4
     gate, up = both[:, :96], both[:, 96:]

@@ -404,8 +404,8 @@ def test_every_pip_step_of_the_image_can_trust_a_mirrors_ca():
 
 
 def test_dockerfile_heavy_stages_copy_only_their_inputs():
-    """The layer cache: the kernels' stage copies kernels/ and the module it reads its switches from
-    (kvserve/environment.py) alone, the dependencies' stage pyproject.toml alone,
+    """The layer cache: the kernels' stage copies native/ and the module it reads its switches from
+    (kvserve/environment.py) alone, the dependencies' stage pyproject.toml and the lock alone,
     the model's stage its script alone, and the whole source comes in after all three (a source edit rebuilds
     only the build stage and the runtime's last layers)."""
     stage, copies = None, {}
@@ -414,7 +414,8 @@ def test_dockerfile_heavy_stages_copy_only_their_inputs():
             stage = args.split()[-1]
         elif op == "COPY" and "--from" not in args:
             copies.setdefault(stage, []).append(args.split()[-2])
-    assert copies["kernels"] == ["kernels", "kvserve/environment.py"] and copies["deps"] == ["pyproject.toml"]
+    assert copies["kernels"] == ["native", "kvserve/environment.py"]
+    assert copies["deps"] == ["pyproject.toml", "constraints.txt"]
     assert copies["model"] == ["docker/convert_model.py"] and copies["build"] == ["."]
     assert "torch" not in copies
 
@@ -441,7 +442,7 @@ def test_dockerfile_python_steps_name_real_functions():
     """The build-time ``from X import Y`` steps (model conversion, kernel build) name code that exists."""
     runs = " ".join(args for op, args in dockerfile_instructions() if op == "RUN")
     imports = re.findall(r"from ([\w.]+) import (\w+)", runs)
-    assert {module for module, _ in imports} == {"kvserve.engine.loader", "kvserve.kernels"}
+    assert {module for module, _ in imports} == {"kvserve.engine.loader", "kvserve.native"}
     for module, name in imports:
         assert callable(getattr(importlib.import_module(module), name)), f"{module}.{name}"
 

@@ -1,6 +1,6 @@
-"""The emulator harness (kvserve.kernels.emulate): AVX-512 leaves run under Bochs give numpy's bits, and the hardware's.
+"""The emulator harness (kvserve.native.emulate): AVX-512 leaves run under Bochs give numpy's bits, and the hardware's.
 
-The probe leaves (kernels/csrc/emu_probe.c) cover what the AVX-512 micro-kernels rely on: ``vpdpbusd`` with int32
+The probe leaves (native/csrc/emu_probe.c) cover what the AVX-512 micro-kernels rely on: ``vpdpbusd`` with int32
 wrap-around, ``vdpbf16ps`` with denormals, masked loads and stores. Each runs emulated and, on a CPU that has these
 instructions, natively too, against one numpy reference bit for bit. CPU models without VNNI, BF16 or AVX-512
 raise #UD on those instructions, in a child process each (Bochs emulates one model per process).
@@ -17,8 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvserve.kernels import emulate
-from kvserve.kernels.emulate import CpuModel, Emulator, GuestFault
+from kvserve.native import emulate
+from kvserve.native.emulate import CpuModel, Emulator, GuestFault
 
 ROOT = Path(__file__).resolve().parent.parent
 AVAILABLE, REASON = emulate.available()

@@ -13,7 +13,7 @@ import pytest
 from kvserve import environment
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("server", "scheduler", "kvcache", "engine", "quant", "kernels", "planner", "clients", "loadtest")
+PACKAGES = ("server", "scheduler", "kvcache", "engine", "quant", "native", "planner", "clients", "loadtest")
 
 
 def test_no_module_but_environment_reads_a_kvserve_variable():

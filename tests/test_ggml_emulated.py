@@ -1,4 +1,4 @@
-"""The GGUF micro-kernels (kernels/csrc/ukernel*.h) run as leaves: every vector kernel against the scalar one, bit
+"""The GGUF micro-kernels (native/csrc/ukernel*.h) run as leaves: every vector kernel against the scalar one, bit
 for bit, under the CPU emulator (a Sapphire Rapids core: AVX-512 on any x86-64 machine) and, where this CPU has
 the instructions, natively too.
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvserve.kernels import emulate
-from kvserve.kernels import ggml_leaves as leaves
+from kvserve.native import emulate
+from kvserve.native import ggml_leaves as leaves
 from tests.leafutil import leaf_runner
 
 NEEDS = {"avx2": {"avx2", "fma", "f16c"}, "avx512": {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"}}

@@ -1,4 +1,4 @@
-"""GGUF Q4_1 / Q8_0 kernels (kernels/csrc/linear_ggml.cpp, ukernel*.h): against gguf's own dequantization, the
+"""GGUF Q4_1 / Q8_0 kernels (native/csrc/linear_ggml.cpp, ukernel*.h): against gguf's own dequantization, the
 same bits on every ISA path this CPU runs natively and in every batch, exact pack/unpack, clear shape errors.
 
 Paths other than the best are forced with KVSERVE_ISA in a child process (the choice is read once per process);
@@ -17,8 +17,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType, quants
 
-from kvserve import kernels
-from kvserve.kernels import ggml_leaves as leaves
+from kvserve import native
+from kvserve.native import ggml_leaves as leaves
 from kvserve.quant.schemes import quantize_activations
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,7 +26,7 @@ KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
 # (N, K): features below, at and past a 16-wide panel, K of 1, 2 and 18 blocks (SmolLM2's 576)
 SHAPES = [(3, 32), (16, 64), (40, 576), (24, 64)]
 
-pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this machine")
+pytestmark = pytest.mark.skipif(native.load() is None, reason="the kernels do not build on this machine")
 
 
 def random_blocks(kind: str, N: int, K: int, seed: int = 0) -> torch.Tensor:
@@ -57,7 +57,7 @@ def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
 
 
 def test_kernel_agrees_with_gguf_dequantization_in_float64():
-    module = kernels.load()
+    module = native.load()
     for kind in KINDS:
         for N, K in SHAPES:
             raw = random_blocks(kind, N, K)
@@ -75,7 +75,7 @@ def test_the_embedded_models_own_blocks_round_trip_and_multiply_as_gguf_dequanti
 
     from kvserve.engine.loader import default_gguf_path
 
-    module = kernels.load()
+    module = native.load()
     tensors = {t.name: t for t in GGUFReader(default_gguf_path()).tensors}
     for name, kind, rows in (("blk.0.ffn_down.weight", "q4_1", 576), ("token_embd.weight", "q8_0", 1000)):
         tensor = tensors[name]
@@ -92,19 +92,19 @@ def test_the_embedded_models_own_blocks_round_trip_and_multiply_as_gguf_dequanti
 
 
 def test_pack_unpack_round_trips_the_raw_bytes():
-    module = kernels.load()
+    module = native.load()
     for kind in KINDS:
         for N, K in SHAPES:
             raw = random_blocks(kind, N, K, seed=N)
             packed = module.ggml_pack(raw, kind)
             assert torch.equal(module.ggml_unpack(packed, kind, N, K), raw)
             # each byte where the micro-kernels read it (leaves.pack_panels: ukernel.h's layout in numpy)
-            nr = leaves.NR.get(kernels.load().isa(), 8)
+            nr = leaves.NR.get(native.load().isa(), 8)
             assert np.array_equal(packed.numpy(), leaves.pack_panels(raw.numpy(), kind, nr))
 
 
 def test_bound_kernel_gives_the_bits_of_the_call():
-    module = kernels.load()
+    module = native.load()
     raw = random_blocks("q4_1", 40, 64)
     packed = module.ggml_pack(raw, "q4_1")
     x = activations(5, 64)
@@ -114,7 +114,7 @@ def test_bound_kernel_gives_the_bits_of_the_call():
 
 
 def test_bad_shapes_and_kinds_raise_clear_errors():
-    module = kernels.load()
+    module = native.load()
     raw = random_blocks("q8_0", 16, 64)
     packed = module.ggml_pack(raw, "q8_0")
     with pytest.raises(RuntimeError, match="kind must be"):
@@ -134,7 +134,7 @@ def test_bad_shapes_and_kinds_raise_clear_errors():
 def worker(out: str) -> None:
     """In a child process (on the ISA KVSERVE_ISA forces): every shape's outputs at 1..9 and 33 rows, checking that
     each row's bits are the same alone, in every batch of 1..64 and in a 512-row call; saved to ``out``."""
-    module = kernels.load()
+    module = native.load()
     results = {"isa": module.isa()}
     for kind in KINDS:
         for N, K in SHAPES:
@@ -156,7 +156,7 @@ def worker(out: str) -> None:
 
 def test_every_native_path_gives_the_scalar_bits_in_every_batch(tmp_path):
     results = {}
-    for isa in kernels.native_isas():
+    for isa in native.native_isas():
         out = tmp_path / f"{isa}.pt"
         code = f"from tests.test_ggml_kernels import worker; worker({str(out)!r})"
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env={**os.environ, "KVSERVE_ISA": isa},

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 ARCHITECTURE = ROOT / "docs" / "architecture.md"
-PACKAGES = ("server", "scheduler", "speculation", "kvcache", "engine", "quant", "kernels", "planner", "clients",
+PACKAGES = ("server", "scheduler", "speculation", "kvcache", "engine", "quant", "native", "planner", "clients",
             "loadtest")
 
 
@@ -45,7 +45,7 @@ def imported_modules(path: Path) -> set[str]:
         if isinstance(node, ast.Import):
             modules.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module == "kvserve":
-            modules.update(f"kvserve.{alias.name}" for alias in node.names)  # from kvserve import kernels
+            modules.update(f"kvserve.{alias.name}" for alias in node.names)  # from kvserve import native
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             modules.add(node.module)
     return modules
@@ -152,16 +152,16 @@ def test_no_import_cycles():
 def test_the_rules_are_the_documented_table():
     forbidden, allowed = rules(ARCHITECTURE.read_text())
     assert forbidden["scheduler"] >= {"server", "engine", "torch"} and allowed == {"scheduler": {"kvserve.engine.plan"}}
-    assert set(forbidden) == {"kvcache", "engine", "scheduler", "quant", "kernels", "clients"}
+    assert set(forbidden) == {"kvcache", "engine", "scheduler", "quant", "native", "clients"}
     with pytest.raises(ValueError):
         rules("# no table here")
 
 
 def test_imported_modules_sees_lazy_imports(tmp_path):
     source = tmp_path / "m.py"
-    source.write_text("import os\nfrom kvserve import kernels\n\ndef f():\n    from kvserve.engine.loader import load_model\n"
+    source.write_text("import os\nfrom kvserve import native\n\ndef f():\n    from kvserve.engine.loader import load_model\n"
                       "    import torch.nn\n")
-    assert imported_modules(source) == {"os", "kvserve.kernels", "kvserve.engine.loader", "torch.nn"}
+    assert imported_modules(source) == {"os", "kvserve.native", "kvserve.engine.loader", "torch.nn"}
 
 
 def test_a_forbidden_import_is_reported(tmp_path, monkeypatch):
@@ -178,11 +178,11 @@ def test_package_imports_follow_the_architecture(package):
 
 
 def test_native_code_has_one_home():
-    """C/C++ sources live under kernels/ only (its build and the CPU-feature dispatch are there too)."""
+    """C/C++ sources live under native/ only (its build and the CPU-feature dispatch are there too)."""
     native = [p.relative_to(ROOT) for ext in ("*.cpp", "*.cc", "*.c", "*.h", "*.hpp")
               for p in ROOT.rglob(ext) if not {".venv", ".git", "build"} & set(p.parts)]
-    assert native and all(p.parts[0] == "kernels" for p in native), native
-    dispatch = [p.name for p in (ROOT / "kernels" / "csrc").iterdir() if "__builtin_cpu_supports" in p.read_text()]
+    assert native and all(p.parts[0] == "native" for p in native), native
+    dispatch = [p.name for p in (ROOT / "native" / "csrc").iterdir() if "__builtin_cpu_supports" in p.read_text()]
     assert dispatch == ["cpu.h"]
 
 
@@ -197,7 +197,7 @@ def test_the_wheel_installs_one_top_level_package(tmp_path):
     names = zipfile.ZipFile(next(tmp_path.glob("kvserve-*.whl"))).namelist()
     assert {name.split("/")[0] for name in names} == {"kvserve", "kvserve-0.1.0.dist-info"}
     assert {f"kvserve/{folder}/__init__.py" for folder in PACKAGES} <= set(names)
-    assert {"kvserve/kernels/csrc/cpu.h", "kvserve/kernels/csrc/emu_isoc23_shim.c",
+    assert {"kvserve/native/csrc/cpu.h", "kvserve/native/csrc/emu_isoc23_shim.c",
             "kvserve/loadtest/loadgen/workloads/seed64.json"} <= set(names)
     page = {f"kvserve/server/ui/{name}" for name in ("index.html", "app.js", "style.css", "vendor/uPlot.iife.min.js",
                                                       "vendor/uPlot.min.css", "vendor/LICENSE")}

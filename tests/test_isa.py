@@ -1,6 +1,6 @@
 """Every instruction-set path of the native kernels is tested on one machine: KVSERVE_ISA forces the lesser one.
 
-kernels/csrc/cpu.h picks the best path the CPU supports; ``KVSERVE_ISA=scalar`` forces the portable loops and
+native/csrc/cpu.h picks the best path the CPU supports; ``KVSERVE_ISA=scalar`` forces the portable loops and
 ``KVSERVE_ISA=avx2`` the AVX2 ones on an AVX-512 CPU.
 The kernel test files then run again on that path, in a child process (the choice is read once per process).
 """
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvserve import kernels
-from kvserve.kernels.leaves import host_cpu_flags as _cpu_flags
+from kvserve import native
+from kvserve.native.leaves import host_cpu_flags as _cpu_flags
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -26,23 +26,23 @@ def _python(code: str, **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
-needs_kernels = pytest.mark.skipif(kernels.load() is None, reason="the kernels do not build on this machine")
+needs_kernels = pytest.mark.skipif(native.load() is None, reason="the kernels do not build on this machine")
 
 
 @needs_kernels
 def test_the_best_path_this_cpu_supports_runs_by_default(monkeypatch):
     monkeypatch.delenv("KVSERVE_ISA", raising=False)
-    assert kernels.isa() == f"{_best_isa()} (the best this CPU supports)"
-    assert kernels.load().vectorized() == (_best_isa() != "scalar")
+    assert native.isa() == f"{_best_isa()} (the best this CPU supports)"
+    assert native.load().vectorized() == (_best_isa() != "scalar")
 
 
 def _best_isa() -> str:
-    return kernels.native_isas()[-1]
+    return native.native_isas()[-1]
 
 
 @needs_kernels
 def test_kvserve_isa_forces_the_scalar_path():
-    done = _python("from kvserve import kernels; print(kernels.isa()); print(kernels.load().vectorized())", KVSERVE_ISA="scalar")
+    done = _python("from kvserve import native; print(native.isa()); print(native.load().vectorized())", KVSERVE_ISA="scalar")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["scalar (forced by KVSERVE_ISA)", "False"]
 
@@ -50,7 +50,7 @@ def test_kvserve_isa_forces_the_scalar_path():
 @needs_kernels
 @pytest.mark.skipif(_best_isa() != "avx512", reason="this CPU has no AVX-512 VNNI path to step down from")
 def test_kvserve_isa_forces_the_avx2_path_on_an_avx512_cpu():
-    done = _python("from kvserve import kernels; print(kernels.isa()); print(kernels.load().vectorized())",
+    done = _python("from kvserve import native; print(native.isa()); print(native.load().vectorized())",
                    KVSERVE_ISA="avx2")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[:2] == ["avx2 (forced by KVSERVE_ISA)", "True"]
@@ -59,13 +59,13 @@ def test_kvserve_isa_forces_the_avx2_path_on_an_avx512_cpu():
 @needs_kernels
 @pytest.mark.skipif(_best_isa() == "avx512", reason="this CPU runs the AVX-512 path")
 def test_kvserve_isa_asking_for_more_than_the_cpu_has_says_so():
-    done = _python("from kvserve import kernels; print(kernels.isa())", KVSERVE_ISA="avx512")
+    done = _python("from kvserve import native; print(native.isa())", KVSERVE_ISA="avx512")
     assert done.returncode == 0, done.stderr
     assert done.stdout.split("\n")[0] == f"{_best_isa()} (KVSERVE_ISA=avx512 asks for more than this CPU has)"
 
 
 def test_an_unknown_isa_is_refused_with_the_choices():
-    done = _python("from kvserve import kernels; kernels.load()", KVSERVE_ISA="avx9000")
+    done = _python("from kvserve import native; native.load()", KVSERVE_ISA="avx9000")
     assert done.returncode != 0
     assert "KVSERVE_ISA='avx9000': expected one of scalar, avx2, avx512" in done.stderr
 
@@ -79,7 +79,7 @@ def test_quantized_cache_attention_has_the_same_bits_on_every_path(isa, tmp_path
     the reference: std::fma where the vector paths fuse."""
     from tests.test_decode_ops import QUANT_SHAPES, quantized_attention_case
 
-    if isa not in kernels.native_isas() or os.environ.get("KVSERVE_ISA") == isa:
+    if isa not in native.native_isas() or os.environ.get("KVSERVE_ISA") == isa:
         pytest.skip(f"{isa} is not a lesser path here")
     code = ("import sys, torch; from tests.test_decode_ops import QUANT_SHAPES, quantized_attention_case; "
             "torch.save([quantized_attention_case(*shape) for shape in QUANT_SHAPES], sys.argv[1])")

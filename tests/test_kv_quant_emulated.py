@@ -1,4 +1,4 @@
-"""The int8 / int4 KV cache's paged decode attention (kernels/csrc/kv_attend.h, the body kv_quant.cpp ships) run
+"""The int8 / int4 KV cache's paged decode attention (native/csrc/kv_attend.h, the body kv_quant.cpp ships) run
 as leaves: the AVX2 and AVX-512 paths against the scalar one, bit for bit, under the CPU emulator (a Sapphire
 Rapids core: AVX-512 on any x86-64 machine) and, where this CPU has the instructions, natively; and the leaves
 against the extension's paged_decode_attention_quant on the same inputs, so the leaf is the shipped kernel.
@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvserve.kernels import emulate
-from kvserve.kernels import kv_leaves as leaves
+from kvserve.native import emulate
+from kvserve.native import kv_leaves as leaves
 from tests.leafutil import leaf_runner
 
 # bits, heads, kv_heads, dim, group, lens, block_size, window
@@ -159,12 +159,12 @@ def test_numpy_quantize_is_the_pools():
 
 def test_the_leaves_are_the_extensions_kernel(runner):
     """Every leaf this runner runs gives paged_decode_attention_quant's bits (the extension runs the path
-    kernels/csrc/cpu.h chose here; all give the same bits), on random codes and on a pool written from vectors
+    native/csrc/cpu.h chose here; all give the same bits), on random codes and on a pool written from vectors
     with ``quantize``."""
     torch = pytest.importorskip("torch")
-    from kvserve import kernels
+    from kvserve import native
 
-    ops = kernels.load_ops()
+    ops = native.load_ops()
     if ops is None:
         pytest.skip("the native extension is not built here")
     cases = [random_case(shape, 10 + index, strided_q=index % 2 == 0) for index, shape in enumerate(SHAPES)]

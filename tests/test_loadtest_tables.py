@@ -75,10 +75,10 @@ def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkey
     in the projections row (labelled, not lost in the Python/dispatch remainder)."""
     from kvserve.loadtest.__main__ import main as loadtest_main
     from kvserve.loadtest.engine import enginebench
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.quant.linear import QuantLinear
 
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("no C++ kernels here")
     config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)

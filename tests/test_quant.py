@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from kvserve import environment, kernels
+from kvserve import environment, native
 from kvserve.quant.layers import Int4Linear, Int8Linear, NF4Linear
 from kvserve.quant.linear import Layout, QuantLinear, concat_outputs
 from kvserve.quant.model import projection_names, quantize_model, serving_quantizes_head
@@ -111,14 +111,14 @@ def test_stacking_row_major_layers_keeps_their_layout_even_when_the_sum_fills_pa
                     reason="no C++ compiler here (or kernels disabled): the reference path serves")
 def test_kernels_build_where_a_compiler_exists():
     # the kernel tests below skip when the build fails, so a broken build must fail here instead of hiding
-    assert kernels.load() is not None
-    assert kernels.load_ops() is not None
+    assert native.load() is not None
+    assert native.load_ops() is not None
 
 
 def test_row_major_int4_layers_give_a_row_the_same_bits_in_any_batch():
     # int4 layers outside panels run the float table kernel on every call (not only up to 32 rows), so a
     # prefill of 40 tokens in the step does not move a decode row onto other arithmetic
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("C++ kernels could not be built here")
     torch.manual_seed(12)
     layer = Int4Linear(nn.Linear(576, 12))
@@ -180,7 +180,7 @@ def _layers(in_features: int, out_features: int) -> list[QuantLinear]:
 def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):  # groups a row; int8 at K = 3 blocks of 32
     # batch invariance: a request's greedy text must not depend on what shares its step, so a row's product
     # may not change with the number of rows in the call (tile shapes are chosen by that number)
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("C++ kernels could not be built here")
     torch.manual_seed(shape[0])
     x = torch.randn(9, shape[0])
@@ -188,7 +188,7 @@ def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):  # groups a row; 
         alone = torch.cat([layer(x[i:i + 1]) for i in range(9)])
         for rows in range(2, 10):
             assert torch.equal(layer(x[:rows]), alone[:rows]), (type(layer).__name__, rows)
-    dense = kernels.load().f32_linear
+    dense = native.load().f32_linear
     w = torch.randn(shape[1], shape[0])
     alone = torch.cat([dense(x[i:i + 1], w) for i in range(9)])
     for rows in range(2, 10):
@@ -198,13 +198,13 @@ def test_kernels_give_a_row_the_same_bits_in_any_batch(shape):  # groups a row; 
 def test_bound_kernels_give_the_bits_of_the_layer_call():
     # decode_kernel() binds a layer's codes and scales in C++ once (what the fast path calls); it must be the
     # layer's own product, bias aside
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("C++ kernels could not be built here")
     x = torch.randn(3, 576)
     for layer in _layers(576, 40):
         assert torch.equal(layer.decode_kernel()(x) + layer.bias, layer(x)), type(layer).__name__
     w = torch.randn(40, 576)
-    assert torch.equal(kernels.load().bind_f32(w)(x), kernels.load().f32_linear(x, w))
+    assert torch.equal(native.load().bind_f32(w)(x), native.load().f32_linear(x, w))
     with pytest.raises(RuntimeError, match="576"):  # the bound kernel still checks its input
         _layers(576, 40)[0].decode_kernel()(torch.randn(3, 64))
 
@@ -212,7 +212,7 @@ def test_bound_kernels_give_the_bits_of_the_layer_call():
 @pytest.mark.parametrize("out_features", [13, 67])
 def test_kernels_give_the_same_bits_on_one_thread_and_two(out_features):
     # a thread's rows that do not fill a tile of 4 are summed one at a time: same order as the 4-row tiles
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("C++ kernels could not be built here")
     torch.manual_seed(out_features)
     x, w = torch.randn(3, 576), torch.randn(out_features, 576)
@@ -221,7 +221,7 @@ def test_kernels_give_the_same_bits_on_one_thread_and_two(out_features):
     try:
         for n in (1, 2):
             torch.set_num_threads(n)
-            results.append([layer(x) for layer in _layers(576, out_features)] + [kernels.load().f32_linear(x, w)])
+            results.append([layer(x) for layer in _layers(576, out_features)] + [native.load().f32_linear(x, w)])
     finally:
         torch.set_num_threads(threads)
     for one, two in zip(*results):
@@ -231,7 +231,7 @@ def test_kernels_give_the_same_bits_on_one_thread_and_two(out_features):
 @pytest.mark.parametrize("shape", [(576, 192), (1536, 64), (40, 24)])  # (40, 24) runs the scalar loops
 @pytest.mark.parametrize("rows", [1, 3, 5])
 def test_kernel_matches_reference(shape, rows):
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("C++ kernels could not be built here")
     for layer in _layers(*shape):
         x = torch.randn(rows, shape[0])
@@ -274,7 +274,7 @@ def test_activation_quantization_reference():
 
 
 def test_kernels_clamp_codes_like_the_reference_where_the_block_scale_is_subnormal():
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("C++ kernels could not be built here")
     torch.manual_seed(5)
     x = torch.randn(3, 64) * 1e-38  # subnormal block scales; a wrapped int16 code would flip a sign
@@ -395,7 +395,7 @@ def test_quantized_smollm2_answers(smollm2, scheme, head):
 def test_non_finite_activations_stay_non_finite():
     # a NaN (or an infinity) must not be quantized into a plausible number: as in the reference, every output
     # of a row whose activations hold one is NaN
-    if kernels.load() is None:
+    if native.load() is None:
         pytest.skip("C++ kernels could not be built here")
     for layer in _layers(256, 8)[:2]:  # the integer kernels
         x = torch.randn(3, 256)
@@ -460,41 +460,41 @@ def test_a_dead_builds_lock_is_removed_and_a_live_one_waited_for(tmp_path, monke
     # torch waits forever on the lock file a killed build leaves; kvserve would hang at startup
     lock = tmp_path / "lock"
     lock.touch()
-    old = time.time() - kernels.LOCK_GRACE_S - 1
+    old = time.time() - native.LOCK_GRACE_S - 1
     os.utime(lock, (old, old))
-    if kernels._builders(tmp_path) is not None:  # Linux: no process works in tmp_path, so the build is dead
-        kernels._clear_stale_lock(tmp_path)
+    if native._builders(tmp_path) is not None:  # Linux: no process works in tmp_path, so the build is dead
+        native._clear_stale_lock(tmp_path)
         assert not lock.exists()
         lock.touch()
         os.utime(lock, (old, old))
     # a live build (a process working in the directory) keeps its lock however old, until it removes it
-    monkeypatch.setattr(kernels, "_builders", lambda build_dir: 1)
+    monkeypatch.setattr(native, "_builders", lambda build_dir: 1)
     sleeps = []
-    monkeypatch.setattr(kernels.time, "sleep", lambda s: (sleeps.append(s), lock.unlink()))
-    kernels._clear_stale_lock(tmp_path)
+    monkeypatch.setattr(native.time, "sleep", lambda s: (sleeps.append(s), lock.unlink()))
+    native._clear_stale_lock(tmp_path)
     assert sleeps and not lock.exists()
-    kernels._clear_stale_lock(tmp_path)  # no lock: returns at once
+    native._clear_stale_lock(tmp_path)  # no lock: returns at once
     # where /proc cannot tell, only a lock older than STALE_LOCK_S is removed
-    monkeypatch.setattr(kernels, "_builders", lambda build_dir: None)
+    monkeypatch.setattr(native, "_builders", lambda build_dir: None)
     lock.touch()
-    ancient = time.time() - kernels.STALE_LOCK_S - 1
+    ancient = time.time() - native.STALE_LOCK_S - 1
     os.utime(lock, (ancient, ancient))
-    kernels._clear_stale_lock(tmp_path)
+    native._clear_stale_lock(tmp_path)
     assert not lock.exists()
 
 
 def test_a_process_working_in_a_directory_counts_as_a_builder(tmp_path):
     import subprocess
 
-    if kernels._builders(tmp_path) is None:
+    if native._builders(tmp_path) is None:
         pytest.skip("no /proc here")
-    assert kernels._builders(tmp_path) == 0
+    assert native._builders(tmp_path) == 0
     sleeper = subprocess.Popen(["sleep", "30"], cwd=tmp_path)
     try:
         deadline = time.time() + 10
-        while kernels._builders(tmp_path) != 1 and time.time() < deadline:
+        while native._builders(tmp_path) != 1 and time.time() < deadline:
             time.sleep(0.05)
-        assert kernels._builders(tmp_path) == 1
+        assert native._builders(tmp_path) == 1
     finally:
         sleeper.kill()
         sleeper.wait()

@@ -1,6 +1,6 @@
 """``python -m kvserve.loadtest kernelbench``: the measurements behind the engine's kernel choices, rerunnable.
 
-1. ``f32_linear`` (kernels/csrc/linear_*.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
+1. ``f32_linear`` (native/csrc/linear_*.cpp) against torch's GEMM for float32 decode batches: 30 SmolLM2-sized
    576->1536 and 30 1536->576 projections (212 MB, more than the L3), 1 to 128 rows.
 2. Quantized layers: the integer kernels against dequantize + GEMM at 1 to 512 rows (why they serve every
    call, prefill chunks included).
@@ -8,12 +8,12 @@
 4. One OpenMP team or two (``--threads``): a batch-8 decode step with every torch call on one thread, and
    with the model loaded on the main thread but steps run on a worker thread (what the server did before
    ``server.serve`` moved all torch work to one thread). Each mode runs in its own process.
-5. ``--ggml``: the GGUF Q4_1 / Q8_0 kernels (kernels/csrc/linear_ggml.cpp) on each ISA path this CPU runs (one
+5. ``--ggml``: the GGUF Q4_1 / Q8_0 kernels (native/csrc/linear_ggml.cpp) on each ISA path this CPU runs (one
    process per path, forced with ``KVSERVE_ISA``): GMAC/s at 1, 8, 32 and 512 rows on SmolLM2's K = 576 shapes,
    weight GB/s at 1 row (over copies of the weights larger than the caches), and the int4 panel kernel beside
    them; written into BENCHMARKS.md's "ggml" section. One thread, timed in CPU seconds (``time.thread_time``),
    so the figures are per core even on a machine shared with other work (wall time there measures the queue).
-6. ``--bf16``: the bfloat16-weight kernel (kernels/csrc/linear_bf16.cpp, AVX512-BF16) on SmolLM2's shapes at 1,
+6. ``--bf16``: the bfloat16-weight kernel (native/csrc/linear_bf16.cpp, AVX512-BF16) on SmolLM2's shapes at 1,
    8, 32 and 512 rows, one thread, against the core's measured ``vdpbf16ps`` peak (16 independent chains on
    registers, ``kv_bf16_peak``) and torch's bfloat16 GEMM on the same weights; written into BENCHMARKS.md's "bf16"
    section.
@@ -48,9 +48,9 @@ def _time(fn, reps: int) -> float:
 
 @torch.inference_mode()
 def dense_vs_gemm() -> None:
-    from kvserve import kernels
+    from kvserve import native
 
-    kernel = kernels.load()
+    kernel = native.load()
     if kernel is None:
         print("kernels not built")
         return
@@ -154,11 +154,11 @@ def _per_call(fns, x, budget_s: float = 0.3) -> float:
 def ggml_path() -> None:
     """In this process (on the ISA path KVSERVE_ISA forces): one line per (kind, N, rows), as ``key=value``."""
     import kvserve.quant.layers as ql
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.quant.schemes import INT4_OFFSET
 
     torch.set_num_threads(1)
-    module = kernels.load()
+    module = native.load()
     isa = module.isa()
     stream = torch.ones(GGML_STREAM_BYTES // 4)  # float32: what one thread reads from memory, summing it
     print(f"isa={isa} kind=read N=0 rows=1 gmacs=0 gbs={GGML_STREAM_BYTES / _per_call([torch.sum], stream) / 1e9:.2f}")
@@ -188,10 +188,10 @@ def ggml_path() -> None:
 
 def ggml_paths() -> None:
     """Each ISA path in its own process; prints the figures and writes BENCHMARKS.md's "ggml" section."""
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.loadtest.publish.benchmarks_md import update_section
 
-    isas = kernels.native_isas()
+    isas = native.native_isas()
     rows: dict[tuple, dict[str, float]] = {}
     for isa in isas:
         done = subprocess.run([sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", "ggml"],
@@ -234,7 +234,7 @@ def bf16_peak_gmacs(iterations: int = 20_000_000) -> float:
     through ctypes from the native library of leaves."""
     import ctypes
 
-    from kvserve.kernels import bf16_leaves
+    from kvserve.native import bf16_leaves
 
     library = ctypes.CDLL(str(bf16_leaves.build(native=True)))
     library.kv_bf16_peak.argtypes, library.kv_bf16_peak.restype = [ctypes.c_int64], ctypes.c_float
@@ -247,7 +247,7 @@ def bf16_peak_gmacs(iterations: int = 20_000_000) -> float:
 @torch.inference_mode()
 def bf16_kernel() -> None:
     """The bf16 kernel's GMAC/s per CPU second against the measured peak and torch's bf16 GEMM; writes "bf16"."""
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.loadtest.publish.benchmarks_md import update_section
     from kvserve.quant.bf16 import kernel_runs
 
@@ -255,7 +255,7 @@ def bf16_kernel() -> None:
         print("the AVX512-BF16 kernel does not run on this CPU / ISA path: nothing to measure", file=sys.stderr)
         return
     torch.set_num_threads(1)
-    module = kernels.load()
+    module = native.load()
     peak = bf16_peak_gmacs()
     stream = torch.ones(GGML_STREAM_BYTES // 4)
     read = GGML_STREAM_BYTES / _per_call([torch.sum], stream) / 1e9

@@ -88,7 +88,7 @@ def decode_tokens_per_s(loaded, cache: str, streams: int, context: int, block_si
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.engine.loader import Device, DType, load_model
     from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
     base = rows[0]
     names = [f"{s}x{c}" for s, c in args.workloads]
     print(f"\nSmolLM2-135M, weights: {described}, {str(loaded.dtype).removeprefix('torch.')} activations; "
-          f"kernels: {kernels.isa()}; capacity at --kv-cache-memory "
+          f"kernels: {native.isa()}; capacity at --kv-cache-memory "
           f"{args.kv_cache_memory}; decode tokens/s (median of {args.repeats} steps), ratio to {base['cache']}\n")
     print("| KV cache | bytes/token | blocks | 2,048-token sequences | vs float32 | "
           + " | ".join(f"{n} tok/s | vs float32" for n in names) + " |")

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @torch.inference_mode()
 def run(args: argparse.Namespace) -> int:
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.engine import weights
     from kvserve.engine.loader import Device, DType, load_model
     from kvserve.loadtest.publish.benchmarks_md import update_section
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     for size in SIZES:
         sdpa, alone = (statistics.median(times[(size, a)]) for a in (False, True))
         rows.append(f"| {size} | {sdpa:.3f} | {alone:.3f} | {alone / sdpa:.2f}x |")
-    body = (f"The served default (the GGUF's own Q4_1/Q8_0 blocks, kernels {kernels.isa()}), one whole-prompt "
+    body = (f"The served default (the GGUF's own Q4_1/Q8_0 blocks, kernels {native.isa()}), one whole-prompt "
             f"prefill step, median of {args.rounds} alternating rounds; ratio > 1: the chunk-invariant attention "
             "costs that much more TTFT.\n\n" + "\n".join(rows))
     print(body)

@@ -222,13 +222,13 @@ def run(args: argparse.Namespace) -> int:
     """Run the benchmark, print it, and write the "quant" section of BENCHMARKS.md."""
     from kvserve.engine.loader import Device, DType, cpu_has_bf16, load_model
     from kvserve.loadtest.publish.benchmarks_md import update_section
-    from kvserve import kernels
+    from kvserve import native
     from kvserve.quant.report import collect, margin_note, quality_table
 
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    path = kernels.isa()
+    path = native.isa()
     loaded = load_model(None, DType.FLOAT32, Device.CPU)
     bandwidth = read_bandwidth()
     rows = run_speed(loaded, args.tokens, bandwidth, log)
@@ -245,14 +245,14 @@ def run(args: argparse.Namespace) -> int:
             f"This CPU {'has' if native_bf16 else 'has no'} native bfloat16 (AVX-512 BF16 / AMX); "
             f"`kvserve serve --quantization none` serves {auto} here. Quantized variants are served as `kvserve serve --quantization` serves "
             "them (the step's cost does not depend on how the codes were rounded): gguf, the default, computes "
-            "with the file's own Q4_1 / Q8_0 blocks and int8 activations per block of 32 (kernels/csrc/ukernel.h); int8 "
+            "with the file's own Q4_1 / Q8_0 blocks and int8 activations per block of 32 (native/csrc/ukernel.h); int8 "
             "projections multiply int16 activations (quantized per block of 64) and int4 projections int8 "
             "activations (per block of 32) with integer dot products, "
             "NF4 multiplies float32 activations through a 16-level table; with the 4-bit schemes the LM head "
             "gets an int8 per-row copy (the embedding keeps float32), with int8 it stays float32. Float32 runs use kvserve's f32_linear kernel and the fused "
-            "C++ norms / RoPE / paged attention (kernels/csrc/decode_ops.cpp); the none (bf16 kernel) row "
+            "C++ norms / RoPE / paged attention (native/csrc/decode_ops.cpp); the none (bf16 kernel) row "
             "computes the projections and LM head with the model's bfloat16 weights through kvserve's vdpbf16ps kernel "
-            "(kernels/csrc/ukernel_bf16.h) and the rest in float32 with the same fused ops; bfloat16 runs torch's "
+            "(native/csrc/ukernel_bf16.h) and the rest in float32 with the same fused ops; bfloat16 runs torch's "
             f"bf16 matmuls and torch ops throughout (the fused ops are float32-only); {baseline}. Projections and LM head are replayed alone (best of 7); rest = step - both "
             "(attention, norms, sampling, Python).", "", speed_table(rows, bandwidth)]
     profile = next(r["profile"] for r in rows if r["profile"])

@@ -1,6 +1,6 @@
 // The torch-free core of paged decode attention, shared by the extension (decode_common.h includes it:
 // decode_ops.cpp's float32 cache kernel, kv_quant.cpp's int8 / int4 one) and by the freestanding leaves of
-// kv_leaves.cpp (kernels/kv_leaves.py builds them for the CPU emulator): the call's raw arguments (DecodeCall),
+// kv_leaves.cpp (native/kv_leaves.py builds them for the CPU emulator): the call's raw arguments (DecodeCall),
 // the AVX2 lane reductions, exp8, its one-lane twin exp1 and the softmax both attention kernels run.
 //
 // Leaf-safe by construction: no libc or libm call once the leaf build's -mfma -msse4.1 make std::fma and

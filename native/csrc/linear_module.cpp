@@ -72,7 +72,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("bf16_native", &bf16_native,
         "True when bf16_linear runs the AVX512-BF16 micro-kernel (the avx512 path is chosen and the CPU has BF16)");
   m.def("vectorized", &vectorized, "True when the AVX2+FMA path runs on this CPU");
-  m.def("isa", &isa, "The instruction-set path the kernels run (kernels/csrc/cpu.h): avx512, avx2 or scalar");
+  m.def("isa", &isa, "The instruction-set path the kernels run (native/csrc/cpu.h): avx512, avx2 or scalar");
   // A layer's kernel bound to its weights once: f(x) -> y. A call then converts one argument and runs no
   // Python frame (a Python lambda around the kernel cost both, on each of a decode step's ~120-210 calls).
   m.def("bind_int8", [](torch::Tensor w, torch::Tensor scales, int64_t block, bool panels) {

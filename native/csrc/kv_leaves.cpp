@@ -1,5 +1,5 @@
 // The int8 / int4 KV cache's paged decode attention (kv_attend.h: the body the extension's kv_quant.cpp runs) as
-// three leaves, one per ISA path, for the CPU emulator and ctypes (kernels/kv_leaves.py builds this file
+// three leaves, one per ISA path, for the CPU emulator and ctypes (native/kv_leaves.py builds this file
 // freestanding: no libc, no relocations, one pointer argument; tests/test_kv_quant_emulated.py runs it).
 //
 // Each leaf runs every (sequence, KV head) task of one call serially, in the extension's task order (the order
@@ -11,7 +11,7 @@
 extern "C" {
 
 // kv_attend_quant_*'s argument: paged_decode_attention_quant's tensors as raw pointers (kv_quant.cpp documents
-// them; kernels/kv_leaves.py's Args mirrors this struct field for field).
+// them; native/kv_leaves.py's Args mirrors this struct field for field).
 struct kv_attend_args {
   const float* q;              // [T, H, D] with strides q_row, q_head (floats), D contiguous
   float* out;                  // [T, H, D] contiguous

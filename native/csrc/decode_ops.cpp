@@ -17,7 +17,7 @@
 //   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
 //   log_softmax(logits)                    the same log-softmax for every token (sampled and top tokens)
 //
-// Each hot loop is compiled for AVX2+FMA and for plain x86-64; kernels/csrc/cpu.h chooses which runs.
+// Each hot loop is compiled for AVX2+FMA and for plain x86-64; native/csrc/cpu.h chooses which runs.
 #include <ATen/Parallel.h>
 
 #include "decode_common.h"
@@ -31,7 +31,7 @@
 #endif
 
 // KV_TWO_PATHS(name, (params), (args)): name's always-inline body compiled twice, for AVX2+FMA (the compiler
-// vectorizes it) and for the baseline; name() runs the one kernels/csrc/cpu.h chose.
+// vectorizes it) and for the baseline; name() runs the one native/csrc/cpu.h chose.
 #define KV_TWO_PATHS(name, params, args)                          \
   KV_AVX2 void name##_avx2 params { name##_body args; }           \
   void name##_base params { name##_body args; }                   \

@@ -1,7 +1,7 @@
 /* GEMM micro-kernels for bfloat16 weights x float32 activations (an unquantized bfloat16 model), one per ISA:
  * the scalar reference and AVX512-BF16 (vdpbf16ps). Leaves as in ukernel.h (one struct argument, no calls, no
  * data), compiled into the extension (linear_bf16.cpp: packing, activation conversion, tiles, threads) and
- * freestanding for the CPU emulator (kernels/bf16_leaves.py). Header-only, C and C++; include it in exactly one
+ * freestanding for the CPU emulator (native/bf16_leaves.py). Header-only, C and C++; include it in exactly one
  * translation unit of each build (linear_bf16.cpp, leaves.c).
  *
  * ---- Weights: w bfloat16 [N, K] packed once at load time into panels of KV_NR_BF16 = 32 output features; a

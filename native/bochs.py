@@ -1,7 +1,7 @@
 """bochscpu as the emulator harness uses it: importing the PyPI wheel (preloading a glibc shim where glibc is older
 than 2.38), the Bochs CPU models it ships, and choosing one through the 0.4.0 wheel's parameter layout.
 
-kernels/emulate.py builds the guest machine (memory, page tables, loaded objects, calls) on top of this module;
+native/emulate.py builds the guest machine (memory, page tables, loaded objects, calls) on top of this module;
 what changes here is what a new bochscpu build changes.
 """
 
@@ -12,7 +12,7 @@ import enum
 import functools
 from pathlib import Path
 
-from kvserve.kernels.leaves import CSRC, BuildError, compile_shared
+from kvserve.native.leaves import CSRC, BuildError, compile_shared
 
 _SHIM_SOURCE = CSRC / "emu_isoc23_shim.c"
 

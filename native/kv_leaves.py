@@ -4,8 +4,8 @@ ctypes.
 The extension runs the same body (``csrc/kv_quant.cpp``'s ``paged_decode_attention_quant``); ``build()`` compiles
 ``csrc/kv_leaves.cpp``, one leaf per ISA path (``kv_attend_quant_scalar`` / ``_avx2`` / ``_avx512``, each taking one
 ``kv_attend_args*`` and running every (sequence, KV head) task of the call), freestanding for
-``kernels.emulate.Emulator`` (no libc, no relocations: checked) and, with ``native=True``, as an ordinary library
-for ``kernels.emulate.Native``. ``-mfma -msse4.1`` make the baseline path's ``std::fma`` and ``std::nearbyint`` one
+``native.emulate.Emulator`` (no libc, no relocations: checked) and, with ``native=True``, as an ordinary library
+for ``native.emulate.Native``. ``-mfma -msse4.1`` make the baseline path's ``std::fma`` and ``std::nearbyint`` one
 instruction each rather than libm calls (the same correctly rounded results as the extension's calls);
 ``-ffp-contract=off`` is the extension's flag (no multiply and add may fuse on one path only).
 
@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.kernels import emulate
+from kvserve.native import emulate
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "kv_leaves.cpp"
 FLAGS = ["-mfma", "-msse4.1", "-ffp-contract=off", "-fno-jump-tables"]
@@ -51,8 +51,8 @@ class HalfArgs(ctypes.Structure):
 
 
 def build(native: bool = False) -> Path:
-    """The leaves' shared object: freestanding for ``kernels.emulate.Emulator`` or, with ``native``, for
-    ``kernels.emulate.Native`` (ctypes on this CPU). Cached; raises ``emulate.BuildError`` if a compiler fails and
+    """The leaves' shared object: freestanding for ``native.emulate.Emulator`` or, with ``native``, for
+    ``native.emulate.Native`` (ctypes on this CPU). Cached; raises ``emulate.BuildError`` if a compiler fails and
     ``emulate.NotALeafError`` if the freestanding object has relocations or undefined symbols."""
     if native:
         return emulate.build_native([SOURCE], "kvserve_kv_leaves", flags=FLAGS)

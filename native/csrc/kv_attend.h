@@ -8,7 +8,7 @@
 //
 // Two translation units include it, so the shipped kernel and the tested leaves are one source: kv_quant.cpp
 // (the extension: checks, threads, a scores buffer per thread) and kv_leaves.cpp (freestanding leaves for the CPU
-// emulator and ctypes, kernels/kv_leaves.py, tests/test_kv_quant_emulated.py). Hence no torch, no libc or libm
+// emulator and ctypes, native/kv_leaves.py, tests/test_kv_quant_emulated.py). Hence no torch, no libc or libm
 // call in the leaf build (decode_core.h says how), no allocation: the caller hands in the scores buffer.
 #pragma once
 

@@ -1,4 +1,4 @@
-"""kvserve's native code: its sources (``kernels/csrc``), its build, and the choice of instruction set.
+"""kvserve's native code: its sources (``native/csrc``), its build, and the choice of instruction set.
 
 Two extensions, built once with torch's C++ extension tooling:
 
@@ -12,7 +12,7 @@ Two extensions, built once with torch's C++ extension tooling:
 
 Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
 unless ``KVSERVE_ISA`` names a lesser one (``scalar``, ``avx2``; ``avx512`` is the best), so every path can be
-tested on one machine. ``isa()`` says which runs and why. ``python -m kvserve.kernels --build`` compiles both
+tested on one machine. ``isa()`` says which runs and why. ``python -m kvserve.native --build`` compiles both
 extensions (the install step runs it); otherwise the first use builds them (about a minute each on 2 cores). If a build fails, callers fall back to
 the pure-PyTorch reference and one warning is logged. ``KVSERVE_NATIVE_KERNELS=0`` forces that reference
 everywhere.
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import logging
 import os
 import sys
@@ -31,7 +32,7 @@ from types import ModuleType
 
 from kvserve import environment
 
-log = logging.getLogger("kvserve.kernels")
+log = logging.getLogger("kvserve.native")
 
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _SOURCES = {
@@ -41,7 +42,7 @@ _SOURCES = {
     "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp"],
 }
 # kv_quant.cpp's attention gives the same bits on every ISA path: its fused multiply-adds are written out
-# (intrinsics, std::fma); no other multiply and add may fuse into one on one path only (kernels/kv_leaves.py builds
+# (intrinsics, std::fma); no other multiply and add may fuse into one on one path only (native/kv_leaves.py builds
 # the same body as leaves with the same flag).
 _EXTRA_CFLAGS = {"kvserve_decode_ops": ["-ffp-contract=off"]}
 # The paths csrc/cpu.h knows, best last; KVSERVE_ISA may name one to force it (a lesser one than the CPU has).
@@ -62,7 +63,7 @@ def native_isas() -> tuple[str, ...]:
     """The paths of ``ISAS`` this CPU runs natively (its /proc/cpuinfo flags, as csrc/cpu.h tests them), lesser
     first: AVX2 needs AVX2 + FMA + F16C, AVX-512 needs F + BW + VL + VNNI as well. Tests and benchmarks force each
     with ``KVSERVE_ISA``; the AVX-512 micro-kernels also run emulated where the CPU lacks them."""
-    from kvserve.kernels.emulate import host_cpu_flags
+    from kvserve.native.emulate import host_cpu_flags
 
     flags = host_cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
@@ -182,47 +183,56 @@ def _clear_stale_lock(build_dir: Path, poll_s: float = 2.0) -> None:
         time.sleep(poll_s)
 
 
-def _built_after_sources(build_dir: Path, name: str) -> bool:
-    """The extension's library exists and is newer than every source and header.
+def build_key(name: str) -> str:
+    """What a build of extension ``name`` depends on, hashed: every source and header (content), the compiler
+    flags, torch's and Python's versions and the machine. Two checkouts or environments share a library only when
+    all of these agree, so neither can rebuild the other's or load a library built from other sources."""
+    import platform
 
-    Then it is imported as it is, without asking ninja: ninja decides from its own log, and a build directory
-    whose log went missing (seen in CI) made every server start recompile for minutes in silence.
-    """
-    library = build_dir / f"{name}.so"
-    if not library.exists():
-        return False
-    inputs = [*_SOURCES[name], *_CSRC.glob("*.h")]
-    return library.stat().st_mtime >= max(p.stat().st_mtime for p in inputs)
+    import torch
+
+    digest = hashlib.sha256()
+    for path in sorted({*_SOURCES[name], *_CSRC.glob("*.h")}):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes() + b"\0")
+    digest.update(repr((_CFLAGS, _EXTRA_CFLAGS.get(name, []), torch.__version__, sys.version, platform.machine(),
+                        environment.compiler())).encode())
+    return digest.hexdigest()[:16]
+
+
+def build_dir(name: str) -> Path:
+    """Where extension ``name`` is built: ``$KVSERVE_KERNEL_CACHE/<name>-<build_key>``."""
+    return environment.kernel_cache_dir() / f"{name}-{build_key(name)}"
+
+
+# -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
+# (and `omp simd` reductions stay scalar).
+_CFLAGS = ("-O3", "-fopenmp")
 
 
 def _compile(name: str) -> ModuleType:
     from torch.utils import cpp_extension
 
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    _clear_stale_lock(build_dir)
-    if _built_after_sources(build_dir, name):
+    where = build_dir(name)
+    where.mkdir(parents=True, exist_ok=True)
+    _clear_stale_lock(where)
+    if (where / f"{name}.so").exists():  # built from exactly these sources (the folder's key says so)
         try:
-            return cpp_extension._import_module_from_library(name, str(build_dir), True)
-        except ImportError as exc:  # built against another torch or Python: let ninja rebuild it
+            return cpp_extension._import_module_from_library(name, str(where), True)
+        except ImportError as exc:  # a build cut short: let ninja finish it
             log.info("rebuilding %s (%s)", name, exc)
-    # -fopenmp: at::parallel_for is an inline OpenMP loop; compiled without it, it silently runs on one thread
-    # (and `omp simd` reductions stay scalar).
     return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES[name]],
-                              extra_cflags=["-O3", "-fopenmp", *_EXTRA_CFLAGS.get(name, [])],
-                              extra_ldflags=["-fopenmp"], verbose=False)
+                              extra_cflags=[*_CFLAGS, *_EXTRA_CFLAGS.get(name, [])],
+                              extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)
 
 
 def _load_prebuilt(name: str) -> ModuleType | None:
-    from torch.utils import cpp_extension
-
-    build_dir = Path(cpp_extension._get_build_directory(name, verbose=False))
-    if not (build_dir / f"{name}.so").exists():
+    if not (build_dir(name) / f"{name}.so").exists():
         return None
     return _compile(name)  # current: imported as it is
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m kvserve.kernels --build``: compile both extensions now and say which path they run."""
+    """``python -m kvserve.native --build``: compile both extensions now and say which path they run."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--build", action="store_true", help="compile (or check) the extension")
     args = parser.parse_args(argv)

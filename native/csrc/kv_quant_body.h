@@ -17,7 +17,7 @@
 // Nothing in the order depends on the batch, the thread or another sequence.
 //
 // Torch-free and leaf-safe (no libc or libm call, no allocation: scores come from the caller), so the extension
-// (kv_quant.cpp) and the freestanding leaves (kv_leaves.cpp, built by kernels/kv_leaves.py) compile this same
+// (kv_quant.cpp) and the freestanding leaves (kv_leaves.cpp, built by native/kv_leaves.py) compile this same
 // body; tests/test_kv_quant_emulated.py runs every path's leaf under the CPU emulator and natively, the vector
 // paths against the scalar one bit for bit, and the native leaves against the extension's op.
 

@@ -1,4 +1,4 @@
-"""Leaf shared objects: built freestanding for the CPU emulator (kernels/emulate.py) or natively for ctypes, and
+"""Leaf shared objects: built freestanding for the CPU emulator (native/emulate.py) or natively for ctypes, and
 checked to be leaves.
 
 A *leaf* calls nothing outside its object (no libc, no memset, no OpenMP, no allocation), has no relocations and

@@ -4,9 +4,9 @@ The emulator is Bochs' CPU core as the PyPI package ``bochscpu-python`` (pinned 
 it, set to emulate a Sapphire Rapids core (AVX-512 F/BW/DQ/VL/VNNI/BF16/FP16, AVX-VNNI). Checked against AVX-512
 hardware, it gives the same bits (``vpdpbusd`` with wrap-around, ``vdpbf16ps`` with denormals) at about 40-70
 million instructions a second: a test tool, never a speed figure. Importing the wheel and choosing the emulated
-CPU model live in kernels/bochs.py (re-exported here); this module builds the guest machine and calls into it.
+CPU model live in native/bochs.py (re-exported here); this module builds the guest machine and calls into it.
 
-What runs here is a *leaf* (kernels/leaves.py: built by ``build_freestanding``, re-exported here with the rest of
+What runs here is a *leaf* (native/leaves.py: built by ``build_freestanding``, re-exported here with the rest of
 a kernel test's needs): a function that calls nothing outside its object, has no relocations and takes at most
 six integer or pointer arguments. kvserve's micro-kernels are leaves taking one pointer to an argument struct::
 
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.kernels.bochs import CpuModel, EmulatorError, available, claim_model, import_bochscpu, select_cpu_model
-from kvserve.kernels.leaves import (CSRC, BuildError, Native, NotALeafError, build_freestanding, build_native,
+from kvserve.native.bochs import CpuModel, EmulatorError, available, claim_model, import_bochscpu, select_cpu_model
+from kvserve.native.leaves import (CSRC, BuildError, Native, NotALeafError, build_freestanding, build_native,
                                     cache_dir, check_leaf, host_cpu_flags)
 
 __all__ = ["CSRC", "BuildError", "CpuModel", "Emulator", "EmulatorError", "GuestFault", "Native", "NotALeafError",

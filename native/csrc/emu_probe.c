@@ -1,4 +1,4 @@
-/* Probe leaves for the emulator harness's own tests (kernels/emulate.py, tests/test_emulate.py).
+/* Probe leaves for the emulator harness's own tests (native/emulate.py, tests/test_emulate.py).
  *
  * Each exercises one AVX-512 behaviour a micro-kernel relies on, in the shape kvserve's micro-kernels have: a leaf
  * (no libc, no allocation) that takes ONE pointer to an argument struct. The tests run them emulated and, where the

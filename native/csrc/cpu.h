@@ -3,8 +3,8 @@
 // The kernels are compiled for every path with target attributes, so one build runs on any x86-64 CPU; at run
 // time the best path the CPU supports (cpuid, through the compiler's __builtin_cpu_supports) is chosen, unless
 // KVSERVE_ISA names a lesser one: `scalar` forces the portable loops on any CPU and `avx2` the AVX2 loops on an
-// AVX-512 CPU, so one machine tests every path it can run (kernels/emulate.py runs the AVX-512 micro-kernels
-// where the CPU lacks them). A value the CPU cannot run falls back to the best it can (kernels/__init__.py warns and refuses
+// AVX-512 CPU, so one machine tests every path it can run (native/emulate.py runs the AVX-512 micro-kernels
+// where the CPU lacks them). A value the CPU cannot run falls back to the best it can (native/__init__.py warns and refuses
 // unknown names before the extension loads).
 #pragma once
 

@@ -3,7 +3,7 @@
  * Each is a leaf: an extern "C" function of one pointer to kv_ggml_args that calls nothing (no libc, no OpenMP,
  * no allocation, no C++ runtime), reads no global data (constants come from _mm*_set1 inside the function) and
  * has no jump tables, so the same source compiles into the extension (linear_ggml.cpp, which walks the tiles,
- * threads and quantizes) and freestanding (kernels/leaves.py) for the CPU emulator (kernels/emulate.py). This
+ * threads and quantizes) and freestanding (native/leaves.py) for the CPU emulator (native/emulate.py). This
  * header is C and C++.
  *
  * ---- Weights, as in a GGUF file (ggml's block_q4_1 / block_q8_0), blocks of 32 weights along K:

@@ -8,11 +8,11 @@
 //       widened to floats and scaled in registers, then fused multiply-adds, never a float copy of the cache.
 //
 // The attention is one body (kv_quant_body.h) compiled for three lane types in kv_attend.h: AVX-512 (16 floats),
-// AVX2 + FMA (8) and the baseline (8 floats in an array, std::fma); kernels/csrc/cpu.h chooses. All three perform
+// AVX2 + FMA (8) and the baseline (8 floats in an array, std::fma); native/csrc/cpu.h chooses. All three perform
 // the same float operations in the same order (the body says which), so they give the same bits, and the same
 // bits as the float32 cache's AVX2 kernel over the dequantized cache; tests/test_isa.py and
 // tests/test_decode_ops.py check both on the paths this CPU runs. kv_attend.h is torch-free, so kv_leaves.cpp
-// compiles the same three paths as freestanding leaves (kernels/kv_leaves.py: no libc, no relocations, checked),
+// compiles the same three paths as freestanding leaves (native/kv_leaves.py: no libc, no relocations, checked),
 // and tests/test_kv_quant_emulated.py runs them under the CPU emulator (a Sapphire Rapids core, so the AVX-512
 // path runs on any x86-64 machine) and natively, each vector path against the scalar one bit for bit, and the
 // native leaves against this file's op. At long contexts the vector paths are bound by the bytes they read: an

@@ -1,7 +1,7 @@
 """The GGUF micro-kernels (``csrc/ukernel*.h``) as a library of leaves, for the CPU emulator and ctypes.
 
 The extension compiles the same headers (``csrc/linear_ggml.cpp``); ``build()`` compiles ``csrc/leaves.c``, which
-includes them all, freestanding (``kernels.emulate.build_freestanding``: no libc, no relocations, checked), and
+includes them all, freestanding (``native.emulate.build_freestanding``: no libc, no relocations, checked), and
 ``build(native=True)`` as an ordinary library for this CPU. ``-mfma`` makes the scalar kernels' ``fmaf`` the one
 instruction rather than a libm call (the same correctly rounded result). ``Args`` mirrors ``kv_ggml_args`` and
 ``pack_panels`` is the panel layout of ukernel.h written in numpy for any panel width (the extension packs for
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvserve.kernels import emulate
+from kvserve.native import emulate
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "leaves.c"
 FLAGS = ["-mfma", "-fno-jump-tables"]
@@ -38,8 +38,8 @@ class Args(ctypes.Structure):
 
 
 def build(native: bool = False) -> Path:
-    """The leaves' shared object: freestanding for ``kernels.emulate.Emulator`` or, with ``native``, for
-    ``kernels.emulate.Native`` (ctypes on this CPU). Cached; raises ``emulate.BuildError`` if a compiler fails and
+    """The leaves' shared object: freestanding for ``native.emulate.Emulator`` or, with ``native``, for
+    ``native.emulate.Native`` (ctypes on this CPU). Cached; raises ``emulate.BuildError`` if a compiler fails and
     ``emulate.NotALeafError`` if the freestanding object has relocations or undefined symbols."""
     if native:
         return emulate.build_native([SOURCE], "kvserve_leaves", flags=FLAGS)

@@ -1,4 +1,4 @@
-/* Preloaded by kernels/emulate.py where glibc is older than 2.38: the bochscpu-python wheel was linked against
+/* Preloaded by native/emulate.py where glibc is older than 2.38: the bochscpu-python wheel was linked against
  * glibc 2.38's C23 aliases of these functions and cannot be imported without them. Each forwards to the
  * function glibc has had for decades. */
 #include <stdarg.h>

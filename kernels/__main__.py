@@ -1,7 +1,0 @@
-"""``python -m kvserve.kernels --build``."""
-
-import sys
-
-from kvserve.kernels import main
-
-sys.exit(main())
