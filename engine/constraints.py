@@ -18,6 +18,7 @@ rejected draft tokens need no separate bookkeeping.
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from collections import OrderedDict
@@ -157,13 +158,19 @@ class GrammarCompiler:
     Thread-safe; meant to run on a worker thread (compiling takes milliseconds to, for a huge schema, about a
     second). The llguidance tokenizer is built on first use (~1-4 s for a 49k vocabulary).
 
+    With a ``sandbox`` (engine.compile_worker.CompileSandbox, as the server passes), a grammar not seen before is
+    first compiled in a worker process, up to its first mask, and only then in this one: llguidance is native
+    code, and an input that crashes it (a segmentation fault was found with integer bounds near -2^63) then ends
+    the worker, not the server.
+
     Args:
         hf_tokenizer: the served model's (fast) transformers tokenizer.
         eos_ids: tokens that end a sequence; a finished grammar allows only these.
         cache_size: compiled grammars kept.
+        sandbox: what compiles a new grammar first, elsewhere (its ``check(spec)`` raises GrammarError), or None.
     """
 
-    def __init__(self, hf_tokenizer, eos_ids: list[int], cache_size: int = 256) -> None:
+    def __init__(self, hf_tokenizer, eos_ids: list[int], cache_size: int = 256, sandbox=None) -> None:
         self._hf_tokenizer = hf_tokenizer
         self._eos_ids = sorted(eos_ids)
         self._tokenizer: llguidance.LLTokenizer | None = None
@@ -172,6 +179,7 @@ class GrammarCompiler:
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self.vocab_size = len(hf_tokenizer)
+        self._sandbox = sandbox
 
     def tokenizer(self) -> llguidance.LLTokenizer:
         with self._lock:
@@ -181,6 +189,7 @@ class GrammarCompiler:
                                                                eos_token=eos)
                 self._table = TokenTable(self._tokenizer, self.vocab_size, self._closing_eos())
             return self._tokenizer
+
 
     def _closing_eos(self) -> int:
         """The EOS a closed reply ends with: the tokenizer's own when it is among the stop tokens."""
@@ -205,15 +214,9 @@ class GrammarCompiler:
         if grammar is not None:
             return grammar
         tokenizer = self.tokenizer()
-        try:
-            text = _grammar_text(spec)
-        except (ValueError, TypeError) as exc:
-            raise GrammarError(str(exc)) from exc
-        limits = llguidance.LLParserLimits(**_LIMITS, verbose_errors=False)
-        matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
-        if matcher.is_error():
-            raise GrammarError(_short(matcher.get_error()))
-        _check_has_output(matcher)
+        if self._sandbox is not None:
+            self._sandbox.check(spec)
+        matcher = compiled(tokenizer, spec)
         grammar = Grammar(matcher, self.vocab_size, self._eos_ids or [self._hf_tokenizer.eos_token_id], self._table,
                           spec.is_json)
         with self._lock:
@@ -221,6 +224,32 @@ class GrammarCompiler:
             if len(self._cache) > self._cache_size:
                 self._cache.popitem(last=False)
         return grammar
+
+
+def compiled(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec) -> llguidance.LLMatcher:
+    """A matcher for ``spec`` in its start state, checked to admit some output.
+
+    Raises:
+        GrammarError: invalid, unsupported, past the work limits, or admitting no output.
+    """
+    try:
+        text = _grammar_text(spec)
+    except (ValueError, TypeError) as exc:
+        raise GrammarError(str(exc)) from exc
+    limits = llguidance.LLParserLimits(**_LIMITS, verbose_errors=False)
+    matcher = llguidance.LLMatcher(tokenizer, text, log_level=0, limits=limits)
+    if matcher.is_error():
+        raise GrammarError(_short(matcher.get_error()))
+    _check_has_output(matcher)
+    return matcher
+
+
+def tokenizer_json(hf_tokenizer) -> str:
+    """The fast tokenizer serialized as llguidance.hf serializes it (padding and truncation off)."""
+    backend = copy.copy(hf_tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return backend.to_str()
 
 
 def _check_has_output(matcher: llguidance.LLMatcher) -> None:

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from kvserve.engine.compile_worker import CompileSandbox
 from kvserve.engine.constraints import GrammarCompiler
 from kvserve.engine.draft_model import ModelDrafter
 from kvserve.engine.drafters import Drafter, NgramDrafter
@@ -170,7 +171,10 @@ class ServerState:
                                drafts=None if self.spec is None else self.spec.policy)
         self._ids = itertools.count()
         self.eos_ids = self._eos_ids()
-        self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids))  # structured outputs; built lazily
+        # structured outputs, built lazily; a grammar not seen before is compiled in a worker process first, so
+        # that a crash of the native compiler refuses that request instead of ending the server
+        self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids),
+                                        sandbox=CompileSandbox(self.tokenizer, sorted(self.eos_ids)))
         self.log_capacity()
 
     def _drafter(self, config: ServeConfig, draft: LoadedModel | None,

@@ -27,6 +27,7 @@ from kvserve.engine.closing import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS
 from kvserve.engine.constraints import Grammar, GrammarError, GrammarSpec
 from kvserve.server import tools
 from kvserve.server.grammar_limits import has_finite_value, lark_problem, patterns, repetition_problem
+from kvserve.server.schema_numbers import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SchemaNumberError, bounded
 from kvserve.server.errors import ApiError
 
 MAX_SCHEMA_BYTES = 65_536   # a schema's JSON text; the largest real-world ones are a few kB
@@ -37,8 +38,9 @@ MAX_CHOICES = 1_024         # options of a guided_choice (the choice list's JSON
 _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "lark"}
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
-# keywords whose numbers the output may have to write (bounds and steps shape the number's regex)
-_NUMBER_KEYWORDS = ("const", "enum", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf")
+# keywords whose numbers the output may have to write (a step shapes the number's regex); bounds are narrowed to
+# what can be written instead (server.schema_numbers)
+_NUMBER_KEYWORDS = ("const", "enum", "multipleOf")
 _JSON_NUMBER = re.compile(r"-?([0-9.]+)(?:[eE][+-]?([0-9]+))?")
 
 
@@ -70,9 +72,21 @@ def json_schema_spec(schema, param: str) -> GrammarSpec:
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
     problem = _schema_problem(text)
+    if problem is None:
+        text, problem = _bounded_text(text)
     if problem is not None:
         raise ApiError(400, f"{param} {problem}", param=param)
     return GrammarSpec("json_schema", text)
+
+
+@functools.lru_cache(maxsize=256)
+def _bounded_text(text: str) -> tuple[str, str | None]:
+    """The schema ``text`` with its numbers kept to what can be generated (server.schema_numbers), or why it
+    cannot be served. Cached by text, as ``_schema_problem`` is."""
+    try:
+        return json.dumps(bounded(json.loads(text))), None
+    except SchemaNumberError as exc:
+        return text, str(exc)
 
 
 @functools.lru_cache(maxsize=256)
@@ -122,13 +136,6 @@ def _long_number(value, where: str = "") -> tuple[str, str] | None:
     return None
 
 
-# keywords whose value is one subschema, a list of them, or a mapping of names to them (JSON Schema 2020-12)
-_SUBSCHEMA = ("additionalProperties", "items", "contains", "not", "if", "then", "else", "propertyNames",
-              "unevaluatedItems", "unevaluatedProperties")
-_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
-_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
-
-
 def tool_parameters(schema, param: str) -> dict:
     """A tool's parameter schema as a forced call serves it: read strictly (``strict_schema``), then checked like a
     ``response_format`` schema (``json_schema_spec``; ApiError 400 naming ``param`` where it cannot be served)."""
@@ -145,15 +152,15 @@ def strict_schema(schema):
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
-    for key in _SUBSCHEMA:
+    for key in SUBSCHEMA:
         if key in out:
             out[key] = strict_schema(out[key]) if isinstance(out[key], dict) else out[key]
     if isinstance(out.get("items"), list):  # draft-07 tuple form
         out["items"] = [strict_schema(s) for s in out["items"]]
-    for key in _SUBSCHEMA_LISTS:
+    for key in SUBSCHEMA_LISTS:
         if isinstance(out.get(key), list):
             out[key] = [strict_schema(s) for s in out[key]]
-    for key in _SUBSCHEMA_MAPS:
+    for key in SUBSCHEMA_MAPS:
         if isinstance(out.get(key), dict):
             out[key] = {name: strict_schema(s) for name, s in out[key].items()}
     kind = out.get("type")

@@ -462,7 +462,7 @@ def test_numbers_are_bounded_and_a_runaway_reply_closes(smollm2):
 
 @pytest.mark.parametrize("schema, where", [
     ({"type": "object", "properties": {"id": {"const": 123456789012345678901234}}}, "properties/id/const"),
-    ({"type": "integer", "maximum": 10 ** 22}, "maximum"),
+    ({"type": "number", "multipleOf": 123456789012345678901}, "multipleOf"),
     ({"enum": [1, 2.5, 123456789012345678901]}, "enum"),
 ])
 def test_schemas_asking_for_longer_numbers_are_refused_by_name(server_url, schema, where):
@@ -557,3 +557,110 @@ def test_streamed_and_whole_tool_calls_are_byte_identical(client, tool_choice):
             name_and_args[1] += delta.function.arguments or ""
     assert [[c.function.name, c.function.arguments] for c in whole] == [streamed[i] for i in sorted(streamed)]
     assert whole[0].function.arguments.startswith("{")
+
+
+# integer bounds at the ends of 64 bits: each of these ended the server with a segmentation fault in llguidance
+CRASHING = [{"type": "integer", "minimum": -2**63 + 1, "maximum": -2**63 + 2},
+            {"type": "integer", "minimum": -2**63, "maximum": -2**63},
+            {"type": ["integer", "null"], "minimum": -2**63 + 1, "maximum": -2**63 + 2, "multipleOf": 3}]
+
+
+@pytest.mark.parametrize("schema", CRASHING[:2])
+@pytest.mark.parametrize("field", ["response_format", "guided_json", "structured_outputs", "completions",
+                                   "tool_choice"])
+def test_integer_bounds_at_the_ends_of_64_bits_are_refused_and_the_server_serves_on(server_url, schema, field):
+    body = {"messages": [{"role": "user", "content": "A number"}], "temperature": 0, "max_tokens": 8}
+    path, param = CHAT, field
+    if field == "response_format":
+        body["response_format"], param = schema_format(schema), "response_format.json_schema.schema"
+    elif field == "guided_json":
+        body["guided_json"] = schema
+    elif field == "structured_outputs":
+        body["structured_outputs"], param = {"json": schema}, "structured_outputs.json"
+    elif field == "completions":
+        path, body = "/v1/completions", {"prompt": "A number:", "max_tokens": 8, "guided_json": json.dumps(schema)}
+        param = "guided_json"
+    else:
+        tool = {"type": "function", "function": {"name": "pick", "parameters": {
+            "type": "object", "properties": {"n": schema}, "required": ["n"]}}}
+        body |= {"tools": [tool], "tool_choice": "required"}
+        param = "tools.0.function.parameters"
+    response = httpx.post(server_url + path, json=body, timeout=120)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert param in error["message"] and "no value kvserve can generate" in error["message"], error
+    after = chat(server_url, "Hi", response_format=schema_format({"type": "integer", "minimum": 1, "maximum": 9}))
+    assert after.status_code == 200 and 1 <= int(after.json()["choices"][0]["message"]["content"]) <= 9
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "integer", "minimum": 0, "maximum": 2**64 - 1},              # served as at most 2^62
+    {"type": "integer", "minimum": -2**70, "maximum": -5},
+    {"type": "integer", "exclusiveMinimum": 2**61, "exclusiveMaximum": 2**66},
+    {"type": "number", "minimum": -1e300, "maximum": 1e300},               # refused by the compiler before
+    {"type": "number", "minimum": 0.1, "maximum": 0.1},
+    {"type": "object", "properties": {"n": {"type": ["integer", "string"], "minimum": 2**63, "maximum": 2**64}},
+     "required": ["n"]},                                                   # only a string can be generated
+])
+@pytest.mark.parametrize("temperature", [0, 1])
+def test_what_is_generated_validates_against_the_schema_as_the_client_sent_it(server_url, schema, temperature):
+    response = chat(server_url, "Give a value", response_format=schema_format(schema), temperature=temperature,
+                    max_tokens=48, seed=7)
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
+
+
+@pytest.mark.parametrize("schema, where, why", [
+    ({"type": "integer", "minimum": 2**63, "maximum": 2**63 + 1}, "/", "integer within ±2^62"),
+    ({"type": "number", "minimum": 1e20, "maximum": 1e20}, "/", "within ±10^18"),
+    ({"type": "number", "minimum": 1e-30, "maximum": 2e-30}, "/", "at most 20 digits"),
+    ({"type": "integer", "exclusiveMinimum": 5, "exclusiveMaximum": 6}, "/", "no integer"),
+    ({"properties": {"a": {"type": "array", "minItems": 2**40}}}, "/properties/a/minItems", "limit"),
+    ({"$defs": {"n": {"type": "integer", "minimum": -2**63, "maximum": -2**63}}, "$ref": "#/$defs/n"},
+     "/$defs/n", "integer within"),
+])
+def test_a_schema_whose_numbers_cannot_be_generated_is_refused_by_where(schema, where, why):
+    from kvserve.server.schema_numbers import SchemaNumberError, bounded
+
+    with pytest.raises(SchemaNumberError) as caught:
+        bounded(schema)
+    assert str(caught.value).startswith(where + " ") and why in str(caught.value)
+
+
+def test_bounds_are_narrowed_never_widened_and_the_clients_schema_is_untouched():
+    from kvserve.server.schema_numbers import INTEGER_LIMIT, bounded
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": -2**80, "exclusiveMaximum": 2**64},
+                                               "x": {"type": "number", "maximum": 1e300},
+                                               "s": {"type": ["integer", "string"], "minimum": 2**63}}}
+    original = json.dumps(schema)
+    out = bounded(schema)
+    assert json.dumps(schema) == original
+    assert out["properties"]["n"] == {"type": "integer", "minimum": -INTEGER_LIMIT, "maximum": INTEGER_LIMIT}
+    assert out["properties"]["x"] == {"type": "number", "maximum": 10**18}
+    assert out["properties"]["s"] == {"type": "string"}
+    plain = {"type": "integer", "minimum": 1, "maximum": 9}
+    assert bounded(plain) is plain
+
+
+def test_a_grammar_that_crashes_the_compiler_ends_only_the_worker(smollm2):
+    """Compiled without the server's checks: the worker process dies, the grammar is refused, and the next one
+    compiles in a new worker."""
+    from kvserve.engine.compile_worker import CompileSandbox
+    from kvserve.engine.constraints import GrammarError
+
+    tokenizer = smollm2.tokenizer
+    sandbox = CompileSandbox(tokenizer, [tokenizer.eos_token_id])
+    compiler = GrammarCompiler(tokenizer, [tokenizer.eos_token_id], sandbox=sandbox)
+    try:
+        for schema in CRASHING:
+            with pytest.raises(GrammarError, match="crashed on this grammar"):
+                compiler.compile(GrammarSpec("json_schema", json.dumps(schema)))
+            grammar = compiler.compile(GrammarSpec("json_schema", json.dumps({"type": "integer", "maximum": 5})))
+            assert grammar.constraint() is not None
+        with pytest.raises(GrammarError, match="invalid regex"):  # the worker's own refusals pass through
+            compiler.compile(GrammarSpec("regex", "["))
+    finally:
+        sandbox.close()
