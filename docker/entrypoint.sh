@@ -14,6 +14,7 @@ set -euo pipefail
 VALUE_FLAGS=(
   model host port device dtype quantization kv-cache-memory kv-cache-dtype num-kv-blocks block-size max-num-seqs
   max-num-batched-tokens max-queue max-model-len max-request-bytes scheduler api-key served-model-name
+  scheduling-policy
   sse-ping-seconds
   step-log
   drain-seconds

@@ -17,9 +17,10 @@ Prefix cache, the standard way (vLLM's v1 KV cache manager):
   it from the middle of the list in O(1) (an OrderedDict);
 - a sequence's blocks are freed tail first, so shared heads outlive tails in the LRU order.
 
-The manager also keeps each block's state (free, used, shared, cached: ``BlockState``) as one byte per block,
-updated where a ref count changes, so that a reader of the whole pool (the live page's snapshot) copies
-one bytearray instead of looping over every block in Python.
+A reader of every block's state (free, used, shared, cached: ``BlockState``; the live page) passes a
+``BlockObserver``: it is told each block's new state where a ref count changes, so it never loops over the pool,
+and the manager keeps only what allocation needs (with none, nothing is called). The counts of free blocks with
+and without a hash are kept as they change, for the engine core's step records.
 """
 
 from __future__ import annotations
@@ -30,12 +31,13 @@ import itertools
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 _ROOT_SERIAL = 0  # the parent serial of every sequence's first block; registered blocks count from 1
 
 
 class BlockState(enum.IntEnum):
-    """What a block holds, as the live page colours it (its value is the digit in ``BlockManager.states``)."""
+    """What a block holds, as the live page colours it (its value is the digit the page's snapshot sends)."""
 
     FREE = 0     # no owner and no cached content: the next to be handed out
     USED = 1     # in one sequence's block table
@@ -50,6 +52,13 @@ def block_state(ref_count: int, cached: bool) -> BlockState:
     if ref_count == 1:
         return BlockState.USED
     return BlockState.CACHED if cached else BlockState.FREE
+
+
+class BlockObserver(Protocol):
+    """Told every change of a block's ``BlockState``, as it happens (the live page keeps its pool view so)."""
+
+    def block_changed(self, block_id: int, state: BlockState) -> None:
+        """Block ``block_id`` is now in ``state``."""
 
 
 @dataclass(slots=True)
@@ -120,7 +129,8 @@ class BlockManager:
         ValueError: non-positive sizes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 observer: BlockObserver | None = None) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
@@ -129,10 +139,10 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # head = LRU
         self._cached: dict[bytes, int] = {}  # block digest -> block id
         self._serials = itertools.count(_ROOT_SERIAL + 1)
-        # each block's BlockState as an ASCII digit, in block-id order; kept by _mark wherever a ref count changes.
-        # A hash changes only on a block some table holds (registered) or is about to hold (evicted), whose state
-        # the hash does not decide. tests/test_kvcache.py checks it against the blocks after random operations.
-        self.states = bytearray(b"0" * num_blocks)
+        # free blocks that keep a hash (the prefix cache's evictable blocks), kept where a free block gains or loses
+        # one: tests/test_kvcache.py checks it against the blocks after random operations
+        self.num_cached_free = 0
+        self.observer = observer
 
     @property
     def num_blocks(self) -> int:
@@ -148,12 +158,9 @@ class BlockManager:
         """Fraction of blocks held by sequences, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def state_digits(self) -> str:
-        """Every block's ``BlockState`` as one digit per block, in block-id order (``"0012..."``)."""
-        return self.states.decode("ascii")
-
     def _mark(self, block: Block) -> None:
-        self.states[block.block_id] = ord("0") + block_state(block.ref_count, block.block_hash is not None)
+        if self.observer is not None:
+            self.observer.block_changed(block.block_id, block_state(block.ref_count, block.block_hash is not None))
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -211,6 +218,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]  # O(1) removal from the middle of the LRU list
+                self.num_cached_free -= 1  # a hit on a free block: it holds a hash
             block.ref_count += 1
             self._mark(block)
             block_table.append(block_id)
@@ -224,13 +232,15 @@ class BlockManager:
         return True
 
     def _evict(self, block: Block) -> None:
+        """Drop a free block's hash as it is handed out."""
         if block.block_hash is not None:
+            self.num_cached_free -= 1
             if self._cached.get(block.block_hash) == block.block_id:
                 del self._cached[block.block_hash]
             block.block_hash = block.token_ids = block.salt = block.serial = block.parent_serial = None
 
     def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int,
-                          chain: list[ChainLink], salt: str | None = None) -> None:
+                          chain: list[ChainLink], salt: str | None = None, offset: int = 0) -> None:
         """Register the full blocks among the first ``num_computed`` tokens of a sequence in the prefix cache.
 
         Call after a step has written those tokens' K/V (only verified tokens: a block is hashed once, so a
@@ -242,16 +252,19 @@ class BlockManager:
 
         Args:
             block_table: the sequence's blocks, in order.
-            token_ids: the sequence's tokens (prompt then output).
+            token_ids: the sequence's tokens (prompt then output) from position ``offset`` on: at least those of
+                the blocks not yet in ``chain`` (a caller passes just those, so a step's cost does not grow with
+                the context).
             num_computed: tokens whose K/V are in the cache.
             chain: the sequence's links so far (empty for a new or preempted sequence); appended to.
             salt: the sequence's cache salt (None: the shared, unsalted cache).
+            offset: the position of ``token_ids[0]`` (at most ``len(chain) * block_size``).
         """
         if not self.enable_prefix_caching:
             return
         for index in range(len(chain), num_computed // self.block_size):
             parent = chain[-1] if chain else ChainLink(root_hash(salt), _ROOT_SERIAL)
-            chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
+            chunk = tuple(token_ids[index * self.block_size - offset:(index + 1) * self.block_size - offset])
             digest = chain_hash(parent.digest, chunk)
             chain.append(ChainLink(digest, self._register(block_table[index], digest, chunk, salt,
                                                           parent.serial)))
@@ -280,5 +293,6 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None  # most recently freed: evicted last
+                self.num_cached_free += block.block_hash is not None
             self._mark(block)
         block_table.clear()

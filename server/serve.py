@@ -11,6 +11,7 @@ from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.quant.options import Scheme
 from kvserve.server.auth import read_key_file
+from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.server.config import Policy, ServeConfig
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
@@ -57,6 +58,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="request body limit, e.g. 4MiB; larger bodies get 413 before they are read or "
                              "tokenized (default: 64 bytes per token of --max-model-len, at least 1MiB)")
     parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
+    parser.add_argument("--scheduling-policy", choices=[p.value for p in SchedulingPolicy],
+                        default=d.scheduling_policy.value,
+                        help="who runs first: fcfs (default), arrival order; priority, lower 'priority' of a request "
+                             "first (vLLM's field; a request with a priority is refused by the other policies), "
+                             "preempting lower priorities to admit higher; fair, equal shares of the slots and of "
+                             "each step's token budget per tenant (an API key, or the X-Tenant-ID header without "
+                             "keys)")
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 routes and /tokenize, /detokenize, "
@@ -115,6 +123,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,
                        max_model_len=args.max_model_len,
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
+                       scheduling_policy=SchedulingPolicy(args.scheduling_policy),
                        enable_prefix_caching=not args.no_prefix_caching, api_keys=_api_keys(args),
                        share_cache_across_keys=args.share_cache_across_keys,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,

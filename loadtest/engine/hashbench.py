@@ -3,7 +3,7 @@
 ``python -m kvserve.loadtest hashbench`` times, in one process and interleaved round by round, the digest of
 one full block given its parent's (the work ``BlockManager`` does once per block filled and once per block
 looked up), then the whole register-and-look-up path of the block manager on a long prompt, and its allocate-and-free path
-with and without the per-block state bytes it keeps for the live page. Prints the medians and their ratios and
+with and without the live page's observer of block states (the state bytes it keeps). Prints the medians and their ratios and
 writes the BENCHMARKS.md section.
 """
 
@@ -49,10 +49,11 @@ def _manager_us_per_block(block_size: int, prompt: list[int]) -> float:
 
 def _alloc_free_us_per_block(block_size: int, num_blocks: int, keep_states: bool) -> float:
     """Grow one table a block at a time as decode does, then free it: microseconds per block, both together.
-    ``keep_states=False`` turns the manager's state bytes off (the cost they add to this path)."""
-    manager = BlockManager(num_blocks=num_blocks, block_size=block_size)
-    if not keep_states:
-        manager._mark = lambda block: None
+    ``keep_states``: with the live page's observer of block states (``keep_states=False``: none, as ``--no-ui``)."""
+    from kvserve.server.snapshot import BlockStates
+
+    manager = BlockManager(num_blocks=num_blocks, block_size=block_size,
+                           observer=BlockStates(num_blocks) if keep_states else None)
     table: list[int] = []
     start = time.perf_counter_ns()
     for n in range(1, num_blocks + 1):
@@ -100,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
             "per full block of a 256-block prompt: registering it after its prefill and verifying it on a later "
             "lookup (tokens, salt, parent), both together, and that cost for a 2,048-token prompt. The last: growing a "
             "table of 1,456 blocks a block at a time (as decode does) and freeing it, per block, and its ratio to the "
-            "same with the per-block state bytes (the live page's block grid) turned off.")
+            "same without the live page's observer of block states (its block grid; --no-ui).")
     print(body)
     if not args.no_write:
         update_section("hashbench", "Prefix-cache hashing cost per full block",
