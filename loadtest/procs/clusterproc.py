@@ -19,7 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.loadtest.loadgen.report import OUT_DIR
-from kvserve.loadtest.procs.serverproc import ServerStartError, _tail, free_port, kvserve_command, spawn
+from kvserve.loadtest.procs.serverproc import ServerStartError, free_port, kvserve_command, log_tail, spawn
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _wait_ready(proc: Proc, path: str, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         if proc.popen.poll() is not None:
             raise ServerStartError(f"{proc.name} exited with {proc.popen.returncode}; log {proc.log}:\n"
-                                   f"{_tail(proc.log)}")
+                                   f"{log_tail(proc.log)}")
         try:
             if httpx.get(proc.url + path, timeout=2).status_code == 200:
                 return
@@ -73,7 +73,7 @@ def _wait_ready(proc: Proc, path: str, timeout_s: float) -> None:
             pass
         time.sleep(0.3)
     raise ServerStartError(f"{proc.name}: no 200 from {path} after {timeout_s:.0f} s; log {proc.log}:\n"
-                           f"{_tail(proc.log)}")
+                           f"{log_tail(proc.log)}")
 
 
 def router_binary() -> str:
@@ -136,7 +136,7 @@ class Cluster:
         while time.monotonic() < deadline:
             if self.router.popen.poll() is not None:
                 raise ServerStartError(f"router exited with {self.router.popen.returncode}; log {self.router.log}:\n"
-                                       f"{_tail(self.router.log)}")
+                                       f"{log_tail(self.router.log)}")
             try:
                 if httpx.get(self.router.url + "/readiness", timeout=5).json().get("healthy_workers") == len(live):
                     return self.router
@@ -144,7 +144,7 @@ class Cluster:
                 pass
             time.sleep(0.3)
         raise ServerStartError(f"router did not see all {len(live)} workers healthy after {timeout_s:.0f} s; log "
-                               f"{self.router.log}:\n{_tail(self.router.log)}")
+                               f"{self.router.log}:\n{log_tail(self.router.log)}")
 
     def stop_router(self) -> None:
         if self.router is not None:
