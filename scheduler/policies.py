@@ -18,6 +18,7 @@ import enum
 from collections.abc import Iterable
 
 from kvserve.scheduler.contract import RequestOutput
+from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.scheduler.sequence import Sequence
 
 
@@ -85,6 +86,18 @@ class Static:
             return []
         released, self.held = self.held, []
         return released
+
+
+def check_policies(policy: Policy, scheduling: SchedulingPolicy) -> None:
+    """Refuse a batching policy with a scheduling policy it cannot follow.
+
+    Raises:
+        ValueError: static batching with any order but first come, first served (its groups are formed in arrival
+            order, and another order's next sequence may never be in the group).
+    """
+    if policy is Policy.STATIC and scheduling is not SchedulingPolicy.FCFS:
+        raise ValueError("--scheduler static is the first-come-first-served baseline: it takes no other "
+                         "--scheduling-policy")
 
 
 def make_policy(policy: Policy, max_num_seqs: int) -> Continuous | Static:

@@ -33,7 +33,7 @@ from kvserve.kvcache.block_manager import BlockManager
 from kvserve.scheduler.contract import EngineRequest, FinishReason, RequestOutput
 from kvserve.scheduler.finish_rate import FinishRate
 from kvserve.scheduler.ordering import SchedulingPolicy, make_ordering
-from kvserve.scheduler.policies import Policy, make_policy
+from kvserve.scheduler.policies import Policy, check_policies, make_policy
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 
 
@@ -57,6 +57,7 @@ class SchedulerConfig:
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
         self.policy, self.scheduling = Policy(self.policy), SchedulingPolicy(self.scheduling)
+        check_policies(self.policy, self.scheduling)
 
 
 class Speculation(Protocol):

@@ -9,7 +9,7 @@ from kvserve.engine.options import Device, DType
 from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.quant.options import Scheme
 from kvserve.scheduler.ordering import SchedulingPolicy
-from kvserve.scheduler.policies import Policy
+from kvserve.scheduler.policies import Policy, check_policies
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 
@@ -93,6 +93,7 @@ class ServeConfig:
         self.device, self.dtype, self.quantization = Device(self.device), DType(self.dtype), Scheme(self.quantization)
         self.policy = Policy(self.policy)
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
+        check_policies(self.policy, self.scheduling_policy)
         self.kv_cache_dtype = KVCacheDType(self.kv_cache_dtype)
         self.speculative = Drafter(self.speculative)
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 64:

@@ -142,3 +142,5 @@ def test_the_scheduling_policy_flag_reaches_the_config():
     assert config.scheduling_policy.value == "fair"
     with pytest.raises(SystemExit):
         parser.parse_args(["--scheduling-policy", "lottery"])
+    with pytest.raises(ValueError, match="static"):  # the baseline's groups are formed in arrival order
+        config_from_args(parser.parse_args(["--scheduler", "static", "--scheduling-policy", "fair"]))
