@@ -16,7 +16,9 @@ from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, field_valida
 from kvserve.server.validation import RequestModel
 
 
-_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,12}\s*")  # ASCII digits, as int() reads them, and not 4,300 of them
+# a logit_bias key: a token id written as ASCII digits and nothing else, as OpenAI requires (no spaces, no sign:
+# int() would read " 12 " and "+12"), and not 4,300 of them (int() refuses those)
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,12}")
 
 
 class StreamOptions(RequestModel):
@@ -88,7 +90,8 @@ class _SamplingRequest(RequestModel):
         the tokenizer's and is checked when the request is prepared."""
         for key, bias in (value or {}).items():
             if not _TOKEN_ID_KEY.fullmatch(key):  # isdigit() would pass "²", which int() refuses
-                raise ValueError(f"invalid key {key!r}: keys are token ids, written as integers")
+                raise ValueError(f"invalid key {key!r}: keys are token ids, written as non-negative integers "
+                                 "(digits only, no spaces or sign)")
             if not -100 <= bias <= 100:
                 raise ValueError(f"the value for token {key} is {bias}; values must be between -100 and 100")
         return value
@@ -130,9 +133,13 @@ class ContentPart(RequestModel):
     text: str | None = None  # required on a text part (checked by ChatMessage, which knows the part's index)
 
 
+_NULL_CONTENT_ROLES = ("assistant", "tool")  # roles whose content OpenAI's API takes as null
+
+
 class ChatMessage(RequestModel):
-    """One chat turn. ``content`` is required (a string or a non-empty list of text parts), except on an
-    assistant turn with ``tool_calls``, where OpenAI allows null; server.tools renders the calls."""
+    """One chat turn. ``content`` is a string or a non-empty list of text parts; OpenAI allows null on an assistant
+    turn (one that only calls tools, or a refusal) and on a tool turn, which then render as empty text; server.tools
+    renders the calls."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -156,10 +163,10 @@ class ChatMessage(RequestModel):
     @classmethod
     def _text_parts_only(cls, value, info: ValidationInfo):
         if value is None:
-            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
-                return value  # OpenAI: an assistant turn that only calls tools has no content
+            if info.data.get("role") in _NULL_CONTENT_ROLES:
+                return value
             raise ValueError("content is required: a string or a list of text parts (null only on an assistant "
-                             "turn with tool_calls)")
+                             "or a tool turn)")
         if isinstance(value, list):
             if not value:
                 raise ValueError("content must not be an empty list")
@@ -183,6 +190,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: extra variables for the chat template (Qwen3's enable_thinking, ...); see server.prepare
+    chat_template_kwargs: dict[str, object] | None = None
     # OpenAI's deprecated function calling (superseded by tools): refused by name, never silently ignored
     functions: list | None = None
     function_call: str | dict | None = None
@@ -294,6 +303,7 @@ class TokenizeRequest(RequestModel):
     add_generation_prompt: bool = True
     tools: list | None = None
     tool_choice: str | dict | None = None
+    chat_template_kwargs: dict[str, object] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

@@ -11,7 +11,7 @@ from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.quant.options import Scheme
 from kvserve.server.auth import read_key_file
-from kvserve.server.config import Policy, ServeConfig
+from kvserve.server.config import REASONING_PARSERS, Policy, ServeConfig
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
@@ -75,6 +75,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "name otherwise (a guard against DNS rebinding)")
     parser.add_argument("--header-timeout-seconds", type=float, default=d.header_timeout_s,
                         help="close a connection that has not sent a request's headers within this time")
+    parser.add_argument("--body-timeout-seconds", type=float, default=d.body_timeout_s,
+                        help="answer 408 and close a connection whose request body has not all arrived within this "
+                             "time after its headers")
+    parser.add_argument("--allowed-origins", type=_host_list, default=(), metavar="ORIGINS",
+                        help="comma list of browser origins allowed to call the API cross-origin (CORS, e.g. "
+                             "'https://app.example'; '*' for any); default: none (no CORS headers, OPTIONS is a 405)")
+    parser.add_argument("--metrics-require-key", action="store_true",
+                        help="with --api-key, /metrics needs a key too (default: open, as vLLM's, for Prometheus)")
+    parser.add_argument("--admin-key", action="append", default=None, metavar="KEY",
+                        help="an API key whose live page shows every key's requests (other keys see their own)")
+    parser.add_argument("--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
+                        help="tokens a chat or Responses request that sets no limit may generate at most (never "
+                             "more than the context leaves)")
+    parser.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=d.reasoning_parser,
+                        help="return a model's <think>...</think> text as reasoning_content apart from content: "
+                             "auto (default) when the chat template writes </think>, think always, none never")
     parser.add_argument("--allow-pickle", action="store_true",
                         help="load pickled checkpoints (*.bin, *.pt); unpickling can run code, so only "
                              "safetensors are loaded by default")
@@ -121,6 +137,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        step_log=args.step_log, drain_s=args.drain_seconds,
                        vllm_metric_names=args.vllm_metric_names, ui=not args.no_ui, allowed_hosts=args.allowed_hosts,
                        header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,
+                       body_timeout_s=args.body_timeout_seconds, allowed_origins=args.allowed_origins,
+                       metrics_require_key=args.metrics_require_key, admin_keys=tuple(args.admin_key or ()),
+                       default_max_tokens=args.default_max_tokens, reasoning_parser=args.reasoning_parser,
                        speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens,
                        draft_model=args.draft_model, draft_quantization=args.draft_quantization)
 

@@ -117,6 +117,8 @@ class SnapshotHub:
         self.info = info
         self.min_interval_s = min_interval_s
         self._json: str | None = None
+        self._snapshot: dict | None = None
+        self._views: dict[str, str] = {}  # owner -> the snapshot as that key's page sees it, since the last build
         self._built = 0.0
         self._slow: dict | None = None  # the histograms and totals, rebuilt every SLOW_PARTS_S
         self._slow_built = 0.0
@@ -126,15 +128,28 @@ class SnapshotHub:
         # and no snapshot carries the whole ring (most of a snapshot's JSON, encoded at every build)
         self._marks: deque[int] = deque(maxlen=STEP_BUILDS)
 
-    def latest(self) -> str:
-        """The snapshot as JSON text, rebuilt when older than ``min_interval_s``."""
+    def latest(self, owner: str | None = None, owners: dict[int, str] | None = None) -> str:
+        """The snapshot as JSON text, rebuilt when older than ``min_interval_s``.
+
+        Args:
+            owner: the viewer's API key fingerprint (server.auth): its page lists only the slots of its own
+                requests; None lists every slot (no keys, or an admin key).
+            owners: seq_id -> the fingerprint of the key that sent it (``ServerState.seq_owners``).
+        """
         now = time.monotonic()
         if self._json is None or now - self._built >= self.min_interval_s:
             # orjson, not json: with the standard encoder, encoding the lists of small ints was most of a snapshot's
             # cost on the event loop (python -m kvserve.loadtest ui measures the page's cost: BENCHMARKS.md)
-            self._json = orjson.dumps(self.build(now)).decode()
+            self._snapshot = self.build(now)
+            self._json = orjson.dumps(self._snapshot).decode()
+            self._views.clear()
             self._built = now
-        return self._json
+        if owner is None:
+            return self._json
+        if owner not in self._views:
+            mine = [row for row in self._snapshot["slots"] if (owners or {}).get(row["id"]) == owner]
+            self._views[owner] = orjson.dumps(self._snapshot | {"slots": mine}).decode()
+        return self._views[owner]
 
     def tokens_per_s(self, now: float) -> float:
         """Generated tokens per second over the trailing RATE_WINDOW_S (0 until two readings exist)."""

@@ -225,8 +225,8 @@ def test_entrypoint_starts_the_real_server_and_hands_it_sigterm(tmp_path):
             time.sleep(0.5)
         assert "kvserve:num_requests_waiting" in httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
         server.send_signal(signal.SIGTERM)
-        # uvicorn shuts down, then re-raises the signal it caught, so the status reads "killed by SIGTERM"
-        assert server.wait(timeout=30) in (0, -signal.SIGTERM), log.read_text()
+        # a clean drain ends with exit status 0, as process managers expect (not uvicorn's re-raised SIGTERM, 143)
+        assert server.wait(timeout=30) == 0, log.read_text()
         assert "Finished server process" in log.read_text()
     finally:
         if server.poll() is None:
