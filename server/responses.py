@@ -183,7 +183,10 @@ class _ResponseBuilder:
         if finish_reason is not None:
             usage = self.generation.usage()
             out["usage"] = {"input_tokens": usage["prompt_tokens"],
-                            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                            # cache_write_tokens: the SDK's schema requires it; kvserve reports writes as 0 (a
+                            # prefix cached by one request costs nothing extra, so nothing is billed as a write)
+                            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                                     "cache_write_tokens": 0},
                             "output_tokens": usage["completion_tokens"],
                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]}
         return out
