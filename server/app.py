@@ -92,6 +92,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     app.add_middleware(BodyLimit, limit=state.max_request_bytes, timeout_s=state.config.body_timeout_s)
     if state.config.allowed_origins:  # CORS: inside the Host guard, so a preflight from a rebinding page is a 421
         app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins), max_age=600,
+                           # any header: the openai JS SDK sends its x-stainless-* headers besides authorization
                            allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"],
                            expose_headers=["x-request-id", "Retry-After"])
     app.add_middleware(HostGuard, policy=HostPolicy.for_server(state.config.host, state.config.allowed_hosts))
