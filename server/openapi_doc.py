@@ -53,7 +53,10 @@ _ERRORS = {
 _PROBE_503 = {"description": "not ready (draining, or the engine loop has stopped) or, for /live, not alive",
               "content": {"application/json": {"schema": {"type": "object", "properties": {
                   "status": {"type": "string"}, "error": {"type": "string"}, "inflight": {"type": "integer"}}}}}}
-_EVENT_STREAM = {"text/event-stream": {"schema": {"type": "string"},
+# one server-sent event as schemathesis and other SSE-aware tools read it: its fields, each text (the data is JSON)
+_SSE_EVENT = {"type": "object", "properties": {"event": {"type": "string"}, "data": {"type": "string"},
+                                               "id": {"type": "string"}, "retry": {"type": "integer"}}}
+_EVENT_STREAM = {"text/event-stream": {"schema": _SSE_EVENT,
                                        "description": "with \"stream\": true: server-sent events"}}
 
 

@@ -32,9 +32,19 @@ from kvserve.server.validation import RequestModel
 from kvserve.server.state import ServerState
 
 
+def _only(*schemas: dict) -> dict:
+    """``json_schema_extra`` saying in /openapi.json which values a field takes (the validators below refuse the
+    others by name, with a clearer message than a schema error would give)."""
+    return {"anyOf": [*schemas, {"type": "null"}]}
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
 class InputPart(RequestModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
+    type: str = Field(json_schema_extra={"enum": list(_TEXT_PARTS)})
     text: str = ""
 
 
@@ -42,18 +52,18 @@ class InputMessage(RequestModel):
     """A message item of ``input``; other item types (function call outputs, ...) are 400s."""
 
     model_config = ConfigDict(extra="ignore")
-    type: str = "message"
-    role: str = "user"
+    type: str = Field(default="message", json_schema_extra={"enum": ["message"]})
+    role: str = Field(default="user", json_schema_extra={"enum": list(_ROLES)})
     content: str | list[InputPart] = ""
 
     @model_validator(mode="after")
     def _text_messages_only(self):
         if self.type != "message":
             raise ValueError(f"input items of type {self.type!r} are not supported by kvserve (only messages)")
-        if self.role not in ("system", "developer", "user", "assistant"):
+        if self.role not in _ROLES:
             raise ValueError(f"role {self.role!r} is not supported")
         if isinstance(self.content, list):
-            other = sorted({p.type for p in self.content if p.type not in ("input_text", "output_text", "text")})
+            other = sorted({p.type for p in self.content if p.type not in _TEXT_PARTS})
             if other:
                 raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
         return self
@@ -84,19 +94,21 @@ class ResponsesRequest(RequestModel):
     # accepted without effect: kvserve runs every request at once, and there is one tier
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
-    truncation: str | None = None
-    # refused when used: they need stored state, tools or structured decoding (see _refuse_unsupported)
-    previous_response_id: str | None = None
-    store: bool | None = None
-    conversation: str | dict | None = None
-    background: bool | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    text: dict | None = None
-    reasoning: dict | None = None
-    include: list | None = None
-    prompt: dict | None = None
-    top_logprobs: int | None = None
+    truncation: str | None = Field(default=None, json_schema_extra=_only({"const": "disabled"}))
+    # refused when used: they need stored state, tools or structured decoding (see _refuse_unsupported); the
+    # schema says which values are served
+    previous_response_id: str | None = Field(default=None, json_schema_extra=_only())
+    store: bool | None = Field(default=None, json_schema_extra=_only({"const": False}))
+    conversation: str | dict | None = Field(default=None, json_schema_extra=_only())
+    background: bool | None = Field(default=None, json_schema_extra=_only({"const": False}))
+    tools: list | None = Field(default=None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra=_only({"enum": ["none", "auto"]}))
+    text: dict | None = Field(default=None, json_schema_extra=_only({"type": "object", "properties": {"format": {
+        "type": "object", "properties": {"type": {"const": "text"}}}}}))
+    reasoning: dict | None = Field(default=None, json_schema_extra=_only({"type": "object", "maxProperties": 0}))
+    include: list | None = Field(default=None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
+    prompt: dict | None = Field(default=None, json_schema_extra=_only())
+    top_logprobs: int | None = Field(default=None, json_schema_extra=_only({"const": 0}))
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):

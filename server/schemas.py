@@ -21,6 +21,20 @@ from kvserve.server.validation import RequestModel
 _TOKEN_ID_KEY = re.compile(r"[0-9]{1,12}")
 
 
+# What server.tools accepts as a tool and a tool_choice, for /openapi.json (schema-driven clients and fuzzers)
+TOOL_SCHEMA = {"type": "object", "required": ["function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
+TOOL_CHOICE_SCHEMAS = [{"enum": ["none", "auto", "required"]},
+                       {"type": "object", "required": ["type", "function"], "properties": {
+                           "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"}}}}},
+                       {"type": "null"}]
+
+
 class StreamOptions(RequestModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: bool = False
@@ -62,11 +76,12 @@ class _SamplingRequest(RequestModel):
     response_format: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1)
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    # checked by server.tools (its messages name the place); the schemas say what it accepts
+    tools: list | None = Field(default=None, json_schema_extra={"items": TOOL_SCHEMA})
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra={"anyOf": TOOL_CHOICE_SCHEMAS})
     parallel_tool_calls: bool | None = None
     # served on completions only (CompletionRequest); see _refuse_unsupported
     best_of: int | None = None
@@ -301,8 +316,8 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool = True  # a text prompt's; chat messages render as generation renders them
     # chat: what generation renders too (vLLM's tokenize fields), so the count is the request's prompt tokens
     add_generation_prompt: bool = True
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list | None = Field(default=None, json_schema_extra={"items": TOOL_SCHEMA})
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra={"anyOf": TOOL_CHOICE_SCHEMAS})
     chat_template_kwargs: dict[str, object] | None = None
 
     @model_validator(mode="after")
