@@ -196,3 +196,42 @@ def test_the_token_that_ends_an_assistant_turn_is_a_stop_token(smollm2):
     assert end_of_turn_ids(plain, tokenizer) == set()
     assert end_of_turn_ids(ChatTemplate(QWEN3_SHAPE, {}, 1 << 20), tokenizer) == {
         tokenizer.convert_tokens_to_ids("<|im_end|>")}
+
+
+# DeepSeek-R1's shape: the generation prompt opens the thinking block, so the reply starts as reasoning
+R1_SHAPE = QWEN3_SHAPE.replace("{{- '<|im_start|>assistant\\n' }}\n{%- if enable_thinking",
+                               "{{- '<|im_start|>assistant\\n<think>\\n' }}\n{%- if enable_thinking")
+
+
+def test_the_responses_api_returns_reasoning_as_a_reasoning_item(smollm2):
+    """A reply cut while thinking is all reasoning: the chat API's reasoning_content, the Responses API's
+    reasoning item (before an empty message), streamed as reasoning_text events the SDK's types accept."""
+    import typing
+
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    assert R1_SHAPE != QWEN3_SHAPE
+    kinds = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+             for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+    state = ServerState(with_template(smollm2, R1_SHAPE), ServeConfig(num_kv_blocks=32, block_size=16))
+    with serving(state) as url:
+        question = "Name a colour."
+        chat = httpx.post(url + CHAT, timeout=120, json={
+            "messages": [{"role": "user", "content": question}], "max_tokens": 6, "temperature": 0}).json()
+        message = chat["choices"][0]["message"]
+        assert message["content"] is None and message["reasoning_content"]
+        body = {"input": question, "max_output_tokens": 6, "temperature": 0}
+        whole = Response.model_validate(httpx.post(url + "/v1/responses", json=body, timeout=120).json())
+        assert [item.type for item in whole.output] == ["reasoning", "message"]
+        assert whole.output[0].content[0].text == message["reasoning_content"] and whole.output_text == ""
+        streamed = httpx.post(url + "/v1/responses", json=body | {"stream": True}, timeout=120)
+        events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+        for event in events:
+            kinds[event["type"]].model_validate(event)
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+        deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+        assert deltas == message["reasoning_content"]
+        final = Response.model_validate(events[-1]["response"])
+        done = [e["item"]["id"] for e in events if e["type"] == "response.output_item.done"]
+        assert final.status == "incomplete" and [item.id for item in final.output] == done
+        assert [item.type for item in final.output] == ["reasoning", "message"]
