@@ -76,7 +76,8 @@ class _SamplingRequest(RequestModel):
     response_format: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = Field(default=None, min_length=1)
+    guided_choice: list[str] | None = Field(default=None, min_length=1,  # an empty option admits no output
+                                            json_schema_extra={"items": {"type": "string", "minLength": 1}})
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
     # checked by server.tools (its messages name the place); the schemas say what it accepts
