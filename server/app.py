@@ -173,6 +173,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
+        tools.functions(body)  # tools and tool_choice checked as a chat request checks them, used or not
         if body.messages is not None:
             chars = sum(len(message.text) for message in body.messages)
             ids = await tokenizing(chars, chat_prompt_ids, state, body.messages, body, body.add_generation_prompt)

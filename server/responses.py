@@ -87,7 +87,9 @@ class ResponsesRequest(RequestModel):
     _is_body: ClassVar[bool] = True
 
     model: str | None = None
-    input: list[InputMessage] | str  # the list first: its errors (a non-text part) are the ones reported
+    # the list first: its errors (a non-text part) are the ones reported; a list is not empty (minItems applies to
+    # arrays only, so the string may be "")
+    input: list[InputMessage] | str = Field(json_schema_extra={"minItems": 1})
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -109,7 +111,7 @@ class ResponsesRequest(RequestModel):
     tools: list | None = Field(default=None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
     tool_choice: str | dict | None = Field(default=None, json_schema_extra=_only({"enum": ["none", "auto"]}))
     text: dict | None = Field(default=None, json_schema_extra=_only({"type": "object", "properties": {"format": {
-        "type": "object", "properties": {"type": {"const": "text"}}}}}))
+        "anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, {"type": "null"}]}}}))
     reasoning: dict | None = Field(default=None, json_schema_extra=_only({"type": "object", "maxProperties": 0}))
     include: list | None = Field(default=None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
     prompt: dict | None = Field(default=None, json_schema_extra=_only())

@@ -243,6 +243,10 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
 
     _completions: ClassVar[bool] = True
+    # refused when used (see _no_tools): the schema says so
+    tools: list | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
+                                                                         {"type": "null"}]})
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
     # served: vLLM v0's best_of (best_of candidates, the n best by cumulative logprob returned); non-streamed only
     best_of: int | None = Field(default=None, ge=1, le=16)
 
