@@ -171,7 +171,7 @@ def test_serve_refuses_out_of_range_values_in_one_line(caplog):
         caplog.clear()
         assert cli_main(["serve", *argv]) == 2, argv  # before any model is loaded
         assert [r.getMessage().split(":")[0] for r in caplog.records] == ["invalid option"], argv
-    assert "kv_cache_memory" in caplog.text and "GiB" in caplog.text  # names the option and the units
+    assert "--kv-cache-memory" in caplog.text and "GiB" in caplog.text  # names the flag and the units
     parser = serve_parser()
     assert parser.parse_args(["--log-level", "INFO"]).log_level == "info"  # KVSERVE_LOG_LEVEL=INFO works
 

@@ -176,6 +176,6 @@ def test_kvserve_plan_through_the_cli_dispatcher(capsys):
 def test_serve_refuses_bad_options_with_a_message_not_a_traceback(tmp_path, caplog):
     from kvserve.server.cli import main as kvserve_main
     assert kvserve_main(["serve", "--model", str(tmp_path / "missing")]) == 2
-    assert "not a Hugging Face model directory" in caplog.text
+    assert "no such file or directory" in caplog.text
     assert kvserve_main(["serve", "--block-size", "0"]) == 2
-    assert "block_size must be >= 1" in caplog.text
+    assert "--block-size must be >= 1" in caplog.text
