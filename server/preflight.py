@@ -51,8 +51,24 @@ def problems(config: ServeConfig) -> list[str]:
     one line that names the flag and says what to do."""
     found = [model_path_problem("--model", config.model),
              model_path_problem("--draft-model", config.draft_model) if config.draft_model else None,
-             listen_problem(config.host, config.port)]
+             flags_problem(config), listen_problem(config.host, config.port)]
     return [line for line in found if line]
+
+
+def flags_problem(config: ServeConfig) -> str | None:
+    """Flags that cannot work together, or on this machine, beyond ServeConfig's own checks of each value: the
+    GGUF's own blocks of a model that is no GGUF file (engine.weights.choose says the same after loading), and a
+    GPU asked for where there is none."""
+    from kvserve.engine.options import Device, cuda_present
+    from kvserve.quant.options import Scheme
+
+    gguf = config.model is None or config.model == EMBEDDED_MODEL or config.model.endswith(".gguf")
+    if config.quantization is Scheme.GGUF and not gguf:
+        return (f"--quantization gguf serves a GGUF file's own blocks, and --model {config.model} is not a .gguf "
+                "file (auto picks int8 for a float checkpoint)")
+    if config.device is Device.CUDA and not cuda_present():
+        return "--device cuda, but this machine has no CUDA device (or torch sees none); --device auto uses the CPU"
+    return None
 
 
 def model_path_problem(flag: str, value: str | None) -> str | None:

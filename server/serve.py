@@ -311,8 +311,8 @@ def run(args: argparse.Namespace) -> int:
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
     try:
         state = engine_thread.submit(build_state, config, engine_thread).result()
-    except (OSError, ValueError) as exc:  # a missing model directory, --device cuda without a GPU, --step-log
-        log.error("cannot start: %s", exc)
+    except (OSError, ValueError) as exc:  # what only loading tells: unreadable weights, a KV pool that does not fit
+        log.error("cannot start: %s", preflight.in_flags(str(exc)))
         engine_thread.shutdown()
         return 2
     drain = Drain(config.drain_s)

@@ -100,6 +100,18 @@ def test_model_paths_are_checked_before_loading(tmp_path):
         assert "config.json cannot be read" in check("--model", str(tmp_path))
 
 
+def test_flags_that_cannot_work_together_are_reported_before_loading(tmp_path, monkeypatch):
+    from kvserve.engine import options
+
+    (tmp_path / "config.json").write_text("{}")
+    assert preflight.flags_problem(ServeConfig(model=str(tmp_path), quantization="gguf")).startswith(
+        f"--quantization gguf serves a GGUF file's own blocks, and --model {tmp_path} is not a .gguf file")
+    assert preflight.flags_problem(ServeConfig(quantization="gguf")) is None  # the embedded model is one
+    monkeypatch.setattr(options, "cuda_present", lambda: False)
+    assert preflight.flags_problem(ServeConfig(device="cuda")).startswith("--device cuda, but this machine has no")
+    assert preflight.flags_problem(ServeConfig()) is None
+
+
 def test_a_port_in_use_is_reported_before_loading(monkeypatch, caplog):
     def no_loading(*args, **kwargs):
         raise AssertionError("the model was loaded")
