@@ -119,6 +119,14 @@ BUILDAH=()
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
+# pip inside the build trusts what pip trusts here (PIP_CERT, else the system's CA bundle): a mirror's private
+# CA, or a proxy that inspects TLS, as on the machines this runs on. Handed in as a secret: in no layer.
+secret=()
+cert="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
+if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
+no_cache=()
+if [[ "${KVSERVE_CONTAINER_REBUILD:-}" == 1 ]]; then no_cache=(--no-cache); fi
+
 if [[ "$ENGINE" == podman ]]; then
 # ---- storage (podman): the layer cache persists; run state and logs are per run -------------------------
 # overlay needs root (or fuse-overlayfs); vfs works anywhere but copies every layer whole. Each driver has
@@ -217,13 +225,6 @@ if [[ "$WARM_ONLY" == 1 && ! -e "$warm_marker" ]]; then
 wheel) and KVSERVE_CONTAINER_WARM_ONLY=1: a cold build takes about 30 min on 2 cores; run \
 bash scripts/container_check.sh once, or set KVSERVE_CONTAINER_CHECK=1 for the test"
 fi
-# pip inside the build trusts what pip trusts here (PIP_CERT, else the system's CA bundle): a mirror's private
-# CA, or a proxy that inspects TLS, as on the machines this runs on. Handed in as a secret: in no layer.
-secret=()
-cert="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
-if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
-no_cache=()
-if [[ "${KVSERVE_CONTAINER_REBUILD:-}" == 1 ]]; then no_cache=(--no-cache); fi
 say "building $IMAGE (buildah bud --layers, $driver storage in $STORAGE, chroot isolation; bound ${BUILD_TIMEOUT_S} s)"
 t0=$(date +%s)
 timeout "$BUILD_TIMEOUT_S" "${BUILDAH[@]}" bud --layers "${no_cache[@]}" --force-rm --isolation chroot \
@@ -264,11 +265,6 @@ if [[ "$WARM_ONLY" == 1 && ! -e "$warm_marker" ]]; then
 KVSERVE_CONTAINER_WARM_ONLY=1: a cold build takes about 30 min on 2 cores; run bash scripts/container_check.sh once, \
 or set KVSERVE_CONTAINER_CHECK=1 for the test"
 fi
-secret=()
-cert="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
-if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
-no_cache=()
-if [[ "${KVSERVE_CONTAINER_REBUILD:-}" == 1 ]]; then no_cache=(--no-cache); fi
 say "building $IMAGE (docker buildx build, Docker's layer cache; bound ${BUILD_TIMEOUT_S} s)"
 t0=$(date +%s)
 timeout "$BUILD_TIMEOUT_S" docker buildx build --load --progress plain "${no_cache[@]}" "${secret[@]}" \

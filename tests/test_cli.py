@@ -20,18 +20,12 @@ from kvserve.server.config import ServeConfig
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def serve_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvserve serve")
-    serve.add_arguments(parser)
-    return parser
-
-
 def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
     return [a for a in parser._actions if a.option_strings and not isinstance(a, argparse._HelpAction)]
 
 
 def test_every_option_has_help_and_shows_its_default():
-    parser = serve_parser()
+    parser = options_table.serve_parser()
     helps = {}
     for action in options(parser):
         formatter = parser._get_formatter()
@@ -48,7 +42,7 @@ def test_every_option_has_help_and_shows_its_default():
 
 
 def test_options_come_in_vllms_groups_and_none_is_left_out():
-    parser = serve_parser()
+    parser = options_table.serve_parser()
     grouped = {g.title: [a.option_strings[0] for a in g._group_actions] for g in parser._action_groups}
     assert [t for t in grouped if t.endswith(" options") and t != "options"] == [f"{n} options" for n in serve.GROUPS]
     assert grouped["options"] == ["-h"]  # every flag is in a named group
@@ -59,7 +53,7 @@ def test_options_come_in_vllms_groups_and_none_is_left_out():
 
 
 def test_every_config_field_has_its_flag_and_errors_name_flags_as_typed():
-    flags = {s for a in options(serve_parser()) for s in a.option_strings}
+    flags = {s for a in options(options_table.serve_parser()) for s in a.option_strings}
     for field in dataclasses.fields(ServeConfig):
         assert preflight.flag_of(field.name) in flags, field.name
     assert preflight.in_flags("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)") == \
@@ -145,10 +139,10 @@ def test_the_readmes_options_table_is_the_parsers():
     """README.md's options table is generated from the parser: `python -m kvserve.server.options_table --write`
     rewrites it after a flag changes, and this test fails until it is run."""
     readme = (ROOT / "README.md").read_text()
-    assert options_table.replace_table(readme, options_table.markdown(serve_parser())) == readme, (
+    assert options_table.replace_table(readme, options_table.markdown(options_table.serve_parser())) == readme, (
         "README.md's options table differs from `kvserve serve --help`: run "
         "`.venv/bin/python -m kvserve.server.options_table --write`")
-    table = options_table.markdown(serve_parser())
+    table = options_table.markdown(options_table.serve_parser())
     for flag in ("--api-key-file", "--share-cache-across-keys", "--max-prompts-per-request"):
         assert f"`{flag}" in table
     assert "| `--port PORT` | `8000` | the TCP port to listen on |" in table
