@@ -39,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = (ROOT / "README.md", ROOT / "docs" / "api.md")
 DOC_URL = "http://127.0.0.1:8000"
-# blocks that are not requests to a running server: starting one, installing, building
-SKIPPED = ("kvserve serve", ".venv/bin/kvserve serve", "bash scripts/", "docker ", "git ", "pip ")
+# blocks that are not requests to a running server: starting one, installing, building, testing
+SKIPPED = ("kvserve serve", ".venv/bin/kvserve serve", "bash scripts/", "docker ", "git ", "pip ", ".venv/bin/python -m pytest")
 OUTPUTS = ("text output", "json output")
 # fields whose values differ run to run (only their presence and type are compared): ids, clocks, measured times,
 # and prompt tokens found in the prefix cache (which depends on what ran before)
