@@ -146,3 +146,14 @@ def test_the_readmes_options_table_is_the_parsers():
     for flag in ("--api-key-file", "--share-cache-across-keys", "--max-prompts-per-request"):
         assert f"`{flag}" in table
     assert "| `--port PORT` | `8000` | the TCP port to listen on |" in table
+
+
+def test_the_command_is_offline_before_any_subcommand_imports_the_hub_libraries():
+    """huggingface_hub and transformers read HF_HUB_OFFLINE once, at import, and the server's routes import them
+    before the model loader: `kvserve` sets it first thing (unless the environment says otherwise)."""
+    code = ("import os, sys; from kvserve.server.cli import main; main(['plan', '--json']); "
+            "print(os.environ.get('HF_HUB_OFFLINE'), 'huggingface_hub' in sys.modules)")
+    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "1 False"
