@@ -25,7 +25,8 @@ GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (the GGUF specif
 # ServeConfig fields whose flag is not the field's name with dashes
 FIELD_FLAGS = {"policy": "--scheduler", "enable_prefix_caching": "--no-prefix-caching", "sse_ping_s": "--sse-ping-seconds",
                "drain_s": "--drain-seconds", "header_timeout_s": "--header-timeout-seconds", "api_key": "--api-key",
-               "api_keys": "--api-key", "ui": "--no-ui"}
+               "api_keys": "--api-key", "ui": "--no-ui", "body_timeout_s": "--body-timeout-seconds",
+               "admin_keys": "--admin-key"}
 
 
 def flag_of(field: str) -> str:
