@@ -23,7 +23,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = environment.help_text()
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     d = ServeConfig()
-    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2)")
+    parser.add_argument("--model", default=None,
+                        help="a local GGUF file (Llama, Mistral, Qwen2, Qwen3; served as its general.name, else its "
+                             "file name) or Hugging Face model directory (default: the embedded SmolLM2)")
     parser.add_argument("--host", default=d.host)
     parser.add_argument("--port", type=int, default=d.port)
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
@@ -78,7 +80,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--allow-pickle", action="store_true",
                         help="load pickled checkpoints (*.bin, *.pt); unpickling can run code, so only "
                              "safetensors are loaded by default")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--served-model-name", default=None,
+                        help="the model id clients send (default: the model's own name, docs/api.md)")
     parser.add_argument("--sse-ping-seconds", type=float, default=d.sse_ping_s,
                         help="keep-alive comment interval on idle streams (0 disables)")
     parser.add_argument("--step-log", default=None, metavar="PATH",
@@ -156,8 +159,8 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     from kvserve.server.state import ServerState
 
     choice = weights.choose(config.quantization, config.model)
-    loaded = load_model(config.model, config.dtype, config.device,
-                        quantized=choice.scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
+    loaded = load_model(config.model, config.dtype, config.device, quantized=choice.scheme is not Scheme.NONE,
+                        allow_pickle=config.allow_pickle, blocks=choice.scheme is Scheme.GGUF)
     log.info("model %s loaded: %s on %s (%s)", loaded.name, loaded.dtype, loaded.device,
              dtype_reason(config, loaded, choice.scheme))
     log.info("tokenizer: %s (for clients that tokenize locally, e.g. guidellm --processor; `kvserve model-path` "
@@ -204,7 +207,8 @@ def load_draft(config: ServeConfig, served):
 
     scheme = config.draft_scheme
     draft = load_model(config.draft_model or config.model, config.dtype, config.device,
-                       quantized=scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
+                       quantized=scheme is not Scheme.NONE, allow_pickle=config.allow_pickle,
+                       blocks=scheme is Scheme.GGUF)
     if draft.tokenizer.get_vocab() != served.tokenizer.get_vocab():
         raise ValueError(f"the draft model {draft.name} has another tokenizer than {served.name}: its drafts would "
                          "be other tokens")
