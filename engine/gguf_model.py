@@ -34,7 +34,7 @@ from torch import nn
 
 from kvserve.engine.architectures import Architecture, config_from_gguf, for_gguf
 from kvserve.engine.gguf_file import GGUFError, GGUFFile, GGUFTensor, read_gguf
-from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear, q4_0_as_q4_1
+from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear
 from kvserve.quant.linear import Layout
 
 log = logging.getLogger("kvserve.engine")
@@ -47,6 +47,7 @@ LAYER_TENSORS = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_lay
                  "attn_k_norm": "self_attn.k_norm", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
                  "ffn_down": "mlp.down_proj"}
 _NAMES_SHOWN = 3
+DEQUANTIZE_ROWS = 1024
 
 
 def block_kind(ggml_type) -> GGMLKind | None:
@@ -56,6 +57,13 @@ def block_kind(ggml_type) -> GGMLKind | None:
     if ggml_type.name == "Q4_0":
         return GGMLKind.Q4_1
     return None
+
+
+def _as_kind(blocks: torch.Tensor) -> torch.Tensor:
+    """Q4_0 blocks rewritten as the Q4_1 ones ``block_kind`` serves them as (exact: quant.ggml.q4_0_as_q4_1)."""
+    from kvserve.quant.ggml import q4_0_as_q4_1
+
+    return q4_0_as_q4_1(blocks)
 
 
 def expected_tensors(file: GGUFFile, arch: Architecture, config) -> dict[str, tuple[int, ...]]:
@@ -123,14 +131,17 @@ def check_tensors(file: GGUFFile, arch: Architecture, config) -> None:
 
 def floats(tensor: GGUFTensor) -> torch.Tensor:
     """A tensor's values, float32 ``[rows, shape[0]]`` (squeezed to 1-D for a vector): a new tensor, bit for
-    bit ``gguf.quants.dequantize``."""
+    bit ``gguf.quants.dequantize``, computed DEQUANTIZE_ROWS rows at a time (the package's numpy code makes
+    several temporaries the size of its input's floats)."""
     import gguf
 
-    values = gguf.quants.dequantize(tensor.data(), tensor.ggml_type)
-    if tensor.ggml_type.name == "F32":
-        values = values.copy()  # a view of the mapping until now
-    out = torch.from_numpy(values.reshape(tensor.rows, tensor.shape[0]))
-    return out[0] if len(tensor.shape) == 1 else out
+    data = tensor.data()  # [rows, row bytes]
+    out = np.empty((tensor.rows, tensor.shape[0]), dtype=np.float32)
+    for start in range(0, tensor.rows, DEQUANTIZE_ROWS):
+        out[start:start + DEQUANTIZE_ROWS] = gguf.quants.dequantize(data[start:start + DEQUANTIZE_ROWS],
+                                                                    tensor.ggml_type)
+    values = torch.from_numpy(out)
+    return values[0] if len(tensor.shape) == 1 else values
 
 
 def unpermute_rows(rows: int, num_heads: int) -> torch.Tensor:
@@ -221,7 +232,7 @@ class _Installer:
             data = torch.from_numpy(tensor.data())  # [out, row bytes], a view of the mapping
             data = data if order is None else data[order]
             if tensor.ggml_type.name not in GGMLKind.__members__:
-                data = q4_0_as_q4_1(data)
+                data = _as_kind(data)
             layer = GGMLLinear(data, kind, bias)
             if not self.file.maps(layer.weight.data_ptr()):
                 self.file.release(tensor)
@@ -261,7 +272,7 @@ class _Installer:
                 rows = head.weight  # the head's own rows: one copy of the table
             else:
                 rows = torch.from_numpy(table.data())
-                rows = rows if table.ggml_type.name in GGMLKind.__members__ else q4_0_as_q4_1(rows)
+                rows = rows if table.ggml_type.name in GGMLKind.__members__ else _as_kind(rows)
                 self.summary.bytes_after += rows.numel()
             embedding = GGMLEmbedding(rows, kind, self.dtype)
         model.model.embed_tokens = embedding
