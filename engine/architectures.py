@@ -144,6 +144,9 @@ def config_from_gguf(file: GGUFFile, arch: Architecture):
         config["sliding_window"] = file.get(prefix + "attention.sliding_window", int)
     if arch is QWEN2 or arch is QWEN3:
         config["use_sliding_window"] = False
+    if config["num_hidden_layers"] > len(file.tensors):  # each layer has tensors: more is a lie (and long loops)
+        raise GGUFError(f"{path}: {prefix}block_count {config['num_hidden_layers']} is more than the file's "
+                        f"{len(file.tensors)} tensors")
     try:
         made = AutoConfig.for_model(arch.model_type, **config)
     except Exception as exc:  # noqa: BLE001 - transformers' own validation (its error types vary by version)
