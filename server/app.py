@@ -76,6 +76,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         state.service.start()
         yield
         await state.service.stop()
+        state.close()
 
     keys = ApiKeys(state.config.api_keys, isolate_cache=not state.config.share_cache_across_keys)
 

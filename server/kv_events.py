@@ -227,7 +227,7 @@ class EventPublisher:
             the whole cache (``BlockManager.cached_snapshot``) with ``resync=True``.
 
     Raises:
-        zmq.ZMQError: an endpoint cannot be bound or connected.
+        OSError: an endpoint cannot be bound or connected (the port is taken, a bad address).
     """
 
     def __init__(self, config: KVEventsConfig, start: bool = True) -> None:
@@ -248,9 +248,10 @@ class EventPublisher:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))  # a whole replay and its marker
                 self._replay.bind(config.replay_endpoint)
-        except zmq.ZMQError:
+        except zmq.ZMQError as exc:
             self._close_sockets()
-            raise
+            raise OSError(f"--kv-events-config: cannot open {config.endpoint} / {config.replay_endpoint}: "
+                          f"{exc}") from None
         self._thread = threading.Thread(target=self._run, name="kvserve-kv-events", daemon=True)
         if start:
             self.start()

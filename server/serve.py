@@ -7,6 +7,7 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve import environment
+from kvserve.kvcache.hashing import HashAlgo
 from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.quant.options import Scheme
@@ -14,6 +15,7 @@ from kvserve.server.auth import read_key_file
 from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.server.config import Policy, ServeConfig
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
+from kvserve.server.kv_events import KVEventsConfig, parse_kv_events_config
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 log = logging.getLogger("kvserve")
@@ -66,6 +68,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "each step's token budget per tenant (an API key, or the X-Tenant-ID header without "
                              "keys)")
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--prefix-caching-hash-algo", choices=[a.value for a in HashAlgo],
+                        default=d.prefix_caching_hash_algo.value,
+                        help="the prefix cache's block digests: kvserve (its own), or sha256_cbor (vLLM's: a router "
+                             "that tokenizes and hashes prompts itself, as llm-d's precise prefix-cache scorer does, "
+                             "finds the digests the KV events publish; NONE_HASH seeded from PYTHONHASHSEED as vLLM's)")
+    parser.add_argument("--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+                        help="publish KV cache events as vLLM does, for KV-aware routers (Dynamo, llm-d, SGLang's "
+                             "gateway): vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                             "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\", \"topic\": \"kv\"}' "
+                             "(fields: publisher, buffer_steps, hwm, max_queue_size; kvserve's event_encoding: map "
+                             "or array); default: none")
     parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
                         help="require 'Authorization: Bearer KEY' on /v1 routes and /tokenize, /detokenize, "
                              "/tokenizer_info; repeat for several keys (each key gets its own prefix cache)")
@@ -124,7 +137,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_model_len=args.max_model_len,
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
                        scheduling_policy=SchedulingPolicy(args.scheduling_policy),
-                       enable_prefix_caching=not args.no_prefix_caching, api_keys=_api_keys(args),
+                       enable_prefix_caching=not args.no_prefix_caching,
+                       prefix_caching_hash_algo=HashAlgo(args.prefix_caching_hash_algo), kv_events=args.kv_events_config,
+                       api_keys=_api_keys(args),
                        share_cache_across_keys=args.share_cache_across_keys,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
@@ -151,6 +166,14 @@ def _draft_length(text: str) -> int | None:
     if value < 1:
         raise argparse.ArgumentTypeError("must be >= 1 (use --speculative off for none)")
     return value
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    """``--kv-events-config``: vLLM's JSON (``server.kv_events.parse_kv_events_config``)."""
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _host_list(text: str) -> tuple[str, ...]:

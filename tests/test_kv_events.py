@@ -229,3 +229,42 @@ def test_a_full_queue_drops_and_counts_then_asks_for_a_resync(tmp_path):
         assert publisher.publish([AllBlocksCleared()], resync=True) and not publisher.needs_resync
     finally:
         publisher.shutdown()
+
+
+def test_a_server_publishes_the_digests_a_router_recomputes_and_the_gateway_metrics(smollm2, tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.serverutil import running_server
+    from kvserve.server.config import ServeConfig
+
+    events = _config(tmp_path, buffer_steps=100)
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.connect(events.endpoint)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv")
+    config = ServeConfig(num_kv_blocks=64, block_size=16, kv_events=events, prefix_caching_hash_algo="sha256_cbor",
+                         vllm_metric_names=True)
+    prompt = list(range(1000, 1040))  # 40 tokens: two full blocks of 16
+    with running_server(smollm2, config) as url:
+        import httpx
+
+        time.sleep(0.3)  # let the subscription reach the PUB socket
+        for salt in (None, "tenant-a"):
+            body = {"prompt": prompt, "max_tokens": 2, "temperature": 0} | ({"cache_salt": salt} if salt else {})
+            assert httpx.post(url + "/v1/completions", json=body, timeout=60).status_code == 200
+        stored = []
+        while sub.poll(2000) and len(stored) < 2:
+            topic, seq, payload = sub.recv_multipart()
+            stored += [e for e in decode_batch(payload)[1] if e[0] == "stored"]
+        hasher = VllmCborHasher()
+        for (kind, hashes, parent), salt in zip(stored, (None, "tenant-a")):
+            assert hashes == [event_hash(d) for d in prompt_block_hashes(hasher, prompt, 16, salt)] and parent is None
+        families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)}
+    sub.close(linger=0)
+    # what the Gateway API Inference Extension's endpoint picker reads, by name, type and labels
+    for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
+        assert families[name].type == "gauge" and len(families[name].samples) == 1
+    (info,) = families["vllm:cache_config_info"].samples
+    assert families["vllm:cache_config_info"].type == "gauge" and info.value == 1.0
+    assert (info.labels["block_size"], info.labels["num_gpu_blocks"]) == ("16", "64")
+    assert "vllm:lora_requests_info" not in families  # no LoRA adapters served: as vLLM without --enable-lora
+    assert families["kvserve:kv_events_dropped"].samples[0].value == 0.0
