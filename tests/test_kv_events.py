@@ -268,3 +268,24 @@ def test_a_server_publishes_the_digests_a_router_recomputes_and_the_gateway_metr
     assert (info.labels["block_size"], info.labels["num_gpu_blocks"]) == ("16", "64")
     assert "vllm:lora_requests_info" not in families  # no LoRA adapters served: as vLLM without --enable-lora
     assert families["kvserve:kv_events_dropped"].samples[0].value == 0.0
+
+
+def test_the_loadtest_router_indexes_events_and_picks_the_longest_cached_prefix():
+    from kvserve.loadtest.procs.kvrouter import Replica, Router
+
+    hasher = VllmCborHasher()
+    prompt = list(range(1, 49))  # three blocks of 16
+    digests = prompt_block_hashes(hasher, prompt, 16)
+    a, b = Replica("http://a", "ipc://a", None), Replica("http://b", "ipc://b", None)
+    a.apply(0, encode_batch([BlockStored(digests[:1], None, prompt[:16], 16, [None])], 1.0))
+    b.apply(0, encode_batch([BlockStored(digests, None, prompt, 16, [None] * 3)], 1.0))
+    b.apply(1, encode_batch([BlockRemoved(digests[2:])], 2.0))
+    b.apply(1, encode_batch([AllBlocksCleared()], 2.0))  # a repeated sequence number is ignored
+    router = Router([a, b], 16, "sha256_cbor")
+    hashes = [event_hash(d) for d in digests]
+    assert (a.matched(hashes), b.matched(hashes)) == (1, 2)
+    assert {router.choose(hashes).url for _ in range(4)} == {"http://b"}
+    b.apply(2, encode_batch([AllBlocksCleared()], 3.0))
+    assert router.choose(hashes).url == "http://a"
+    a.in_flight = 3  # nothing cached anywhere: the one with fewer requests in flight
+    assert router.choose([event_hash(d) for d in prompt_block_hashes(hasher, [7] * 32, 16)]).url == "http://b"
