@@ -76,6 +76,16 @@ def test_an_index_of_the_events_equals_the_cache_after_every_step(algo):
     assert counts["stored"] > 20 and counts["removed"] > 5 and counts["cleared"] == 2
     assert counts["preempted"] > 0 and counts["aborted"] > 0
     assert len(index) == len(blocks.cached_hashes) > 0
+    # the resync a publisher sends after a drop: the whole cache, parents before children, into any stale index
+    stale = {b"stale"}
+    seen: set[bytes] = set()
+    for event in blocks.cached_snapshot():
+        if isinstance(event, BlockStored):
+            assert event.parent_block_hash is None or event.parent_block_hash in seen or \
+                event.parent_block_hash not in blocks.cached_hashes  # a parent evicted before its child
+            seen.update(event.block_hashes)
+        apply_event(stale, event)
+    assert stale == blocks.cached_hashes
 
 
 def test_a_reset_is_refused_while_a_request_holds_blocks():
