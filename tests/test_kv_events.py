@@ -299,3 +299,5 @@ def test_the_loadtest_router_indexes_events_and_picks_the_longest_cached_prefix(
     assert router.choose(hashes).url == "http://a"
     a.in_flight = 3  # nothing cached anywhere: the one with fewer requests in flight
     assert router.choose([event_hash(d) for d in prompt_block_hashes(hasher, [7] * 32, 16)]).url == "http://b"
+    a.pending.update([event_hash(d) for d in prompt_block_hashes(hasher, [7] * 32, 16)])  # --in-flight's prediction
+    assert router.choose([event_hash(d) for d in prompt_block_hashes(hasher, [7] * 48, 16)]).url == "http://a"

@@ -90,6 +90,7 @@ def router_binary() -> str:
 
 
 KV_EVENTS = "kv_events"  # the policy of loadtest's own KV-aware router (procs/kvrouter.py), fed by the replicas' events
+KV_EVENTS_IN_FLIGHT = "kv_events_in_flight"  # the same, also counting the prompts of requests in flight (--in-flight)
 
 
 def kv_events_endpoints(log_dir: Path, port: int | str) -> tuple[str, str]:
@@ -105,10 +106,11 @@ def kv_events_flags(log_dir: Path) -> list[str]:
             f'{{"enable_kv_cache_events": true, "endpoint": "{pub}", "replay_endpoint": "{replay}"}}']
 
 
-def kvrouter_command(port: int, replicas: list[str], log_dir: Path, block_size: int = 16) -> list[str]:
+def kvrouter_command(port: int, replicas: list[str], log_dir: Path, block_size: int = 16,
+                     in_flight: bool = False) -> list[str]:
     """loadtest's KV-aware router (``procs/kvrouter.py``) over ``replicas``, which publish as ``kv_events_flags``."""
     argv = [sys.executable, "-m", "kvserve.loadtest.procs.kvrouter", "--port", str(port),
-            "--block-size", str(block_size)]
+            "--block-size", str(block_size), *(["--in-flight"] if in_flight else [])]
     for url in replicas:
         pub, replay = kv_events_endpoints(log_dir, url.rsplit(":", 1)[1])
         argv += ["--replica", f"{url}={pub},{replay}"]
@@ -155,8 +157,10 @@ class Cluster:
         self.router_policy = policy
         port, metrics_port = free_port(), free_port()
         live = [r.url for r in self.replicas if r.alive]
-        command = (kvrouter_command(port, live, self.log_dir) if policy == KV_EVENTS
-                   else router_command(port, metrics_port, live, policy))
+        if policy in (KV_EVENTS, KV_EVENTS_IN_FLIGHT):
+            command = kvrouter_command(port, live, self.log_dir, in_flight=policy == KV_EVENTS_IN_FLIGHT)
+        else:
+            command = router_command(port, metrics_port, live, policy)
         self.router = _spawn(f"router-{policy}", command, port, self.log_dir)
         self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         # /readiness counts the workers the router has found healthy; wait for all of them

@@ -16,6 +16,11 @@ their simplest form:
   go to the replica with the fewest requests in flight here, then in turn;
 - the request is then proxied unchanged, streamed back as it comes.
 
+With ``--in-flight`` it also counts, per replica, the prompt blocks of the requests it has sent there and that
+have not ended (the part of Dynamo's KV router that predicts blocks before their events arrive): a second request
+for a prompt still being prefilled then follows the first instead of computing it again elsewhere. Without it
+(the ``kv_events`` policy) the index is the events' alone.
+
 It runs as a child process of the cluster command, never by hand. ``/readiness`` answers as vllm-router's does
 (``healthy_workers``), ``/stats`` with the index sizes, events applied and replays.
 """
@@ -27,6 +32,7 @@ import asyncio
 import itertools
 import logging
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 
 import httpx
@@ -57,6 +63,7 @@ class Replica:
     batches: int = 0
     replays: int = 0
     in_flight: int = 0
+    pending: Counter = field(default_factory=Counter)  # block hash -> requests in flight here whose prompt has it
 
     def apply(self, seq: int, payload: bytes) -> None:
         """Apply one batch (a repeat of one already applied is ignored)."""
@@ -76,7 +83,7 @@ class Replica:
         """Leading blocks of a prompt (its block hashes, in order) this replica holds."""
         count = 0
         for h in hashes:
-            if h not in self.hashes:
+            if h not in self.hashes and not self.pending[h]:
                 break
             count += 1
         return count
@@ -118,10 +125,12 @@ class Router:
         replicas: the replicas and their event endpoints.
         block_size: the replicas' ``--block-size``.
         hash_algo: the replicas' ``--prefix-caching-hash-algo``.
+        in_flight: count the prompt blocks of requests in flight on a replica as held there.
     """
 
-    def __init__(self, replicas: list[Replica], block_size: int, hash_algo: str) -> None:
+    def __init__(self, replicas: list[Replica], block_size: int, hash_algo: str, in_flight: bool = False) -> None:
         self.replicas = replicas
+        self.in_flight = in_flight
         self.block_size = block_size
         self.hasher = make_hasher(hash_algo)
         self.turn = itertools.count()
@@ -159,12 +168,18 @@ class Router:
         hashes = await self.prompt_hashes(request.url.path, body) if isinstance(body, dict) else []
         replica = self.choose(hashes)
         replica.in_flight += 1
+        predicted = hashes if self.in_flight else []
+        replica.pending.update(predicted)
+
+        def ended() -> None:
+            replica.in_flight -= 1
+            replica.pending.subtract(predicted)
         upstream = self.client.build_request(request.method, replica.url + request.url.path, content=raw,
                                              headers={"content-type": "application/json"})
         try:
             response = await self.client.send(upstream, stream=True)
         except httpx.HTTPError as exc:
-            replica.in_flight -= 1
+            ended()
             return JSONResponse({"error": {"message": f"replica {replica.url}: {exc}"}}, status_code=502)
 
         async def relay():
@@ -173,7 +188,7 @@ class Router:
                     yield chunk
             finally:
                 await response.aclose()
-                replica.in_flight -= 1
+                ended()
 
         return StreamingResponse(relay(), status_code=response.status_code,
                                  media_type=response.headers.get("content-type"))
@@ -210,9 +225,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hash-algo", default="sha256_cbor", choices=["sha256_cbor", "kvserve"])
     parser.add_argument("--topic", default="")
+    parser.add_argument("--in-flight", action="store_true",
+                        help="count the prompt blocks of requests in flight on a replica as held there")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    router = Router(args.replica, args.block_size, args.hash_algo)
+    router = Router(args.replica, args.block_size, args.hash_algo, args.in_flight)
 
     async def lifespan(_app):
         ctx = zmq.asyncio.Context()

@@ -37,13 +37,16 @@ import httpx
 
 from kvserve.loadtest.loadgen.conversations import Result, SystemPrompts, Workload, run_conversations, run_system_prompts
 from kvserve.loadtest.loadgen.report import OUT_DIR
-from kvserve.loadtest.procs.clusterproc import (KV_EVENTS, Cluster, Proc, kv_events_flags, replica_counts,
-                                                router_binary, router_retries, serve_flags, start_cluster)
+from kvserve.loadtest.procs.clusterproc import (KV_EVENTS, KV_EVENTS_IN_FLIGHT, Cluster, Proc, kv_events_flags,
+                                                replica_counts, router_binary, router_retries, serve_flags,
+                                                start_cluster)
 from kvserve.loadtest.publish.benchmarks_md import update_section
 
 # cache_aware last of vllm-router's: the kill and drain phases reuse its router. kv_events: loadtest's own KV-aware
-# router (procs/kvrouter.py), its index built only from the replicas' KV events
-POLICIES = ("round_robin", KV_EVENTS, "cache_aware")
+# router (procs/kvrouter.py), its index built only from the replicas' KV events; kv_events_in_flight: the same, also
+# counting the prompts of the requests it has in flight on each replica
+POLICIES = ("round_robin", KV_EVENTS, KV_EVENTS_IN_FLIGHT, "cache_aware")
+OWN_ROUTER = {KV_EVENTS, KV_EVENTS_IN_FLIGHT}
 
 
 # ---- the three phases --------------------------------------------------------------------------------
@@ -258,7 +261,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas < 2 or (not args.no_failover and args.replicas < 3):
         raise UsageError("--replicas must be >= 2, and >= 3 with the failover phases (one is killed, one drained)")
-    if set(args.policies) - {KV_EVENTS} or not args.no_failover:
+    if set(args.policies) - OWN_ROUTER or not args.no_failover:
         router_binary()
     workload = Workload(args.conversations, args.turns, args.concurrency, args.max_tokens, args.opening_words)
     measured = workload if args.workload == "conversations" else SystemPrompts(
@@ -273,20 +276,21 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print(f"starting {args.replicas} replicas (SmolLM2 float32, {args.kv_cache_memory} KV each) ...", flush=True)
     log_dir = OUT_DIR / "cluster"
-    if KV_EVENTS in args.policies:
+    events = bool(OWN_ROUTER & set(args.policies))
+    if events:
         flags += kv_events_flags(log_dir)
     cluster = start_cluster(args.replicas, flags, log_dir)
     try:
         print(f"ready in {time.perf_counter() - started:.0f} s", flush=True)
         emit(f"{args.replicas} replicas (`kvserve serve` {' '.join(serve_flags(args.kv_cache_memory, args.drain_seconds))}"
-             f"{' + KV events (sha256_cbor digests)' if KV_EVENTS in args.policies else ''}"
+             f"{' + KV events (sha256_cbor digests)' if events else ''}"
              f", one OpenMP thread each) behind the router, all on this machine's cores. Workload: "
              f"{_describe(measured)} "
              f"Fresh prompts per phase; hit rate = prompt tokens found in the prefix caches / looked up, "
              f"summed over the replicas; TTFT as the client sees it through the router; throughput = requests "
              f"finished per second of the phase. round_robin and cache_aware are vllm-router's; kv_events is "
              f"loadtest's KV-aware router (procs/kvrouter.py): an index of each replica's KV events, the longest "
-             f"cached prefix wins.")
+             f"cached prefix wins; kv_events_in_flight also counts the prompts of its requests in flight.")
         emit()
         warm_up(cluster)
         emit("| policy | requests | failed | prefix-cache hit rate | mean TTFT (ms) | p99 TTFT (ms) | requests/s | "
