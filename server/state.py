@@ -151,6 +151,9 @@ class ServerState:
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
         self.live = LiveView(num_blocks) if config.ui else None  # the live page's view of slots, blocks, steps
         publishing = config.kv_events is not None and config.kv_events.enabled and config.enable_prefix_caching
+        if config.kv_events is not None and config.kv_events.enabled and not config.enable_prefix_caching:
+            log.warning("--kv-events-config is ignored: with --no-prefix-caching no block is cached, so none is "
+                        "published")
         self.blocks = blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
                                             observer=self.live.blocks if self.live is not None else None,
                                             hasher=make_hasher(config.prefix_caching_hash_algo),
