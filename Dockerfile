@@ -11,8 +11,8 @@
 # See docs/operations.md for every variable and deploy/ for Prometheus, Grafana and Kubernetes.
 
 ARG PYTHON_VERSION=3.11
-# Both stages' base: Debian bookworm (g++=4:12.2.0-3 below is bookworm's) with python >= 3.10 on PATH as
-# `python`, its venv module, and apt sources that reach a Debian mirror.
+# The build and runtime stages' base: Debian bookworm (g++=4:12.2.0-3 below is bookworm's) with python >= 3.10 as
+# `python` on PATH, its venv module, and apt sources that reach a Debian mirror.
 ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm
 
 # Empty unless the build is given `--build-context torch-wheels=DIR` (a directory holding the torch wheel).
@@ -98,6 +98,17 @@ RUN --mount=type=secret,id=pip-cert \
  && t="$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch" \
  && rm -rf "$t/include" "$t/test" "$t"/bin/*Test "$t"/bin/test_* "$t"/bin/protoc*
 
+# ---- venv: the runtime's virtual environment, without what only builds or plots --------------------------
+# pip and ninja (the kernels are prebuilt and kvserve installs above), matplotlib and the packages only it pulls in
+# (the load tests' PNG plots; a container serves), and torch's own test libraries: about 110 MB. The build stage
+# keeps deps' full venv; tests/test_deploy.py checks that nothing kvserve serve imports is removed.
+FROM deps AS venv
+RUN pip uninstall --yes --quiet ninja matplotlib fonttools pillow kiwisolver contourpy cycler pyparsing \
+ && t="$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch" \
+ && rm -f "$t"/lib/libtorchbind_test.so "$t"/lib/libjitbackend_test.so "$t"/lib/libbackend_with_compiler.so \
+          "$t"/lib/libaoti_custom_ops.so \
+ && python -m pip uninstall --yes --quiet pip
+
 # ---- model: the GGUF converted to safetensors once, here, so a container never converts (or downloads) ----
 FROM deps AS model
 ENV KVSERVE_CACHE=/opt/kvserve/cache
@@ -130,7 +141,7 @@ RUN groupadd --system --gid "${UID}" kvserve \
             --shell /usr/sbin/nologin kvserve
 
 # Largest and rarest first: each COPY is a layer that the cache keeps while its content is unchanged.
-COPY --from=deps /opt/venv /opt/venv
+COPY --from=venv /opt/venv /opt/venv
 COPY --from=model --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
 COPY --from=kernels --chown=${UID}:${UID} /opt/kvserve/kernels /opt/kvserve/kernels
 COPY --chmod=0755 docker/entrypoint.sh /opt/kvserve/bin/entrypoint.sh

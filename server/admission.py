@@ -77,8 +77,9 @@ async def admit(state: ServerState, body, request: Request) -> Generation:
     prepared = await tokenizing(_prompt_chars(body), prepare_all, state, body)
     grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
     salt, tenant = ApiKeys.cache_salt(request, body.cache_salt), ApiKeys.tenant(request)
+    owner = getattr(request.state, "key_owner", None)
     for one in prepared if completions else [prepared]:
-        one.grammar, one.cache_salt, one.tenant = grammar, salt, tenant
+        one.grammar, one.cache_salt, one.tenant, one.owner = grammar, salt, tenant, owner
     if completions:  # one prompt or several, numbered as OpenAI numbers them
         generation = PromptGroups(state, prepared, body.n, body.prompts)
     else:

@@ -77,13 +77,18 @@ class Generation:
         return [(request, self.events) for request in self.requests]
 
     def register(self) -> None:
-        """Hand the choices' grammar matchers to the runner's constraint plug-in (before they are submitted)."""
+        """Hand the choices' grammar matchers to the runner's constraint plug-in (before they are submitted), and
+        name their API key as their owner for the live page."""
         for request_id, choice in self.choices.items():
             if choice.constraint is not None:
                 self.state.constraints.add(request_id, choice.constraint)
+            if self.prepared.owner is not None:
+                self.state.request_owners[request_id] = self.prepared.owner
 
     def release(self) -> None:
-        """Take the choices' grammar matchers back from the constraint plug-in."""
+        """Take the choices' grammar matchers back from the constraint plug-in, and their owners from the live page."""
+        for request_id in self.choices:
+            self.state.request_owners.pop(request_id, None)
         if self.prepared.grammar is not None:
             for request_id in self.choices:
                 self.state.constraints.pop(request_id)

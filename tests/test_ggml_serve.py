@@ -185,7 +185,9 @@ def test_serve_help_and_parser_default_to_auto():
     assert parser.parse_args([]).quantization == "auto"
     assert parser.parse_args(["--quantization", "gguf"]).quantization == "gguf"
     help_text = " ".join(parser.format_help().split())
-    assert "auto (default): a GGUF model's own blocks" in help_text and "none: full precision" in help_text
+    assert "auto: a GGUF model's own blocks" in help_text and "none: full precision" in help_text
+    assert "full precision; int8, int4, nf4: kvserve's own rounding of the float weights (int8 and int4 calibrate at " \
+           "start) (default: auto)" in help_text
 
 
 def test_start_log_says_what_was_picked_why_and_how_to_get_full_precision(smollm2, monkeypatch, caplog):
