@@ -20,7 +20,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "simulate": ("kvserve.loadtest.sim.simulate", "static vs continuous on seed64, replayed at measured step costs"),
     "tables": ("kvserve.loadtest.engine.tables", "the chapter's KV-cache tables, measured on our engine"),
     "peers": ("kvserve.loadtest.served.peers", "kvserve vs llama.cpp's server vs transformers generate"),
-    "profile": ("kvserve.loadtest.engine.profile_step", "where a decode step's time goes on our engine"),
+    "profile": ("kvserve.loadtest.engine.profile_step", "where a decode step's (or with --prefill, a prompt's) time goes on our engine"),
     "overhead": ("kvserve.loadtest.served.overhead", "where a served token's time and CPU go beyond the model step"),
     "quant": ("kvserve.loadtest.engine.quantbench", "decode speed and quality of each weight quantization, side by side"),
     "cluster": ("kvserve.loadtest.served.cluster", "replicas behind a router: round robin, KV events, cache-aware; kill, drain"),
@@ -36,7 +36,11 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "fairness": ("kvserve.loadtest.served.fairness", "scheduling policies under a flood: fair share per tenant, priorities"),
     "kernelbench": ("kvserve.loadtest.engine.kernelbench", "the measurements behind the engine's kernel choices"),
     "llamacpp": ("kvserve.loadtest.peer_systems.llamacpp", "build llama.cpp's llama-server outside the repo (peers needs it)"),
+    "vllm": ("kvserve.loadtest.peer_systems.vllmcpu", "install vLLM's CPU backend outside the repo (peers --prefill uses it)"),
     "randmodel": ("kvserve.loadtest.fixtures.randmodel", "a model directory with a real model's shapes and random weights"),
+    "agree": ("kvserve.loadtest.served.agree", "greedy output of kvserve and llama.cpp's server on the same GGUF file"),
+    "ready": ("kvserve.loadtest.served.readybench", "time to ready and peak resident memory of kvserve serve on a GGUF file"),
+    "randgguf": ("kvserve.loadtest.fixtures.randgguf", "a GGUF file with a real model's shapes and random blocks, in llama.cpp's mixtures"),
 }
 
 

@@ -73,10 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = group["model"]
     _option(g, "--model", default=None, metavar="DIR|FILE.gguf", default_text="the embedded SmolLM2-135M-Instruct",
-            help="a local Hugging Face model directory (config.json and safetensors) or a GGUF file; nothing is "
-                 "downloaded")
+            help="a local Hugging Face model directory (config.json and safetensors) or a Llama, Mistral, Qwen2 or "
+                 "Qwen3 GGUF file (loaded directly, docs/gguf.md); nothing is downloaded")
     _option(g, "--served-model-name", default=None, metavar="NAME", default_text="the model's own name",
-            help="the model's id in /v1/models and the `model` field requests give")
+            help="the model's id in /v1/models and the `model` field requests give (the model's own name: a GGUF "
+                 "file's general.name, else its file name; docs/api.md)")
     _option(g, "--device", choices=[v.value for v in Device], default=d.device.value,
             help="where the model runs; auto: a CUDA GPU when torch sees one, else the CPU")
     _option(g, "--dtype", choices=[v.value for v in DType], default=d.dtype.value,
@@ -270,8 +271,8 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     from kvserve.server.state import ServerState
 
     choice = weights.choose(config.quantization, config.model)
-    loaded = load_model(config.model, config.dtype, config.device,
-                        quantized=choice.scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
+    loaded = load_model(config.model, config.dtype, config.device, quantized=choice.scheme is not Scheme.NONE,
+                        allow_pickle=config.allow_pickle, blocks=choice.scheme is Scheme.GGUF)
     log.info("model %s loaded: %s on %s (%s)", loaded.name, loaded.dtype, loaded.device,
              dtype_reason(config, loaded, choice.scheme))
     log.info("tokenizer: %s (for clients that tokenize locally, e.g. guidellm --processor; `kvserve model-path` "
@@ -318,7 +319,8 @@ def load_draft(config: ServeConfig, served):
 
     scheme = config.draft_scheme
     draft = load_model(config.draft_model or config.model, config.dtype, config.device,
-                       quantized=scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
+                       quantized=scheme is not Scheme.NONE, allow_pickle=config.allow_pickle,
+                       blocks=scheme is Scheme.GGUF)
     if draft.tokenizer.get_vocab() != served.tokenizer.get_vocab():
         raise ValueError(f"the draft model {draft.name} has another tokenizer than {served.name}: its drafts would "
                          "be other tokens")

@@ -407,9 +407,8 @@ def test_every_pip_step_of_the_image_can_trust_a_mirrors_ca():
 
 def test_dockerfile_heavy_stages_copy_only_their_inputs():
     """The layer cache: the kernels' stage copies native/ and the module it reads its switches from
-    (kvserve/environment.py) alone, the dependencies' stage pyproject.toml and the lock alone,
-    the model's stage its script alone, and the whole source comes in after all three (a source edit rebuilds
-    only the build stage and the runtime's last layers)."""
+    (kvserve/environment.py) alone, the dependencies' stage pyproject.toml and the lock alone, and the whole
+    source comes in after both (a source edit rebuilds only the build stage and the runtime's last layers)."""
     stage, copies = None, {}
     for op, args in dockerfile_instructions():
         if op == "FROM":
@@ -418,7 +417,7 @@ def test_dockerfile_heavy_stages_copy_only_their_inputs():
             copies.setdefault(stage, []).append(args.split()[-2])
     assert copies["kernels"] == ["native", "kvserve/environment.py"]
     assert copies["deps"] == ["pyproject.toml", "constraints.txt"]
-    assert copies["model"] == ["docker/convert_model.py"] and copies["build"] == ["."]
+    assert copies["build"] == ["."] and "model" not in copies
     assert "torch" not in copies
 
 
@@ -478,22 +477,19 @@ def test_operations_doc_names_every_stage_of_the_dockerfile():
     assert f"{len(stages)} stages" in doc
 
 
-def test_convert_model_names_its_output_as_the_loader_does(tmp_path, monkeypatch):
-    """docker/convert_model.py converts without kvserve's code; kvserve must find its output and convert nothing."""
-    from kvserve.engine import loader
-    spec = importlib.util.spec_from_file_location("convert_model", ROOT / "docker" / "convert_model.py")
-    convert_model = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(convert_model)
-    assert (convert_model.GGUF_PACKAGE, convert_model.GGUF_FILE) == (loader.GGUF_PACKAGE, loader.GGUF_FILE)
-    gguf = convert_model.gguf_path()
-    assert gguf == loader.default_gguf_path()
-    target = convert_model.target_dir(gguf, tmp_path)
-    target.mkdir()
-    (target / "config.json").write_text("{}")
+def test_the_build_derives_the_default_models_tokenizer_once_and_small(tmp_path, monkeypatch):
+    """The build stage's resolve_model_dir(None) writes the default GGUF's tokenizer and config (not a float copy
+    of its weights) into the cache the runtime copies; resolving again converts nothing."""
+    from kvserve.engine import gguf_tokenizer, loader
+
     monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
-    monkeypatch.setattr(loader.AutoModelForCausalLM, "from_pretrained",
-                        lambda *a, **k: pytest.fail("resolve_model_dir converted again"))
-    assert loader.resolve_model_dir(None) == target
+    derived = loader.resolve_model_dir(None)
+    assert derived.parent == tmp_path / "gguf" and (derived / "config.json").exists()
+    size = sum(f.stat().st_size for f in derived.iterdir())
+    assert size < loader.default_gguf_path().stat().st_size / 10
+    assert not list(derived.glob("*.safetensors"))
+    monkeypatch.setattr(gguf_tokenizer, "convert", lambda *a: pytest.fail("resolve_model_dir converted again"))
+    assert loader.resolve_model_dir(None) == derived
 
 
 def test_dockerfile_python_steps_name_real_functions():
