@@ -172,6 +172,21 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     for path in POOLING_PATHS:  # vLLM's pooling endpoints: named, never a bare 404
         app.add_api_route(path, pooling_not_served, methods=["POST"], dependencies=v1, include_in_schema=False)
 
+    @app.post("/reset_prefix_cache", dependencies=v1)
+    async def reset_prefix_cache(request: Request):
+        """vLLM's route: empty the prefix cache (KV events: AllBlocksCleared). With API keys, an admin key's only
+        (one key must not flush, nor time, the others' caches); 409 while requests hold blocks."""
+        if state.config.api_keys and not request.state.key_admin:
+            raise ApiError(403, "resetting the prefix cache needs an --admin-key", code="permission_denied")
+        try:
+            reset = await state.service.reset_prefix_cache()
+        except RuntimeError as exc:
+            raise ApiError(503, str(exc), code="engine_dead") from None
+        if not reset:
+            raise ApiError(409, "requests still hold KV blocks: the prefix cache is reset only when the server is "
+                           "idle; retry then", code="busy")
+        return {"reset": True}
+
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
         tools.functions(body)  # tools and tool_choice checked as a chat request checks them, used or not

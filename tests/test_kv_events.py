@@ -243,7 +243,7 @@ def test_a_full_queue_drops_and_counts_then_asks_for_a_resync(tmp_path):
         publisher.shutdown()
 
 
-def test_a_server_publishes_the_digests_a_router_recomputes_and_the_gateway_metrics(smollm2, tmp_path):
+def test_a_server_publishes_the_digests_a_router_recomputes_the_gateway_metrics_and_a_reset(smollm2, tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
     from tests.serverutil import running_server
@@ -271,6 +271,12 @@ def test_a_server_publishes_the_digests_a_router_recomputes_and_the_gateway_metr
         for (kind, hashes, parent), salt in zip(stored, (None, "tenant-a")):
             assert hashes == [event_hash(d) for d in prompt_block_hashes(hasher, prompt, 16, salt)] and parent is None
         families = {f.name: f for f in text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)}
+        # vLLM's /reset_prefix_cache, when idle: the subscribers hear AllBlocksCleared
+        assert httpx.post(url + "/reset_prefix_cache", timeout=30).json() == {"reset": True}
+        cleared = []
+        while not cleared and sub.poll(2000):
+            cleared = [e for e in decode_batch(sub.recv_multipart()[2])[1] if e[0] == "cleared"]
+        assert cleared == [("cleared", [], None)]
     sub.close(linger=0)
     # what the Gateway API Inference Extension's endpoint picker reads, by name, type and labels
     for name in ("vllm:num_requests_waiting", "vllm:num_requests_running", "vllm:kv_cache_usage_perc"):
@@ -303,3 +309,19 @@ def test_the_loadtest_router_indexes_events_and_picks_the_longest_cached_prefix(
     assert router.choose([event_hash(d) for d in prompt_block_hashes(hasher, [7] * 32, 16)]).url == "http://b"
     a.pending.update([event_hash(d) for d in prompt_block_hashes(hasher, [7] * 32, 16)])  # --in-flight's prediction
     assert router.choose([event_hash(d) for d in prompt_block_hashes(hasher, [7] * 48, 16)]).url == "http://a"
+
+
+def test_only_an_admin_key_resets_the_prefix_cache(smollm2):
+    import httpx
+
+    from tests.serverutil import running_server
+    from kvserve.server.config import ServeConfig
+
+    with running_server(smollm2, ServeConfig(num_kv_blocks=32, api_keys=("user",), admin_keys=("root",))) as url:
+        def reset(key: str) -> httpx.Response:
+            return httpx.post(url + "/reset_prefix_cache", headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+        refused = reset("user")
+        assert refused.status_code == 403 and refused.json()["error"]["code"] == "permission_denied"
+        assert reset("wrong").status_code == 401
+        assert reset("root").json() == {"reset": True}
