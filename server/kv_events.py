@@ -106,9 +106,8 @@ def parse_kv_events_config(text: str) -> KVEventsConfig:
     return KVEventsConfig(**fields)
 
 
-class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
-    """``BlockStored`` on the wire, with vLLM 0.33's fields: msgspec sizes a map's header by the fields declared, so
-    declaring the ones kvserve leaves unset (omitted, as vLLM omits them) makes the bytes vLLM's bytes."""
+class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True):
+    """``BlockStored`` as vLLM sent it before its change to maps: positional, the fields its consumers then read."""
 
     block_hashes: list[int]
     parent_block_hash: int | None
@@ -117,6 +116,12 @@ class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     lora_id: int | None
     medium: str | None
     lora_name: str | None
+
+
+class _Stored(_StoredArray, array_like=False, omit_defaults=True):
+    """``BlockStored`` as vLLM 0.33 sends it, a map: msgspec sizes a map's header by the fields declared, so
+    declaring the ones kvserve leaves unset (omitted, as vLLM omits them) makes the bytes vLLM's bytes."""
+
     extra_keys: list[tuple[str, ...] | None] | None = None
     group_idx: int | None = None
     kv_cache_spec_kind: str | None = None
@@ -127,36 +132,22 @@ class _Stored(msgspec.Struct, tag="BlockStored", omit_defaults=True):
     lookahead_token_ids: list[list[int]] | None = None
 
 
-class _Removed(msgspec.Struct, tag="BlockRemoved", omit_defaults=True):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _Cleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True):
-    pass
-
-
-class _StoredArray(msgspec.Struct, tag="BlockStored", array_like=True):
-    """The positional shape vLLM sent before its change to maps (the fields its consumers then read)."""
-
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-
-
 class _RemovedArray(msgspec.Struct, tag="BlockRemoved", array_like=True):
     block_hashes: list[int]
     medium: str | None
 
 
+class _Removed(_RemovedArray, array_like=False, omit_defaults=True):
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
 class _ClearedArray(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+class _Cleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True):
     pass
 
 
