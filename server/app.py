@@ -172,7 +172,14 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     for path in POOLING_PATHS:  # vLLM's pooling endpoints: named, never a bare 404
         app.add_api_route(path, pooling_not_served, methods=["POST"], dependencies=v1, include_in_schema=False)
 
-    @app.post("/reset_prefix_cache", dependencies=v1)
+    def _error(description: str) -> dict:
+        return {"description": description,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+    @app.post("/reset_prefix_cache", dependencies=v1, responses={
+        403: _error("with API keys, a key that is not an --admin-key"),
+        409: _error("requests hold KV blocks: the cache is reset only when the server is idle"),
+        503: _error("the engine loop has stopped")})
     async def reset_prefix_cache(request: Request):
         """vLLM's route: empty the prefix cache (KV events: AllBlocksCleared). With API keys, an admin key's only
         (one key must not flush, nor time, the others' caches); 409 while requests hold blocks."""
