@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import itertools
+import json
 import logging
 import sys
 from collections import Counter
@@ -162,8 +163,8 @@ class Router:
     async def proxy(self, request: Request) -> Response:
         raw = await request.body()
         try:
-            body = httpx.Response(200, content=raw).json()
-        except ValueError:
+            body = json.loads(raw)
+        except ValueError:  # the replica answers a malformed body with its own 400
             body = {}
         hashes = await self.prompt_hashes(request.url.path, body) if isinstance(body, dict) else []
         replica = self.choose(hashes)
