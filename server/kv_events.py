@@ -248,6 +248,7 @@ class EventPublisher:
             self.start()
 
     def start(self) -> None:
+        """Start the publisher thread (once)."""
         self._thread.start()
 
     def publish(self, events: list[KVCacheEvent], resync: bool = False) -> bool:

@@ -161,6 +161,8 @@ class Router:
         return max(order, key=lambda r: (r.matched(hashes), -r.in_flight))
 
     async def proxy(self, request: Request) -> Response:
+        """Route one completion or chat request (``choose``) and stream the replica's answer back unchanged; a 502
+        with an OpenAI-style error body when the replica cannot be reached."""
         raw = await request.body()
         try:
             body = json.loads(raw)
@@ -195,6 +197,7 @@ class Router:
                                  media_type=response.headers.get("content-type"))
 
     async def readiness(self, _request: Request) -> Response:
+        """``{"healthy_workers": N}``: the replicas whose /health answers 200 (vllm-router's readiness body)."""
         healthy = 0
         for replica in self.replicas:
             try:
@@ -204,6 +207,7 @@ class Router:
         return JSONResponse({"healthy_workers": healthy})
 
     async def stats(self, _request: Request) -> Response:
+        """Per replica: cached blocks in the index, batches applied, the last sequence number, replays, in flight."""
         return JSONResponse([{"url": r.url, "cached_blocks": len(r.hashes), "batches": r.batches,
                               "last_seq": r.last_seq, "replays": r.replays, "in_flight": r.in_flight}
                              for r in self.replicas])
