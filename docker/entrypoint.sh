@@ -32,6 +32,8 @@ VALUE_FLAGS=(
   admin-key
   default-max-tokens
   reasoning-parser
+  prefix-caching-hash-algo
+  kv-events-config
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
 SWITCH_FLAGS=(no-prefix-caching vllm-metric-names allow-pickle no-ui share-cache-across-keys metrics-require-key)

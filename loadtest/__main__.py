@@ -1,8 +1,9 @@
 """``python -m kvserve.loadtest COMMAND``: load runs, static vs continuous, the simulator, engine tables, peers.
 
 Each command's module owns its flags (``add_arguments``) and its work (``run``); this file only dispatches,
-importing each module lazily so ``run`` starts without torch. Two modules also run as child processes of
-other commands, never by hand: ``loadgen.fakeserver`` (a stand-in server command) and ``engine.memprobe``.
+importing each module lazily so ``run`` starts without torch. Three modules also run as child processes of
+other commands, never by hand: ``loadgen.fakeserver`` (a stand-in server command), ``engine.memprobe`` and
+``procs.kvrouter`` (the cluster's KV-aware router).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("kvserve.loadtest.engine.profile_step", "where a decode step's (or with --prefill, a prompt's) time goes on our engine"),
     "overhead": ("kvserve.loadtest.served.overhead", "where a served token's time and CPU go beyond the model step"),
     "quant": ("kvserve.loadtest.engine.quantbench", "decode speed and quality of each weight quantization, side by side"),
-    "cluster": ("kvserve.loadtest.served.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
+    "cluster": ("kvserve.loadtest.served.cluster", "replicas behind a router: round robin, KV events, cache-aware; kill, drain"),
     "structured": ("kvserve.loadtest.served.structured", "grammar compile time and the throughput cost of constrained decoding"),
     "prefill": ("kvserve.loadtest.engine.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
     "corestep": ("kvserve.loadtest.engine.corebench", "the engine core's own cost per step, at 100 and 4,000 tokens of context"),

@@ -18,6 +18,7 @@ import enum
 from dataclasses import dataclass, field
 
 from kvserve.engine.plan import SamplingParams, TokenLogprob
+from kvserve.kvcache.events import KVCacheEvent
 
 
 class FinishReason(enum.Enum):
@@ -158,10 +159,13 @@ class StepOutput:
     Attributes:
         outputs: one per request the step changed (a finished request's last output included, a preempted one's).
         record: the step; None when no model step ran (nothing fitted, or only ended requests were released).
+        kv_events: the prefix cache's KV events since the previous output, in order (blocks stored and evicted while
+            planning and applying the step; a reset's); empty unless the block manager records them.
     """
 
     outputs: list[RequestOutput]
     record: StepRecord | None = None
+    kv_events: list[KVCacheEvent] = field(default_factory=list)
 
 
 @dataclass(slots=True, frozen=True)

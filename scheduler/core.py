@@ -95,7 +95,7 @@ class EngineCore:
             if plan.ended_ids:
                 self._free_ended(plan)
             self._update_load()
-            return StepOutput(outputs)
+            return StepOutput(outputs, kv_events=scheduler.blocks.take_events())
         executed = time.perf_counter()
         try:
             results = self.execute(plan)
@@ -107,7 +107,7 @@ class EngineCore:
                     output.error = f"engine step failed: {exc}"
                     outputs.append(output)
             self._update_load()
-            return StepOutput(outputs)
+            return StepOutput(outputs, kv_events=scheduler.blocks.take_events())
         seconds = time.perf_counter() - executed
         if scheduler.spec is not None:  # speculation learns acceptance (and, when timed, step costs)
             scheduler.spec.observe(plan, results, scheduler.running, seconds if self.timed else None)
@@ -116,7 +116,14 @@ class EngineCore:
         record = self._record(plan, results, started, seconds, scheduler.num_preemptions - preemptions,
                               scheduler.prefix_queries - queries, scheduler.prefix_hits - hits)
         self._update_load()
-        return StepOutput(outputs, record)
+        return StepOutput(outputs, record, scheduler.blocks.take_events())
+
+    def reset_prefix_cache(self) -> StepOutput | None:
+        """Empty the prefix cache (vLLM's ``reset_prefix_cache``) when no request holds a block: a StepOutput with no
+        outputs and the reset's KV events, or None (nothing changed) while requests run."""
+        if not self.scheduler.blocks.reset_prefix_cache():
+            return None
+        return StepOutput([], kv_events=self.scheduler.blocks.take_events())
 
     def _free_ended(self, plan: StepPlan) -> None:
         """Run a plan that only frees what ended requests held in the engine (a drafter's K/V). No request waits on

@@ -40,6 +40,7 @@ class QueueFull(Exception):
 class _Command(enum.Enum):
     ADD = "add"
     ABORT = "abort"
+    RESET = "reset"  # empty the prefix cache (its payload: the future that hears whether it was)
 
 
 class SchedulerService:
@@ -108,6 +109,19 @@ class SchedulerService:
         """Ask the loop to drop a request (queued or running); it is removed before the next step."""
         self._inbox.put_nowait((_Command.ABORT, request_id))
 
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache between two steps (vLLM's ``/reset_prefix_cache``); False, with nothing changed,
+        while requests hold blocks. The reset's KV events go out through ``on_step`` like a step's.
+
+        Raises:
+            RuntimeError: the loop has died.
+        """
+        if self.dead is not None:
+            raise RuntimeError(f"engine loop has died: {self.dead!r}")
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait((_Command.RESET, done))
+        return await done
+
     def retry_after_s(self, queued: int) -> int:
         """Seconds until ``queued`` waiting requests should have drained, from the measured finish rate."""
         rate = self.core.load.finish_rate
@@ -136,6 +150,12 @@ class SchedulerService:
         if command is _Command.ADD:
             self._pending_adds -= 1
             self.core.add(payload)
+        elif command is _Command.RESET:
+            step = self.core.reset_prefix_cache()
+            if step is not None:
+                self._deliver_step(step)
+            if not payload.done():
+                payload.set_result(step is not None)
         else:
             output = self.core.abort(payload)
             if output is not None:

@@ -6,10 +6,12 @@ from dataclasses import dataclass
 
 from kvserve.engine.drafters import Drafter
 from kvserve.engine.options import Device, DType
+from kvserve.kvcache.hashing import HashAlgo
 from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.quant.options import Scheme
 from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.scheduler.policies import Policy, check_policies
+from kvserve.server.kv_events import KVEventsConfig
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 
@@ -43,6 +45,8 @@ class ServeConfig:
     policy: Policy = Policy.CONTINUOUS  # batching: continuous | static (the baseline)
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # order: fcfs | priority | fair (per tenant)
     enable_prefix_caching: bool = True  # share full blocks of common prefixes
+    prefix_caching_hash_algo: HashAlgo = HashAlgo.KVSERVE  # block digests: kvserve's, or vLLM's sha256_cbor
+    kv_events: KVEventsConfig | None = None  # publish KV cache events as vLLM does (--kv-events-config); None: none
     api_key: str | None = None          # if set, /v1 routes need "Authorization: Bearer <key>"
     api_keys: tuple[str, ...] = ()      # more accepted keys (--api-key repeated, --api-key-file); api_key joins them
     share_cache_across_keys: bool = False  # with keys: one prefix cache for all (default: a partition per key)
@@ -111,6 +115,7 @@ class ServeConfig:
         self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
         check_policies(self.policy, self.scheduling_policy)
         self.kv_cache_dtype = KVCacheDType(self.kv_cache_dtype)
+        self.prefix_caching_hash_algo = HashAlgo(self.prefix_caching_hash_algo)
         self.speculative = Drafter(self.speculative)
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in 1..64 (or auto)")

@@ -12,6 +12,7 @@ Names and buckets follow vLLM v1 (vllm/v1/metrics/loggers.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
@@ -193,6 +194,12 @@ class Metrics:
             r.register(_InfoCollector(_P + "cache_config_info", "The KV cache's configuration (value 1).",
                                       cache_info))
 
+    def count_kv_events_dropped(self, dropped: Callable[[], int]) -> None:
+        """Expose ``kv_events_dropped``: KV events the publisher dropped on a full queue (``dropped()``, read at each
+        scrape); after a drop the next batch resends the whole cache (server/kv_events.py)."""
+        self.source.register(_CallbackCounter(_P + "kv_events_dropped",
+                                              "KV cache events dropped on the publisher's full queue.", dropped))
+
     def request_admitted(self, n: int, max_tokens: int) -> None:
         """Observe one admitted request's ``n`` and ``max_tokens``."""
         self.params_n.observe(n)
@@ -246,3 +253,13 @@ class _InfoCollector:
         family = GaugeMetricFamily(self.name, self.documentation, labels=list(self.labels))
         family.add_metric(list(self.labels.values()), 1.0)
         yield family
+
+
+class _CallbackCounter:
+    """A counter whose value a callable reads at each scrape."""
+
+    def __init__(self, name: str, documentation: str, value: Callable[[], int]) -> None:
+        self.name, self.documentation, self.value = name, documentation, value
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value())

@@ -17,7 +17,7 @@ from kvserve.engine.draft_model import ModelDrafter
 from kvserve.engine.drafters import Drafter, NgramDrafter
 from kvserve.engine.loader import LoadedModel
 from kvserve.engine.runner import ModelRunner
-from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.block_manager import BlockManager, make_hasher
 from kvserve.kvcache.pool import KVPool, storage_dtype
 from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
 from kvserve.scheduler.contract import EngineRequest, StepOutput, StepRecord
@@ -26,6 +26,7 @@ from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.service import Delivery, SchedulerService
 from kvserve.server.chat_template import chat_templates, end_of_turn_ids
 from kvserve.server.config import ServeConfig
+from kvserve.server.kv_events import EventPublisher
 from kvserve.server.reasoning import reasoning_enabled
 from kvserve.server.metrics import Metrics
 from kvserve.server.snapshot import LiveView
@@ -162,8 +163,14 @@ class ServerState:
         # or as a list of token ids; 1 MiB at least, for short-context models with long sampling options
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
         self.live = LiveView(num_blocks) if config.ui else None  # the live page's view of slots, blocks, steps
-        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
-                              observer=self.live.blocks if self.live is not None else None)
+        publishing = config.kv_events is not None and config.kv_events.enabled and config.enable_prefix_caching
+        if config.kv_events is not None and config.kv_events.enabled and not config.enable_prefix_caching:
+            log.warning("--kv-events-config is ignored: with --no-prefix-caching no block is cached, so none is "
+                        "published")
+        self.blocks = blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                            observer=self.live.blocks if self.live is not None else None,
+                                            hasher=make_hasher(config.prefix_caching_hash_algo),
+                                            record_events=publishing)
         self.runner = ModelRunner(loaded, self.pool)
         self.constraints = self.runner.constraints  # structured outputs' matchers, by request id
         speculating = config.speculative is not Drafter.OFF
@@ -194,6 +201,13 @@ class ServerState:
         self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids),
                                         sandbox=CompileSandbox(self.tokenizer, sorted(self.eos_ids)))
         self.log_capacity()
+        # KV cache events for KV-aware routers (server/kv_events.py): sockets bound last, once nothing else can fail
+        self.kv_events = EventPublisher(config.kv_events) if publishing else None
+        if self.kv_events is not None:
+            self.metrics.count_kv_events_dropped(lambda: self.kv_events.dropped_events)
+            log.info("KV events: publishing on %s (replay %s, topic %r, %s digests, %s-encoded events)",
+                     config.kv_events.endpoint, config.kv_events.replay_endpoint or "off", config.kv_events.topic,
+                     config.prefix_caching_hash_algo.value, config.kv_events.event_encoding)
 
     def _drafter(self, config: ServeConfig, draft: LoadedModel | None,
                  num_blocks: int) -> NgramDrafter | ModelDrafter:
@@ -216,14 +230,29 @@ class ServerState:
                                  config.speculative.value)
 
     def _on_step(self, step: StepOutput) -> None:
-        """After each engine step (and each abort): vLLM's tokens-per-step histogram, the step log when asked for,
-        the live page's view."""
+        """After each engine step (and each abort): the KV events, vLLM's tokens-per-step histogram, the step log when
+        asked for, the live page's view."""
+        if self.kv_events is not None:
+            self._publish_kv_events(step)
         if step.record is not None:
             self.metrics.iteration_tokens.observe(step.record.num_tokens)
             if self.step_log is not None:
                 self.step_log.write(step.record)
         if self.live is not None:
             self.live.stepped(step)
+
+    def _publish_kv_events(self, step: StepOutput) -> None:
+        """Hand the step's KV events to the publisher; after a drop, the whole cache instead (it covers this step's
+        events too: this runs between steps, so the block manager holds the state they lead to)."""
+        if self.kv_events.needs_resync:
+            self.kv_events.publish(self.blocks.cached_snapshot(), resync=True)
+        else:
+            self.kv_events.publish(step.kv_events)
+
+    def close(self) -> None:
+        """Release what the state holds outside the engine: the KV events' thread and sockets."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
 
     def submit(self, requests: list[tuple[EngineRequest, asyncio.Queue[Delivery]]]) -> None:
         """Queue requests with their streams (``SchedulerService.submit``: all or none), and show them on the live

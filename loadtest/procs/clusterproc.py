@@ -89,6 +89,34 @@ def router_binary() -> str:
     return found
 
 
+KV_EVENTS = "kv_events"  # the policy of loadtest's own KV-aware router (procs/kvrouter.py), fed by the replicas' events
+KV_EVENTS_IN_FLIGHT = "kv_events_in_flight"  # the same, also counting the prompts of requests in flight (--in-flight)
+
+
+def kv_events_endpoints(log_dir: Path, port: int | str) -> tuple[str, str]:
+    """The PUB and replay endpoints of the replica on ``port``: ipc sockets in the log folder (bound, by vLLM's
+    rule; nothing listens beyond this machine)."""
+    return f"ipc://{log_dir}/kv-events-{port}.sock", f"ipc://{log_dir}/kv-replay-{port}.sock"
+
+
+def kv_events_flags(log_dir: Path) -> list[str]:
+    """A replica's flags that publish its KV events with vLLM's block hashes (``{port}`` is replaced by its port)."""
+    pub, replay = kv_events_endpoints(log_dir, "{port}")
+    return ["--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config",
+            f'{{"enable_kv_cache_events": true, "endpoint": "{pub}", "replay_endpoint": "{replay}"}}']
+
+
+def kvrouter_command(port: int, replicas: list[str], log_dir: Path, block_size: int = 16,
+                     in_flight: bool = False) -> list[str]:
+    """loadtest's KV-aware router (``procs/kvrouter.py``) over ``replicas``, which publish as ``kv_events_flags``."""
+    argv = [sys.executable, "-m", "kvserve.loadtest.procs.kvrouter", "--port", str(port),
+            "--block-size", str(block_size), *(["--in-flight"] if in_flight else [])]
+    for url in replicas:
+        pub, replay = kv_events_endpoints(log_dir, url.rsplit(":", 1)[1])
+        argv += ["--replica", f"{url}={pub},{replay}"]
+    return argv
+
+
 def router_command(port: int, metrics_port: int, workers: list[str], policy: str) -> list[str]:
     """vllm-router on 127.0.0.1 in front of ``workers``, tuned to notice a dead or draining replica quickly.
 
@@ -129,7 +157,11 @@ class Cluster:
         self.router_policy = policy
         port, metrics_port = free_port(), free_port()
         live = [r.url for r in self.replicas if r.alive]
-        self.router = _spawn(f"router-{policy}", router_command(port, metrics_port, live, policy), port, self.log_dir)
+        if policy in (KV_EVENTS, KV_EVENTS_IN_FLIGHT):
+            command = kvrouter_command(port, live, self.log_dir, in_flight=policy == KV_EVENTS_IN_FLIGHT)
+        else:
+            command = router_command(port, metrics_port, live, policy)
+        self.router = _spawn(f"router-{policy}", command, port, self.log_dir)
         self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         # /readiness counts the workers the router has found healthy; wait for all of them
         deadline = time.monotonic() + timeout_s
