@@ -1,5 +1,5 @@
 # syntax=docker/dockerfile:1.7
-# kvserve image: the embedded SmolLM2 converted at build time, served by a non-root user.
+# kvserve image: the embedded SmolLM2 (its GGUF, tokenizer derived at build time), served by a non-root user.
 #
 #   docker build -t kvserve:0.1.0 .                                  # CPU (default)
 #   docker build -t kvserve:0.1.0-cuda --build-arg TORCH_VARIANT=cu128 .   # CUDA; run with --gpus all
@@ -11,8 +11,8 @@
 # See docs/operations.md for every variable and deploy/ for Prometheus, Grafana and Kubernetes.
 
 ARG PYTHON_VERSION=3.11
-# Both stages' base: Debian bookworm (g++=4:12.2.0-3 below is bookworm's) with python >= 3.10 on PATH as
-# `python`, its venv module, and apt sources that reach a Debian mirror.
+# The build and runtime stages' base: Debian bookworm (g++=4:12.2.0-3 below is bookworm's) with python >= 3.10 as
+# `python` on PATH, its venv module, and apt sources that reach a Debian mirror.
 ARG BASE_IMAGE=python:${PYTHON_VERSION}-slim-bookworm
 
 # Empty unless the build is given `--build-context torch-wheels=DIR` (a directory holding the torch wheel).
@@ -20,7 +20,7 @@ FROM scratch AS torch-wheels
 
 # ---- torch: the compiler, and a virtual environment with torch and the model's GGUF --------------------
 # Stages and layers run from the rarest change to the most frequent, so that a rebuild after a source edit
-# takes the heavy layers (apt, torch, kvserve's dependencies, the GGUF conversion, the C++ kernels) from the
+# takes the heavy layers (apt, torch, kvserve's dependencies, the C++ kernels) from the
 # layer cache (`buildah bud --layers`, or Docker's own cache) and only copies and installs kvserve itself.
 FROM ${BASE_IMAGE} AS torch
 
@@ -98,29 +98,34 @@ RUN --mount=type=secret,id=pip-cert \
  && t="$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch" \
  && rm -rf "$t/include" "$t/test" "$t"/bin/*Test "$t"/bin/test_* "$t"/bin/protoc*
 
-# ---- model: the GGUF converted to safetensors once, here, so a container never converts (or downloads) ----
-FROM deps AS model
-ENV KVSERVE_CACHE=/opt/kvserve/cache
-COPY docker/convert_model.py /tmp/convert_model.py
-RUN python /tmp/convert_model.py && rm /tmp/convert_model.py
+# ---- venv: the runtime's virtual environment, without what only builds or plots --------------------------
+# pip and ninja (the kernels are prebuilt and kvserve installs above), matplotlib and the packages only it pulls in
+# (the load tests' PNG plots; a container serves), and torch's own test libraries: about 110 MB. The build stage
+# keeps deps' full venv; tests/test_deploy.py checks that nothing kvserve serve imports is removed.
+FROM deps AS venv
+RUN pip uninstall --yes --quiet ninja matplotlib fonttools pillow kiwisolver contourpy cycler pyparsing \
+ && t="$(python -c 'import sysconfig; print(sysconfig.get_path("purelib"))')/torch" \
+ && rm -f "$t"/lib/libtorchbind_test.so "$t"/lib/libjitbackend_test.so "$t"/lib/libbackend_with_compiler.so \
+          "$t"/lib/libaoti_custom_ops.so \
+ && python -m pip uninstall --yes --quiet pip
 
-# ---- build: kvserve itself, checked against the kernels and the model above -------------------------------
+# ---- build: kvserve itself, checked against the kernels above, and the default model's tokenizer -----------
 FROM deps AS build
 ENV KVSERVE_CACHE=/opt/kvserve/cache \
     KVSERVE_KERNEL_CACHE=/opt/kvserve/kernels
 COPY . /src
 WORKDIR /opt/kvserve/app
 # Offline: every dependency is installed above. Then the kernels' build keys of the sources as installed must
-# name the libraries the kernels stage built (load(build=False) finds them, compiling nothing), and kvserve must
-# resolve its default model to the model stage's conversion, converting nothing (both mounts are read-only).
-RUN --mount=type=bind,from=model,source=/opt/kvserve/cache,target=/opt/kvserve/cache \
-    --mount=type=bind,from=kernels,source=/opt/kvserve/kernels,target=/opt/kvserve/kernels \
+# name the libraries the kernels stage built (load(build=False) finds them, compiling nothing; that mount is
+# read-only), and kvserve derives the default GGUF's tokenizer and config into the cache (a few MB, seconds: the
+# weights are read from the GGUF file itself at start), so a container starts with nothing to convert.
+RUN --mount=type=bind,from=kernels,source=/opt/kvserve/kernels,target=/opt/kvserve/kernels \
     pip install --no-deps --no-build-isolation --no-index --target /opt/kvserve/app /src \
  && python -c "import sys; from kvserve.native import load, load_ops; sys.exit(0 if load(build=False) and load_ops(build=False) else 'the prebuilt kernels are not those of these sources')" \
  && python -c "from kvserve.engine.loader import resolve_model_dir; print(resolve_model_dir(None))" \
  && rm -rf /src
 
-# ---- runtime: the venv, the kernels, the converted model and kvserve; no compiler --------------------------
+# ---- runtime: the venv, the kernels, the model's tokenizer and kvserve; no compiler ----------------------
 FROM ${BASE_IMAGE} AS runtime
 
 # A fixed numeric uid: Kubernetes can only verify runAsNonRoot against a numeric USER.
@@ -130,8 +135,8 @@ RUN groupadd --system --gid "${UID}" kvserve \
             --shell /usr/sbin/nologin kvserve
 
 # Largest and rarest first: each COPY is a layer that the cache keeps while its content is unchanged.
-COPY --from=deps /opt/venv /opt/venv
-COPY --from=model --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
+COPY --from=venv /opt/venv /opt/venv
+COPY --from=build --chown=${UID}:${UID} /opt/kvserve/cache /opt/kvserve/cache
 COPY --from=kernels --chown=${UID}:${UID} /opt/kvserve/kernels /opt/kvserve/kernels
 COPY --chmod=0755 docker/entrypoint.sh /opt/kvserve/bin/entrypoint.sh
 COPY --chmod=0644 docker/healthcheck.py /opt/kvserve/bin/healthcheck.py

@@ -16,6 +16,8 @@ from kvserve import environment
 from kvserve.clients.client import DEFAULT_URL, KVServeClient
 from kvserve.clients.stream import KVServeError, StreamResult
 
+DEFAULT_MAX_TOKENS = 64
+
 
 def build_parser() -> argparse.ArgumentParser:
     """Parser for ``chat`` and ``complete``; both stream with the same sampling flags."""
@@ -30,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("--api-key", default=environment.value(environment.CLIENT_API_KEY) or None,
                          help="bearer token if the server runs with --api-key (default $KVSERVE_API_KEY)")
         sub.add_argument("--model", default=None, help="model field (default: the first of /v1/models)")
-        sub.add_argument("--max-tokens", type=int, default=256, help="tokens to generate at most (default 256)")
+        # a one-shot answer's length: a few sentences, seconds on a CPU (a 135M model left to 256 tokens mostly repeats)
+        sub.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS,
+                         help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS})")
         sub.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: server's)")
         sub.add_argument("--seed", type=int, default=None, help="sampling seed, for repeatable output")
         if name == "chat":

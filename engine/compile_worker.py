@@ -8,8 +8,9 @@ the server compiles it itself. A worker that dies refuses that grammar, and the 
 past the time limit is refused and its worker killed (a thread compiling in the server could not be stopped).
 
 Protocol over the worker's stdin and stdout, one JSON document a line: first the tokenizer (``{"tokenizer":
-serialized, "vocab_size": n, "eos": ids}``), then a spec per line (``{"kind": ..., "text": ..., "json_literals":
-...}``), each answered by ``{"problem": why or null}``.
+serialized, "vocab_size": n, "eos": ids}``), answered by ``{"ready": true}`` once it is built, then a spec per
+line (``{"kind": ..., "text": ..., "json_literals": ...}``), each answered by ``{"problem": why or null}``. The
+worker's start (seconds, more on a loaded machine) is ``start``'s, so a compile's time limit times the compile.
 """
 
 from __future__ import annotations
@@ -72,14 +73,31 @@ class CompileSandbox:
         if problem is not None:
             raise GrammarError(problem)
 
+    def start(self) -> None:
+        """Start the worker now, if none runs, and wait until it has built its tokenizer.
+
+        Raises:
+            GrammarError: the worker ended or did not get ready within ``timeout_s``.
+        """
+        with self._lock:
+            self._start()
+
     def _start(self) -> subprocess.Popen:
         if self._process is None or self._process.poll() is not None:
-            self._process = subprocess.Popen([sys.executable, "-m", "kvserve.engine.compile_worker"],
-                                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                             encoding="utf-8")
+            process = subprocess.Popen([sys.executable, "-m", "kvserve.engine.compile_worker"],
+                                       stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8")
+            self._process = process
             hello = {"tokenizer": tokenizer_json(self._tokenizer), "vocab_size": len(self._tokenizer), "eos": self._eos}
-            self._process.stdin.write(json.dumps(hello) + "\n")
-            self._process.stdin.flush()
+            try:
+                process.stdin.write(json.dumps(hello) + "\n")
+                process.stdin.flush()
+                line = self._read_line(process)
+            except (BrokenPipeError, OSError):
+                line = ""
+            if not line:
+                code = self._stop(process)
+                raise GrammarError(f"the grammar compiler's worker did not start (exit {code}, or not ready within "
+                                   f"{self._timeout_s:g} s)")
         return self._process
 
     def _read_line(self, process: subprocess.Popen) -> str | None:
@@ -116,6 +134,8 @@ def main() -> int:
 
     hello = json.loads(sys.stdin.readline())
     tokenizer = llguidance.LLTokenizer(hello["tokenizer"], n_vocab=hello["vocab_size"], eos_token=hello["eos"])
+    sys.stdout.write(json.dumps({"ready": True}) + "\n")
+    sys.stdout.flush()
     for line in sys.stdin:
         spec = GrammarSpec(**json.loads(line))
         try:

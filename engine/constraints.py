@@ -191,6 +191,17 @@ class GrammarCompiler:
             return self._tokenizer
 
 
+    def warm(self) -> None:
+        """Do the one-time work before the first compile: build the tokenizer and its token table, and start the
+        sandbox's worker (server.structured times each compile without them).
+
+        Raises:
+            GrammarError: the sandbox's worker did not start.
+        """
+        self.tokenizer()
+        if self._sandbox is not None:
+            self._sandbox.start()
+
     def _closing_eos(self) -> int:
         """The EOS a closed reply ends with: the tokenizer's own when it is among the stop tokens."""
         eos = self._hf_tokenizer.eos_token_id

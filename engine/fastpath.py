@@ -1,4 +1,4 @@
-"""A lean forward pass for Llama-family decoders (Llama, Mistral, Qwen2 and SmolLM, which is a Llama).
+"""A lean forward pass for Llama-family decoders (engine.architectures: Llama and SmolLM, Mistral, Qwen2, Qwen3).
 
 Why: at batch 1 on a CPU, transformers' module stack costs about as much as the projections themselves
 (per layer: ~15 module calls, separate q/k/v GEMMs, RoPE applied twice, the attention
@@ -7,6 +7,7 @@ interface's reshapes). This module runs the same arithmetic with the same weight
     x = embed(ids)                                          [T, hidden]
     per layer:  h = rms_norm(x)
                 qkv = h @ W_qkv^T        (q, k, v fused)    [T, (H + 2 H_kv) d]
+                q, k = rms_norm(q), rms_norm(k)   per head, where the family says (Qwen3)
                 q, k = rope(q, k)        (one call for both)
                 x += o_proj(paged_attention(q, k, v))
                 h = rms_norm(x)
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvserve.engine.architectures import ARCHITECTURES, for_model_type
 from kvserve.engine.attention import AttentionMetadata, paged_attention
 from kvserve.engine.kernelbind import PROFILE_LABEL, LayerKernels, LayerProjections, Projection, labelled, profiling
 from kvserve.engine.rope import Rope, RopeTable
@@ -46,7 +48,7 @@ from kvserve import environment, native
 
 log = logging.getLogger("kvserve.engine")
 
-SUPPORTED_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2"})
+SUPPORTED_MODEL_TYPES = frozenset(ARCHITECTURES)
 
 
 @dataclass(slots=True, frozen=True)
@@ -60,6 +62,7 @@ class _Layer:
     scale: float  # attention softmax scale
     window: int | None  # sliding window (tokens), None: full attention
     intermediate: int  # I, the MLP width
+    qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None  # q and k RMSNorm weights [d] and eps, or None
 
 
 @dataclass(slots=True, frozen=True)
@@ -98,9 +101,11 @@ class FastDecoder:
         self.num_kv_heads = config.num_key_value_heads or self.num_heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.num_heads
         blocks = inner.layers[:config.num_hidden_layers]
+        qk_norm = for_model_type(config.model_type).qk_norm
         self.layers = [_Layer(b.input_layernorm.weight, b.input_layernorm.variance_epsilon,
                               b.post_attention_layernorm.weight, b.post_attention_layernorm.variance_epsilon,
-                              b.self_attn.scaling, _window(config, b), b.mlp.gate_proj.out_features)
+                              b.self_attn.scaling, _window(config, b), b.mlp.gate_proj.out_features,
+                              _qk_norm(b) if qk_norm else None)
                        for b in blocks]
         self.projections = [LayerProjections(b) for b in blocks]
         self.act = blocks[0].mlp.act_fn
@@ -133,7 +138,10 @@ class FastDecoder:
         layers = self.layers
         h = step.rms_norm(x, layers[0].in_norm, layers[0].in_eps)
         for index, (layer, proj) in enumerate(zip(layers, step.projections)):
-            attn = step.attention(index, proj.qkv(h), layer.scale, layer.window)  # [T, H, d]
+            qkv = proj.qkv(h)  # [T, (H + 2 H_kv) d]
+            if layer.qk_norm is not None:
+                self._norm_qk(qkv, *layer.qk_norm)
+            attn = step.attention(index, qkv, layer.scale, layer.window)  # [T, H, d]
             h = step.add_rms_norm(x, proj.o_proj(attn.view(num_tokens, width)), layer.post_norm, layer.post_eps)
             if proj.gate_up is not None:
                 gate_up = proj.gate_up(h)  # [T, 2I]
@@ -205,6 +213,15 @@ class FastDecoder:
     def _act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
 
+    def _norm_qk(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
+        """RMSNorm over each head of q and of k, in place in ``qkv`` ``[T, (H + 2 H_kv) d]`` (Qwen3's q_norm and
+        k_norm, before RoPE), as transformers' RMSNorm computes it (``_rms_norm``)."""
+        heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
+        q = qkv[:, :heads * d].view(-1, heads, d)  # [T, H, d], a view into qkv
+        k = qkv[:, heads * d:(heads + kv_heads) * d].view(-1, kv_heads, d)  # [T, H_kv, d]
+        q.copy_(_rms_norm(q, q_weight, eps))
+        k.copy_(_rms_norm(k, k_weight, eps))
+
     @contextlib.contextmanager
     def aten_ops(self):
         """Within the block every projection runs torch's own ops instead of a C++ kernel, and so do the norms,
@@ -225,8 +242,13 @@ def _unlabelled(fn: Callable, label: str) -> Callable:
     return fn
 
 
+def _qk_norm(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float]:
+    attn = layer.self_attn
+    return attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.variance_epsilon
+
+
 def _window(config, layer: nn.Module) -> int | None:
-    if config.model_type == "mistral":
+    if for_model_type(config.model_type).sliding_window:
         return getattr(config, "sliding_window", None)
     return getattr(layer.self_attn, "sliding_window", None)
 
@@ -277,7 +299,8 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
         return None
     decoder = FastDecoder(model)
     with_kernels = any(p.kernel is not None for p in decoder.all_projections())
-    log.info("engine: lean Llama-family forward (fused q/k/v; KVSERVE_FASTPATH=0 turns it off); %s",
+    log.info("engine: lean Llama-family forward (%s; fused q/k/v; KVSERVE_FASTPATH=0 turns it off); %s",
+             model.config.model_type,
              f"C++ kernels ({native.isa()}) for decode-sized projections" if with_kernels
              else f"torch's ops for the projections: the C++ kernels are off because {kernels_off_reason(model)}")
     return decoder

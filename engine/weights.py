@@ -2,7 +2,8 @@
 
     auto   a GGUF model (the embedded SmolLM2, or ``--model FILE.gguf``): the file's own blocks;
            a float (Hugging Face) checkpoint: FLOAT_DEFAULT, the recipe ``kvserve quant report`` finds lossless
-    gguf   the GGUF file's own blocks (engine.gguf_native): no rounding beyond the file's
+    gguf   the GGUF file's own blocks (engine.gguf_model, loaded so: load_model(..., blocks=True)): no rounding
+           beyond the file's
     none   full precision: on a CPU whose kernel path has AVX512-BF16, the model's bfloat16 weights on that kernel
            with float32 activations (quant.bf16), else float32 weights on the float32 kernels
            (engine.loader.serves_bf16_kernel, resolve_dtype)
@@ -75,7 +76,9 @@ def apply(loaded: LoadedModel, scheme: Scheme, model: str | None, tokenizer=None
             return "full precision (bfloat16 weights on the AVX512-BF16 kernel, float32 activations)"
         return f"full precision ({str(loaded.dtype).removeprefix('torch.')})"
     if scheme is Scheme.GGUF:
-        from kvserve.engine.gguf_native import use_gguf_blocks
+        if loaded.gguf is not None:  # loaded with its blocks (load_model(..., blocks=True)): nothing to swap
+            return loaded.gguf.describe()
+        from kvserve.engine.gguf_model import use_gguf_blocks
 
         path = gguf_file(model)
         if path is None:

@@ -44,8 +44,8 @@ NATIVE_KERNELS = Variable("KVSERVE_NATIVE_KERNELS", "1", "0 turns off every C++ 
                           "attention): pure PyTorch, for debugging", ("0", "1"), replaces="KVSERVE_QUANT_KERNELS")
 ISA = Variable("KVSERVE_ISA", "the best the CPU has", "forces the kernels' instruction-set path (a lesser one on "
                "any CPU; a greater one than the CPU has falls back to the best it has)", ("scalar", "avx2", "avx512"))
-CACHE = Variable("KVSERVE_CACHE", "~/.cache/kvserve", "where converted weights, quantized codes and emulator builds "
-                 "are kept")
+CACHE = Variable("KVSERVE_CACHE", "~/.cache/kvserve", "where GGUF files' converted tokenizers (`gguf/`), quantized "
+                 "codes and emulator builds are kept")
 KERNEL_CACHE = Variable("KVSERVE_KERNEL_CACHE", "$KVSERVE_CACHE/kernels", "where the C++ kernels are built, one folder "
                         "per build key (sources, flags, torch and Python versions): the container prebuilds them here")
 COMPILER = Variable("CXX", "c++", "the C++ compiler torch builds the kernels with; part of their build key")

@@ -34,6 +34,9 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "kernelbench": ("kvserve.loadtest.engine.kernelbench", "the measurements behind the engine's kernel choices"),
     "llamacpp": ("kvserve.loadtest.peer_systems.llamacpp", "build llama.cpp's llama-server outside the repo (peers needs it)"),
     "randmodel": ("kvserve.loadtest.fixtures.randmodel", "a model directory with a real model's shapes and random weights"),
+    "agree": ("kvserve.loadtest.served.agree", "greedy output of kvserve and llama.cpp's server on the same GGUF file"),
+    "ready": ("kvserve.loadtest.served.readybench", "time to ready and peak resident memory of kvserve serve on a GGUF file"),
+    "randgguf": ("kvserve.loadtest.fixtures.randgguf", "a GGUF file with a real model's shapes and random blocks, in llama.cpp's mixtures"),
 }
 
 

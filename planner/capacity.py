@@ -28,8 +28,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from kvserve.kvcache.sizing import parse_bytes
+from kvserve.engine.options import Device, DType, activation_dtype
+from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.planner.models import ALIASES, PRESETS, KVDType, ModelSpec, spec_from_hf_dir
+from kvserve.server.config import ServeConfig
+
+# kvserve serve's --kv-cache-dtype names, as the planner's element types
+SERVE_KV = {KVCacheDType.FLOAT32.value: KVDType.FP32, KVCacheDType.BFLOAT16.value: KVDType.BF16,
+            KVCacheDType.INT8.value: KVDType.INT8, KVCacheDType.INT4.value: KVDType.INT4}
 
 
 class WeightDType(enum.Enum):
@@ -58,7 +64,7 @@ class PlanConfig:
     contexts: list[int]                 # context lengths a user holds (tokens)
     kv_dtype: KVDType = KVDType.FP16
     reserve_fraction: float = 0.10      # of memory, kept off the KV pool (vLLM: gpu_memory_utilization=0.9)
-    block_size: int = 16                # tokens per KV block (the server's default)
+    block_size: int = ServeConfig().block_size  # tokens per KV block (the server's default)
 
     def __post_init__(self) -> None:
         if not self.memories or min(self.memories) < 1:
@@ -117,8 +123,22 @@ def _parse_bytes(text: str) -> int:
     return parse_bytes(text)
 
 
+def kv_dtype_for(choice: str, dtype: DType, device: Device) -> KVDType:
+    """The KV element type of ``--kv-cache-dtype choice``: auto is what ``kvserve serve`` allocates with these
+    ``--dtype`` and ``--device`` (``engine.options.activation_dtype``: float32 on a CPU, bfloat16 on a GPU); serve's
+    names map to the planner's, which also has vLLM's fp16 and fp8 caches.
+
+    Raises:
+        ValueError: a name neither knows.
+    """
+    if choice == KVCacheDType.AUTO.value:
+        return KVDType.FP32 if activation_dtype(DType(dtype), Device(device)) is DType.FLOAT32 else KVDType.BF16
+    return SERVE_KV.get(choice) or KVDType(choice)
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``kvserve plan`` flags."""
+    """The ``kvserve plan`` flags; the KV cache's and blocks' defaults are ``kvserve serve``'s (ServeConfig)."""
+    serve = ServeConfig()
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="a local Hugging Face model directory (reads config.json)")
     source.add_argument("--preset", default="smollm2-135m", choices=[*PRESETS, *ALIASES],
@@ -127,11 +147,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="accelerator memory sizes, comma-separated (default 8GiB,16GiB,24GiB,80GiB)")
     parser.add_argument("--context", type=_comma_list(int), default="2048,8192",
                         help="context lengths per user in tokens, comma-separated (default 2048,8192)")
-    parser.add_argument("--kv-dtype", type=KVDType, default=KVDType.FP16, choices=list(KVDType),
-                        metavar="{" + ",".join(kind.value for kind in KVDType) + "}", help="KV cache element type")
+    kinds = [KVCacheDType.AUTO.value, *SERVE_KV, *(kind.value for kind in KVDType)]
+    parser.add_argument("--kv-cache-dtype", "--kv-dtype", dest="kv_dtype", default=serve.kv_cache_dtype.value,
+                        choices=kinds, metavar="{" + ",".join(kinds) + "}",
+                        help="KV cache element type, as kvserve serve --kv-cache-dtype (and vLLM's fp16, fp8); "
+                             f"default {serve.kv_cache_dtype.value}: what kvserve serve allocates with --dtype and "
+                             "--device (float32 on a CPU, bfloat16 on a GPU)")
+    parser.add_argument("--dtype", default=serve.dtype.value, choices=[v.value for v in DType],
+                        help=f"as kvserve serve --dtype (default {serve.dtype.value}): the auto KV cache's dtype")
+    parser.add_argument("--device", default=serve.device.value, choices=[v.value for v in Device],
+                        help=f"as kvserve serve --device (default {serve.device.value}: a GPU when torch sees one, "
+                             "else the CPU): the auto KV cache's dtype")
     parser.add_argument("--reserve-fraction", type=float, default=0.10,
                         help="share of memory kept for activations and runtime (default 0.10)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    parser.add_argument("--block-size", type=int, default=serve.block_size,
+                        help=f"tokens per KV block (default {serve.block_size}, as kvserve serve)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of tables")
 
 
@@ -193,13 +223,18 @@ def run(args: argparse.Namespace) -> int:
     """``kvserve plan``: print the tables (or JSON); returns 0, or 2 on a bad model directory or value."""
     try:
         spec = spec_from_hf_dir(args.model) if args.model else PRESETS[ALIASES.get(args.preset, args.preset)]
-        config = PlanConfig(args.memory, args.context, args.kv_dtype, args.reserve_fraction, args.block_size)
+        kv_dtype = kv_dtype_for(args.kv_dtype, args.dtype, args.device)
+        config = PlanConfig(args.memory, args.context, kv_dtype, args.reserve_fraction, args.block_size)
     except (OSError, ValueError) as error:
         print(f"kvserve plan: {error}", file=sys.stderr)
         return 2
     data = report(spec, config)
+    data["kv"]["asked"] = args.kv_dtype  # auto, or the name given
     if args.json:
         print(json.dumps(data, indent=2))
     else:
+        if args.kv_dtype == KVCacheDType.AUTO.value:
+            print(f"KV cache dtype auto: {kv_dtype.value}, as kvserve serve allocates it with --dtype {args.dtype} "
+                  f"--device {args.device} on this machine (--kv-cache-dtype names another)")
         _print_tables(data, config)
     return 0

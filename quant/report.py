@@ -25,7 +25,7 @@ def collect(model, tokenizer, log=lambda msg: None, own_blocks=None, kv_caches: 
 
     Args:
         own_blocks: for a model read from a GGUF file, a callable that puts the file's own blocks into a copy of
-            ``model`` in place (``engine.gguf_native.use_gguf_blocks``); its rows are measured against ``model``,
+            ``model`` in place (``engine.gguf_model.use_gguf_blocks``); its rows are measured against ``model``,
             which is then the file's weights run in float32.
         kv_caches: KV cache dtypes to measure, each ``name -> (attention implementation, bytes per token)``: a
             transformers attention function registered by the caller that attends to the keys and values as

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Builds the kvserve image for real and runs it, with no Docker engine, no Docker Hub and no PyTorch index:
+# Builds the kvserve image for real and runs it. With buildah, podman, mmdebstrap and runc (what CI has), it needs no
+# Docker engine, no Docker Hub and no PyTorch index:
 #
 #   1. a local base image: Debian bookworm with python3 and venv, made by mmdebstrap from the Debian mirror
 #      that apt uses here (/etc/apt/sources.list.d/*.sources, else /etc/apt/sources.list); the tarball is
@@ -13,14 +14,21 @@
 #      source edit only kvserve's own small layers are built again (minutes, not the cold build's ~30);
 #   4. `podman run` with the port published on 127.0.0.1 only, then checks from outside: /health turns
 #      ready within the HEALTHCHECK's start period (and the image's HEALTHCHECK passes), the README's curl
-#      streams an answer that names Paris, the server runs as the image's non-root user, KVSERVE_* variables
+#      streams the README's answer (a well-formed stream: chunks, a finish reason, [DONE]; and the text the
+#      README shows, which tests/test_docs_examples.py keeps the default model's), the server runs as the
+#      image's non-root user, KVSERVE_* variables
 #      reach its flags, and SIGTERM with a stream in flight drains (/health 503, the stream goes on, and is
 #      cut when the drain's time runs out) and the container exits within podman's (and Docker's) default stop
 #      grace period of 10 s. It prints the timings and the image size.
 #
-# Everything it makes lives in that private storage (never the machine's own images); its containers are removed
-# on exit, its layers and the last image kept as the cache. Each step runs under `timeout`. Exit status: 0 all checks passed, 1 a check failed,
-# 2 it cannot run here (a tool is missing; the reason is printed).
+# Without buildah, podman or mmdebstrap, a running Docker engine does the same: `docker build` of ./Dockerfile as it
+# stands (python:3.11-slim-bookworm from Docker Hub, torch from PyTorch's index, PyPI), Docker's own layer cache, and
+# the same run and checks with `docker run` (KVSERVE_CONTAINER_ENGINE=docker picks it where both are installed).
+#
+# Everything it makes lives in that private storage (never the machine's own images; with Docker, its image is
+# tagged kvserve:check); its containers are removed on exit, its layers and the last image kept as the cache. Each
+# step runs under `timeout`. Exit status: 0 all checks passed, 1 a check failed, 2 it cannot run here (a tool is
+# missing, or Docker's daemon does not answer: every missing tool is named, first, before anything is built).
 #
 #   bash scripts/container_check.sh            # root, or rootless buildah/podman with subuids
 #   KVSERVE_CONTAINER_KEEP=1 ...               # keep the stopped container and the logs for a look afterwards
@@ -28,6 +36,7 @@
 #   KVSERVE_CONTAINER_BUILD_TIMEOUT_S=2700 ... # the build's bound (default 2700 s; 900 s with WARM_ONLY)
 #   KVSERVE_CONTAINER_WARM_ONLY=1 ...          # exit 2 (cannot run) unless the layer cache holds the heavy
 #                                              # layers for these inputs: tests/test_container.py in CI
+#   KVSERVE_CONTAINER_ENGINE=podman|docker ... # which engine (default: podman where its tools are all here)
 set -euo pipefail
 
 PYTHON="${PYTHON:-python3}"
@@ -49,13 +58,77 @@ cannot() {
 }
 elapsed() { echo $(($(date +%s) - $1)); }
 
-for cmd in buildah podman mmdebstrap curl "$PYTHON"; do
-  command -v "$cmd" >/dev/null || cannot "$cmd is not installed (bash scripts/ci_system_deps.sh)"
-done
+# ---- 0. the tools, all checked before anything runs: every missing one is named at once -----------------
+missing() { for cmd in "$@"; do command -v "$cmd" >/dev/null || printf '%s ' "$cmd"; done; }
+listed() { local names="${1% }"; printf '%s' "${names// /, }"; }  # "a b " -> "a, b"
+# every engine: curl and python3 check the server from outside, coreutils' timeout bounds each step and sha256sum
+# keys the caches
+common=$(missing curl "$PYTHON" timeout sha256sum)
+# podman on runc, not crun: crun refuses a host with cgroups in hybrid (v1 + v2) mode, as these VMs have
+podman_missing=$(missing buildah podman mmdebstrap runc)
+PODMAN_TOOLS="buildah from an mmdebstrap base and podman on runc (bash scripts/ci_system_deps.sh installs them on \
+Debian)"
+ENGINE="${KVSERVE_CONTAINER_ENGINE:-}"
+chosen="$ENGINE"
+if [[ -z "$ENGINE" ]]; then  # podman where its tools are all here; else Docker where its client is
+  if [[ -n "$podman_missing" ]] && command -v docker >/dev/null; then ENGINE=docker; else ENGINE=podman; fi
+fi
+# where Docker was only the fallback, its failure names what podman lacks too
+instead=""
+if [[ -z "$chosen" && -n "$podman_missing" ]]; then
+  instead="; or install $(listed "$podman_missing") for $PODMAN_TOOLS"
+fi
+case "$ENGINE" in
+  podman)
+    [[ -z "$common$podman_missing" ]] || cannot "$(listed "$common$podman_missing") not installed: this check \
+builds and runs the image with $PODMAN_TOOLS, or with a running Docker engine (KVSERVE_CONTAINER_ENGINE=docker)" ;;
+  docker)
+    [[ -z "$common" ]] || cannot "$(listed "$common") not installed"
+    command -v docker >/dev/null || cannot "docker is not installed (KVSERVE_CONTAINER_ENGINE=docker)$instead"
+    timeout 30 docker info >/dev/null 2>&1 || cannot "docker is installed but its daemon does not answer \
+(docker info): start it$instead"
+    timeout 30 docker buildx version >/dev/null 2>&1 || cannot "docker has no buildx (BuildKit), which the \
+Dockerfile's RUN --mount steps need: install the docker-buildx plugin$instead" ;;
+  *) cannot "KVSERVE_CONTAINER_ENGINE=$ENGINE: expected podman or docker" ;;
+esac
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 CACHE="${XDG_CACHE_HOME:-$HOME/.cache}/kvserve/container"
+WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-container.XXXXXX")"  # this run's logs and answers
+NAME="kvserve-check-$$"
+STREAM_PID=""
+say "engine: $ENGINE"
 
-# ---- storage: the layer cache persists; run state and logs are per run --------------------------------
+cleanup() {
+  local rc=$?
+  if [[ -n "$STREAM_PID" ]]; then kill "$STREAM_PID" 2>/dev/null || true; fi
+  if [[ "${KVSERVE_CONTAINER_KEEP:-}" == 1 ]]; then
+    say "kept the container $NAME and $WORK"
+  else
+    local rm=(rm --force)
+    if [[ "$ENGINE" == podman ]]; then rm+=(--time 0); fi
+    if [[ -n "${CTR[*]:-}" ]]; then timeout 60 "${CTR[@]}" "${rm[@]}" "$NAME" >/dev/null 2>&1 || true; fi
+    # a leftover mount (a killed run) is unmounted before removal
+    grep -o " ${WORK}[^ ]*" /proc/mounts 2>/dev/null | sort -r | xargs -r -n 1 umount -l 2>/dev/null || true
+    rm -rf "$WORK" 2>/dev/null || { [[ "$ENGINE" == podman ]] && "${BUILDAH[@]}" unshare rm -rf "$WORK"; } 2>/dev/null \
+      || true
+  fi
+  exit "$rc"
+}
+CTR=()
+BUILDAH=()
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+# pip inside the build trusts what pip trusts here (PIP_CERT, else the system's CA bundle): a mirror's private
+# CA, or a proxy that inspects TLS, as on the machines this runs on. Handed in as a secret: in no layer.
+secret=()
+cert="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
+if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
+no_cache=()
+if [[ "${KVSERVE_CONTAINER_REBUILD:-}" == 1 ]]; then no_cache=(--no-cache); fi
+
+if [[ "$ENGINE" == podman ]]; then
+# ---- storage (podman): the layer cache persists; run state and logs are per run -------------------------
 # overlay needs root (or fuse-overlayfs); vfs works anywhere but copies every layer whole. Each driver has
 # its own directory, as containers/storage cannot switch one in place.
 driver=vfs
@@ -70,7 +143,6 @@ run_id="$(printf '%s' "$STORAGE" | sha256sum | cut -c1-12)"
 if [[ "$(id -u)" -eq 0 ]]; then RUNDIR="/run/kvserve-container-$run_id"; else
   RUNDIR="${XDG_RUNTIME_DIR:-/tmp}/kvserve-container-$(id -u)-$run_id"; fi
 mkdir -p "$RUNDIR"
-WORK="$(mktemp -d "${TMPDIR:-/tmp}/kvserve-container.XXXXXX")"  # this run's logs and answers
 STORE=(--storage-driver "$driver" --root "$STORAGE" --runroot "$RUNDIR/run")
 # --log-level error: both warn on every call about CNI plugins that the netavark backend does not use
 BUILDAH=(buildah "${STORE[@]}" --log-level error)
@@ -78,25 +150,9 @@ BUILDAH=(buildah "${STORE[@]}" --log-level error)
 # file for events: no systemd or journald needed.
 PODMAN=(podman "${STORE[@]}" --log-level error --runtime runc --cgroup-manager cgroupfs --events-backend file
   --tmpdir "$RUNDIR/tmp")
-NAME="kvserve-check-$$"
 IMAGE="localhost/kvserve:check"  # the last image built, kept: its layers are the next build's cache
-STREAM_PID=""
+CTR=("${PODMAN[@]}")
 
-cleanup() {
-  local rc=$?
-  if [[ -n "$STREAM_PID" ]]; then kill "$STREAM_PID" 2>/dev/null || true; fi
-  if [[ "${KVSERVE_CONTAINER_KEEP:-}" == 1 ]]; then
-    say "kept the container $NAME and $WORK"
-  else
-    timeout 60 "${PODMAN[@]}" rm --force --time 0 "$NAME" >/dev/null 2>&1 || true
-    # a leftover mount (a killed run) is unmounted before removal
-    grep -o " ${WORK}[^ ]*" /proc/mounts 2>/dev/null | sort -r | xargs -r -n 1 umount -l 2>/dev/null || true
-    rm -rf "$WORK" 2>/dev/null || "${BUILDAH[@]}" unshare rm -rf "$WORK" 2>/dev/null || true
-  fi
-  exit "$rc"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
 # A storage first used with other run paths (an older version of this script) has a database that names them.
 # It holds container state only, and this script keeps no container between runs: start it afresh.
 info=$(timeout 60 "${PODMAN[@]}" info 2>&1 || true)
@@ -161,7 +217,7 @@ fi
 # cache; WARM_ONLY runs refuse to build without it, as a cold build would take the CI run's whole budget.
 # pyproject.toml is left out: a change there rebuilds the dependencies' layer and the GGUF conversion only
 # (a few minutes more, bounded by the build's timeout).
-heavy_key="$(cd "$ROOT" && { echo "$key ${torch_wheel##*/}"; find Dockerfile kernels -type f \
+heavy_key="$(cd "$ROOT" && { echo "$key ${torch_wheel##*/}"; find Dockerfile native -type f \
   ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | sort -z | xargs -0 sha256sum; } | sha256sum | cut -c1-16)"
 warm_marker="$STORAGE/warm-$heavy_key"
 if [[ "$WARM_ONLY" == 1 && ! -e "$warm_marker" ]]; then
@@ -169,13 +225,6 @@ if [[ "$WARM_ONLY" == 1 && ! -e "$warm_marker" ]]; then
 wheel) and KVSERVE_CONTAINER_WARM_ONLY=1: a cold build takes about 30 min on 2 cores; run \
 bash scripts/container_check.sh once, or set KVSERVE_CONTAINER_CHECK=1 for the test"
 fi
-# pip inside the build trusts what pip trusts here (PIP_CERT, else the system's CA bundle): a mirror's private
-# CA, or a proxy that inspects TLS, as on the machines this runs on. Handed in as a secret: in no layer.
-secret=()
-cert="${PIP_CERT:-/etc/ssl/certs/ca-certificates.crt}"
-if [[ -s "$cert" ]]; then secret=(--secret "id=pip-cert,src=$cert"); fi
-no_cache=()
-if [[ "${KVSERVE_CONTAINER_REBUILD:-}" == 1 ]]; then no_cache=(--no-cache); fi
 say "building $IMAGE (buildah bud --layers, $driver storage in $STORAGE, chroot isolation; bound ${BUILD_TIMEOUT_S} s)"
 t0=$(date +%s)
 timeout "$BUILD_TIMEOUT_S" "${BUILDAH[@]}" bud --layers "${no_cache[@]}" --force-rm --isolation chroot \
@@ -198,65 +247,122 @@ steps=$(grep -c 'STEP [0-9]' "$WORK/build.log" || true)
 cached=$(grep -c -- '--> Using cache' "$WORK/build.log" || true)
 say "built in $build_s s ($cached of $steps steps from the layer cache): ${image_id:0:19}"
 sed 's/^/container_check:   /' "$WORK/steps.log"  # the steps that took 2 s or more
-size=$("${PODMAN[@]}" image inspect --format '{{.Size}}' "$image_id")
-say "image size $((size / 1000000)) MB ($size bytes)"
+
+fi
+
+if [[ "$ENGINE" == docker ]]; then
+# ---- 1-3 (Docker): build ./Dockerfile as it stands, with Docker's own layer cache ---------------------------
+IMAGE="kvserve:check"  # the last image built, kept in Docker's store: its layers are the next build's cache
+CTR=(docker)
+# What the heavy layers depend on (as above, with the base and torch from Docker Hub and PyTorch's index): the
+# Dockerfile and native/. A marker says a build from these inputs finished, so WARM_ONLY runs build only then.
+heavy_key="$(cd "$ROOT" && { echo docker; find Dockerfile native -type f ! -path '*/__pycache__/*' ! -name '*.pyc' \
+  -print0 | sort -z | xargs -0 sha256sum; } | sha256sum | cut -c1-16)"
+mkdir -p "$CACHE"
+warm_marker="$CACHE/docker-warm-$heavy_key"
+if [[ "$WARM_ONLY" == 1 && ! -e "$warm_marker" ]]; then
+  cannot "Docker's layer cache is cold for these inputs (no build yet from this Dockerfile and native/) and \
+KVSERVE_CONTAINER_WARM_ONLY=1: a cold build takes about 30 min on 2 cores; run bash scripts/container_check.sh once, \
+or set KVSERVE_CONTAINER_CHECK=1 for the test"
+fi
+say "building $IMAGE (docker buildx build, Docker's layer cache; bound ${BUILD_TIMEOUT_S} s)"
+t0=$(date +%s)
+timeout "$BUILD_TIMEOUT_S" docker buildx build --load --progress plain "${no_cache[@]}" "${secret[@]}" \
+  --iidfile "$WORK/iid" --tag "$IMAGE" --file "$ROOT/Dockerfile" "$ROOT" >"$WORK/build.log" 2>&1 \
+  || { tail -n 40 "$WORK/build.log"; fail "the image did not build"; }
+build_s=$(elapsed "$t0")
+touch "$warm_marker"
+image_id="$(cat "$WORK/iid")"
+say "built in $build_s s: ${image_id:0:19}"
+
+fi
+size=$("${CTR[@]}" image inspect --format '{{.Size}}' "$image_id")
+say "image size $((size / 1000000)) MB ($size bytes; docs/operations.md and BENCHMARKS.md report it)"
 
 # ---- 4. run and check from outside -------------------------------------------------------------------
 port=$("$PYTHON" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 url="http://127.0.0.1:$port"
 served_name=kvserve-container-check
-# --health-interval disable: no systemd timer for the HEALTHCHECK (none here); `podman healthcheck run` below.
+# podman: --health-interval disable, as there is no systemd timer for the HEALTHCHECK here (it is run once below).
 # Explicit ulimits: podman's defaults (nofile, nproc 1048576 / 4194304) exceed what a root without
 # CAP_SYS_RESOURCE may set, as in these VMs.
-timeout 120 "${PODMAN[@]}" run --detach --name "$NAME" --publish "127.0.0.1:$port:8000" --health-interval disable \
+health_flags=()
+if [[ "$ENGINE" == podman ]]; then health_flags=(--health-interval disable); fi
+timeout 120 "${CTR[@]}" run --detach --name "$NAME" --publish "127.0.0.1:$port:8000" "${health_flags[@]}" \
   --ulimit nofile=4096:4096 --ulimit nproc=4096:4096 \
   --env KVSERVE_MAX_NUM_SEQS=3 --env "KVSERVE_SERVED_MODEL_NAME=$served_name" --env KVSERVE_KV_CACHE_MEMORY=128MiB \
-  "$image_id" >/dev/null 2>"$WORK/run.err" || { cat "$WORK/run.err"; fail "podman run failed"; }
+  "$image_id" >/dev/null 2>"$WORK/run.err" || { cat "$WORK/run.err"; fail "$ENGINE run failed"; }
 t0=$(date +%s)
 
 # /health within the HEALTHCHECK's start period (the image's; JSON gives Go durations in nanoseconds)
-start_s=$("${PODMAN[@]}" image inspect --format '{{json .HealthCheck}}' "$image_id" \
+field='{{json .Config.Healthcheck}}'
+if [[ "$ENGINE" == podman ]]; then field='{{json .HealthCheck}}'; fi
+healthcheck=$("${CTR[@]}" image inspect --format "$field" "$image_id")
+start_s=$(printf '%s' "$healthcheck" \
   | "$PYTHON" -c 'import json, sys; print((json.load(sys.stdin) or {}).get("StartPeriod", 0) // 10**9)')
 [[ "$start_s" -gt 0 ]] || fail "the image has no HEALTHCHECK start period (built without --format docker?)"
 until curl -fsS --max-time 3 "$url/health" 2>/dev/null | grep -q '"ok"'; do
-  if [[ "$("${PODMAN[@]}" inspect --format '{{.State.Running}}' "$NAME")" != true ]]; then
-    "${PODMAN[@]}" logs "$NAME" 2>&1 | tail -n 30
+  if [[ "$("${CTR[@]}" inspect --format '{{.State.Running}}' "$NAME")" != true ]]; then
+    "${CTR[@]}" logs "$NAME" 2>&1 | tail -n 30
     fail "the container exited before turning ready"
   fi
   if [[ "$(elapsed "$t0")" -gt "$start_s" ]]; then
-    "${PODMAN[@]}" logs "$NAME" 2>&1 | tail -n 30
+    "${CTR[@]}" logs "$NAME" 2>&1 | tail -n 30
     fail "/health not ready within the start period ($start_s s)"
   fi
   sleep 1
 done
 ready_s=$(elapsed "$t0")
 say "ready in $ready_s s (HEALTHCHECK start period $start_s s)"
-timeout 30 "${PODMAN[@]}" healthcheck run "$NAME" >/dev/null || fail "the image's HEALTHCHECK reports unhealthy"
+if [[ "$ENGINE" == podman ]]; then
+  timeout 30 "${CTR[@]}" healthcheck run "$NAME" >/dev/null || fail "the image's HEALTHCHECK reports unhealthy"
+else  # Docker runs it on its own clock: run its command once, as the engine would
+  mapfile -t check < <(printf '%s' "$healthcheck" \
+    | "$PYTHON" -c 'import json, sys; print("\n".join(json.load(sys.stdin)["Test"][1:]))')
+  timeout 30 docker exec "$NAME" "${check[@]}" >/dev/null || fail "the image's HEALTHCHECK reports unhealthy"
+fi
 say "the image's HEALTHCHECK (docker/healthcheck.py, inside) passes"
 
-# the README's request, streamed
-answer=$(timeout 120 curl -sSN --max-time 110 "$url/v1/chat/completions" -H 'Content-Type: application/json' -d '{
-  "messages": [{"role": "user", "content": "What is the capital of France?"}],
-  "temperature": 0, "max_tokens": 32, "stream": true}' | tee "$WORK/answer.sse" \
+# the README's request, streamed: a well-formed stream (content chunks, a finish reason, then [DONE]) whose text is
+# the README's own output block's, which tests/test_docs_examples.py keeps what the default model answers
+expected=$("$PYTHON" - "$ROOT/README.md" <<'EOF'
+import json, re, sys
+block = re.search(r"```text output\n(.*?)```", open(sys.argv[1]).read(), re.S).group(1)
+print("".join(json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+              for line in block.splitlines() if line.startswith("data: {")))
+EOF
+) || fail "README.md has no streamed example output to compare with"
+question=$("$PYTHON" -c 'import re, sys; print(re.search(r"\"content\": \"([^\"]*)\"", open(sys.argv[1]).read()).group(1))' \
+  "$ROOT/README.md")
+answer=$(timeout 120 curl -sSN --max-time 110 "$url/v1/chat/completions" -H 'Content-Type: application/json' -d "{
+  \"messages\": [{\"role\": \"user\", \"content\": \"$question\"}],
+  \"temperature\": 0, \"max_tokens\": 32, \"stream\": true}" | tee "$WORK/answer.sse" \
   | "$PYTHON" -c '
 import json, sys
-text, done = [], False
+text, reasons, done, chunks = [], [], False, 0
 for line in sys.stdin:
     if line.startswith("data: [DONE]"):
         done = True
     elif line.startswith("data: "):
-        text += [c["delta"].get("content") or "" for c in json.loads(line[6:])["choices"]]
-print("".join(text) + ("" if done else " [no [DONE]]"))') || fail "the streamed request failed"
+        chunk = json.loads(line[6:])
+        chunks += 1
+        for choice in chunk["choices"]:
+            text.append(choice["delta"].get("content") or "")
+            reasons += [choice["finish_reason"]] if choice.get("finish_reason") else []
+problems = [p for p, bad in (("no [DONE]", not done), ("no finish_reason", reasons not in (["stop"], ["length"])),
+                             ("no text", not "".join(text).strip()), ("under 2 chunks", chunks < 2)) if bad]
+print("".join(text) + "".join(f" [{p}]" for p in problems))') || fail "the streamed request failed"
 chunks=$(grep -c '^data: {' "$WORK/answer.sse" || true)
-say "answer ($chunks chunks): $answer"
-[[ "$answer" == *Paris* && "$answer" != *"[no [DONE]]"* ]] || fail "the answer does not name Paris or did not end"
+say "answer ($chunks chunks) to \"$question\": $answer"
+[[ "$answer" != *" [no "* && "$answer" != *" [under "* ]] || fail "the stream is not well formed: $answer"
+[[ "$answer" == "$expected" ]] || fail "the answer differs from README.md's ($expected)"
 
 # the server process: its user and its command line, read from the host
-pid=$("${PODMAN[@]}" inspect --format '{{.State.Pid}}' "$NAME")
+pid=$("${CTR[@]}" inspect --format '{{.State.Pid}}' "$NAME")
 uid=$(awk '/^Uid:/ {print $2}' "/proc/$pid/status")
-image_user=$("${PODMAN[@]}" image inspect --format '{{.Config.User}}' "$image_id")
+image_user=$("${CTR[@]}" image inspect --format '{{.Config.User}}' "$image_id")
 cmdline=$(tr '\0' ' ' <"/proc/$pid/cmdline")
-inner_uid=$(timeout 30 "${PODMAN[@]}" exec "$NAME" python -c 'import os; print(os.getuid())')
+inner_uid=$(timeout 30 "${CTR[@]}" exec "$NAME" python -c 'import os; print(os.getuid())')
 say "PID 1 in the container: uid $inner_uid inside, $uid on the host (image USER $image_user): $cmdline"
 [[ "$inner_uid" == "${image_user%%:*}" && "$inner_uid" -ne 0 ]] || fail "the server does not run as the image's user"
 [[ "$cmdline" == *"serve --host 0.0.0.0 --port 8000"*"--max-num-seqs 3"*"--served-model-name $served_name"* ]] \
@@ -277,13 +383,13 @@ until [[ "$(grep -c '^data: {' "$WORK/stream.sse" 2>/dev/null || true)" -ge 5 ]]
   [[ "$(elapsed "$t1")" -lt 60 ]] || fail "the long stream did not start"
   sleep 0.2
 done
-timeout 30 "${PODMAN[@]}" kill --signal TERM "$NAME" >/dev/null || fail "podman kill --signal TERM failed"
+timeout 30 "${CTR[@]}" kill --signal TERM "$NAME" >/dev/null || fail "podman kill --signal TERM failed"
 t1=$(date +%s%N)
 at_term=$(grep -c '^data: {' "$WORK/stream.sse" || true)
 sleep 1
 health=$(curl -sS --max-time 2 -o /dev/null -w '%{http_code}' "$url/health" 2>/dev/null || true)
 left_s=$((GRACE_S - ($(date +%s%N) - t1) / 1000000000))
-status=$(timeout "$left_s" "${PODMAN[@]}" wait "$NAME") || fail "still running $GRACE_S s after SIGTERM"
+status=$(timeout "$left_s" "${CTR[@]}" wait "$NAME") || fail "still running $GRACE_S s after SIGTERM"
 stop_ms=$((($(date +%s%N) - t1) / 1000000))
 stop_s="$((stop_ms / 1000)).$(printf '%03d' $((stop_ms % 1000)) | cut -c1)"
 stream_rc=0
@@ -291,7 +397,7 @@ timeout 10 tail --pid="$STREAM_PID" -f /dev/null || fail "the stream did not end
 wait "$STREAM_PID" || stream_rc=$?
 STREAM_PID=""
 total=$(grep -c '^data: {' "$WORK/stream.sse" || true)
-drained=$("${PODMAN[@]}" logs "$NAME" 2>&1 | grep -o 'drain done in .*' | head -n 1)
+drained=$("${CTR[@]}" logs "$NAME" 2>&1 | grep -o 'drain done in .*' | head -n 1)
 if grep -q '^data: \[DONE\]' "$WORK/stream.sse"; then ending="finished ([DONE])"
 elif [[ "$stream_rc" == 0 ]]; then ending="ended by the server"
 else ending="cut at the drain's end (curl: $(tr -d '\n' <"$WORK/stream.err"))"; fi
@@ -299,11 +405,11 @@ say "SIGTERM: /health answered $health while draining; the container exited with
 SIGTERM; the stream got $((total - at_term)) more chunks while draining ($total in all) and was $ending; \
 the log: $drained"
 [[ "$health" == 503 ]] || fail "/health answered $health, not 503, while draining"
-[[ "$status" == 0 || "$status" == 143 ]] || fail "exit status $status after SIGTERM"
+[[ "$status" == 0 ]] || fail "exit status $status after SIGTERM (a drained stop exits 0)"
 [[ "$total" -gt "$at_term" ]] || fail "the stream stopped at SIGTERM instead of going on while draining"
 [[ -n "$drained" ]] || fail "no drain in the log"
 # a stream that did not finish is one the drain counted as cut, not one dropped some other way
 [[ "$ending" != cut* || "$drained" =~ [1-9][0-9]*\ cut ]] || fail "the stream was cut but the drain counts none cut"
-"${PODMAN[@]}" logs "$NAME" 2>&1 | grep -q 'Finished server process' || fail "no clean uvicorn shutdown in the log"
+"${CTR[@]}" logs "$NAME" 2>&1 | grep -q 'Finished server process' || fail "no clean uvicorn shutdown in the log"
 
 say "PASS: build ${build_s} s, image $((size / 1000000)) MB, ready ${ready_s} s, SIGTERM exit ${stop_s} s"

@@ -76,8 +76,9 @@ async def admit(state: ServerState, body, request: Request) -> Generation:
     prepared = await tokenizing(_prompt_chars(body), prepare_all, state, body)
     grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
     salt = ApiKeys.cache_salt(request, body.cache_salt)
+    owner = getattr(request.state, "key_owner", None)
     for one in prepared if completions else [prepared]:
-        one.grammar, one.cache_salt = grammar, salt
+        one.grammar, one.cache_salt, one.owner = grammar, salt, owner
     if completions:  # one prompt or several, numbered as OpenAI numbers them
         generation = PromptGroups(state, prepared, body.n, body.prompts)
     else:

@@ -13,10 +13,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from kvserve.server import tools
 from kvserve.server.auth import ApiKeys
@@ -26,7 +28,7 @@ from kvserve.server.drain import Drain, DrainGate
 from kvserve.server.errors import ApiError
 from kvserve.server.choice import ChoiceUpdate
 from kvserve.server.generation import Generation, until_done_or_gone
-from kvserve.server.prepare import chat_prompt_ids, text_prompt_ids
+from kvserve.server.prepare import chat_prompt_ids, check_token_ids, text_prompt_ids
 from kvserve.server.hostguard import HostGuard, HostPolicy
 from kvserve.server.openai_format import Formatter
 from kvserve.server.prompts import PromptGroups
@@ -77,7 +79,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         yield
         await state.service.stop()
 
-    keys = ApiKeys(state.config.api_keys, isolate_cache=not state.config.share_cache_across_keys)
+    keys = ApiKeys(state.config.api_keys, isolate_cache=not state.config.share_cache_across_keys,
+                   admin_keys=state.config.admin_keys)
 
     def require_key(request: Request) -> None:
         """/v1 routes and the tokenizer's need ``Authorization: Bearer <key>`` when the server has API keys."""
@@ -86,7 +89,12 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     app = FastAPI(title="kvserve", lifespan=lifespan)
     app.state.kvserve = state
     app.state.drain = drain
-    app.add_middleware(BodyLimit, limit=state.max_request_bytes)
+    app.add_middleware(BodyLimit, limit=state.max_request_bytes, timeout_s=state.config.body_timeout_s)
+    if state.config.allowed_origins:  # CORS: inside the Host guard, so a preflight from a rebinding page is a 421
+        app.add_middleware(CORSMiddleware, allow_origins=list(state.config.allowed_origins), max_age=600,
+                           # any header: the openai JS SDK sends its x-stainless-* headers besides authorization
+                           allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"],
+                           expose_headers=["x-request-id", "Retry-After"])
     app.add_middleware(HostGuard, policy=HostPolicy.for_server(state.config.host, state.config.allowed_hosts))
     app.add_middleware(DrainGate, drain=drain)
     app.add_middleware(RequestIds)  # outermost: a 413 or 421 carries the request id too
@@ -111,6 +119,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 405:
+            return _method_not_allowed(request).response()
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
     @app.get("/health")
@@ -132,7 +142,10 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
             return JSONResponse({"status": "unhealthy", "error": repr(state.service.dead)}, status_code=503)
         return {"status": "draining" if drain.draining else "ok"}
 
-    @app.get("/metrics", response_class=Response, responses={200: {
+    # /metrics is open by default, as vLLM's (Prometheus scrapes without a secret, and it holds counts, never text);
+    # --metrics-require-key puts it behind the keys like /v1
+    @app.get("/metrics", response_class=Response, dependencies=v1 if state.config.metrics_require_key else [],
+             responses={200: {
         "description": "Prometheus text exposition format", "content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
@@ -160,6 +173,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
+        tools.functions(body)  # tools and tool_choice checked as a chat request checks them, used or not
         if body.messages is not None:
             chars = sum(len(message.text) for message in body.messages)
             ids = await tokenizing(chars, chat_prompt_ids, state, body.messages, body, body.add_generation_prompt)
@@ -173,9 +187,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 
     @app.post("/detokenize", dependencies=v1)
     async def detokenize(body: DetokenizeRequest):
-        vocab = len(state.tokenizer)
-        if any(not 0 <= t < vocab for t in body.tokens):
-            raise ApiError(400, f"token ids must be in [0, {vocab})", param="tokens")
+        check_token_ids(state, body.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
     @app.post("/v1/chat/completions", dependencies=v1)
@@ -192,6 +204,19 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     return app
 
 
+def _method_not_allowed(request: Request) -> ApiError:
+    """The 405 of a path served with other methods: ``Allow`` lists every method of every route on the path
+    (RFC 9110 15.5.6; Starlette's own names only the first route's, and /health is a GET and a HEAD route)."""
+    methods: set[str] = set()
+    for route in request.app.routes:
+        match, _ = route.matches(request.scope | {"method": "GET"})  # any method: a path match is what counts
+        if match is not Match.NONE:
+            methods |= set(getattr(route, "methods", None) or ())
+    allow = ", ".join(sorted(methods))
+    return ApiError(405, f"{request.method} is not allowed on {request.url.path}; allowed: {allow}",
+                    code="method_not_allowed", headers={"Allow": allow})
+
+
 # the endpoints of embedding, scoring and classifying models (vLLM's), which a generative model does not serve
 POOLING_PATHS = ("/v1/embeddings", "/pooling", "/classify", "/score", "/v1/score", "/rerank", "/v1/rerank")
 
@@ -200,7 +225,7 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     prefix = "chatcmpl-" if chat else "cmpl-"
     # vLLM's form: the response id is the request id (x-request-id when the client sent one)
     fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer,
-                    tool_calls=chat and tools.active(body))
+                    tool_calls=chat and tools.active(body), thinking=generation.prepared.thinking if chat else None)
     want_logprobs = body.num_logprobs is not None
     echo = (not chat) and body.echo
     prompt_text = generation.prompt_text if echo else None  # index -> the prompt, for echo

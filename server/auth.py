@@ -41,12 +41,15 @@ class ApiKeys:
     Args:
         keys: the accepted keys (empty: the guarded routes are open).
         isolate_cache: salt the prefix cache by key (False: every key shares one cache).
+        admin_keys: keys accepted as well, whose live page shows every key's requests (``--admin-key``).
     """
 
-    def __init__(self, keys: tuple[str, ...], isolate_cache: bool = True) -> None:
-        self._keys = [key.encode() for key in keys]
-        # the fingerprint stands for the key in the cache's salt: the key itself is never copied there
+    def __init__(self, keys: tuple[str, ...], isolate_cache: bool = True, admin_keys: tuple[str, ...] = ()) -> None:
+        self._keys = [key.encode() for key in dict.fromkeys(keys + admin_keys)]
+        # the fingerprint stands for the key in the cache's salt and as the owner of its requests on the live page:
+        # the key itself is never copied there
         self._fingerprints = [hashlib.sha256(b"kvserve-key\0" + key).hexdigest()[:32] for key in self._keys]
+        self._admin = [key in admin_keys for key in dict.fromkeys(keys + admin_keys)]
         self.isolate_cache = isolate_cache
 
     @property
@@ -55,12 +58,14 @@ class ApiKeys:
 
     def check(self, request: Request) -> None:
         """Accept or refuse ``request``; on success ``request.state.key_salt`` is its key's cache partition
-        (None when the cache is not partitioned by key).
+        (None when the cache is not partitioned by key), ``request.state.key_owner`` its key's fingerprint (None
+        without keys) and ``request.state.key_admin`` whether it is an admin key (``--admin-key``).
 
         Raises:
             ApiError: 401 with ``WWW-Authenticate: Bearer`` for a missing or unknown key.
         """
-        request.state.key_salt = None
+        request.state.key_salt = request.state.key_owner = None
+        request.state.key_admin = False
         if not self._keys:
             return
         scheme, _, token = request.headers.get("authorization", "").strip().partition(" ")
@@ -70,8 +75,11 @@ class ApiKeys:
         if scheme.lower() != "bearer" or not any(matches):
             raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'", code="invalid_api_key",
                            headers={"WWW-Authenticate": "Bearer"})  # RFC 6750 3: a 401 names its scheme
+        which = matches.index(True)
+        request.state.key_owner = self._fingerprints[which]
+        request.state.key_admin = self._admin[which]
         if self.isolate_cache:
-            request.state.key_salt = self._fingerprints[matches.index(True)]
+            request.state.key_salt = self._fingerprints[which]
 
     @staticmethod
     def cache_salt(request: Request, request_salt: str | None) -> str | None:

@@ -10,6 +10,8 @@ import argparse
 import importlib
 import sys
 
+from kvserve import environment
+
 # subcommand path -> (module, help)
 _COMMANDS: dict[tuple[str, ...], tuple[str, str]] = {
     ("serve",): ("kvserve.server.serve", "serve a model over an OpenAI-compatible HTTP API"),
@@ -43,6 +45,9 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kvserve`` console script; returns the exit status."""
     argv = sys.argv[1:] if argv is None else argv
+    # before any subcommand imports transformers or huggingface_hub, which read it once, at import (the server's
+    # routes import transformers before engine.loader, which sets it too, for library users)
+    environment.stay_offline()
     args = build_parser(argv).parse_args(argv)
     return int(args._run(args) or 0)
 

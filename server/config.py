@@ -12,6 +12,9 @@ from kvserve.scheduler.policies import Policy
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 
+REASONING_PARSERS = ("auto", "think", "none")  # server.reasoning: auto follows the chat template
+
+
 @dataclass(slots=True)
 class ServeConfig:
     """Everything ``kvserve serve`` can be told. Units are in the field comments.
@@ -49,6 +52,12 @@ class ServeConfig:
     ui: bool = True                     # the live page at / and its event stream (--no-ui: off)
     allowed_hosts: tuple[str, ...] | None = None  # Host names answered besides loopback ones (DNS rebinding)
     header_timeout_s: float = 10.0      # a connection must complete a request's headers within this (s)
+    body_timeout_s: float = 30.0        # ... and a request's whole body within this after its headers (s)
+    allowed_origins: tuple[str, ...] = ()  # CORS: browser origins allowed to call (preflight answered); none: no CORS
+    metrics_require_key: bool = False   # with API keys: /metrics needs a key too (default open, as vLLM's)
+    admin_keys: tuple[str, ...] = ()    # API keys whose live page shows every key's requests (also valid as keys)
+    default_max_tokens: int = 4096      # a chat or Responses request that sets no limit generates at most this many
+    reasoning_parser: str = "auto"      # auto | think | none: <think>...</think> returned as reasoning_content
     allow_pickle: bool = False          # load *.bin / *.pt checkpoints (unpickling can run code)
     speculative: Drafter = Drafter.OFF  # off | ngram | draft: who drafts tokens for the served model to verify
     num_speculative_tokens: int | None = None  # drafts per sequence per step; None: auto (0..AUTO_MAX_DRAFT, measured)
@@ -66,6 +75,12 @@ class ServeConfig:
             raise ValueError("drain_s must be >= 0 (0 stops at once on SIGTERM)")
         if not self.header_timeout_s > 0:
             raise ValueError("header_timeout_s must be > 0")
+        if not self.body_timeout_s > 0:
+            raise ValueError("body_timeout_s must be > 0")
+        if self.default_max_tokens < 1:
+            raise ValueError("default_max_tokens must be >= 1")
+        if self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}")
         if self.block_size < 1:
             raise ValueError("block_size must be >= 1")
         if self.max_num_seqs < 1:
@@ -78,7 +93,8 @@ class ServeConfig:
             raise ValueError("max_prompts_per_request must be >= 1")
         if self.max_request_bytes is not None and self.max_request_bytes < 1:
             raise ValueError("max_request_bytes must be >= 1")
-        self.api_keys = tuple(dict.fromkeys(((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)))
+        self.api_keys = tuple(dict.fromkeys(((self.api_key,) if self.api_key else ()) + tuple(self.api_keys)
+                                            + tuple(self.admin_keys)))
         if any(not key or key != key.strip() or not key.isprintable() for key in self.api_keys):
             raise ValueError("an API key must be non-empty printable text without surrounding spaces")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

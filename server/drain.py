@@ -10,7 +10,8 @@ scale-in, a node drain. Stopping at once cuts every open stream. Instead, on the
 3. requests already admitted (streams included) run to completion, for at most ``grace_s`` seconds;
 4. streams still open then are cut cleanly (``Drain.cut``): each ends as the API says a cut reply ends (a final
    chunk with finish_reason ``abort``, then ``[DONE]``; a Responses stream with ``response.incomplete``);
-5. then uvicorn shuts down as usual (a second SIGTERM, or SIGINT, skips the wait).
+5. then uvicorn shuts down as usual, and the process exits 0 (a second SIGTERM, or SIGINT, skips the wait and
+   ends the process by that signal, as plain uvicorn does).
 
 Kubernetes gives a pod ``terminationGracePeriodSeconds`` between SIGTERM and SIGKILL; ``grace_s`` must be
 shorter than that (deploy/k8s/deployment.yaml: 30 s within 60 s).
@@ -147,10 +148,12 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        start = (sig == signal.SIGTERM and self.drain.grace_s > 0 and not self.drain.draining
-                 and not self.should_exit and self._loop is not None)
+        first_term = sig == signal.SIGTERM and not self.drain.draining and not self.should_exit
+        start = first_term and self.drain.grace_s > 0 and self._loop is not None
         if not start:
             super().handle_exit(sig, frame)
+            if first_term:
+                self._stopped_as_asked(sig)
             return
         self.drain.draining = True
         log.info("SIGTERM: draining %d in-flight request(s), at most %.0f s", self.drain.inflight, self.drain.grace_s)
@@ -173,3 +176,13 @@ class DrainingServer(uvicorn.Server):
                 "drain done in %.2f s: %d of %d in-flight request(s) finished, %d cut, %d new refused",
                 time.monotonic() - start, at_start - cut, at_start, cut, self.drain.refused)
         super().handle_exit(sig, None)
+        self._stopped_as_asked(sig)
+
+    def _stopped_as_asked(self, sig: int) -> None:
+        """The first SIGTERM stops the server the managed way (drained, or at once with ``grace_s`` 0): the
+        process then exits 0, as process managers expect of a clean stop. uvicorn would re-raise the signal it
+        caught once it has shut down (exit 143); a second SIGTERM or a SIGINT still does, as a forced stop."""
+        if sig in self._captured_signals:
+            self._captured_signals.reverse()
+            self._captured_signals.remove(sig)  # the last one: a signal received meanwhile stays
+            self._captured_signals.reverse()

@@ -61,6 +61,8 @@ class Generation:
                            constraint=prepared.grammar.constraint(prepared.max_tokens)
                            if prepared.grammar is not None else None)
             first = first or seq
+            if prepared.owner is not None:
+                state.seq_owners[seq.seq_id] = prepared.owner
             self.choices[seq.seq_id] = Choice(index, seq, state.tokenizer, prepared.prompt_ids,
                                               prepared.stop_strings)
         self.created = int(time.time())
@@ -83,6 +85,7 @@ class Generation:
     def abort(self) -> None:
         """Drop every unfinished choice (client gone)."""
         for choice in self.choices.values():
+            self.state.seq_owners.pop(choice.seq.seq_id, None)
             if choice.finish_reason is None:
                 self.state.service.abort(choice.seq.seq_id)
 

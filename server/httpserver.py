@@ -6,7 +6,9 @@ timer on a new connection, and it cancels the keep-alive timer at the first byte
 that connects and sends nothing, or half a request line and headers (slowloris), holds its socket and a file
 descriptor for as long as it likes. ``header_deadline_protocol`` adds that missing timer: a connection that has
 not completed a request's headers ``header_timeout_s`` after it opened (or after its last response) is closed.
-Bodies and responses are not timed here: a body's reader is the app, and a stream may rightly last minutes.
+Bodies are timed by the app's body guard (server.bodylimit, ``--body-timeout-seconds``), responses not at all: a
+stream may rightly last minutes. The same class keeps an absolute-form request target's authority for the Host
+guard (server.hostguard).
 
 Nor does httptools bound a request's headers (h11 does, at 16 KiB): megabytes of headers would be buffered, and
 kept. The same protocol class counts a request's header bytes and answers more than ``max_header_bytes`` with
@@ -17,9 +19,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from kvserve.server.hostguard import TARGET_AUTHORITY
 
 KEEP_ALIVE_S = 5  # uvicorn's default: an idle keep-alive connection closes this long after its last response
 MAX_HEADER_BYTES = 65_536  # request line and headers of one request (bytes); nginx's large buffers hold 4 x 8 KiB
@@ -73,6 +78,14 @@ def header_deadline_protocol(http: str, header_timeout_s: float, max_header_byte
                 self._header_timer = None
             elif not in_request and self._header_timer is None and not self.transport.is_closing():
                 self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
+
+        def on_headers_complete(self) -> None:  # httptools' callback (h11 keeps the whole target in the path)
+            # an absolute-form target (GET http://host/path): httptools keeps only the path, so its authority, which
+            # the Host guard must check (RFC 9112 3.2.2), is kept in the scope
+            if b"://" in self.url[:16] and not self.url.startswith(b"/"):
+                rest = self.url.split(b"://", 1)[1]
+                self.scope[TARGET_AUTHORITY] = re.split(rb"[/?#]", rest, maxsplit=1)[0].decode("latin-1")
+            super().on_headers_complete()
 
         def connection_lost(self, exc) -> None:
             if self._header_timer is not None:

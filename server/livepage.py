@@ -3,7 +3,8 @@
 Every asset ships in the package (server/ui/, the charting library vendored in server/ui/vendor/), so the page
 works on a machine with no network. The page's HTML, scripts and styles hold nothing secret and are served to
 anyone the Host guard lets through; the event stream is behind ``--api-key`` like /v1 (the page asks for the
-key and keeps it in the tab's sessionStorage). Each page response carries a strict Content-Security-Policy:
+key and keeps it in the tab's sessionStorage), and a key's page lists only that key's requests among the slots
+(an ``--admin-key`` sees all; the pool, steps and totals are the server's, counts only, as in /metrics). Each page response carries a strict Content-Security-Policy:
 scripts, styles and connections from this origin only, no inline code, no framing.
 
 The event stream sends the hub's snapshot (server/snapshot.py) whenever it has changed, polled at most
@@ -81,15 +82,18 @@ def register(app: FastAPI, state: ServerState, auth: list[Depends]) -> None:
 
     @app.get("/ui/events", dependencies=auth, include_in_schema=False)
     async def events(request: Request):
-        return EventSourceResponse(_changes(hub), ping=state.config.sse_ping_s or None, sep="\n",
-                                   headers={"Cache-Control": "no-store"})
+        # a key's page lists its own requests only; an admin key's (and, without keys, every page) lists all
+        owner = None if request.state.key_admin else request.state.key_owner
+        return EventSourceResponse(_changes(hub, owner, state.seq_owners), ping=state.config.sse_ping_s or None,
+                                   sep="\n", headers={"Cache-Control": "no-store"})
 
 
-async def _changes(hub: SnapshotHub):
-    """Yield the hub's snapshot each time it differs from the last one sent (the first at once)."""
+async def _changes(hub: SnapshotHub, owner: str | None, owners: dict[int, str]):
+    """Yield the hub's snapshot (as ``owner``'s page sees it) each time it differs from the last one sent (the
+    first at once)."""
     last = None
     while True:
-        data = hub.latest()
+        data = hub.latest(owner, owners)
         if data != last:
             last = data
             yield {"data": data}

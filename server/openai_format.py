@@ -10,6 +10,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from kvserve.engine.plan import TokenLogprob
 from kvserve.server.choice import ChoiceUpdate
 from kvserve.server.generation import Generation
+from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.tools import ToolCallStream
 
 
@@ -47,10 +48,12 @@ class Formatter:
         tokenizer: for token strings in logprobs.
         tool_calls: parse replies for tool calls (chat with tools; server.tools): they come out as
             ``tool_calls`` with finish_reason ``tool_calls`` instead of content.
+        thinking: chat with a reasoning parser (server.reasoning): whether the prompt opened ``<think>``; None
+            when replies are not split.
     """
 
     def __init__(self, generation: Generation, chat: bool, request_id: str, model: str, tokenizer,
-                 tool_calls: bool = False) -> None:
+                 tool_calls: bool = False, thinking: bool | None = None) -> None:
         self.generation = generation
         self.chat = chat
         self.id = request_id
@@ -62,6 +65,19 @@ class Formatter:
         self.sent_role: set[int] = set()
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self.tool_streams: dict[int, ToolCallStream] | None = {} if tool_calls else None
+        self.thinking = thinking
+        self.reasoning_splits: dict[int, ReasoningSplit] = {}
+
+    def _split_reasoning(self, index: int, text: str, last: bool) -> tuple[str, str]:
+        """``(reasoning, answer)`` of a choice's new text (no reasoning parser: all answer)."""
+        if self.thinking is None:
+            return "", text
+        split = self.reasoning_splits.setdefault(index, ReasoningSplit(self.thinking))
+        reasoning, answer = split.feed(text)
+        if last:
+            more, tail = split.finish()
+            reasoning, answer = reasoning + more, answer + tail
+        return reasoning, answer
 
     def _split_tools(self, index: int, text: str, reason: str | None) -> tuple[str, list[dict], str | None]:
         """Content, ``tool_calls`` deltas and finish_reason of a choice's new text (tools off: as given)."""
@@ -125,11 +141,14 @@ class Formatter:
     def chunk(self, update: ChoiceUpdate, want_logprobs: bool, echo: tuple[str, dict | None] | None = None) -> dict:
         """One streamed chunk for one choice update."""
         if self.chat:
-            content, tool_deltas, reason = self._split_tools(update.index, update.text, update.finish_reason)
+            reasoning, text = self._split_reasoning(update.index, update.text, update.finish_reason is not None)
+            content, tool_deltas, reason = self._split_tools(update.index, text, update.finish_reason)
             delta: dict = {"content": content}
             if update.index not in self.sent_role:
                 self.sent_role.add(update.index)
                 delta = {"role": "assistant", "content": content}
+            if reasoning:  # both names clients read (server.reasoning)
+                delta |= {"content": content or None, "reasoning_content": reasoning, "reasoning": reasoning}
             if tool_deltas:
                 delta |= {"content": content or None, "tool_calls": tool_deltas}
             choice = {"index": update.index, "delta": delta, "logprobs": None, "finish_reason": reason}
@@ -164,11 +183,16 @@ class Formatter:
         choices = []
         for index in sorted(texts):
             if self.chat:
-                content, _, reason = self._split_tools(index, texts[index], reasons[index])
+                reasoning, text = self._split_reasoning(index, texts[index], last=True)
+                content, _, reason = self._split_tools(index, text, reasons[index])
                 message = {"role": "assistant", "content": content}
                 calls = self.tool_streams[index].calls if self.tool_streams is not None else []
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
+                if self.thinking is not None:  # a reasoning parser: the fields are there, null without reasoning
+                    message |= {"reasoning_content": reasoning or None, "reasoning": reasoning or None}
+                    if reasoning and not content:
+                        message["content"] = None
                 choice = {"index": index, "message": message,
                           "logprobs": self._chat_logprobs(tokens[index]) if want_logprobs else None,
                           "finish_reason": reason}

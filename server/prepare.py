@@ -13,8 +13,10 @@ from jinja2.exceptions import TemplateError
 
 from kvserve.engine.plan import SamplingParams
 from kvserve.server import tools
+from kvserve.server.chat_template import pick
 from kvserve.server.errors import ApiError
 from kvserve.server.fim import fim_prompt
+from kvserve.server.reasoning import opens_thinking
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvserve.server.state import ServerState
 
@@ -32,6 +34,8 @@ class Prepared:
     min_tokens: int
     grammar: object | None = None  # engine.constraints.Grammar of a structured-output request (server.structured)
     cache_salt: str | None = None  # the prefix-cache salt of its sequences (server.auth.ApiKeys.cache_salt)
+    owner: str | None = None  # its API key's fingerprint (server.auth): whose live page lists its sequences
+    thinking: bool | None = None  # chat with a reasoning parser: the prompt opened <think> (None: no split)
 
 
 def _check_text(text: str, param: str) -> None:
@@ -43,28 +47,81 @@ def _check_text(text: str, param: str) -> None:
                        param=param) from exc
 
 
-def chat_prompt_ids(state: ServerState, messages: list, request=None, add_generation_prompt: bool = True) -> list[int]:
-    """Token ids of chat messages through the model's chat template, ready for the assistant's turn unless
-    ``add_generation_prompt`` is False, with the tools of ``request`` (a chat or a tokenize request, see
-    server.tools). /tokenize and generation both render through here, so they count the same tokens."""
+def check_token_ids(state: ServerState, ids, param: str) -> None:
+    """Refuse token ids outside ``[0, state.token_ids_below)`` with a 400 naming ``param``, the range and the
+    first few bad ids: an id beyond the embedding's rows would index past it in native code."""
+    below = state.token_ids_below
+    bad = [t for t in ids if not 0 <= t < below]
+    if bad:
+        shown = ", ".join(str(t) for t in bad[:5])
+        raise ApiError(400, f"{param}: token ids must be in [0, {below - 1}] (this model's vocabulary); got "
+                            f"{shown}", param=param)
+
+
+# variables a template reads that the server fills itself: chat_template_kwargs may not replace them
+_RESERVED_VARIABLES = frozenset({"messages", "tools", "documents", "add_generation_prompt"})
+_MAX_TEMPLATE_ERROR = 500  # characters of a template's own error message quoted in the 400
+
+
+def template_variables(request) -> dict:
+    """The request's ``chat_template_kwargs`` (vLLM's field: extra variables for the chat template, e.g. Qwen3's
+    ``enable_thinking``); a template ignores those it does not read.
+
+    Raises:
+        ApiError: 400 naming a variable the server fills itself (``messages``, ``tools``, ...).
+    """
+    given = getattr(request, "chat_template_kwargs", None) or {}
+    for name in given:
+        if name in _RESERVED_VARIABLES or name.startswith("kvserve_"):
+            raise ApiError(400, f"chat_template_kwargs.{name}: the server sets this template variable itself",
+                           param=f"chat_template_kwargs.{name}")
+    return given
+
+
+def chat_prompt(state: ServerState, messages: list, request=None,
+                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+    """The prompt text and token ids of chat messages through the model's chat template (server.chat_template),
+    ready for the assistant's turn unless ``add_generation_prompt`` is False, with the tools and
+    ``chat_template_kwargs`` of ``request`` (a chat or a tokenize request, see server.tools). /tokenize and
+    generation both render through here, so they count the same tokens.
+
+    Raises:
+        ApiError: 400 for text that is not valid Unicode, a model without a chat template, or a template that
+            refuses or fails on the messages (its reason quoted).
+    """
     for index, message in enumerate(messages):
         _check_text(message.text, f"messages.{index}.content")
-    if state.tokenizer.chat_template is None:  # a base model: only plain-text completions make sense
+    template = pick(state.chat_templates, tools=request is not None and tools.active(request))
+    if template is None:  # a base model: only plain-text completions make sense
         raise ApiError(400, f"model {state.model_name!r} has no chat template; send the text to /v1/completions",
                        param="messages")
-    turns, tool_defs = tools.template_inputs(messages, request, state.tokenizer.chat_template)
+    turns, tool_defs = tools.template_inputs(messages, request, template.source)
+    variables = template_variables(request)
     try:
-        text = state.tokenizer.apply_chat_template(turns, tools=tool_defs, add_generation_prompt=add_generation_prompt,
-                                                  tokenize=False)
-    except TemplateError as exc:  # the template's own refusal, e.g. roles that do not alternate
-        raise ApiError(400, f"the model's chat template refused these messages: {exc}", param="messages") from exc
-    return state.tokenizer(text, add_special_tokens=False)["input_ids"]
+        text = template.render(turns, tools=tool_defs, add_generation_prompt=add_generation_prompt, **variables)
+    except TemplateError as exc:  # the template's own refusal (roles that do not alternate), or a failure or bound
+        reason = str(exc)[:_MAX_TEMPLATE_ERROR]
+        raise ApiError(400, f"the model's chat template refused these messages: {reason}", param="messages") from None
+    return text, state.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def chat_prompt_ids(state: ServerState, messages: list, request=None, add_generation_prompt: bool = True) -> list[int]:
+    """The token ids of ``chat_prompt``."""
+    return chat_prompt(state, messages, request, add_generation_prompt)[1]
 
 
 def text_prompt_ids(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a plain-text prompt. Raises ApiError (400) on text that is not valid Unicode."""
     _check_text(text, "prompt")
     return state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
+
+
+def _document_start(tokenizer) -> list[int]:
+    """The prompt of an empty prompt string, which OpenAI's completions take: the start of a document, i.e. the BOS
+    token, or EOS where the tokenizer has no BOS (GPT-2's and Qwen2's ``<|endoftext|>`` separates documents), as
+    llama.cpp's server starts one; a model needs at least one token to compute the next."""
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    return [start] if start is not None else []
 
 
 def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | CompletionRequest) -> list[int]:
@@ -76,13 +133,12 @@ def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | Completio
         if request.suffix:
             _check_text(request.suffix, "suffix")
             return text_prompt_ids(state, fim_prompt(tokenizer, request.prompt, request.suffix))
+        if not request.prompt:
+            return _document_start(tokenizer)
         return text_prompt_ids(state, request.prompt)
     if request.suffix:
         raise ApiError(400, "suffix needs a text prompt (the fill-in-the-middle layout is text)", param="suffix")
-    vocab = len(tokenizer)
-    bad = [t for t in request.prompt if not 0 <= t < vocab]
-    if bad:
-        raise ApiError(400, f"prompt token ids out of range [0, {vocab}): {bad[:5]}", param="prompt")
+    check_token_ids(state, request.prompt, "prompt")
     return list(request.prompt)
 
 
@@ -93,7 +149,12 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
         ApiError: 400 when the prompt is empty, or prompt + max_tokens exceeds the model's context or
             can never fit the KV pool (the message gives the token counts and the limit).
     """
-    prompt_ids = prompt_ids_of(state, request)
+    thinking = None
+    if isinstance(request, ChatCompletionRequest):
+        text, prompt_ids = chat_prompt(state, request.messages, request)
+        thinking = opens_thinking(text) if state.reasoning else None
+    else:
+        prompt_ids = prompt_ids_of(state, request)
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"
     if not prompt_ids:
         raise ApiError(400, "the prompt is empty", param=prompt_param)
@@ -105,18 +166,13 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
     limit = min(state.max_model_len, state.pool_tokens)
     field_name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
     max_tokens = request.token_limit
-    if max_tokens is None:
-        max_tokens = limit - len(prompt_ids)
+    if max_tokens is None:  # a chat or Responses request without a limit: --default-max-tokens, within the context
+        max_tokens = min(state.config.default_max_tokens, limit - len(prompt_ids))
     if request.min_tokens > max_tokens:
         raise ApiError(400, f"min_tokens ({request.min_tokens}) must not exceed {field_name} ({max_tokens})",
                        param="min_tokens")
-    vocab = len(state.tokenizer)
-    bad_stops = [t for t in request.stop_token_ids if not 0 <= t < vocab]
-    if bad_stops:
-        raise ApiError(400, f"stop_token_ids out of range [0, {vocab}): {bad_stops[:5]}", param="stop_token_ids")
-    bad_bias = [t for t in request.logit_bias_ids if not 0 <= t < vocab]
-    if bad_bias:
-        raise ApiError(400, f"logit_bias: token ids out of range [0, {vocab}): {bad_bias[:5]}", param="logit_bias")
+    check_token_ids(state, request.stop_token_ids, "stop_token_ids")
+    check_token_ids(state, request.logit_bias_ids, "logit_bias")
     total = len(prompt_ids) + max_tokens
     if total > state.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
@@ -136,4 +192,4 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
     stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(state.eos_ids))
     return Prepared(prompt_ids=prompt_ids, max_tokens=max_tokens, params=params, n=request.n,
                     stop_strings=request.stop_strings, stop_token_ids=frozenset(stop_ids),
-                    min_tokens=min(request.min_tokens, max_tokens))
+                    min_tokens=min(request.min_tokens, max_tokens), thinking=thinking)

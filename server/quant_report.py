@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     """Load the model in float32 on CPU, measure, print (and write) the report."""
     import copy
 
-    from kvserve.engine.gguf_native import use_gguf_blocks
+    from kvserve.engine.gguf_model import use_gguf_blocks
     from kvserve.engine.loader import Device, DType, gguf_file, load_model
     from kvserve.quant.report import collect, render
 

@@ -10,6 +10,10 @@ Streaming sends OpenAI's event sequence (each with ``sequence_number``)::
     response.created, response.in_progress, response.output_item.added, response.content_part.added,
     response.output_text.delta ..., response.output_text.done, response.content_part.done,
     response.output_item.done, response.completed (response.incomplete when max_output_tokens cut it)
+
+A thinking model's reasoning (server.reasoning) comes first as a ``reasoning`` item with a ``reasoning_text``
+part (``response.output_item.added``, ``response.reasoning_text.delta`` ..., ``response.reasoning_text.done``,
+``response.output_item.done``), as vLLM's Responses API sends it; the message is then output 1.
 """
 
 from __future__ import annotations
@@ -27,14 +31,25 @@ from kvserve.server.admission import admit
 from kvserve.server.drain import Drain
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation, until_done_or_gone
+from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.schemas import ChatCompletionRequest
 from kvserve.server.validation import RequestModel
 from kvserve.server.state import ServerState
 
 
+def _only(*schemas: dict) -> dict:
+    """``json_schema_extra`` saying in /openapi.json which values a field takes (the validators below refuse the
+    others by name, with a clearer message than a schema error would give)."""
+    return {"anyOf": [*schemas, {"type": "null"}]}
+
+
+_ROLES = ("system", "developer", "user", "assistant")
+_TEXT_PARTS = ("input_text", "output_text", "text")
+
+
 class InputPart(RequestModel):
     model_config = ConfigDict(extra="ignore")
-    type: str
+    type: str = Field(json_schema_extra={"enum": list(_TEXT_PARTS)})
     text: str = ""
 
 
@@ -42,18 +57,18 @@ class InputMessage(RequestModel):
     """A message item of ``input``; other item types (function call outputs, ...) are 400s."""
 
     model_config = ConfigDict(extra="ignore")
-    type: str = "message"
-    role: str = "user"
+    type: str = Field(default="message", json_schema_extra={"enum": ["message"]})
+    role: str = Field(default="user", json_schema_extra={"enum": list(_ROLES)})
     content: str | list[InputPart] = ""
 
     @model_validator(mode="after")
     def _text_messages_only(self):
         if self.type != "message":
             raise ValueError(f"input items of type {self.type!r} are not supported by kvserve (only messages)")
-        if self.role not in ("system", "developer", "user", "assistant"):
+        if self.role not in _ROLES:
             raise ValueError(f"role {self.role!r} is not supported")
         if isinstance(self.content, list):
-            other = sorted({p.type for p in self.content if p.type not in ("input_text", "output_text", "text")})
+            other = sorted({p.type for p in self.content if p.type not in _TEXT_PARTS})
             if other:
                 raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
         return self
@@ -72,7 +87,9 @@ class ResponsesRequest(RequestModel):
     _is_body: ClassVar[bool] = True
 
     model: str | None = None
-    input: list[InputMessage] | str  # the list first: its errors (a non-text part) are the ones reported
+    # the list first: its errors (a non-text part) are the ones reported; a list is not empty (minItems applies to
+    # arrays only, so the string may be "")
+    input: list[InputMessage] | str = Field(json_schema_extra={"minItems": 1})
     instructions: str | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
@@ -84,19 +101,21 @@ class ResponsesRequest(RequestModel):
     # accepted without effect: kvserve runs every request at once, and there is one tier
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
-    truncation: str | None = None
-    # refused when used: they need stored state, tools or structured decoding (see _refuse_unsupported)
-    previous_response_id: str | None = None
-    store: bool | None = None
-    conversation: str | dict | None = None
-    background: bool | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
-    text: dict | None = None
-    reasoning: dict | None = None
-    include: list | None = None
-    prompt: dict | None = None
-    top_logprobs: int | None = None
+    truncation: str | None = Field(default=None, json_schema_extra=_only({"const": "disabled"}))
+    # refused when used: they need stored state, tools or structured decoding (see _refuse_unsupported); the
+    # schema says which values are served
+    previous_response_id: str | None = Field(default=None, json_schema_extra=_only())
+    store: bool | None = Field(default=None, json_schema_extra=_only({"const": False}))
+    conversation: str | dict | None = Field(default=None, json_schema_extra=_only())
+    background: bool | None = Field(default=None, json_schema_extra=_only({"const": False}))
+    tools: list | None = Field(default=None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra=_only({"enum": ["none", "auto"]}))
+    text: dict | None = Field(default=None, json_schema_extra=_only({"type": "object", "properties": {"format": {
+        "anyOf": [{"type": "object", "properties": {"type": {"const": "text"}}}, {"type": "null"}]}}}))
+    reasoning: dict | None = Field(default=None, json_schema_extra=_only({"type": "object", "maxProperties": 0}))
+    include: list | None = Field(default=None, json_schema_extra=_only({"type": "array", "maxItems": 0}))
+    prompt: dict | None = Field(default=None, json_schema_extra=_only())
+    top_logprobs: int | None = Field(default=None, json_schema_extra=_only({"const": 0}))
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -143,16 +162,64 @@ _INCOMPLETE = {"length": {"reason": "max_output_tokens"}, "abort": {"reason": "s
 
 
 class _ResponseBuilder:
-    """The response object and its stream events for one request (one message, one text part)."""
+    """The response object and its stream events for one request: one message with one text part, after one
+    reasoning item when a reasoning parser split the model's thinking off (server.reasoning)."""
 
     def __init__(self, body: ResponsesRequest, generation: Generation, request_id: str, model: str) -> None:
         self.body = body
         self.generation = generation
         self.id = "resp_" + request_id
         self.item_id = "msg_" + request_id
+        self.reasoning_id = "rs_" + request_id
         self.model = model
         self.created_at = int(time.time())
         self.sequence = 0
+        self.thinking = generation.prepared.thinking  # None: no reasoning parser
+        self.reasoning: str | None = None  # the reasoning item's text, once it has one
+        self.message_open = False
+        self.text = ""  # the message's text so far (streamed)
+
+    @property
+    def where(self) -> dict:
+        """The message's text part: its item, output index (after a reasoning item) and content index."""
+        return {"item_id": self.item_id, "output_index": int(self.reasoning is not None), "content_index": 0}
+
+    def reasoning_item(self, status: str) -> dict:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": status,
+                "content": [{"type": "reasoning_text", "text": self.reasoning or ""}]}
+
+    def reasoning_events(self, delta: str):
+        """Open the reasoning item at its first text, then one delta event per piece."""
+        if not delta:
+            return
+        if self.reasoning is None:
+            self.reasoning = ""
+            yield self.event("response.output_item.added", output_index=0, item=self.reasoning_item("in_progress")
+                             | {"content": []})
+        self.reasoning += delta
+        yield self.event("response.reasoning_text.delta", item_id=self.reasoning_id, output_index=0, content_index=0,
+                         delta=delta)
+
+    def text_events(self, reasoning: str, answer: str):
+        """The events of new text, its reasoning and its answer (either may be empty); the answer joins ``text``."""
+        yield from self.reasoning_events(reasoning)
+        if answer:
+            yield from self.open_message()
+            self.text += answer
+            yield self.event("response.output_text.delta", delta=answer, logprobs=[], **self.where)
+
+    def open_message(self):
+        """Close the reasoning item (its text is whole now), then open the message and its text part."""
+        if self.message_open:
+            return
+        self.message_open = True
+        if self.reasoning is not None:
+            where = {"item_id": self.reasoning_id, "output_index": 0, "content_index": 0}
+            yield self.event("response.reasoning_text.done", text=self.reasoning, **where)
+            yield self.event("response.output_item.done", output_index=0, item=self.reasoning_item("completed"))
+        yield self.event("response.output_item.added", output_index=self.where["output_index"],
+                         item=self.item(None, "in_progress"))
+        yield self.event("response.content_part.added", part=self.part(""), **self.where)
 
     def event(self, kind: str, **fields) -> dict:
         """One SSE event: ``event:`` is the type, the data repeats it with a growing ``sequence_number``."""
@@ -167,6 +234,11 @@ class _ResponseBuilder:
         content = [] if text is None else [self.part(text)]
         return {"type": "message", "id": self.item_id, "status": status, "role": "assistant", "content": content}
 
+    def output(self, text: str | None, status: str) -> list[dict]:
+        """The response's output items: the reasoning item (when there is one), then the message."""
+        items = [] if self.reasoning is None else [self.reasoning_item("completed")]
+        return items + ([] if text is None else [self.item(text, status)])
+
     def response(self, text: str | None, finish_reason: str | None, error: dict | None = None) -> dict:
         """The response object: in progress (``finish_reason`` None), completed, incomplete (length, or cut by
         the drain's deadline: ``abort``), or failed (``error``, with the error's code and message)."""
@@ -175,7 +247,7 @@ class _ResponseBuilder:
         out = {"id": self.id, "object": "response", "created_at": self.created_at, "status": status,
                "error": error, "incomplete_details": _INCOMPLETE.get(finish_reason) if status == "incomplete" else None,
                "instructions": body.instructions, "max_output_tokens": body.max_output_tokens, "model": self.model,
-               "output": [] if text is None else [self.item(text, status)], "parallel_tool_calls": True,
+               "output": self.output(text, status), "parallel_tool_calls": True,
                "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
                "temperature": body.temperature, "text": {"format": {"type": "text"}}, "tool_choice": "auto",
                "tools": [], "top_p": body.top_p, "truncation": "disabled", "user": body.user,
@@ -183,7 +255,10 @@ class _ResponseBuilder:
         if finish_reason is not None:
             usage = self.generation.usage()
             out["usage"] = {"input_tokens": usage["prompt_tokens"],
-                            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"]},
+                            # cache_write_tokens: the SDK's schema requires it; kvserve reports writes as 0 (a
+                            # prefix cached by one request costs nothing extra, so nothing is billed as a write)
+                            "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                                     "cache_write_tokens": 0},
                             "output_tokens": usage["completion_tokens"],
                             "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": usage["total_tokens"]}
         return out
@@ -218,20 +293,28 @@ def register(app: FastAPI, state: ServerState, dependencies: list) -> None:
 
         if not await until_done_or_gone(consume(), request, generation):  # a client that hung up stops it
             return Response(status_code=499)
-        return JSONResponse(builder.response("".join(parts), reasons[-1] if reasons else None))
+        text = "".join(parts)
+        if builder.thinking is not None:
+            split = ReasoningSplit(builder.thinking)
+            reasoning, text = split.feed(text)
+            more, tail = split.finish()
+            builder.reasoning, text = (reasoning + more) or None, text + tail
+        return JSONResponse(builder.response(text, reasons[-1] if reasons else None))
 
 
 async def _stream(builder: _ResponseBuilder, drain: Drain):
     """The Responses API's stream events. It always ends with a terminal event: ``response.completed``,
-    ``response.incomplete`` (length, or the drain's deadline), or ``response.failed`` after an ``error``."""
+    ``response.incomplete`` (length, or the drain's deadline), or ``response.failed`` after an ``error``. With a
+    reasoning parser the message opens at the answer's first text, after the reasoning item's events."""
     b = builder
-    where = {"item_id": b.item_id, "output_index": 0, "content_index": 0}
-    text, reason = "", None
+    split = ReasoningSplit(b.thinking) if b.thinking is not None else None
+    reason = None
     try:
         yield b.event("response.created", response=b.response(None, None))
         yield b.event("response.in_progress", response=b.response(None, None))
-        yield b.event("response.output_item.added", output_index=0, item=b.item(None, "in_progress"))
-        yield b.event("response.content_part.added", part=b.part(""), **where)
+        if split is None:
+            for event in b.open_message():
+                yield event
         async for update in drain.until_cut(b.generation.updates()):
             if update is None:  # the drain's deadline
                 reason = "abort"
@@ -239,16 +322,19 @@ async def _stream(builder: _ResponseBuilder, drain: Drain):
             if update.error is not None:
                 yield b.event("error", code=update.error.code, message=update.error.message, param=None)
                 error = {"code": "server_error", "message": update.error.message}
-                yield b.event("response.failed", response=b.response(text + update.text, "error", error))
+                yield b.event("response.failed", response=b.response(b.text + update.text, "error", error))
                 return
             reason = update.finish_reason or reason
-            if update.text:
-                text += update.text
-                yield b.event("response.output_text.delta", delta=update.text, logprobs=[], **where)
-        status = _STATUS.get(reason, "completed")
-        yield b.event("response.output_text.done", text=text, logprobs=[], **where)
-        yield b.event("response.content_part.done", part=b.part(text), **where)
-        yield b.event("response.output_item.done", output_index=0, item=b.item(text, status))
+            for event in b.text_events(*(("", update.text) if split is None else split.feed(update.text))):
+                yield event
+        for event in b.text_events(*(("", "") if split is None else split.finish())):
+            yield event
+        for event in b.open_message():  # a reply that was all reasoning still ends with its (empty) message
+            yield event
+        status, text = _STATUS.get(reason, "completed"), b.text
+        yield b.event("response.output_text.done", text=text, logprobs=[], **b.where)
+        yield b.event("response.content_part.done", part=b.part(text), **b.where)
+        yield b.event("response.output_item.done", output_index=b.where["output_index"], item=b.item(text, status))
         yield b.event(f"response.{status}", response=b.response(text, reason))
     finally:
         b.generation.abort()  # no-op once finished; frees a disconnected client's blocks

@@ -16,7 +16,23 @@ from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, field_valida
 from kvserve.server.validation import RequestModel
 
 
-_TOKEN_ID_KEY = re.compile(r"\s*-?[0-9]{1,12}\s*")  # ASCII digits, as int() reads them, and not 4,300 of them
+# a logit_bias key: a token id written as ASCII digits and nothing else, as OpenAI requires (no spaces, no sign:
+# int() would read " 12 " and "+12"), and not 4,300 of them (int() refuses those)
+_TOKEN_ID_KEY = re.compile(r"[0-9]{1,12}")
+
+
+# What server.tools accepts as a tool and a tool_choice, for /openapi.json (schema-driven clients and fuzzers)
+TOOL_SCHEMA = {"type": "object", "required": ["function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string", "pattern": "^[a-zA-Z0-9_-]{1,64}$"}, "description": {"type": "string"},
+        "parameters": {"type": "object"}}}}}
+TOOL_CHOICE_SCHEMAS = [{"enum": ["none", "auto", "required"]},
+                       {"type": "object", "required": ["type", "function"], "properties": {
+                           "type": {"const": "function"},
+                           "function": {"type": "object", "required": ["name"],
+                                        "properties": {"name": {"type": "string"}}}}},
+                       {"type": "null"}]
 
 
 class StreamOptions(RequestModel):
@@ -60,11 +76,13 @@ class _SamplingRequest(RequestModel):
     response_format: dict | None = None
     guided_json: dict | str | None = None
     guided_regex: str | None = None
-    guided_choice: list[str] | None = None
+    guided_choice: list[str] | None = Field(default=None, min_length=1,  # an empty option admits no output
+                                            json_schema_extra={"items": {"type": "string", "minLength": 1}})
     guided_grammar: str | None = None
     structured_outputs: dict | None = None
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    # checked by server.tools (its messages name the place); the schemas say what it accepts
+    tools: list | None = Field(default=None, json_schema_extra={"items": TOOL_SCHEMA})
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra={"anyOf": TOOL_CHOICE_SCHEMAS})
     parallel_tool_calls: bool | None = None
     # served on completions only (CompletionRequest); see _refuse_unsupported
     best_of: int | None = None
@@ -88,7 +106,8 @@ class _SamplingRequest(RequestModel):
         the tokenizer's and is checked when the request is prepared."""
         for key, bias in (value or {}).items():
             if not _TOKEN_ID_KEY.fullmatch(key):  # isdigit() would pass "²", which int() refuses
-                raise ValueError(f"invalid key {key!r}: keys are token ids, written as integers")
+                raise ValueError(f"invalid key {key!r}: keys are token ids, written as non-negative integers "
+                                 "(digits only, no spaces or sign)")
             if not -100 <= bias <= 100:
                 raise ValueError(f"the value for token {key} is {bias}; values must be between -100 and 100")
         return value
@@ -130,9 +149,13 @@ class ContentPart(RequestModel):
     text: str | None = None  # required on a text part (checked by ChatMessage, which knows the part's index)
 
 
+_NULL_CONTENT_ROLES = ("assistant", "tool")  # roles whose content OpenAI's API takes as null
+
+
 class ChatMessage(RequestModel):
-    """One chat turn. ``content`` is required (a string or a non-empty list of text parts), except on an
-    assistant turn with ``tool_calls``, where OpenAI allows null; server.tools renders the calls."""
+    """One chat turn. ``content`` is a string or a non-empty list of text parts; OpenAI allows null on an assistant
+    turn (one that only calls tools, or a refusal) and on a tool turn, which then render as empty text; server.tools
+    renders the calls."""
 
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
@@ -156,10 +179,10 @@ class ChatMessage(RequestModel):
     @classmethod
     def _text_parts_only(cls, value, info: ValidationInfo):
         if value is None:
-            if info.data.get("role") == "assistant" and info.data.get("tool_calls"):
-                return value  # OpenAI: an assistant turn that only calls tools has no content
+            if info.data.get("role") in _NULL_CONTENT_ROLES:
+                return value
             raise ValueError("content is required: a string or a list of text parts (null only on an assistant "
-                             "turn with tool_calls)")
+                             "or a tool turn)")
         if isinstance(value, list):
             if not value:
                 raise ValueError("content must not be an empty list")
@@ -183,6 +206,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # vLLM's: extra variables for the chat template (Qwen3's enable_thinking, ...); see server.prepare
+    chat_template_kwargs: dict[str, object] | None = None
     # OpenAI's deprecated function calling (superseded by tools): refused by name, never silently ignored
     functions: list | None = None
     function_call: str | dict | None = None
@@ -218,6 +243,10 @@ class CompletionRequest(_SamplingRequest):
     echo: bool = False
 
     _completions: ClassVar[bool] = True
+    # refused when used (see _no_tools): the schema says so
+    tools: list | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "array", "maxItems": 0},
+                                                                         {"type": "null"}]})
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra={"anyOf": [{"type": "null"}]})
     # served: vLLM v0's best_of (best_of candidates, the n best by cumulative logprob returned); non-streamed only
     best_of: int | None = Field(default=None, ge=1, le=16)
 
@@ -292,8 +321,9 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool = True  # a text prompt's; chat messages render as generation renders them
     # chat: what generation renders too (vLLM's tokenize fields), so the count is the request's prompt tokens
     add_generation_prompt: bool = True
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list | None = Field(default=None, json_schema_extra={"items": TOOL_SCHEMA})
+    tool_choice: str | dict | None = Field(default=None, json_schema_extra={"anyOf": TOOL_CHOICE_SCHEMAS})
+    chat_template_kwargs: dict[str, object] | None = None
 
     @model_validator(mode="after")
     def _one_input(self):

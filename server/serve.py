@@ -9,101 +9,183 @@ from concurrent.futures import ThreadPoolExecutor
 from kvserve import environment
 from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.engine.drafters import Drafter
+from kvserve.engine.options import Device, DType
 from kvserve.quant.options import Scheme
 from kvserve.server.auth import read_key_file
-from kvserve.server.config import Policy, ServeConfig
+from kvserve.server.config import REASONING_PARSERS, Policy, ServeConfig
+from kvserve.server import preflight
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 log = logging.getLogger("kvserve")
 
 
+# The option groups of ``kvserve serve --help``, in order (vLLM's ``serve --help`` groups its options the same way:
+# model, cache, scheduler, speculative decoding, frontend, observability); the README's options table follows them.
+GROUPS = {
+    "model": "which model, where it runs, and in which precision",
+    "memory": "the paged KV cache: its budget, dtype and blocks, and the context",
+    "scheduling": "how many sequences run and wait, and what one step computes",
+    "speculative decoding": "draft tokens verified by the served model (exact: the output is unchanged)",
+    "API": "where the server listens and how it streams and stops",
+    "security": "who may call, which hosts are answered, and what is loaded",
+    "observability": "logs, the step log, metric names",
+}
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """``--help`` with each option's default after its help (``default_text``), and the epilog as written."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = default_text(action)
+        return text if default is None else f"{text} (default: {default})".replace("%", "%%")
+
+
+def default_text(action: argparse.Action) -> str | None:
+    """What an option does when it is not given, in words: its ``default_text`` where one was set (a None default
+    whose meaning needs words), else its default value; switches are ``off``. None for --help."""
+    if isinstance(action, argparse._HelpAction):
+        return None
+    if getattr(action, "default_text", None) is not None:
+        return action.default_text
+    if action.nargs == 0:
+        return "on" if action.default else "off"
+    return None if action.default is None else str(action.default)
+
+
+def _option(group: argparse._ArgumentGroup, *flags: str, default_text: str | None = None, **kwargs) -> None:
+    """``group.add_argument`` with ``default_text``: how ``--help`` and the README's table word a None default."""
+    action = group.add_argument(*flags, **kwargs)
+    action.default_text = default_text
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of ``kvserve serve`` (each maps to a ServeConfig field); the environment variables in the epilog."""
+    """Flags of ``kvserve serve`` (each maps to a ServeConfig field), in the groups of ``GROUPS``; the environment
+    variables in the epilog. Every option has help and a default, which ``--help`` prints (tests check both)."""
     parser.epilog = environment.help_text()
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.formatter_class = HelpFormatter
     d = ServeConfig()
-    parser.add_argument("--model", default=None, help="local Hugging Face model directory (default: embedded SmolLM2)")
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--port", type=int, default=d.port)
-    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
-    parser.add_argument("--dtype", choices=["auto", "float32", "bfloat16"], default=d.dtype)
-    parser.add_argument("--quantization", choices=[q.value for q in Scheme], default=d.quantization.value,
-                        help="the weights computed with: auto (default): a GGUF model's own blocks (the embedded "
-                             "SmolLM2's Q4_1/Q8_0), int8 for a float checkpoint; gguf: the GGUF file's own blocks; "
-                             "none: full precision (bfloat16 where the CPU has it, else float32); int8, int4, nf4: "
-                             "kvserve's own rounding of the float weights")
-    parser.add_argument("--kv-cache-memory", default=d.kv_cache_memory,
-                        help="KV pool budget, e.g. 1GiB; with --speculative draft it holds the draft model's pool "
-                             "too (as many tokens as the served model's, at the draft's dtype and shape)")
-    parser.add_argument("--kv-cache-dtype", choices=[d.value for d in KVCacheDType], default=d.kv_cache_dtype.value,
-                        help="what the KV cache stores: auto (the model's dtype), float32, bfloat16, or int8 / int4 "
-                             "codes with float16 scales per token and head (int4: per 32 channels): about 2x / 3.6x "
-                             "the tokens of bfloat16 in the same memory, at a small (int8) or measurable (int4) "
-                             "cost in quality (BENCHMARKS.md)")
-    parser.add_argument("--num-kv-blocks", type=int, default=None,
-                        help="pool size in blocks (overrides memory; a draft model's pool gets as many)")
-    parser.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    parser.add_argument("--max-num-seqs", type=int, default=d.max_num_seqs, help="slots (sequences per step)")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens,
-                        help="token budget per step (chunked prefill)")
-    parser.add_argument("--max-queue", type=int, default=d.max_queue,
-                        help="sequences waiting beyond the free slots before 429 (a request with n choices counts n)")
-    parser.add_argument("--max-prompts-per-request", type=int, default=d.max_prompts_per_request,
-                        help="prompts one /v1/completions request may carry (a 400 beyond); a request whose "
-                             "prompts x choices exceed --max-num-seqs + --max-queue is a 400 too, before any is queued")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context limit (tokens)")
-    parser.add_argument("--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
-                        help="request body limit, e.g. 4MiB; larger bodies get 413 before they are read or "
-                             "tokenized (default: 64 bytes per token of --max-model-len, at least 1MiB)")
-    parser.add_argument("--scheduler", choices=[p.value for p in Policy], default=d.policy.value)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--api-key", action="append", default=None, metavar="KEY",
-                        help="require 'Authorization: Bearer KEY' on /v1 routes and /tokenize, /detokenize, "
-                             "/tokenizer_info; repeat for several keys (each key gets its own prefix cache)")
-    parser.add_argument("--api-key-file", default=None, metavar="PATH",
-                        help="more keys, one a line ('#' starts a comment line)")
-    parser.add_argument("--share-cache-across-keys", action="store_true",
-                        help="with several keys, let them share cached prefixes (default: a partition per key, so "
-                             "one key cannot time another's prompts)")
-    parser.add_argument("--no-ui", action="store_true",
-                        help="do not serve the live page (/ and /ui: slots, KV blocks, steps, a playground) "
-                             "nor its event stream")
-    parser.add_argument("--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
-                        help="comma list of Host names to answer besides the loopback ones ('*.example.com' for "
-                             "subdomains, '*' for any); default: loopback names only when bound to loopback, any "
-                             "name otherwise (a guard against DNS rebinding)")
-    parser.add_argument("--header-timeout-seconds", type=float, default=d.header_timeout_s,
-                        help="close a connection that has not sent a request's headers within this time")
-    parser.add_argument("--allow-pickle", action="store_true",
-                        help="load pickled checkpoints (*.bin, *.pt); unpickling can run code, so only "
-                             "safetensors are loaded by default")
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--sse-ping-seconds", type=float, default=d.sse_ping_s,
-                        help="keep-alive comment interval on idle streams (0 disables)")
-    parser.add_argument("--step-log", default=None, metavar="PATH",
-                        help="append one JSON line per engine step (its mix of prefills and decodes, tokens, "
-                             "longest context, seconds) to PATH; the simulator fits its step cost to these")
-    parser.add_argument("--drain-seconds", type=float, default=d.drain_s,
-                        help="on SIGTERM, refuse new requests (503) and let in-flight ones finish for at most "
-                             "this long before exiting (0: stop at once)")
-    parser.add_argument("--vllm-metric-names", action="store_true",
-                        help="on /metrics, repeat every kvserve: series under vLLM's vllm: prefix too, so vLLM's "
-                             "Grafana dashboard and autoscaling rules work unchanged")
-    parser.add_argument("--speculative", choices=[d.value for d in Drafter], default=ServeConfig().speculative.value,
-                        help="speculative decoding: ngram drafts tokens by prompt lookup, draft by a draft model "
-                             "(--draft-model, --draft-quantization); the served model verifies them (exact: the "
-                             "output is unchanged); off: none")
-    parser.add_argument("--draft-model", default=None, metavar="DIR",
-                        help="with --speculative draft: a local HF model directory with the same tokenizer "
-                             "(default: the served model's own weights, quantized by --draft-quantization)")
-    parser.add_argument("--draft-quantization", default=None, choices=[q.value for q in Scheme if q is not Scheme.AUTO],
-                        help="with --speculative draft: the draft's weights (default: int4 for the served model's "
-                             "own weights, none for --draft-model); rounded to nearest, no calibration")
-    parser.add_argument("--num-speculative-tokens", type=_draft_length, default=None, metavar="N|auto",
-                        help="draft tokens per sequence per step: a fixed N, or auto (default): 0 to "
-                             f"{AUTO_MAX_DRAFT}, chosen each step from measured acceptance and step cost")
-    parser.add_argument("--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"])
+    group = {name: parser.add_argument_group(f"{name} options", description) for name, description in GROUPS.items()}
+
+    g = group["model"]
+    _option(g, "--model", default=None, metavar="DIR|FILE.gguf", default_text="the embedded SmolLM2-135M-Instruct",
+            help="a local Hugging Face model directory (config.json and safetensors) or a Llama, Mistral, Qwen2 or "
+                 "Qwen3 GGUF file (loaded directly, docs/gguf.md); nothing is downloaded")
+    _option(g, "--served-model-name", default=None, metavar="NAME", default_text="the model's own name",
+            help="the model's id in /v1/models and the `model` field requests give (the model's own name: a GGUF "
+                 "file's general.name, else its file name; docs/api.md)")
+    _option(g, "--device", choices=[v.value for v in Device], default=d.device.value,
+            help="where the model runs; auto: a CUDA GPU when torch sees one, else the CPU")
+    _option(g, "--dtype", choices=[v.value for v in DType], default=d.dtype.value,
+            help="activations and KV cache; auto: float32 on a CPU (full-precision weights in bfloat16 on the "
+                 "AVX512-BF16 kernel where the CPU has it), bfloat16 on a GPU; bfloat16: torch's bfloat16 ops")
+    _option(g, "--quantization", choices=[q.value for q in Scheme], default=d.quantization.value,
+            help="the weights computed with: auto: a GGUF model's own blocks (the embedded SmolLM2's Q4_1/Q8_0), "
+                 "int8 for a float checkpoint; gguf: the GGUF file's own blocks; none: full precision; int8, int4, "
+                 "nf4: kvserve's own rounding of the float weights (int8 and int4 calibrate at start)")
+
+    g = group["memory"]
+    _option(g, "--kv-cache-memory", default=d.kv_cache_memory, metavar="BYTES",
+            help="the KV pool's budget, e.g. 1GiB or 512MiB (a draft model's pool comes out of it too)")
+    _option(g, "--num-kv-blocks", type=int, default=None, metavar="N", default_text="from --kv-cache-memory",
+            help="the pool's size in blocks instead of --kv-cache-memory (a draft model's pool gets as many)")
+    _option(g, "--kv-cache-dtype", choices=[v.value for v in KVCacheDType], default=d.kv_cache_dtype.value,
+            help="what the KV cache stores; auto: the activations' dtype (--dtype); int8 / int4: codes with "
+                 "float16 scales, 4x / 7.3x the tokens of float32 in the same memory, for some quality "
+                 "(kvserve quant report --kv-only measures it)")
+    _option(g, "--block-size", type=int, default=d.block_size, metavar="TOKENS", help="tokens per KV block")
+    _option(g, "--max-model-len", type=int, default=None, metavar="TOKENS",
+            default_text="the model's context length",
+            help="the most tokens (prompt + completion) one request may use; the KV pool's capacity bounds it too")
+    _option(g, "--no-prefix-caching", action="store_true", default_text="off: the prefix cache is on",
+            help="turn off the prefix cache (cached blocks shared by prompts that start alike)")
+
+    g = group["scheduling"]
+    _option(g, "--scheduler", choices=[p.value for p in Policy], default=d.policy.value,
+            help="continuous: a finished sequence's slot is refilled at the next step; static: the batch runs "
+                 "until its last sequence ends")
+    _option(g, "--max-num-seqs", type=int, default=d.max_num_seqs, metavar="N",
+            help="slots: sequences decoding at once")
+    _option(g, "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, metavar="TOKENS",
+            help="tokens one step computes at most (longer prompts are prefilled in chunks)")
+    _option(g, "--max-queue", type=int, default=d.max_queue, metavar="N",
+            help="sequences waiting beyond the free slots before new requests get 429 (a request with n choices "
+                 "counts n; 0 refuses every request)")
+    _option(g, "--max-prompts-per-request", type=int, default=d.max_prompts_per_request, metavar="N",
+            help="prompts one /v1/completions request may carry (400 beyond); prompts x choices above "
+                 "--max-num-seqs + --max-queue is a 400 too, before any is queued")
+
+    g = group["speculative decoding"]
+    _option(g, "--speculative", choices=[v.value for v in Drafter], default=d.speculative.value,
+            help="ngram: drafts by prompt lookup; draft: by a draft model; the served model verifies every "
+                 "draft token, so the output is what it would be without")
+    _option(g, "--num-speculative-tokens", type=_draft_length, default=None, metavar="N|auto", default_text="auto",
+            help=f"draft tokens per sequence per step: N, or auto: 0 to {AUTO_MAX_DRAFT}, chosen every step from "
+                 "the measured acceptance and step cost")
+    _option(g, "--draft-model", default=None, metavar="DIR", default_text="the served model's own weights",
+            help="with --speculative draft: a local model directory with the same tokenizer")
+    _option(g, "--draft-quantization", default=None, choices=[q.value for q in Scheme if q is not Scheme.AUTO],
+            default_text="int4, or none with --draft-model",
+            help="with --speculative draft: the draft's weights (rounded to nearest, no calibration)")
+
+    g = group["API"]
+    _option(g, "--host", default=d.host, help="the address to listen on (0.0.0.0: every interface)")
+    _option(g, "--port", type=int, default=d.port, help="the TCP port to listen on")
+    _option(g, "--sse-ping-seconds", type=float, default=d.sse_ping_s, metavar="S",
+            help="a keep-alive comment on a stream that has sent nothing for this long (0: none)")
+    _option(g, "--drain-seconds", type=float, default=d.drain_s, metavar="S",
+            help="on SIGTERM, refuse new requests (503) and let those in flight finish for at most this long "
+                 "(0: stop at once)")
+    _option(g, "--no-ui", action="store_true", default_text="off: the page is served",
+            help="do not serve the live page (/ and /ui: slots, KV blocks, steps, a playground) nor its events")
+    _option(g, "--default-max-tokens", type=int, default=d.default_max_tokens, metavar="N",
+            help="tokens a chat or Responses request that sets no limit may generate at most (never more than "
+                 "the context leaves)")
+    _option(g, "--reasoning-parser", choices=list(REASONING_PARSERS), default=d.reasoning_parser,
+            help="return a model's <think>...</think> text as reasoning_content apart from content: auto when the "
+                 "chat template writes </think>, think always, none never")
+
+    g = group["security"]
+    _option(g, "--api-key", action="append", default=None, metavar="KEY", default_text="none: every route is open",
+            help="require 'Authorization: Bearer KEY' on the /v1 routes, /tokenize, /detokenize and "
+                 "/tokenizer_info; repeat for several keys (each gets its own prefix cache)")
+    _option(g, "--api-key-file", default=None, metavar="PATH", default_text="none",
+            help="more keys, one a line ('#' starts a comment)")
+    _option(g, "--share-cache-across-keys", action="store_true",
+            help="let several keys share cached prefixes (by default each key has its own, so one cannot time "
+                 "another's prompts)")
+    _option(g, "--allowed-hosts", type=_host_list, default=None, metavar="NAMES",
+            default_text="loopback names when bound to loopback, any otherwise",
+            help="comma list of Host names answered besides the loopback ones ('*.example.com', or '*' for any): "
+                 "a guard against DNS rebinding")
+    _option(g, "--header-timeout-seconds", type=float, default=d.header_timeout_s, metavar="S",
+            help="close a connection that has not sent a request's headers within this time")
+    _option(g, "--body-timeout-seconds", type=float, default=d.body_timeout_s, metavar="S",
+            help="answer 408 and close a connection whose request body has not all arrived within this time")
+    _option(g, "--allowed-origins", type=_host_list, default=(), metavar="ORIGINS",
+            default_text="none: no CORS headers, OPTIONS is a 405",
+            help="comma list of browser origins allowed to call the API cross-origin (CORS, e.g. "
+                 "'https://app.example'; '*' for any)")
+    _option(g, "--metrics-require-key", action="store_true", default_text="off: /metrics is open, as vLLM's",
+            help="with --api-key, /metrics needs a key too")
+    _option(g, "--admin-key", action="append", default=None, metavar="KEY", default_text="none",
+            help="an API key whose live page shows every key's requests (other keys see their own)")
+    _option(g, "--max-request-bytes", type=parse_bytes, default=None, metavar="BYTES",
+            default_text="64 bytes per token of context, at least 1MiB",
+            help="request body limit, e.g. 4MiB: larger bodies get 413 before they are read")
+    _option(g, "--allow-pickle", action="store_true",
+            help="load pickled checkpoints (*.bin, *.pt); unpickling can run code, so only safetensors load "
+                 "by default")
+
+    g = group["observability"]
+    _option(g, "--log-level", default="info", type=str.lower, choices=["debug", "info", "warning", "error"],
+            help="the server's log level")
+    _option(g, "--step-log", default=None, metavar="PATH", default_text="none",
+            help="append one JSON line per engine step (its prefills and decodes, tokens, seconds) to PATH")
+    _option(g, "--vllm-metric-names", action="store_true",
+            help="on /metrics, repeat every kvserve: series under vLLM's vllm: prefix, for vLLM's dashboards "
+                 "and autoscaling rules")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -121,6 +203,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        step_log=args.step_log, drain_s=args.drain_seconds,
                        vllm_metric_names=args.vllm_metric_names, ui=not args.no_ui, allowed_hosts=args.allowed_hosts,
                        header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,
+                       body_timeout_s=args.body_timeout_seconds, allowed_origins=args.allowed_origins,
+                       metrics_require_key=args.metrics_require_key, admin_keys=tuple(args.admin_key or ()),
+                       default_max_tokens=args.default_max_tokens, reasoning_parser=args.reasoning_parser,
                        speculative=Drafter(args.speculative), num_speculative_tokens=args.num_speculative_tokens,
                        draft_model=args.draft_model, draft_quantization=args.draft_quantization)
 
@@ -156,8 +241,8 @@ def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None)
     from kvserve.server.state import ServerState
 
     choice = weights.choose(config.quantization, config.model)
-    loaded = load_model(config.model, config.dtype, config.device,
-                        quantized=choice.scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
+    loaded = load_model(config.model, config.dtype, config.device, quantized=choice.scheme is not Scheme.NONE,
+                        allow_pickle=config.allow_pickle, blocks=choice.scheme is Scheme.GGUF)
     log.info("model %s loaded: %s on %s (%s)", loaded.name, loaded.dtype, loaded.device,
              dtype_reason(config, loaded, choice.scheme))
     log.info("tokenizer: %s (for clients that tokenize locally, e.g. guidellm --processor; `kvserve model-path` "
@@ -204,7 +289,8 @@ def load_draft(config: ServeConfig, served):
 
     scheme = config.draft_scheme
     draft = load_model(config.draft_model or config.model, config.dtype, config.device,
-                       quantized=scheme is not Scheme.NONE, allow_pickle=config.allow_pickle)
+                       quantized=scheme is not Scheme.NONE, allow_pickle=config.allow_pickle,
+                       blocks=scheme is Scheme.GGUF)
     if draft.tokenizer.get_vocab() != served.tokenizer.get_vocab():
         raise ValueError(f"the draft model {draft.name} has another tokenizer than {served.name}: its drafts would "
                          "be other tokens")
@@ -216,11 +302,9 @@ def load_draft(config: ServeConfig, served):
 
 
 def run(args: argparse.Namespace) -> int:
-    import uvicorn
-
-    from kvserve.server.app import create_app
-    from kvserve.server.drain import Drain, DrainingServer
-
+    """``kvserve serve``: check the options, load the model, serve until SIGTERM; returns 0, 2 on a bad option or
+    a start that cannot work (said in one line naming the flag, before loading where it can be known before), 3 when
+    uvicorn could not start."""
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         for line in environment.check():  # every switch read once, before anything loads
@@ -228,17 +312,28 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         if config.step_log:
             open(config.step_log, "a").close()  # a bad path fails now, not after the model has loaded
-    except (OSError, ValueError) as exc:
-        log.error("invalid option: %s", exc)
+    except OSError as exc:
+        log.error("invalid option: --step-log %s: %s", args.step_log, exc.strerror or exc)
         return 2
+    except ValueError as exc:
+        log.error("invalid option: %s", preflight.in_flags(str(exc)))
+        return 2
+    found = preflight.problems(config)  # a model path or a port that cannot work, before seconds of loading
+    for line in found:
+        log.error("cannot start: %s", line)
+    if found:
+        return 2
+    from kvserve.server.app import create_app  # torch and transformers: imported once the options are known good
+    from kvserve.server.drain import Drain, DrainingServer
+
     # All torch work (loading, pool allocation, every step) runs on this one thread. A parallel region on
     # the main thread too would start a second OpenMP team; libgomp then counts more threads than CPUs,
     # stops spinning between regions and sleeps on futexes instead (BENCHMARKS.md, "One engine thread").
     engine_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-engine")
     try:
         state = engine_thread.submit(build_state, config, engine_thread).result()
-    except (OSError, ValueError) as exc:  # a missing model directory, --device cuda without a GPU, --step-log
-        log.error("cannot start: %s", exc)
+    except (OSError, ValueError) as exc:  # what only loading tells: unreadable weights, a KV pool that does not fit
+        log.error("cannot start: %s", preflight.in_flags(str(exc)))
         engine_thread.shutdown()
         return 2
     drain = Drain(config.drain_s)

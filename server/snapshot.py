@@ -22,7 +22,10 @@ from kvserve.scheduler.service import SchedulerService
 from kvserve.server.metrics import Metrics
 
 MAX_WAITING_ROWS = 32   # waiting sequences listed one by one; the rest are only counted
-RATE_WINDOW_S = 2.0     # tokens/s is measured over this trailing window (s)
+RATE_WINDOW_S = 2.0     # tokens/s is measured over a trailing window of at least this long (s) ...
+RATE_MIN_STEPS = 8      # ... and at least this many engine steps: a loaded step can outlast RATE_WINDOW_S, and a
+                        # window holding no step read 0 between two busy ones
+RATE_READINGS = 600     # readings kept at most (one per SLOW_PARTS_S): a window of long steps stops growing there
 STEP_BUILDS = 3         # a snapshot carries the steps of the last this many builds (see SnapshotHub)
 SLOW_PARTS_S = 1.0      # the histograms and totals are rebuilt at most this often (s): reading a Prometheus
                         # histogram costs about as much as the rest of a snapshot, and a person reads a
@@ -117,31 +120,57 @@ class SnapshotHub:
         self.info = info
         self.min_interval_s = min_interval_s
         self._json: str | None = None
+        self._snapshot: dict | None = None
+        self._views: dict[str, str] = {}  # owner -> the snapshot as that key's page sees it, since the last build
         self._built = 0.0
         self._slow: dict | None = None  # the histograms and totals, rebuilt every SLOW_PARTS_S
         self._slow_built = 0.0
-        self._tokens: deque[tuple[float, int]] = deque()  # (time s, generation tokens) over RATE_WINDOW_S
+        # (time s, generation tokens, steps), one per slow_parts call, over the window of tokens_per_s
+        self._tokens: deque[tuple[float, int, int]] = deque(maxlen=RATE_READINGS)
         # the step count at each of the last STEP_BUILDS builds: a snapshot carries the steps since the oldest, so a
         # page that missed a build or two (pages poll at the hub's rate, on their own clocks) still gets every step,
         # and no snapshot carries the whole ring (most of a snapshot's JSON, encoded at every build)
         self._marks: deque[int] = deque(maxlen=STEP_BUILDS)
 
-    def latest(self) -> str:
-        """The snapshot as JSON text, rebuilt when older than ``min_interval_s``."""
+    def latest(self, owner: str | None = None, owners: dict[int, str] | None = None) -> str:
+        """The snapshot as JSON text, rebuilt when older than ``min_interval_s``.
+
+        Args:
+            owner: the viewer's API key fingerprint (server.auth): its page lists only the slots of its own
+                requests; None lists every slot (no keys, or an admin key).
+            owners: seq_id -> the fingerprint of the key that sent it (``ServerState.seq_owners``).
+        """
         now = time.monotonic()
         if self._json is None or now - self._built >= self.min_interval_s:
             # orjson, not json: with the standard encoder, encoding the lists of small ints was most of a snapshot's
             # cost on the event loop (python -m kvserve.loadtest ui measures the page's cost: BENCHMARKS.md)
-            self._json = orjson.dumps(self.build(now)).decode()
+            self._snapshot = self.build(now)
+            self._json = orjson.dumps(self._snapshot).decode()
+            self._views.clear()
             self._built = now
-        return self._json
+        if owner is None:
+            return self._json
+        if owner not in self._views:
+            mine = [row for row in self._snapshot["slots"] if (owners or {}).get(row["id"]) == owner]
+            self._views[owner] = orjson.dumps(self._snapshot | {"slots": mine}).decode()
+        return self._views[owner]
 
-    def tokens_per_s(self, now: float) -> float:
-        """Generated tokens per second over the trailing RATE_WINDOW_S (0 until two readings exist)."""
-        self._tokens.append((now, self.service.stats.generation_tokens))
-        while len(self._tokens) > 2 and now - self._tokens[1][0] >= RATE_WINDOW_S:
+    def tokens_per_s(self, now: float, idle: bool = False) -> float:
+        """Generated tokens per second over a trailing window that spans at least RATE_WINDOW_S and at least
+        RATE_MIN_STEPS engine steps (so a window never falls between two long steps); 0 until two readings exist,
+        and 0 while the server is ``idle`` (nothing running or queued: the window starts afresh with the next
+        request, and an idle server's snapshot stops changing, so none is sent)."""
+        if idle:
+            self._tokens.clear()
+            return 0.0
+        stats = self.service.stats
+        self._tokens.append((now, stats.generation_tokens, stats.steps))
+        while len(self._tokens) > 2:
+            t1, _, steps1 = self._tokens[1]  # the window's start were the oldest reading dropped
+            if now - t1 < RATE_WINDOW_S or stats.steps - steps1 < RATE_MIN_STEPS:
+                break
             self._tokens.popleft()
-        (t0, n0), (t1, n1) = self._tokens[0], self._tokens[-1]
+        (t0, n0, _), (t1, n1, _) = self._tokens[0], self._tokens[-1]
         return round((n1 - n0) / (t1 - t0), 1) if t1 > t0 else 0.0
 
     def build(self, now: float) -> dict:
@@ -173,7 +202,7 @@ class SnapshotHub:
                        "preemptions": sched.num_preemptions, "prefix_queries": sched.prefix_queries,
                        "prefix_hits": sched.prefix_hits,
                        "rejected": counter_value(self.metrics.rejected, reason="queue_full")},
-            "tokens_per_s": self.tokens_per_s(now),
+            "tokens_per_s": self.tokens_per_s(now, idle=not sched.running and self.service.queued == 0),
             "ttft": histogram(self.metrics.ttft),
             "itl": histogram(self.metrics.itl),
         }

@@ -22,7 +22,9 @@ from kvserve.kvcache.pool import KVPool, storage_dtype
 from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 from kvserve.scheduler.service import SchedulerService
+from kvserve.server.chat_template import chat_templates, end_of_turn_ids
 from kvserve.server.config import ServeConfig
+from kvserve.server.reasoning import reasoning_enabled
 from kvserve.server.metrics import Metrics
 from kvserve.server.snapshot import StepTrace
 from kvserve.speculation.decoder import SpecDecoder
@@ -107,6 +109,17 @@ def _num_blocks(config: ServeConfig, shape: KVShape, draft: LoadedModel | None) 
     return budget // block_bytes
 
 
+def _token_id_limit(loaded: LoadedModel) -> int:
+    """One past the largest token id a request may name (a prompt's ids, ``logit_bias``, ``stop_token_ids``,
+    ``/detokenize``): an id must be both the tokenizer's (to be decoded) and a row of the model's embedding and
+    logits (to be computed). A tokenizer with added tokens can outnumber the rows; an embedding padded for speed
+    (Qwen2's 151,936 rows for 151,665 tokens) can outnumber the tokenizer."""
+    config = loaded.model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    rows = getattr(config, "vocab_size", None)
+    return min(len(loaded.tokenizer), rows) if rows else len(loaded.tokenizer)
+
+
 def _physical_memory() -> int | None:
     """This machine's RAM (bytes), or None where the OS does not say."""
     try:
@@ -170,6 +183,11 @@ class ServerState:
                                vllm_names=config.vllm_metric_names,
                                drafts=None if self.spec is None else self.spec.policy)
         self._ids = itertools.count()
+        self.seq_owners: dict[int, str] = {}  # seq_id -> its API key's fingerprint, while its request is answered
+        self.token_ids_below = _token_id_limit(loaded)
+        # the chat template(s), compiled and test-rendered now: a broken template stops the start, not every chat
+        self.chat_templates = chat_templates(self.tokenizer, self.max_request_bytes)
+        self.reasoning = reasoning_enabled(config.reasoning_parser, self.chat_templates)
         self.eos_ids = self._eos_ids()
         # structured outputs, built lazily; a grammar not seen before is compiled in a worker process first, so
         # that a crash of the native compiler refuses that request instead of ending the server
@@ -215,12 +233,17 @@ class ServerState:
         return next(self._ids)
 
     def _eos_ids(self) -> frozenset[int]:
+        """The tokens that end a reply: the generation config's EOS ids (a list where the model has several, as
+        Llama 3's EOS, end-of-turn and end-of-message), the tokenizer's EOS, and the token the chat template closes an
+        assistant turn with (``end_of_turn_ids``)."""
         ids = set()
         for source in (self.loaded.model.generation_config.eos_token_id, self.tokenizer.eos_token_id):
             if isinstance(source, int):
                 ids.add(source)
             elif source:
                 ids.update(source)
+        for template in self.chat_templates.values():
+            ids.update(end_of_turn_ids(template, self.tokenizer))
         return frozenset(ids)
 
     @property

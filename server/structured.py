@@ -263,6 +263,9 @@ async def compile_request(state, body) -> Grammar | None:
     if cached is not None:
         return cached
     try:
+        # once per server (the tokenizer's tables, the compile worker's start): not the compile the limit times,
+        # and seconds on a loaded machine; bounded by the worker's own start limit
+        await asyncio.to_thread(compiler.warm)
         return await asyncio.wait_for(asyncio.to_thread(compiler.compile, spec), COMPILE_TIMEOUT_S)
     except GrammarError as exc:
         raise ApiError(400, f"{param}: cannot constrain to this grammar: {exc}", param=param) from exc

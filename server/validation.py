@@ -20,7 +20,7 @@ class RequestModel(BaseModel):
     Types are strict, as OpenAI's API is: a boolean is not an integer (``"max_tokens": true`` is a 400, not 1)
     and a string is not a number (``"n": "2"`` is a 400); an integer is still a valid float.
 
-    An integral float is an integer (``"n": 1.0``), as JSON Schema's ``integer`` says. A request body (the
+    An integral float is an integer (``"n": 1.0``, ``"tokens": [1.0]``), as JSON Schema's ``integer`` says. A request body (the
     classes with ``_is_body``) is checked once as a whole by ``check_json``: nesting depth and lone surrogates.
     """
 
@@ -34,10 +34,19 @@ class RequestModel(BaseModel):
             return data
         if cls._is_body:
             check_json(data)
-        fields, integers = cls.model_fields, _integer_fields(cls)
-        return {key: int(value) if key in integers and isinstance(value, float) and value.is_integer() else value
+        fields, integers, lists = cls.model_fields, _integer_fields(cls), _integer_list_fields(cls)
+        return {key: _integral(value) if key in integers or (key in lists and isinstance(value, list)) else value
                 for key, value in data.items()
                 if value is not None or key not in fields or fields[key].is_required()}
+
+
+def _integral(value):
+    """An integral float as the integer it is (``1.0`` -> ``1``), in lists too (``[1.0, [2.0]]``); else as given."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, list):
+        return [_integral(item) for item in value]
+    return value
 
 
 def _document_nulls(schema: dict, cls: type[BaseModel]) -> None:
@@ -108,5 +117,22 @@ def _integer_fields(cls: type) -> frozenset[str]:
         members = typing.get_args(info.annotation) if isinstance(info.annotation, types.UnionType) else (
             info.annotation,)
         if int in members and float not in members:
+            names.add(name)
+    return frozenset(names)
+
+
+@functools.cache
+def _integer_list_fields(cls: type) -> frozenset[str]:
+    """Fields of ``cls`` that take a list of integers, or of lists of them (token ids: ``list[int]``,
+    ``list[list[int]]``, alone or in a union)."""
+    def ints(annotation) -> bool:
+        args = typing.get_args(annotation)
+        return typing.get_origin(annotation) is list and bool(args) and (args[0] is int or ints(args[0]))
+
+    names = set()
+    for name, info in cls.model_fields.items():
+        members = typing.get_args(info.annotation) if isinstance(info.annotation, types.UnionType) else (
+            info.annotation,)
+        if any(ints(member) for member in members):
             names.add(name)
     return frozenset(names)

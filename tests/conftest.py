@@ -27,9 +27,25 @@ def smollm2_gguf():
     from kvserve.engine.loader import Device, DType, load_model
     from kvserve.quant.options import Scheme
 
-    loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True)
+    loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True, blocks=True)
     weights.apply(loaded, Scheme.GGUF, None)
     return loaded
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf(tmp_path_factory):
+    """``make(shape, mix)``: the path of a tiny GGUF file of ``python -m kvserve.loadtest randgguf`` (a shape of
+    its SHAPES, a mixture of its MIXES; seeded, so its tokenizer's cache entry is reused), written once per
+    session."""
+    from kvserve.loadtest.fixtures.randgguf import SHAPES, write
+
+    root, made = tmp_path_factory.mktemp("gguf"), {}
+
+    def make(shape: str, mix: str = "Q4_K_M"):
+        if (shape, mix) not in made:
+            made[shape, mix] = write(SHAPES[shape], mix, root / f"{shape}-{mix.lower()}.gguf")
+        return made[shape, mix]
+    return make
 
 
 @pytest.fixture(scope="module", params=["float32", "gguf"])

@@ -199,9 +199,12 @@ def test_host_policy_names():
 
     loopback = HostPolicy.for_server("127.0.0.1", None)
     assert all(loopback.allows(h) for h in ("localhost", "localhost:8000", "127.0.0.1:1", "127.1.2.3", "[::1]:80",
-                                            "LOCALHOST.", None))
+                                            "LOCALHOST", "[0:0:0:0:0:0:0:1]", None))
     assert not any(loopback.allows(h) for h in ("evil.example", "evil.example:8000", "127.0.0.1.evil.example",
-                                                "localhost.evil.example", "[::2]:80", ""))
+                                                "localhost.evil.example", "[::2]:80", "", "localhost.",
+                                                "127.0.0.1:8000@evil.example", "evil.example@127.0.0.1",
+                                                "127.0.0.1:8000 evil", "127.0.0.1:99999", "localhost:80:80",
+                                                "[::1", "::1"))
     assert HostPolicy.for_server("0.0.0.0", None).allows("anything.example")
     listed = HostPolicy.for_server("0.0.0.0", ("api.example", "*.corp.example"))
     assert listed.allows("api.example:443") and listed.allows("a.corp.example") and listed.allows("localhost")

@@ -220,6 +220,7 @@ def test_cli_streams_text_then_timings(fake, capsys):
     assert requests[-1]["messages"][0] == {"role": "system", "content": "sys"}
     assert cli_main(["complete", "Once", "--url", url]) == 0
     assert capsys.readouterr().out == TEXT + "\n"
+    assert requests[-1]["max_tokens"] == 64  # a one-shot answer, not 256 tokens of a small model repeating itself
 
 
 def test_cli_reports_429_with_retry_after(fake, capsys):

@@ -87,6 +87,40 @@ def test_paged_decode_attention_equals_a_float64_softmax(batch, context, heads, 
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.parametrize("prompt,start,heads,kv_heads,dim,window", [
+    (100, 0, 9, 3, 64, 0),      # SmolLM2's heads: several tiles of 16 rows and chunks of 64 keys
+    (37, 5, 8, 8, 64, 0),       # over a cached prefix of 5 tokens, no GQA
+    (70, 0, 4, 1, 128, 0),      # D = 128
+    (50, 3, 6, 2, 72, 0),       # D = 72: the loop over D (neither 64 nor 128)
+    (90, 0, 9, 3, 64, 40),      # a sliding window shorter than the prompt
+    (17, 200, 9, 3, 64, 0),     # one tile's rows over a long prefix
+])
+def test_a_prompts_rows_attended_in_one_call_have_the_bits_of_each_row_alone(prompt, start, heads, kv_heads, dim,
+                                                                             window):
+    """rows_alone prefill: every token of a prompt is a decode row; one call attends consecutive rows of one
+    prompt together (tiles sharing each K and V row read), and each row must have the bits it has alone. The
+    call also holds rows of other sequences, before and after the prompt, which are not of its tiles."""
+    torch.manual_seed(0)
+    block_size, blocks = 16, (start + prompt) // 16 + 2
+    pool = blocks * 3
+    k_blocks, v_blocks = torch.randn(pool, block_size, kv_heads, dim), torch.randn(pool, block_size, kv_heads, dim)
+    table = torch.randperm(pool)[:blocks]
+    other = torch.randperm(pool)[:blocks]
+    q = torch.randn(prompt + 2, heads, dim)
+    rows = torch.arange(prompt + 2)
+    lens = torch.cat([torch.tensor([9]), torch.arange(start + 1, start + prompt + 1), torch.tensor([start + 3])])
+    tables = torch.cat([other[None], table.repeat(prompt, 1), other[None]])
+    together = torch.zeros(q.shape)
+    ops.paged_decode_attention(q, rows, tables, lens, k_blocks, v_blocks, dim ** -0.5, window, together)
+    alone = torch.zeros(q.shape)
+    for b in range(len(rows)):
+        ops.paged_decode_attention(q, rows[b:b + 1], tables[b:b + 1], lens[b:b + 1], k_blocks, v_blocks, dim ** -0.5,
+                                   window, alone)
+    assert torch.equal(together, alone)
+    expected = _attention_reference(q, tables, lens, k_blocks, v_blocks, dim ** -0.5, window)
+    torch.testing.assert_close(together.double(), expected, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, 0), (4, 4, 16, 5)])
 def test_decode_attention_is_rope_kv_write_and_attention_in_one_call(heads, kv_heads, dim, window):
     # the fused all-decode op must give the bits of the three separate calls: out, rotated qkv and the pool

@@ -122,6 +122,7 @@ def test_prefix_cache_hit_gives_same_tokens(served, prompt_ids, references):
 TINY = {
     "llama": transformers.LlamaConfig,
     "qwen2": transformers.Qwen2Config,
+    "qwen3": transformers.Qwen3Config,  # q/k RMSNorm per head (the lean forward's one family-specific step)
     "mistral": transformers.MistralConfig,
     "gemma": transformers.GemmaConfig,
 }

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
 
 from kvserve.engine import weights
-from kvserve.engine.gguf_index import read_index
-from kvserve.engine.gguf_native import gguf_name_map, tensor_blocks
+from kvserve.engine.gguf_file import GGUFArray, read_gguf
+from kvserve.engine.gguf_model import LAYER_TENSORS, block_kind
 from kvserve.engine.loader import default_gguf_path
 from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear, dequantize_blocks, native_ops, q4_0_as_q4_1
 from kvserve.quant.linear import Layout, concat_outputs
@@ -38,9 +38,10 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_every_tensor_of_the_embedded_file_dequantizes_bit_for_bit_as_gguf(smollm2_gguf):
-    index = read_index(default_gguf_path())
+    index = read_gguf(default_gguf_path())
     config = smollm2_gguf.model.config
-    names = gguf_name_map(index.architecture, config.num_hidden_layers)
+    names = {f"model.layers.{i}.{module}": f"blk.{i}.{short}" for i in range(config.num_hidden_layers)
+             for short, module in LAYER_TENSORS.items()}
     # transformers' own undoing of llama.cpp's Q/K row permutation, applied to gguf's dequantized weights
     processor = LlamaTensorProcessor({"num_attention_heads": config.num_attention_heads,
                                       "num_key_value_heads": config.num_key_value_heads})
@@ -49,14 +50,14 @@ def test_every_tensor_of_the_embedded_file_dequantizes_bit_for_bit_as_gguf(smoll
     for name, module in modules.items():
         if not isinstance(module, GGMLLinear):
             continue
-        tensor = index.tensors.get(f"{names.get_name(name)}.weight") or index.tensors["token_embd.weight"]
-        expected = processor.process(gguf.quants.dequantize(tensor.data, tensor.tensor_type), tensor.name).weights
+        tensor = index.tensors.get(f"{names.get(name)}.weight") or index.tensors["token_embd.weight"]
+        expected = processor.process(gguf.quants.dequantize(tensor.data(), tensor.ggml_type), tensor.name).weights
         assert torch.equal(bits(module.dequantize()), bits(torch.from_numpy(np.ascontiguousarray(expected)))), name
         checked += 1
     assert checked == 30 * 7 + 1  # every projection and the LM head
     embedding = smollm2_gguf.model.model.embed_tokens
     assert isinstance(embedding, GGMLEmbedding)
-    table = gguf.quants.dequantize(index.tensors["token_embd.weight"].data, Q.Q8_0)  # [vocab, 576]
+    table = gguf.quants.dequantize(index.tensors["token_embd.weight"].data(), Q.Q8_0)  # [vocab, 576]
     ids = torch.tensor([[0, 1, 2], [49151, 4321, 17]])
     assert torch.equal(bits(embedding(ids)), bits(torch.from_numpy(table[ids.numpy()])))
 
@@ -76,9 +77,10 @@ def test_q4_0_blocks_are_served_as_q4_1_exactly():
     layer = GGMLLinear(q4_0_as_q4_1(raw), GGMLKind.Q4_1)
     expected = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.Q4_0))
     assert layer.in_features == 96 and torch.equal(layer.dequantize(), expected)  # +0.0 == -0.0 for q = 8
-    found = tensor_blocks(type("T", (), {"tensor_type": Q.Q4_0, "data": raw.numpy()})())
-    assert found[1] is GGMLKind.Q4_1 and torch.equal(found[0], q4_0_as_q4_1(raw))
-    assert tensor_blocks(type("T", (), {"tensor_type": Q.Q6_K, "data": raw.numpy()})()) is None
+    # served as Q4_1 until Q4_0 has a kernel of its own (then as itself)
+    assert block_kind(Q.Q4_0) is GGMLKind.__members__.get("Q4_0", GGMLKind.Q4_1)
+    assert block_kind(Q.Q8_0) is GGMLKind.Q8_0
+    assert block_kind(Q.IQ4_XS) is None and block_kind(Q.F32) is None
 
 
 @pytest.mark.parametrize("kind,qtype", [(GGMLKind.Q4_1, Q.Q4_1), (GGMLKind.Q8_0, Q.Q8_0)])
@@ -146,16 +148,20 @@ def test_tensor_table_is_what_gguf_reader_reads(tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    index = read_index(path)
+    index = read_gguf(path)
     reader = gguf.GGUFReader(path)
     assert index.architecture == "llama" and len(index.tensors) == len(reader.tensors) == 3
     for tensor in reader.tensors:
         ours = index.tensors[tensor.name]
-        assert ours.tensor_type == tensor.tensor_type and ours.shape == tuple(int(n) for n in tensor.shape)
-        assert bytes(ours.data) == np.asarray(tensor.data).tobytes(), tensor.name
+        assert ours.ggml_type == tensor.tensor_type and ours.shape == tuple(int(n) for n in tensor.shape)
+        assert bytes(ours.data()) == np.asarray(tensor.data).tobytes(), tensor.name
+    for key, field in reader.fields.items():
+        if not key.startswith("GGUF."):  # the header's own counts, which gguf lists as fields
+            value = index.metadata[key]
+            assert (value.values() if isinstance(value, GGUFArray) else value) == field.contents(), key
     (tmp_path / "not.gguf").write_bytes(b"GGML" + bytes(20))
     with pytest.raises(ValueError, match="not a GGUF file"):
-        read_index(tmp_path / "not.gguf")
+        read_gguf(tmp_path / "not.gguf")
 
 
 def test_auto_serves_a_ggufs_own_blocks_and_int8_for_a_float_checkpoint():
@@ -185,7 +191,9 @@ def test_serve_help_and_parser_default_to_auto():
     assert parser.parse_args([]).quantization == "auto"
     assert parser.parse_args(["--quantization", "gguf"]).quantization == "gguf"
     help_text = " ".join(parser.format_help().split())
-    assert "auto (default): a GGUF model's own blocks" in help_text and "none: full precision" in help_text
+    assert "auto: a GGUF model's own blocks" in help_text and "none: full precision" in help_text
+    assert "full precision; int8, int4, nf4: kvserve's own rounding of the float weights (int8 and int4 calibrate at " \
+           "start) (default: auto)" in help_text
 
 
 def test_start_log_says_what_was_picked_why_and_how_to_get_full_precision(smollm2, monkeypatch, caplog):
@@ -196,7 +204,8 @@ def test_start_log_says_what_was_picked_why_and_how_to_get_full_precision(smollm
     monkeypatch.setattr(loader, "load_model", lambda *args, **kw: asked.append(kw) or copy.deepcopy(smollm2))
     with caplog.at_level(logging.INFO, logger="kvserve"):
         state = build_state(ServeConfig(num_kv_blocks=8, device="cpu"))
-    assert asked == [{"quantized": True, "allow_pickle": False}]  # float32 activations for quantized weights
+    # float32 activations for quantized weights, the file's own blocks kept as they load
+    assert asked == [{"quantized": True, "allow_pickle": False, "blocks": True}]
     lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("weights: ")]
     assert len(lines) == 1
     assert lines[0].startswith("weights: the GGUF's own blocks (SmolLM2-135M-Instruct.Q4_1.gguf): projections 210 "
@@ -250,7 +259,7 @@ def test_kernel_layers_stack_exactly():
 
 
 def test_quant_report_row_of_the_files_own_blocks_has_zero_weight_error(smollm2):
-    from kvserve.engine.gguf_native import use_gguf_blocks
+    from kvserve.engine.gguf_model import use_gguf_blocks
     from kvserve.quant.report import _own_block_rows
 
     measured = []

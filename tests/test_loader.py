@@ -16,6 +16,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvserve.engine.loader import Device, DType, load_model
+from tests.serverutil import free_port
 
 
 def tiny_config(tied: bool) -> LlamaConfig:
@@ -71,8 +72,8 @@ class _Payload:
 def test_a_refused_pickle_ends_the_start_in_one_line_not_a_traceback(tmp_path):
     tiny_config(tied=True).save_pretrained(tmp_path)
     (tmp_path / "pytorch_model.bin").write_bytes(pickle.dumps({"model.norm.weight": _Payload()}))
-    result = subprocess.run([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(tmp_path), "--port", "1",
-                             "--allow-pickle", "--device", "cpu"], capture_output=True, text=True, timeout=300,
+    result = subprocess.run([sys.executable, "-m", "kvserve.server.cli", "serve", "--model", str(tmp_path), "--port",
+                             str(free_port()), "--allow-pickle", "--device", "cpu"], capture_output=True, text=True, timeout=300,
                             cwd=Path(__file__).resolve().parent.parent)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr and "this pickle runs code" not in result.stdout + result.stderr

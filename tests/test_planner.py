@@ -10,7 +10,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from kvserve.kvcache.sizing import KVShape
-from kvserve.planner.capacity import PlanConfig, add_arguments, plan, run
+from kvserve.engine.options import Device, DType, activation_dtype
+from kvserve.planner.capacity import PlanConfig, add_arguments, kv_dtype_for, plan, run
 from kvserve.planner.models import ALIASES, PRESETS, KVDType, ModelSpec, spec_from_hf_dir
 
 GiB = 2**30
@@ -126,7 +127,7 @@ def test_spec_from_hf_dir_defaults_and_errors(tmp_path):
 
 
 def test_plan_json_output(capsys):
-    assert _plan_cli(["--preset", "0.5b", "--memory", "8GiB", "--context", "2048,8192", "--json"]) == 0
+    assert _plan_cli(["--preset", "0.5b", "--memory", "8GiB", "--context", "2048,8192", "--kv-dtype", "fp16", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["kv"]["bytes_per_token"] == 12_288
     assert data["kv"]["bytes_per_token_without_gqa"] == 86_016
@@ -176,6 +177,36 @@ def test_kvserve_plan_through_the_cli_dispatcher(capsys):
 def test_serve_refuses_bad_options_with_a_message_not_a_traceback(tmp_path, caplog):
     from kvserve.server.cli import main as kvserve_main
     assert kvserve_main(["serve", "--model", str(tmp_path / "missing")]) == 2
-    assert "not a Hugging Face model directory" in caplog.text
+    assert "no such file or directory" in caplog.text
     assert kvserve_main(["serve", "--block-size", "0"]) == 2
-    assert "block_size must be >= 1" in caplog.text
+    assert "--block-size must be >= 1" in caplog.text
+
+
+def test_plan_defaults_are_serves_and_its_auto_kv_cache_is_what_serve_allocates(capsys):
+    """`kvserve plan` with no flags counts the bytes per token `kvserve serve` with no flags allocates on this machine
+    (float32 on a CPU: 46,080 for SmolLM2, not a float16 cache's 23,040), and its block size is serve's."""
+    import torch
+    from transformers import AutoConfig
+
+    from kvserve.engine.loader import kv_shape_of, resolve_device, resolve_dtype, resolve_model_dir
+    from kvserve.server.config import ServeConfig
+
+    serve = ServeConfig()
+    device = resolve_device(serve.device)
+    served = kv_shape_of(AutoConfig.from_pretrained(resolve_model_dir(serve.model)),
+                         resolve_dtype(serve.dtype, device, quantized=True), serve.kv_cache_dtype)
+    assert _plan_cli(["--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv"]["bytes_per_token"] == served.bytes_per_token
+    assert (data["kv"]["asked"], data["block_size"]) == ("auto", serve.block_size)
+    if device.type == "cpu":
+        assert served.bytes_per_token == 46_080
+    # the rule the planner applies without torch is the loader's, for every choice
+    for choice in DType:
+        for kind in ("cpu", "cuda"):
+            want = resolve_dtype(choice, torch.device(kind))
+            got = activation_dtype(choice, Device(kind))
+            assert {torch.float32: DType.FLOAT32, torch.bfloat16: DType.BFLOAT16}[want] is got, (choice, kind)
+    assert kv_dtype_for("auto", "auto", "cuda") is KVDType.BF16 and kv_dtype_for("bfloat16", "auto", "cpu") is KVDType.BF16
+    assert _plan_cli(["--kv-cache-dtype", "int8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv"]["bytes_per_token"] == 11_880  # docs/api.md's int8 row

@@ -83,3 +83,59 @@ def test_request_id_reaches_the_sdk(client):
         model=MODEL, max_tokens=1, messages=[{"role": "user", "content": "Hi"}],
         extra_headers={"x-request-id": "my-trace-1"})
     assert raw.request_id == "my-trace-1" and raw.parse().id == "chatcmpl-my-trace-1"
+
+
+def _raw_events(url: str, body: dict) -> list[tuple[str, dict]]:
+    """A streamed /v1/responses reply as (SSE event name, data) pairs, as sent."""
+    import json
+
+    response = httpx.post(url + "/v1/responses", json=body | {"stream": True}, timeout=120)
+    assert response.status_code == 200, response.text
+    events, name = [], None
+    for line in response.text.splitlines():
+        if line.startswith("event: "):
+            name = line[len("event: "):]
+        elif line.startswith("data: "):
+            events.append((name, json.loads(line[len("data: "):])))
+    return events
+
+
+@pytest.mark.parametrize("limit,terminal", [(40, "response.completed"), (2, "response.incomplete")])
+def test_stream_events_validate_against_the_sdks_event_schema(server_url, limit, terminal):
+    """Each event parses as the SDK's own ``ResponseStreamEvent`` type with every required field (the SDK's stream
+    reader is lenient: it would not say), and the ids and indices tie the events to one message and one part."""
+    import typing
+
+    from openai.types.responses import Response, ResponseStreamEvent
+
+    kinds = {typing.get_args(cls.model_fields["type"].annotation)[0]: cls
+             for cls in typing.get_args(typing.get_args(ResponseStreamEvent)[0])}
+    events = _raw_events(server_url, {"model": MODEL, "input": QUESTION, "temperature": 0,
+                                      "max_output_tokens": limit})
+    for name, data in events:
+        assert name == data["type"]
+        kinds[data["type"]].model_validate(data)  # raises on a missing or mistyped field, nested ones included
+    datas = [data for _, data in events]
+    assert [d["sequence_number"] for d in datas] == list(range(len(datas)))
+    item_id = datas[2]["item"]["id"]
+    assert all(d["item_id"] == item_id and d["output_index"] == 0 and d["content_index"] == 0
+               for d in datas if "item_id" in d)
+    assert datas[-1]["type"] == terminal
+    final = Response.model_validate(datas[-1]["response"])
+    assert final.output[0].id == item_id and final.id == datas[0]["response"]["id"]
+    assert final.output_text == "".join(d["delta"] for d in datas if d["type"] == "response.output_text.delta")
+
+
+def test_responses_and_chat_without_a_limit_stop_at_the_default_cap(smollm2):
+    """Before, a Responses request without max_output_tokens generated until the context was full."""
+    from kvserve.server.config import ServeConfig
+    from tests.serverutil import running_server
+
+    with running_server(smollm2, ServeConfig(num_kv_blocks=64, default_max_tokens=5)) as url:
+        body = {"model": MODEL, "input": "Count from one to one hundred in words.", "temperature": 0}
+        response = httpx.post(url + "/v1/responses", json=body, timeout=120).json()
+        assert response["usage"]["output_tokens"] == 5 and response["status"] == "incomplete"
+        assert response["incomplete_details"] == {"reason": "max_output_tokens"}
+        chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": body["input"]}], "temperature": 0}).json()
+        assert chat["usage"]["completion_tokens"] == 5 and chat["choices"][0]["finish_reason"] == "length"

@@ -139,3 +139,12 @@ def test_a_tiny_repetition_penalty_picks_the_best_seen_token():
     logits[40] = 30.0  # unseen and far ahead without a penalty
     token = sample_token(logits.clone(), _extreme_work(repetition_penalty=1e-39, temperature=1.0))
     assert token.token_id in (1, 2, 3)  # positive seen logits overflow to the largest float: one of them
+
+
+def test_more_alternatives_than_the_vocabulary_are_all_of_it():
+    """top_logprobs (at most 20) past a tiny vocabulary: every token, not torch.topk's RuntimeError."""
+    from kvserve.engine.sampling import token_logprob
+
+    logprobs = torch.log_softmax(torch.tensor([0.5, 2.0, -1.0, 0.0, 1.0]), -1)
+    picked = token_logprob(logprobs, 1, 20)
+    assert [token for token, _ in picked.top] == [1, 4, 0, 3, 2]

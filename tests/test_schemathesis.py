@@ -11,23 +11,9 @@ from hypothesis import HealthCheck, Phase, given, settings  # noqa: E402 (schema
 from schemathesis.checks import not_a_server_error  # noqa: E402
 from schemathesis.specs.openapi.checks import content_type_conformance, status_code_conformance  # noqa: E402
 
+from tests.schemathesis_hooks import map_body  # noqa: E402
+
 EXAMPLES = 6    # per operation
-MAX_TOKENS = 4  # tokens a fuzzed request may generate: the pass checks answers, not generation
-_TOKEN_FIELDS = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_tokens",
-                 "/v1/responses": "max_output_tokens"}
-
-
-def cap_tokens(context, body):
-    """The ``map_body`` hook: a generation body asks for at most ``MAX_TOKENS`` tokens. A value that is not a
-    positive integer is left as generated (a negative case the server must refuse)."""
-    field = _TOKEN_FIELDS.get(context.operation.path)
-    if field is None or not isinstance(body, dict):
-        return body
-    value = body.get(field, MAX_TOKENS)
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
-        body[field] = min(value, MAX_TOKENS)
-    body.pop("max_completion_tokens", None)
-    return body
 
 
 def test_no_5xx_and_nothing_undocumented(server_url):
@@ -35,7 +21,7 @@ def test_no_5xx_and_nothing_undocumented(server_url):
     status the document does not name, and a content type it does not name for that status. (schemathesis's
     pytest plugin is not used: its lazy fixtures do not run on this pytest.)"""
     schema = schemathesis.openapi.from_url(server_url + "/openapi.json")
-    schema.hook("map_body")(cap_tokens)
+    schema.hook("map_body")(map_body)
     operations = [result.ok() for result in schema.get_all_operations()]
     assert len(operations) >= 10
     failures = []

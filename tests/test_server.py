@@ -430,18 +430,22 @@ def test_chat_without_a_usable_template_is_a_400_not_a_500(smollm2):
     import copy
     from types import SimpleNamespace
 
+    from kvserve.server.chat_template import ChatTemplate, chat_templates
     from kvserve.server.errors import ApiError
     from kvserve.server.prepare import chat_prompt_ids
     from kvserve.server.schemas import ChatCompletionRequest
 
     messages = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "hi"}]}).messages
     tokenizer = copy.deepcopy(smollm2.tokenizer)
-    state = SimpleNamespace(tokenizer=tokenizer, model_name="base")
+    state = SimpleNamespace(tokenizer=tokenizer, model_name="base", chat_templates=chat_templates(tokenizer, 1 << 20))
     assert chat_prompt_ids(state, messages)  # the real template works
     tokenizer.chat_template = None
+    state.chat_templates = chat_templates(tokenizer, 1 << 20)
     with pytest.raises(ApiError) as no_template:
         chat_prompt_ids(state, messages)
-    tokenizer.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
+    # a template that refuses these messages (one refusing every chat would stop the start: test_chat_template.py)
+    state.chat_templates = {"default": ChatTemplate("{{ raise_exception('Conversation roles must alternate') }}",
+                                                    {}, 1 << 20)}
     with pytest.raises(ApiError) as refused:
         chat_prompt_ids(state, messages)
     assert no_template.value.status == refused.value.status == 400

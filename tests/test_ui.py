@@ -23,8 +23,8 @@ from kvserve.kvcache.block_manager import BlockManager, BlockState, block_state
 from kvserve.scheduler.sequence import SeqStatus, Sequence
 from kvserve.server.config import ServeConfig
 from kvserve.server.livepage import CSP, load_assets
-from kvserve.server.snapshot import SLOW_PARTS_S, SnapshotHub, StepRecord, StepTrace, counter_value, histogram, \
-    slot_state
+from kvserve.server.snapshot import RATE_MIN_STEPS, RATE_READINGS, SLOW_PARTS_S, SnapshotHub, StepRecord, StepTrace, \
+    counter_value, histogram, slot_state
 from tests.serverutil import running_server
 
 CHAT = "/v1/chat/completions"
@@ -125,6 +125,26 @@ def test_the_histograms_and_totals_are_read_once_a_second_and_the_rest_every_bui
         snap = hub.build(now)
         seen.append((snap["totals"]["n"], snap["blocks"]))
     assert seen == [(1, "10000"), (1, "11000"), (1, "11100"), (2, "11110"), (2, "11111")]
+
+
+def test_tokens_per_s_spans_several_steps_so_a_long_step_never_reads_zero():
+    """Under load on 2 cores a step of 32 sequences can take 3 s: over a 2 s window alone the tile read 0.0 between
+    two steps. The window spans RATE_MIN_STEPS steps too, so it reads the rate the steps make; idle, it reads 0 and
+    stays 0 (an idle server's snapshot stops changing); the readings kept are bounded."""
+    stats = types.SimpleNamespace(generation_tokens=0, steps=0)
+    hub = SnapshotHub(service=types.SimpleNamespace(stats=stats), metrics=None, steps=StepTrace(), info={})
+    rates = []
+    for second in range(60):  # one reading a second, as slow_parts is called; a 32-token step every 3 s
+        if second % 3 == 0:
+            stats.steps += 1
+            stats.generation_tokens += 32
+        rates.append(hub.tokens_per_s(float(second)))
+    loaded = rates[3 * RATE_MIN_STEPS:]
+    assert min(loaded) >= 32 / 3 * 0.8 and max(loaded) <= 32 / 3 * 1.3, loaded  # about 10.7 tokens/s, never 0
+    assert [hub.tokens_per_s(float(second), idle=True) for second in range(60, 65)] == [0.0] * 5
+    for second in range(65, 65 + 2 * RATE_READINGS):  # steps so long that none ends within the run
+        hub.tokens_per_s(float(second))
+    assert len(hub._tokens) == RATE_READINGS
 
 
 def test_a_snapshot_carries_the_steps_of_the_last_three_builds_not_the_whole_ring():
@@ -331,6 +351,7 @@ def test_the_page_shows_slots_blocks_sharing_and_steps_under_load(live_url, page
     assert page.is_hidden("#keyprompt")
     page.wait_for_function("() => document.getElementById('conn').textContent === 'live'")
     assert _number(page, "count-used") == 0
+    _assert_idle(page)
     load = _load(live_url, [(f"Tell me a story about the number {i}.", 40, 1) for i in range(5)]
                  + [(SHARED_PROMPT, 48, 2)])  # n=2: the second choice shares the first's prompt blocks
     page.wait_for_function("() => document.querySelectorAll('#slots tbody tr[data-state=decode]').length >= 3",
@@ -343,6 +364,7 @@ def test_the_page_shows_slots_blocks_sharing_and_steps_under_load(live_url, page
     page.hover("#slots tbody tr[data-state=decode]")  # its block table lights up in the grid
     page.wait_for_function("() => document.querySelectorAll('#grid .blk.hl').length > 0")
     page.wait_for_function("() => Number(document.body.dataset.steps) >= 5")
+    assert page.text_content("#t-tps") != "idle" and page.is_hidden("#steps-idle")
     if os.environ.get("KVSERVE_UI_SCREENSHOTS"):  # for the docs: a chart with some history, the load still running
         page.wait_for_function("() => Number(document.body.dataset.steps) >= 24", timeout=120_000)
     _screenshot(page, "ui-under-load.png")
@@ -352,7 +374,18 @@ def test_the_page_shows_slots_blocks_sharing_and_steps_under_load(live_url, page
     page.wait_for_function("() => document.querySelectorAll('#slots tbody tr:not(.finished)').length === 0")
     assert _number(page, "count-cached") > 0  # freed full blocks keep their hashes for the prefix cache
     assert float(page.text_content("#t-prefix").rstrip("%")) > 0
+    _assert_idle(page)
     assert page.csp_errors == []
+
+
+def _assert_idle(page) -> None:
+    """Idle reads as idle: the tokens/s tile says so, the step chart is dimmed under a note, and its axes count
+    steps and tokens in whole numbers (a few steps once drew ticks at 1.5, 2.5)."""
+    page.wait_for_function("() => document.body.classList.contains('idle')", timeout=30_000)
+    assert page.text_content("#t-tps") == "idle"
+    assert page.is_visible("#steps-idle") and page.text_content("#steps-idle").startswith("idle: no request")
+    x_ticks, token_ticks, _ = page.evaluate("window.kvserveStepChart.ticks()")
+    assert x_ticks and all(float(t).is_integer() for t in x_ticks + token_ticks), (x_ticks, token_ticks)
 
 
 def test_the_playground_streams_an_answer_with_ttft(live_url, page):

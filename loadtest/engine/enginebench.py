@@ -123,11 +123,11 @@ def check_out_dir(path: Path) -> None:
 
 
 def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = Device.AUTO,
-         quantized: bool = False) -> LoadedModel:
+         quantized: bool = False, blocks: bool = False) -> LoadedModel:
     """``model`` (default: the embedded one) as ``kvserve serve`` loads it with these ``--dtype``/``--device``
-    (``quantized``: as it loads a model it is about to quantize)."""
+    (``quantized``: as it loads a model it is about to quantize; ``blocks``: a GGUF file's own blocks kept)."""
     torch.manual_seed(0)
-    return load_model(model, dtype, device, quantized)
+    return load_model(model, dtype, device, quantized, blocks=blocks)
 
 
 def load_served(quantization: str = "auto", dtype: DType = DType.AUTO, model: str | None = None,
@@ -146,6 +146,6 @@ def load_served(quantization: str = "auto", dtype: DType = DType.AUTO, model: st
     from kvserve.quant.options import Scheme
 
     choice = weights.choose(Scheme(quantization), model)
-    loaded = load(dtype, model, device, quantized=choice.scheme is not Scheme.NONE)
+    loaded = load(dtype, model, device, quantized=choice.scheme is not Scheme.NONE, blocks=choice.scheme is Scheme.GGUF)
     weights.apply(loaded, choice.scheme, model)
     return loaded, choice.scheme.value

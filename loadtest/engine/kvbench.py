@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
         from kvserve.engine import weights
         from kvserve.quant.options import Scheme
 
-        loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True)
+        loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True, blocks=True)
         described = weights.apply(loaded, Scheme.GGUF, None)
     else:
         loaded = load_model(None, DType.FLOAT32, Device.CPU)

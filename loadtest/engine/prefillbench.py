@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from kvserve.loadtest.publish.benchmarks_md import update_section
     from kvserve.quant.options import Scheme
 
-    loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True)
+    loaded = load_model(None, DType.AUTO, Device.CPU, quantized=True, blocks=True)
     weights.apply(loaded, Scheme.GGUF, None)
     times: dict[tuple[int, bool], list[float]] = {}
     for size in SIZES:

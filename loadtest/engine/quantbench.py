@@ -130,7 +130,7 @@ def run_speed(loaded, num_tokens: int, bandwidth: float, log) -> list[dict]:
             use_bf16_kernel(model)  # as `kvserve serve --quantization none` loads it here
             bits = 16.0
         elif scheme == "gguf":
-            from kvserve.engine.gguf_native import use_gguf_blocks
+            from kvserve.engine.gguf_model import use_gguf_blocks
             from kvserve.engine.loader import default_gguf_path
 
             model = copy.deepcopy(loaded.model).to(dtype)

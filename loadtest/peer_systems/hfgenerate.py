@@ -18,10 +18,11 @@ from kvserve.loadtest.loadgen import workloads
 
 
 class HFGenerate:
-    """The embedded model as ``kvserve serve`` loads it (same weights and dtype), run by ``generate``."""
+    """A model (default: the embedded one) as ``kvserve serve --quantization none`` loads it (same weights and
+    dtype), run by ``generate``."""
 
-    def __init__(self) -> None:
-        loaded = load()
+    def __init__(self, model: str | None = None) -> None:
+        loaded = load(model=model)
         self.model = copy.deepcopy(loaded.model)
         self.model.set_attn_implementation("sdpa")
         self.tokenizer = loaded.tokenizer

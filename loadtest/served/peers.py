@@ -14,8 +14,13 @@ Each is also shown as a ratio to llama.cpp. Systems run one after another; ``--r
     python -m kvserve.loadtest llamacpp          # builds llama-server in /tmp (once, a while on 2 cores)
     flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers
     flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers --systems kvserve-int8,kvserve-int4   # more later
+    python -m kvserve.loadtest randgguf --shape llama-3.2-1b --mix Q4_K_M /tmp/llama-1b-q4_k_m.gguf
+    flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers --model /tmp/llama-1b-q4_k_m.gguf
 
-Results are kept per system in ``loadtest/out/peers.json``, so the section can be built over several runs.
+``--model FILE.gguf``: llama.cpp and kvserve serve that file instead (its own blocks by default; the systems
+default to llama.cpp and kvserve-gguf). Results are kept per system in ``loadtest/out/peers.json`` (with
+``--model``, ``peers-<file stem>.json``, and a BENCHMARKS.md section of its own), so a table can be built over
+several runs.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ STREAMS = (1, 8, 32)
 SEED64_SLOTS = 8
 QUANTIZATIONS = ("none", "gguf", "int8", "int4", "nf4")  # gguf: the GGUF's own blocks, the default
 SYSTEMS = ("llama.cpp", "transformers", *(f"kvserve-{q}" for q in QUANTIZATIONS))
+MODEL_SYSTEMS = ("llama.cpp", "kvserve-gguf")  # with --model FILE.gguf: both serving the file's own blocks
 _FIRST_WORDS = (" apple", " river", " Note", " stone", " cloud", " table")  # one token each in SmolLM2
 
 
@@ -93,11 +99,11 @@ def llama_command(binary: Path, gguf: Path, slots: int) -> list[str]:
             "-c", str(per_slot * slots), "-cb"]
 
 
-def measure_transformers(figures: PeerFigures) -> None:
+def measure_transformers(figures: PeerFigures, model: Path | None = None) -> None:
     """transformers' own ``generate`` on the same weights (sdpa attention, its own cache), static batches."""
     from kvserve.loadtest.peer_systems.hfgenerate import HFGenerate
 
-    hf = HFGenerate()
+    hf = HFGenerate(None if model is None else str(model))
     figures.single_decode_tps = hf.single_decode_tps(OUTPUT_TOKENS)
     figures.ttft_512_s = statistics.median(hf.ttft_s(spec.prompt) for spec in ttft_prompts(3))
     for streams in STREAMS:
@@ -106,8 +112,9 @@ def measure_transformers(figures: PeerFigures) -> None:
     print(f"  transformers: {asdict(figures)}")
 
 
-def measure(system: str) -> PeerFigures:
-    """Measure one system; a failure (e.g. a quantization scheme that does not load) is recorded, not raised."""
+def measure(system: str, model: Path | None = None) -> PeerFigures:
+    """Measure one system on ``model`` (a GGUF file; None: the embedded one); a failure (e.g. a quantization
+    scheme that does not load) is recorded, not raised."""
     figures = PeerFigures(system)
     print(f"{system}:")
     try:
@@ -117,13 +124,14 @@ def measure(system: str) -> PeerFigures:
             binary = find_server()
             if binary is None:
                 raise FileNotFoundError("llama-server not built: run python -m kvserve.loadtest llamacpp")
-            gguf = default_gguf_path()
+            gguf = model or default_gguf_path()
             measure_server(figures, lambda slots: llama_command(binary, gguf, slots))
         elif system == "transformers":
-            measure_transformers(figures)
+            measure_transformers(figures, model)
         else:
             scheme = system.removeprefix("kvserve-")
-            measure_server(figures, lambda slots: kvserve_command(["--quantization", scheme,
+            chosen = ["--model", str(model)] if model is not None else []
+            measure_server(figures, lambda slots: kvserve_command([*chosen, "--quantization", scheme,
                                                                    "--max-num-seqs", str(slots)]))
     except (ServerStartError, RuntimeError, FileNotFoundError, OSError) as exc:
         figures.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
@@ -137,7 +145,7 @@ def _ratio(value: float | None, base: float | None, lower_is_better: bool = Fals
     return f"{(base / value if lower_is_better else value / base):.2f}x"
 
 
-def render(results: dict[str, dict]) -> str:
+def render(results: dict[str, dict], served: str = "the Q4_1 GGUF") -> str:
     """Markdown: one row per system, each figure with its ratio to llama.cpp (higher is better throughout)."""
     base = results.get("llama.cpp")
     head = ("| system | decode tok/s (1 stream) | TTFT 512-token prompt | tok/s @1 | tok/s @8 | tok/s @32 "
@@ -167,16 +175,21 @@ def render(results: dict[str, dict]) -> str:
                     + f" | {cell(r['seed64_tps'], ['seed64_tps'])} | {r.get('measured_utc', 'before 18:00')} |")
     return "\n".join(rows) + (
         "\n\nRatios in brackets are to llama.cpp's server (> 1 is better than llama.cpp; for TTFT the ratio is "
-        "llama.cpp's TTFT over this one). llama.cpp serves the Q4_1 GGUF with 2 threads and continuous "
+        f"llama.cpp's TTFT over this one). llama.cpp serves {served} with 2 threads and continuous "
         "batching (`-np 32`, or `-np 8` for seed64); kvserve runs at its default dtype for this CPU, "
         "with `--max-num-seqs 32` (8 for seed64); transformers runs `generate` in-process on the same weights.")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma list of {', '.join(SYSTEMS)}")
+    parser.add_argument("--model", type=Path, default=None,
+                        help="a GGUF file llama.cpp and kvserve both serve (default: the embedded SmolLM2)")
+    parser.add_argument("--systems", default=None,
+                        help=f"comma list of {', '.join(SYSTEMS)} (default: all; with --model, "
+                             f"{','.join(MODEL_SYSTEMS)})")
     parser.add_argument("--repeats", type=int, default=1, help="passes over the systems (the median is kept)")
-    parser.add_argument("--results", type=Path, default=report.OUT_DIR / "peers.json",
-                        help="per-system results, merged across runs")
+    parser.add_argument("--results", type=Path, default=None,
+                        help="per-system results, merged across runs (default: loadtest/out/peers.json, with "
+                             "--model peers-<stem>.json)")
     parser.add_argument("--benchmarks", type=Path, default=BENCHMARKS)
     parser.add_argument("--img", type=Path, default=None, help="also save the throughput plot here (e.g. docs/img)")
     parser.add_argument("--render-only", action="store_true",
@@ -184,39 +197,49 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-write", action="store_true")
 
 
-def plot(results: dict[str, dict], directory: Path) -> Path:
+def plot(results: dict[str, dict], directory: Path, stem: str = "peers", title: str = "SmolLM2-135M") -> Path:
     """Aggregate tokens/s against concurrent streams, one line per system that ran."""
     series = {name: [(int(k), v) for k, v in r["aggregate_tps"].items() if v is not None]
               for name, r in results.items() if not r.get("error") and r.get("aggregate_tps")}
-    return report.plot_throughput(series, directory / "peers-throughput.png",
-                                  "SmolLM2-135M, 128-token outputs: throughput vs concurrency")
+    return report.plot_throughput(series, directory / f"{stem}-throughput.png",
+                                  f"{title}, 128-token outputs: throughput vs concurrency")
 
 
 def run(args: argparse.Namespace) -> int:
-    chosen = [s for s in args.systems.split(",") if s]
+    from kvserve.loadtest.errors import UsageError
+
+    model = args.model
+    if model is not None and (model.suffix != ".gguf" or not model.is_file()):
+        raise UsageError(f"--model {str(model)!r}: not a .gguf file (llama.cpp serves GGUF files only)")
+    stem = "peers" if model is None else f"peers-{model.stem}"
+    title = "SmolLM2-135M" if model is None else model.name
+    results_path = args.results or report.OUT_DIR / f"{stem}.json"
+    systems = args.systems or ",".join(SYSTEMS if model is None else MODEL_SYSTEMS)
+    chosen = [s for s in systems.split(",") if s]
     unknown = set(chosen) - set(SYSTEMS)
     if unknown:
-        raise SystemExit(f"unknown systems: {', '.join(sorted(unknown))}")
+        raise UsageError(f"unknown systems: {', '.join(sorted(unknown))}")
     passes: dict[str, list[PeerFigures]] = {s: [] for s in chosen} if not args.render_only else {}
     for _ in range(args.repeats if passes else 0):
         for system in chosen:
-            passes[system].append(measure(system))
-    results = json.loads(args.results.read_text()) if args.results.exists() else {}
+            passes[system].append(measure(system, model))
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
     for system, figures in passes.items():
         results[system] = _median(figures) | {"measured_utc": stamp}  # results merge across runs: say when
-    args.results.parent.mkdir(parents=True, exist_ok=True)
-    args.results.write_text(json.dumps(results, indent=1))
-    text = render(results)
+    results_path.parent.mkdir(parents=True, exist_ok=True)
+    results_path.write_text(json.dumps(results, indent=1))
+    text = render(results, "the Q4_1 GGUF" if model is None else f"the same file ({model.name})")
     print(text)
-    print("wrote", plot(results, args.results.parent))
+    print("wrote", plot(results, results_path.parent, stem, title))
     if args.img:
-        plot(results, args.img)
-        text += f"\n\n![throughput vs concurrency]({args.img.as_posix()}/peers-throughput.png)"
+        plot(results, args.img, stem, title)
+        text += f"\n\n![throughput vs concurrency]({args.img.as_posix()}/{stem}-throughput.png)"
     if not args.no_write:
         # results merge across runs, so the command that reproduces the whole table is the plain one
-        update_section("peers", "kvserve vs llama.cpp's server vs transformers generate (SmolLM2-135M)",
-                       "python -m kvserve.loadtest peers", text, args.benchmarks)
+        command = "python -m kvserve.loadtest peers" + ("" if model is None else f" --model {model.name}")
+        update_section(stem, f"kvserve vs llama.cpp's server vs transformers generate ({title})", command, text,
+                       args.benchmarks)
     return 0
 
 

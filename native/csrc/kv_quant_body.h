@@ -9,7 +9,7 @@
 //   float half_to_float(h)        float16 bits (uint16_t) -> float, exactly
 //   void softmax(s, span) (softmax_avx2's operations), void prefetch(p)
 //
-// The order of every float operation is the float32 cache's AVX2 kernel's (attend_kv_head_avx2) run on the
+// The order of every float operation is the float32 cache's AVX2 kernel's (attend_tile_avx2) run on the
 // dequantized cache: a key value is code * scale (exact: a 4- or 8-bit code times a float16 scale fits a
 // float's 24 bits); a score is 16 lane-sums of fused multiply-adds over d = l, l + 16, l + 32, ... reduced as
 // hsum8 does, times the softmax scale; an output element is fma(weight_t, value_t, acc) over t in order from 0.

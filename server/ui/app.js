@@ -35,6 +35,7 @@
     $('main').hidden = false;
     if (!stepChart) {  // charts are sized from their panels, so they are made once the panels are shown
       stepChart = charts.steps($('stepchart'));
+      window.kvserveStepChart = stepChart;  // for the browser tests: its ticks
       elbowChart = charts.elbow($('elbowchart'));
       ttftChart = charts.histogram($('ttftchart'), '#2f7ed8');
       itlChart = charts.histogram($('itlchart'), '#3aa675');
@@ -106,7 +107,12 @@
     $('t-queue').textContent = snap.queue;
     $('t-rejected').textContent = t.rejected;
     $('t-prefix').textContent = t.prefix_queries ? (100 * t.prefix_hits / t.prefix_queries).toFixed(1) + '%' : '–';
-    $('t-tps').textContent = snap.tokens_per_s.toFixed(1);
+    const idle = snap.slots.length === 0 && snap.queue === 0;  // nothing running or waiting
+    document.body.classList.toggle('idle', idle);
+    $('steps-idle').hidden = !idle;
+    $('steps-idle').textContent = 'idle: no request running or waiting' +
+      (t.steps ? ' (the bars are the last steps, up to step ' + t.steps.toLocaleString('en') + ')' : '');
+    $('t-tps').textContent = idle ? 'idle' : snap.tokens_per_s.toFixed(1);
     $('t-preempt').textContent = t.preemptions;
     $('t-steps').textContent = t.steps;
   }

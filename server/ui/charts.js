@@ -5,6 +5,10 @@
 const charts = (() => {
   const COLORS = {prefill: '#e08a1e', decode: '#2f7ed8', draft: '#8e5bd0', ms: '#333', point: '#2f7ed8'};
   const STEPS_SHOWN = 200;   // steps in the scrolling chart
+  const STEPS_MIN = 50;      // the chart's x axis spans at least this many steps, so a few bars stay bars
+  // ticks on whole counts only (steps, tokens): uPlot picks the first of these increments that leaves room
+  const WHOLE = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1e3, 2e3, 5e3, 1e4, 2e4, 5e4, 1e5, 2e5, 5e5, 1e6, 1e7, 1e8];
+  const wholeTicks = (u, ticks) => ticks.map((t) => (Number.isInteger(t) ? t.toLocaleString('en') : ''));
   const POINTS_KEPT = 3000;  // (tokens, ms) points the elbow keeps
   const ELBOW_MS = 1000;     // the elbow's redraws are at least this far apart
 
@@ -14,11 +18,13 @@ const charts = (() => {
     return plot;
   }
 
-  const bars = () => uPlot.paths.bars({size: [0.9, 40]});
+  const bars = () => uPlot.paths.bars({size: [0.75, 40]});  // gaps between bars: one bar, one step
   const dots = () => null;  // no line between the elbow's points
 
   // Stacked bars of tokens per step (prefill under decode under draft) and the step's ms on the right axis.
   // uPlot does not stack: each series is drawn as the running total, biggest first, so each shows its share.
+  // The x axis is a window of STEPS_SHOWN steps ending at the last one (at least STEPS_MIN wide), so a bar is a
+  // step's width whether the page has seen 3 steps or 3,000.
   function steps(el) {
     const raw = [[], [], [], [], []];  // step n, prefill, decode, draft, ms
     let drawn = 0;  // steps drawn since the page opened (the chart keeps the last STEPS_SHOWN)
@@ -27,8 +33,16 @@ const charts = (() => {
       data: [[], [], [], [], []],
       cursor: {points: {show: false}},
       legend: {live: true},
-      scales: {x: {time: false}, ms: {range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.1]}},
-      axes: [{label: 'step'}, {label: 'tokens'}, {scale: 'ms', side: 1, label: 'ms', grid: {show: false}}],
+      scales: {
+        x: {time: false, range: (u, lo, hi) => {
+          const last = Math.max(hi ?? 0, STEPS_MIN);
+          return [Math.max(last - STEPS_SHOWN, 0) + 0.5, last + 0.5];
+        }},
+        y: {range: (u, lo, hi) => [0, Math.max(hi ?? 0, 1)]},
+        ms: {range: (u, lo, hi) => [0, Math.max(hi ?? 0, 1) * 1.1]},
+      },
+      axes: [{label: 'step', incrs: WHOLE, values: wholeTicks}, {label: 'tokens', incrs: WHOLE, values: wholeTicks},
+        {scale: 'ms', side: 1, label: 'ms', grid: {show: false}, incrs: WHOLE, values: wholeTicks}],
       series: [
         {label: 'step'},
         {label: 'draft', fill: COLORS.draft, stroke: COLORS.draft, paths: bars(), points: {show: false}, value: rawValue(3)},
@@ -39,6 +53,7 @@ const charts = (() => {
     });
     return {
       count: () => drawn,
+      ticks: () => plot.axes.map((axis) => axis._splits || []),  // each axis's tick values, as drawn (tests read them)
       // rows: [n, prefill, decode, draft, ms, batch rows] in step order; those already shown are skipped
       update(rows) {
         const last = raw[0].length ? raw[0][raw[0].length - 1] : 0;
@@ -65,7 +80,7 @@ const charts = (() => {
       cursor: {drag: {x: false, y: false}},
       scales: {x: {time: false, range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.05]},
         y: {range: (u, lo, hi) => [0, Math.max(hi, 1) * 1.1]}},
-      axes: [{label: 'tokens in the step'}, {label: 'step ms'}],
+      axes: [{label: 'tokens in the step', incrs: WHOLE, values: wholeTicks}, {label: 'step ms'}],
       series: [{label: 'tokens'}, {label: 'ms', stroke: COLORS.point, paths: dots,
         points: {show: true, size: 5, fill: COLORS.point, stroke: COLORS.point}}],
     });

@@ -1,0 +1,225 @@
+"""GGUF files loaded directly (engine.gguf_model): each family computes what transformers computes on the same
+weights, the file's own blocks are kept where a kernel reads them, the rest dequantized with one log line, the
+served name, refusals before anything heavy runs, and the exactness properties on a K-quant file.
+
+The files are the project's own (``python -m kvserve.loadtest randgguf``, tiny shapes: seconds).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from kvserve import native
+from kvserve.engine import gguf_tokenizer
+from kvserve.engine.gguf_file import GGUFError, read_gguf
+from kvserve.engine.gguf_model import block_kind, load_gguf
+from kvserve.engine.loader import SERVED_NAME, Device, DType, default_gguf_path, load_model, served_name
+from kvserve.engine.runner import ModelRunner
+from kvserve.kvcache.pool import KVPool
+from kvserve.loadtest.fixtures.randgguf import SHAPES, tensor_type, use_more_bits
+from kvserve.quant.ggml import GGMLEmbedding, GGMLLinear
+from tests.engineutil import NEAR_TIE_LOGITS, engine_greedy, reference_model, reference_shortfall
+
+FAMILIES = {"tiny-llama": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3"}
+TEXT = "The capital of France is Paris, and the capital of Italy is"
+
+
+def transformers_reference(path, shape: str):
+    """transformers' own GGUF loader on the same file (dequantized), with sdpa attention; for Llama 3's RoPE,
+    whose frequency factors transformers' GGUF loader does not read, the config that produced them."""
+    config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    rope = SHAPES[shape].llama3_rope
+    if rope is not None:
+        factor, low, high, old = rope
+        config.rope_parameters = {"rope_type": "llama3", "rope_theta": SHAPES[shape].rope_theta, "factor": factor,
+                                  "low_freq_factor": low, "high_freq_factor": high,
+                                  "original_max_position_embeddings": old}
+    ref = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=torch.float32)
+    ref.set_attn_implementation("sdpa")
+    return ref.eval()
+
+
+@pytest.mark.parametrize("shape", sorted(FAMILIES))
+def test_each_family_computes_what_transformers_computes_on_the_same_weights(tiny_gguf, shape):
+    path = tiny_gguf(shape, "Q4_K_M")
+    loaded = load_model(str(path), DType.FLOAT32, Device.CPU)  # dequantized: the weights transformers reads
+    config = loaded.model.config
+    assert config.model_type == FAMILIES[shape] and loaded.name == SHAPES[shape].name
+    assert (config.num_hidden_layers, config.head_dim, config.num_key_value_heads) == (
+        SHAPES[shape].layers, SHAPES[shape].head_dim, SHAPES[shape].kv_heads)
+    ref = transformers_reference(path, shape)
+    ids = loaded.tokenizer(TEXT)["input_ids"]
+    ours = reference_model(loaded.model)
+    with torch.inference_mode():
+        ours_logits, ref_logits = ours(input_ids=torch.tensor([ids])).logits, ref(input_ids=torch.tensor([ids])).logits
+    torch.testing.assert_close(ours_logits, ref_logits, rtol=1e-4, atol=1e-4)
+    # the engine (the lean forward over the paged cache) picks what transformers scores best
+    runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, 16, loaded.dtype))
+    assert runner.fast is not None
+    tokens, _ = engine_greedy(loaded, [ids], 16)
+    assert reference_shortfall(ref, ids, tokens[0]) < 1e-3
+
+
+def test_own_blocks_where_a_kernel_reads_them_and_the_rest_dequantized_in_one_log_line(tiny_gguf, caplog):
+    path = tiny_gguf("tiny-llama", "Q4_K_M")
+    file = read_gguf(path)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        loaded = load_model(str(path), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    served_as = {}
+    for i, layer in enumerate(loaded.model.model.layers):
+        for name, module in (("attn_v", layer.self_attn.v_proj), ("ffn_down", layer.mlp.down_proj),
+                             ("attn_q", layer.self_attn.q_proj)):
+            kind = file.tensors[f"blk.{i}.{name}.weight"].ggml_type
+            assert kind.name == tensor_type("Q4_K_M", name, i, 2, 256 if name != "ffn_down" else 512)
+            assert isinstance(module, GGMLLinear) == (block_kind(kind) is not None), (i, name)
+            served_as.setdefault(kind.name, type(module).__name__)
+    assert set(served_as) == {"Q4_K", "Q6_K"} and use_more_bits(1, 2) and not use_more_bits(0, 2)
+    dequantized = {t for t, kind in served_as.items() if kind == "Linear"}
+    summary = loaded.gguf
+    assert set(summary.dequantized) == dequantized
+    lines = [r.getMessage() for r in caplog.records if "no native kernel" in r.getMessage()]
+    assert len(lines) == (1 if dequantized else 0)
+    if dequantized:
+        assert all(t in lines[0] for t in dequantized) and "MiB of floats for the file's" in lines[0]
+
+
+def test_blocks_are_served_from_the_file_without_a_float_copy(tiny_gguf, tmp_path, monkeypatch):
+    path = tiny_gguf("tiny-qwen2", "Q8_0")  # every quantized tensor of a type with a kernel
+    native.load(), native.load_ops()  # from their usual cache, before KVSERVE_CACHE moves (the kernels' too)
+    monkeypatch.setenv("KVSERVE_CACHE", str(tmp_path))
+    loaded = load_model(str(path), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    model = loaded.model
+    assert isinstance(model.lm_head, GGMLLinear) and isinstance(model.model.embed_tokens, GGMLEmbedding)
+    assert not [n for n, m in model.named_modules() if type(m) is torch.nn.Linear]
+    floats = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert floats < path.stat().st_size / 20  # norms and biases only
+    assert loaded.gguf.dequantized == {} and loaded.gguf.kinds == {"q8_0": 14}
+    written = [f for f in tmp_path.rglob("*") if f.is_file()]
+    assert written and all(f.suffix in (".json", ".jinja") for f in written)  # the tokenizer and config only
+    assert sum(f.stat().st_size for f in written) < path.stat().st_size
+    # greedy output on the kernels is the layers' reference path's, up to near-ties
+    ids = loaded.tokenizer(TEXT)["input_ids"]
+    ref = reference_model(model)
+    for module in ref.modules():
+        if isinstance(module, GGMLLinear):
+            module.use_kernel = False
+    tokens, _ = engine_greedy(loaded, [ids], 12)
+    assert reference_shortfall(ref, ids, tokens[0]) <= NEAR_TIE_LOGITS
+
+
+def test_served_name_is_the_files_general_name_or_its_stem_and_the_default_keeps_its_own(tmp_path):
+    default = default_gguf_path()
+    identity = read_gguf(default).identity
+    assert served_name(None, None, identity) == served_name("smollm2", None, identity) == SERVED_NAME
+    assert served_name(str(default), "Smollm2 135M 8k Lc100K Mix1 Ep2", identity) == SERVED_NAME
+    copy_of_default = tmp_path / "renamed.gguf"
+    shutil.copyfile(default, copy_of_default)
+    assert served_name(str(copy_of_default), "Smollm2 135M", read_gguf(copy_of_default).identity) == SERVED_NAME
+    assert served_name("/m/llama-q4_k_m.gguf", "Llama 3.2 1B Instruct", "other") == "Llama 3.2 1B Instruct"
+    assert served_name("/m/llama-q4_k_m.gguf", None, "other") == "llama-q4_k_m"
+    assert served_name("/m/llama-q4_k_m.gguf", "two\nlines", "other") == "llama-q4_k_m"
+    assert served_name("/models/my-dir", None, "") == "my-dir"
+
+
+def _rewritten(source, out, architecture: str | None = None, drop: str | None = None,
+               retype: tuple[str, gguf.GGMLQuantizationType] | None = None):
+    """``source`` written again with another architecture, without tensor ``drop``, or one tensor stored as
+    another type (its bytes reinterpreted, valid or not)."""
+    reader = gguf.GGUFReader(source)
+    arch = architecture or reader.fields["general.architecture"].contents()
+    writer = gguf.GGUFWriter(out, arch)
+    for key, field in reader.fields.items():
+        if key.startswith("GGUF.") or key == "general.architecture":
+            continue
+        value = field.contents()
+        value_type = field.types[0]
+        if value_type == gguf.GGUFValueType.ARRAY:
+            writer.add_array(key.replace(reader.fields["general.architecture"].contents() + ".", arch + "."), value)
+        else:
+            writer.add_key_value(key.replace(reader.fields["general.architecture"].contents() + ".", arch + "."),
+                                 value, value_type)
+    for tensor in reader.tensors:
+        if tensor.name == drop:
+            continue
+        kind, data = tensor.tensor_type, np.asarray(tensor.data)
+        if retype is not None and tensor.name == retype[0]:
+            kind = retype[1]
+            block, size = gguf.GGML_QUANT_SIZES[kind]
+            rows = int(np.prod(tensor.shape[1:]))
+            data = np.zeros((rows, int(tensor.shape[0]) // block * size), dtype=np.uint8)
+        if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+            writer.add_tensor(tensor.name, data)
+        else:
+            writer.add_tensor(tensor.name, data.view(np.uint8), raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+def test_unknown_architectures_and_types_are_refused_before_anything_heavy(tiny_gguf, tmp_path, monkeypatch):
+    source = tiny_gguf("tiny-llama", "Q8_0")
+    monkeypatch.setattr(gguf_tokenizer, "cached_tokenizer", lambda *a: pytest.fail("went on past the checks"))
+    with pytest.raises(GGUFError, match=r"architecture 'gemma' is not served by kvserve \(it serves llama"):
+        load_gguf(_rewritten(source, tmp_path / "gemma.gguf", architecture="gemma"), blocks=True)
+    with pytest.raises(GGUFError, match=r"1 missing \(blk.1.ffn_up.weight\)"):
+        load_gguf(_rewritten(source, tmp_path / "short.gguf", drop="blk.1.ffn_up.weight"), blocks=True)
+    unreadable = gguf.GGMLQuantizationType.TQ1_0 if _lacks_dequantizer("TQ1_0") else gguf.GGMLQuantizationType.Q8_1
+    retyped = _rewritten(source, tmp_path / "odd.gguf", retype=("blk.0.attn_q.weight", unreadable))
+    with pytest.raises(GGUFError, match=f"of a tensor type kvserve cannot read \\({unreadable.name}\\).*Q8_0"):
+        load_gguf(retyped, blocks=True)
+
+
+def _lacks_dequantizer(name: str) -> bool:
+    try:
+        gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]), np.uint8),
+                               gguf.GGMLQuantizationType[name])
+    except NotImplementedError:
+        return True
+    return False
+
+
+def test_a_type_without_a_kernel_that_gguf_reads_is_served_dequantized(tiny_gguf, tmp_path):
+    source = tiny_gguf("tiny-llama", "Q8_0")
+    iq = _rewritten(source, tmp_path / "iq.gguf", retype=("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.IQ4_NL))
+    built = load_gguf(iq, blocks=True)
+    assert type(built.model.model.layers[0].mlp.up_proj) is torch.nn.Linear
+    assert built.summary.dequantized["IQ4_NL"][0] == 1
+
+
+@pytest.fixture(scope="module")
+def kquant(tiny_gguf):
+    """The tiny Llama in Q4_K_M as ``kvserve serve`` serves it: the file's own blocks where a kernel reads them."""
+    return load_model(str(tiny_gguf("tiny-llama", "Q4_K_M")), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+
+
+def test_a_k_quant_file_is_exact_alone_batched_chunked_and_on_a_prefix_hit(kquant):
+    tok = kquant.tokenizer
+    prompts = [tok(TEXT)["input_ids"], tok("Once upon a time " * 6)["input_ids"]]
+    alone = [engine_greedy(kquant, [p], 24)[0][0] for p in prompts]
+    hit, scheduler = engine_greedy(kquant, [prompts[1], prompts[1]], 24, arrivals_at=[0, 40])
+    assert scheduler.prefix_hits >= 16 and hit == [alone[1], alone[1]]
+    others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 4 + 1))["input_ids"] for i in range(6)]
+    batched, scheduler = engine_greedy(kquant, prompts + others, 24, num_blocks=14, budget=24, max_num_seqs=8,
+                                       arrivals_at=[2, 0, 0, 1, 1, 3, 5, 8], prefix_caching=False)
+    assert scheduler.num_preemptions > 0 and batched[:2] == alone
+
+
+def test_a_k_quant_file_is_exact_with_speculation_on_and_off(kquant):
+    from kvserve.engine.drafters import NgramDrafter
+    from kvserve.speculation.policy import DraftPolicy
+
+    ids = kquant.tokenizer("alpha beta gamma delta " * 8)["input_ids"]
+    plain, _ = engine_greedy(kquant, [ids], 32)
+    drafted, scheduler = engine_greedy(kquant, [ids], 32, draft=DraftPolicy(max_draft=4, adaptive=False),
+                                       drafter=NgramDrafter())
+    assert drafted == plain and scheduler.spec.policy.drafted > 0
