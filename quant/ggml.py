@@ -35,7 +35,6 @@ from kvserve.quant.linear import Layout, QuantLinear
 from kvserve.quant.schemes import ACT_BLOCK, Scheme
 
 BLOCK = 32  # weights per block, and per activation block of the kernels
-Q4_0_BYTES = 18
 
 
 class GGMLKind(enum.Enum):
@@ -158,24 +157,23 @@ def dequantize_blocks(blocks: torch.Tensor, kind: GGMLKind) -> torch.Tensor:
     return w.reshape(rows, -1)
 
 
-def q4_0_as_q4_1(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks ``[rows, n * 18]`` rewritten as Q4_1 ``[rows, n * 20]`` with ``m = -8 d``.
-
-    Exact: ``d q + (-8 d)`` is ``d (q - 8)``, a value float32 holds, so the sum does not round (a zero weight
-    of a negative ``d`` comes out +0.0 where Q4_0 gives -0.0; they compare equal). The kernels also serve Q4_0's
-    own blocks (2 bytes fewer per block read).
-    """
-    rows = blocks.shape[0]
-    v = blocks.view(rows, -1, Q4_0_BYTES)  # [rows, blocks, 18]
-    d = v[..., :2]
-    m = (d.contiguous().view(torch.float16) * -8).view(torch.uint8)  # [rows, blocks, 2]
-    return torch.cat((d, m, v[..., 2:]), dim=-1).reshape(rows, -1)
-
-
 def native_ops():
     """The C++ kernels when they have the GGUF block ops (``ggml_linear`` and its packing), else None."""
     module = native.load()
     return module if module is not None and hasattr(module, "ggml_linear") else None
+
+
+def panel_width() -> int:
+    """Output features per panel of ``ggml_pack``'s layout on the ISA path the kernels run: 16 on AVX-512, 8
+    otherwise (the scalar reference reads AVX2's panels; csrc/ukernel.h's ``KV_NR_*``).
+
+    Raises:
+        RuntimeError: the kernels do not run here (no panels then).
+    """
+    ops = native_ops()
+    if ops is None:
+        raise RuntimeError("the GGUF kernels do not run here: their layers keep the file's rows")
+    return 16 if ops.isa() == "avx512" else 8
 
 
 class GGMLLinear(QuantLinear):
@@ -262,10 +260,13 @@ class GGMLLinear(QuantLinear):
         self.weight = self._packed(raw)
         caches = [m._reference_cache for m in layers]
         self._reference_cache = None if any(c is None for c in caches) else torch.cat(caches)  # [sum(out), in]
+        # rows of the stacked weight per row of a layer's: one (the file's rows), or a panel of the kernel's
+        # width, where a layer's rows are whole panels of the stack only if it starts at a panel's first feature
+        width = panel_width() if self.layout is Layout.PANELS else 1
         start = 0
-        for m in layers:  # share the storage where the kernel's order keeps each layer's rows apart
-            rows = self.weight[start:start + m.out_features]
-            if rows.shape == m.weight.shape and torch.equal(rows, m.weight):
+        for m in layers:  # share the storage where the stack holds each layer's own bytes
+            rows = self.weight[start // width:start // width + m.weight.shape[0]]
+            if start % width == 0 and rows.shape == m.weight.shape and torch.equal(rows, m.weight):
                 m.weight = rows
             if self._reference_cache is not None:
                 m._reference_cache = self._reference_cache[start:start + m.out_features]

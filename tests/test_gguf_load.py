@@ -82,8 +82,13 @@ def test_own_blocks_where_a_kernel_reads_them_and_the_rest_dequantized_in_one_lo
             assert isinstance(module, GGMLLinear) == (block_kind(kind) is not None), (i, name)
             served_as.setdefault(kind.name, type(module).__name__)
     assert set(served_as) == {"Q4_K", "Q6_K"} and use_more_bits(1, 2) and not use_more_bits(0, 2)
-    dequantized = {t for t, kind in served_as.items() if kind == "Linear"}
     summary = loaded.gguf
+    if native.load() is not None:  # every tensor of the mixture on its type's kernel
+        assert served_as == {"Q4_K": "GGMLLinear", "Q6_K": "GGMLLinear"} and summary.head == "q6_k"
+        assert summary.kinds == {"q4_k": 12, "q6_k": 2} and summary.dequantized == {}  # layer 1: v, down
+        path = native.load().isa()
+        assert f"kernels q4_k: kv_q4_k_{path}, q6_k: kv_q6_k_{path} ({path}: " in summary.describe()
+    dequantized = {t for t, kind in served_as.items() if kind == "Linear"}
     assert set(summary.dequantized) == dequantized
     lines = [r.getMessage() for r in caplog.records if "no native kernel" in r.getMessage()]
     assert len(lines) == (1 if dequantized else 0)
@@ -188,12 +193,15 @@ def _lacks_dequantizer(name: str) -> bool:
     return False
 
 
-def test_a_type_without_a_kernel_that_gguf_reads_is_served_dequantized(tiny_gguf, tmp_path):
+def test_a_type_without_a_kernel_that_gguf_reads_is_served_dequantized_in_one_log_line(tiny_gguf, tmp_path, caplog):
     source = tiny_gguf("tiny-llama", "Q8_0")
     iq = _rewritten(source, tmp_path / "iq.gguf", retype=("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.IQ4_NL))
-    built = load_gguf(iq, blocks=True)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        built = load_gguf(iq, blocks=True)
     assert type(built.model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert built.summary.dequantized["IQ4_NL"][0] == 1
+    lines = [r.getMessage() for r in caplog.records if "no native kernel" in r.getMessage()]
+    assert len(lines) == 1 and "1 IQ4_NL: 0.5 MiB of floats for the file's 0.1 MiB" in lines[0], lines
 
 
 @pytest.fixture(scope="module")

@@ -3,10 +3,13 @@
 1. ``--ggml``: every format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on each ISA path this CPU runs (one
    process per path, forced with ``KVSERVE_ISA``), one thread timed in CPU seconds (``time.thread_time``: per core,
    even on a machine shared with other work). The work is one layer of Llama-3.2-1B (q and o 2048 x 2048, k and v
-   512 x 2048, gate and up 8192 x 2048, down 2048 x 8192), all seven projections in the format, at 1, 8, 32 and 512
-   rows. Reported: weight GB/s (the layer's bytes read per second; a layer is larger than the L3, and at 1 row
-   copies of it are cycled) as a share of one thread's measured read bandwidth, and int8 multiply-adds per second
-   as a share of the core's measured vpdpbusd peak (AVX-512 path).
+   512 x 2048, gate and up 8192 x 2048, down 2048 x 8192), all seven projections in the format, at 1 row (a
+   decode step alone), 8 and 32 (decode batches) and 512 (the scheduler's prefill chunk). Reported, the paths
+   side by side: at 1 row the weight GB/s (the layer's bytes read per second; a layer is larger than the L3, and
+   copies of it are cycled) and its share of one thread's measured read bandwidth; at 8, 32 and 512 rows the
+   rows (tokens) through the layer per second, and at 512 the share of the core's measured vpdpbusd peak
+   (AVX-512 path). ``--kinds``, ``--stream-mb`` and ``--budget-s`` make a small run (a busy machine);
+   ``--no-write`` leaves BENCHMARKS.md alone.
 2. ``--ggml-model``: a decode step's projections of a Q4_K_M file of Llama-3.2-1B's shape (llama.cpp's mixture:
    Q6_K for attn_v and ffn_down in half the layers and for the tied output/embedding table, Q4_K elsewhere; 805 MB),
    all 112 projections and the LM head in a row with the server's threads, at 1, 8 and 32 rows (a decode batch),
@@ -103,21 +106,28 @@ def _bound_layer(module, kind: str, rng: np.random.Generator) -> tuple[list, int
 
 
 @torch.inference_mode()
-def ggml_path() -> None:
+def ggml_path(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 20, budget_s: float = 0.3) -> None:
     """In this process (on the ISA path KVSERVE_ISA forces), one thread: ``key=value`` lines, the read bandwidth and
-    peak first, then one per (kind, rows)."""
+    peak first, then one per (kind, rows).
+
+    Args:
+        kinds: the formats to measure.
+        stream_mb: MB of copies of the layer cycled at 1 row (past the L3: the weights come from memory).
+        budget_s: CPU seconds per measurement, after one warm call.
+    """
     from kvserve import native
 
     torch.set_num_threads(1)
     module = native.load()
     isa = module.isa()
     peak = vnni_peak_gmacs() if isa == "avx512" else 0.0
-    print(f"isa={isa} kind=roofline rows=0 gbs={read_bandwidth():.2f} gmacs={peak:.1f}", flush=True)
+    print(f"isa={isa} kind=roofline rows=0 gbs={read_bandwidth(nbytes=stream_mb << 20):.2f} gmacs={peak:.1f} "
+          "rows_s=0", flush=True)
     rng = np.random.default_rng(0)
     macs = sum(N * K for N, K in LAYER)
-    for kind in KINDS:
+    for kind in kinds:
         layer, nbytes = _bound_layer(module, kind, rng)
-        copies = [layer] + [_bound_layer(module, kind, rng)[0] for _ in range(STREAM_BYTES // nbytes)]
+        copies = [layer] + [_bound_layer(module, kind, rng)[0] for _ in range((stream_mb << 20) // nbytes)]
         for rows in ROWS:
             if isa == "scalar" and rows > 8:
                 continue  # minutes of scalar loops: the path is a reference, not a contender
@@ -128,52 +138,64 @@ def ggml_path() -> None:
                 for fn, K in copies[next(turn) % len(copies)] if rows == 1 else layer:
                     fn(xs[K])
 
-            seconds = _per_call(step)
+            seconds = _per_call(step, budget_s)
             print(f"isa={isa} kind={kind} rows={rows} gbs={nbytes / seconds / 1e9:.2f} "
-                  f"gmacs={rows * macs / seconds / 1e9:.1f}", flush=True)
+                  f"gmacs={rows * macs / seconds / 1e9:.1f} rows_s={rows / seconds:.1f}", flush=True)
         del layer, copies
 
 
-def ggml_paths() -> None:
-    """Each ISA path in its own process; prints the figures and writes BENCHMARKS.md's "ggml" section."""
+def ggml_paths(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 20, budget_s: float = 0.3,
+               write: bool = True) -> None:
+    """Each ISA path in its own process (``ggml_path``'s arguments); prints the figures and a table with the paths
+    side by side, and writes it into BENCHMARKS.md's "ggml" section unless ``write`` is False.
+
+    Raises:
+        subprocess.CalledProcessError: a path's process failed.
+    """
     from kvserve import native
     from kvserve.loadtest.publish.benchmarks_md import update_section
 
     figures: dict[tuple[str, str, int], dict[str, float]] = {}
-    for isa in native.native_isas():
-        done = subprocess.run([sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", "ggml"],
-                              env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True, check=True)
+    isas = native.native_isas()
+    for isa in isas:
+        command = [sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", "ggml", "--kinds",
+                   ",".join(kinds), "--stream-mb", str(stream_mb), "--budget-s", str(budget_s)]
+        done = subprocess.run(command, env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True,
+                              check=True)
         for line in done.stdout.splitlines():
-            print(line)
+            print(line, flush=True)
             fields = dict(item.split("=") for item in line.split())
             figures[fields["isa"], fields["kind"], int(fields["rows"])] = {
-                "gbs": float(fields["gbs"]), "gmacs": float(fields["gmacs"])}
-    best = native.native_isas()[-1]
-    roofline = figures[best, "roofline", 0]
-    read, peak = roofline["gbs"], roofline["gmacs"]
-    lines = [f"One thread (core), CPU seconds. Read bandwidth measured in the same run ({STREAM_BYTES >> 20} MB of "
-             f"32-byte loads): {read:.1f} GB/s; vpdpbusd peak (16 chains on registers): {peak:.0f} GMAC/s. "
-             "The work: one Llama-3.2-1B layer's seven projections (60.8 M weights) in the format. Cells: GMAC/s; "
-             "1 and 8 rows also weight GB/s and their share of the read bandwidth (the layer is larger than the "
-             "L3); 512 rows also the share of the vpdpbusd peak. Each path's figures are its own process's.", "",
-             "| path | kind | 1 row | 8 rows | 32 rows | 512 rows |", "|---|---|---:|---:|---:|---:|"]
-    for isa in native.native_isas():
-        for kind in KINDS:
-            cells = []
-            for rows in ROWS:
-                f = figures.get((isa, kind, rows))
-                if f is None:
-                    cells.append("-")
-                    continue
-                text = f"{f['gmacs']:.1f}"
-                if rows <= 8:
-                    text += f" ({f['gbs']:.1f} GB/s, {100 * f['gbs'] / read:.0f}%)"
-                if rows == 512 and peak:
-                    text += f" ({100 * f['gmacs'] / peak:.0f}%)"
-                cells.append(text)
-            lines.append(f"| {isa} | {kind} | " + " | ".join(cells) + " |")
-    update_section("ggml", "GGUF block kernels per format and ISA path", "python -m kvserve.loadtest kernelbench --ggml",
-                   "\n".join(lines))
+                key: float(fields[key]) for key in ("gbs", "gmacs", "rows_s")}
+    read = figures[isas[-1], "roofline", 0]["gbs"]
+    peak = figures.get(("avx512", "roofline", 0), {}).get("gmacs", 0.0)
+    paths = " / ".join(isas)
+    lines = [f"One thread (core), CPU seconds; each path in its own process, cells {paths} side by side. Read "
+             f"bandwidth measured in the same run ({stream_mb} MB of 32-byte loads): {read:.1f} GB/s"
+             + (f"; vpdpbusd peak (16 chains on registers): {peak:.0f} GMAC/s" if peak else "") + ". The work: one "
+             "Llama-3.2-1B layer's seven projections (60.8 M weights) in the format. 1 row: weight GB/s (% of the "
+             "read bandwidth, best path), over copies of the layer larger than the L3; 8 and 32 rows (decode "
+             "batches) and 512 (a prefill chunk): rows through the layer per second"
+             + (" (512: % of the vpdpbusd peak, AVX-512 path)" if peak else "") + "; - where a path was not run "
+             "(the scalar reference past 8 rows).", "",
+             "| kind | 1 row GB/s | 8 rows, rows/s | 32 rows, rows/s | 512 rows, rows/s |", "|---|---:|---:|---:|---:|"]
+    for kind in kinds:
+        cells = []
+        for rows in ROWS:
+            got = [figures.get((isa, kind, rows)) for isa in isas]
+            key = "gbs" if rows == 1 else "rows_s"
+            text = " / ".join("-" if f is None else f"{f[key]:.1f}" if rows == 1 else f"{f[key]:.0f}" for f in got)
+            best = got[-1]
+            if best is not None and rows == 1:
+                text += f" ({100 * best['gbs'] / read:.0f}%)"
+            if best is not None and rows == ROWS[-1] and peak:
+                text += f" ({100 * best['gmacs'] / peak:.0f}%)"
+            cells.append(text)
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    print("\n".join(lines), flush=True)
+    if write:
+        update_section("ggml", "GGUF block kernels per format and ISA path",
+                       "python -m kvserve.loadtest kernelbench --ggml", "\n".join(lines))
 
 
 def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kvserve.loadtest.engine import ggmlbench
+from kvserve.loadtest.errors import UsageError
 
 
 def _time(fn, reps: int) -> float:
@@ -203,16 +204,30 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ggml-model", action="store_true",
                         help="only a Q4_K_M Llama-3.2-1B decode step's projections against the read bound")
     parser.add_argument("--bf16", action="store_true", help="only the bfloat16-weight kernel against its peak")
+    parser.add_argument("--kinds", default=",".join(ggmlbench.KINDS),
+                        help="--ggml: the formats to measure, comma-separated (default: all)")
+    parser.add_argument("--stream-mb", type=int, default=ggmlbench.STREAM_BYTES >> 20,
+                        help="--ggml: MB of weights cycled at 1 row (past the L3)")
+    parser.add_argument("--budget-s", type=float, default=0.3, help="--ggml: CPU seconds per measurement")
+    parser.add_argument("--no-write", action="store_true", help="--ggml: print only, leave BENCHMARKS.md alone")
     parser.add_argument("--mode", choices=["one-thread", "split", "ggml"], help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    """The measurements ``args`` asks for (all but ``--ggml``, ``--ggml-model`` and ``--bf16`` by default), printed."""
+    """The measurements ``args`` asks for (all but ``--ggml``, ``--ggml-model`` and ``--bf16`` by default), printed.
+
+    Raises:
+        UsageError: ``--kinds`` names a format without a kernel.
+    """
     if args.bf16:
         bf16_kernel()
         return 0
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = sorted(set(kinds) - set(ggmlbench.KINDS))
+    if unknown:
+        raise UsageError(f"--kinds: no kernel for {', '.join(unknown)}; the formats are {', '.join(ggmlbench.KINDS)}")
     if args.mode == "ggml":
-        ggmlbench.ggml_path()
+        ggmlbench.ggml_path(kinds, args.stream_mb, args.budget_s)
         return 0
     if args.ggml_model:
         ggmlbench.ggml_model()
@@ -221,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
         one_step_mode(args.mode)
         return 0
     if args.ggml:
-        ggmlbench.ggml_paths()
+        ggmlbench.ggml_paths(kinds, args.stream_mb, args.budget_s, write=not args.no_write)
         return 0
     if not args.threads:
         dense_vs_gemm()
