@@ -204,10 +204,15 @@ def test_a_type_without_a_kernel_that_gguf_reads_is_served_dequantized_in_one_lo
     assert len(lines) == 1 and "1 IQ4_NL: 0.5 MiB of floats for the file's 0.1 MiB" in lines[0], lines
 
 
-@pytest.fixture(scope="module")
-def kquant(tiny_gguf):
-    """The tiny Llama in Q4_K_M as ``kvserve serve`` serves it: the file's own blocks where a kernel reads them."""
-    return load_model(str(tiny_gguf("tiny-llama", "Q4_K_M")), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M"])
+def kquant(tiny_gguf, request):
+    """The tiny Llama in a K-quant mixture (Q4_K or Q5_K projections, Q6_K for some and the LM head) as ``kvserve
+    serve`` serves it: the file's own blocks, on their kernels where they build."""
+    loaded = load_model(str(tiny_gguf("tiny-llama", request.param)), DType.AUTO, Device.CPU, quantized=True,
+                        blocks=True)
+    if native.load() is not None:
+        assert set(loaded.gguf.kinds) == {request.param[:4].lower(), "q6_k"} and loaded.gguf.head == "q6_k"
+    return loaded
 
 
 def test_a_k_quant_file_is_exact_alone_batched_chunked_and_on_a_prefix_hit(kquant):
