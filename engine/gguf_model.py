@@ -339,6 +339,21 @@ class GGUFModel:
     identity: str  # GGUFFile.identity
 
 
+STOP_TOKEN_KEYS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id")
+
+
+def stop_token_ids(file: GGUFFile, vocab: int) -> list[int] | None:
+    """The ids that end a reply, as llama.cpp's vocabulary reads them from the file: end of sequence, end of turn
+    and end of message (Llama 3's ``<|eot_id|>`` and ``<|eom_id|>`` besides ``<|end_of_text|>``), in that order,
+    without repeats and ids outside the vocabulary of ``vocab`` tokens; None when the file names none."""
+    ids: list[int] = []
+    for key in STOP_TOKEN_KEYS:
+        token_id = file.get(key, int)
+        if token_id is not None and 0 <= token_id < vocab and token_id not in ids:
+            ids.append(token_id)
+    return ids or None
+
+
 def load_gguf(path: str | Path, blocks: bool, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Load a GGUF file on the CPU (see the module docstring).
 
@@ -368,6 +383,7 @@ def load_gguf(path: str | Path, blocks: bool, dtype: torch.dtype = torch.float32
         model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  attn_implementation=attention.ATTN_IMPLEMENTATION)
     summary = _Installer(file, arch, config, blocks, dtype).install(model)
+    model.generation_config.eos_token_id = stop_token_ids(file, config.vocab_size)
     model.eval()
     name = file.get("general.name", str)
     return GGUFModel(model, tokenizer, summary if blocks else None, name or None, derived, file.identity)

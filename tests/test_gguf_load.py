@@ -135,9 +135,9 @@ def test_served_name_is_the_files_general_name_or_its_stem_and_the_default_keeps
 
 
 def _rewritten(source, out, architecture: str | None = None, drop: str | None = None,
-               retype: tuple[str, gguf.GGMLQuantizationType] | None = None):
-    """``source`` written again with another architecture, without tensor ``drop``, or one tensor stored as
-    another type (its bytes reinterpreted, valid or not)."""
+               retype: tuple[str, gguf.GGMLQuantizationType] | None = None, extra: dict[str, int] | None = None):
+    """``source`` written again with another architecture, without tensor ``drop``, one tensor stored as
+    another type (its bytes reinterpreted, valid or not), or ``extra`` uint32 keys added."""
     reader = gguf.GGUFReader(source)
     arch = architecture or reader.fields["general.architecture"].contents()
     writer = gguf.GGUFWriter(out, arch)
@@ -151,6 +151,8 @@ def _rewritten(source, out, architecture: str | None = None, drop: str | None = 
         else:
             writer.add_key_value(key.replace(reader.fields["general.architecture"].contents() + ".", arch + "."),
                                  value, value_type)
+    for key, value in (extra or {}).items():
+        writer.add_uint32(key, value)
     for tensor in reader.tensors:
         if tensor.name == drop:
             continue
@@ -169,6 +171,19 @@ def _rewritten(source, out, architecture: str | None = None, drop: str | None = 
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def test_the_files_end_of_turn_and_end_of_message_tokens_end_a_reply(tiny_gguf, tmp_path):
+    """A Llama 3 file names <|eot_id|> and <|eom_id|> besides its EOS: each ends generation, as in llama.cpp."""
+    from kvserve.engine.gguf_model import load_gguf
+
+    source = tiny_gguf("tiny-llama", "Q8_0")
+    eos = gguf.GGUFReader(source).fields["tokenizer.ggml.eos_token_id"].contents()
+    path = _rewritten(source, tmp_path / "eot.gguf", extra={"tokenizer.ggml.eot_token_id": 7,
+                                                            "tokenizer.ggml.eom_token_id": 9})
+    assert load_gguf(path, blocks=True).model.generation_config.eos_token_id == [eos, 7, 9]
+    outside = _rewritten(source, tmp_path / "outside.gguf", extra={"tokenizer.ggml.eot_token_id": 10 ** 9})
+    assert load_gguf(outside, blocks=True).model.generation_config.eos_token_id == [eos]
 
 
 def test_unknown_architectures_and_types_are_refused_before_anything_heavy(tiny_gguf, tmp_path, monkeypatch):

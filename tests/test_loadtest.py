@@ -17,7 +17,7 @@ from kvserve.loadtest.__main__ import main as loadtest_main
 from kvserve.loadtest.loadgen import report, workloads
 from kvserve.loadtest.loadgen.fakeserver import FakeEngine, serve_in_thread
 from kvserve.loadtest.loadgen.generator import LoadConfig, Mode, run_sync
-from kvserve.loadtest.served import compare, peers
+from kvserve.loadtest.served import compare, peers, prefillpeers
 from kvserve.loadtest.sim import simulate
 
 
@@ -368,3 +368,28 @@ def test_the_cpu_key_is_stable_and_short():
     from kvserve.loadtest.peer_systems.llamacpp import cpu_key
 
     assert cpu_key() == cpu_key() and len(cpu_key()) == 12 and int(cpu_key(), 16) >= 0
+
+
+def test_prefill_peers_count_only_short_requests_inside_the_long_prefill():
+    from kvserve.loadtest.loadgen.client import RequestRecord
+
+    long = RequestRecord(0, start_s=1.0, status=200, ttft_s=10.0)  # prefilled from 1 s to 11 s
+    shorts = [RequestRecord(1, start_s=0.5, status=200, ttft_s=0.2),   # before the long one was sent
+              RequestRecord(2, start_s=2.0, status=200, ttft_s=0.3),   # inside
+              RequestRecord(3, start_s=5.0, status=200, ttft_s=1.5),   # inside
+              RequestRecord(4, start_s=10.5, status=200, ttft_s=0.9)]  # answered after the long one's first token
+    assert prefillpeers.delayed(shorts, long) == [0.3, 1.5]
+
+
+def test_prefill_peers_measure_a_server_and_render_ratios_to_kvserve(fake_url):
+    figures = prefillpeers.measure_server("kvserve-gguf", fake_url, [16, 64])
+    assert set(figures.ttft_s) == {"16", "64"} and all(v > 0 for v in figures.ttft_s.values())
+    assert figures.short_alone_p50_s > 0 and figures.short_alone_p99_s >= figures.short_alone_p50_s
+    assert figures.long_ttft_s > 0 and figures.error is None
+    base = prefillpeers.as_dict(figures) | {"ttft_s": {"16": 0.5, "64": 1.0}}
+    slow = base | {"system": "llama.cpp", "ttft_s": {"16": 1.0, "64": 4.0}, "short_during_p50_s": None}
+    text = prefillpeers.render({"kvserve-gguf": base, "llama.cpp": slow,
+                                "vllm": {"system": "vllm", "error": "FileNotFoundError: not installed"}}, [16, 64], "x")
+    row = next(line for line in text.splitlines() if line.startswith("| llama.cpp"))
+    assert "1.00 s (2.00x)" in row and "4.00 s (4.00x)" in row and "none answered" in row
+    assert "| vllm | failed: FileNotFoundError" in text

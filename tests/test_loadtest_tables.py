@@ -92,3 +92,28 @@ def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkey
     assert any(isinstance(m, QuantLinear) for m in loaded.model.modules())
     projections = next(line for line in out.splitlines() if line.startswith("| projections"))
     assert projections != "| projections (linear/matmul) | 0% |"
+
+
+def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys):
+    """`python -m kvserve.loadtest profile --prefill` prefills in --chunk steps and puts the projections' and the
+    attention's time in their own columns, each with a rate from the model's multiply-adds."""
+    from kvserve.loadtest.__main__ import main as loadtest_main
+    from kvserve.loadtest.engine import enginebench, profile_step
+
+    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    loaded = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")
+    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    steps = []
+    execute = enginebench.ModelRunner.execute
+    monkeypatch.setattr(enginebench.ModelRunner, "execute",
+                        lambda self, plan: steps.append([(len(w.token_ids), w.sample) for w in plan.work]) or execute(self, plan))
+    assert loadtest_main(["profile", "--prefill", "40", "--chunk", "16", "--quantization", "int8", "--no-write"]) == 0
+    assert steps[:3] == [[(16, False)], [(16, False)], [(8, True)]]  # the 40-token prompt in 16-token chunks, as the server cuts it
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert float(cells[1]) > 0 and float(cells[6].split()[0]) > 0 and float(cells[7]) > 0
+    shares = [int(c.split("(")[1].rstrip("%)")) for c in cells[3:6]]
+    assert 97 <= sum(shares) <= 103 and shares[0] > 0
+    assert profile_step._category("kvserve::paged_attention") == "attention (SDPA)"

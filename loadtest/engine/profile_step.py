@@ -1,4 +1,5 @@
-"""``python -m kvserve.loadtest profile``: where one decode step's time goes on our engine (torch.profiler, CPU).
+"""``python -m kvserve.loadtest profile``: where one decode step's time goes on our engine (torch.profiler, CPU);
+with ``--prefill 128,512,2048,8192``, where a prompt's prefill goes instead.
 
 Runs B sequences with a ``--context``-token cache through ``engine.runner.ModelRunner`` decoding one token,
 profiles ``--steps`` steps, and splits the wall time by ATen op (self CPU time, so nested ops are not
@@ -6,11 +7,18 @@ counted twice) into: projections (linear/matmul, LM head included), attention (S
 decode attention), paged-KV gather and scatter (index/index_put, or the C++ KV write), other ops (norms, RoPE,
 activations, copies, sampling), and what no op accounts for: Python and dispatch overhead between ops. The C++
 calls are labelled with ``torch.profiler.record_function`` (``kvserve::...``) so they are counted.
+
+A prefill is profiled as the server runs it: one sequence, its prompt in chunks of ``--chunk`` tokens (the
+server's ``--max-num-batched-tokens``), each chunk a step attending to the chunks before it. Each part's time is
+set against its work: the projections' multiply-adds (``macs.Geometry.per_token`` per prompt token, the LM head
+once) as GMAC/s and a share of the ISA's measured int8 peak (``kv_vnni_peak``: 16 independent ``vpdpbusd``
+chains on registers, times the threads the kernels use), and attention's causal (query, key) pairs as GMAC/s.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 
 import torch
@@ -74,6 +82,102 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[f
     return wall_ms, profiled_ms, shares, sorted(ops, key=lambda op: -op[1])[:12]
 
 
+_PREFILL_PARTS = (("projections", ("projections (linear/matmul)",)), ("attention", ("attention (SDPA)",)),
+                  ("norms, RoPE, KV writes and glue", ("paged KV gather/scatter", "other ops",
+                                                       "Python/dispatch overhead")))
+
+
+def profile_prefill(length: int, chunk: int, loaded, reps: int = 1) -> tuple[float, dict[str, float]]:
+    """One ``length``-token prompt prefilled in ``chunk``-token steps (token ids of a fixed pattern).
+
+    Returns:
+        (wall seconds of the whole prefill without the profiler, the median over ``reps`` runs; seconds per part
+        under the profiler, keyed by the ``_CATEGORIES`` labels plus "other ops" and "Python/dispatch overhead",
+        scaled so the parts sum to the profiled prefill's wall time).
+    """
+    from kvserve.engine.plan import StepPlan
+    from kvserve.loadtest.engine.enginebench import EngineBench, dummy_ids
+
+    bench = EngineBench(loaded, 1, length + 1)
+    ids = dummy_ids(length)
+    # as the scheduler plans it: only the chunk that reaches the prompt's end samples a token
+    plans = [StepPlan([dataclasses.replace(bench.work(0, ids[start:start + chunk], start),
+                                           sample=start + chunk >= length)]) for start in range(0, length, chunk)]
+
+    def prefill() -> float:
+        started = time.perf_counter()
+        for plan in plans:
+            bench.runner.execute(plan)
+        return time.perf_counter() - started
+
+    prefill()  # warm-up: first calls allocate and probe
+    wall = sorted(prefill() for _ in range(reps))[reps // 2]
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        profiled = prefill()
+    seconds: dict[str, float] = {}
+    for event in prof.key_averages():
+        label = _category(event.key)
+        seconds[label] = seconds.get(label, 0.0) + event.self_cpu_time_total / 1e6
+    seconds["Python/dispatch overhead"] = max(0.0, profiled - sum(seconds.values()))
+    return wall, seconds
+
+
+def int8_peak_gmacs(iterations: int = 20_000_000) -> float | None:
+    """One core's ``vpdpbusd`` multiply-adds per CPU second (``kv_vnni_peak`` in the native library of leaves,
+    16 chains of 64 MACs a round); None where the CPU has no AVX-512 VNNI or the library lacks the probe."""
+    import ctypes
+
+    from kvserve import native
+    from kvserve.native import ggml_leaves
+
+    if "avx512" not in native.native_isas():
+        return None
+    library = ctypes.CDLL(str(ggml_leaves.build(native=True)))
+    probe = getattr(library, "kv_vnni_peak", None)
+    if probe is None:
+        return None
+    probe.argtypes, probe.restype = [ctypes.c_int64], ctypes.c_int32
+    probe(iterations // 10)
+    started = time.thread_time()
+    probe(iterations)
+    return iterations * 16 * 64 / (time.thread_time() - started) / 1e9
+
+
+def prefill_table(lengths: list[int], chunk: int, loaded) -> str:
+    """The prefill profile as markdown: per prompt length, wall time (median of 3 runs up to 2,048 tokens, one
+    run past that) and per part its seconds, share and rate."""
+    from kvserve import native
+    from kvserve.loadtest.engine.macs import Geometry
+
+    geometry = Geometry.of(loaded.model.config)
+    peak = int8_peak_gmacs()
+    threads = torch.get_num_threads()
+    rows = ["| prompt tokens | prefill s (no profiler) | tokens/s | " + " | ".join(
+        f"{part} s (share)" for part, _ in _PREFILL_PARTS) + " | projections GMAC/s" + (
+        " (% of int8 peak)" if peak else "") + " | attention GMAC/s |",
+        "|---:" * (4 + len(_PREFILL_PARTS)) + "|---:|"]
+    for length in lengths:
+        wall, seconds = profile_prefill(length, chunk, loaded, 3 if length <= 2048 else 1)
+        total = sum(seconds.values())
+        parts = {part: sum(seconds.get(label, 0.0) for label in labels) for part, labels in _PREFILL_PARTS}
+        # the profiler's own cost is spread over the parts: scale them to the prefill without it
+        scaled = {part: wall * s / total for part, s in parts.items()}
+        proj_gmacs = (length * geometry.per_token + geometry.hidden * geometry.vocab) / scaled["projections"] / 1e9
+        pairs = length * (length + 1) // 2
+        attn_gmacs = geometry.per_pair * pairs / scaled["attention"] / 1e9 if scaled["attention"] else float("nan")
+        proj = f"{proj_gmacs:.3g}" + (f" ({100 * proj_gmacs / (peak * threads):.0f}%)" if peak else "")
+        rows.append(f"| {length} | {wall:.3g} | {length / wall:.0f} | " + " | ".join(
+            f"{scaled[part]:.3g} ({100 * parts[part] / total:.0f}%)" for part, _ in _PREFILL_PARTS)
+            + f" | {proj} | {attn_gmacs:.3g} |")
+    peak_text = (f"int8 peak measured in the same run: {peak:.0f} GMAC/s per core (`vpdpbusd`, 16 chains on "
+                 f"registers), x {threads} threads" if peak else "int8 peak not measured (its probe needs AVX-512 VNNI)")
+    return ("\n".join(rows) + f"\n\nChunks of {chunk} tokens (the server's --max-num-batched-tokens), kernels "
+            f"{native.isa()}, {threads} threads; {peak_text}. Shares are of the profiled prefill (self CPU time per "
+            "op); seconds are those shares of the prefill without the profiler. Projections: q/k/v/o and the MLP "
+            "for every prompt token plus the LM head once; attention: 2 L H d multiply-adds per causal (query, key) "
+            "pair, in float32.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--batch", type=positive_ints, default=[1, 8, 32], help="comma list of batch sizes")
@@ -84,6 +188,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     parser.add_argument("--quantization", default="auto", choices=QUANTIZATIONS,
                         help="as kvserve serve --quantization (default auto: the weights the server picks)")
+    parser.add_argument("--prefill", type=positive_ints, default=None, metavar="TOKENS",
+                        help="profile a prefill of each prompt length instead (comma list, e.g. 128,512,2048,8192)")
+    parser.add_argument("--chunk", type=positive_int, default=512,
+                        help="tokens per prefill step (as kvserve serve --max-num-batched-tokens)")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -95,6 +203,8 @@ def run(args: argparse.Namespace) -> int:
     check_engine_flags(args.model, args.device)
     batches = args.batch
     loaded, served = load_served(args.quantization, DType(args.dtype), args.model, Device(args.device))
+    if args.prefill:
+        return _run_prefill(args, loaded, served)
     results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
     rows = ["| share of a decode step | " + " | ".join(f"B = {b}" for b, *_ in results) + " |",
@@ -126,4 +236,17 @@ def run(args: argparse.Namespace) -> int:
         update_section(key, f"Where a decode step's time goes ({what})",
                        "python -m kvserve.loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
                        + ("" if scheme == "auto" else f" --quantization {scheme}"), text)
+    return 0
+
+
+def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:
+    text = prefill_table(args.prefill, args.chunk, loaded)
+    print(text)
+    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served})")
+    if not args.no_write:
+        scheme = "" if args.quantization == "auto" else f" --quantization {args.quantization}"
+        update_section("profile-prefill" + scheme.replace(" --quantization ", "-"),
+                       f"Where a prefill's time goes (our engine, {loaded.name}, {served} weights)",
+                       "python -m kvserve.loadtest profile --prefill " + ",".join(map(str, args.prefill))
+                       + (f" --chunk {args.chunk}" if args.chunk != 512 else "") + scheme, text)
     return 0

@@ -17,6 +17,12 @@ Each is also shown as a ratio to llama.cpp. Systems run one after another; ``--r
     python -m kvserve.loadtest randgguf --shape llama-3.2-1b --mix Q4_K_M /tmp/llama-1b-q4_k_m.gguf
     flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers --model /tmp/llama-1b-q4_k_m.gguf
 
+    python -m kvserve.loadtest vllm               # vLLM's CPU backend in a venv under /tmp (optional peer)
+    flock /tmp/kvserve-cpu.lock python -m kvserve.loadtest peers --prefill   # TTFT by prompt length, the stall
+
+``--prefill``: the figures of ``served/prefillpeers.py`` instead (TTFT at 512, 2,048 and 8,000 tokens, short
+requests' TTFT while a long prompt is prefilled), for llama.cpp, kvserve and vLLM where installed.
+
 ``--model FILE.gguf``: llama.cpp and kvserve serve that file instead (its own blocks by default; the systems
 default to llama.cpp and kvserve-gguf). Results are kept per system in ``loadtest/out/peers.json`` (with
 ``--model``, ``peers-<file stem>.json``, and a BENCHMARKS.md section of its own), so a table can be built over
@@ -32,12 +38,14 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvserve.loadtest.argtypes import positive_ints
 from kvserve.loadtest.loadgen import report, workloads
 from kvserve.loadtest.loadgen.generator import LoadConfig, run_sync
 from kvserve.loadtest.loadgen.runcmd import server_model
 from kvserve.loadtest.peer_systems.llamacpp import find_server
 from kvserve.loadtest.procs.serverproc import ServerStartError, kvserve_command, launch
 from kvserve.loadtest.publish.benchmarks_md import BENCHMARKS, update_section
+from kvserve.loadtest.served import prefillpeers
 
 OUTPUT_TOKENS = 128
 TTFT_PROMPT_TOKENS = 512
@@ -194,6 +202,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--img", type=Path, default=None, help="also save the throughput plot here (e.g. docs/img)")
     parser.add_argument("--render-only", action="store_true",
                         help="measure nothing: rebuild the section from --results")
+    parser.add_argument("--prefill", action="store_true",
+                        help="measure prefill instead: TTFT by prompt length and short requests during a long one")
+    parser.add_argument("--prefill-lengths", type=positive_ints, default=list(prefillpeers.LENGTHS),
+                        metavar="TOKENS", help="prompt lengths for --prefill (comma list)")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -213,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--model {str(model)!r}: not a .gguf file (llama.cpp serves GGUF files only)")
     stem = "peers" if model is None else f"peers-{model.stem}"
     title = "SmolLM2-135M" if model is None else model.name
+    if args.prefill:
+        return run_prefill(args, model, stem, title)
     results_path = args.results or report.OUT_DIR / f"{stem}.json"
     systems = args.systems or ",".join(SYSTEMS if model is None else MODEL_SYSTEMS)
     chosen = [s for s in systems.split(",") if s]
@@ -257,3 +271,67 @@ def _median(figures: list[PeerFigures]) -> dict:
             "ttft_512_s": med(f.ttft_512_s for f in good),
             "aggregate_tps": {k: med(f.aggregate_tps.get(k) for f in good) for k in good[0].aggregate_tps},
             "seed64_tps": med(f.seed64_tps for f in good), "error": None}
+
+
+PREFILL_SYSTEMS = ("llama.cpp", "kvserve-gguf", "vllm")
+
+
+def measure_prefill(system: str, model: Path | None, lengths: list[int]) -> prefillpeers.PrefillFigures:
+    """One system's prefill figures on ``model`` (None: the embedded GGUF); a failure is recorded, not raised."""
+    from kvserve.engine.loader import default_gguf_path
+    from kvserve.loadtest.peer_systems import vllmcpu
+
+    gguf = model or default_gguf_path()
+    context = prefillpeers.context_tokens(lengths)
+    slots = prefillpeers.SLOTS
+    print(f"{system} (prefill):")
+    try:
+        if system == "llama.cpp":
+            binary = find_server()
+            if binary is None:
+                raise FileNotFoundError("llama-server not built: run python -m kvserve.loadtest llamacpp")
+            command, env = [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", "{port}", "-t", "2",
+                            "-np", str(slots), "-c", str(context * slots), "-cb"], None
+        elif system == "kvserve-gguf":
+            chosen = ["--model", str(model)] if model is not None else []
+            command, env = kvserve_command([*chosen, "--max-num-seqs", str(slots)]), None
+        elif system == "vllm":
+            command, env = vllmcpu.serve_command(gguf, slots, context)
+        else:
+            raise ValueError(f"unknown prefill system {system!r}")
+        with launch(command, name=f"peers-prefill-{system}", env=env, start_timeout_s=900) as server:
+            return prefillpeers.measure_server(system, server.url, lengths)
+    except (ServerStartError, RuntimeError, FileNotFoundError, OSError, ValueError) as exc:
+        figures = prefillpeers.PrefillFigures(system, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+        print(f"  failed: {figures.error}")
+        return figures
+
+
+def run_prefill(args: argparse.Namespace, model: Path | None, stem: str, title: str) -> int:
+    """``peers --prefill``: measure, merge into ``<stem>-prefill.json``, write the BENCHMARKS.md section."""
+    from kvserve.loadtest.errors import UsageError
+
+    chosen = [s for s in (args.systems or ",".join(PREFILL_SYSTEMS)).split(",") if s]
+    unknown = set(chosen) - set(PREFILL_SYSTEMS)
+    if unknown:
+        raise UsageError(f"unknown systems for --prefill: {', '.join(sorted(unknown))} (choose from "
+                         f"{', '.join(PREFILL_SYSTEMS)})")
+    lengths = sorted(args.prefill_lengths)
+    path = args.results or prefillpeers.results_path(report.OUT_DIR, stem)
+    results = json.loads(path.read_text()) if path.exists() else {}  # merged across runs, as the decode table
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
+    for system in chosen if not args.render_only else []:
+        passes = [measure_prefill(system, model, lengths) for _ in range(args.repeats)]
+        results[system] = prefillpeers.median(passes) | {"measured_utc": stamp}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1))
+    served = "the embedded Q4_1 GGUF (vLLM: its bfloat16 weights)" if model is None else f"{model.name}"
+    text = prefillpeers.render(results, lengths, served)
+    print(text)
+    if not args.no_write:
+        command = ("python -m kvserve.loadtest peers --prefill" + ("" if model is None else f" --model {model.name}")
+                   + ("" if lengths == list(prefillpeers.LENGTHS) else " --prefill-lengths "
+                      + ",".join(map(str, lengths))))
+        update_section(f"{stem}-prefill", f"Prefill side by side: TTFT by prompt length and the stall ({title})",
+                       command, text, args.benchmarks)
+    return 0

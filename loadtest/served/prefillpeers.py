@@ -1,0 +1,196 @@
+"""``python -m kvserve.loadtest peers --prefill``: prefill side by side: TTFT by prompt length, and the stall.
+
+Per system, one server with a few slots and room for the longest prompt:
+- TTFT of prompts of 512, 2,048 and 8,000 tokens (``--prefill-lengths``), one token out, each prompt starting
+  with a different word so no prefix cache helps; the median of ``PROMPTS_PER_LENGTH`` prompts;
+- the chunked-prefill stall: TTFT of short requests (32-token prompts, one token out, two at a time) alone, then
+  while one prompt of the longest length is being prefilled. Only short requests sent after the long one and
+  answered before its first token count: those are the ones its prefill could delay. A server that prefills in
+  chunks (kvserve's --max-num-batched-tokens, vLLM's chunked prefill, llama.cpp's -ub batches) lets them in
+  between chunks; one that does not makes them wait for the whole prompt.
+
+The systems: llama.cpp's server (``python -m kvserve.loadtest llamacpp`` builds it), kvserve serving the file's
+own blocks, and vLLM's CPU backend when ``python -m kvserve.loadtest vllm`` has installed it (outside the repo).
+Figures are medians and percentiles in seconds; ratios are to kvserve (> 1: kvserve is faster).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import httpx
+import numpy as np
+
+from kvserve.loadtest.loadgen import workloads
+from kvserve.loadtest.loadgen.client import RequestRecord, stream_request
+from kvserve.loadtest.loadgen.runcmd import server_model
+
+LENGTHS = (512, 2048, 8000)
+PROMPTS_PER_LENGTH = 3
+SLOTS = 4
+SHORT_PROMPT_TOKENS = 32
+SHORT_REQUESTS = 24  # alone; during the long prefill, as many as fit in it (two at a time)
+SHORT_USERS = 2
+
+
+@dataclass(slots=True)
+class PrefillFigures:
+    """One system's prefill figures (seconds); ``error`` says why a system could not be measured."""
+
+    system: str
+    ttft_s: dict[str, float] = field(default_factory=dict)  # str(prompt tokens) -> median TTFT
+    short_alone_p50_s: float | None = None
+    short_alone_p99_s: float | None = None
+    short_during_p50_s: float | None = None
+    short_during_p99_s: float | None = None
+    short_during_count: int = 0
+    long_ttft_s: float | None = None
+    error: str | None = None
+
+
+def prompt(tokens: int, key: int) -> workloads.RequestSpec:
+    """A completion of one token whose prompt is about ``tokens`` tokens long in SmolLM2's vocabulary: a head that
+    differs with ``key`` ("Part 17:", about 4 tokens), then " hello"s; no two keys share a prefix-cache block."""
+    return workloads.fixed(1, 1, f"Part {key}:" + workloads.repeated_word_prompt(max(1, tokens - 4)))[0]
+
+
+def context_tokens(lengths: tuple[int, ...] | list[int]) -> int:
+    """Context a slot needs for the longest prompt, its token and the template's few tokens."""
+    return max(lengths) + 64
+
+
+async def _send(client: httpx.AsyncClient, spec: workloads.RequestSpec, model: str, start: float) -> RequestRecord:
+    record = await stream_request(client, spec, model, 0, start, 1800.0)
+    if not record.ok or record.ttft_s is None:
+        raise RuntimeError(f"a request failed: status {record.status}, {record.error}")
+    return record
+
+
+async def _measure(url: str, lengths: list[int]) -> PrefillFigures:
+    import time
+
+    figures = PrefillFigures("")
+    model = server_model(url)
+    async with httpx.AsyncClient(base_url=url, timeout=None) as client:
+        start = time.perf_counter()
+        await _send(client, prompt(SHORT_PROMPT_TOKENS, 0), model, start)  # warm-up
+        for n, length in enumerate(lengths):
+            ttfts = [(await _send(client, prompt(length, 1 + PROMPTS_PER_LENGTH * n + i), model, start)).ttft_s
+                     for i in range(PROMPTS_PER_LENGTH)]
+            figures.ttft_s[str(length)] = statistics.median(ttfts)
+            print(f"  TTFT {length} tokens: {figures.ttft_s[str(length)]:.3f} s")
+
+        async def shorts(count: int | None, until: asyncio.Event | None, first: int) -> list[RequestRecord]:
+            records: list[RequestRecord] = []
+
+            async def user(u: int) -> None:
+                i = u
+                while (count is None or i < count) and not (until is not None and until.is_set()):
+                    spec = prompt(SHORT_PROMPT_TOKENS, first + i)
+                    records.append(await _send(client, spec, model, start))
+                    i += SHORT_USERS
+
+            await asyncio.gather(*(user(u) for u in range(SHORT_USERS)))
+            return records
+
+        alone = [r.ttft_s for r in await shorts(SHORT_REQUESTS, None, 1000)]
+        done = asyncio.Event()
+
+        async def long_one() -> RequestRecord:
+            try:
+                return await _send(client, prompt(max(lengths), 999), model, start)
+            finally:
+                done.set()
+
+        long_task = asyncio.create_task(long_one())
+        await asyncio.sleep(0.05)  # the long prompt is admitted first
+        during_records = await shorts(None, done, 2000)
+        long_record = await long_task
+        during = delayed(during_records, long_record)
+    figures.short_alone_p50_s, figures.short_alone_p99_s = _p50_p99(alone)
+    figures.short_during_p50_s, figures.short_during_p99_s = _p50_p99(during)
+    figures.short_during_count, figures.long_ttft_s = len(during), long_record.ttft_s
+    print(f"  short TTFT alone p50/p99 {figures.short_alone_p50_s:.3f}/{figures.short_alone_p99_s:.3f} s; during a "
+          f"{max(lengths)}-token prefill ({long_record.ttft_s:.1f} s): {len(during)} requests, p50/p99 "
+          + (f"{figures.short_during_p50_s:.3f}/{figures.short_during_p99_s:.3f} s" if during else "-"))
+    return figures
+
+
+def delayed(shorts: list[RequestRecord], long: RequestRecord) -> list[float]:
+    """TTFTs (s) of the short requests the long prompt's prefill could delay: sent after it, and given their
+    first token before it got its own."""
+    end = long.start_s + long.ttft_s
+    return [r.ttft_s for r in shorts if r.start_s > long.start_s and r.start_s + r.ttft_s < end]
+
+
+def _p50_p99(values: list[float]) -> tuple[float | None, float | None]:
+    if not values:
+        return None, None
+    return float(np.median(values)), float(np.percentile(values, 99))
+
+
+def measure_server(system: str, url: str, lengths: list[int]) -> PrefillFigures:
+    """The prefill figures of the server at ``url`` (already started, with room for ``max(lengths)`` tokens)."""
+    figures = asyncio.run(_measure(url, lengths))
+    figures.system = system
+    return figures
+
+
+def render(results: dict[str, dict], lengths: list[int], served: str) -> str:
+    """Markdown: TTFT per prompt length and the stall, one row per system, ratios to kvserve."""
+    base = results.get("kvserve-gguf")
+
+    def cell(r: dict, value: float | None, base_value: float | None) -> str:
+        if value is None:
+            return "-"
+        ratio = f" ({value / base_value:.2f}x)" if base_value and r is not base else ""
+        return f"{value:.2f} s{ratio}"
+
+    head = ("| system | " + " | ".join(f"TTFT {n} tokens" for n in lengths)
+            + f" | short p50 / p99 alone | short p50 / p99 during a {max(lengths)}-token prefill (n) | measured (UTC) |")
+    rows = [head, "|---" * (len(lengths) + 4) + "|"]
+    for name, r in results.items():
+        if r.get("error"):
+            rows.append(f"| {name} | failed: {r['error']} |" + " |" * (len(lengths) + 2))
+            continue
+        ttfts = [cell(r, r["ttft_s"].get(str(n)), (base or {}).get("ttft_s", {}).get(str(n))) for n in lengths]
+        alone = (f"{r['short_alone_p50_s']:.3f} / {r['short_alone_p99_s']:.3f} s"
+                 if r["short_alone_p50_s"] is not None else "-")
+        during = (f"{r['short_during_p50_s']:.3f} / {r['short_during_p99_s']:.3f} s ({r['short_during_count']})"
+                  if r["short_during_p50_s"] is not None else "none answered before the long prompt's first token")
+        rows.append(f"| {name} | " + " | ".join(ttfts) + f" | {alone} | {during} | {r.get('measured_utc', '?')} |")
+    return "\n".join(rows) + (
+        f"\n\nEach system serves {served} with {SLOTS} slots and 2 threads. TTFT: the median of "
+        f"{PROMPTS_PER_LENGTH} one-token completions whose prompts differ from the first token (in brackets, this "
+        f"system's TTFT over kvserve's: > 1, kvserve is faster). Short requests: {SHORT_PROMPT_TOKENS}-token prompts, "
+        f"one token out, {SHORT_USERS} at a time, first alone ({SHORT_REQUESTS} requests), then while one "
+        f"{max(lengths)}-token prompt is prefilled (those sent after it and answered before its first token; n of "
+        "them). A server that prefills long prompts in chunks answers them between chunks; one that does not "
+        "answers none until the long prompt's first token.")
+
+
+def as_dict(figures: PrefillFigures) -> dict:
+    return asdict(figures)
+
+
+def median(figures: list[PrefillFigures]) -> dict:
+    """Per-figure medians over repeats that succeeded (the last error if none did)."""
+    good = [f for f in figures if f.error is None]
+    if not good:
+        return asdict(figures[-1])
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    keys = ("short_alone_p50_s", "short_alone_p99_s", "short_during_p50_s", "short_during_p99_s", "long_ttft_s")
+    return {"system": good[0].system, "ttft_s": {k: med(f.ttft_s.get(k) for f in good) for k in good[0].ttft_s},
+            **{key: med(getattr(f, key) for f in good) for key in keys},
+            "short_during_count": min(f.short_during_count for f in good), "error": None}
+
+
+def results_path(out_dir: Path, stem: str) -> Path:
+    return out_dir / f"{stem}-prefill.json"
