@@ -171,7 +171,12 @@ class GGUFSummary:
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) or "none"
         return (f"the GGUF's own blocks ({self.path.name}): projections {kinds}, LM head {self.head}, "
                 f"{self.bytes_after / 2**20:.1f} MiB{self.kernels_text()}{self.floats_text()}"
-                f"{self.dequantized_text()}")
+                f"{self.dequantized_note()}")
+
+    def dequantized_note(self) -> str:
+        """"" or "; 3 without a kernel, as floats (their own line)": ``log_dequantized`` names them."""
+        count = sum(n for n, _, _ in self.dequantized.values())
+        return f"; {count} without a kernel, as floats (their own line)" if count else ""
 
     def kernels_text(self) -> str:
         """"; kernels q4_k: kv_q4_k_avx512, ... (the ISA path and why)": the native micro-kernel each block format
@@ -194,16 +199,17 @@ class GGUFSummary:
             return ""
         return "; float tensors on the float kernels: " + ", ".join(f"{n} {t}" for t, n in sorted(self.floats.items()))
 
-    def dequantized_text(self) -> str:
-        """"" or "; dequantized (no kernel for the type): 96 IQ4_XS, 17 IQ4_NL: 4.61 GiB of floats for the file's
-        0.73 GiB"."""
+    def log_dequantized(self) -> None:
+        """The one log line naming the types served dequantized and their cost, e.g. "GGUF tensors served as float
+        layers, no native kernel for their type: 96 IQ4_XS, 17 IQ4_NL: 4.61 GiB of floats for the file's 0.73 GiB";
+        nothing when there are none."""
         if not self.dequantized:
-            return ""
+            return
         counts = ", ".join(f"{n} {t}" for t, (n, _, _) in sorted(self.dequantized.items()))
         stored = sum(b for _, b, _ in self.dequantized.values())
         served = sum(b for _, _, b in self.dequantized.values())
-        return (f"; dequantized (no kernel for the type): {counts}: {_size(served)} of floats for the file's "
-                f"{_size(stored)}")
+        log.info("GGUF tensors served as float layers, no native kernel for their type: %s: %s of floats for the "
+                 "file's %s", counts, _size(served), _size(stored))
 
 
 def _size(nbytes: int) -> str:
@@ -321,9 +327,7 @@ class _Installer:
         left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
         if left:
             raise GGUFError(f"{self.file.path}: no tensor for {', '.join(left[:_NAMES_SHOWN])}")
-        if self.summary.dequantized:
-            log.info("GGUF tensors served as float layers, no native kernel for their type%s",
-                     self.summary.dequantized_text().removeprefix("; dequantized (no kernel for the type)"))
+        self.summary.log_dequantized()
         return self.summary
 
 
@@ -411,4 +415,5 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> GGUFSummary:
             if isinstance(getattr(block.get_submodule(parent), child, None), nn.Linear):
                 setattr(block.get_submodule(parent), child,
                         installer.linear(f"blk.{i}.{short}.weight", f"blk.{i}.{short}.bias"))
+    installer.summary.log_dequantized()
     return installer.summary

@@ -187,9 +187,10 @@ class GGMLLinear(QuantLinear):
 
     The kernel (``ggml_linear``) quantizes the activations to int8 per block of 32 for every format (llama.cpp's
     Q8_0 blocks; llama.cpp itself takes Q8_K, one scale per 256, for the K-quants: per 32 keeps more of an
-    activation's precision beside an outlier, docs/kernels.md); the reference applies the same ``quantize_activations(x, 32, 127)`` before ``F.linear`` on the
-    dequantized weights, which it keeps (float32, four to seven times the blocks' bytes: made at load where there
-    is no kernel, else at the first reference call) since dequantizing per call would cost more than the product.
+    activation's precision beside an outlier, docs/kernels.md); the reference applies the same
+    ``quantize_activations(x, 32, 127)`` before ``F.linear`` on the dequantized weights, which it keeps (float32,
+    four to seven times the blocks' bytes: made at load where there is no kernel, else at the first reference
+    call) since dequantizing per call would cost more than the product.
 
     Raises:
         ValueError: a row that is not whole blocks (units).
@@ -319,5 +320,6 @@ class GGMLEmbedding(nn.Module):
         return dequantize_blocks(rows, self.kind).view(*input_ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:
-        return f"{self.num_embeddings}, {self.embedding_dim}, {self.kind.value} (GGUF units of {self.kind.block_weights})"
+        return (f"{self.num_embeddings}, {self.embedding_dim}, {self.kind.value} "
+                f"(GGUF units of {self.kind.block_weights})")
 
