@@ -162,6 +162,8 @@ def _rewritten(source, out, architecture: str | None = None, drop: str | None = 
             block, size = gguf.GGML_QUANT_SIZES[kind]
             rows = int(np.prod(tensor.shape[1:]))
             data = np.zeros((rows, int(tensor.shape[0]) // block * size), dtype=np.uint8)
+            if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                data = data.view(np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16)
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(tensor.name, data)
         else:
@@ -217,6 +219,18 @@ def test_a_type_without_a_kernel_that_gguf_reads_is_served_dequantized_in_one_lo
     assert built.summary.dequantized["IQ4_NL"][0] == 1
     lines = [r.getMessage() for r in caplog.records if "no native kernel" in r.getMessage()]
     assert len(lines) == 1 and "1 IQ4_NL: 0.5 MiB of floats for the file's 0.1 MiB" in lines[0], lines
+
+
+def test_a_float_tensor_runs_on_the_float_kernels_and_the_start_line_says_so(tiny_gguf, tmp_path, caplog):
+    source = tiny_gguf("tiny-llama", "Q4_K_M")
+    f16 = _rewritten(source, tmp_path / "f16.gguf", retype=("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.F16))
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        built = load_gguf(f16, blocks=True)
+    layer = built.model.model.layers[0].mlp.up_proj
+    assert type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32 and not layer.weight.any()
+    assert built.summary.floats == {"F16": 1} and built.summary.dequantized == {}
+    assert "; float tensors on the float kernels: 1 F16" in built.summary.describe()
+    assert not [r for r in caplog.records if "no native kernel" in r.getMessage()]
 
 
 @pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M"])
