@@ -14,6 +14,7 @@ set -euo pipefail
 VALUE_FLAGS=(
   model host port device dtype quantization kv-cache-memory kv-cache-dtype num-kv-blocks block-size max-num-seqs
   max-num-batched-tokens max-queue max-model-len max-request-bytes scheduler api-key served-model-name
+  scheduling-policy
   sse-ping-seconds
   step-log
   drain-seconds
@@ -31,6 +32,8 @@ VALUE_FLAGS=(
   admin-key
   default-max-tokens
   reasoning-parser
+  prefix-caching-hash-algo
+  kv-events-config
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
 SWITCH_FLAGS=(no-prefix-caching vllm-metric-names allow-pickle no-ui share-cache-across-keys metrics-require-key)

@@ -152,6 +152,39 @@ class Constraint:
                 self.lex.append(advance(self.lex[-1], self.table.token_bytes[token]))
 
 
+class Constraints:
+    """The grammar matchers of structured-output sequences, by sequence id: the constraint plug-in the runner
+    consults each step (the scheduler never sees a matcher).
+
+    Whoever admits a request with a grammar ``add``s its matcher before the request runs and ``pop``s it once the
+    request has ended (the server: its verdict, ``unsatisfied``, is read after the end). Adding and removing happen
+    on the event loop while a step may run on the engine thread; each is one dict operation, and a step only reads
+    the matchers of sequences in its plan, which are neither new nor ended.
+    """
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, Constraint] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def add(self, seq_id: int, constraint: Constraint) -> None:
+        self._by_id[seq_id] = constraint
+
+    def get(self, seq_id: int) -> Constraint | None:
+        return self._by_id.get(seq_id)
+
+    def pop(self, seq_id: int) -> Constraint | None:
+        return self._by_id.pop(seq_id, None)
+
+    def of(self, plan) -> dict[int, Constraint]:
+        """``{seq_id: matcher}`` of the sampling sequences of ``plan`` (an ``engine.plan.StepPlan``) that have one,
+        in plan order."""
+        if not self._by_id:
+            return {}
+        return {w.seq_id: c for w in plan.work if w.sample and (c := self._by_id.get(w.seq_id)) is not None}
+
+
 class GrammarCompiler:
     """Compiles grammars for one tokenizer, caching compiled ones by spec (LRU).
 

@@ -85,8 +85,11 @@ class SeqWork:
         prompt_ids: the prompt (for repetition penalty and prompt logprobs).
         output_ids: tokens generated so far (for penalties and seeds).
         suppress_ids: tokens that may not be sampled now (EOS while below min_tokens).
-        constraint: the sequence's grammar matcher (``engine.constraints.Constraint``), or None when unconstrained;
-            opaque to the scheduler, which only carries it.
+
+    ``block_table``, ``prompt_ids`` and ``output_ids`` are the scheduler's own lists, not copies (nothing changes them
+    while the step runs, and a copy per step would grow with the context): the runner only reads them. A
+    structured-output sequence's grammar matcher is the runner's constraint plug-in's, by ``seq_id``
+    (``engine.constraints.Constraints``).
     """
 
     seq_id: int
@@ -99,7 +102,6 @@ class SeqWork:
     prompt_ids: list[int]
     output_ids: list[int]
     suppress_ids: list[int] = field(default_factory=list)
-    constraint: object | None = None
     num_draft: int = 0
     propose: int = 0
 

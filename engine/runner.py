@@ -10,6 +10,7 @@ import torch
 
 from kvserve import native
 from kvserve.engine.attention import AttentionMetadata, PrefillSpan
+from kvserve.engine.constraints import Constraints
 from kvserve.engine.masks import apply_masks, fill_masks_async
 from kvserve.engine.fastpath import fast_decoder
 from kvserve.engine.loader import LoadedModel
@@ -55,6 +56,10 @@ class ModelRunner:
 
     Draft tokens in a plan are verified by ``_sample``; proposing them is speculation's
     (``speculation.decoder.SpecDecoder.execute`` runs this runner's steps and then its drafter).
+
+    Attributes:
+        constraints: the grammar matchers of structured-output sequences, by id (the constraint plug-in: whoever
+            admits a request with a grammar adds its matcher, and removes it once the request has ended).
     """
 
     def __init__(self, loaded: LoadedModel, pool: KVPool) -> None:
@@ -63,6 +68,7 @@ class ModelRunner:
         self.device = loaded.device
         self.fast = fast_decoder(loaded.model)
         self.rows_alone = _rows_alone(loaded, pool)
+        self.constraints = Constraints()
 
     def time_decode_steps(self, sizes: list[int], block_table: list[int], repeats: int = 3,
                           budget_s: float | None = None) -> dict[int, float]:
@@ -169,10 +175,10 @@ class ModelRunner:
         for w, (_, n) in zip(plan.work, spans):
             row += len(w.token_ids)
             keep.extend(range(row - n, row))
-        constrained = [w for w in plan.work if w.sample and w.constraint is not None]
+        matchers = self.constraints.of(plan)  # {seq_id: matcher} of the sampling sequences with a grammar
         # grammar masks are computed on their own thread while the forward runs; unconstrained steps skip this
-        masks = fill_masks_async([w.constraint for w in constrained], [w.output_ids for w in constrained]) \
-            if constrained else None
+        masks = fill_masks_async(list(matchers.values()), [w.output_ids for w in plan.work if w.seq_id in matchers]) \
+            if matchers else None
         meta = self._metadata(plan)
         keep_rows = torch.tensor(keep, dtype=torch.long, device=device)
         if self.fast is not None:
@@ -188,7 +194,7 @@ class ModelRunner:
         logits = logits.float()
         if masks is not None:
             # constrained sequences carry no drafts: their one sampled row is their last kept row
-            rows = [first + n - 1 for w, (first, n) in zip(plan.work, spans) if w.sample and w.constraint is not None]
+            rows = [first + n - 1 for w, (first, n) in zip(plan.work, spans) if w.seq_id in matchers]
             apply_masks(logits, rows, masks.result())
         return logits
 

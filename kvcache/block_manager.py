@@ -17,9 +17,15 @@ Prefix cache, the standard way (vLLM's v1 KV cache manager):
   it from the middle of the list in O(1) (an OrderedDict);
 - a sequence's blocks are freed tail first, so shared heads outlive tails in the LRU order.
 
-The manager also keeps each block's state (free, used, shared, cached: ``BlockState``) as one byte per block,
-updated where a ref count changes, so that a reader of the whole pool (the live page's snapshot) copies
-one bytearray instead of looping over every block in Python.
+A reader of every block's state (free, used, shared, cached: ``BlockState``; the live page) passes a
+``BlockObserver``: it is told each block's new state where a ref count changes, so it never loops over the pool,
+and the manager keeps only what allocation needs (with none, nothing is called). The counts of free blocks with
+and without a hash are kept as they change, for the engine core's step records.
+
+KV events (``kvcache.events``; ``record_events=True``): every block that enters the table of cached digests appends a
+``BlockStored`` (one per run of consecutive blocks a call registers), every one that leaves it a ``BlockRemoved``, a
+reset an ``AllBlocksCleared``; ``take_events`` hands them over in order. The digests are ``hasher``'s: kvserve's own
+(``KvserveHasher``) or vLLM's ``sha256_cbor`` (``kvcache.hashing``), so a router can recompute them.
 """
 
 from __future__ import annotations
@@ -30,12 +36,16 @@ import itertools
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
+
+from kvserve.kvcache.events import AllBlocksCleared, BlockRemoved, BlockStored, KVCacheEvent
+from kvserve.kvcache.hashing import BlockHasher, HashAlgo, VllmCborHasher
 
 _ROOT_SERIAL = 0  # the parent serial of every sequence's first block; registered blocks count from 1
 
 
 class BlockState(enum.IntEnum):
-    """What a block holds, as the live page colours it (its value is the digit in ``BlockManager.states``)."""
+    """What a block holds, as the live page colours it (its value is the digit the page's snapshot sends)."""
 
     FREE = 0     # no owner and no cached content: the next to be handed out
     USED = 1     # in one sequence's block table
@@ -52,6 +62,13 @@ def block_state(ref_count: int, cached: bool) -> BlockState:
     return BlockState.CACHED if cached else BlockState.FREE
 
 
+class BlockObserver(Protocol):
+    """Told every change of a block's ``BlockState``, as it happens (the live page keeps its pool view so)."""
+
+    def block_changed(self, block_id: int, state: BlockState) -> None:
+        """Block ``block_id`` is now in ``state``."""
+
+
 @dataclass(slots=True)
 class Block:
     """One block of the pool.
@@ -64,6 +81,7 @@ class Block:
         salt: the cache salt of the chain it belongs to, when cached.
         serial: this registration's number (unique for the manager's life), when cached.
         parent_serial: the serial of the block it hangs under (``_ROOT_SERIAL`` for a first block).
+        parent_hash: the digest of the block it hangs under (None for a first block), for ``cached_snapshot``.
     """
 
     block_id: int
@@ -73,6 +91,7 @@ class Block:
     salt: str | None = None
     serial: int | None = None
     parent_serial: int | None = None
+    parent_hash: bytes | None = None
 
 
 @dataclass(slots=True)
@@ -108,6 +127,33 @@ def chain_hash(parent_hash: bytes, token_ids: tuple[int, ...]) -> bytes:
     return hashlib.sha256(parent_hash + array("I", token_ids).tobytes()).digest()
 
 
+class KvserveHasher:
+    """kvserve's digests (``--prefix-caching-hash-algo kvserve``): ``chain_hash`` from the salt's ``root_hash``."""
+
+    def block_hash(self, parent: bytes | None, token_ids: tuple[int, ...], salt: str | None) -> bytes:
+        return chain_hash(root_hash(salt) if parent is None else parent, token_ids)
+
+
+def make_hasher(algo: HashAlgo | str = HashAlgo.KVSERVE) -> BlockHasher:
+    """The hasher of ``algo`` (``kvcache.hashing.HashAlgo``).
+
+    Raises:
+        ValueError: an unknown algorithm name.
+    """
+    return VllmCborHasher() if HashAlgo(algo) is HashAlgo.SHA256_CBOR else KvserveHasher()
+
+
+def prompt_block_hashes(hasher: BlockHasher, token_ids: list[int], block_size: int,
+                        salt: str | None = None) -> list[bytes]:
+    """The digests of the full blocks of ``token_ids`` (a router hashes a prompt so, to find where it is cached)."""
+    digests: list[bytes] = []
+    parent = None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hasher.block_hash(parent, tuple(token_ids[start:start + block_size]), salt)
+        digests.append(parent)
+    return digests
+
+
 class BlockManager:
     """Allocates blocks, shares cached prefix blocks, and frees them.
 
@@ -115,12 +161,17 @@ class BlockManager:
         num_blocks: blocks in the pool.
         block_size: tokens per block.
         enable_prefix_caching: share full blocks between sequences with a common prefix.
+        observer: told every change of a block's state (the live page), or None.
+        hasher: the block digests (default: kvserve's own, ``KvserveHasher``).
+        record_events: keep KV events for ``take_events`` (off: none is built).
 
     Raises:
         ValueError: non-positive sizes.
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 observer: BlockObserver | None = None, hasher: BlockHasher | None = None,
+                 record_events: bool = False) -> None:
         if num_blocks < 1 or block_size < 1:
             raise ValueError("num_blocks and block_size must be >= 1")
         self.block_size = block_size
@@ -129,10 +180,12 @@ class BlockManager:
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))  # head = LRU
         self._cached: dict[bytes, int] = {}  # block digest -> block id
         self._serials = itertools.count(_ROOT_SERIAL + 1)
-        # each block's BlockState as an ASCII digit, in block-id order; kept by _mark wherever a ref count changes.
-        # A hash changes only on a block some table holds (registered) or is about to hold (evicted), whose state
-        # the hash does not decide. tests/test_kvcache.py checks it against the blocks after random operations.
-        self.states = bytearray(b"0" * num_blocks)
+        # free blocks that keep a hash (the prefix cache's evictable blocks), kept where a free block gains or loses
+        # one: tests/test_kvcache.py checks it against the blocks after random operations
+        self.num_cached_free = 0
+        self.observer = observer
+        self.hasher = hasher or KvserveHasher()
+        self._events: list[KVCacheEvent] | None = [] if record_events else None
 
     @property
     def num_blocks(self) -> int:
@@ -148,12 +201,9 @@ class BlockManager:
         """Fraction of blocks held by sequences, in [0, 1]."""
         return 1.0 - self.num_free_blocks / self.num_blocks
 
-    def state_digits(self) -> str:
-        """Every block's ``BlockState`` as one digit per block, in block-id order (``"0012..."``)."""
-        return self.states.decode("ascii")
-
     def _mark(self, block: Block) -> None:
-        self.states[block.block_id] = ord("0") + block_state(block.ref_count, block.block_hash is not None)
+        if self.observer is not None:
+            self.observer.block_changed(block.block_id, block_state(block.ref_count, block.block_hash is not None))
 
     def blocks_needed(self, num_tokens: int) -> int:
         """Blocks that hold ``num_tokens`` tokens."""
@@ -169,10 +219,10 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits: list[int] = []
-        digest, parent_serial = root_hash(salt), _ROOT_SERIAL
+        digest, parent_serial = None, _ROOT_SERIAL
         for index in range((len(token_ids) - 1) // self.block_size):
             chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-            digest = chain_hash(digest, chunk)
+            digest = self.hasher.block_hash(digest, chunk, salt)
             block = self._verified(digest, chunk, salt, parent_serial)
             if block is None:
                 break
@@ -211,6 +261,7 @@ class BlockManager:
             block = self.blocks[block_id]
             if block.ref_count == 0:
                 del self._free[block_id]  # O(1) removal from the middle of the LRU list
+                self.num_cached_free -= 1  # a hit on a free block: it holds a hash
             block.ref_count += 1
             self._mark(block)
             block_table.append(block_id)
@@ -224,13 +275,18 @@ class BlockManager:
         return True
 
     def _evict(self, block: Block) -> None:
+        """Drop a free block's hash as it is handed out."""
         if block.block_hash is not None:
+            self.num_cached_free -= 1
             if self._cached.get(block.block_hash) == block.block_id:
                 del self._cached[block.block_hash]
+                if self._events is not None:
+                    self._events.append(BlockRemoved([block.block_hash]))
             block.block_hash = block.token_ids = block.salt = block.serial = block.parent_serial = None
+            block.parent_hash = None
 
     def cache_full_blocks(self, block_table: list[int], token_ids: list[int], num_computed: int,
-                          chain: list[ChainLink], salt: str | None = None) -> None:
+                          chain: list[ChainLink], salt: str | None = None, offset: int = 0) -> None:
         """Register the full blocks among the first ``num_computed`` tokens of a sequence in the prefix cache.
 
         Call after a step has written those tokens' K/V (only verified tokens: a block is hashed once, so a
@@ -242,22 +298,41 @@ class BlockManager:
 
         Args:
             block_table: the sequence's blocks, in order.
-            token_ids: the sequence's tokens (prompt then output).
+            token_ids: the sequence's tokens (prompt then output) from position ``offset`` on: at least those of
+                the blocks not yet in ``chain`` (a caller passes just those, so a step's cost does not grow with
+                the context).
             num_computed: tokens whose K/V are in the cache.
             chain: the sequence's links so far (empty for a new or preempted sequence); appended to.
             salt: the sequence's cache salt (None: the shared, unsalted cache).
+            offset: the position of ``token_ids[0]`` (at most ``len(chain) * block_size``).
         """
         if not self.enable_prefix_caching:
             return
+        run: BlockStored | None = None  # the KV event of the blocks registered in a row so far
         for index in range(len(chain), num_computed // self.block_size):
-            parent = chain[-1] if chain else ChainLink(root_hash(salt), _ROOT_SERIAL)
-            chunk = tuple(token_ids[index * self.block_size:(index + 1) * self.block_size])
-            digest = chain_hash(parent.digest, chunk)
+            parent = chain[-1] if chain else None
+            chunk = tuple(token_ids[index * self.block_size - offset:(index + 1) * self.block_size - offset])
+            parent_digest = parent.digest if parent is not None else None
+            digest = self.hasher.block_hash(parent_digest, chunk, salt)
+            stored = digest not in self._cached
             chain.append(ChainLink(digest, self._register(block_table[index], digest, chunk, salt,
-                                                          parent.serial)))
+                                                          parent.serial if parent is not None else _ROOT_SERIAL,
+                                                          parent_digest)))
+            stored = stored and self._cached.get(digest) == block_table[index]
+            if self._events is None:
+                continue
+            if not stored:
+                run = None
+                continue
+            if run is None:
+                run = BlockStored([], parent_digest, [], self.block_size, [])
+                self._events.append(run)
+            run.block_hashes.append(digest)
+            run.token_ids.extend(chunk)
+            run.extra_keys.append((salt,) if index == 0 and salt else None)
 
     def _register(self, block_id: int, digest: bytes, chunk: tuple[int, ...], salt: str | None,
-                  parent_serial: int | None) -> int | None:
+                  parent_serial: int | None, parent_hash: bytes | None) -> int | None:
         """Cache ``block_id`` under ``digest`` unless a verified copy exists; returns the serial that holds
         this prefix in the cache, or None when none does."""
         if parent_serial is None:
@@ -269,7 +344,7 @@ class BlockManager:
         if digest in self._cached or block.block_hash is not None:
             return None  # the digest holds another prefix: keep this block private
         block.block_hash, block.token_ids, block.salt = digest, chunk, salt
-        block.serial, block.parent_serial = next(self._serials), parent_serial
+        block.serial, block.parent_serial, block.parent_hash = next(self._serials), parent_serial, parent_hash
         self._cached[digest] = block_id
         return block.serial
 
@@ -280,5 +355,47 @@ class BlockManager:
             block.ref_count -= 1
             if block.ref_count == 0:
                 self._free[block_id] = None  # most recently freed: evicted last
+                self.num_cached_free += block.block_hash is not None
             self._mark(block)
         block_table.clear()
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached digest (vLLM's ``reset_prefix_cache``), when no sequence holds a block.
+
+        Returns:
+            True when reset (a KV event ``AllBlocksCleared`` follows); False, with nothing changed, while some block
+            is still held.
+        """
+        if self.num_free_blocks != self.num_blocks:
+            return False
+        for block in self.blocks:
+            if block.block_hash is not None:
+                block.block_hash = block.token_ids = block.salt = block.serial = block.parent_serial = None
+                block.parent_hash = None
+                self._mark(block)
+        self._cached.clear()
+        self.num_cached_free = 0
+        if self._events is not None:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def take_events(self) -> list[KVCacheEvent]:
+        """The KV events since the last call, in order (empty unless made with ``record_events``)."""
+        if not self._events:
+            return []
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def cached_hashes(self) -> set[bytes]:
+        """The digests the prefix cache holds now (what an index built from the KV events must equal)."""
+        return set(self._cached)
+
+    def cached_snapshot(self) -> list[KVCacheEvent]:
+        """The cache as events: ``AllBlocksCleared``, then one ``BlockStored`` per cached block, parents first (a
+        block is registered after its parent, so in serial order). A publisher that dropped events sends this to
+        bring its subscribers' indexes back to the cache's state."""
+        cached = sorted((b for b in self.blocks if b.block_hash is not None), key=lambda b: b.serial)
+        return [AllBlocksCleared(), *(BlockStored([b.block_hash], b.parent_hash, list(b.token_ids), self.block_size,
+                                                  [(b.salt,) if b.parent_hash is None and b.salt else None])
+                                      for b in cached)]

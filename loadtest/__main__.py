@@ -1,8 +1,9 @@
 """``python -m kvserve.loadtest COMMAND``: load runs, static vs continuous, the simulator, engine tables, peers.
 
 Each command's module owns its flags (``add_arguments``) and its work (``run``); this file only dispatches,
-importing each module lazily so ``run`` starts without torch. Two modules also run as child processes of
-other commands, never by hand: ``loadgen.fakeserver`` (a stand-in server command) and ``engine.memprobe``.
+importing each module lazily so ``run`` starts without torch. Three modules also run as child processes of
+other commands, never by hand: ``loadgen.fakeserver`` (a stand-in server command), ``engine.memprobe`` and
+``procs.kvrouter`` (the cluster's KV-aware router).
 """
 
 from __future__ import annotations
@@ -22,15 +23,17 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "profile": ("kvserve.loadtest.engine.profile_step", "where a decode step's (or with --prefill, a prompt's) time goes on our engine"),
     "overhead": ("kvserve.loadtest.served.overhead", "where a served token's time and CPU go beyond the model step"),
     "quant": ("kvserve.loadtest.engine.quantbench", "decode speed and quality of each weight quantization, side by side"),
-    "cluster": ("kvserve.loadtest.served.cluster", "replicas behind vllm-router: cache-aware vs round-robin, kill, drain"),
+    "cluster": ("kvserve.loadtest.served.cluster", "replicas behind a router: round robin, KV events, cache-aware; kill, drain"),
     "structured": ("kvserve.loadtest.served.structured", "grammar compile time and the throughput cost of constrained decoding"),
     "prefill": ("kvserve.loadtest.engine.prefillbench", "prefill time with every row attending as a decode row, against SDPA"),
+    "corestep": ("kvserve.loadtest.engine.corebench", "the engine core's own cost per step, at 100 and 4,000 tokens of context"),
     "hashbench": ("kvserve.loadtest.engine.hashbench", "prefix-cache hashing cost per full block: hash() vs SHA-256"),
     "ui": ("kvserve.loadtest.served.uibench", "serving throughput with the live page open, against without it"),
     "kvcache": ("kvserve.loadtest.engine.kvbench", "KV cache dtypes side by side: sequences that fit, decode tokens/s"),
     "speculative": ("kvserve.loadtest.served.speculative", "speculative decoding: the chapter's table of quantized drafts; off, auto and fixed, served"),
     "backpressure": ("kvserve.loadtest.served.backpressure", "overload (4x) and disconnect drills against a small server"),
     "prefix": ("kvserve.loadtest.served.prefixbench", "prefix cache: TTFT of a shared 1,024-token prefix, cold vs warm"),
+    "fairness": ("kvserve.loadtest.served.fairness", "scheduling policies under a flood: fair share per tenant, priorities"),
     "kernelbench": ("kvserve.loadtest.engine.kernelbench", "the measurements behind the engine's kernel choices"),
     "llamacpp": ("kvserve.loadtest.peer_systems.llamacpp", "build llama.cpp's llama-server outside the repo (peers needs it)"),
     "vllm": ("kvserve.loadtest.peer_systems.vllmcpu", "install vLLM's CPU backend outside the repo (peers --prefill uses it)"),

@@ -1,8 +1,9 @@
-"""The scheduler as an asyncio actor: one task owns all scheduling state.
+"""The engine core as an asyncio actor: one task drives it, HTTP handlers only send commands.
 
-HTTP handlers never touch the Scheduler: they ``submit`` a sequence (admitted to the inbox or refused
-at once with QueueFull) and ``abort`` it; both are commands the loop applies between steps. The model
-step runs in a single worker thread, so the event loop keeps answering HTTP during a step.
+Handlers ``submit`` requests (admitted to the inbox, or refused at once with QueueFull) with the stream each one's
+outputs go to, and ``abort`` them; the loop applies both between steps and runs ``EngineCore.step`` on a single
+worker thread, so the event loop keeps answering HTTP during a whole step (planning and applying included). The
+core never sees a stream: outputs come back keyed by request id and this service puts each on its stream.
 """
 
 from __future__ import annotations
@@ -11,18 +12,20 @@ import asyncio
 import enum
 import logging
 import math
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 
-from kvserve.engine.plan import SeqResult, StepPlan
-from kvserve.scheduler.scheduler import Scheduler
-from kvserve.scheduler.sequence import FinishReason, SeqEvent, Sequence
+from kvserve.scheduler.contract import (EngineRequest, FinishReason, RequestOutput, StepOutput, StepRecord,
+                                        StepTotals)
+from kvserve.scheduler.core import EngineCore
 
 log = logging.getLogger("kvserve.scheduler")
 
 _COLD_START_S_PER_REQUEST = 1.0  # Retry-After estimate before two requests have finished (s/request)
+_NOTHING_FITS_S = 0.005          # pause before planning again when nothing fitted (only possible transiently)
+
+# What a stream receives: an output, and the step that produced it (None for an abort's or a failure's output).
+Delivery = tuple[RequestOutput, StepRecord | None]
 
 
 class QueueFull(Exception):
@@ -37,52 +40,44 @@ class QueueFull(Exception):
 class _Command(enum.Enum):
     ADD = "add"
     ABORT = "abort"
-
-
-@dataclass(slots=True)
-class StepStats:
-    """Counters the metrics endpoint reads (tokens, steps)."""
-
-    steps: int = 0
-    prompt_tokens: int = 0       # prompt tokens computed (prefix-cache hits excluded)
-    generation_tokens: int = 0
-    engine_s: float = 0.0        # wall time inside the model runner (s)
-    loop_s: float = 0.0          # wall time between consecutive steps while work was left (s): scheduling,
-                                 # applying results, waking the worker thread
+    RESET = "reset"  # empty the prefix cache (its payload: the future that hears whether it was)
 
 
 class SchedulerService:
-    """Runs the scheduling loop.
+    """Runs the step loop.
 
     Args:
-        scheduler: the planning core (owned by this service's task from now on).
-        execute: computes a StepPlan (the model runner's ``execute``, or with speculation the ``execute`` of the
-            scheduler's ``spec``, which runs the runner's and then its drafter); runs in a worker thread.
+        core: the engine core (driven by this service's task from now on).
         max_queue: waiting sequences beyond which ``submit`` raises QueueFull.
-        on_step: called after each successful step with its plan and wall time (s), e.g. to log step costs.
+        on_step: called on the event loop with every ``StepOutput`` once its outputs are delivered (an abort's output
+            comes as a StepOutput without a record): the live page, the step log, metrics. One that raises is
+            switched off, never the loop.
         executor: the single worker thread that runs steps; pass the thread that loaded the model (see
             ``server.serve.run``: one thread for all torch work keeps a single OpenMP team). Default: a new one.
+
+    Attributes:
+        totals: the step records summed since start.
+        dead: what ended the loop, once it has died.
     """
 
-    def __init__(self, scheduler: Scheduler, execute: Callable[[StepPlan], list[SeqResult]], max_queue: int,
-                 on_step: Callable[[StepPlan, float], None] | None = None,
+    def __init__(self, core: EngineCore, max_queue: int, on_step: Callable[[StepOutput], None] | None = None,
                  executor: ThreadPoolExecutor | None = None) -> None:
-        self.scheduler = scheduler
+        self.core = core
         self.on_step = on_step
-        self.execute = execute
         self.max_queue = max_queue
-        self.stats = StepStats()
+        self.totals = StepTotals()
         self.dead: BaseException | None = None
         self._inbox: asyncio.Queue[tuple[_Command, object]] = asyncio.Queue()
         self._pending_adds = 0
         # submitted and not yet told their end: whatever fails, each of them hears of it (``_fail_all``)
-        self._admitted: dict[int, Sequence] = {}
+        self._streams: dict[int, asyncio.Queue[Delivery]] = {}
         self._executor = executor or ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step")
         self._task: asyncio.Task | None = None
 
     # -- commands (called from handlers) -------------------------------------------------------------
-    def submit(self, seqs: list[Sequence]) -> None:
-        """Queue sequences (the choices of one request) or refuse them all at once.
+    def submit(self, requests: list[tuple[EngineRequest, asyncio.Queue[Delivery]]]) -> None:
+        """Queue requests (the choices of one HTTP request), each with the stream its outputs go to, or refuse them
+        all at once.
 
         The bound counts sequences (a request with n choices counts n) that will wait: those beyond the slots
         free at the next step, so a burst into idle slots is not refused. With max_queue > 0 a request that
@@ -95,28 +90,41 @@ class SchedulerService:
         """
         if self.dead is not None:
             raise RuntimeError(f"engine loop has died: {self.dead!r}")
-        queued = len(self.scheduler.waiting) + self._pending_adds  # not running yet
-        free = self.scheduler.free_slots()
+        queued = self.queued
+        free = self.core.load.free_slots
         waiting = max(0, queued - free)
-        if self.max_queue == 0 or (waiting and queued + len(seqs) - free > self.max_queue):
+        if self.max_queue == 0 or (waiting and queued + len(requests) - free > self.max_queue):
             raise QueueFull(waiting, self.retry_after_s(waiting))
-        self._pending_adds += len(seqs)
-        for seq in seqs:
-            self._admitted[seq.seq_id] = seq
-            self._inbox.put_nowait((_Command.ADD, seq))
+        self._pending_adds += len(requests)
+        for request, stream in requests:
+            self._streams[request.request_id] = stream
+            self._inbox.put_nowait((_Command.ADD, request))
 
     @property
     def queued(self) -> int:
-        """Sequences submitted and not running yet: waiting in the scheduler or still in the inbox."""
-        return len(self.scheduler.waiting) + self._pending_adds
+        """Sequences submitted and not running yet: waiting in the core or still in the inbox."""
+        return self.core.load.waiting + self._pending_adds
 
-    def abort(self, seq_id: int) -> None:
-        """Ask the loop to drop a sequence (queued or running); it is removed before the next step."""
-        self._inbox.put_nowait((_Command.ABORT, seq_id))
+    def abort(self, request_id: int) -> None:
+        """Ask the loop to drop a request (queued or running); it is removed before the next step."""
+        self._inbox.put_nowait((_Command.ABORT, request_id))
+
+    async def reset_prefix_cache(self) -> bool:
+        """Empty the prefix cache between two steps (vLLM's ``/reset_prefix_cache``); False, with nothing changed,
+        while requests hold blocks. The reset's KV events go out through ``on_step`` like a step's.
+
+        Raises:
+            RuntimeError: the loop has died.
+        """
+        if self.dead is not None:
+            raise RuntimeError(f"engine loop has died: {self.dead!r}")
+        done: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._inbox.put_nowait((_Command.RESET, done))
+        return await done
 
     def retry_after_s(self, queued: int) -> int:
         """Seconds until ``queued`` waiting requests should have drained, from the measured finish rate."""
-        rate = self.scheduler.finish_rate.rate()
+        rate = self.core.load.finish_rate
         seconds = (queued + 1) / rate if rate else (queued + 1) * _COLD_START_S_PER_REQUEST
         return max(1, min(600, math.ceil(seconds)))
 
@@ -141,17 +149,29 @@ class SchedulerService:
     def _apply(self, command: _Command, payload: object) -> None:
         if command is _Command.ADD:
             self._pending_adds -= 1
-            self.scheduler.add(payload)
+            self.core.add(payload)
+        elif command is _Command.RESET:
+            step = self.core.reset_prefix_cache()
+            if step is not None:
+                self._deliver_step(step)
+            if not payload.done():
+                payload.set_result(step is not None)
         else:
-            seq = self.scheduler.abort(payload)
-            if seq is not None:
-                self._deliver(seq, SeqEvent(seq.seq_id, finish=FinishReason.ABORT))
+            output = self.core.abort(payload)
+            if output is not None:
+                self._deliver_step(StepOutput([output]))
 
-    def _deliver(self, seq: Sequence, event: SeqEvent) -> None:
-        """Put ``event`` on the sequence's stream; its last event retires it from ``_admitted``."""
-        seq.events.put_nowait(event)
-        if event.finish is not None:
-            self._admitted.pop(seq.seq_id, None)
+    def _deliver(self, output: RequestOutput, record: StepRecord | None) -> None:
+        """Put ``output`` on its request's stream; its last output retires the stream."""
+        stream = self._streams.pop(output.request_id) if output.finished else self._streams.get(output.request_id)
+        if stream is not None:
+            stream.put_nowait((output, record))
+
+    def _deliver_step(self, step: StepOutput) -> None:
+        for output in step.outputs:
+            self._deliver(output, step.record)
+        if self.on_step is not None:
+            self._observe(step)
 
     def _drain_inbox(self) -> None:
         while not self._inbox.empty():
@@ -159,41 +179,25 @@ class SchedulerService:
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        last_end: float | None = None  # when the previous step ended, if work was left after it
+        last: StepRecord | None = None  # the previous step, if work was left after it
         try:
             while True:
-                # going idle waits for a request, once the engine has freed what ended sequences held there
-                if not self.scheduler.has_work and self._inbox.empty() and not self.scheduler.ended_ids:
+                # going idle waits for a request, once the engine has freed what ended requests held there
+                if not self.core.has_work and self._inbox.empty():
                     self._apply(*await self._inbox.get())
                 self._drain_inbox()
-                plan = self.scheduler.schedule()
-                if not plan.work:
-                    if plan.ended_ids:  # a plan with no work only frees what ended sequences held in the engine
-                        await self._free_ended(loop, plan)
-                    if self.scheduler.has_work:
-                        await asyncio.sleep(0.005)  # nothing fits now (only possible transiently)
+                if not self.core.has_work:
                     continue
-                if last_end is not None:
-                    self.stats.loop_s += time.perf_counter() - last_end
-                started = time.perf_counter()
-                try:
-                    results = await loop.run_in_executor(self._executor, self.execute, plan)
-                except Exception as exc:  # a failed step fails only its own sequences
-                    log.exception("engine step failed")
-                    self._fail(plan, exc)
-                    last_end = None
-                    continue
-                self.stats.steps += 1
-                seconds = time.perf_counter() - started
-                self.stats.engine_s += seconds
-                if self.on_step is not None:
-                    self._observe(plan, seconds)
-                self._count(plan, results)
-                if self.scheduler.spec is not None:  # speculation learns acceptance and step costs
-                    self.scheduler.spec.observe(plan, results, self.scheduler.running, seconds)
-                for seq, event in self.scheduler.update(plan, results):
-                    self._deliver(seq, event)
-                last_end = time.perf_counter() if self.scheduler.has_work else None
+                step = await loop.run_in_executor(self._executor, self.core.step)
+                record = step.record
+                if record is not None:
+                    self.totals.add(record)
+                    if last is not None:
+                        self.totals.loop_s += max(0.0, record.ended - last.ended - record.seconds)
+                last = record if record is not None and self.core.has_requests else None
+                self._deliver_step(step)
+                if record is None and not step.outputs and self.core.has_requests:
+                    await asyncio.sleep(_NOTHING_FITS_S)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -202,39 +206,17 @@ class SchedulerService:
             self._fail_all(exc)
             raise
 
-    async def _free_ended(self, loop: asyncio.AbstractEventLoop, plan: StepPlan) -> None:
-        """Run a plan that only frees what ended sequences held in the engine (a drafter's K/V).
-
-        No sequence waits on it, so a failure is logged and serving goes on: the ended sequences' engine state
-        is at worst left allocated, never served to anyone (the next sequence with that id is a new one).
-        """
-        try:
-            await loop.run_in_executor(self._executor, self.execute, plan)
-        except Exception:
-            log.exception("freeing ended sequences in the engine failed; serving goes on")
-
     def _fail_all(self, exc: BaseException) -> None:
-        """End every admitted sequence with an error event: waiting, running, still in the inbox, or finished in
-        a step whose events were never delivered."""
-        for seq in list(self._admitted.values()):
-            self._deliver(seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine loop died: {exc!r}"))
+        """End every submitted request with an error output: waiting, running, still in the inbox, or finished in
+        a step whose outputs were never delivered."""
+        for request_id in list(self._streams):
+            self._deliver(RequestOutput(request_id, finish_reason=FinishReason.ERROR,
+                                        error=f"engine loop died: {exc!r}"), None)
 
-    def _observe(self, plan: StepPlan, seconds: float) -> None:
+    def _observe(self, step: StepOutput) -> None:
         """Call ``on_step``; an observer that fails (a step log on a full disk) is dropped, never the loop."""
         try:
-            self.on_step(plan, seconds)
+            self.on_step(step)
         except Exception:
             log.exception("step observer failed; it is switched off, serving goes on")
             self.on_step = None
-
-    def _count(self, plan: StepPlan, results: list[SeqResult]) -> None:
-        for w, result in zip(plan.work, results):
-            if not w.is_decode:  # a recompute after preemption also recomputes generated tokens: not prompt ones
-                self.stats.prompt_tokens += min(w.context_len, len(w.prompt_ids)) - w.start_pos
-            self.stats.generation_tokens += len(result.tokens)
-
-    def _fail(self, plan: StepPlan, exc: Exception) -> None:
-        for w in plan.work:
-            seq = self.scheduler.abort(w.seq_id, FinishReason.ERROR)
-            if seq is not None:
-                self._deliver(seq, SeqEvent(seq.seq_id, finish=FinishReason.ERROR, error=f"engine step failed: {exc}"))

@@ -65,7 +65,8 @@ def _check_request_size(state: ServerState, body, completions: bool) -> None:
 async def admit(state: ServerState, body, request: Request) -> Generation:
     """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine).
 
-    Its sequences use the prefix-cache partition of its API key and its ``cache_salt`` (server.auth).
+    Its sequences use the prefix-cache partition of its API key and its ``cache_salt``, and belong to its key's
+    tenant or its tenant header's (server.auth).
     """
     if body.model is not None and body.model not in (state.model_name, "default"):
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
@@ -75,10 +76,10 @@ async def admit(state: ServerState, body, request: Request) -> Generation:
     prepare_all = prepare_prompts if completions else prepare
     prepared = await tokenizing(_prompt_chars(body), prepare_all, state, body)
     grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
-    salt = ApiKeys.cache_salt(request, body.cache_salt)
+    salt, tenant = ApiKeys.cache_salt(request, body.cache_salt), ApiKeys.tenant(request)
     owner = getattr(request.state, "key_owner", None)
     for one in prepared if completions else [prepared]:
-        one.grammar, one.cache_salt, one.owner = grammar, salt, owner
+        one.grammar, one.cache_salt, one.tenant, one.owner = grammar, salt, tenant, owner
     if completions:  # one prompt or several, numbered as OpenAI numbers them
         generation = PromptGroups(state, prepared, body.n, body.prompts)
     else:

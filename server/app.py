@@ -78,6 +78,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         state.service.start()
         yield
         await state.service.stop()
+        state.close()
 
     keys = ApiKeys(state.config.api_keys, isolate_cache=not state.config.share_cache_across_keys,
                    admin_keys=state.config.admin_keys)
@@ -170,6 +171,28 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 
     for path in POOLING_PATHS:  # vLLM's pooling endpoints: named, never a bare 404
         app.add_api_route(path, pooling_not_served, methods=["POST"], dependencies=v1, include_in_schema=False)
+
+    def _error(description: str) -> dict:
+        return {"description": description,
+                "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorResponse"}}}}
+
+    @app.post("/reset_prefix_cache", dependencies=v1, responses={
+        403: _error("with API keys, a key that is not an --admin-key"),
+        409: _error("requests hold KV blocks: the cache is reset only when the server is idle"),
+        503: _error("the engine loop has stopped")})
+    async def reset_prefix_cache(request: Request):
+        """vLLM's route: empty the prefix cache (KV events: AllBlocksCleared). With API keys, an admin key's only
+        (one key must not flush, nor time, the others' caches); 409 while requests hold blocks."""
+        if state.config.api_keys and not request.state.key_admin:
+            raise ApiError(403, "resetting the prefix cache needs an --admin-key", code="permission_denied")
+        try:
+            reset = await state.service.reset_prefix_cache()
+        except RuntimeError as exc:
+            raise ApiError(503, str(exc), code="engine_dead") from None
+        if not reset:
+            raise ApiError(409, "requests still hold KV blocks: the prefix cache is reset only when the server is "
+                           "idle; retry then", code="busy")
+        return {"reset": True}
 
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):

@@ -6,6 +6,10 @@ neither the match nor its position leaks through timing. With keys, each key's r
 prefixes only among themselves: the key's fingerprint salts the first block's digest (kvcache's chain), so
 one tenant cannot learn from a faster first token that another sent a prompt recently. A request's own
 ``cache_salt`` (vLLM's field) narrows that further, within its key.
+
+A key is also a tenant, for ``--scheduling-policy fair``: its requests share one tenant's slots and tokens. Without
+keys, a request names its tenant in the ``X-Tenant-ID`` header (with keys the header is ignored, so one key cannot
+pass for another tenant); a request that names none belongs to the one anonymous tenant.
 """
 
 from __future__ import annotations
@@ -17,6 +21,8 @@ from pathlib import Path
 from fastapi import Request
 
 from kvserve.server.errors import ApiError
+
+TENANT_HEADER = "x-tenant-id"  # names a request's tenant when the server has no API keys
 
 
 def read_key_file(path: str) -> tuple[str, ...]:
@@ -92,3 +98,12 @@ class ApiKeys:
         if key_salt is None:
             return request_salt
         return key_salt if request_salt is None else f"{key_salt}\0{request_salt}"
+
+    @staticmethod
+    def tenant(request: Request) -> str | None:
+        """Whose request this is: its API key (as the key's fingerprint), else its ``X-Tenant-ID`` header, else None
+        (the anonymous tenant)."""
+        key_owner = getattr(request.state, "key_owner", None)
+        if key_owner is not None:
+            return "key:" + key_owner
+        return request.headers.get(TENANT_HEADER) or None

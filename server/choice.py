@@ -1,10 +1,10 @@
-"""One choice's output as the client sees it: its SeqEvents turned into text updates.
+"""One choice's output as the client sees it: its RequestOutputs turned into text updates.
 
-A state machine fed one SeqEvent (one token at most) at a time: the token's text comes from the incremental
-detokenizer, text that may begin a stop string is held back until it can be told apart, and each token is
+A state machine fed one RequestOutput at a time, one token after another: each token's text comes from the
+incremental detokenizer, text that may begin a stop string is held back until it can be told apart, and each token is
 released with the first character of its text, so logprobs describe exactly the returned text. The choice
-ends on the event that finishes its sequence, or here, on a stop-string match (``stop_matched``: the caller
-must then abort the sequence, see server.generation).
+ends on the output that finishes its request, or here, on a stop-string match (``stop_matched``: the caller
+must then abort the request, see server.generation).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from kvserve.engine.constraints import unsatisfied
+from kvserve.engine.constraints import Constraint, unsatisfied
 from kvserve.engine.plan import TokenLogprob
-from kvserve.scheduler.sequence import FinishReason, SeqEvent, Sequence
+from kvserve.scheduler.contract import FinishReason, RequestOutput
 from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher
 from kvserve.server.errors import ApiError
 
@@ -36,29 +36,44 @@ class ChoiceUpdate:
     offsets: list[int] = field(default_factory=list)
 
 
+@dataclass(slots=True)
+class ChoiceTimes:
+    """When a choice arrived, was first scheduled and got its first token (``time.perf_counter()`` s; None: not yet).
+    The step records its outputs come with give the last two."""
+
+    arrival: float
+    first_scheduled: float | None = None
+    first_token: float | None = None
+
+
 class Choice:
-    """The returned side of one Sequence.
+    """The returned side of one request sent to the engine core.
 
     Args:
         index: the choice's index in the response.
-        seq: its sequence (the scheduler owns it; read here for its id, and for its grammar's verdict once it
-            has ended).
         tokenizer: the model's tokenizer.
         prompt_ids: the prompt (the detokenizer's context, and the count of prompt logprobs expected).
         stop_strings: strings that end the choice; the text returned stops before them.
+        constraint: its grammar matcher (the runner's constraint plug-in holds it while it runs; read here for the
+            verdict once the request has ended), or None.
+        arrival: when the request arrived (``time.perf_counter()`` s).
 
     Attributes:
-        completion_tokens: tokens returned (``len(seq.output_ids)`` can be larger after a stop string: the
-            scheduler computes on until the abort reaches it).
+        completion_tokens: tokens returned (the core can compute more after a stop string: it computes on until
+            the abort reaches it).
         finish_reason: the response's finish reason ("stop", "length", "error", "abort"); None while running.
-        stop_matched: the choice ended on a stop string, not on its sequence's last event.
+        stop_matched: the choice ended on a stop string, not on its request's last output.
         last_token_time: when its last returned token was produced (``time.perf_counter()`` s).
         prompt_logprobs: the prompt's logprobs (echo), once each even if a preemption recomputes them.
+        times: arrival, first scheduling, first token.
+        cached_tokens, draft_tokens, accepted_tokens: prompt tokens the prefix cache served, draft tokens
+            verified for it and accepted, as its outputs said.
     """
 
-    def __init__(self, index: int, seq: Sequence, tokenizer, prompt_ids: list[int], stop_strings: list[str]) -> None:
+    def __init__(self, index: int, tokenizer, prompt_ids: list[int], stop_strings: list[str],
+                 constraint: Constraint | None = None, arrival: float = 0.0) -> None:
         self.index = index
-        self.seq = seq
+        self.constraint = constraint
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.matcher = StopStringMatcher(stop_strings)
         self.num_prompt_tokens = len(prompt_ids)
@@ -67,6 +82,8 @@ class Choice:
         self.stop_matched = False
         self.last_token_time: float | None = None
         self.prompt_logprobs: list[TokenLogprob] = []
+        self.times = ChoiceTimes(arrival)
+        self.cached_tokens = self.draft_tokens = self.accepted_tokens = 0
         # Logprobs describe exactly the returned text: a token is released with the first character of its text
         # (text held back as a possible stop string holds its token back too), and tokens wholly inside a matched
         # stop string are dropped with it. Entries: (token, character offset where its text starts).
@@ -74,37 +91,44 @@ class Choice:
         self.fed_chars = 0      # characters of detokenized text given to the stop-string matcher
         self.emitted_chars = 0  # characters of it released as the choice's text
 
-    def on_event(self, event: SeqEvent) -> ChoiceUpdate | None:
-        """Apply one event of this choice's sequence (a finished choice must not be given more).
+    def on_output(self, output: RequestOutput, now: float) -> ChoiceUpdate | None:
+        """Apply one output of this choice's request, produced at ``now`` (a finished choice must not be given more).
 
         Returns:
             The text and tokens it releases (with ``finish_reason`` set when the choice ends); None when the
             client aborted (nothing more is sent).
         """
+        self.cached_tokens = max(self.cached_tokens, output.num_cached_tokens)
+        self.draft_tokens += output.num_draft_tokens
+        self.accepted_tokens += output.num_accepted_tokens
         missing = self.num_prompt_tokens - 1 - len(self.prompt_logprobs)  # a recompute repeats them
-        self.prompt_logprobs.extend(event.prompt_logprobs[:max(missing, 0)])
+        self.prompt_logprobs.extend(output.prompt_logprobs[:max(missing, 0)])
         update = ChoiceUpdate(index=self.index)
-        if event.token is not None:
+        for token in output.tokens:
+            if self.times.first_token is None:
+                self.times.first_token = now
             self.completion_tokens += 1
-            self.last_token_time = event.time
-            self.pending.append((event.token, self.fed_chars))
-            text = self.detok.add(event.token.token_id)
+            self.last_token_time = now
+            self.pending.append((token, self.fed_chars))
+            text = self.detok.add(token.token_id)
             self.fed_chars += len(text)
-            update.text, hit = self.matcher.feed(text)
-            self.emitted_chars += len(update.text)
+            released, hit = self.matcher.feed(text)
+            update.text += released
+            self.emitted_chars += len(released)
             self._release(update, everything=False)
             if hit:
                 self.pending.clear()  # the tokens of the withheld stop string
                 self.stop_matched = True
                 return self._finish(update, "stop")
-        if event.finish is FinishReason.ERROR:
+        finish = output.finish_reason
+        if finish is FinishReason.ERROR:
             self._release(update, everything=True)
-            update.error = ApiError(500, event.error or "engine error", code="engine_error")
+            update.error = ApiError(500, output.error or "engine error", code="engine_error")
             return self._finish(update, "error")
-        if event.finish is FinishReason.ABORT:
+        if finish is FinishReason.ABORT:
             self.finish_reason = "abort"
             return None
-        if event.finish is not None:
+        if finish is not None:
             tail = self.detok.flush()
             self.fed_chars += len(tail)
             tail, hit = self.matcher.feed(tail)
@@ -112,12 +136,12 @@ class Choice:
             update.text += tail
             self.emitted_chars += len(tail)
             self._release(update, everything=not hit)
-            if event.finish is FinishReason.STOP and not hit and self.seq.constraint is not None:
-                why = unsatisfied(self.seq.constraint)
+            if finish is FinishReason.STOP and not hit and self.constraint is not None:
+                why = unsatisfied(self.constraint)
                 if why is not None:  # a stop token where the grammar was not complete: never labelled "stop"
                     update.error = ApiError(400, why, code="constraint_unsatisfied")
                     return self._finish(update, "error")
-            return self._finish(update, "stop" if hit else event.finish.value)
+            return self._finish(update, "stop" if hit else finish.value)
         return update
 
     def _release(self, update: ChoiceUpdate, everything: bool) -> None:

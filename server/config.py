@@ -6,9 +6,12 @@ from dataclasses import dataclass
 
 from kvserve.engine.drafters import Drafter
 from kvserve.engine.options import Device, DType
+from kvserve.kvcache.hashing import HashAlgo
 from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.quant.options import Scheme
-from kvserve.scheduler.policies import Policy
+from kvserve.scheduler.ordering import SchedulingPolicy
+from kvserve.scheduler.policies import Policy, check_policies
+from kvserve.server.kv_events import KVEventsConfig
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 
@@ -39,8 +42,11 @@ class ServeConfig:
     max_prompts_per_request: int = 128  # prompts in one /v1/completions body (each x n choices is a sequence)
     max_model_len: int | None = None    # context limit (tokens); default: the model's
     max_request_bytes: int | None = None  # request body limit (bytes); default: 64 per token of context, >= 1 MiB
-    policy: Policy = Policy.CONTINUOUS
+    policy: Policy = Policy.CONTINUOUS  # batching: continuous | static (the baseline)
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.FCFS  # order: fcfs | priority | fair (per tenant)
     enable_prefix_caching: bool = True  # share full blocks of common prefixes
+    prefix_caching_hash_algo: HashAlgo = HashAlgo.KVSERVE  # block digests: kvserve's, or vLLM's sha256_cbor
+    kv_events: KVEventsConfig | None = None  # publish KV cache events as vLLM does (--kv-events-config); None: none
     api_key: str | None = None          # if set, /v1 routes need "Authorization: Bearer <key>"
     api_keys: tuple[str, ...] = ()      # more accepted keys (--api-key repeated, --api-key-file); api_key joins them
     share_cache_across_keys: bool = False  # with keys: one prefix cache for all (default: a partition per key)
@@ -106,7 +112,10 @@ class ServeConfig:
         # strings (tests, flags) become the enums; an unknown value raises ValueError naming it
         self.device, self.dtype, self.quantization = Device(self.device), DType(self.dtype), Scheme(self.quantization)
         self.policy = Policy(self.policy)
+        self.scheduling_policy = SchedulingPolicy(self.scheduling_policy)
+        check_policies(self.policy, self.scheduling_policy)
         self.kv_cache_dtype = KVCacheDType(self.kv_cache_dtype)
+        self.prefix_caching_hash_algo = HashAlgo(self.prefix_caching_hash_algo)
         self.speculative = Drafter(self.speculative)
         if self.num_speculative_tokens is not None and not 1 <= self.num_speculative_tokens <= 64:
             raise ValueError("num_speculative_tokens must be in 1..64 (or auto)")

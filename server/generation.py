@@ -1,20 +1,19 @@
-"""One request's choices in flight: a Sequence per choice submitted to the scheduler, their events turned into
-ChoiceUpdates (server.choice), metrics observed as tokens arrive and choices finish.
+"""One request's choices in flight: an EngineRequest per choice submitted to the engine core, their outputs turned
+into ChoiceUpdates (server.choice), metrics observed as tokens arrive and choices finish.
 
 Who finishes a choice, and why there are two sides:
 
-- The scheduler finishes a **sequence** on a stop token id (EOS unless ignored), max_tokens or the context
-  length, or an engine error: it computes the tokens, so it knows first, and it must free the blocks at once.
-  It records that on the Sequence (``status``, ``finish_reason``) and says so on the sequence's last SeqEvent.
+- The core finishes a **request** on a stop token id (EOS unless ignored), max_tokens or the context length, or an
+  engine error: it computes the tokens, so it knows first, and it must free the blocks at once. It says so on the
+  request's last RequestOutput.
 - The server finishes a **choice** on a stop-string match: stop strings are text, and only the server
-  detokenizes. It then aborts the sequence so the scheduler frees its blocks (the scheduler records ABORT;
-  the response says "stop"), and drops the events of tokens computed before the abort arrived.
+  detokenizes. It then aborts the request so the core frees its blocks, and drops the outputs of tokens computed
+  before the abort arrived.
 
-So each fact has one home. The scheduler's Sequence owns what it computes and when: generated tokens,
-arrival, first scheduling and first token times, prefix-cache hits. The server's Choice owns what was
-returned: the text state, the tokens returned (``completion_tokens``), the response's finish reason and the
-time of the last token returned. The server never reads ``Sequence.finish_reason``: the response's reason
-comes from the events and from the stop-string match.
+So each fact has one home. The core owns what it computes: generated tokens, prefix-cache hits, drafts. The
+server's Choice owns what was returned and when: the text state, the tokens returned (``completion_tokens``), the
+response's finish reason, and the request's timings (arrival, first scheduling, first and last token), taken from
+the step records the outputs arrive with.
 
 Streamed and non-streamed responses both consume ``Generation.updates``.
 """
@@ -27,7 +26,8 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 
 from kvserve.engine.plan import TokenLogprob
-from kvserve.scheduler.sequence import SeqEvent, Sequence
+from kvserve.scheduler.contract import EngineRequest
+from kvserve.scheduler.service import Delivery
 from kvserve.server.choice import Choice, ChoiceUpdate
 from kvserve.server.prepare import Prepared
 from kvserve.server.state import ServerState
@@ -47,24 +47,23 @@ class Generation:
     def __init__(self, state: ServerState, prepared: Prepared) -> None:
         self.state = state
         self.prepared = prepared
-        self.events: asyncio.Queue[SeqEvent] = asyncio.Queue()
-        self.choices: dict[int, Choice] = {}  # by seq_id
-        first: Sequence | None = None
+        self.events: asyncio.Queue[Delivery] = asyncio.Queue()
+        self.requests: list[EngineRequest] = []
+        self.choices: dict[int, Choice] = {}  # by request id
+        arrival = time.perf_counter()
         for index in range(prepared.n):
             params = prepared.params
             if params.seed is not None and index:
                 params = dataclasses.replace(params, seed=params.seed + index)  # n choices must differ
-            seq = Sequence(seq_id=state.next_id(), prompt_ids=prepared.prompt_ids, params=params,
-                           max_tokens=prepared.max_tokens, stop_token_ids=prepared.stop_token_ids,
-                           min_tokens=prepared.min_tokens, events=self.events, prefix_source=first,
-                           cache_salt=prepared.cache_salt,
-                           constraint=prepared.grammar.constraint(prepared.max_tokens)
-                           if prepared.grammar is not None else None)
-            first = first or seq
-            if prepared.owner is not None:
-                state.seq_owners[seq.seq_id] = prepared.owner
-            self.choices[seq.seq_id] = Choice(index, seq, state.tokenizer, prepared.prompt_ids,
-                                              prepared.stop_strings)
+            request = EngineRequest(request_id=state.next_id(), prompt_ids=prepared.prompt_ids, params=params,
+                                    max_tokens=prepared.max_tokens, min_tokens=prepared.min_tokens,
+                                    stop_token_ids=prepared.stop_token_ids, cache_salt=prepared.cache_salt,
+                                    priority=prepared.priority, tenant=prepared.tenant,
+                                    prefix_source=self.requests[0].request_id if self.requests else None)
+            self.requests.append(request)
+            constraint = prepared.grammar.constraint(prepared.max_tokens) if prepared.grammar is not None else None
+            self.choices[request.request_id] = Choice(index, state.tokenizer, prepared.prompt_ids,
+                                                      prepared.stop_strings, constraint, arrival)
         self.created = int(time.time())
 
     @property
@@ -73,21 +72,43 @@ class Generation:
         return len(self.choices)
 
     @property
-    def sequences(self) -> list[Sequence]:
-        """The choices' sequences, in choice order (what ``start`` submits)."""
-        return [c.seq for c in self.choices.values()]
+    def submissions(self) -> list[tuple[EngineRequest, asyncio.Queue[Delivery]]]:
+        """The choices' requests, in choice order, each with the stream its outputs go to (what ``start`` submits)."""
+        return [(request, self.events) for request in self.requests]
+
+    def register(self) -> None:
+        """Hand the choices' grammar matchers to the runner's constraint plug-in (before they are submitted), and
+        name their API key as their owner for the live page."""
+        for request_id, choice in self.choices.items():
+            if choice.constraint is not None:
+                self.state.constraints.add(request_id, choice.constraint)
+            if self.prepared.owner is not None:
+                self.state.request_owners[request_id] = self.prepared.owner
+
+    def release(self) -> None:
+        """Take the choices' grammar matchers back from the constraint plug-in, and their owners from the live page."""
+        for request_id in self.choices:
+            self.state.request_owners.pop(request_id, None)
+        if self.prepared.grammar is not None:
+            for request_id in self.choices:
+                self.state.constraints.pop(request_id)
 
     def start(self) -> None:
-        """Submit every choice's sequence to the scheduler."""
-        self.state.service.submit(self.sequences)
+        """Submit every choice's request to the engine core."""
+        self.register()
+        try:
+            self.state.submit(self.submissions)
+        except BaseException:
+            self.release()
+            raise
         self.state.metrics.request_admitted(self.prepared.n, self.prepared.max_tokens)
 
     def abort(self) -> None:
         """Drop every unfinished choice (client gone)."""
-        for choice in self.choices.values():
-            self.state.seq_owners.pop(choice.seq.seq_id, None)
+        for request_id, choice in self.choices.items():
             if choice.finish_reason is None:
-                self.state.service.abort(choice.seq.seq_id)
+                self.state.service.abort(request_id)
+        self.release()
 
     @property
     def done(self) -> bool:
@@ -97,28 +118,33 @@ class Generation:
     async def updates(self) -> AsyncIterator[ChoiceUpdate]:
         """Yield updates until every choice has finished."""
         while not self.done:
-            event = await self.events.get()
-            update = self._on_event(event)
+            update = self._on_output(*await self.events.get())
             if update is not None:
                 yield update
 
-    def _on_event(self, event: SeqEvent) -> ChoiceUpdate | None:
-        """One SeqEvent (one token at most) of one choice."""
-        choice = self.choices[event.seq_id]
+    def _on_output(self, output, record) -> ChoiceUpdate | None:
+        """One RequestOutput of one choice, and the step that produced it (None: an abort's or a failure's)."""
+        choice = self.choices[output.request_id]
         if choice.finish_reason is not None:
             return None  # tokens computed after a stop string matched
+        now = record.ended if record is not None else time.perf_counter()
+        if record is not None and choice.times.first_scheduled is None:
+            choice.times.first_scheduled = record.started
         metrics = self.state.metrics
-        if event.token is not None:
-            metrics.token_returned(choice.seq, choice.last_token_time, event.time, event.step_tokens)
-        update = choice.on_event(event)
+        if output.tokens:
+            metrics.tokens_returned(choice.times, choice.last_token_time, now, len(output.tokens))
+        update = choice.on_output(output, now)
         if update is None or update.finish_reason is None:
             return update
+        if choice.constraint is not None:  # its verdict is read: the matcher goes back
+            self.state.constraints.pop(output.request_id)
         if choice.stop_matched:
-            self.state.service.abort(choice.seq.seq_id)  # the server finished it: the scheduler stops computing
+            self.state.service.abort(output.request_id)  # the server finished it: the core stops computing
         if update.finish_reason == "error":
             metrics.failed.inc()
             return update
-        metrics.choice_finished(choice.seq, update.finish_reason, choice.completion_tokens, time.perf_counter())
+        metrics.choice_finished(choice.times, len(self.prepared.prompt_ids), update.finish_reason,
+                                choice.completion_tokens, time.perf_counter())
         if self.done:
             metrics.max_generation_tokens.observe(max(c.completion_tokens for c in self.choices.values()))
         return update
@@ -135,7 +161,7 @@ class Generation:
         """OpenAI's usage object: prompt, completion (tokens returned, all choices) and cached tokens."""
         completion = sum(c.completion_tokens for c in self.choices.values())
         prompt = len(self.prepared.prompt_ids)
-        cached = max((c.seq.num_cached_tokens or 0 for c in self.choices.values()), default=0)
+        cached = max((c.cached_tokens for c in self.choices.values()), default=0)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -146,16 +172,16 @@ class Generation:
     def timings(self, index: int) -> dict:
         """Queue time, TTFT (ms) and decode tokens/s of one choice, as measured by the server."""
         choice = self._choice(index)
-        seq = choice.seq
-        queue_ms = ((seq.first_scheduled_time or seq.arrival_time) - seq.arrival_time) * 1000
-        ttft_ms = ((seq.first_token_time or seq.arrival_time) - seq.arrival_time) * 1000
-        decode_s = (choice.last_token_time or 0) - (seq.first_token_time or 0)
+        times = choice.times
+        queue_ms = ((times.first_scheduled or times.arrival) - times.arrival) * 1000
+        ttft_ms = ((times.first_token or times.arrival) - times.arrival) * 1000
+        decode_s = (choice.last_token_time or 0) - (times.first_token or 0)
         tps = (choice.completion_tokens - 1) / decode_s if choice.completion_tokens > 1 and decode_s > 0 else 0.0
         timings = {"queue_ms": round(queue_ms, 3), "ttft_ms": round(ttft_ms, 3), "decode_tokens_per_s": round(tps, 3),
                    "prompt_tokens": len(self.prepared.prompt_ids), "completion_tokens": choice.completion_tokens,
-                   "cached_tokens": seq.num_cached_tokens or 0}
+                   "cached_tokens": choice.cached_tokens}
         if self.state.speculating:  # speculative decoding: what it drafted and kept
-            timings |= {"draft_tokens": seq.num_draft_tokens, "accepted_tokens": seq.num_accepted_tokens}
+            timings |= {"draft_tokens": choice.draft_tokens, "accepted_tokens": choice.accepted_tokens}
         return timings
 
 

@@ -62,12 +62,12 @@ def register(app: FastAPI, state: ServerState, auth: list[Depends]) -> None:
     """Add the page's routes to ``app``; ``auth``: the /v1 routes' API-key dependency.
 
     Raises:
-        RuntimeError: the server state keeps no step trace (it is built with ``ServeConfig.ui`` off).
+        RuntimeError: the server state keeps no live view (it is built with ``ServeConfig.ui`` off).
     """
-    if state.step_trace is None:
-        raise RuntimeError("the live page needs the server's step trace (ServeConfig.ui)")
+    if state.live is None:
+        raise RuntimeError("the live page needs the server's live view (ServeConfig.ui)")
     assets = load_assets()
-    hub = SnapshotHub(state.service, state.metrics, state.step_trace, server_info(state), POLL_S)
+    hub = SnapshotHub(state.service, state.metrics, state.live, server_info(state), POLL_S)
 
     @app.get("/", include_in_schema=False)
     @app.get("/ui", include_in_schema=False)
@@ -84,7 +84,7 @@ def register(app: FastAPI, state: ServerState, auth: list[Depends]) -> None:
     async def events(request: Request):
         # a key's page lists its own requests only; an admin key's (and, without keys, every page) lists all
         owner = None if request.state.key_admin else request.state.key_owner
-        return EventSourceResponse(_changes(hub, owner, state.seq_owners), ping=state.config.sse_ping_s or None,
+        return EventSourceResponse(_changes(hub, owner, state.request_owners), ping=state.config.sse_ping_s or None,
                                    sep="\n", headers={"Cache-Control": "no-store"})
 
 

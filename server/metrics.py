@@ -1,7 +1,7 @@
 """Prometheus metrics with vLLM's names under the ``kvserve:`` prefix, so existing dashboards transfer.
 
-Histograms and per-request counters are observed by the server as events arrive; gauges and the
-scheduler's own counters are read from the scheduler at scrape time by a custom collector.
+Histograms and per-request counters are observed by the server as outputs arrive; gauges and the step counters
+are read at scrape time by a custom collector, from the engine core's load and the service's sums of step records.
 
 Every series carries ``model_name`` (vLLM's dashboard filters every panel by it). Metrics are defined once,
 under ``kvserve:``, in a source registry; the registry that ``/metrics`` exposes relabels them and, with
@@ -12,11 +12,12 @@ Names and buckets follow vLLM v1 (vllm/v1/metrics/loggers.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from kvserve.scheduler.sequence import Sequence
 from kvserve.scheduler.service import SchedulerService
+from kvserve.server.choice import ChoiceTimes
 from kvserve.speculation.policy import DraftPolicy
 
 _P = "kvserve:"
@@ -48,33 +49,29 @@ def buckets_1_2_5(max_value: int) -> tuple[int, ...]:
 
 
 class _SchedulerCollector:
-    """Reads gauges and the scheduler's counters at scrape time, and speculation's from ``drafts``."""
+    """Reads gauges (the core's load) and the step counters (summed step records) at scrape time, and speculation's
+    from ``drafts``."""
 
     def __init__(self, service: SchedulerService, drafts: DraftPolicy | None) -> None:
         self.service = service
         self.drafts = drafts
 
     def collect(self):
-        sched = self.service.scheduler
-        yield GaugeMetricFamily(_P + "num_requests_running", "Sequences in the running batch.",
-                                value=len(sched.running))
-        yield GaugeMetricFamily(_P + "num_requests_waiting", "Sequences waiting to be scheduled.",
-                                value=len(sched.waiting))
-        yield GaugeMetricFamily(_P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).",
-                                value=sched.blocks.usage)
+        load, totals = self.service.core.load, self.service.totals
+        yield GaugeMetricFamily(_P + "num_requests_running", "Sequences in the running batch.", value=load.running)
+        yield GaugeMetricFamily(_P + "num_requests_waiting", "Sequences waiting to be scheduled.", value=load.waiting)
+        yield GaugeMetricFamily(_P + "kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", value=load.kv_usage)
         yield CounterMetricFamily(_P + "num_preemptions", "Sequences preempted for KV blocks.",
-                                  value=sched.num_preemptions)
+                                  value=totals.preemptions)
         yield CounterMetricFamily(_P + "prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                                  value=sched.prefix_queries)
+                                  value=totals.prefix_queries)
         yield CounterMetricFamily(_P + "prefix_cache_hits", "Prompt tokens found in the prefix cache.",
-                                  value=sched.prefix_hits)
-        yield CounterMetricFamily(_P + "prompt_tokens", "Prompt tokens computed (prefill).",
-                                  value=self.service.stats.prompt_tokens)
-        yield CounterMetricFamily(_P + "generation_tokens", "Tokens generated.",
-                                  value=self.service.stats.generation_tokens)
-        yield CounterMetricFamily(_P + "engine_steps", "Model steps run.", value=self.service.stats.steps)
+                                  value=totals.prefix_hits)
+        yield CounterMetricFamily(_P + "prompt_tokens", "Prompt tokens computed (prefill).", value=totals.prompt_tokens)
+        yield CounterMetricFamily(_P + "generation_tokens", "Tokens generated.", value=totals.generation_tokens)
+        yield CounterMetricFamily(_P + "engine_steps", "Model steps run.", value=totals.steps)
         yield CounterMetricFamily(_P + "engine_step_seconds", "Wall time inside the model runner (s).",
-                                  value=self.service.stats.engine_s)
+                                  value=totals.engine_s)
         # vLLM's speculative-decoding families under our prefix; zero without --speculative, so that the
         # dashboard's panel and a rule over them evaluate on every server
         draft = self.drafts
@@ -92,7 +89,7 @@ class _SchedulerCollector:
         yield per_pos
         yield CounterMetricFamily(_P + "scheduler_loop_seconds",
                                   "Wall time between consecutive steps while work was left (s).",
-                                  value=self.service.stats.loop_s)
+                                  value=self.service.totals.loop_s)
 
 
 class _Exposed:
@@ -197,45 +194,52 @@ class Metrics:
             r.register(_InfoCollector(_P + "cache_config_info", "The KV cache's configuration (value 1).",
                                       cache_info))
 
+    def count_kv_events_dropped(self, dropped: Callable[[], int]) -> None:
+        """Expose ``kv_events_dropped``: KV events the publisher dropped on a full queue (``dropped()``, read at each
+        scrape); after a drop the next batch resends the whole cache (server/kv_events.py)."""
+        self.source.register(_CallbackCounter(_P + "kv_events_dropped",
+                                              "KV cache events dropped on the publisher's full queue.", dropped))
+
     def request_admitted(self, n: int, max_tokens: int) -> None:
         """Observe one admitted request's ``n`` and ``max_tokens``."""
         self.params_n.observe(n)
         self.params_max_tokens.observe(max_tokens)
 
-    def token_returned(self, seq: Sequence, previous: float | None, now: float, step_tokens: int = 1) -> None:
-        """Observe one token returned to a client: TTFT for a choice's first, else the gap since its previous
-        token (ITL; TPOT as vLLM's per-token histogram, as its dashboard plots). Times: ``time.perf_counter()`` s;
-        ``previous`` is None for the first token. TTFT is the Sequence's first token time, the same one the
-        response's ``timings`` report.
+    def tokens_returned(self, times: ChoiceTimes, previous: float | None, now: float, step_tokens: int = 1) -> None:
+        """Observe the ``step_tokens`` tokens one step returned to a client: TTFT for a choice's first, else the gap
+        since its previous token (ITL; TPOT as vLLM's per-token histogram, as its dashboard plots). Times:
+        ``time.perf_counter()`` s; ``previous`` is None for the first token. TTFT is the choice's first token time,
+        the same one the response's ``timings`` report.
 
-        The tokens one verify pass accepts (speculative decoding; ``step_tokens`` of them) arrive together: ITL is
-        observed once per step that delivered tokens, as vLLM does (a gap of 0 between them would flatter it),
-        and TPOT shares the step's gap among its tokens, so its mean stays per token."""
+        The tokens one verify pass accepts (speculative decoding) arrive together: ITL is observed once per step
+        that delivered tokens, as vLLM does (a gap of 0 between them would flatter it), and TPOT shares the step's
+        gap among its tokens, so its mean stays per token."""
         if previous is None:
-            first_token = seq.first_token_time if seq.first_token_time is not None else now
-            self.ttft.observe(first_token - seq.arrival_time)
+            first_token = times.first_token if times.first_token is not None else now
+            self.ttft.observe(first_token - times.arrival)
         elif now != previous:
             self.itl.observe(now - previous)
             for _ in range(step_tokens):
                 self.tpot.observe((now - previous) / step_tokens)
 
-    def choice_finished(self, seq: Sequence, reason: str, generated: int, now: float) -> None:
+    def choice_finished(self, times: ChoiceTimes, prompt_tokens: int, reason: str, generated: int,
+                        now: float) -> None:
         """Observe one choice finished other than by an error or an abort: e2e and queue time, its token counts,
         its phases' durations (s), and the finish reason.
 
         Phases as vLLM times them: prefill = first scheduling to first token, decode = first token to the
         last, inference = their sum; ``now`` is the finish time on ``time.perf_counter``'s clock.
         """
-        self.e2e.observe(now - seq.arrival_time)
+        self.e2e.observe(now - times.arrival)
         self.success.labels(finished_reason=reason).inc()
-        self.prompt_tokens.observe(len(seq.prompt_ids))
+        self.prompt_tokens.observe(prompt_tokens)
         self.generation_tokens.observe(generated)
-        if seq.first_scheduled_time is None:
+        if times.first_scheduled is None:
             return
-        self.queue.observe(seq.first_scheduled_time - seq.arrival_time)
-        self.inference.observe(now - seq.first_scheduled_time)
-        first_token = seq.first_token_time if seq.first_token_time is not None else now
-        self.prefill.observe(first_token - seq.first_scheduled_time)
+        self.queue.observe(times.first_scheduled - times.arrival)
+        self.inference.observe(now - times.first_scheduled)
+        first_token = times.first_token if times.first_token is not None else now
+        self.prefill.observe(first_token - times.first_scheduled)
         self.decode.observe(now - first_token)
 
 
@@ -249,3 +253,13 @@ class _InfoCollector:
         family = GaugeMetricFamily(self.name, self.documentation, labels=list(self.labels))
         family.add_metric(list(self.labels.values()), 1.0)
         yield family
+
+
+class _CallbackCounter:
+    """A counter whose value a callable reads at each scrape."""
+
+    def __init__(self, name: str, documentation: str, value: Callable[[], int]) -> None:
+        self.name, self.documentation, self.value = name, documentation, value
+
+    def collect(self):
+        yield CounterMetricFamily(self.name, self.documentation, value=self.value())

@@ -26,7 +26,7 @@ GGUF_MAGIC = b"GGUF"  # the first four bytes of every GGUF file (the GGUF specif
 FIELD_FLAGS = {"policy": "--scheduler", "enable_prefix_caching": "--no-prefix-caching", "sse_ping_s": "--sse-ping-seconds",
                "drain_s": "--drain-seconds", "header_timeout_s": "--header-timeout-seconds", "api_key": "--api-key",
                "api_keys": "--api-key", "ui": "--no-ui", "body_timeout_s": "--body-timeout-seconds",
-               "admin_keys": "--admin-key"}
+               "admin_keys": "--admin-key", "kv_events": "--kv-events-config"}
 
 
 def flag_of(field: str) -> str:

@@ -1,8 +1,8 @@
-"""A request reduced to what the scheduler needs: prompt tokens, limits and sampling settings, checked.
+"""A request reduced to what the engine core needs: prompt tokens, limits and sampling settings, checked.
 
 ``prepare`` tokenizes (the chat template for chat, fill-in-the-middle for a suffix) and checks the prompt and
 the limits against the model's context and the KV pool, raising ApiError (a 400) before anything is queued.
-``server.generation`` builds the scheduler's Sequences from a ``Prepared``.
+``server.generation`` builds the engine core's requests (``scheduler.contract.EngineRequest``) from a ``Prepared``.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from jinja2.exceptions import TemplateError
 
 from kvserve.engine.plan import SamplingParams
+from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.server import tools
 from kvserve.server.chat_template import pick
 from kvserve.server.errors import ApiError
@@ -23,7 +24,7 @@ from kvserve.server.state import ServerState
 
 @dataclass(slots=True)
 class Prepared:
-    """A request reduced to what the scheduler needs."""
+    """A request reduced to what the engine core needs."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -34,8 +35,10 @@ class Prepared:
     min_tokens: int
     grammar: object | None = None  # engine.constraints.Grammar of a structured-output request (server.structured)
     cache_salt: str | None = None  # the prefix-cache salt of its sequences (server.auth.ApiKeys.cache_salt)
-    owner: str | None = None  # its API key's fingerprint (server.auth): whose live page lists its sequences
-    thinking: bool | None = None  # chat with a reasoning parser: the prompt opened <think> (None: no split)
+    priority: int = 0              # lower runs first under --scheduling-policy priority (vLLM's field)
+    tenant: str | None = None      # whose request, for --scheduling-policy fair (server.auth.ApiKeys.tenant)
+    owner: str | None = None       # its API key's fingerprint (server.auth): whose live page lists its requests
+    thinking: bool | None = None   # chat with a reasoning parser: the prompt opened <think> (None: no split)
 
 
 def _check_text(text: str, param: str) -> None:
@@ -147,8 +150,12 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
 
     Raises:
         ApiError: 400 when the prompt is empty, or prompt + max_tokens exceeds the model's context or
-            can never fit the KV pool (the message gives the token counts and the limit).
+            can never fit the KV pool (the message gives the token counts and the limit), or a priority is given
+            where the scheduling policy does not use one.
     """
+    if request.priority and state.config.scheduling_policy is not SchedulingPolicy.PRIORITY:
+        raise ApiError(400, f"got priority {request.priority}, but this server does not schedule by priority "
+                            "(start it with --scheduling-policy priority)", param="priority")
     thinking = None
     if isinstance(request, ChatCompletionRequest):
         text, prompt_ids = chat_prompt(state, request.messages, request)
@@ -192,4 +199,4 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
     stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(state.eos_ids))
     return Prepared(prompt_ids=prompt_ids, max_tokens=max_tokens, params=params, n=request.n,
                     stop_strings=request.stop_strings, stop_token_ids=frozenset(stop_ids),
-                    min_tokens=min(request.min_tokens, max_tokens), thinking=thinking)
+                    min_tokens=min(request.min_tokens, max_tokens), priority=request.priority, thinking=thinking)

@@ -60,8 +60,15 @@ class PromptGroups:
         return len(self.groups) * self.candidates
 
     def start(self) -> None:
-        """Queue every sequence of every prompt at once: all are admitted, or none (QueueFull)."""
-        self.state.service.submit([seq for g in self.groups for seq in g.sequences])
+        """Queue every request of every prompt at once: all are admitted, or none (QueueFull)."""
+        for generation in self.groups:
+            generation.register()
+        try:
+            self.state.submit([pair for g in self.groups for pair in g.submissions])
+        except BaseException:
+            for generation in self.groups:
+                generation.release()
+            raise
         for generation in self.groups:
             self.state.metrics.request_admitted(self.n, generation.prepared.max_tokens)
 

@@ -98,6 +98,7 @@ class ResponsesRequest(RequestModel):
     metadata: dict[str, str] | None = None
     user: str | None = None
     cache_salt: str | None = Field(default=None, min_length=1)  # vLLM's: see server.schemas
+    priority: int = Field(default=0, ge=-2**31, lt=2**31)       # vLLM's: see server.schemas
     # accepted without effect: kvserve runs every request at once, and there is one tier
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
@@ -154,7 +155,7 @@ class ResponsesRequest(RequestModel):
             messages += [{"role": m.role, "content": m.text} for m in self.input]
         return ChatCompletionRequest(model=self.model, messages=messages, max_tokens=self.max_output_tokens,
                                      temperature=self.temperature, top_p=self.top_p, stream=self.stream,
-                                     user=self.user, cache_salt=self.cache_salt)
+                                     user=self.user, cache_salt=self.cache_salt, priority=self.priority)
 
 
 _STATUS = {"length": "incomplete", "abort": "incomplete", "error": "failed"}  # finish reason -> response status

@@ -68,6 +68,8 @@ class _SamplingRequest(RequestModel):
     # vLLM's cache_salt: enters the first block's prefix-cache digest, so only requests with the same salt (and,
     # with API keys, the same key) share cached prefixes; a random 256-bit string keeps a prompt's cache private
     cache_salt: str | None = Field(default=None, min_length=1)
+    # vLLM's priority: lower is scheduled first under --scheduling-policy priority; refused (400) by other policies
+    priority: int = Field(default=0, ge=-2**31, lt=2**31)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]; see _check_logit_bias
     # vLLM's logprobs_mode, per request: processed_logprobs are those of the distribution sampled from (after
     # temperature and top-k/top-p), the soft labels of distillation; logits modes are not served (a 400)

@@ -7,14 +7,17 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve import environment
+from kvserve.kvcache.hashing import HashAlgo
 from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.engine.drafters import Drafter
 from kvserve.engine.options import Device, DType
 from kvserve.quant.options import Scheme
+from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.server.auth import read_key_file
 from kvserve.server.config import REASONING_PARSERS, Policy, ServeConfig
 from kvserve.server import preflight
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
+from kvserve.server.kv_events import KVEventsConfig, parse_kv_events_config
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 log = logging.getLogger("kvserve")
@@ -29,7 +32,7 @@ GROUPS = {
     "speculative decoding": "draft tokens verified by the served model (exact: the output is unchanged)",
     "API": "where the server listens and how it streams and stops",
     "security": "who may call, which hosts are answered, and what is loaded",
-    "observability": "logs, the step log, metric names",
+    "observability": "logs, the step log, metric names, KV cache events for KV-aware routers",
 }
 
 
@@ -100,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="the most tokens (prompt + completion) one request may use; the KV pool's capacity bounds it too")
     _option(g, "--no-prefix-caching", action="store_true", default_text="off: the prefix cache is on",
             help="turn off the prefix cache (cached blocks shared by prompts that start alike)")
+    _option(g, "--prefix-caching-hash-algo", choices=[a.value for a in HashAlgo],
+            default=d.prefix_caching_hash_algo.value,
+            help="the prefix cache's block digests: kvserve's own, or sha256_cbor, vLLM's (a router that hashes "
+                 "prompts itself, as llm-d's precise prefix-cache scorer does, then finds the hashes the KV events "
+                 "carry; seeded from PYTHONHASHSEED as in vLLM)")
 
     g = group["scheduling"]
     _option(g, "--scheduler", choices=[p.value for p in Policy], default=d.policy.value,
@@ -109,6 +117,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="slots: sequences decoding at once")
     _option(g, "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, metavar="TOKENS",
             help="tokens one step computes at most (longer prompts are prefilled in chunks)")
+    _option(g, "--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default=d.scheduling_policy.value,
+            help="who runs first: fcfs, arrival order; priority, a request's lower 'priority' first (vLLM's field; "
+                 "the other policies refuse a request with a priority), preempting lower priorities to admit "
+                 "higher; fair, equal shares of the slots and of each step's tokens per tenant (an API key, or the "
+                 "X-Tenant-ID header without keys)")
     _option(g, "--max-queue", type=int, default=d.max_queue, metavar="N",
             help="sequences waiting beyond the free slots before new requests get 429 (a request with n choices "
                  "counts n; 0 refuses every request)")
@@ -186,6 +199,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(g, "--vllm-metric-names", action="store_true",
             help="on /metrics, repeat every kvserve: series under vLLM's vllm: prefix, for vLLM's dashboards "
                  "and autoscaling rules")
+    _option(g, "--kv-events-config", type=_kv_events_config, default=None, metavar="JSON",
+            default_text="none: no events",
+            help="publish every block stored in or evicted from the prefix cache over ZMQ as vLLM does, for "
+                 "KV-aware routers: vLLM's JSON, e.g. '{\"enable_kv_cache_events\": true, \"endpoint\": "
+                 "\"tcp://*:5557\", \"replay_endpoint\": \"tcp://*:5558\"}' (also topic, buffer_steps, hwm, "
+                 "max_queue_size; kvserve's event_encoding: map or array)")
 
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
@@ -197,7 +216,10 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,
                        max_model_len=args.max_model_len,
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),
-                       enable_prefix_caching=not args.no_prefix_caching, api_keys=_api_keys(args),
+                       scheduling_policy=SchedulingPolicy(args.scheduling_policy),
+                       enable_prefix_caching=not args.no_prefix_caching,
+                       prefix_caching_hash_algo=HashAlgo(args.prefix_caching_hash_algo), kv_events=args.kv_events_config,
+                       api_keys=_api_keys(args),
                        share_cache_across_keys=args.share_cache_across_keys,
                        served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
@@ -227,6 +249,14 @@ def _draft_length(text: str) -> int | None:
     if value < 1:
         raise argparse.ArgumentTypeError("must be >= 1 (use --speculative off for none)")
     return value
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    """``--kv-events-config``: vLLM's JSON (``server.kv_events.parse_kv_events_config``)."""
+    try:
+        return parse_kv_events_config(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _host_list(text: str) -> tuple[str, ...]:

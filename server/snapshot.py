@@ -1,23 +1,24 @@
 """What the live page shows, as plain data: slots, the KV pool's blocks, recent steps, counters and histograms.
 
-Everything here is read on the event loop from what the scheduler, its block manager and the metrics already
-keep. The scheduler's state changes only on the event loop too (its service task plans and applies results
-there; the engine thread works on a copy, the StepPlan), so a snapshot taken between two awaits is consistent
-and costs the step loop nothing: no lock, nothing sent to the engine thread. No token ids or text go into a
-snapshot, so a viewer never sees another request's prompt or output.
+The page keeps its own view of the server (``LiveView``), fed by what crosses the engine core's contract: the
+requests submitted, each step's outputs and record (the service's ``on_step``), and each block's state as the block
+manager tells its observer. It is read and fed on the event loop (the block observer is told on the engine thread
+too: a byte per change, read as one copy), so a snapshot costs the step loop nothing: no lock, nothing sent to the
+engine thread, no scheduler object read. No token ids or text go into a snapshot, so a viewer never sees another
+request's prompt or output.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 from prometheus_client import Counter, Histogram
 
-from kvserve.engine.plan import StepPlan
-from kvserve.scheduler.sequence import SeqStatus, Sequence
+from kvserve.kvcache.block_manager import BlockState
+from kvserve.scheduler.contract import EngineRequest, StepOutput, StepRecord
 from kvserve.scheduler.service import SchedulerService
 from kvserve.server.metrics import Metrics
 
@@ -32,23 +33,94 @@ SLOW_PARTS_S = 1.0      # the histograms and totals are rebuilt at most this oft
                         # distribution or a total once a second at most (the live page's overhead: BENCHMARKS.md)
 
 
-def slot_state(seq: Sequence) -> str:
-    """``waiting``, ``preempted`` (waiting again after its blocks were taken), ``prefill`` (prompt or recompute
-    tokens still to compute: chunked prefill, or the step now running computes them) or ``decode``."""
-    if seq.status is SeqStatus.WAITING:
-        return "preempted" if seq.num_preemptions else "waiting"
-    return "prefill" if seq.num_uncomputed > 1 else "decode"
+@dataclass(slots=True)
+class Slot:
+    """One request as its slot row shows it, from its outputs: counts only (tokens), never token ids or text."""
+
+    request_id: int
+    prompt: int
+    generated: int = 0
+    computed: int = 0        # tokens in the cache, as of its last output
+    cached: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    preemptions: int = 0
+    running: bool = False    # scheduled since it arrived or was last preempted
+    blocks: list[int] = field(default_factory=list)
+
+    @property
+    def state(self) -> str:
+        """``waiting``, ``preempted`` (waiting again after its blocks were taken), ``prefill`` (prompt or recompute
+        tokens still to compute: chunked prefill) or ``decode`` (only the last sampled token to compute)."""
+        if not self.running:
+            return "preempted" if self.preemptions else "waiting"
+        return "prefill" if self.prompt + self.generated - self.computed > 1 else "decode"
+
+    def row(self) -> dict:
+        return {"id": self.request_id, "state": self.state, "prompt": self.prompt, "generated": self.generated,
+                "cached": self.cached, "drafted": self.drafted, "accepted": self.accepted,
+                "preemptions": self.preemptions, "blocks": self.blocks}
 
 
-def slot_row(seq: Sequence) -> dict:
-    """One slot row: ids and counts only (tokens), never token ids or text."""
-    return {"id": seq.seq_id, "state": slot_state(seq), "prompt": len(seq.prompt_ids), "generated": len(seq.output_ids),
-            "cached": seq.num_cached_tokens or 0, "drafted": seq.num_draft_tokens, "accepted": seq.num_accepted_tokens,
-            "preemptions": seq.num_preemptions, "blocks": list(seq.block_table)}
+class SlotBoard:
+    """Every submitted request not yet finished, as a ``Slot``, in submission order."""
+
+    def __init__(self) -> None:
+        self.slots: dict[int, Slot] = {}
+
+    def submitted(self, requests: list[EngineRequest]) -> None:
+        for request in requests:
+            self.slots[request.request_id] = Slot(request.request_id, len(request.prompt_ids))
+
+    def stepped(self, step: StepOutput) -> None:
+        """Apply a step's (or an abort's) outputs."""
+        for output in step.outputs:
+            slot = self.slots.get(output.request_id)
+            if slot is None:
+                continue
+            if output.finished:
+                del self.slots[output.request_id]
+                continue
+            if output.preempted:
+                slot.running, slot.computed, slot.preemptions, slot.blocks = False, 0, slot.preemptions + 1, []
+                continue
+            slot.running = True
+            slot.generated += len(output.tokens)
+            slot.computed = output.num_computed_tokens
+            slot.cached = output.num_cached_tokens
+            slot.drafted += output.num_draft_tokens
+            slot.accepted += output.num_accepted_tokens
+            slot.blocks.extend(output.new_block_ids)
+
+    def rows(self, max_waiting: int) -> list[dict]:
+        """Running rows, then at most ``max_waiting`` waiting ones."""
+        running = [slot.row() for slot in self.slots.values() if slot.running]
+        waiting = []
+        for slot in self.slots.values():
+            if len(waiting) == max_waiting:
+                break
+            if not slot.running:
+                waiting.append(slot.row())
+        return running + waiting
+
+
+class BlockStates:
+    """Every block's ``BlockState`` as one ASCII digit, in block-id order: the block manager's observer
+    (``kvcache.block_manager.BlockObserver``), so a snapshot copies one bytearray and never loops over the pool."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.states = bytearray(b"0" * num_blocks)
+
+    def block_changed(self, block_id: int, state: BlockState) -> None:
+        self.states[block_id] = 48 + state  # ord("0") + the state's digit
+
+    def digits(self) -> str:
+        """``"0012..."``."""
+        return self.states.decode("ascii")
 
 
 @dataclass(slots=True, frozen=True)
-class StepRecord:
+class StepBar:
     """One engine step as the page plots it. Tokens are counts in the step; ``ms`` is its wall time inside the
     runner; ``rows`` is the number of sequences in the batch."""
 
@@ -60,11 +132,9 @@ class StepRecord:
     rows: int
 
     @classmethod
-    def of(cls, n: int, plan: StepPlan, seconds: float) -> StepRecord:
-        """The record of step ``n`` (1-based) that ran ``plan`` in ``seconds``."""
-        prefill = sum(len(w.token_ids) for w in plan.work if not w.is_decode)
-        draft = plan.num_draft_tokens
-        return cls(n, prefill, plan.num_tokens - prefill - draft, draft, round(seconds * 1000, 3), len(plan.work))
+    def of(cls, record: StepRecord) -> StepBar:
+        return cls(record.index, record.prefill_tokens, record.decode_tokens, record.draft_tokens,
+                   round(record.seconds * 1000, 3), record.rows)
 
 
 class StepTrace:
@@ -74,13 +144,32 @@ class StepTrace:
     # (charts.js), so the ring only needs those with room to spare (64: three 0.2 s builds at 80 steps a second
     # are 48).
     def __init__(self, size: int = 64) -> None:
-        self.steps: deque[StepRecord] = deque(maxlen=size)
+        self.steps: deque[StepBar] = deque(maxlen=size)
         self.count = 0
 
-    def record(self, plan: StepPlan, seconds: float) -> None:
-        """Append one step (the service's ``on_step`` observer calls this on the event loop)."""
+    def record(self, record: StepRecord) -> None:
+        """Append one step."""
         self.count += 1
-        self.steps.append(StepRecord.of(self.count, plan, seconds))
+        self.steps.append(StepBar.of(record))
+
+
+class LiveView:
+    """The live page's view of the server: slots, blocks and recent steps, fed as described in the module docstring.
+
+    Args:
+        num_blocks: blocks in the KV pool (``blocks`` is the block manager's observer).
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.slots = SlotBoard()
+        self.blocks = BlockStates(num_blocks)
+        self.steps = StepTrace()
+
+    def stepped(self, step: StepOutput) -> None:
+        """The service's ``on_step``: a step's outputs and record (or an abort's output)."""
+        self.slots.stepped(step)
+        if step.record is not None:
+            self.steps.record(step.record)
 
 
 def histogram(metric: Histogram) -> dict:
@@ -105,18 +194,18 @@ class SnapshotHub:
     """Builds the page's snapshot at most once per ``min_interval_s``, however many pages are open.
 
     Args:
-        service: the scheduler service (its scheduler, blocks and step counters are read).
+        service: the scheduler service (its queue and step totals are read).
         metrics: the server's Metrics (TTFT and ITL histograms, 429s).
-        steps: the trace of recent steps.
+        live: the page's view of slots, blocks and steps.
         info: fixed facts about the server (model, pool size, limits), sent in every snapshot.
         min_interval_s: the fastest the snapshot is rebuilt (s); pages poll the hub at this rate.
     """
 
-    def __init__(self, service: SchedulerService, metrics: Metrics, steps: StepTrace, info: dict,
+    def __init__(self, service: SchedulerService, metrics: Metrics, live: LiveView, info: dict,
                  min_interval_s: float = 0.1) -> None:
         self.service = service
         self.metrics = metrics
-        self.steps = steps
+        self.live = live
         self.info = info
         self.min_interval_s = min_interval_s
         self._json: str | None = None
@@ -138,7 +227,7 @@ class SnapshotHub:
         Args:
             owner: the viewer's API key fingerprint (server.auth): its page lists only the slots of its own
                 requests; None lists every slot (no keys, or an admin key).
-            owners: seq_id -> the fingerprint of the key that sent it (``ServerState.seq_owners``).
+            owners: request id -> the fingerprint of the key that sent it (``ServerState.request_owners``).
         """
         now = time.monotonic()
         if self._json is None or now - self._built >= self.min_interval_s:
@@ -163,11 +252,11 @@ class SnapshotHub:
         if idle:
             self._tokens.clear()
             return 0.0
-        stats = self.service.stats
-        self._tokens.append((now, stats.generation_tokens, stats.steps))
+        totals = self.service.totals
+        self._tokens.append((now, totals.generation_tokens, totals.steps))
         while len(self._tokens) > 2:
             t1, _, steps1 = self._tokens[1]  # the window's start were the oldest reading dropped
-            if now - t1 < RATE_WINDOW_S or stats.steps - steps1 < RATE_MIN_STEPS:
+            if now - t1 < RATE_WINDOW_S or totals.steps - steps1 < RATE_MIN_STEPS:
                 break
             self._tokens.popleft()
         (t0, n0, _), (t1, n1, _) = self._tokens[0], self._tokens[-1]
@@ -176,33 +265,30 @@ class SnapshotHub:
     def build(self, now: float) -> dict:
         """The snapshot as a dict (see docs/ui.md for what each part means). Slots, blocks, steps and the queue
         are read now; the histograms and totals at most every ``SLOW_PARTS_S``."""
-        sched = self.service.scheduler
-        waiting = list(sched.waiting)
-        pending = self.service.queued - len(waiting)  # submitted, not yet taken from the inbox
         if self._slow is None or now - self._slow_built >= SLOW_PARTS_S:
             self._slow = self.slow_parts(now)
             self._slow_built = now
+        steps = self.live.steps
         since = self._marks[0] if len(self._marks) == STEP_BUILDS else 0
-        self._marks.append(self.steps.count)
+        self._marks.append(steps.count)
         return {
             "info": self.info,
-            "slots": [slot_row(s) for s in sched.running] + [slot_row(s) for s in waiting[:MAX_WAITING_ROWS]],
-            "queue": len(waiting) + pending,
-            "blocks": sched.blocks.state_digits(),
-            "steps": [[r.n, r.prefill, r.decode, r.draft, r.ms, r.rows] for r in self.steps.steps if r.n > since],
+            "slots": self.live.slots.rows(MAX_WAITING_ROWS),
+            "queue": self.service.queued,
+            "blocks": self.live.blocks.digits(),
+            "steps": [[r.n, r.prefill, r.decode, r.draft, r.ms, r.rows] for r in steps.steps if r.n > since],
             **self._slow,
         }
 
     def slow_parts(self, now: float) -> dict:
         """The snapshot's totals, tokens/s and TTFT / ITL histograms."""
-        sched = self.service.scheduler
+        totals = self.service.totals
         return {
-            "totals": {"steps": self.service.stats.steps, "prompt_tokens": self.service.stats.prompt_tokens,
-                       "generation_tokens": self.service.stats.generation_tokens,
-                       "preemptions": sched.num_preemptions, "prefix_queries": sched.prefix_queries,
-                       "prefix_hits": sched.prefix_hits,
+            "totals": {"steps": totals.steps, "prompt_tokens": totals.prompt_tokens,
+                       "generation_tokens": totals.generation_tokens, "preemptions": totals.preemptions,
+                       "prefix_queries": totals.prefix_queries, "prefix_hits": totals.prefix_hits,
                        "rejected": counter_value(self.metrics.rejected, reason="queue_full")},
-            "tokens_per_s": self.tokens_per_s(now, idle=not sched.running and self.service.queued == 0),
+            "tokens_per_s": self.tokens_per_s(now, idle=not self.service.core.load.running and self.service.queued == 0),
             "ttft": histogram(self.metrics.ttft),
             "itl": histogram(self.metrics.itl),
         }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -15,18 +16,20 @@ from kvserve.engine.constraints import GrammarCompiler
 from kvserve.engine.draft_model import ModelDrafter
 from kvserve.engine.drafters import Drafter, NgramDrafter
 from kvserve.engine.loader import LoadedModel
-from kvserve.engine.plan import StepPlan
 from kvserve.engine.runner import ModelRunner
-from kvserve.kvcache.block_manager import BlockManager
+from kvserve.kvcache.block_manager import BlockManager, make_hasher
 from kvserve.kvcache.pool import KVPool, storage_dtype
 from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
+from kvserve.scheduler.contract import EngineRequest, StepOutput, StepRecord
+from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from kvserve.scheduler.service import SchedulerService
+from kvserve.scheduler.service import Delivery, SchedulerService
 from kvserve.server.chat_template import chat_templates, end_of_turn_ids
 from kvserve.server.config import ServeConfig
+from kvserve.server.kv_events import EventPublisher
 from kvserve.server.reasoning import reasoning_enabled
 from kvserve.server.metrics import Metrics
-from kvserve.server.snapshot import StepTrace
+from kvserve.server.snapshot import LiveView
 from kvserve.speculation.decoder import SpecDecoder
 
 log = logging.getLogger("kvserve.server")
@@ -38,32 +41,28 @@ _PLANNING_CONTEXT = 2048  # tokens per sequence in the start-up capacity line: a
 class StepLog:
     """``--step-log``: one JSON line per engine step, the raw material of the simulator's step-cost fit.
 
-    Fields: ``prefills`` (sequences computing prompt tokens: ``SeqWork.is_decode`` is false), ``decodes``
-    (sequences computing generated tokens: one, plus ``draft_tokens`` in all of them with speculation),
-    ``prefill_tokens``, ``max_context`` (longest context among the decodes, tokens; the paged
-    gather pads every decode to it), ``seconds`` (wall time inside the runner), ``end_s`` (``time.perf_counter()``
-    when the line is written, just after the step: CLOCK_MONOTONIC on Linux, so it lines up with other processes'
-    perf_counter() on the same machine, as ``loadtest ui``'s windows need).
+    Fields: ``prefills`` (sequences computing prompt tokens), ``decodes`` (sequences computing generated tokens:
+    one, plus ``draft_tokens`` in all of them with speculation), ``prefill_tokens``, ``max_context`` (longest
+    context among the decodes, tokens; the paged gather pads every decode to it), ``seconds`` (wall time inside the
+    runner), ``end_s`` (``time.perf_counter()`` when the line is written, just after the step: CLOCK_MONOTONIC on
+    Linux, so it lines up with other processes' perf_counter() on the same machine, as ``loadtest ui``'s windows
+    need). All but ``end_s`` come from the step's record (``scheduler.contract.StepRecord``).
     """
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
         self._file = self.path.open("a", buffering=1)
 
-    def write(self, plan: StepPlan, seconds: float) -> None:
+    def write(self, record: StepRecord) -> None:
         """Append the step's line.
 
         Raises:
             OSError: the file cannot be written (the service then stops calling this).
         """
-        decodes = [w for w in plan.work if w.is_decode]
-        prefills = [w for w in plan.work if not w.is_decode]
         self._file.write(json.dumps({
-            "prefills": len(prefills), "decodes": len(decodes),
-            "prefill_tokens": sum(len(w.token_ids) for w in prefills),
-            "draft_tokens": plan.num_draft_tokens,
-            "max_context": max((w.context_len for w in decodes), default=0), "seconds": round(seconds, 6),
-            "end_s": round(time.perf_counter(), 6)}) + "\n")
+            "prefills": record.prefills, "decodes": record.decodes, "prefill_tokens": record.prefill_tokens,
+            "draft_tokens": record.draft_tokens, "max_context": record.max_context,
+            "seconds": round(record.seconds, 6), "end_s": round(time.perf_counter(), 6)}) + "\n")
 
 
 def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: str = "",
@@ -163,19 +162,27 @@ class ServerState:
         # 64 bytes per token of context covers a full-length prompt as JSON-escaped text (6 bytes per "\uXXXX")
         # or as a list of token ids; 1 MiB at least, for short-context models with long sampling options
         self.max_request_bytes = config.max_request_bytes or max(1 << 20, 64 * self.max_model_len)
-        blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.live = LiveView(num_blocks) if config.ui else None  # the live page's view of slots, blocks, steps
+        publishing = config.kv_events is not None and config.kv_events.enabled and config.enable_prefix_caching
+        if config.kv_events is not None and config.kv_events.enabled and not config.enable_prefix_caching:
+            log.warning("--kv-events-config is ignored: with --no-prefix-caching no block is cached, so none is "
+                        "published")
+        self.blocks = blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                            observer=self.live.blocks if self.live is not None else None,
+                                            hasher=make_hasher(config.prefix_caching_hash_algo),
+                                            record_events=publishing)
         self.runner = ModelRunner(loaded, self.pool)
+        self.constraints = self.runner.constraints  # structured outputs' matchers, by request id
         speculating = config.speculative is not Drafter.OFF
         self.spec = self._spec_decoder(config, draft, num_blocks, blocks) if speculating else None
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
-                                              max_model_len=self.max_model_len,
-                                              policy=config.policy), blocks, self.spec)
+                                              max_model_len=self.max_model_len, policy=config.policy,
+                                              scheduling=config.scheduling_policy), blocks, self.spec)
         self.step_log = StepLog(config.step_log) if config.step_log else None
-        self.step_trace = StepTrace() if config.ui else None  # the live page's recent steps
         execute = self.runner.execute if self.spec is None else self.spec.execute
-        self.service = SchedulerService(scheduler, execute, config.max_queue, on_step=self._on_step,
-                                        executor=executor)
+        self.core = EngineCore(scheduler, execute)
+        self.service = SchedulerService(self.core, config.max_queue, on_step=self._on_step, executor=executor)
         cache_info = {"block_size": str(config.block_size), "num_gpu_blocks": str(num_blocks),
                       "cache_dtype": self.pool.cache_dtype, "bytes_per_token": str(shape.bytes_per_token),
                       "enable_prefix_caching": str(config.enable_prefix_caching), "engine": "0"}
@@ -183,7 +190,7 @@ class ServerState:
                                vllm_names=config.vllm_metric_names,
                                drafts=None if self.spec is None else self.spec.policy)
         self._ids = itertools.count()
-        self.seq_owners: dict[int, str] = {}  # seq_id -> its API key's fingerprint, while its request is answered
+        self.request_owners: dict[int, str] = {}  # request id -> its API key's fingerprint, while it is answered
         self.token_ids_below = _token_id_limit(loaded)
         # the chat template(s), compiled and test-rendered now: a broken template stops the start, not every chat
         self.chat_templates = chat_templates(self.tokenizer, self.max_request_bytes)
@@ -194,6 +201,13 @@ class ServerState:
         self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids),
                                         sandbox=CompileSandbox(self.tokenizer, sorted(self.eos_ids)))
         self.log_capacity()
+        # KV cache events for KV-aware routers (server/kv_events.py): sockets bound last, once nothing else can fail
+        self.kv_events = EventPublisher(config.kv_events) if publishing else None
+        if self.kv_events is not None:
+            self.metrics.count_kv_events_dropped(lambda: self.kv_events.dropped_events)
+            log.info("KV events: publishing on %s (replay %s, topic %r, %s digests, %s-encoded events)",
+                     config.kv_events.endpoint, config.kv_events.replay_endpoint or "off", config.kv_events.topic,
+                     config.prefix_caching_hash_algo.value, config.kv_events.event_encoding)
 
     def _drafter(self, config: ServeConfig, draft: LoadedModel | None,
                  num_blocks: int) -> NgramDrafter | ModelDrafter:
@@ -215,14 +229,41 @@ class ServerState:
                                  config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens,
                                  config.speculative.value)
 
-    def _on_step(self, plan: StepPlan, seconds: float) -> None:
-        """After each engine step: vLLM's tokens-per-step histogram, the step log when asked for, the live page's
-        step trace."""
-        self.metrics.iteration_tokens.observe(plan.num_tokens)
-        if self.step_log is not None:
-            self.step_log.write(plan, seconds)
-        if self.step_trace is not None:
-            self.step_trace.record(plan, seconds)
+    def _on_step(self, step: StepOutput) -> None:
+        """After each engine step (and each abort): the KV events, vLLM's tokens-per-step histogram, the step log when
+        asked for, the live page's view."""
+        if self.kv_events is not None:
+            self._publish_kv_events(step)
+        if step.record is not None:
+            self.metrics.iteration_tokens.observe(step.record.num_tokens)
+            if self.step_log is not None:
+                self.step_log.write(step.record)
+        if self.live is not None:
+            self.live.stepped(step)
+
+    def _publish_kv_events(self, step: StepOutput) -> None:
+        """Hand the step's KV events to the publisher; after a drop, the whole cache instead (it covers this step's
+        events too: this runs between steps, so the block manager holds the state they lead to)."""
+        if self.kv_events.needs_resync:
+            self.kv_events.publish(self.blocks.cached_snapshot(), resync=True)
+        else:
+            self.kv_events.publish(step.kv_events)
+
+    def close(self) -> None:
+        """Release what the state holds outside the engine: the KV events' thread and sockets."""
+        if self.kv_events is not None:
+            self.kv_events.shutdown()
+
+    def submit(self, requests: list[tuple[EngineRequest, asyncio.Queue[Delivery]]]) -> None:
+        """Queue requests with their streams (``SchedulerService.submit``: all or none), and show them on the live
+        page.
+
+        Raises:
+            QueueFull, RuntimeError: as ``SchedulerService.submit``.
+        """
+        self.service.submit(requests)
+        if self.live is not None:
+            self.live.slots.submitted([request for request, _ in requests])
 
     @property
     def speculating(self) -> bool:

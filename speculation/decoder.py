@@ -7,9 +7,14 @@ it, from the token budget and blocks left once every sequence's own work is plan
 verifies them (``engine.runner.ModelRunner._sample``), and the sequence's computed tokens catch up to its tokens
 plus the accepted drafts. Around each step this object answers two calls:
 
-- ``propose`` before it: how many of its draft tokens each decoding sequence verifies now, and how many the
+- ``propose`` before it: which of its draft tokens each decoding sequence verifies now, and how many the
   drafter proposes for it after the step (``SeqWork.propose``);
-- ``observe`` after it: the acceptance of every verify pass and what the step cost.
+- ``observe`` after it: the acceptance of every verify pass, the drafts proposed for the next step, and what the
+  step cost.
+
+What speculation knows of each sequence it keeps itself, by request id: the drafts on hand, how many of its drafts
+were verified and accepted, how far the draft model has computed it. A sequence that ends or is preempted comes back
+in a plan's ``ended_ids``, and its entries go.
 
 In between, ``execute`` runs the step on the engine's thread: the served model's forward and sampling, then the
 drafter's proposals for the next step (``SeqResult.draft_ids``).
@@ -90,6 +95,8 @@ class SpecDecoder:
         self.drafter = drafter
         self.runner = runner
         self._synced: dict[int, int] = {}  # seq_id -> its tokens the draft model has computed, as far as known
+        self._drafts: dict[int, list[int]] = {}  # seq_id -> draft tokens proposed after its last step, unverified
+        self._verified: dict[int, tuple[int, int]] = {}  # seq_id -> (its draft tokens verified, accepted) so far
         self._proposal_seconds = 0.0        # of the last ``execute``: seconds spent proposing
         self._draft_steps: list[tuple[int, float]] = []  # of the last ``execute``: (rows, s) of each draft step
 
@@ -128,8 +135,8 @@ class SpecDecoder:
 
     # -- before a step (the scheduler's task) -------------------------------------------------------------
     def propose(self, plan: StepPlan, running: list[Sequence], budget: int,
-                limits: SchedulerConfig) -> dict[int, int]:
-        """Draft tokens each decoding sequence of ``plan`` verifies in it (absent: none), at most ``budget`` in
+                limits: SchedulerConfig) -> dict[int, list[int]]:
+        """The draft tokens each decoding sequence of ``plan`` verifies in it (absent: none), at most ``budget`` in
         all; sets each SeqWork's ``propose``, the tokens the drafter proposes for it after the step.
 
         Without a draft model (proposing is free) every sampling sequence asks for ``max_draft`` proposals and the
@@ -145,24 +152,35 @@ class SpecDecoder:
         """
         for seq_id in plan.ended_ids:  # ended or preempted: a draft model has freed what it held for them
             self._synced.pop(seq_id, None)
+            self._drafts.pop(seq_id, None)
+            self._verified.pop(seq_id, None)  # a preempted one starts its acceptance history over
         by_id = {seq.seq_id: seq for seq in running}
         for w in plan.work:
-            w.propose = self.policy.max_draft if w.sample and w.constraint is None else 0
-        drafts = self._verify_now(plan, by_id, budget, limits)
+            w.propose = self.policy.max_draft if w.sample and not self._constrained(w.seq_id) else 0
+        gammas = self._verify_now(plan, by_id, budget, limits)
         if self.policy.proposal_cost is not None:
             self._plan_proposals(plan, by_id, limits)
-        return drafts
+        return {seq_id: self._drafts[seq_id][:gamma] for seq_id, gamma in gammas.items() if gamma}
+
+    def _constrained(self, seq_id: int) -> bool:
+        """A structured-output sequence: its grammar checks one token a step, so it verifies no drafts."""
+        return self.runner is not None and self.runner.constraints.get(seq_id) is not None
+
+    def verified(self, seq_id: int) -> tuple[int, int]:
+        """Draft tokens verified for ``seq_id`` so far, and accepted (0, 0 for one unknown here)."""
+        return self._verified.get(seq_id, (0, 0))
 
     def _room(self, seq: Sequence, limits: SchedulerConfig, available: int | None = None, ahead: int = 0) -> int:
-        """Draft tokens ``seq`` could verify now: its proposal (or ``available``), cut so that every token the step
-        might accept stays within max_tokens and the context, and, below min_tokens, so that every sampled row has
-        stop tokens suppressed alike; ``ahead``: as if that many more tokens were output first. 0 for a
+        """Draft tokens ``seq`` could verify now: its drafts on hand (or ``available``), cut so that every token the
+        step might accept stays within max_tokens and the context, and, below min_tokens, so that every sampled row
+        has stop tokens suppressed alike; ``ahead``: as if that many more tokens were output first. 0 for a
         constrained sequence (its grammar checks one token a step)."""
         if available is None:
-            if not seq.draft_ids or seq.num_uncomputed != 1:
+            drafts = self._drafts.get(seq.seq_id)
+            if not drafts or seq.num_uncomputed != 1:
                 return 0
-            available = len(seq.draft_ids)
-        if seq.constraint is not None:
+            available = len(drafts)
+        if self._constrained(seq.seq_id):
             return 0
         output = len(seq.output_ids) + ahead
         room = min(available, seq.max_tokens - output - 1, limits.max_model_len - seq.num_tokens - ahead - 1)
@@ -179,7 +197,7 @@ class SpecDecoder:
             seq = by_id.get(w.seq_id)
             room = self._room(seq, limits) if seq is not None and w.is_decode else 0
             if room:
-                candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens))
+                candidates.append(Candidate(seq.seq_id, room, *self.verified(seq.seq_id)))
         if self.policy.proposal_cost is None:
             yield_ = sum(1 for w in plan.work if w.sample)
             return self.policy.choose(candidates, plan.num_tokens, yield_, budget)
@@ -198,7 +216,7 @@ class SpecDecoder:
                 seq = by_id[w.seq_id]
                 room = self._room(seq, limits, self.policy.max_draft, ahead=1)
                 if room:
-                    candidates.append(Candidate(seq.seq_id, room, seq.num_draft_tokens, seq.num_accepted_tokens,
+                    candidates.append(Candidate(seq.seq_id, room, *self.verified(seq.seq_id),
                                                 catch_up=seq.num_tokens - self._synced.get(seq.seq_id, 0),
                                                 remaining=min(seq.max_tokens - len(seq.output_ids), AMORTIZE_OVER)))
         rows = len(candidates)
@@ -232,14 +250,18 @@ class SpecDecoder:
     # -- after a step (the scheduler's task) --------------------------------------------------------------
     def observe(self, plan: StepPlan, results: list[SeqResult], running: list[Sequence],
                 seconds: float | None = None) -> None:
-        """Learn from a step that ran: each verify pass's acceptance (sequences still running whose step did not
-        fail), and, given its wall time ``seconds``, the step-cost curves ``auto`` weighs: an all-decode step's
+        """Learn from a step that ran: each verify pass's acceptance and the drafts proposed for the next step
+        (sequences still running whose step did not fail), and, given its wall time ``seconds``, the step-cost curves ``auto`` weighs: an all-decode step's
         time less its proposing by its tokens, and each draft-model decode step by its rows."""
         live = {seq.seq_id for seq in running}
         for w, result in zip(plan.work, results):
             if w.seq_id not in live or result.error is not None:
                 continue
             self.policy.record(w.num_draft, result.num_accepted)
+            if w.num_draft:
+                drafted, accepted = self.verified(w.seq_id)
+                self._verified[w.seq_id] = (drafted + w.num_draft, accepted + result.num_accepted)
+            self._drafts[w.seq_id] = result.draft_ids
             if result.draft_ids and w.propose:
                 self._synced[w.seq_id] = w.context_len - w.num_draft + len(result.tokens)  # its tokens after it
         cost = self.policy.cost

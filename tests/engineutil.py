@@ -15,9 +15,10 @@ from kvserve.kvcache.block_manager import BlockManager
 from kvserve.kvcache.pool import KVPool, storage_dtype
 from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.quant.options import Scheme
+from kvserve.scheduler.contract import EngineRequest
+from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from kvserve.scheduler.sequence import Sequence
 from kvserve.speculation.decoder import SpecDecoder
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -96,9 +97,9 @@ def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks:
                   max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
                   prefix_caching: bool = True, draft=None, drafter=None, params: SamplingParams = GREEDY,
                   min_tokens: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list[list[int]], Scheduler]:
-    """Our engine end to end (scheduler + paged runner), greedy unless ``params`` say otherwise, EOS suppressed
-    until ``min_tokens`` (default: all ``new_tokens``); with ``draft`` (a DraftPolicy) and ``drafter``,
-    speculative decoding; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
+    """Our engine end to end (the engine core's step: scheduler + paged runner), greedy unless ``params`` say
+    otherwise, EOS suppressed until ``min_tokens`` (default: all ``new_tokens``); with ``draft`` (a DraftPolicy) and
+    ``drafter``, speculative decoding; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
     shape = loaded.kv_shape(KVCacheDType(kv_cache_dtype))
     pool = KVPool(shape, num_blocks, block_size, storage_dtype(shape, loaded.dtype), loaded.device)
     runner = ModelRunner(loaded, pool)
@@ -106,13 +107,14 @@ def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks:
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                                           max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching),
                           spec)
-    seqs = [Sequence(seq_id=i, prompt_ids=p, params=params, max_tokens=new_tokens, stop_token_ids=frozenset({EOS}),
-                     min_tokens=new_tokens if min_tokens is None else min_tokens) for i, p in enumerate(prompts)]
-    arrivals: dict[int, list[Sequence]] = {}
-    for seq, step in zip(seqs, arrivals_at or [0] * len(seqs)):
-        arrivals.setdefault(step, []).append(seq)
-    run_offline(scheduler, runner.execute if spec is None else spec.execute, arrivals)
-    return [s.output_ids for s in seqs], scheduler
+    requests = [EngineRequest(request_id=i, prompt_ids=p, params=params, max_tokens=new_tokens,
+                              stop_token_ids=frozenset({EOS}), min_tokens=new_tokens if min_tokens is None else min_tokens)
+                for i, p in enumerate(prompts)]
+    arrivals: dict[int, list[EngineRequest]] = {}
+    for request, step in zip(requests, arrivals_at or [0] * len(requests)):
+        arrivals.setdefault(step, []).append(request)
+    run = run_offline(EngineCore(scheduler, runner.execute if spec is None else spec.execute, timed=False), arrivals)
+    return [run.tokens[r.request_id] for r in requests], scheduler
 
 
 def tiny(arch: str, **overrides):

@@ -190,6 +190,8 @@ def test_entrypoint_covers_every_serve_flag(tmp_path):
         else:
             numeric = action.type in (int, float, parse_bytes) or getattr(action.type, "__name__", "") == "_draft_length"
             value = action.choices[-1] if action.choices else ("7" if numeric else "v-" + action.dest)
+            if getattr(action.type, "__name__", "") == "_kv_events_config":  # a JSON object
+                value = '{"enable_kv_cache_events": true, "topic": "kv events"}'
             env[name], expected[action.dest] = value, (action.type or str)(value)
             if isinstance(action, argparse._AppendAction):  # --api-key may be repeated
                 expected[action.dest] = [expected[action.dest]]

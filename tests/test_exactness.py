@@ -13,9 +13,10 @@ from kvserve.quant.linear import QuantLinear
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
 from kvserve.kvcache.pool import KVPool
+from kvserve.scheduler.contract import EngineRequest
+from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from kvserve.scheduler.sequence import Sequence
 from tests.engineutil import (GREEDY, NEAR_TIE_LOGITS, REPEAT_PROMPT, SERVED, chat_ids, engine_greedy,
                               greedy_references, reference_greedy, reference_model, reference_shortfall)
 
@@ -89,7 +90,7 @@ def step_logits(served, ids: list[int], budget: int, new_tokens: int = 4) -> lis
     runner = ModelRunner(served, pool)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=budget, max_model_len=4096),
                           BlockManager(64, 16, True), None)
-    seq = Sequence(seq_id=0, prompt_ids=ids, params=GREEDY, max_tokens=new_tokens, min_tokens=new_tokens)
+    request = EngineRequest(request_id=0, prompt_ids=ids, params=GREEDY, max_tokens=new_tokens, min_tokens=new_tokens)
     rows, logits = [], runner.logits
 
     def recording(plan):
@@ -99,7 +100,7 @@ def step_logits(served, ids: list[int], budget: int, new_tokens: int = 4) -> lis
         return out
 
     runner.logits = recording
-    run_offline(scheduler, runner.execute, {0: [seq]})
+    run_offline(EngineCore(scheduler, runner.execute), {0: [request]})
     return rows
 
 

@@ -215,12 +215,23 @@ def test_prefix_caching_off():
     assert bm.find_cached_prefix([1, 2, 3, 4, 5]) == []
 
 
-def test_the_kept_block_states_match_the_blocks_after_random_allocations_hits_and_frees():
-    """``states`` is updated where ref counts and hashes change, not recomputed: after every operation of a random
-    mix (new prompts, several sharing prefixes, growth, caching, frees, evictions of cached blocks) it must equal
-    the state computed from each block."""
+class _Observer:
+    """A block observer that keeps the state it is told of each block."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.states = ["0"] * num_blocks
+
+    def block_changed(self, block_id: int, state) -> None:
+        self.states[block_id] = str(int(state))
+
+
+def test_the_observed_block_states_and_counts_match_the_blocks_after_random_allocations_hits_and_frees():
+    """The observer is told each state change where ref counts and hashes change, and the counts of cached free
+    blocks are kept, not recomputed: after every operation of a random mix (new prompts, several sharing prefixes,
+    growth, caching, frees, evictions of cached blocks) both must equal what each block says."""
     rng = random.Random(7)
-    bm = BlockManager(num_blocks=24, block_size=2)
+    observer = _Observer(24)
+    bm = BlockManager(num_blocks=24, block_size=2, observer=observer)
     prompts = [[rng.randrange(4) for _ in range(rng.randint(2, 9))] for _ in range(6)]  # few tokens: many hits
     live: list[tuple[list[int], list[int], list]] = []  # (block table, tokens, chain)
     seen_states = set()
@@ -242,7 +253,8 @@ def test_the_kept_block_states_match_the_blocks_after_random_allocations_hits_an
             table, _, _ = live.pop(rng.randrange(len(live)))
             bm.free(table)
         expected = "".join(str(int(block_state(b.ref_count, b.block_hash is not None))) for b in bm.blocks)
-        assert bm.state_digits() == expected
+        assert "".join(observer.states) == expected
+        assert bm.num_cached_free == expected.count("3") and bm.num_free_blocks == expected.count("0") + bm.num_cached_free
         seen_states |= set(expected)
     assert seen_states == {"0", "1", "2", "3"}  # the mix reached every state
 

@@ -370,6 +370,25 @@ def test_the_cpu_key_is_stable_and_short():
     assert cpu_key() == cpu_key() and len(cpu_key()) == 12 and int(cpu_key(), 16) >= 0
 
 
+def test_the_fairness_tables_give_each_groups_ttft_percentiles():
+    import argparse
+
+    from kvserve.loadtest.served.fairness import Ttfts, add_arguments, render
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--flood", "4", "--lone", "2"])
+    assert Ttfts([0.3, 0.1, 0.2, 0.4]).percentile(0.5) == 0.2 and Ttfts().cell() == "nan / nan"
+    tenants = {"fcfs": (Ttfts([1.0, 2.0]), Ttfts([3.0, 5.0])), "fair": (Ttfts([1.5, 2.5]), Ttfts([0.5, 0.5], 1))}
+    priority = {"fcfs": (Ttfts([1.0]), Ttfts([4.0])), "priority": (Ttfts([2.0]), Ttfts([0.25]))}
+    text = render(tenants, priority, args)
+    assert "| fcfs | 1.00 / 2.00 | 3.00 / 5.00 |" in text and "| fair | 1.50 / 2.50 | 0.50 / 0.50 (1 failed) |" in text
+    assert "| priority | 2.00 / 2.00 | 0.25 / 0.25 |" in text
+    assert "fair share against FCFS: 8.0x shorter" in text and "priority against FCFS: 16.0x shorter" in text
+    tenants["fair"] = (Ttfts([1.0]), Ttfts([8.0]))  # a run where fair share lost says so, not "0.5x shorter"
+    assert "fair share against FCFS: 2.0x longer" in render(tenants, priority, args)
+
+
 def test_prefill_peers_count_only_short_requests_inside_the_long_prefill():
     from kvserve.loadtest.loadgen.client import RequestRecord
 

@@ -41,7 +41,7 @@ def state_factory(smollm2):
 def test_twenty_disconnects_free_every_block(state_factory):
     state = state_factory(max_num_seqs=32, kv_cache_memory="512MiB")
     with serving(state) as url:
-        blocks = state.service.scheduler.blocks
+        blocks = state.core.scheduler.blocks
 
         async def usage() -> float:
             return blocks.usage
@@ -49,19 +49,19 @@ def test_twenty_disconnects_free_every_block(state_factory):
         drill = asyncio.run(disconnect_drill(url, 20, LONG, usage))
         assert blocks.num_free_blocks == blocks.num_blocks
         assert drill["blocks_free_after_s"] < 1.0
-        assert not state.service.scheduler.running and not state.service.scheduler.waiting
+        assert not state.core.scheduler.running and not state.core.scheduler.waiting
 
 
 def test_queued_client_that_leaves_is_never_scheduled(state_factory):
     state = state_factory(max_num_seqs=1)
     scheduled: set[int] = set()
-    execute = state.service.execute
+    execute = state.core.execute
 
     def recording(plan):
         scheduled.update(w.seq_id for w in plan.work)
         return execute(plan)
 
-    state.service.execute = recording
+    state.core.execute = recording
     with serving(state) as url:
         ready, stop = threading.Event(), threading.Event()
         holder = threading.Thread(target=first_chunk_then, args=(url, LONG, ready, stop))
@@ -71,9 +71,9 @@ def test_queued_client_that_leaves_is_never_scheduled(state_factory):
                                                                  "stream": True}, timeout=30) as response:
             assert response.status_code == 200  # admitted to the queue; we leave before any token
         deadline = time.monotonic() + 5
-        while state.service.scheduler.waiting and time.monotonic() < deadline:
+        while state.core.scheduler.waiting and time.monotonic() < deadline:
             time.sleep(0.01)
-        assert not state.service.scheduler.waiting
+        assert not state.core.scheduler.waiting
         stop.set()
         holder.join(timeout=60)
     assert scheduled == {0}
@@ -90,7 +90,7 @@ def test_full_queue_answers_429_with_retry_after_and_400_still_wins(state_factor
         for t in threads[1:]:
             t.start()
         deadline = time.monotonic() + 10
-        while len(state.service.scheduler.waiting) < 2 and time.monotonic() < deadline:
+        while len(state.core.scheduler.waiting) < 2 and time.monotonic() < deadline:
             time.sleep(0.01)
         response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "stream": True}, timeout=10)
         assert response.status_code == 429
@@ -129,7 +129,7 @@ def test_four_times_overload_for_twenty_seconds(state_factory):
         assert report.admitted > 0 and report.completed == report.admitted
         assert report.health_failures == 0 and report.health_checks >= 20  # answered at least once a second
         assert rss_after - rss_before < 200, (rss_before, rss_after)
-        assert state.service.scheduler.blocks.num_free_blocks == state.service.scheduler.blocks.num_blocks
+        assert state.core.scheduler.blocks.num_free_blocks == state.core.scheduler.blocks.num_blocks
 
 
 def test_static_policy_holds_the_short_answer_until_the_group_finishes(state_factory):
@@ -189,7 +189,7 @@ def test_api_key_guards_v1_routes(state_factory):
 
 def test_failed_step_fails_only_its_requests(state_factory):
     state = state_factory()
-    execute = state.service.execute
+    execute = state.core.execute
     poison = state.tokenizer("BOOM")["input_ids"]
 
     def failing(plan):
@@ -197,7 +197,7 @@ def test_failed_step_fails_only_its_requests(state_factory):
             raise RuntimeError("kernel exploded")
         return execute(plan)
 
-    state.service.execute = failing
+    state.core.execute = failing
     with serving(state) as url:
         with httpx.stream("POST", url + "/v1/completions", json={"prompt": "BOOM", "stream": True}) as response:
             assert response.status_code == 200
@@ -209,7 +209,7 @@ def test_failed_step_fails_only_its_requests(state_factory):
         ok = httpx.post(url + "/v1/completions", json={"prompt": "Hello", "max_tokens": 3}, timeout=60)
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
         assert httpx.get(url + "/health").status_code == 200
-        blocks = state.service.scheduler.blocks
+        blocks = state.core.scheduler.blocks
         assert blocks.num_free_blocks == blocks.num_blocks
 
 
@@ -218,7 +218,7 @@ def test_streams_end_with_an_error_when_the_engine_loop_dies(state_factory, path
     """A loop that dies mid-generation ends every open stream at once: the final chunk's finish_reason is
     "error" (Responses: response.failed), then the stream ends; /health and /live turn 503."""
     state = state_factory()
-    update = state.service.scheduler.update
+    update = state.core.scheduler.update
     steps = {"n": 0}
 
     def dying_update(plan, results):
@@ -227,7 +227,7 @@ def test_streams_end_with_an_error_when_the_engine_loop_dies(state_factory, path
             raise SystemError("scheduler bug mid-stream")
         return update(plan, results)
 
-    state.service.scheduler.update = dying_update
+    state.core.scheduler.update = dying_update
     body = {"stream": True, **({"input": "Count to 100", "max_output_tokens": 50} if path == "/v1/responses" else
                               {"prompt": "Count to 100", "max_tokens": 50} if path == "/v1/completions" else
                               {"messages": [{"role": "user", "content": "Count to 100"}], "max_tokens": 50})}
@@ -253,7 +253,7 @@ def test_health_reports_a_dead_engine_loop(state_factory):
         def broken_schedule():
             raise SystemError("scheduler bug")
 
-        state.service.scheduler.schedule = broken_schedule
+        state.core.scheduler.schedule = broken_schedule
         response = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=30)
         assert response.status_code == 500 or "error" in response.text
         assert httpx.get(url + "/health").status_code == 503
@@ -326,10 +326,10 @@ def test_non_streamed_client_that_leaves_is_cancelled(state_factory):
         with pytest.raises(httpx.TimeoutException):
             httpx.post(url + "/v1/completions", json=LONG, timeout=1.5)
         deadline = time.monotonic() + 5
-        while state.service.scheduler.running and time.monotonic() < deadline:
+        while state.core.scheduler.running and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert not state.service.scheduler.running
-        blocks = state.service.scheduler.blocks
+        assert not state.core.scheduler.running
+        blocks = state.core.scheduler.blocks
         assert blocks.num_free_blocks == blocks.num_blocks
 
 
@@ -341,7 +341,7 @@ def test_many_choices_fit_an_idle_small_queue_and_prompt_logprobs_survive_preemp
         response = httpx.post(url + "/v1/completions", json=body, timeout=600)
         assert response.status_code == 200, response.text
         result = response.json()
-    assert state.service.scheduler.num_preemptions > 0
+    assert state.core.scheduler.num_preemptions > 0
     expected = result["usage"]["prompt_tokens"] + 40
     assert [len(c["logprobs"]["tokens"]) for c in result["choices"]] == [expected] * 4
     assert {c["text"] for c in result["choices"]} == {result["choices"][0]["text"]}

@@ -26,9 +26,12 @@ from kvserve.engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, To
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager
 from kvserve.kvcache.pool import KVPool
-from kvserve.scheduler.offline import run_offline, run_step
+from kvserve.engine.constraints import Constraints
+from kvserve.scheduler.contract import EngineRequest, FinishReason
+from kvserve.scheduler.core import EngineCore
+from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from kvserve.scheduler.sequence import FinishReason, Sequence
+from kvserve.scheduler.sequence import Sequence
 from kvserve.server.config import ServeConfig
 from kvserve.server.serve import load_draft
 from kvserve.server.state import ServerState
@@ -228,11 +231,12 @@ def test_the_spec_decoder_learns_step_costs_from_decode_steps_less_their_proposi
     monkeypatch.setattr(decoder.time, "perf_counter", clock)
     greedy = SamplingParams(temperature=0.0)
     accepted_one = [TokenLogprob(9, 0.0), TokenLogprob(7, 0.0)]
-    runner = types.SimpleNamespace(execute=lambda plan: [SeqResult(w.seq_id, accepted_one) for w in plan.work])
+    runner = types.SimpleNamespace(execute=lambda plan: [SeqResult(w.seq_id, accepted_one) for w in plan.work],
+                                   constraints=Constraints())
     drafter = _TimedDrafter(clock, seconds=0.5)
     policy = DraftPolicy(8, cost=StepCost({1: 0.030, 9: 0.034}), proposal_cost=StepCost({1: 0.005, 8: 0.010}))
     spec = SpecDecoder(policy, drafter, runner)
-    seq = Sequence(seq_id=0, prompt_ids=[1, 2, 3], params=greedy, max_tokens=20, output_ids=[7, 9], draft_ids=[9])
+    seq = Sequence(EngineRequest(request_id=0, prompt_ids=[1, 2, 3], params=greedy, max_tokens=20), output_ids=[7, 9])
     work = SeqWork(0, [9, 9], 4, [0, 1], [4, 5], True, greedy, [1, 2, 3], [7], num_draft=1)
     plan = StepPlan([work], ended_ids=[5])
     spec.propose(plan, [seq], budget=100, limits=SchedulerConfig())
@@ -379,12 +383,11 @@ def test_logprobs_of_every_emitted_token_equal_those_without_speculation(smollm2
         spec = SpecDecoder(draft, drafter_of(kind, int4_draft), runner) if draft else None
         scheduler = Scheduler(SchedulerConfig(max_model_len=4096), BlockManager(64, 16), spec)
         execute = runner.execute if spec is None else spec.execute
-        seq = Sequence(seq_id=0, prompt_ids=prompt_ids[0], params=params, max_tokens=24)
+        core = EngineCore(scheduler, execute, timed=False)
+        core.add(EngineRequest(request_id=0, prompt_ids=prompt_ids[0], params=params, max_tokens=24))
         seen: list[TokenLogprob] = []
-        scheduler.add(seq)
-        while scheduler.has_work:
-            plan = scheduler.schedule()
-            seen += [e.token for _, e in run_step(scheduler, execute, plan) if e.token is not None]
+        while core.has_work:
+            seen += [token for output in core.step().outputs for token in output.tokens]
         logprobs.append([(t.token_id, t.logprob, t.top) for t in seen])
     assert len(logprobs[1]) == 24 and logprobs[0] == logprobs[1]
     assert all(lp <= 0 for _, lp, _ in logprobs[1]) and all(len(top) == 3 for _, _, top in logprobs[1])
@@ -410,56 +413,54 @@ def scripted(tokens: list[int]):
     return execute
 
 
-def run_scripted(tokens, **seq_fields):
+def run_scripted(tokens, **fields):
+    """One request through the core over ``scripted(tokens)``; its outputs, and the tokens they delivered."""
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64), BlockManager(16, 4), SpecDecoder(fixed(4)))
-    seq = Sequence(seq_id=0, prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0), **seq_fields)
-    events = []
-    scheduler.add(seq)
-    while scheduler.has_work:
-        plan = scheduler.schedule()
-        events += [e for _, e in run_step(scheduler, scripted(tokens), plan)]
+    core = EngineCore(scheduler, scripted(tokens), timed=False)
+    core.add(EngineRequest(request_id=0, prompt_ids=[1, 2, 3], params=SamplingParams(temperature=0.0), **fields))
+    outputs = []
+    while core.has_work:
+        outputs += core.step().outputs
     assert scheduler.blocks.num_free_blocks == 16
-    return seq, events
+    return outputs, [token.token_id for output in outputs for token in output.tokens]
 
 
 def test_tokens_after_eos_inside_an_accepted_block_are_dropped():
-    seq, events = run_scripted([10, 11, 12, EOS, 13, 14, 15, 16, 17], max_tokens=20,
-                               stop_token_ids=frozenset({EOS}))
-    assert seq.output_ids == [10, 11, 12, EOS] and seq.finish_reason is FinishReason.STOP
-    assert [e.token.token_id for e in events if e.token] == [10, 11, 12, EOS]
-    assert [e.finish for e in events].count(FinishReason.STOP) == 1 and events[-1].finish is FinishReason.STOP
-    assert seq.num_accepted_tokens > 0
+    outputs, delivered = run_scripted([10, 11, 12, EOS, 13, 14, 15, 16, 17], max_tokens=20,
+                                      stop_token_ids=frozenset({EOS}))
+    assert delivered == [10, 11, 12, EOS]
+    assert [o.finish_reason for o in outputs].count(FinishReason.STOP) == 1
+    assert outputs[-1].finish_reason is FinishReason.STOP
+    assert sum(o.num_accepted_tokens for o in outputs) > 0
 
 
 def test_max_tokens_inside_a_block_ends_with_length_and_min_tokens_holds_eos_back():
-    seq, events = run_scripted(list(range(10, 30)), max_tokens=6)
-    assert seq.output_ids == list(range(10, 16)) and seq.finish_reason is FinishReason.LENGTH
-    assert len(events) == 6  # usage counts only emitted tokens
+    outputs, delivered = run_scripted(list(range(10, 30)), max_tokens=6)
+    assert delivered == list(range(10, 16)) and outputs[-1].finish_reason is FinishReason.LENGTH  # usage: emitted only
     # EOS at output position 1 is below min_tokens: drafts never cross the min_tokens boundary (every sampled
     # row suppresses stop tokens alike), and no sampled EOS ends the sequence early
-    seq, _ = run_scripted([10, 11, 12, 13, 14, EOS, 15, 16], max_tokens=8, min_tokens=4,
-                          stop_token_ids=frozenset({EOS}))
-    assert seq.output_ids == [10, 11, 12, 13, 14, EOS]
+    _, delivered = run_scripted([10, 11, 12, 13, 14, EOS, 15, 16], max_tokens=8, min_tokens=4,
+                                stop_token_ids=frozenset({EOS}))
+    assert delivered == [10, 11, 12, 13, 14, EOS]
 
 
-def test_one_step_delivers_several_tokens_with_one_time():
-    _, events = run_scripted(list(range(10, 30)), max_tokens=12)
-    by_time = collections.Counter(e.time for e in events)
-    assert max(by_time.values()) > 1
-    assert all(e.step_tokens == by_time[e.time] for e in events)
+def test_one_step_delivers_several_tokens_in_one_output():
+    outputs, delivered = run_scripted(list(range(10, 30)), max_tokens=12)
+    assert max(len(o.tokens) for o in outputs) > 1 and delivered == list(range(10, 22))
+    assert all(len(o.tokens) == o.num_accepted_tokens + 1 for o in outputs if o.num_draft_tokens)
 
 
 def test_aborts_and_preemptions_with_drafts_free_every_block():
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4), BlockManager(12, 4),
                           SpecDecoder(fixed(4)))
-    seqs = [Sequence(seq_id=i, prompt_ids=[1, 2, 3, 4, 5], params=SamplingParams(temperature=0.0), max_tokens=30)
-            for i in range(4)]
-    tokens = [20 + i % 7 for i in range(40)]
-    steps = run_offline(scheduler, scripted(tokens), {0: seqs[:3], 2: seqs[3:]}, max_steps=500,
-                        on_step=lambda step, plan: step == 4 and scheduler.abort(1))
-    assert steps > 0 and scheduler.num_preemptions > 0 and scheduler.spec.policy.accepted > 0
+    core = EngineCore(scheduler, scripted(tokens := [20 + i % 7 for i in range(40)]), timed=False)
+    requests = [EngineRequest(request_id=i, prompt_ids=[1, 2, 3, 4, 5], params=SamplingParams(temperature=0.0),
+                              max_tokens=30) for i in range(4)]
+    run = run_offline(core, {0: requests[:3], 2: requests[3:]}, max_steps=500,
+                      on_step=lambda step, out: step == 4 and core.abort(1))
+    assert run.steps > 0 and scheduler.num_preemptions > 0 and scheduler.spec.policy.accepted > 0
     assert scheduler.blocks.num_free_blocks == 12
-    assert [s.output_ids for s in seqs if s.seq_id != 1] == [tokens[:30]] * 3
+    assert [run.tokens[i] for i in (0, 2, 3)] == [tokens[:30]] * 3
 
 
 def test_a_draft_model_frees_its_blocks_after_aborts_preemptions_and_rejections(smollm2, int4_draft, prompt_ids):
@@ -470,16 +471,16 @@ def test_a_draft_model_frees_its_blocks_after_aborts_preemptions_and_rejections(
     spec = SpecDecoder(fixed(3), drafter, runner)
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=4096),
                           BlockManager(12, 16), spec)
-    seqs = [Sequence(seq_id=i, prompt_ids=p, params=SamplingParams(temperature=0.0), max_tokens=40, min_tokens=40)
-            for i, p in enumerate(prompt_ids)]
-    steps = run_offline(scheduler, spec.execute, {0: seqs[:3], 2: seqs[3:]},
-                        on_step=lambda step, plan: step == 6 and scheduler.abort(1))
+    requests = [EngineRequest(request_id=i, prompt_ids=p, params=SamplingParams(temperature=0.0), max_tokens=40,
+                              min_tokens=40) for i, p in enumerate(prompt_ids)]
+    core = EngineCore(scheduler, spec.execute, timed=False)
+    run = run_offline(core, {0: requests[:3], 2: requests[3:]}, on_step=lambda step, out: step == 6 and core.abort(1))
     drafts = scheduler.spec.policy
-    assert steps > 0 and scheduler.num_preemptions > 0 and 0 < drafts.accepted < drafts.drafted
+    assert run.steps > 0 and scheduler.num_preemptions > 0 and 0 < drafts.accepted < drafts.drafted
     assert scheduler.blocks.num_free_blocks == 12
     assert drafter.blocks.num_free_blocks == 10 and not drafter.held
     alone, _ = engine_greedy(smollm2, [prompt_ids[0], prompt_ids[2], prompt_ids[3]], 40)
-    assert [seqs[0].output_ids, seqs[2].output_ids, seqs[3].output_ids] == alone
+    assert [run.tokens[0], run.tokens[2], run.tokens[3]] == alone
 
 
 # ---- unseeded sampling keeps the distribution -------------------------------------------------------------

@@ -182,10 +182,10 @@ def test_preempted_constrained_requests_validate_and_equal_their_output_alone(sm
             return response.json()["choices"][0]
 
         alone = [reply(p) for p in prompts]
-        before = state.service.scheduler.num_preemptions
+        before = state.core.scheduler.num_preemptions
         with ThreadPoolExecutor(len(prompts)) as pool:
             together = list(pool.map(reply, prompts))
-        assert state.service.scheduler.num_preemptions > before
+        assert state.core.scheduler.num_preemptions > before
     for first, second in zip(alone, together):
         assert second["finish_reason"] == "stop"
         jsonschema.validate(json.loads(second["message"]["content"]), PERSON)

@@ -18,13 +18,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.engine.plan import SamplingParams, TokenLogprob
 from kvserve.kvcache.block_manager import BlockManager, BlockState, block_state
-from kvserve.scheduler.sequence import SeqStatus, Sequence
+from kvserve.scheduler.contract import EngineRequest, FinishReason, RequestOutput, StepOutput, StepRecord
 from kvserve.server.config import ServeConfig
 from kvserve.server.livepage import CSP, load_assets
-from kvserve.server.snapshot import RATE_MIN_STEPS, RATE_READINGS, SLOW_PARTS_S, SnapshotHub, StepRecord, StepTrace, \
-    counter_value, histogram, slot_state
+from kvserve.server.snapshot import RATE_MIN_STEPS, RATE_READINGS, SLOW_PARTS_S, LiveView, SlotBoard, SnapshotHub, \
+    StepBar, StepTrace, counter_value, histogram
 from tests.serverutil import running_server
 
 CHAT = "/v1/chat/completions"
@@ -34,7 +34,8 @@ SECRET_WORD = "Quetzalcoatlus"  # a prompt word that must never appear in the ev
 # -- the snapshot's parts, without a model ----------------------------------------------------------------------
 
 def test_block_states_tell_free_used_shared_and_cached():
-    blocks = BlockManager(num_blocks=6, block_size=2)
+    live = LiveView(num_blocks=6)
+    blocks = BlockManager(num_blocks=6, block_size=2, observer=live.blocks)
     tokens = [1, 2, 3, 4, 5]
     first: list[int] = []
     assert blocks.allocate(first, 5)                     # blocks 0, 1, 2
@@ -42,41 +43,47 @@ def test_block_states_tell_free_used_shared_and_cached():
     second: list[int] = []
     assert blocks.allocate(second, 5, blocks.find_cached_prefix(tokens))  # shares 0 and 1, takes 3
     assert second == [0, 1, 3]
-    assert blocks.state_digits() == "221100"
+    assert live.blocks.digits() == "221100"
     blocks.free(first)
-    assert blocks.state_digits() == "110100"  # block 2 held only the first's partial tail
+    assert live.blocks.digits() == "110100"  # block 2 held only the first's partial tail
     blocks.free(second)
-    assert blocks.state_digits() == "330000"  # 0 and 1 keep their hashes: cached but free
+    assert live.blocks.digits() == "330000"  # 0 and 1 keep their hashes: cached but free
     assert [block_state(r, c) for r, c in ((0, False), (1, True), (3, False), (0, True))] == [
         BlockState.FREE, BlockState.USED, BlockState.SHARED, BlockState.CACHED]
 
 
-def _seq(prompt: int, output: int = 0, computed: int = 0, status=SeqStatus.RUNNING, preemptions: int = 0) -> Sequence:
-    seq = Sequence(seq_id=7, prompt_ids=list(range(prompt)), params=SamplingParams(), max_tokens=16,
-                   output_ids=list(range(output)), num_computed=computed, status=status)
-    seq.num_preemptions = preemptions
-    return seq
+def test_slots_follow_each_phase_from_the_outputs_alone():
+    board = SlotBoard()
+    board.submitted([EngineRequest(request_id=7, prompt_ids=list(range(10)), params=SamplingParams(), max_tokens=16)])
+    states = [board.rows(32)[0]["state"]]                                  # waiting
+    token = TokenLogprob(5, -0.1)
+    for output in (RequestOutput(7, num_computed_tokens=4, new_block_ids=[3]),           # chunked prefill: 6 to go
+                   RequestOutput(7, tokens=[token], num_computed_tokens=10, new_block_ids=[4, 9]),  # prompt in
+                   RequestOutput(7, preempted=True),                                      # blocks taken back
+                   RequestOutput(7, tokens=[token], num_computed_tokens=11, new_block_ids=[2, 6]),  # recomputed
+                   RequestOutput(7, tokens=[token], num_computed_tokens=12, num_draft_tokens=2,
+                                 num_accepted_tokens=1)):
+        board.stepped(StepOutput([output]))
+        states.append(board.rows(32)[0]["state"])
+    assert states == ["waiting", "prefill", "decode", "preempted", "decode", "decode"]
+    assert board.rows(32) == [{"id": 7, "state": "decode", "prompt": 10, "generated": 3, "cached": 0, "drafted": 2,
+                               "accepted": 1, "preemptions": 1, "blocks": [2, 6]}]
+    board.stepped(StepOutput([RequestOutput(7, finish_reason=FinishReason.LENGTH)]))
+    assert board.rows(32) == []
 
 
-def test_slot_state_names_each_phase():
-    assert slot_state(_seq(10, status=SeqStatus.WAITING)) == "waiting"
-    assert slot_state(_seq(10, output=3, status=SeqStatus.WAITING, preemptions=1)) == "preempted"
-    assert slot_state(_seq(10, computed=4)) == "prefill"          # chunked prefill: 6 prompt tokens to go
-    assert slot_state(_seq(10, output=2, computed=11)) == "decode"  # only the last sampled token to compute
+def _record(index: int, prefill: int = 20, decode: int = 2, draft: int = 3, seconds: float = 0.0125) -> StepRecord:
+    return StepRecord(index=index, rows=3, prefills=1, prefill_tokens=prefill, prompt_tokens=prefill,
+                      decode_tokens=decode, draft_tokens=draft, accepted_tokens=0, generated_tokens=2, max_context=9,
+                      seconds=seconds, started=0.0, ended=0.0, preemptions=0, prefix_queries=0, prefix_hits=0,
+                      running=3, waiting=0, blocks_used=0, blocks_free=0, blocks_cached=0)
 
 
-def _work(prompt: int, start: int, tokens: int, num_draft: int = 0) -> SeqWork:
-    return SeqWork(seq_id=0, token_ids=[0] * tokens, start_pos=start, block_table=[], slot_mapping=[], sample=True,
-                   params=SamplingParams(), prompt_ids=[0] * prompt, output_ids=[], num_draft=num_draft)
-
-
-def test_a_step_record_splits_prefill_decode_and_draft_tokens():
-    plan = StepPlan([_work(prompt=20, start=0, tokens=20), _work(prompt=5, start=9, tokens=4, num_draft=3),
-                     _work(prompt=5, start=6, tokens=1)])
-    assert StepRecord.of(3, plan, 0.0125) == StepRecord(n=3, prefill=20, decode=2, draft=3, ms=12.5, rows=3)
+def test_a_step_bar_splits_prefill_decode_and_draft_tokens():
+    assert StepBar.of(_record(3)) == StepBar(n=3, prefill=20, decode=2, draft=3, ms=12.5, rows=3)
     trace = StepTrace(size=2)
-    for _ in range(3):
-        trace.record(plan, 0.01)
+    for index in range(1, 4):
+        trace.record(_record(index))
     assert [r.n for r in trace.steps] == [2, 3] and trace.count == 3
 
 
@@ -100,7 +107,7 @@ def test_the_hub_builds_at_most_once_per_interval():
             Counting.builds += 1
             return {"n": Counting.builds}
 
-    hub = Counting(service=None, metrics=None, steps=StepTrace(), info={}, min_interval_s=60)
+    hub = Counting(service=None, metrics=None, live=LiveView(1), info={}, min_interval_s=60)
     assert [hub.latest() for _ in range(5)] == ['{"n":1}'] * 5
     hub.min_interval_s = 0
     assert hub.latest() == '{"n":2}'
@@ -116,12 +123,12 @@ def test_the_histograms_and_totals_are_read_once_a_second_and_the_rest_every_bui
             Counting.slow += 1
             return {"totals": {"n": Counting.slow}}
 
-    scheduler = types.SimpleNamespace(running=[], waiting=[], blocks=BlockManager(num_blocks=5, block_size=1))
-    service = types.SimpleNamespace(scheduler=scheduler, queued=0)
-    hub = Counting(service=service, metrics=None, steps=StepTrace(), info={})
+    live = LiveView(5)
+    blocks = BlockManager(num_blocks=5, block_size=1, observer=live.blocks)
+    hub = Counting(service=types.SimpleNamespace(queued=0), metrics=None, live=live, info={})
     seen, table = [], []
     for tokens, now in enumerate((100.0, 100.4, 100.9, 100.0 + SLOW_PARTS_S, 100.5 + SLOW_PARTS_S), start=1):
-        assert scheduler.blocks.allocate(table, tokens)
+        assert blocks.allocate(table, tokens)
         snap = hub.build(now)
         seen.append((snap["totals"]["n"], snap["blocks"]))
     assert seen == [(1, "10000"), (1, "11000"), (1, "11100"), (2, "11110"), (2, "11111")]
@@ -132,7 +139,7 @@ def test_tokens_per_s_spans_several_steps_so_a_long_step_never_reads_zero():
     two steps. The window spans RATE_MIN_STEPS steps too, so it reads the rate the steps make; idle, it reads 0 and
     stays 0 (an idle server's snapshot stops changing); the readings kept are bounded."""
     stats = types.SimpleNamespace(generation_tokens=0, steps=0)
-    hub = SnapshotHub(service=types.SimpleNamespace(stats=stats), metrics=None, steps=StepTrace(), info={})
+    hub = SnapshotHub(service=types.SimpleNamespace(totals=stats), metrics=None, live=LiveView(1), info={})
     rates = []
     for second in range(60):  # one reading a second, as slow_parts is called; a 32-token step every 3 s
         if second % 3 == 0:
@@ -148,15 +155,13 @@ def test_tokens_per_s_spans_several_steps_so_a_long_step_never_reads_zero():
 
 
 def test_a_snapshot_carries_the_steps_of_the_last_three_builds_not_the_whole_ring():
-    scheduler = types.SimpleNamespace(running=[], waiting=[], blocks=BlockManager(num_blocks=1, block_size=1))
-    trace = StepTrace()
-    hub = SnapshotHub(service=types.SimpleNamespace(scheduler=scheduler, queued=0), metrics=None, steps=trace, info={})
+    live = LiveView(1)
+    hub = SnapshotHub(service=types.SimpleNamespace(queued=0), metrics=None, live=live, info={})
     hub.slow_parts = lambda now: {}
     shown = []
     for build, new_steps in enumerate([5, 2, 3, 4, 1, 0]):
         for _ in range(new_steps):
-            trace.count += 1
-            trace.steps.append(StepRecord(trace.count, 0, 1, 0, 1.0, 1))
+            live.steps.record(_record(live.steps.count + 1))
         shown.append([row[0] for row in hub.build(float(build))["steps"]])
     # the first three builds carry the whole ring (5, 7, 10 steps), then the steps after the count three builds ago
     assert shown == [[1, 2, 3, 4, 5], list(range(1, 8)), list(range(1, 11)), list(range(6, 15)),

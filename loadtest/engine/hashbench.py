@@ -1,9 +1,10 @@
-"""Prefix-cache hashing cost per full block: Python's ``hash()`` chain vs SHA-256 vs keyed BLAKE2b, side by side.
+"""Prefix-cache hashing cost per full block: Python's ``hash()`` chain vs SHA-256 vs vLLM's sha256_cbor vs keyed
+BLAKE2b, side by side.
 
 ``python -m kvserve.loadtest hashbench`` times, in one process and interleaved round by round, the digest of
 one full block given its parent's (the work ``BlockManager`` does once per block filled and once per block
 looked up), then the whole register-and-look-up path of the block manager on a long prompt, and its allocate-and-free path
-with and without the per-block state bytes it keeps for the live page. Prints the medians and their ratios and
+with and without the live page's observer of block states (the state bytes it keeps). Prints the medians and their ratios and
 writes the BENCHMARKS.md section.
 """
 
@@ -17,6 +18,7 @@ import time
 from array import array
 
 from kvserve.kvcache.block_manager import BlockManager, chain_hash, root_hash
+from kvserve.kvcache.hashing import VllmCborHasher
 
 _BLAKE2_KEY = os.urandom(32)
 
@@ -49,10 +51,11 @@ def _manager_us_per_block(block_size: int, prompt: list[int]) -> float:
 
 def _alloc_free_us_per_block(block_size: int, num_blocks: int, keep_states: bool) -> float:
     """Grow one table a block at a time as decode does, then free it: microseconds per block, both together.
-    ``keep_states=False`` turns the manager's state bytes off (the cost they add to this path)."""
-    manager = BlockManager(num_blocks=num_blocks, block_size=block_size)
-    if not keep_states:
-        manager._mark = lambda block: None
+    ``keep_states``: with the live page's observer of block states (``keep_states=False``: none, as ``--no-ui``)."""
+    from kvserve.server.snapshot import BlockStates
+
+    manager = BlockManager(num_blocks=num_blocks, block_size=block_size,
+                           observer=BlockStates(num_blocks) if keep_states else None)
     table: list[int] = []
     start = time.perf_counter_ns()
     for n in range(1, num_blocks + 1):
@@ -75,11 +78,14 @@ def run(args: argparse.Namespace) -> int:
     for block_size in args.block_sizes:
         blocks = [tuple((b * 7919 + j * 104729) % 49152 for j in range(block_size)) for b in range(args.blocks)]
         prompt = [token for block in blocks[:256] for token in block]
-        times: dict[str, list[float]] = {"hash": [], "sha256": [], "blake2b": [], "manager": [], "alloc": [],
-                                         "alloc_bare": []}
+        times: dict[str, list[float]] = {"hash": [], "sha256": [], "cbor": [], "blake2b": [], "manager": [],
+                                         "alloc": [], "alloc_bare": []}
+        vllm = VllmCborHasher()
         for _ in range(args.rounds):  # interleaved, so drift in the machine's speed hits every variant alike
             times["hash"].append(_ns_per_block(_builtin, 0x6B7673, blocks))
             times["sha256"].append(_ns_per_block(chain_hash, root_hash(None), blocks))
+            times["cbor"].append(_ns_per_block(lambda parent, tokens: vllm.block_hash(parent, tokens, None),
+                                               vllm.none_hash, blocks))
             times["blake2b"].append(_ns_per_block(_blake2, root_hash(None), blocks))
             times["manager"].append(_manager_us_per_block(block_size, prompt))
             times["alloc"].append(_alloc_free_us_per_block(block_size, 1456, keep_states=True))
@@ -87,20 +93,23 @@ def run(args: argparse.Namespace) -> int:
         med = {name: statistics.median(values) for name, values in times.items()}
         prompt_ms = med["manager"] * 2048 // block_size / 1000
         rows.append(f"| {block_size} | {med['hash']:.0f} | {med['sha256']:.0f} ({med['sha256'] / med['hash']:.2f}x) "
+                    f"| {med['cbor']:.0f} ({med['cbor'] / med['hash']:.2f}x) "
                     f"| {med['blake2b']:.0f} ({med['blake2b'] / med['hash']:.2f}x) | {med['manager']:.2f} "
                     f"| {prompt_ms:.2f} | {med['alloc']:.2f} ({med['alloc'] / med['alloc_bare']:.2f}x) |")
-    table = ("| block size (tokens) | `hash()` chain ns/block | SHA-256 ns/block | keyed BLAKE2b ns/block "
-             "| manager register + lookup us/block (SHA-256) | a 2,048-token prompt, ms "
+    table = ("| block size (tokens) | `hash()` chain ns/block | SHA-256 ns/block | vLLM's sha256_cbor ns/block "
+             "| keyed BLAKE2b ns/block | manager register + lookup us/block (SHA-256) | a 2,048-token prompt, ms "
              "| allocate + free us/block (x without state bytes) |\n"
-             "|---|---|---|---|---|---|---|\n" + "\n".join(rows))
+             "|---|---|---|---|---|---|---|---|\n" + "\n".join(rows))
     body = (f"{table}\n\nMedians of {args.rounds} interleaved rounds of {args.blocks} chained blocks each, one "
             "process, one core. The digest is SHA-256 over the parent digest and the block's token ids as uint32 "
             "(vLLM's choice; deterministic, so no key to manage and a digest that means the same in every "
-            "process); keyed BLAKE2b is shown for comparison. The last two columns are the block manager's whole cost "
+            "process); vLLM's sha256_cbor (--prefix-caching-hash-algo sha256_cbor: SHA-256 of the canonical CBOR "
+            "of parent, tokens and extra keys, what a KV-aware router can recompute) and keyed BLAKE2b are shown "
+            "for comparison. The last two columns are the block manager's whole cost "
             "per full block of a 256-block prompt: registering it after its prefill and verifying it on a later "
             "lookup (tokens, salt, parent), both together, and that cost for a 2,048-token prompt. The last: growing a "
             "table of 1,456 blocks a block at a time (as decode does) and freeing it, per block, and its ratio to the "
-            "same with the per-block state bytes (the live page's block grid) turned off.")
+            "same without the live page's observer of block states (its block grid; --no-ui).")
     print(body)
     if not args.no_write:
         update_section("hashbench", "Prefix-cache hashing cost per full block",

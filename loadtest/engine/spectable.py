@@ -34,9 +34,10 @@ from kvserve.kvcache.pool import KVPool
 from kvserve.quant.model import quantize_for_serving
 from kvserve.quant.options import Scheme
 from kvserve.quant.quality import AGREEMENT_PROMPTS, AGREEMENT_TOKENS, chat_ids
+from kvserve.scheduler.contract import EngineRequest
+from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.offline import run_offline
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
-from kvserve.scheduler.sequence import Sequence
 from kvserve.speculation.decoder import SpecDecoder
 from kvserve.speculation.policy import DraftPolicy, expected_tokens
 
@@ -70,10 +71,10 @@ def _generate(target: LoadedModel, prompts: list[list[int]], draft: LoadedModel 
     for seq_id, prompt in enumerate(prompts):
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=1, max_model_len=4096),
                               BlockManager(_BLOCKS, _BLOCK_SIZE, enable_prefix_caching=False), spec)
-        seq = Sequence(seq_id=seq_id, prompt_ids=prompt, params=_GREEDY, max_tokens=AGREEMENT_TOKENS,
-                       min_tokens=AGREEMENT_TOKENS)
+        request = EngineRequest(request_id=seq_id, prompt_ids=prompt, params=_GREEDY, max_tokens=AGREEMENT_TOKENS,
+                                min_tokens=AGREEMENT_TOKENS)
         started = time.perf_counter()
-        run_offline(scheduler, runner.execute if spec is None else spec.execute, {0: [seq]})
+        run_offline(EngineCore(scheduler, runner.execute if spec is None else spec.execute, timed=False), {0: [request]})
         seconds += time.perf_counter() - started
     if policy is None:
         return seconds, 0, 0, 0

@@ -1,7 +1,10 @@
-"""Multi-turn chat conversations driven at an OpenAI-compatible server, each turn resending the growing history.
+"""Multi-turn chat conversations driven at an OpenAI-compatible server, each turn resending the growing history; and
+many tenants' long system prompts, each shared by all the tenant's requests.
 
 A conversation's opening is unique to it, so its prefix is cached only where its earlier turns were served: the
-workload that tells a cache-aware router from round robin (``python -m kvserve.loadtest cluster``).
+workload that tells a cache-aware router from round robin (``python -m kvserve.loadtest cluster``). The system
+prompts, more than one replica's cache holds, tell a router that knows what each replica holds (its KV events) from
+one that guesses.
 """
 
 from __future__ import annotations
@@ -62,7 +65,8 @@ def _words(rng: random.Random, n: int) -> str:
     return " ".join(rng.choice(_WORDS) for _ in range(n))
 
 
-async def _one(client: httpx.AsyncClient, messages: list[dict], workload: Workload, result: Result, t0: float) -> None:
+async def _one(client: httpx.AsyncClient, messages: list[dict], workload: Workload | SystemPrompts, result: Result,
+               t0: float) -> None:
     body = {"messages": messages, "max_tokens": workload.max_tokens, "stream": True, "temperature": 0}
     if workload.ignore_eos:
         body["ignore_eos"] = True
@@ -131,4 +135,49 @@ async def run_conversations(base_url: str, workload: Workload, tag: str, deadlin
 
     async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_connections=64)) as client:
         await asyncio.gather(*(conversation(i, client) for i in range(workload.conversations)))
+    return results
+
+
+@dataclass(frozen=True)
+class SystemPrompts:
+    """Many tenants, each with a long system prompt of its own that all its requests share (agents, RAG templates):
+    ``requests`` single-turn chats, ``concurrency`` at a time, each with one of ``prompts`` system prompts of
+    ``prompt_words`` words (chosen at random, seeded) and a short question of its own. With more prompts than one
+    replica's KV pool holds, where a request lands decides whether its prompt is prefilled again.
+    """
+
+    prompts: int = 12
+    prompt_words: int = 300
+    requests: int = 96
+    concurrency: int = 4
+    max_tokens: int = 8
+    question_words: int = 8
+    timeout_s: float = 120.0
+    ignore_eos: bool = True  # every reply runs to max_tokens: the same decode work under every policy
+
+
+async def run_system_prompts(base_url: str, workload: SystemPrompts, tag: str, deadline_s: float) -> list[Result]:
+    """Drive ``workload`` at ``base_url``; ``tag`` makes the system prompts unique to this run (no policy meets the
+    previous one's cache). Returns every request's Result (``conversation`` is the system prompt's index)."""
+    rng = random.Random(tag)
+    systems = [f"Tenant {tag}-{k}. You answer questions about these words only: "
+               f"{_words(random.Random(f'{tag}-{k}'), workload.prompt_words)}." for k in range(workload.prompts)]
+    picks = [rng.randrange(workload.prompts) for _ in range(workload.requests)]
+    questions = [_words(rng, workload.question_words) for _ in range(workload.requests)]
+    results: list[Result] = []
+    t0 = time.perf_counter()
+    gate = asyncio.Semaphore(workload.concurrency)
+
+    async def one(i: int, client: httpx.AsyncClient) -> None:
+        async with gate:
+            if time.perf_counter() - t0 > deadline_s:
+                return
+            result = Result(picks[i], 0, time.perf_counter() - t0)
+            results.append(result)
+            messages = [{"role": "system", "content": systems[picks[i]]},
+                        {"role": "user", "content": f"Which of these comes first: {questions[i]}?"}]
+            await _one(client, messages, workload, result, t0)
+
+    async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_connections=64)) as client:
+        await asyncio.gather(*(one(i, client) for i in range(workload.requests)))
     return results

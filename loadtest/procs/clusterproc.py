@@ -19,7 +19,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.loadtest.loadgen.report import OUT_DIR
-from kvserve.loadtest.procs.serverproc import ServerStartError, _tail, free_port, kvserve_command, spawn
+from kvserve.loadtest.procs.serverproc import ServerStartError, free_port, kvserve_command, log_tail, spawn
 
 
 # ---- processes ---------------------------------------------------------------------------------------
@@ -65,7 +65,7 @@ def _wait_ready(proc: Proc, path: str, timeout_s: float) -> None:
     while time.monotonic() < deadline:
         if proc.popen.poll() is not None:
             raise ServerStartError(f"{proc.name} exited with {proc.popen.returncode}; log {proc.log}:\n"
-                                   f"{_tail(proc.log)}")
+                                   f"{log_tail(proc.log)}")
         try:
             if httpx.get(proc.url + path, timeout=2).status_code == 200:
                 return
@@ -73,7 +73,7 @@ def _wait_ready(proc: Proc, path: str, timeout_s: float) -> None:
             pass
         time.sleep(0.3)
     raise ServerStartError(f"{proc.name}: no 200 from {path} after {timeout_s:.0f} s; log {proc.log}:\n"
-                           f"{_tail(proc.log)}")
+                           f"{log_tail(proc.log)}")
 
 
 def router_binary() -> str:
@@ -87,6 +87,34 @@ def router_binary() -> str:
     if found is None:
         raise FileNotFoundError("vllm-router is not installed: pip install -e '.[cluster]' (or pip install vllm-router)")
     return found
+
+
+KV_EVENTS = "kv_events"  # the policy of loadtest's own KV-aware router (procs/kvrouter.py), fed by the replicas' events
+KV_EVENTS_IN_FLIGHT = "kv_events_in_flight"  # the same, also counting the prompts of requests in flight (--in-flight)
+
+
+def kv_events_endpoints(log_dir: Path, port: int | str) -> tuple[str, str]:
+    """The PUB and replay endpoints of the replica on ``port``: ipc sockets in the log folder (bound, by vLLM's
+    rule; nothing listens beyond this machine)."""
+    return f"ipc://{log_dir}/kv-events-{port}.sock", f"ipc://{log_dir}/kv-replay-{port}.sock"
+
+
+def kv_events_flags(log_dir: Path) -> list[str]:
+    """A replica's flags that publish its KV events with vLLM's block hashes (``{port}`` is replaced by its port)."""
+    pub, replay = kv_events_endpoints(log_dir, "{port}")
+    return ["--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config",
+            f'{{"enable_kv_cache_events": true, "endpoint": "{pub}", "replay_endpoint": "{replay}"}}']
+
+
+def kvrouter_command(port: int, replicas: list[str], log_dir: Path, block_size: int = 16,
+                     in_flight: bool = False) -> list[str]:
+    """loadtest's KV-aware router (``procs/kvrouter.py``) over ``replicas``, which publish as ``kv_events_flags``."""
+    argv = [sys.executable, "-m", "kvserve.loadtest.procs.kvrouter", "--port", str(port),
+            "--block-size", str(block_size), *(["--in-flight"] if in_flight else [])]
+    for url in replicas:
+        pub, replay = kv_events_endpoints(log_dir, url.rsplit(":", 1)[1])
+        argv += ["--replica", f"{url}={pub},{replay}"]
+    return argv
 
 
 def router_command(port: int, metrics_port: int, workers: list[str], policy: str) -> list[str]:
@@ -129,14 +157,18 @@ class Cluster:
         self.router_policy = policy
         port, metrics_port = free_port(), free_port()
         live = [r.url for r in self.replicas if r.alive]
-        self.router = _spawn(f"router-{policy}", router_command(port, metrics_port, live, policy), port, self.log_dir)
+        if policy in (KV_EVENTS, KV_EVENTS_IN_FLIGHT):
+            command = kvrouter_command(port, live, self.log_dir, in_flight=policy == KV_EVENTS_IN_FLIGHT)
+        else:
+            command = router_command(port, metrics_port, live, policy)
+        self.router = _spawn(f"router-{policy}", command, port, self.log_dir)
         self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         # /readiness counts the workers the router has found healthy; wait for all of them
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.router.popen.poll() is not None:
                 raise ServerStartError(f"router exited with {self.router.popen.returncode}; log {self.router.log}:\n"
-                                       f"{_tail(self.router.log)}")
+                                       f"{log_tail(self.router.log)}")
             try:
                 if httpx.get(self.router.url + "/readiness", timeout=5).json().get("healthy_workers") == len(live):
                     return self.router
@@ -144,7 +176,7 @@ class Cluster:
                 pass
             time.sleep(0.3)
         raise ServerStartError(f"router did not see all {len(live)} workers healthy after {timeout_s:.0f} s; log "
-                               f"{self.router.log}:\n{_tail(self.router.log)}")
+                               f"{self.router.log}:\n{log_tail(self.router.log)}")
 
     def stop_router(self) -> None:
         if self.router is not None:

@@ -49,7 +49,8 @@ def kvserve_command(extra: list[str]) -> list[str]:
     return [sys.executable, "-m", "kvserve.server.cli", "serve", "--host", "127.0.0.1", "--port", PORT, *extra]
 
 
-def _tail(path: Path, lines: int = 25) -> str:
+def log_tail(path: Path, lines: int = 25) -> str:
+    """The last ``lines`` lines of a log file ("" when it cannot be read): what a start-up error quotes."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -92,14 +93,14 @@ def _wait_healthy(proc: subprocess.Popen, health_url: str, timeout_s: float, log
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise ServerStartError(f"server exited with {proc.returncode}; log {log}:\n{_tail(log)}")
+            raise ServerStartError(f"server exited with {proc.returncode}; log {log}:\n{log_tail(log)}")
         try:
             if httpx.get(health_url, timeout=2).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise ServerStartError(f"no 200 from {health_url} after {timeout_s:.0f} s; log {log}:\n{_tail(log)}")
+    raise ServerStartError(f"no 200 from {health_url} after {timeout_s:.0f} s; log {log}:\n{log_tail(log)}")
 
 
 def _stop(proc: subprocess.Popen) -> None:

@@ -1,17 +1,21 @@
-"""``python -m kvserve.loadtest cluster``: K kvserve replicas behind vllm-router on 127.0.0.1, measured as a cluster.
+"""``python -m kvserve.loadtest cluster``: K kvserve replicas behind a router on 127.0.0.1, measured as a cluster.
 
-Every replica is a real ``kvserve serve`` process (SmolLM2, float32, a small KV pool) on a free port, and the
-router is the real ``vllm-router`` binary (``pip install vllm-router``, in the ``cluster`` and ``test`` extras).
-The workload is multi-turn chat: many conversations, each turn resending the growing history (its own
-opening, the replies so far and a new question), so a conversation's prefix is cached on the replica that
-served its previous turn, and only there.
+Every replica is a real ``kvserve serve`` process (SmolLM2, float32, a small KV pool) on a free port. The routers:
+the real ``vllm-router`` binary (``pip install vllm-router``, in the ``cluster`` and ``test`` extras) for
+``round_robin`` and ``cache_aware`` (which guesses where a prefix lives from the text it has routed), and
+loadtest's own KV-aware router (``procs/kvrouter.py``) for ``kv_events``: its index is built only from the replicas'
+KV events (``--kv-events-config``, vLLM's format, with vLLM's ``sha256_cbor`` block hashes), and a request goes to
+the replica that holds its longest prefix. Two workloads: ``conversations`` (default), multi-turn chat, each turn
+resending the growing history (its own opening, the replies so far and a new question), so a conversation's
+prefix is cached on the replica that served its previous turn, and only there; ``system-prompts``, many tenants'
+long system prompts, each shared by its requests, more than one replica's KV pool holds.
 
-1. Per policy (``cache_aware``, ``round_robin``), a fresh router over the same replicas and fresh
-   conversations: the prefix-cache hit rate summed over the replicas (``kvserve:prefix_cache_hits`` over
-   ``..._queries``, deltas from their /metrics), the mean TTFT as the client sees it, requests per replica.
-2. Failover: SIGKILL one replica while streams are in flight on it. Reported: requests that failed (only
-   those already on the dead replica may), requests the router retried elsewhere (its own metrics), how the
-   cut streams ended (an error, never a hang), what the survivors served, and their /health.
+1. Per policy, a fresh router over the same replicas and fresh prompts: the prefix-cache hit rate summed over the
+   replicas (``kvserve:prefix_cache_hits`` over ``..._queries``, deltas from their /metrics), the mean and p99 TTFT
+   as the client sees it, requests finished per second, requests per replica.
+2. Failover (conversations, ``cache_aware``): SIGKILL one replica while streams are in flight on it. Reported:
+   requests that failed (only those already on the dead replica may), requests the router retried elsewhere (its
+   own metrics), how the cut streams ended (an error, never a hang), what the survivors served, and their /health.
 3. Drain: SIGTERM one of the survivors with streams in flight on it (kvserve drains, server/drain.py):
    its in-flight streams must all complete within ``--drain-seconds``, new requests go to the others.
 
@@ -31,12 +35,18 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from kvserve.loadtest.loadgen.conversations import Result, Workload, run_conversations
-from kvserve.loadtest.procs.clusterproc import (Cluster, Proc, replica_counts, router_binary, router_retries,
-                                                serve_flags, start_cluster)
+from kvserve.loadtest.loadgen.conversations import Result, SystemPrompts, Workload, run_conversations, run_system_prompts
+from kvserve.loadtest.loadgen.report import OUT_DIR
+from kvserve.loadtest.procs.clusterproc import (KV_EVENTS, KV_EVENTS_IN_FLIGHT, Cluster, Proc, kv_events_flags,
+                                                replica_counts, router_binary, router_retries, serve_flags,
+                                                start_cluster)
 from kvserve.loadtest.publish.benchmarks_md import update_section
 
-POLICIES = ("round_robin", "cache_aware")  # cache_aware last: the kill and drain phases reuse its router
+# cache_aware last of vllm-router's: the kill and drain phases reuse its router. kv_events: loadtest's own KV-aware
+# router (procs/kvrouter.py), its index built only from the replicas' KV events; kv_events_in_flight: the same, also
+# counting the prompts of the requests it has in flight on each replica
+POLICIES = ("round_robin", KV_EVENTS, KV_EVENTS_IN_FLIGHT, "cache_aware")
+OWN_ROUTER = {KV_EVENTS, KV_EVENTS_IN_FLIGHT}
 
 
 # ---- the three phases --------------------------------------------------------------------------------
@@ -48,11 +58,21 @@ class PolicyFigures:
     failed: int
     hit_rate: float
     mean_ttft_s: float
+    p99_ttft_s: float
+    requests_per_s: float  # finished requests over the phase's wall time
     per_replica: list[int]
 
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
+
+
+def _p99(values: list[float]) -> float:
+    """The 99th percentile (nearest rank), NaN for none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, -(-99 * len(ordered) // 100) - 1))]
 
 
 def warm_up(cluster: Cluster) -> None:
@@ -62,17 +82,25 @@ def warm_up(cluster: Cluster) -> None:
                    json={"messages": [{"role": "user", "content": "warm up"}], "max_tokens": 2}).raise_for_status()
 
 
-def measure_policy(cluster: Cluster, policy: str, workload: Workload, deadline_s: float) -> PolicyFigures:
-    """A fresh router with ``policy`` over all replicas, fresh conversations; deltas of the replicas' counters."""
+def measure_policy(cluster: Cluster, policy: str, workload: Workload | SystemPrompts,
+                   deadline_s: float) -> PolicyFigures:
+    """A fresh router with ``policy`` over all replicas, fresh conversations (or system prompts); deltas of the
+    replicas' counters."""
     cluster.start_router(policy)
     before = [replica_counts(r) for r in cluster.replicas]
-    results = asyncio.run(run_conversations(cluster.router.url, workload, f"{policy}", deadline_s))
+    started = time.perf_counter()
+    if isinstance(workload, SystemPrompts):
+        results = asyncio.run(run_system_prompts(cluster.router.url, workload, policy, deadline_s))
+    else:
+        results = asyncio.run(run_conversations(cluster.router.url, workload, f"{policy}", deadline_s))
+    wall_s = time.perf_counter() - started
     after = [replica_counts(r) for r in cluster.replicas]
     hits = sum(a["hits"] - b["hits"] for a, b in zip(after, before))
     queries = sum(a["queries"] - b["queries"] for a, b in zip(after, before))
+    ttfts = [r.ttft_s for r in results if r.ok and r.ttft_s is not None]
     return PolicyFigures(policy, len(results), sum(not r.ok for r in results),
-                         hits / queries if queries else 0.0,
-                         _mean([r.ttft_s for r in results if r.ok and r.ttft_s is not None]),
+                         hits / queries if queries else 0.0, _mean(ttfts), _p99(ttfts),
+                         sum(r.ok for r in results) / wall_s,
                          [int(a["finished"] - b["finished"]) for a, b in zip(after, before)])
 
 
@@ -193,6 +221,17 @@ def measure_drain(cluster: Cluster, workload: Workload, deadline_s: float, grace
 
 # ---- the command -------------------------------------------------------------------------------------
 
+def _describe(workload: Workload | SystemPrompts) -> str:
+    if isinstance(workload, SystemPrompts):
+        return (f"{workload.requests} single-turn chats, {workload.concurrency} at a time, each with one of "
+                f"{workload.prompts} tenants' system prompts of {workload.prompt_words} words (picked at random) and "
+                f"a {workload.question_words}-word question of its own, {workload.max_tokens} tokens per reply.")
+    return (f"{workload.conversations} conversations x {workload.turns} turns, {workload.concurrency} conversations "
+            f"at a time, {workload.max_tokens} tokens per reply; each opening is {workload.opening_words} words "
+            f"unique to its conversation, each later turn resends the history plus {workload.followup_words} words "
+            f"after a random pause of up to {workload.think_s} s.")
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Workload()
     parser.add_argument("--replicas", type=int, default=3)
@@ -207,6 +246,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--no-failover", action="store_true", help="skip the kill and the SIGTERM phases")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
+    s = SystemPrompts()
+    parser.add_argument("--workload", choices=["conversations", "system-prompts"], default="conversations",
+                        help="conversations: multi-turn chats with openings of their own; system-prompts: many "
+                             "tenants' long system prompts, each shared by its requests (more than one replica's "
+                             "KV pool holds; the failover phases then use conversations)")
+    parser.add_argument("--system-prompts", type=int, default=s.prompts, help="tenants (system-prompts workload)")
+    parser.add_argument("--prompt-words", type=int, default=s.prompt_words, help="words per system prompt")
+    parser.add_argument("--requests", type=int, default=s.requests, help="requests per policy (system-prompts)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -214,8 +261,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.replicas < 2 or (not args.no_failover and args.replicas < 3):
         raise UsageError("--replicas must be >= 2, and >= 3 with the failover phases (one is killed, one drained)")
-    router_binary()
+    if set(args.policies) - OWN_ROUTER or not args.no_failover:
+        router_binary()
     workload = Workload(args.conversations, args.turns, args.concurrency, args.max_tokens, args.opening_words)
+    measured = workload if args.workload == "conversations" else SystemPrompts(
+        args.system_prompts, args.prompt_words, args.requests, args.concurrency, args.max_tokens)
+    flags = serve_flags(args.kv_cache_memory, args.drain_seconds)
     report: list[str] = []
 
     def emit(line: str = "") -> None:
@@ -224,25 +275,31 @@ def run(args: argparse.Namespace) -> int:
 
     started = time.perf_counter()
     print(f"starting {args.replicas} replicas (SmolLM2 float32, {args.kv_cache_memory} KV each) ...", flush=True)
-    cluster = start_cluster(args.replicas, serve_flags(args.kv_cache_memory, args.drain_seconds))
+    log_dir = OUT_DIR / "cluster"
+    events = bool(OWN_ROUTER & set(args.policies))
+    if events:
+        flags += kv_events_flags(log_dir)
+    cluster = start_cluster(args.replicas, flags, log_dir)
     try:
         print(f"ready in {time.perf_counter() - started:.0f} s", flush=True)
         emit(f"{args.replicas} replicas (`kvserve serve` {' '.join(serve_flags(args.kv_cache_memory, args.drain_seconds))}"
-             f", one OpenMP thread each) behind vllm-router, all on this machine's cores. Workload: "
-             f"{workload.conversations} conversations x {workload.turns} turns, {workload.concurrency} conversations "
-             f"at a time, {workload.max_tokens} tokens per reply; each opening is {workload.opening_words} words "
-             f"unique to its conversation, each later turn resends the history plus {workload.followup_words} words "
-             f"after a random pause of up to {workload.think_s} s. "
-             f"Fresh conversations per phase; hit rate = prompt tokens found in the prefix caches / looked up, "
-             f"summed over the replicas; TTFT as the client sees it through the router.")
+             f"{' + KV events (sha256_cbor digests)' if events else ''}"
+             f", one OpenMP thread each) behind the router, all on this machine's cores. Workload: "
+             f"{_describe(measured)} "
+             f"Fresh prompts per phase; hit rate = prompt tokens found in the prefix caches / looked up, "
+             f"summed over the replicas; TTFT as the client sees it through the router; throughput = requests "
+             f"finished per second of the phase. round_robin and cache_aware are vllm-router's; kv_events is "
+             f"loadtest's KV-aware router (procs/kvrouter.py): an index of each replica's KV events, the longest "
+             f"cached prefix wins; kv_events_in_flight also counts the prompts of its requests in flight.")
         emit()
         warm_up(cluster)
-        emit("| policy | requests | failed | prefix-cache hit rate | mean TTFT (ms) | requests per replica |")
-        emit("|---|---:|---:|---:|---:|---|")
+        emit("| policy | requests | failed | prefix-cache hit rate | mean TTFT (ms) | p99 TTFT (ms) | requests/s | "
+             "requests per replica |")
+        emit("|---|---:|---:|---:|---:|---:|---:|---|")
         for policy in args.policies:
-            f = measure_policy(cluster, policy, workload, args.phase_seconds)
+            f = measure_policy(cluster, policy, measured, args.phase_seconds)
             emit(f"| {f.policy} | {f.requests} | {f.failed} | {f.hit_rate:.1%} | {f.mean_ttft_s * 1000:.0f} | "
-                 f"{' / '.join(map(str, f.per_replica))} |")
+                 f"{f.p99_ttft_s * 1000:.0f} | {f.requests_per_s:.2f} | {' / '.join(map(str, f.per_replica))} |")
         if not args.no_failover:
             k = measure_failover(cluster, workload, args.phase_seconds)
             emit()
@@ -270,7 +327,8 @@ def run(args: argparse.Namespace) -> int:
         # one section per set of flags, so a run with other flags (e.g. --turns 3) does not replace the default's
         flags = [a for a in sys.argv[2:] if a != "--no-write"]
         name = "-".join(["cluster", *(re.sub(r"[^a-z0-9]+", "", a.lower()) for a in flags)])
-        title = "Replicas behind vllm-router: cache-aware vs round-robin" + ("" if args.no_failover else ", kill, drain")
+        title = ("Replicas behind a router: round robin, KV events, cache-aware" +
+                 ("" if args.no_failover else ", kill, drain"))
         update_section(name, title + (f" ({' '.join(flags)})" if flags else ""),
                        " ".join(["python -m kvserve.loadtest cluster", *flags]), "\n".join(report))
         print(f"BENCHMARKS.md updated (section {name})")

@@ -3,7 +3,9 @@
 The model (Yu et al., Orca, OSDI 2022, iteration-level scheduling; the chapter's static-vs-continuous example):
 all requests arrive at t = 0 in file order; a step costs ``cost(prefills, decodes)`` seconds; in one step
 every admitted request that has not started is prefilled and samples its first token, and every running
-one decodes one token. A request of length n therefore runs 1 prefill step + (n - 1) decode steps.
+one decodes one token. A request of length n therefore runs 1 prefill step + (n - 1) decode steps. The steps are
+planned by kvserve's own scheduler, through the engine core and its offline runner (``scheduler.offline``), on a
+stand-in model that charges each step's cost to a clock: the policies replayed are the ones served.
 
 - static: when nothing runs, admit the next ``slots`` requests; admit nobody else until all of them end.
   A member's slot idles once it is done, and its response ends with the group's (kvserve holds each
@@ -27,8 +29,15 @@ from pathlib import Path
 
 import numpy as np
 
+from kvserve.engine.plan import SamplingParams, SeqResult, StepPlan, TokenLogprob
+from kvserve.kvcache.block_manager import BlockManager
 from kvserve.loadtest.argtypes import positive_int
 from kvserve.loadtest.loadgen import report, workloads
+from kvserve.scheduler.contract import EngineRequest, StepOutput
+from kvserve.scheduler.core import EngineCore
+from kvserve.scheduler.offline import run_offline
+from kvserve.scheduler.policies import Policy
+from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
 
 StepCost = Callable[[int, int], float]  # (prefills, decodes) -> seconds
 
@@ -67,34 +76,33 @@ def simulate(lengths: list[int], slots: int, static: bool, cost: StepCost, order
     queue = list(range(len(lengths))) if order is None else list(order)
     if sorted(queue) != list(range(len(lengths))):
         raise ValueError("order must list every request once")
-    waiting = queue[::-1]  # a stack: pop() takes the earliest
-    running: dict[int, int] = {}  # request -> tokens produced
+    # the real scheduler, on a stand-in model: one-token prompts, so a request's first step computes its prompt and
+    # samples its first token (a prefill), and each later step one more (a decode); the clock advances by the cost
+    # of each step's mix
+    config = SchedulerConfig(max_num_seqs=slots, max_num_batched_tokens=2 * slots, max_model_len=max(lengths) + 2,
+                             policy=Policy.STATIC if static else Policy.CONTINUOUS)
+    blocks = BlockManager(slots * (max(lengths) + 2) + 1, 1, enable_prefix_caching=False)
+    clock = [0.0]
     ttft = [0.0] * len(lengths)
     e2e = [0.0] * len(lengths)
-    group: list[int] = []
-    clock, steps = 0.0, 0
-    while waiting or running:
-        admitted = []
-        if not (static and running):
-            while waiting and len(running) + len(admitted) < slots:
-                admitted.append(waiting.pop())
-            group = admitted if static else []
-        decodes = len(running)
-        clock += cost(len(admitted), decodes)
-        steps += 1
-        for r in admitted:
-            running[r] = 0
-            ttft[r] = clock
-        for r in list(running):
-            running[r] += 1
-            if running[r] == lengths[r]:
-                e2e[r] = clock
-                del running[r]
-        if static and not running:
-            for r in group:  # the group's final events are released together
-                e2e[r] = clock
+
+    def execute(plan: StepPlan) -> list[SeqResult]:
+        prefills = [w.seq_id for w in plan.work if not w.is_decode]
+        clock[0] += cost(len(prefills), len(plan.work) - len(prefills))
+        for request_id in prefills:  # its first token is computed now (a static server may hold it back)
+            ttft[request_id] = clock[0]
+        return [SeqResult(w.seq_id, [TokenLogprob(1, 0.0)]) for w in plan.work]
+
+    def timed(_step: int, out: StepOutput) -> None:
+        for output in out.outputs:
+            if output.finished:  # static batching releases a group's final outputs together, at its end
+                e2e[output.request_id] = clock[0]
+
+    greedy = SamplingParams(temperature=0.0)
+    requests = [EngineRequest(request_id=r, prompt_ids=[1], params=greedy, max_tokens=lengths[r]) for r in queue]
+    run = run_offline(EngineCore(Scheduler(config, blocks), execute, timed=False), {0: requests}, on_step=timed)
     p99 = float(np.percentile(e2e, 99))  # same definition as the load report's p99
-    return SimResult("static" if static else "continuous", steps, clock, sum(lengths) / clock,
+    return SimResult("static" if static else "continuous", len(run.records), clock[0], sum(lengths) / clock[0],
                      statistics.fmean(e2e), p99, statistics.fmean(ttft), tuple(e2e))
 
 
