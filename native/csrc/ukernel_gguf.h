@@ -47,10 +47,11 @@
  *   overflow (Q8_0's sign moved onto x: |q| x sign(x, q)).
  *
  * ---- Loop order (vector paths): a call takes `panels` panels and any number of rows. A tile is R rows x P
- *   panels (R <= MR; P > 1 only for a decode batch's few rows, so one activation broadcast feeds R * P products);
- *   its accumulators stay in registers over the whole row, and per group of 8 blocks the codes are made from the
- *   panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting 4 activation codes broadcast
- *   as one int32), B blocks at once when they share loads. More rows than MR: per panel, every tile of MR rows.
+ *   panels (R <= MR; P > 1 only for Q6_K's decode of 1 or 2 rows on AVX-512, so one activation broadcast feeds
+ *   R * P products: kPanelsOf); its accumulators stay in registers over the whole row, and per group of 8 blocks
+ *   the codes are made from the panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting
+ *   4 activation codes broadcast as one int32), B blocks at once when they share loads. More rows than MR: per
+ *   panel, every tile of MR rows, prefetching the groups to come (a decode tile leaves that to the hardware).
  */
 #ifndef KVSERVE_UKERNEL_GGUF_H
 #define KVSERVE_UKERNEL_GGUF_H
@@ -422,9 +423,11 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
   }
 }
 
-/* Panels per direct tile of R rows, and the int32 accumulators a tile's dots may keep (each has an int16 twin). */
-template <int R>
-constexpr int kPanelsOf = R == 1 ? 2 : 1;
+/* Panels per direct tile of R rows, and the int32 accumulators a tile's dots may keep (each has an int16 twin).
+ * One panel: a tile of several panels spills here and reads several streams at once (measured slower for every
+ * format, 1 row to 4). */
+template <class Fmt, int R>
+constexpr int kPanelsOf = 1;
 constexpr int kDotRegs = 4;
 
 #include "ukernel_gguf_body.h"
@@ -508,9 +511,11 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
 }
 
 /* Panels per direct tile of R rows (one activation broadcast feeds R * P products), and the int32 accumulators a
- * tile's dots may keep in registers. */
-template <int R>
-constexpr int kPanelsOf = R == 1 ? 4 : R == 2 ? 2 : 1;
+ * tile's dots may keep in registers. Several panels only for Q6_K (its many operations per code are shared by
+ * the panels); the lighter formats are bound by the stream of weights, read fastest one panel at a time with
+ * four chains of dots per row (measured). */
+template <class Fmt, int R>
+constexpr int kPanelsOf = Fmt::kKind == kQ6_K ? (R == 1 ? 4 : R == 2 ? 2 : 1) : 1;
 constexpr int kDotRegs = 16;
 
 #include "ukernel_gguf_body.h"
