@@ -218,9 +218,7 @@ KV_INLINE void group(const kv_ggml_args* a, const Codes<Fmt>* src, int64_t b0, i
 }
 
 /* Rows m..m+R-1 of panels p0..p0+P-1 over the whole row, codes straight from the panels: the accumulators stay
- * in registers, one chain per output in block order. Ahead: prefetch the groups to come (the tiles of many rows,
- * which take a panel several times; a decode tile streams its weights once, and the hardware prefetchers serve
- * it better alone: measured, software prefetches there cost up to half the speed). */
+ * in registers, one chain per output in block order. Ahead: prefetch the groups to come (kAhead). */
 template <class Fmt, int R, int P, bool Ahead>
 inline void tile(const kv_ggml_args* a, int p0, int64_t m = 0) {
   F acc[P][R];
@@ -269,12 +267,19 @@ struct DecodeRows {
   }
 };
 
+/* Whether a tile prefetches its panels' groups to come: only the K-quants' tiles of many rows (measured: faster
+ * there on AVX2, 8 rows; a decode tile streams its weights once, and the hardware prefetchers serve it better
+ * alone, the prefetches costing up to half its speed; the 32-weight formats' tiles of many rows lose 5-10% with
+ * them). */
+template <class Fmt>
+constexpr bool kAhead = kLayouts[Fmt::kKind].weights == 256;
+
 template <class Fmt>
 struct PrefillRows {
   const kv_ggml_args* a;
   int p;
   int64_t m;
-  template <int R> void run() const { tile<Fmt, R, 1, true>(a, p, m); }
+  template <int R> void run() const { tile<Fmt, R, 1, kAhead<Fmt>>(a, p, m); }
 };
 
 /* a->panels panels (a->nr == kW) x a->rows rows. Up to kMR rows (a decode batch): one tile of rows over several
