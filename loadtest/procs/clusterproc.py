@@ -116,15 +116,18 @@ def kvrouter_command(port: int, replicas: list[Proc], in_flight: bool = False) -
     return argv
 
 
-def kv_aware_flags(replicas: list[Proc]) -> list[str]:
+def kv_aware_flags(replicas: list[Proc], temperature: float = 0.0) -> list[str]:
     """vllm-router's flags for its ``kv_aware`` policy over ``replicas``, which publish as ``kv_events_flags``.
 
     Each replica is a static event source (vllm-router finds HTTP workers' sources no other way); the model name
     is the replicas' (their ``/v1/models``): it only names the index, which the router fills from the events and
-    queries with the prompt tokens it gets from a replica's render route.
+    queries with the prompt tokens it gets from a replica's render route. ``temperature``: its
+    ``--router-temperature`` (0, its default: the cheapest replica, the first of equals; above 0: a softmax draw
+    over cost / temperature, so equals share new prompts).
     """
     model = httpx.get(replicas[0].url + "/v1/models", timeout=10).json()["data"][0]["id"]
-    argv = ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model]
+    argv = ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model,
+            "--router-temperature", str(temperature)]
     for replica in replicas:
         pub, replay = replica.kv_events
         argv += ["--kv-event-source", f"{replica.url}={pub}", "--kv-event-replay-source", f"{replica.url}={replay}"]
@@ -159,6 +162,7 @@ class Cluster:
     router: Proc | None = None
     router_policy: str = ""
     router_metrics: str = ""
+    kv_aware_temperature: float = 0.0  # vllm-router's --router-temperature for its kv_aware policy
 
     def start_router(self, policy: str, timeout_s: float = 60.0) -> Proc:
         """A router with ``policy`` over the live replicas, once it has found all of them healthy.
@@ -177,7 +181,7 @@ class Cluster:
         else:
             command = router_command(port, metrics_port, live, policy)
             if policy == KV_AWARE:
-                command += kv_aware_flags(alive)
+                command += kv_aware_flags(alive, self.kv_aware_temperature)
         self.router = _spawn(f"router-{policy}", command, port, self.log_dir)
         self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         # /readiness counts the workers the router has found healthy; wait for all of them

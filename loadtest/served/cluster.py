@@ -247,6 +247,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="the replicas' --drain-seconds")
     parser.add_argument("--phase-seconds", type=float, default=300.0, help="no new turn starts after this")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--kv-aware-temperature", type=float, default=0.0,
+                        help="vllm-router's --router-temperature for kv_aware (0, its default: the cheapest replica, "
+                             "the first of equals; above 0: a softmax draw over cost / temperature)")
     parser.add_argument("--no-failover", action="store_true", help="skip the kill and the SIGTERM phases")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     s = SystemPrompts()
@@ -283,6 +286,7 @@ def run(args: argparse.Namespace) -> int:
     if events:
         flags += kv_events_flags()
     cluster = start_cluster(args.replicas, flags, log_dir)
+    cluster.kv_aware_temperature = args.kv_aware_temperature
     try:
         print(f"ready in {time.perf_counter() - started:.0f} s", flush=True)
         emit(f"{args.replicas} replicas (`kvserve serve` {' '.join(serve_flags(args.kv_cache_memory, args.drain_seconds))}"
