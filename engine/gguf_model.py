@@ -5,9 +5,10 @@
     (no weights allocated) -> each weight installed from the file:
 
     quantized tensor, ``--quantization gguf``  GGMLLinear / GGMLEmbedding over the file's own blocks
-                                              (quant.ggml; a type of GGMLKind as it is, Q4_0 as Q4_1 exactly,
-                                              any other type the gguf package reads dequantized to a float
-                                              layer, named in one log line with its cost)
+                                              (quant.ggml: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, each
+                                              on its own native kernel; any other type the gguf package reads,
+                                              e.g. the IQ families, dequantized to a float layer, named in one
+                                              log line with its cost)
     quantized tensor, any other scheme        dequantized (gguf.quants, bit for bit) into a float layer, which
                                               the scheme then rounds its own way
     F32 / F16 / BF16 tensor                   a float layer (the float kernels), in the model's dtype
@@ -51,19 +52,8 @@ DEQUANTIZE_ROWS = 1024
 
 
 def block_kind(ggml_type) -> GGMLKind | None:
-    """The GGMLKind a tensor of ``ggml_type`` is served as (Q4_0 as Q4_1, exactly), or None: no kernel for it."""
-    if ggml_type.name in GGMLKind.__members__:
-        return GGMLKind[ggml_type.name]
-    if ggml_type.name == "Q4_0":
-        return GGMLKind.Q4_1
-    return None
-
-
-def _as_kind(blocks: torch.Tensor) -> torch.Tensor:
-    """Q4_0 blocks rewritten as the Q4_1 ones ``block_kind`` serves them as (exact: quant.ggml.q4_0_as_q4_1)."""
-    from kvserve.quant.ggml import q4_0_as_q4_1
-
-    return q4_0_as_q4_1(blocks)
+    """The GGMLKind a tensor of ``ggml_type`` is served as (its own blocks), or None: no kernel for it."""
+    return GGMLKind.__members__.get(ggml_type.name)
 
 
 def expected_tensors(file: GGUFFile, arch: Architecture, config) -> dict[str, tuple[int, ...]]:
@@ -124,7 +114,7 @@ def check_tensors(file: GGUFFile, arch: Architecture, config) -> None:
             more = ", ..." if len(names) > _NAMES_SHOWN else ""
             problems.append(f"{len(names)} {what} ({', '.join(names[:_NAMES_SHOWN])}{more})")
     if problems:
-        served = ", ".join([*GGMLKind.__members__, "Q4_0 (as Q4_1)", *FLOAT_TYPES])
+        served = ", ".join([*GGMLKind.__members__, *FLOAT_TYPES])
         raise GGUFError(f"{file.path} is not a {arch.model_type} file kvserve can load: tensors {'; '.join(problems)}"
                         f" (types with kernels: {served}; others the gguf package reads are served dequantized)")
 
@@ -159,8 +149,10 @@ class GGUFSummary:
 
     Attributes:
         path: the file.
-        kinds: projections per block format served by a kernel, e.g. ``{"q4_1": 210}``.
+        kinds: projections per block format served by a kernel, e.g. ``{"q4_k": 96, "q6_k": 16}``.
         head: the LM head's format, or "float".
+        floats: projections (and head) per float type of the file (F32, F16, BF16), served as float layers in the
+            model's dtype (the float kernels).
         dequantized: projections (and head) per GGUF type served dequantized, and their ``(file bytes, float
             bytes)``.
         bytes_after: bytes of every installed block (what one decode step reads, the head included).
@@ -169,25 +161,55 @@ class GGUFSummary:
     path: Path
     kinds: Counter = field(default_factory=Counter)
     head: str = "float"
+    floats: Counter = field(default_factory=Counter)
     dequantized: dict[str, list[int]] = field(default_factory=dict)
     bytes_after: int = 0
 
     def describe(self) -> str:
-        """One line for logs."""
+        """One line for logs, e.g. "the GGUF's own blocks (f.gguf): projections 96 q4_k, 16 q6_k, LM head q6_k,
+        713.4 MiB; kernels q4_k: kv_q4_k_avx512, q6_k: kv_q6_k_avx512 (avx512: the best this CPU supports)"."""
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(self.kinds.items())) or "none"
         return (f"the GGUF's own blocks ({self.path.name}): projections {kinds}, LM head {self.head}, "
-                f"{self.bytes_after / 2**20:.1f} MiB{self.dequantized_text()}")
+                f"{self.bytes_after / 2**20:.1f} MiB{self.kernels_text()}{self.floats_text()}"
+                f"{self.dequantized_note()}")
 
-    def dequantized_text(self) -> str:
-        """"" or "; dequantized (no kernel for the type): 96 Q4_K, 17 Q6_K: 4.61 GiB of floats for the file's
-        0.73 GiB"."""
-        if not self.dequantized:
+    def dequantized_note(self) -> str:
+        """"" or "; 3 without a kernel, as floats (their own line)": ``log_dequantized`` names them."""
+        count = sum(n for n, _, _ in self.dequantized.values())
+        return f"; {count} without a kernel, as floats (their own line)" if count else ""
+
+    def kernels_text(self) -> str:
+        """"; kernels q4_k: kv_q4_k_avx512, ... (the ISA path and why)": the native micro-kernel each block format
+        runs on, or that none runs (the layers' reference: the blocks dequantized once, torch's GEMM)."""
+        served = sorted({*self.kinds, *([self.head] if self.head != "float" else [])})
+        if not served:
             return ""
+        from kvserve import native
+
+        path = native.isa()
+        if native.load() is None:
+            return f"; no native kernels, {path}: each block format dequantized once, torch's GEMM"
+        chosen = path.split(" ", 1)[0]
+        kernels = ", ".join(f"{k}: kv_{k}_{chosen}" for k in served)
+        return f"; kernels {kernels} ({chosen}: {path.partition(' ')[2].strip('()')})"
+
+    def floats_text(self) -> str:
+        """"" or "; float tensors on the float kernels: 2 F16"."""
+        if not self.floats:
+            return ""
+        return "; float tensors on the float kernels: " + ", ".join(f"{n} {t}" for t, n in sorted(self.floats.items()))
+
+    def log_dequantized(self) -> None:
+        """The one log line naming the types served dequantized and their cost, e.g. "GGUF tensors served as float
+        layers, no native kernel for their type: 96 IQ4_XS, 17 IQ4_NL: 4.61 GiB of floats for the file's 0.73 GiB";
+        nothing when there are none."""
+        if not self.dequantized:
+            return
         counts = ", ".join(f"{n} {t}" for t, (n, _, _) in sorted(self.dequantized.items()))
         stored = sum(b for _, b, _ in self.dequantized.values())
         served = sum(b for _, _, b in self.dequantized.values())
-        return (f"; dequantized (no kernel for the type): {counts}: {_size(served)} of floats for the file's "
-                f"{_size(stored)}")
+        log.info("GGUF tensors served as float layers, no native kernel for their type: %s: %s of floats for the "
+                 "file's %s", counts, _size(served), _size(stored))
 
 
 def _size(nbytes: int) -> str:
@@ -231,8 +253,6 @@ class _Installer:
         if self.blocks and kind is not None:
             data = torch.from_numpy(tensor.data())  # [out, row bytes], a view of the mapping
             data = data if order is None else data[order]
-            if tensor.ggml_type.name not in GGMLKind.__members__:
-                data = _as_kind(data)
             layer = GGMLLinear(data, kind, bias)
             if not self.file.maps(layer.weight.data_ptr()):
                 self.file.release(tensor)
@@ -243,7 +263,9 @@ class _Installer:
         weight = floats(tensor)
         weight = (weight if order is None else weight[order]).to(self.dtype)  # [out, in]
         self.file.release(tensor)
-        if self.blocks and tensor.ggml_type.name not in FLOAT_TYPES:
+        if self.blocks and tensor.ggml_type.name in FLOAT_TYPES:
+            self.summary.floats[tensor.ggml_type.name] += 1
+        elif self.blocks:
             entry = self.summary.dequantized.setdefault(tensor.ggml_type.name, [0, 0, 0])
             entry[0] += 1
             entry[1] += tensor.nbytes
@@ -272,7 +294,6 @@ class _Installer:
                 rows = head.weight  # the head's own rows: one copy of the table
             else:
                 rows = torch.from_numpy(table.data())
-                rows = rows if table.ggml_type.name in GGMLKind.__members__ else _as_kind(rows)
                 self.summary.bytes_after += rows.numel()
             embedding = GGMLEmbedding(rows, kind, self.dtype)
         model.model.embed_tokens = embedding
@@ -306,9 +327,7 @@ class _Installer:
         left = [n for n, t in (*model.named_parameters(), *model.named_buffers()) if t.is_meta]
         if left:
             raise GGUFError(f"{self.file.path}: no tensor for {', '.join(left[:_NAMES_SHOWN])}")
-        if self.summary.dequantized:
-            log.info("GGUF tensors served as float layers, no native kernel for their type%s",
-                     self.summary.dequantized_text().removeprefix("; dequantized (no kernel for the type)"))
+        self.summary.log_dequantized()
         return self.summary
 
 
@@ -396,4 +415,5 @@ def use_gguf_blocks(model: nn.Module, path: str | Path) -> GGUFSummary:
             if isinstance(getattr(block.get_submodule(parent), child, None), nn.Linear):
                 setattr(block.get_submodule(parent), child,
                         installer.linear(f"blk.{i}.{short}.weight", f"blk.{i}.{short}.bias"))
+    installer.summary.log_dequantized()
     return installer.summary

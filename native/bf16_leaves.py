@@ -1,6 +1,6 @@
 """The bfloat16-weight micro-kernels (``csrc/ukernel_bf16.h``) as leaves, for the CPU emulator and ctypes.
 
-They are compiled into the same library of leaves as the GGUF ones (``native.ggml_leaves.build``: csrc/leaves.c
+They are compiled into the same library of leaves as the GGUF ones (``native.ggml_leaves.build``: csrc/leaves.cpp
 includes every micro-kernel header). ``Args`` and ``ConvertArgs`` mirror ``kv_bf16_args`` and
 ``kv_bf16_convert_args``; ``pack_panels`` and ``pair_rows`` are the layouts of ukernel_bf16.h written in numpy, and
 ``to_bf16`` is vcvtneps2bf16's rounding (the Intel SDM's convert_fp32_to_bfloat16), so tests can build inputs and

@@ -1,5 +1,6 @@
-"""GGUF Q4_1 / Q8_0 kernels (native/csrc/linear_ggml.cpp, ukernel*.h): against gguf's own dequantization, the
-same bits on every ISA path this CPU runs natively and in every batch, exact pack/unpack, clear shape errors.
+"""GGUF block kernels (native/csrc/linear_ggml.cpp, ukernel*.h) for Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K and
+Q6_K: against gguf's own dequantization, the same bits on every ISA path this CPU runs natively and in every batch,
+exact pack/unpack, clear shape errors; the layers (quant/ggml.py) built by the GGUF type's name.
 
 Paths other than the best are forced with KVSERVE_ISA in a child process (the choice is read once per process);
 the AVX-512 micro-kernels are also run under the emulator (test_ggml_emulated.py).
@@ -15,37 +16,26 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from gguf import GGMLQuantizationType, quants
 
 from kvserve import native
 from kvserve.native import ggml_leaves as leaves
+from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear, dequantize_blocks
 from kvserve.quant.schemes import quantize_activations
+from tests.ggmlutil import QTYPES, dequantize, magnitudes, quantized_blocks, random_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
-KINDS = {"q4_1": GGMLQuantizationType.Q4_1, "q8_0": GGMLQuantizationType.Q8_0}
-# (N, K): features below, at and past a 16-wide panel, K of 1, 2 and 18 blocks (SmolLM2's 576)
-SHAPES = [(3, 32), (16, 64), (40, 576), (24, 64)]
+KINDS = tuple(QTYPES)
+# (N, K) per unit size: features below, at and past a 16-wide panel; K of 1, 2 and 18 blocks (SmolLM2's 576) or 1
+# and 3 super-blocks, and 2048 (Llama-3.2-1B's width)
+SHAPES = {32: [(3, 32), (16, 64), (40, 576), (24, 2048)], 256: [(3, 256), (16, 768), (40, 2048), (24, 256)]}
+# the batch-invariance shape: several groups of 8 blocks (and a remainder of 2 for the 32-weight formats)
+BATCH_SHAPE = {32: (40, 576), 256: (40, 768)}
 
 pytestmark = pytest.mark.skipif(native.load() is None, reason="the kernels do not build on this machine")
 
 
-def random_blocks(kind: str, N: int, K: int, seed: int = 0) -> torch.Tensor:
-    """Raw GGUF blocks uint8 [N, K/32 * bytes] covering each format's full code range: Q4_1 codes 0..15 with a
-    minimum of either sign, Q8_0 codes -128..127 with scales of either sign."""
-    rng = np.random.default_rng(seed)
-    nb = N * K // 32
-    d = rng.uniform(-0.05, 0.05, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
-    if kind == "q4_1":
-        m = rng.uniform(-0.5, 0.5, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
-        blocks = np.concatenate([d, m, rng.integers(0, 256, (nb, 16), dtype=np.uint8)], axis=1)
-    else:
-        blocks = np.concatenate([d, rng.integers(-128, 128, (nb, 32), dtype=np.int8).view(np.uint8)], axis=1)
-    return torch.from_numpy(np.ascontiguousarray(blocks).reshape(N, -1))
-
-
-def dequantize(raw: torch.Tensor, kind: str, K: int) -> torch.Tensor:
-    """gguf's dequantization of raw blocks, float64 [N, K]."""
-    return torch.from_numpy(quants.dequantize(raw.numpy(), KINDS[kind]).astype(np.float64)).reshape(-1, K)
+def weights_of(kind: str) -> int:
+    return leaves.BLOCK_WEIGHTS[kind]
 
 
 def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
@@ -56,18 +46,29 @@ def activations(M: int, K: int, seed: int = 1) -> torch.Tensor:
     return x
 
 
-def test_kernel_agrees_with_gguf_dequantization_in_float64():
+def blocks(kind: str, N: int, K: int, seed: int = 0) -> torch.Tensor:
+    return torch.from_numpy(random_blocks(kind, N, K, np.random.default_rng(seed)))
+
+
+def assert_near_the_float64_product(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, kind: str, label) -> None:
+    """y [M, N] against Q8(x) @ W^T in float64, W gguf's dequantization of raw, within float32 rounding of each
+    block's terms."""
+    x_hat = quantize_activations(x, 32, 127).double().numpy()
+    ref = x_hat @ dequantize(raw, kind).T
+    bound = 1e-5 * (np.abs(x_hat) @ magnitudes(raw, kind).T) + 1e-30
+    error = np.abs(y.double().numpy() - ref)
+    assert (error <= bound).all(), (label, error.max())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_kernel_agrees_with_gguf_dequantization_in_float64(kind):
     module = native.load()
-    for kind in KINDS:
-        for N, K in SHAPES:
-            raw = random_blocks(kind, N, K)
+    rng = np.random.default_rng(0)
+    for N, K in SHAPES[weights_of(kind)]:
+        for raw in (quantized_blocks(kind, N, K, rng), random_blocks(kind, N, K, rng)):
             x = activations(7, K)
-            y = module.ggml_linear(x, module.ggml_pack(raw, kind), kind, N, K)  # [7, N]
-            x_hat = quantize_activations(x, 32, 127).double()
-            w = dequantize(raw, kind, K)
-            ref = x_hat @ w.T
-            bound = 1e-5 * (x_hat.abs() @ w.abs().T) + 1e-30  # float32 rounding of 2 operations per block
-            assert ((y.double() - ref).abs() <= bound).all(), (kind, N, K, (y.double() - ref).abs().max())
+            y = module.ggml_linear(x, module.ggml_pack(torch.from_numpy(raw), kind), kind, N, K)  # [7, N]
+            assert_near_the_float64_product(y, x, raw, kind, (N, K))
 
 
 def test_the_embedded_models_own_blocks_round_trip_and_multiply_as_gguf_dequantizes_them():
@@ -79,50 +80,57 @@ def test_the_embedded_models_own_blocks_round_trip_and_multiply_as_gguf_dequanti
     tensors = {t.name: t for t in GGUFReader(default_gguf_path()).tensors}
     for name, kind, rows in (("blk.0.ffn_down.weight", "q4_1", 576), ("token_embd.weight", "q8_0", 1000)):
         tensor = tensors[name]
-        assert tensor.tensor_type is KINDS[kind]
-        raw = torch.from_numpy(np.array(tensor.data[:rows]))  # [rows, K/32 * bytes], the file's bytes
-        N, K = rows, raw.shape[1] // (20 if kind == "q4_1" else 34) * 32
+        assert tensor.tensor_type is QTYPES[kind]
+        raw = np.array(tensor.data[:rows])  # [rows, K/32 * bytes], the file's bytes
+        N, K = rows, raw.shape[1] // leaves.BLOCK_BYTES[kind] * 32
+        packed = module.ggml_pack(torch.from_numpy(raw), kind)
+        assert np.array_equal(module.ggml_unpack(packed, kind, N, K).numpy(), raw)
+        x = activations(4, K)
+        assert_near_the_float64_product(module.ggml_linear(x, packed, kind, N, K), x, raw, kind, name)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_pack_unpack_round_trips_the_raw_bytes(kind):
+    module = native.load()
+    nr = leaves.NR.get(module.isa(), 8)
+    for N, K in SHAPES[weights_of(kind)]:
+        raw = blocks(kind, N, K, seed=N)
         packed = module.ggml_pack(raw, kind)
         assert torch.equal(module.ggml_unpack(packed, kind, N, K), raw)
-        x = activations(4, K)
-        x_hat = quantize_activations(x, 32, 127).double()
-        w = dequantize(raw, kind, K)
-        error = (module.ggml_linear(x, packed, kind, N, K).double() - x_hat @ w.T).abs()
-        assert (error <= 1e-5 * (x_hat.abs() @ w.abs().T)).all(), (name, error.max())
+        # each byte where the micro-kernels read it (leaves.pack_panels: ukernel_gguf.h's layout in numpy)
+        assert np.array_equal(packed.numpy(), leaves.pack_panels(raw.numpy(), kind, nr))
 
 
-def test_pack_unpack_round_trips_the_raw_bytes():
-    module = native.load()
-    for kind in KINDS:
-        for N, K in SHAPES:
-            raw = random_blocks(kind, N, K, seed=N)
-            packed = module.ggml_pack(raw, kind)
-            assert torch.equal(module.ggml_unpack(packed, kind, N, K), raw)
-            # each byte where the micro-kernels read it (leaves.pack_panels: ukernel.h's layout in numpy)
-            nr = leaves.NR.get(native.load().isa(), 8)
-            assert np.array_equal(packed.numpy(), leaves.pack_panels(raw.numpy(), kind, nr))
+def test_q5_fifth_bits_are_permuted_for_the_kernels_and_back():
+    word = np.array([1 << k for k in range(32)], np.uint32)
+    packed = leaves.qh_pack(word)
+    assert sorted(packed.tolist()) == [1 << k for k in range(32)]  # a permutation of the bits
+    assert packed[4 * 2 + 1] == 1 << (8 * 1 + 2)  # weight 4t + i (t = 2, i = 1): bit t of byte i
+    assert packed[16 + 4 * 3 + 2] == 1 << (8 * 2 + 4 + 3)  # weight 16 + 4t + i: bit 4 + t of byte i
 
 
 def test_bound_kernel_gives_the_bits_of_the_call():
     module = native.load()
-    raw = random_blocks("q4_1", 40, 64)
-    packed = module.ggml_pack(raw, "q4_1")
-    x = activations(5, 64)
-    assert torch.equal(module.bind_ggml(packed, "q4_1", 40, 64)(x), module.ggml_linear(x, packed, "q4_1", 40, 64))
-    with pytest.raises(RuntimeError, match="x has 32 features, the weight 64"):
-        module.bind_ggml(packed, "q4_1", 40, 64)(torch.randn(2, 32))
+    for kind, K in (("q4_1", 64), ("q4_k", 256)):
+        packed = module.ggml_pack(blocks(kind, 40, K), kind)
+        x = activations(5, K)
+        assert torch.equal(module.bind_ggml(packed, kind, 40, K)(x), module.ggml_linear(x, packed, kind, 40, K))
+        with pytest.raises(RuntimeError, match=f"x has 32 features, the weight {K}"):
+            module.bind_ggml(packed, kind, 40, K)(torch.randn(2, 32))
 
 
 def test_bad_shapes_and_kinds_raise_clear_errors():
     module = native.load()
-    raw = random_blocks("q8_0", 16, 64)
+    raw = blocks("q8_0", 16, 64)
     packed = module.ggml_pack(raw, "q8_0")
-    with pytest.raises(RuntimeError, match="kind must be"):
-        module.ggml_pack(raw, "q4_0")
-    with pytest.raises(RuntimeError, match=r"blocks \* 20"):
+    with pytest.raises(RuntimeError, match="kind must be one of .*\"q6_k\"; got \"q3_k\""):
+        module.ggml_pack(raw, "q3_k")
+    with pytest.raises(RuntimeError, match=r"units \* 20"):
         module.ggml_pack(raw, "q4_1")  # 68 bytes a row: not whole Q4_1 blocks
     with pytest.raises(RuntimeError, match="multiple of 32"):
         module.ggml_linear(torch.randn(1, 48), packed, "q8_0", 16, 48)
+    with pytest.raises(RuntimeError, match="q4_k weights need .* multiple of 256"):
+        module.ggml_linear(torch.randn(1, 64), packed, "q4_k", 16, 64)
     with pytest.raises(RuntimeError, match="packed for another shape"):
         module.ggml_linear(torch.randn(1, 64), packed, "q8_0", 32, 64)
     with pytest.raises(RuntimeError, match="packed for another shape"):
@@ -131,25 +139,53 @@ def test_bad_shapes_and_kinds_raise_clear_errors():
         module.ggml_linear(torch.randn(64, 2).T, packed, "q8_0", 16, 64)
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_layers_are_built_by_the_gguf_type_name_and_dequantize_as_gguf(kind):
+    qtype = QTYPES[kind]
+    layer_kind = GGMLKind[qtype.name]
+    assert layer_kind.value == kind and (layer_kind.block_weights, layer_kind.block_bytes) == (
+        weights_of(kind), leaves.BLOCK_BYTES[kind])
+    rng = np.random.default_rng(3)
+    K = 512
+    raw = random_blocks(kind, 24, K, rng)
+    expected = torch.from_numpy(dequantize(raw, kind).astype(np.float32))  # float32 in gguf: exact
+    assert torch.equal(dequantize_blocks(torch.from_numpy(raw), layer_kind).view(torch.int32),
+                       expected.view(torch.int32))
+    layer = GGMLLinear(torch.from_numpy(raw), layer_kind)
+    assert (layer.in_features, layer.out_features) == (K, 24)
+    assert np.array_equal(layer.blocks().numpy(), raw)
+    assert torch.equal(layer.dequantize().view(torch.int32), expected.view(torch.int32))
+    x = torch.randn(3, K)
+    assert_near_the_float64_product(layer(x), x, raw, kind, "kernel")
+    layer.use_kernel = False
+    assert torch.equal(layer(x), torch.nn.functional.linear(quantize_activations(x, 32, 127), expected))
+    embedding = GGMLEmbedding(torch.from_numpy(raw), layer_kind, torch.bfloat16)
+    ids = torch.tensor([[5, 0], [23, 5]])
+    assert embedding.embedding_dim == K
+    assert torch.equal(embedding(ids), expected[ids].bfloat16())
+
+
 def worker(out: str) -> None:
-    """In a child process (on the ISA KVSERVE_ISA forces): every shape's outputs at 1..9 and 33 rows, checking that
-    each row's bits are the same alone, in every batch of 1..64 and in a 512-row call; saved to ``out``."""
+    """In a child process (on the ISA KVSERVE_ISA forces): every kind's and shape's outputs at 1..9 and 33 rows,
+    checking that each row's bits are the same alone, in every batch of 1..64 and in a 512-row call (slices of the
+    kernels' row walk and tiles included); saved to ``out``."""
     module = native.load()
     results = {"isa": module.isa()}
     for kind in KINDS:
-        for N, K in SHAPES:
-            packed = module.ggml_pack(random_blocks(kind, N, K), kind)
+        for N, K in SHAPES[weights_of(kind)]:
+            packed = module.ggml_pack(blocks(kind, N, K), kind)
             for M in (*range(1, 10), 33):
                 results[kind, N, K, M] = module.ggml_linear(activations(M, K), packed, kind, N, K)
-        N, K = 40, 576
-        packed = module.ggml_pack(random_blocks(kind, N, K), kind)
+        N, K = BATCH_SHAPE[weights_of(kind)]
+        packed = module.ggml_pack(blocks(kind, N, K), kind)
         x = activations(512, K)
         full = module.ggml_linear(x, packed, kind, N, K)  # [512, N]
         for M in range(1, 65):
             start = (7 * M) % (512 - M)
-            assert torch.equal(module.ggml_linear(x[start:start + M], packed, kind, N, K), full[start:start + M]), M
+            assert torch.equal(module.ggml_linear(x[start:start + M], packed, kind, N, K), full[start:start + M]), \
+                (kind, M)
         alone = torch.cat([module.ggml_linear(x[m:m + 1], packed, kind, N, K) for m in range(0, 512, 37)])
-        assert torch.equal(alone, full[0:512:37])
+        assert torch.equal(alone, full[0:512:37]), kind
         results[kind, "prefill"] = full
     torch.save(results, out)
 

@@ -17,12 +17,13 @@ from kvserve.engine import weights
 from kvserve.engine.gguf_file import GGUFArray, read_gguf
 from kvserve.engine.gguf_model import LAYER_TENSORS, block_kind
 from kvserve.engine.loader import default_gguf_path
-from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear, dequantize_blocks, native_ops, q4_0_as_q4_1
+from kvserve.quant.ggml import (GGMLEmbedding, GGMLKind, GGMLLinear, dequantize_blocks, native_ops, panel_width)
 from kvserve.quant.linear import Layout, concat_outputs
 from kvserve.quant.options import Scheme
 from kvserve.quant.schemes import quantize_activations
 from kvserve.server.config import ServeConfig
 from tests.engineutil import NEAR_TIE_LOGITS, engine_greedy, reference_model, reference_shortfall
+from tests.ggmlutil import random_blocks
 
 Q = gguf.GGMLQuantizationType
 needs_ggml_kernels = pytest.mark.skipif(native_ops() is None, reason="ggml kernels not built")
@@ -71,16 +72,10 @@ def test_the_default_model_computes_with_the_files_weights_run_in_float32(smollm
     assert smollm2_gguf.dtype == torch.float32 and smollm2_gguf.model.lm_head.kind is GGMLKind.Q8_0
 
 
-def test_q4_0_blocks_are_served_as_q4_1_exactly():
-    torch.manual_seed(0)
-    raw = blocks_of(torch.randn(16, 96), Q.Q4_0)  # [16, 3 * 18]
-    layer = GGMLLinear(q4_0_as_q4_1(raw), GGMLKind.Q4_1)
-    expected = torch.from_numpy(gguf.quants.dequantize(raw.numpy(), Q.Q4_0))
-    assert layer.in_features == 96 and torch.equal(layer.dequantize(), expected)  # +0.0 == -0.0 for q = 8
-    # served as Q4_1 until Q4_0 has a kernel of its own (then as itself)
-    assert block_kind(Q.Q4_0) is GGMLKind.__members__.get("Q4_0", GGMLKind.Q4_1)
-    assert block_kind(Q.Q8_0) is GGMLKind.Q8_0
-    assert block_kind(Q.IQ4_XS) is None and block_kind(Q.F32) is None
+def test_every_type_with_a_kernel_is_served_as_its_own_blocks():
+    for name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"):
+        assert block_kind(Q[name]) is GGMLKind[name]
+    assert block_kind(Q.IQ4_XS) is None and block_kind(Q.Q3_K) is None and block_kind(Q.F32) is None
 
 
 @pytest.mark.parametrize("kind,qtype", [(GGMLKind.Q4_1, Q.Q4_1), (GGMLKind.Q8_0, Q.Q8_0)])
@@ -249,13 +244,21 @@ def test_kernel_layout_holds_the_files_bytes_and_a_row_gets_the_same_bits_in_any
 
 
 @needs_ggml_kernels
-def test_kernel_layers_stack_exactly():
-    torch.manual_seed(6)
-    parts = [GGMLLinear(blocks_of(torch.randn(n, 64), Q.Q4_1), GGMLKind.Q4_1) for n in (64, 32, 32)]
-    fused = concat_outputs(parts)
-    assert torch.equal(fused.blocks(), torch.cat([m.blocks() for m in parts]))
-    x = torch.randn(4, 64)
-    assert torch.equal(fused(x), torch.cat([m(x) for m in parts], dim=-1))
+@pytest.mark.parametrize("kind,K", [(GGMLKind.Q4_1, 64), (GGMLKind.Q4_K, 256)])
+def test_kernel_layers_stack_exactly_and_share_the_panels_they_fill(kind, K):
+    rng = np.random.default_rng(6)
+    width = panel_width()
+    # whole panels (q, k, v of a 64-wide model); a last layer's partial panel (zeros past its rows in both); a
+    # partial panel shared with the next layer's rows, which then start inside a panel
+    for outs, shared in (((64, 32, 32), (True, True, True)), ((32, width + 4), (True, True)),
+                         ((width + 4, 32), (False, False))):
+        parts = [GGMLLinear(torch.from_numpy(random_blocks(kind.value, n, K, rng)), kind) for n in outs]
+        fused = concat_outputs(parts)
+        assert torch.equal(fused.blocks(), torch.cat([m.blocks() for m in parts]))
+        x = torch.randn(4, K)
+        assert torch.equal(fused(x), torch.cat([m(x) for m in parts], dim=-1))
+        storage = fused.weight.untyped_storage().data_ptr()
+        assert tuple(m.weight.untyped_storage().data_ptr() == storage for m in parts) == shared, outs
 
 
 def test_quant_report_row_of_the_files_own_blocks_has_zero_weight_error(smollm2):

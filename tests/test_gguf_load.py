@@ -82,8 +82,13 @@ def test_own_blocks_where_a_kernel_reads_them_and_the_rest_dequantized_in_one_lo
             assert isinstance(module, GGMLLinear) == (block_kind(kind) is not None), (i, name)
             served_as.setdefault(kind.name, type(module).__name__)
     assert set(served_as) == {"Q4_K", "Q6_K"} and use_more_bits(1, 2) and not use_more_bits(0, 2)
-    dequantized = {t for t, kind in served_as.items() if kind == "Linear"}
     summary = loaded.gguf
+    if native.load() is not None:  # every tensor of the mixture on its type's kernel
+        assert served_as == {"Q4_K": "GGMLLinear", "Q6_K": "GGMLLinear"} and summary.head == "q6_k"
+        assert summary.kinds == {"q4_k": 12, "q6_k": 2} and summary.dequantized == {}  # layer 1: v, down
+        path = native.load().isa()
+        assert f"kernels q4_k: kv_q4_k_{path}, q6_k: kv_q6_k_{path} ({path}: " in summary.describe()
+    dequantized = {t for t, kind in served_as.items() if kind == "Linear"}
     assert set(summary.dequantized) == dequantized
     lines = [r.getMessage() for r in caplog.records if "no native kernel" in r.getMessage()]
     assert len(lines) == (1 if dequantized else 0)
@@ -157,6 +162,8 @@ def _rewritten(source, out, architecture: str | None = None, drop: str | None = 
             block, size = gguf.GGML_QUANT_SIZES[kind]
             rows = int(np.prod(tensor.shape[1:]))
             data = np.zeros((rows, int(tensor.shape[0]) // block * size), dtype=np.uint8)
+            if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
+                data = data.view(np.float32 if kind == gguf.GGMLQuantizationType.F32 else np.float16)
         if kind in (gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16):
             writer.add_tensor(tensor.name, data)
         else:
@@ -203,18 +210,38 @@ def _lacks_dequantizer(name: str) -> bool:
     return False
 
 
-def test_a_type_without_a_kernel_that_gguf_reads_is_served_dequantized(tiny_gguf, tmp_path):
+def test_a_type_without_a_kernel_that_gguf_reads_is_served_dequantized_in_one_log_line(tiny_gguf, tmp_path, caplog):
     source = tiny_gguf("tiny-llama", "Q8_0")
     iq = _rewritten(source, tmp_path / "iq.gguf", retype=("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.IQ4_NL))
-    built = load_gguf(iq, blocks=True)
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        built = load_gguf(iq, blocks=True)
     assert type(built.model.model.layers[0].mlp.up_proj) is torch.nn.Linear
     assert built.summary.dequantized["IQ4_NL"][0] == 1
+    lines = [r.getMessage() for r in caplog.records if "no native kernel" in r.getMessage()]
+    assert len(lines) == 1 and "1 IQ4_NL: 0.5 MiB of floats for the file's 0.1 MiB" in lines[0], lines
 
 
-@pytest.fixture(scope="module")
-def kquant(tiny_gguf):
-    """The tiny Llama in Q4_K_M as ``kvserve serve`` serves it: the file's own blocks where a kernel reads them."""
-    return load_model(str(tiny_gguf("tiny-llama", "Q4_K_M")), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+def test_a_float_tensor_runs_on_the_float_kernels_and_the_start_line_says_so(tiny_gguf, tmp_path, caplog):
+    source = tiny_gguf("tiny-llama", "Q4_K_M")
+    f16 = _rewritten(source, tmp_path / "f16.gguf", retype=("blk.0.ffn_up.weight", gguf.GGMLQuantizationType.F16))
+    with caplog.at_level(logging.INFO, logger="kvserve.engine"):
+        built = load_gguf(f16, blocks=True)
+    layer = built.model.model.layers[0].mlp.up_proj
+    assert type(layer) is torch.nn.Linear and layer.weight.dtype == torch.float32 and not layer.weight.any()
+    assert built.summary.floats == {"F16": 1} and built.summary.dequantized == {}
+    assert "; float tensors on the float kernels: 1 F16" in built.summary.describe()
+    assert not [r for r in caplog.records if "no native kernel" in r.getMessage()]
+
+
+@pytest.fixture(scope="module", params=["Q4_K_M", "Q5_K_M"])
+def kquant(tiny_gguf, request):
+    """The tiny Llama in a K-quant mixture (Q4_K or Q5_K projections, Q6_K for some and the LM head) as ``kvserve
+    serve`` serves it: the file's own blocks, on their kernels where they build."""
+    loaded = load_model(str(tiny_gguf("tiny-llama", request.param)), DType.AUTO, Device.CPU, quantized=True,
+                        blocks=True)
+    if native.load() is not None:
+        assert set(loaded.gguf.kinds) == {request.param[:4].lower(), "q6_k"} and loaded.gguf.head == "q6_k"
+    return loaded
 
 
 def test_a_k_quant_file_is_exact_alone_batched_chunked_and_on_a_prefix_hit(kquant):

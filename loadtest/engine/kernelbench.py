@@ -8,11 +8,8 @@
 4. One OpenMP team or two (``--threads``): a batch-8 decode step with every torch call on one thread, and
    with the model loaded on the main thread but steps run on a worker thread (what the server did before
    ``server.serve`` moved all torch work to one thread). Each mode runs in its own process.
-5. ``--ggml``: the GGUF Q4_1 / Q8_0 kernels (native/csrc/linear_ggml.cpp) on each ISA path this CPU runs (one
-   process per path, forced with ``KVSERVE_ISA``): GMAC/s at 1, 8, 32 and 512 rows on SmolLM2's K = 576 shapes,
-   weight GB/s at 1 row (over copies of the weights larger than the caches), and the int4 panel kernel beside
-   them; written into BENCHMARKS.md's "ggml" section. One thread, timed in CPU seconds (``time.thread_time``),
-   so the figures are per core even on a machine shared with other work (wall time there measures the queue).
+5. ``--ggml`` and ``--ggml-model``: the GGUF block kernels against the machine's read bandwidth and int8 peak
+   (loadtest/engine/ggmlbench.py); written into BENCHMARKS.md's "ggml" and "ggml-model" sections.
 6. ``--bf16``: the bfloat16-weight kernel (native/csrc/linear_bf16.cpp, AVX512-BF16) on SmolLM2's shapes at 1,
    8, 32 and 512 rows, one thread, against the core's measured ``vdpbf16ps`` peak (16 independent chains on
    registers, ``kv_bf16_peak``) and torch's bfloat16 GEMM on the same weights; written into BENCHMARKS.md's "bf16"
@@ -22,18 +19,18 @@
 from __future__ import annotations
 
 import argparse
-import os
 import resource
 import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
-
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from kvserve.loadtest.engine import ggmlbench
+from kvserve.loadtest.errors import UsageError
 
 
 def _time(fn, reps: int) -> float:
@@ -122,20 +119,8 @@ def one_step_mode(mode: str) -> None:
     print(f"{mode}: {worker.submit(timed, bench, plan).result()}")
 
 
-GGML_K = 576
-GGML_N = (576, 192, 1536, 49152)  # SmolLM2: q/o, k/v, gate/up projections; the tied LM head
 GGML_ROWS = (1, 8, 32, 512)
 GGML_STREAM_BYTES = 96 << 20  # weights cycled at 1 row: past the L3, so GB/s is memory's, not a cache's
-GGML_BLOCK_BYTES = {"q4_1": 20, "q8_0": 34}
-
-
-def _ggml_blocks(kind: str, N: int, seed: int) -> torch.Tensor:
-    """Random GGUF blocks uint8 [N, K/32 * bytes] with finite fp16 scales (d, and m for Q4_1) in [2^-8, 2^-7)."""
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, (N * GGML_K // 32, GGML_BLOCK_BYTES[kind]), dtype=np.uint8)
-    for scale in range(0, 4 if kind == "q4_1" else 2, 2):
-        blocks[:, scale + 1] = 0x1C  # fp16 exponent 7 (2^-8), any mantissa
-    return torch.from_numpy(blocks.reshape(N, -1))
 
 
 def _per_call(fns, x, budget_s: float = 0.3) -> float:
@@ -148,82 +133,6 @@ def _per_call(fns, x, budget_s: float = 0.3) -> float:
         fns[calls % len(fns)](x)
         calls += 1
     return (time.thread_time() - started) / calls
-
-
-@torch.inference_mode()
-def ggml_path() -> None:
-    """In this process (on the ISA path KVSERVE_ISA forces): one line per (kind, N, rows), as ``key=value``."""
-    import kvserve.quant.layers as ql
-    from kvserve import native
-    from kvserve.quant.schemes import INT4_OFFSET
-
-    torch.set_num_threads(1)
-    module = native.load()
-    isa = module.isa()
-    stream = torch.ones(GGML_STREAM_BYTES // 4)  # float32: what one thread reads from memory, summing it
-    print(f"isa={isa} kind=read N=0 rows=1 gmacs=0 gbs={GGML_STREAM_BYTES / _per_call([torch.sum], stream) / 1e9:.2f}")
-    for kind in ("q4_1", "q8_0"):
-        for N in GGML_N:
-            raw = _ggml_blocks(kind, N, N)
-            copies = max(1, GGML_STREAM_BYTES // raw.numel())
-            bound = [module.bind_ggml(module.ggml_pack(raw, kind), kind, N, GGML_K) for _ in range(copies)]
-            for rows in GGML_ROWS:
-                if isa == "scalar" and rows * N > 32 * 1536:
-                    continue  # minutes of scalar loops; the path is a reference, not a contender
-                seconds = _per_call(bound if rows == 1 else bound[:1], torch.randn(rows, GGML_K))
-                print(f"isa={isa} kind={kind} N={N} rows={rows} gmacs={rows * N * GGML_K / seconds / 1e9:.2f} "
-                      f"gbs={raw.numel() / seconds / 1e9:.2f}", flush=True)
-    if isa == "scalar":
-        return
-    for N in GGML_N[:3]:  # the int4 panel kernel (int4/group 128) on the projections' shapes, streamed alike
-        layer = ql.Int4Linear(nn.Linear(GGML_K, N, bias=False))
-        copies = max(1, GGML_STREAM_BYTES // layer.weight_bytes)
-        bound = [module.bind_int4(layer.weight.clone(), layer.scales.clone(), layer.group_size, INT4_OFFSET)
-                 for _ in range(copies)]
-        for rows in GGML_ROWS:
-            seconds = _per_call(bound if rows == 1 else bound[:1], torch.randn(rows, GGML_K))
-            print(f"isa={isa} kind=int4 N={N} rows={rows} gmacs={rows * N * GGML_K / seconds / 1e9:.2f} "
-                  f"gbs={layer.weight_bytes / seconds / 1e9:.2f}", flush=True)
-
-
-def ggml_paths() -> None:
-    """Each ISA path in its own process; prints the figures and writes BENCHMARKS.md's "ggml" section."""
-    from kvserve import native
-    from kvserve.loadtest.publish.benchmarks_md import update_section
-
-    isas = native.native_isas()
-    rows: dict[tuple, dict[str, float]] = {}
-    for isa in isas:
-        done = subprocess.run([sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", "ggml"],
-                              env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True, check=True)
-        for line in done.stdout.splitlines():
-            fields = dict(item.split("=") for item in line.split())
-            print(line)
-            rows[fields["isa"], fields["kind"], int(fields["N"]), int(fields["rows"])] = {
-                "gmacs": float(fields["gmacs"]), "gbs": float(fields["gbs"])}
-    best = isas[-1]
-    read = rows.pop((best, "read", 0, 1))["gbs"]
-    for isa in isas[:-1]:
-        rows.pop((isa, "read", 0, 1))
-    lines = [f"One thread's read bandwidth (torch.sum over {GGML_STREAM_BYTES >> 20} MB of float32): {read:.1f} GB/s.",
-             "GMAC/s of one thread per CPU second (K = 576; 1 row: weight GB/s and its share of that bandwidth in "
-             "brackets, over copies larger than the L3). The int4 rows are the int4/group-128 panel kernel (AVX2 code) "
-             "beside them; x: the same path's Q4_1 kernel's speed over it.", "",
-             "| path | kind | N | 1 row | 8 rows | 32 rows | 512 rows |", "|---|---|---:|---:|---:|---:|---:|"]
-    for (isa, kind, N) in dict.fromkeys(key[:3] for key in rows):
-        cells = []
-        for m in GGML_ROWS:
-            figure = rows.get((isa, kind, N, m))
-            text = "-" if figure is None else f"{figure['gmacs']:.1f}"
-            if figure is not None and m == 1:
-                text += f" ({figure['gbs']:.1f} GB/s, {100 * figure['gbs'] / read:.0f}%)"
-            q4 = rows.get((isa, "q4_1", N, m))
-            if kind == "int4" and figure is not None and q4 is not None:
-                text += f", {q4['gmacs'] / figure['gmacs']:.2f}x"
-            cells.append(text)
-        lines.append(f"| {isa} | {kind} | {N} | " + " | ".join(cells) + " |")
-    update_section("ggml", "GGUF Q4_1 / Q8_0 kernels per ISA path", "python -m kvserve.loadtest kernelbench --ggml",
-                   "\n".join(lines))
 
 
 BF16_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # (N, K): q/o, k/v, gate/up, down, head
@@ -291,24 +200,43 @@ def bf16_kernel() -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The command's flags: which measurements to run (``--mode``: one child process's part)."""
     parser.add_argument("--threads", action="store_true", help="only the one-team-or-two comparison")
-    parser.add_argument("--ggml", action="store_true", help="only the GGUF Q4_1 / Q8_0 kernels, per ISA path")
+    parser.add_argument("--ggml", action="store_true", help="only the GGUF block kernels, per format and ISA path")
+    parser.add_argument("--ggml-model", action="store_true",
+                        help="only a Q4_K_M Llama-3.2-1B decode step's projections against the read bound")
     parser.add_argument("--bf16", action="store_true", help="only the bfloat16-weight kernel against its peak")
+    parser.add_argument("--kinds", default=",".join(ggmlbench.KINDS),
+                        help="--ggml: the formats to measure, comma-separated (default: all)")
+    parser.add_argument("--stream-mb", type=int, default=ggmlbench.STREAM_BYTES >> 20,
+                        help="--ggml: MB of weights cycled at 1 row (past the L3)")
+    parser.add_argument("--budget-s", type=float, default=0.3, help="--ggml: CPU seconds per measurement")
+    parser.add_argument("--no-write", action="store_true", help="--ggml: print only, leave BENCHMARKS.md alone")
     parser.add_argument("--mode", choices=["one-thread", "split", "ggml"], help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    """The measurements ``args`` asks for (all but ``--ggml`` by default), printed."""
+    """The measurements ``args`` asks for (all but ``--ggml``, ``--ggml-model`` and ``--bf16`` by default), printed.
+
+    Raises:
+        UsageError: ``--kinds`` names a format without a kernel.
+    """
     if args.bf16:
         bf16_kernel()
         return 0
+    kinds = tuple(k for k in args.kinds.split(",") if k)
+    unknown = sorted(set(kinds) - set(ggmlbench.KINDS))
+    if unknown:
+        raise UsageError(f"--kinds: no kernel for {', '.join(unknown)}; the formats are {', '.join(ggmlbench.KINDS)}")
     if args.mode == "ggml":
-        ggml_path()
+        ggmlbench.ggml_path(kinds, args.stream_mb, args.budget_s)
+        return 0
+    if args.ggml_model:
+        ggmlbench.ggml_model()
         return 0
     if args.mode:
         one_step_mode(args.mode)
         return 0
     if args.ggml:
-        ggml_paths()
+        ggmlbench.ggml_paths(kinds, args.stream_mb, args.budget_s, write=not args.no_write)
         return 0
     if not args.threads:
         dense_vs_gemm()

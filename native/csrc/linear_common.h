@@ -97,7 +97,8 @@ torch::Tensor int4_linear(const torch::Tensor& x, const torch::Tensor& w, const 
 torch::Tensor lut4_linear(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& scales,
                           int64_t group, const torch::Tensor& lut);
 torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w);
-// GGUF Q4_1 / Q8_0 blocks (linear_ggml.cpp; kind "q4_1" or "q8_0"): raw [N, K/32 * bytes] <-> packed panels.
+// GGUF blocks (linear_ggml.cpp; kind "q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k" or "q6_k"): raw
+// [N, K / weights-per-unit * bytes] <-> packed panels.
 torch::Tensor ggml_pack(const torch::Tensor& raw, const std::string& kind);
 torch::Tensor ggml_unpack(const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K);
 torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& packed, const std::string& kind, int64_t N,

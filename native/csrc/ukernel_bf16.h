@@ -2,7 +2,7 @@
  * the scalar reference and AVX512-BF16 (vdpbf16ps). Leaves as in ukernel.h (one struct argument, no calls, no
  * data), compiled into the extension (linear_bf16.cpp: packing, activation conversion, tiles, threads) and
  * freestanding for the CPU emulator (native/bf16_leaves.py). Header-only, C and C++; include it in exactly one
- * translation unit of each build (linear_bf16.cpp, leaves.c).
+ * translation unit of each build (linear_bf16.cpp, leaves.cpp).
  *
  * ---- Weights: w bfloat16 [N, K] packed once at load time into panels of KV_NR_BF16 = 32 output features; a
  *   panel is kp = ceil(K / 2) pairs in K order, pair t = 32 features x 2 bfloat16 (128 bytes): element 2n + j of

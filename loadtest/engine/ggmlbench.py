@@ -1,0 +1,257 @@
+"""The GGUF block kernels measured against the machine's own limits (``kernelbench --ggml`` / ``--ggml-model``).
+
+1. ``--ggml``: every format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on each ISA path this CPU runs (one
+   process per path, forced with ``KVSERVE_ISA``), one thread timed in CPU seconds (``time.thread_time``: per core,
+   even on a machine shared with other work). The work is one layer of Llama-3.2-1B (q and o 2048 x 2048, k and v
+   512 x 2048, gate and up 8192 x 2048, down 2048 x 8192), all seven projections in the format, at 1 row (a
+   decode step alone), 8 and 32 (decode batches) and 512 (the scheduler's prefill chunk). Reported, the paths
+   side by side: at 1 row the weight GB/s (the layer's bytes read per second; a layer is larger than the L3, and
+   copies of it are cycled) and its share of one thread's measured read bandwidth; at 8, 32 and 512 rows the
+   rows (tokens) through the layer per second, and at 512 the share of the core's measured vpdpbusd peak
+   (AVX-512 path). ``--kinds``, ``--stream-mb`` and ``--budget-s`` make a small run (a busy machine);
+   ``--no-write`` leaves BENCHMARKS.md alone.
+2. ``--ggml-model``: a decode step's projections of a Q4_K_M file of Llama-3.2-1B's shape (llama.cpp's mixture:
+   Q6_K for attn_v and ffn_down in half the layers and for the tied output/embedding table, Q4_K elsewhere; 805 MB),
+   all 112 projections and the LM head in a row with the server's threads, at 1, 8 and 32 rows (a decode batch),
+   against the read bound: the step's bytes over the read bandwidth the same threads measure.
+
+Both roofline probes are the native leaves' (native/ggml_leaves.py): ``kv_read_bytes`` (32-byte loads into 8
+independent chains, as a kernel streams its weights) and ``kv_vnni_peak`` (16 independent vpdpbusd chains on
+registers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import subprocess
+import sys
+import threading
+import time
+from functools import cache
+
+import numpy as np
+import torch
+
+KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
+# (N, K) of one Llama-3.2-1B layer's projections: q, k, v, o, gate, up, down
+LAYER = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192))
+ROWS = (1, 8, 32, 512)
+STREAM_BYTES = 256 << 20  # more than the L3: weights streamed from memory, as a decode step reads them
+LAYERS, VOCAB, WIDTH = 16, 128256, 2048
+
+
+@cache
+def _probes() -> ctypes.CDLL:
+    from kvserve.native import ggml_leaves
+
+    library = ctypes.CDLL(str(ggml_leaves.build(native=True)))
+    library.kv_read_bytes.argtypes, library.kv_read_bytes.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_uint32
+    library.kv_vnni_peak.argtypes, library.kv_vnni_peak.restype = [ctypes.c_int64], ctypes.c_int32
+    return library
+
+
+def read_bandwidth(threads: int = 1, nbytes: int = STREAM_BYTES) -> float:
+    """GB/s that ``threads`` threads read together, each over its own ``nbytes`` (ctypes releases the GIL), per CPU
+    second of each thread: process CPU time / threads, so time another process takes the core does not count."""
+    library = _probes()
+    buffers = [np.ones(nbytes, np.uint8) for _ in range(threads)]
+    for b in buffers:
+        library.kv_read_bytes(b.ctypes.data, nbytes)  # touched: no page faults in the timing
+    rounds = 3
+
+    def read(b: np.ndarray) -> None:
+        for _ in range(rounds):
+            library.kv_read_bytes(b.ctypes.data, nbytes)
+
+    workers = [threading.Thread(target=read, args=(b,)) for b in buffers]
+    started = time.process_time()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    busy = (time.process_time() - started) / threads
+    return threads * rounds * nbytes / busy / 1e9
+
+
+def vnni_peak_gmacs(iterations: int = 20_000_000) -> float:
+    """One core's vpdpbusd multiply-adds per CPU second (16 chains of 64 a round)."""
+    library = _probes()
+    library.kv_vnni_peak(iterations // 10)
+    started = time.thread_time()
+    library.kv_vnni_peak(iterations)
+    return iterations * 16 * 64 / (time.thread_time() - started) / 1e9
+
+
+def _per_call(fn, budget_s: float = 0.3) -> float:
+    """CPU seconds of this thread per call of ``fn`` over at least ``budget_s``, after one warm call."""
+    fn()
+    calls, started = 0, time.thread_time()
+    while time.thread_time() - started < budget_s or calls < 2:
+        fn()
+        calls += 1
+    return (time.thread_time() - started) / calls
+
+
+def _bound_layer(module, kind: str, rng: np.random.Generator) -> tuple[list, int]:
+    """The layer's seven projections in ``kind``, bound (``bind_ggml``), and their bytes."""
+    from kvserve.native.ggml_leaves import random_units
+
+    bound, nbytes = [], 0
+    for N, K in LAYER:
+        raw = torch.from_numpy(random_units(kind, N, K, rng))
+        bound.append((module.bind_ggml(module.ggml_pack(raw, kind), kind, N, K), K))
+        nbytes += raw.numel()
+    return bound, nbytes
+
+
+@torch.inference_mode()
+def ggml_path(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 20, budget_s: float = 0.3) -> None:
+    """In this process (on the ISA path KVSERVE_ISA forces), one thread: ``key=value`` lines, the read bandwidth and
+    peak first, then one per (kind, rows).
+
+    Args:
+        kinds: the formats to measure.
+        stream_mb: MB of copies of the layer cycled at 1 row (past the L3: the weights come from memory).
+        budget_s: CPU seconds per measurement, after one warm call.
+    """
+    from kvserve import native
+
+    torch.set_num_threads(1)
+    module = native.load()
+    isa = module.isa()
+    peak = vnni_peak_gmacs() if isa == "avx512" else 0.0
+    print(f"isa={isa} kind=roofline rows=0 gbs={read_bandwidth(nbytes=stream_mb << 20):.2f} gmacs={peak:.1f} "
+          "rows_s=0", flush=True)
+    rng = np.random.default_rng(0)
+    macs = sum(N * K for N, K in LAYER)
+    for kind in kinds:
+        layer, nbytes = _bound_layer(module, kind, rng)
+        copies = [layer] + [_bound_layer(module, kind, rng)[0] for _ in range((stream_mb << 20) // nbytes)]
+        for rows in ROWS:
+            if isa == "scalar" and rows > 8:
+                continue  # minutes of scalar loops: the path is a reference, not a contender
+            xs = {K: torch.randn(rows, K) for K in (2048, 8192)}
+            turn = iter(range(1 << 62))
+
+            def step():
+                for fn, K in copies[next(turn) % len(copies)] if rows == 1 else layer:
+                    fn(xs[K])
+
+            seconds = _per_call(step, budget_s)
+            print(f"isa={isa} kind={kind} rows={rows} gbs={nbytes / seconds / 1e9:.2f} "
+                  f"gmacs={rows * macs / seconds / 1e9:.1f} rows_s={rows / seconds:.1f}", flush=True)
+        del layer, copies
+
+
+def ggml_paths(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 20, budget_s: float = 0.3,
+               write: bool = True) -> None:
+    """Each ISA path in its own process (``ggml_path``'s arguments); prints the figures and a table with the paths
+    side by side, and writes it into BENCHMARKS.md's "ggml" section unless ``write`` is False.
+
+    Raises:
+        subprocess.CalledProcessError: a path's process failed.
+    """
+    from kvserve import native
+    from kvserve.loadtest.publish.benchmarks_md import update_section
+
+    figures: dict[tuple[str, str, int], dict[str, float]] = {}
+    isas = native.native_isas()
+    for isa in isas:
+        command = [sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", "ggml", "--kinds",
+                   ",".join(kinds), "--stream-mb", str(stream_mb), "--budget-s", str(budget_s)]
+        done = subprocess.run(command, env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True,
+                              check=True)
+        for line in done.stdout.splitlines():
+            print(line, flush=True)
+            fields = dict(item.split("=") for item in line.split())
+            figures[fields["isa"], fields["kind"], int(fields["rows"])] = {
+                key: float(fields[key]) for key in ("gbs", "gmacs", "rows_s")}
+    read = figures[isas[-1], "roofline", 0]["gbs"]
+    peak = figures.get(("avx512", "roofline", 0), {}).get("gmacs", 0.0)
+    paths = " / ".join(isas)
+    lines = [f"One thread (core), CPU seconds; each path in its own process, cells {paths} side by side. Read "
+             f"bandwidth measured in the same run ({stream_mb} MB of 32-byte loads): {read:.1f} GB/s"
+             + (f"; vpdpbusd peak (16 chains on registers): {peak:.0f} GMAC/s" if peak else "") + ". The work: one "
+             "Llama-3.2-1B layer's seven projections (60.8 M weights) in the format. 1 row: weight GB/s (% of the "
+             "read bandwidth, best path), over copies of the layer larger than the L3; 8 and 32 rows (decode "
+             "batches) and 512 (a prefill chunk): rows through the layer per second"
+             + (" (512: % of the vpdpbusd peak, AVX-512 path)" if peak else "") + "; - where a path was not run "
+             "(the scalar reference past 8 rows).", "",
+             "| kind | 1 row GB/s | 8 rows, rows/s | 32 rows, rows/s | 512 rows, rows/s |", "|---|---:|---:|---:|---:|"]
+    for kind in kinds:
+        cells = []
+        for rows in ROWS:
+            got = [figures.get((isa, kind, rows)) for isa in isas]
+            key = "gbs" if rows == 1 else "rows_s"
+            text = " / ".join("-" if f is None else f"{f[key]:.1f}" if rows == 1 else f"{f[key]:.0f}" for f in got)
+            best = got[-1]
+            if best is not None and rows == 1:
+                text += f" ({100 * best['gbs'] / read:.0f}%)"
+            if best is not None and rows == ROWS[-1] and peak:
+                text += f" ({100 * best['gmacs'] / peak:.0f}%)"
+            cells.append(text)
+        lines.append(f"| {kind} | " + " | ".join(cells) + " |")
+    print("\n".join(lines), flush=True)
+    if write:
+        update_section("ggml", "GGUF block kernels per format and ISA path",
+                       "python -m kvserve.loadtest kernelbench --ggml", "\n".join(lines))
+
+
+def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
+    """(kind, N, K, count) of a Llama-3.2-1B Q4_K_M file's projections and head, as llama.cpp's quantizer mixes
+    them (llama-quant.cpp: attn_v and ffn_down get Q6_K in the layers ``use_more_bits`` picks, i < n/8 or
+    i >= 7n/8 or (i - n/8) % 3 == 2; the output, here the tied embedding table, Q6_K; the rest Q4_K)."""
+    more_bits = [i < LAYERS // 8 or i >= 7 * LAYERS // 8 or (i - LAYERS // 8) % 3 == 2 for i in range(LAYERS)]
+    q6 = sum(more_bits)
+    return [("q4_k", 2048, 2048, 2 * LAYERS), ("q4_k", 512, 2048, LAYERS), ("q4_k", 8192, 2048, 2 * LAYERS),
+            ("q6_k", 512, 2048, q6), ("q4_k", 512, 2048, LAYERS - q6), ("q6_k", 2048, 8192, q6),
+            ("q4_k", 2048, 8192, LAYERS - q6), ("q6_k", VOCAB, WIDTH, 1)]
+
+
+@torch.inference_mode()
+def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
+    """A Q4_K_M decode step's projections with the server's threads against the read bound; writes "ggml-model"."""
+    from kvserve import native
+    from kvserve.loadtest.publish.benchmarks_md import update_section
+    from kvserve.native.ggml_leaves import random_units
+
+    module = native.load()
+    threads = torch.get_num_threads()
+    rng = np.random.default_rng(0)
+    step_fns, step_bytes, weights = [], 0, 0
+    for kind, N, K, count in q4_k_m_kinds():
+        for _ in range(count):
+            raw = torch.from_numpy(random_units(kind, N, K, rng))
+            step_fns.append((module.bind_ggml(module.ggml_pack(raw, kind), kind, N, K), K))
+            step_bytes += raw.numel()
+            weights += N * K
+    read = read_bandwidth(threads)
+    lines = [f"{module.isa()} path, {threads} threads (the server's); read bandwidth of {threads} threads measured "
+             f"in the same run: {read:.1f} GB/s. One step: the {len(step_fns)} projections and the LM head of a "
+             f"Q4_K_M Llama-3.2-1B ({step_bytes / 1e6:.0f} MB of blocks, {weights / 1e6:.0f} M weights), one call "
+             "each, timed by the process's CPU seconds per thread (wall time in brackets: on a shared machine it "
+             "includes other work's turns). Read bound: the step's bytes over the read bandwidth.", "",
+             "| rows | step ms | steps/s | GB/s of weights | % of the read bound | wall ms |",
+             "|---:|---:|---:|---:|---:|---:|"]
+    for rows in rows_list:
+        xs = {K: torch.randn(rows, K) for K in (2048, 8192)}
+
+        def step():
+            for fn, K in step_fns:
+                fn(xs[K])
+
+        step()
+        n, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
+        while time.process_time() - cpu0 < 2.0 * threads or n < 3:
+            step()
+            n += 1
+        busy = (time.process_time() - cpu0) / threads / n
+        wall = (time.perf_counter() - wall0) / n
+        gbs = step_bytes / busy / 1e9
+        print(f"rows={rows}: {1e3 * busy:.1f} ms/step ({1e3 * wall:.1f} wall), {gbs:.1f} GB/s, "
+              f"{100 * gbs / read:.0f}% of the read bound", flush=True)
+        lines.append(f"| {rows} | {1e3 * busy:.1f} | {1 / busy:.1f} | {gbs:.1f} | {100 * gbs / read:.0f}% | "
+                     f"{1e3 * wall:.1f} |")
+    update_section("ggml-model", "A Q4_K_M Llama-3.2-1B decode step's projections against the read bound",
+                   "python -m kvserve.loadtest kernelbench --ggml-model", "\n".join(lines))

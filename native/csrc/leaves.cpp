@@ -1,0 +1,39 @@
+/* Every micro-kernel (ukernel_gguf.h, ukernel_bf16.h) in one translation unit, compiled freestanding by
+ * native/leaves.py for the CPU emulator; the extension includes the same headers from linear_ggml.cpp and
+ * linear_bf16.cpp. C++: ukernel_gguf.h's kernels are templates over the format. */
+#include "ukernel_gguf.h"
+#include "ukernel_bf16.h"
+
+#ifdef KV_UK_X86
+/* ---- Roofline probes, not kernels (loadtest/kernelbench.py times them through ctypes, on the native build). */
+extern "C" {
+
+/* Reads `bytes` (a multiple of 256) at p with 32-byte loads into 8 independent chains, as a kernel streams its
+ * weights; returns a lane of their OR so the loads cannot be dropped. */
+__attribute__((target("avx2"))) uint32_t kv_read_bytes(const uint8_t* p, int64_t bytes) {
+  __m256i acc[8];
+  KV_UNROLL for (int c = 0; c < 8; ++c) acc[c] = _mm256_setzero_si256();
+  for (int64_t i = 0; i < bytes; i += 256)
+    KV_UNROLL for (int c = 0; c < 8; ++c)
+      acc[c] = _mm256_or_si256(acc[c], _mm256_loadu_si256((const __m256i*)(p + i + 32 * c)));
+  KV_UNROLL for (int c = 1; c < 8; ++c) acc[0] = _mm256_or_si256(acc[0], acc[c]);
+  return (uint32_t)_mm256_extract_epi32(acc[0], 0);
+}
+
+/* `iterations` rounds of 16 independent vpdpbusd on registers (no loads), 16 * 64 int8 multiply-adds a round:
+ * one core's int8 peak on the AVX-512 VNNI path. */
+__attribute__((target(KV_AVX512_TARGET))) int32_t kv_vnni_peak(int64_t iterations) {
+  __m512i acc[16];
+  __m512i a = _mm512_set1_epi8(3), b = _mm512_set1_epi8(-5);
+  __asm__("" : "+v"(a), "+v"(b));  /* opaque: the compiler cannot fold the rounds into one multiply */
+  KV_UNROLL for (int c = 0; c < 16; ++c) {
+    acc[c] = _mm512_set1_epi32(c);
+    __asm__("" : "+v"(acc[c]));  /* 16 distinct chains: none may be merged with another */
+  }
+  for (int64_t i = 0; i < iterations; ++i) KV_UNROLL for (int c = 0; c < 16; ++c) acc[c] = _mm512_dpbusd_epi32(acc[c], a, b);
+  KV_UNROLL for (int c = 1; c < 16; ++c) acc[0] = _mm512_add_epi32(acc[0], acc[c]);
+  return _mm512_cvtsi512_si32(acc[0]);
+}
+
+}  // extern "C"
+#endif

@@ -1,0 +1,549 @@
+/* GEMM micro-kernels for GGUF's blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and the K-quants Q4_K, Q5_K, Q6_K), one per
+ * (format, ISA): the scalar reference, AVX2 and AVX-512 VNNI. C++ (templates over the format), leaves as in
+ * ukernel.h: extern "C" functions of one kv_ggml_args*, so the same source compiles into the extension
+ * (linear_ggml.cpp) and freestanding for the CPU emulator (leaves.cpp, native/ggml_leaves.py). Include it in
+ * exactly one translation unit of each build.
+ *
+ * ---- Weights, as ggml defines them (ggml-common.h; the gguf package's quants.py dequantizes the same way). A
+ *   unit is one block of 32 weights or one super-block of 256 (8 sub-blocks of 32); a row is K / weights units:
+ *   Q4_0 (18 B / 32):  fp16 d; qs[16] (byte j: weight j low nibble, j + 16 high)        w = d (q - 8)
+ *   Q4_1 (20 B / 32):  fp16 d, fp16 m; qs[16]                                          w = d q + m
+ *   Q5_0 (22 B / 32):  fp16 d; u32 qh (bit k: weight k's fifth bit); qs[16]            w = d (q - 16)
+ *   Q5_1 (24 B / 32):  fp16 d, fp16 m; qh; qs                                          w = d q + m
+ *   Q8_0 (34 B / 32):  fp16 d; int8 q[32]                                              w = d q
+ *   Q4_K (144 B / 256): fp16 d, fp16 dmin; scales[12]: eight 6-bit (sc, m) pairs; qs[128]: bytes 32j..32j+31
+ *                      hold sub-block 2j (low nibbles) and 2j + 1 (high nibbles)       w = (d sc) q - (dmin m)
+ *   Q5_K (176 B / 256): as Q4_K plus qh[32] before qs: bit u of qh[l] is the fifth bit of weight l of sub-block u
+ *   Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16] (one per 16 weights), fp16 d; weight 128h + 32s + l
+ *                      (h < 2, s < 4, l < 32): low 4 bits from ql[64h + 32 (s & 1) + l] (high nibble if s >= 2),
+ *                      high 2 bits from qh[32h + l] >> 2s                               w = (d sc) (q - 32)
+ *   Each product d sc, d sc q, d (q - o) and dmin m is exact in float32 (at most 23 significant bits), so a
+ *   weight has at most one rounding (the sum of Q4_1 and Q5_1 / the difference of the K-quants), as gguf has it.
+ *
+ * ---- Packed (linear_ggml.cpp packs once at load time; native/ggml_leaves.py writes the same in numpy): panels
+ *   of NR features, a panel being the row's units in K order, each unit NR * unit-bytes contiguous bytes: the
+ *   unit's fields in kLayouts' order, a 2-byte field (an fp16) as NR halves, any other as chunks of NR * 4 bytes,
+ *   bytes 4n..4n+3 of chunk c being bytes 4c..4c+3 of the field of feature n. So a 32-bit vector lane is one
+ *   feature. Q5_0 / Q5_1's qh word is stored with its bits permuted (kv_qh_pack): bit t of byte i holds weight
+ *   4t + i's fifth bit and bit 4 + t weight 16 + 4t + i's, for the lanes of chunk t of qs. Features past N in the
+ *   last panel are zero bytes (computed, not stored).
+ *
+ * ---- Activations (linear_ggml.cpp; the same for every format, act_quant.h, llama.cpp's Q8_0 blocks): per row
+ *   and block of 32, int8 codes x = round(x / d_x) within +-127, d_x = max|x| / 127, their sum qsum (xsum),
+ *   xs = d_x * (float)qsum, and qsum per 16 codes (xsum16, read by Q6_K).
+ *
+ * ---- The arithmetic, the same bits on every path, tile position, number of rows and panels of a call, and
+ *   batch: per output, acc = 0.0f, then per block b of 32 weights in K order, with exact integer dots of the codes
+ *   q (as stored) and the activation codes x:
+ *     scale-min (Q4_1, Q5_1, Q4_K, Q5_K): s = (float)dot * d_x; acc = fmaf(D, s, acc); acc = fmaf(Mn, xs, acc)
+ *                                    D, Mn = d, m (Q4_1, Q5_1) or d sc, -(dmin m) (K-quants): exact floats
+ *     offset (Q4_0 o = 8, Q5_0 o = 16, Q8_0 o = 0): s = (float)(dot - o qsum) * d_x; acc = fmaf(d, s, acc)
+ *     scale16 (Q6_K): T = sc[2b] (dot' - 32 qsum16') + sc[2b + 1] (dot'' - 32 qsum16''), dot' and dot'' over
+ *                     the block's two halves of 16 (|T| <= 2 * 128 * 16 * 32 * 127 < 2^24: exact in float);
+ *                     s = (float)T * d_x; acc = fmaf(d, s, acc)
+ *   y = acc. The integer parts are exact however they are formed, so the float sequence alone fixes the bits:
+ *   vpdpbusd (u8 codes x s8 activations; Q8_0's codes as q + 128, 128 qsum taken off; Q4_K's high nibbles in
+ *   place as 16 q, the dot shifted back), or vpmaddubsw pairs summed in int16 only as far as they cannot
+ *   overflow (Q8_0's sign moved onto x: |q| x sign(x, q)).
+ *
+ * ---- Loop order (vector paths): a call takes `panels` panels and any number of rows. A tile is R rows x P
+ *   panels (R <= MR; P > 1 only for a decode batch's few rows, so one activation broadcast feeds R * P products);
+ *   its accumulators stay in registers over the whole row, and per group of 8 blocks the codes are made from the
+ *   panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting 4 activation codes broadcast
+ *   as one int32), B blocks at once when they share loads. More rows than MR: per panel, every tile of MR rows.
+ */
+#ifndef KVSERVE_UKERNEL_GGUF_H
+#define KVSERVE_UKERNEL_GGUF_H
+
+#include "ukernel.h"
+
+extern "C" {
+void kv_q4_0_scalar(const kv_ggml_args* a);
+void kv_q4_1_scalar(const kv_ggml_args* a);
+void kv_q4_1_avx2(const kv_ggml_args* a);
+void kv_q4_1_avx512(const kv_ggml_args* a);
+void kv_q8_0_scalar(const kv_ggml_args* a);
+void kv_q8_0_avx2(const kv_ggml_args* a);
+void kv_q8_0_avx512(const kv_ggml_args* a);
+void kv_q4_0_avx2(const kv_ggml_args* a);
+void kv_q4_0_avx512(const kv_ggml_args* a);
+void kv_q5_0_scalar(const kv_ggml_args* a);
+void kv_q5_0_avx2(const kv_ggml_args* a);
+void kv_q5_0_avx512(const kv_ggml_args* a);
+void kv_q5_1_scalar(const kv_ggml_args* a);
+void kv_q5_1_avx2(const kv_ggml_args* a);
+void kv_q5_1_avx512(const kv_ggml_args* a);
+void kv_q4_k_scalar(const kv_ggml_args* a);
+void kv_q4_k_avx2(const kv_ggml_args* a);
+void kv_q4_k_avx512(const kv_ggml_args* a);
+void kv_q5_k_scalar(const kv_ggml_args* a);
+void kv_q5_k_avx2(const kv_ggml_args* a);
+void kv_q5_k_avx512(const kv_ggml_args* a);
+void kv_q6_k_scalar(const kv_ggml_args* a);
+void kv_q6_k_avx2(const kv_ggml_args* a);
+void kv_q6_k_avx512(const kv_ggml_args* a);
+}
+
+namespace kvserve::gguf {
+
+/* ---- Layouts: every GGUF format the kernels serve (ukernel_q4_1.h / ukernel_q8_0.h's too), as the packing reads
+ * them. A field is `bytes` bytes at `raw` in the file's unit; fields are packed in this order. */
+struct Field {
+  int16_t raw, bytes;
+  int16_t permuted; /* Q5_0 / Q5_1's qh: stored through kv_qh_pack */
+};
+struct UnitLayout {
+  int16_t bytes, weights, fields;
+  Field field[4];
+};
+
+enum Kind { kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K, kKinds };
+
+/* Indexed by Kind. */
+static constexpr UnitLayout kLayouts[kKinds] = {
+    {18, 32, 2, {{0, 2, 0}, {2, 16, 0}}},                          /* Q4_0: d, qs */
+    {20, 32, 3, {{0, 2, 0}, {2, 2, 0}, {4, 16, 0}}},               /* Q4_1: d, m, qs */
+    {22, 32, 3, {{0, 2, 0}, {2, 4, 1}, {6, 16, 0}}},               /* Q5_0: d, qh, qs */
+    {24, 32, 4, {{0, 2, 0}, {2, 2, 0}, {4, 4, 1}, {8, 16, 0}}},    /* Q5_1: d, m, qh, qs */
+    {34, 32, 2, {{0, 2, 0}, {2, 32, 0}}},                          /* Q8_0: d, qs */
+    {144, 256, 4, {{0, 2, 0}, {2, 2, 0}, {4, 12, 0}, {16, 128, 0}}},  /* Q4_K: d, dmin, scales, qs */
+    {176, 256, 4, {{0, 2, 0}, {2, 2, 0}, {4, 12, 0}, {16, 160, 0}}},  /* Q5_K: d, dmin, scales, qh + qs */
+    {210, 256, 4, {{208, 2, 0}, {0, 128, 0}, {128, 64, 0}, {192, 16, 0}}},  /* Q6_K: d, ql, qh, scales */
+};
+
+/* Q5_0 / Q5_1's qh word in the kernels' bit order (see the packed layout above) and back. */
+inline uint32_t kv_qh_pack(uint32_t qh) {
+  uint32_t out = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int t = (k & 15) >> 2, i = k & 3;
+    out |= ((qh >> k) & 1u) << (8 * i + t + (k >= 16 ? 4 : 0));
+  }
+  return out;
+}
+inline uint32_t kv_qh_unpack(uint32_t packed) {
+  uint32_t out = 0;
+  for (int k = 0; k < 32; ++k) {
+    const int t = (k & 15) >> 2, i = k & 3;
+    out |= ((packed >> (8 * i + t + (k >= 16 ? 4 : 0))) & 1u) << k;
+  }
+  return out;
+}
+
+/* Moves feature n's unit between the file's bytes (`raw`, layout.bytes) and its panel unit (`panel`, nr *
+ * layout.bytes), to_panel or back. Byte loops: no memcpy in a leaf. */
+inline void move_unit(const UnitLayout& layout, uint8_t* raw, uint8_t* panel, int64_t nr, int64_t n, bool to_panel) {
+  int64_t at = 0;  // the field's offset in the panel unit, in units of nr bytes
+  for (int f = 0; f < layout.fields; ++f) {
+    const Field& field = layout.field[f];
+    if (field.bytes == 2) {
+      for (int i = 0; i < 2; ++i) {
+        uint8_t& p = panel[at * nr + 2 * n + i];
+        uint8_t& r = raw[field.raw + i];
+        if (to_panel) p = r; else r = p;
+      }
+    } else {
+      for (int c = 0; c < field.bytes / 4; ++c) {
+        uint8_t* p = panel + at * nr + 4 * (c * nr + n);
+        uint8_t* r = raw + field.raw + 4 * c;
+        if (field.permuted) {
+          const uint8_t* from = to_panel ? r : p;
+          uint32_t v = (uint32_t)from[0] | (uint32_t)from[1] << 8 | (uint32_t)from[2] << 16 | (uint32_t)from[3] << 24;
+          v = to_panel ? kv_qh_pack(v) : kv_qh_unpack(v);
+          uint8_t* to = to_panel ? p : r;
+          for (int i = 0; i < 4; ++i) to[i] = (uint8_t)(v >> (8 * i));
+        } else {
+          for (int i = 0; i < 4; ++i) {
+            if (to_panel) p[i] = r[i]; else r[i] = p[i];
+          }
+        }
+      }
+    }
+    at += field.bytes;
+  }
+}
+
+/* ---- Formats: the unit, the largest code (how far the AVX2 path may sum vpmaddubsw pairs in int16), the fold,
+ * and the scalar decoding of one unit as ggml defines it: q[weights] the codes as stored, per block b D[b] and
+ * Mn[b] (scale-min), d = D[0] (offset, scale16) and sc[16] (scale16). */
+enum class Fold { kScaleMin, kOffset, kScale16 };
+
+inline float half_at(const uint8_t* p) { return kv_half_to_float(kv_load_u16(p)); }
+
+/* Q4_K / Q5_K's 6-bit scale and minimum of sub-block b (ggml's get_scale_min_k4). */
+inline void scale_min_k4(const uint8_t* s, int b, int32_t& sc, int32_t& m) {
+  if (b < 4) {
+    sc = s[b] & 63;
+    m = s[b + 4] & 63;
+  } else {
+    sc = (s[b + 4] & 15) | ((s[b - 4] >> 6) << 4);
+    m = (s[b + 4] >> 4) | ((s[b] >> 6) << 4);
+  }
+}
+
+struct Q4_0 {
+  static constexpr Kind kKind = kQ4_0;
+  static constexpr Fold kFold = Fold::kOffset;
+  static constexpr int kMaxCode = 15, kOffset = 8;
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float*, int32_t*) {
+    for (int j = 0; j < 16; ++j) {
+      q[j] = raw[2 + j] & 15;
+      q[j + 16] = raw[2 + j] >> 4;
+    }
+    D[0] = half_at(raw);
+  }
+};
+
+/* Q5_0 / Q5_1's codes: nibbles at qs, fifth bits in the word at qh. */
+inline void decode_q5(const uint8_t* qs, const uint8_t* qh, int32_t* q) {
+  const uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+  for (int j = 0; j < 16; ++j) {
+    q[j] = (qs[j] & 15) | (int32_t)(((h >> j) & 1) << 4);
+    q[j + 16] = (qs[j] >> 4) | (int32_t)(((h >> (j + 16)) & 1) << 4);
+  }
+}
+
+struct Q5_0 {
+  static constexpr Kind kKind = kQ5_0;
+  static constexpr Fold kFold = Fold::kOffset;
+  static constexpr int kMaxCode = 31, kOffset = 16;
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float*, int32_t*) {
+    decode_q5(raw + 6, raw + 2, q);
+    D[0] = half_at(raw);
+  }
+};
+
+/* Q8_0: signed codes, w = d q (an offset of 0: the scalar path takes the codes as they are). */
+struct Q8_0 {
+  static constexpr Kind kKind = kQ8_0;
+  static constexpr Fold kFold = Fold::kOffset;
+  static constexpr int kMaxCode = 127, kOffset = 0;
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float*, int32_t*) {
+    for (int k = 0; k < 32; ++k) q[k] = (int8_t)raw[2 + k];
+    D[0] = half_at(raw);
+  }
+};
+
+struct Q4_1 {
+  static constexpr Kind kKind = kQ4_1;
+  static constexpr Fold kFold = Fold::kScaleMin;
+  static constexpr int kMaxCode = 15, kOffset = 0;
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float* Mn, int32_t*) {
+    for (int j = 0; j < 16; ++j) {
+      q[j] = raw[4 + j] & 15;
+      q[j + 16] = raw[4 + j] >> 4;
+    }
+    D[0] = half_at(raw);
+    Mn[0] = half_at(raw + 2);
+  }
+};
+
+struct Q5_1 {
+  static constexpr Kind kKind = kQ5_1;
+  static constexpr Fold kFold = Fold::kScaleMin;
+  static constexpr int kMaxCode = 31, kOffset = 0;
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float* Mn, int32_t*) {
+    decode_q5(raw + 8, raw + 4, q);
+    D[0] = half_at(raw);
+    Mn[0] = half_at(raw + 2);
+  }
+};
+
+/* Q4_K and Q5_K (Bits 4 or 5): D = d sc, Mn = -(dmin m) per sub-block, codes from qs (and qh). */
+template <int Bits>
+struct QK45 {
+  static constexpr Kind kKind = Bits == 4 ? kQ4_K : kQ5_K;
+  static constexpr Fold kFold = Fold::kScaleMin;
+  static constexpr int kMaxCode = (1 << Bits) - 1, kOffset = 0;
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float* Mn, int32_t*) {
+    const float d = half_at(raw), dmin = half_at(raw + 2);
+    const uint8_t* qh = raw + 16;
+    const uint8_t* qs = raw + (Bits == 5 ? 48 : 16);
+    for (int b = 0; b < 8; ++b) {
+      int32_t sc, m;
+      scale_min_k4(raw + 4, b, sc, m);
+      D[b] = d * (float)sc;
+      Mn[b] = -(dmin * (float)m);
+      for (int l = 0; l < 32; ++l) {
+        const int byte = qs[32 * (b / 2) + l];
+        q[32 * b + l] = (b & 1 ? byte >> 4 : byte & 15) | (Bits == 5 ? ((qh[l] >> b) & 1) << 4 : 0);
+      }
+    }
+  }
+};
+using Q4_K = QK45<4>;
+using Q5_K = QK45<5>;
+
+struct Q6_K {
+  static constexpr Kind kKind = kQ6_K;
+  static constexpr Fold kFold = Fold::kScale16;
+  static constexpr int kMaxCode = 63, kOffset = 32;
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float*, int32_t* sc) {
+    for (int h = 0; h < 2; ++h)
+      for (int s = 0; s < 4; ++s)
+        for (int l = 0; l < 32; ++l) {
+          const int low = raw[64 * h + 32 * (s & 1) + l];
+          q[128 * h + 32 * s + l] = (s >= 2 ? low >> 4 : low & 15) | (((raw[128 + 32 * h + l] >> (2 * s)) & 3) << 4);
+        }
+    for (int j = 0; j < 16; ++j) sc[j] = (int8_t)raw[192 + j];
+    D[0] = half_at(raw + 208);
+  }
+};
+
+/* The reference: one output at a time, in the order above, for panels of any width a->nr and any rows. Per
+ * (feature, unit): the feature's unit is moved back to the file's bytes and decoded as ggml defines it, then every
+ * row takes it (the row's accumulator kept in y between units). */
+template <class Fmt>
+void reference(const kv_ggml_args* a) {
+  const UnitLayout& layout = kLayouts[Fmt::kKind];
+  const int blocks = layout.weights / 32, units = a->nb / blocks;
+  const int64_t unit_bytes = (int64_t)layout.bytes * a->nr;
+  uint8_t raw[256];
+  int32_t q[256], sc[16];
+  float D[8], Mn[8];
+  for (int p = 0; p < a->panels; ++p)
+  for (int n = 0; n < (p == a->panels - 1 ? a->cols : a->nr); ++n)
+    for (int u = 0; u < units; ++u) {
+      move_unit(layout, raw, (uint8_t*)a->w + p * a->ldw + u * unit_bytes, a->nr, n, false);
+      Fmt::decode(raw, q, D, Mn, sc);
+      for (int r = 0; r < a->rows; ++r) {
+        float* y = a->y + r * a->ldy + (int64_t)p * a->nr + n;
+        float acc = u == 0 ? 0.0f : *y;
+        for (int i = 0; i < blocks; ++i) {
+          const int64_t b = (int64_t)u * blocks + i, at = r * a->ldb + b;
+          const int8_t* x = a->xq + r * a->ldq + 32 * b;
+          const int32_t* code = q + 32 * i;
+          if (Fmt::kFold == Fold::kScale16) {
+            int32_t t = 0;
+            for (int h = 0; h < 2; ++h) {
+              int32_t dot = 0;
+              for (int k = 16 * h; k < 16 * h + 16; ++k) dot += (code[k] - Fmt::kOffset) * x[k];
+              t += sc[2 * i + h] * dot;
+            }
+            acc = __builtin_fmaf(D[0], (float)t * a->xd[at], acc);
+          } else {
+            int32_t dot = 0;
+            for (int k = 0; k < 32; ++k) dot += (code[k] - Fmt::kOffset) * x[k];
+            acc = __builtin_fmaf(D[i], (float)dot * a->xd[at], acc);
+            if (Fmt::kFold == Fold::kScaleMin) acc = __builtin_fmaf(Mn[i], a->xs[at], acc);
+          }
+        }
+        *y = acc;
+      }
+    }
+}
+
+}  // namespace kvserve::gguf
+
+#ifdef KV_UK_X86
+
+/* ---- AVX2 (+ FMA, F16C): 8 features per panel, tiles of up to 4 rows ---- */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma,f16c")
+namespace kvserve::gguf::avx2 {
+
+constexpr int kW = KV_NR_AVX2, kMR = KV_MR_AVX2;
+using I = __m256i;
+using F = __m256;
+
+inline I ld(const void* p) { return _mm256_loadu_si256((const __m256i*)p); }
+inline void st(void* p, I v) { _mm256_storeu_si256((__m256i*)p, v); }
+inline I b8(int v) { return _mm256_set1_epi8((char)v); }
+inline I b32(int32_t v) { return _mm256_set1_epi32(v); }
+inline I zero_i() { return _mm256_setzero_si256(); }
+inline I and_(I a, I b) { return _mm256_and_si256(a, b); }
+inline I or_(I a, I b) { return _mm256_or_si256(a, b); }
+inline I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
+inline I add(I a, I b) { return _mm256_add_epi32(a, b); }
+inline I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
+inline I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+/* 32-bit lanes shifted left by s (right by -s), logically */
+inline I shift(I v, int s) { return s >= 0 ? _mm256_slli_epi32(v, s) : _mm256_srli_epi32(v, -s); }
+inline I srl(I v, int s) { return _mm256_srli_epi32(v, s); }
+inline I sra(I v, int s) { return _mm256_srai_epi32(v, s); }
+/* byte k of each 32-bit lane, zero-extended (vpshufb indexes within 128 bits; index 0x80 writes zero) */
+inline I byte_of(I v, int k) {
+  const int32_t b = (int32_t)(0x80808000u | (uint32_t)k);
+  return _mm256_shuffle_epi8(v, _mm256_setr_epi32(b, b + 4, b + 8, b + 12, b, b + 4, b + 8, b + 12));
+}
+/* Q4_K's high nibbles are shifted down to codes 0..15 (vpmaddubsw pairs of codes up to 240 could saturate) */
+constexpr bool kHighInPlace = false;
+/* Q8_0's codes stay signed: the dots move their signs onto the activations (vpmaddubsw pairs <= 2 * 128 * 127) */
+constexpr bool kSignedDots = true;
+/* low | (high & mask), bitwise */
+inline I merge(I low, I high, I mask) { return _mm256_or_si256(low, _mm256_and_si256(high, mask)); }
+inline F cvt(I v) { return _mm256_cvtepi32_ps(v); }
+inline F half(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)); }
+inline F ldf(const float* p) { return _mm256_loadu_ps(p); }
+inline void stf(float* p, F v) { _mm256_storeu_ps(p, v); }
+inline F bset(float v) { return _mm256_set1_ps(v); }
+inline F zero_f() { return _mm256_setzero_ps(); }
+inline F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+inline F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+inline F neg(F v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+inline F load_y(const float* y, int cols) {
+  if (cols >= kW) return _mm256_loadu_ps(y);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  return _mm256_maskload_ps(y, _mm256_cmpgt_epi32(_mm256_set1_epi32(cols), lane));
+}
+inline void store_y(float* y, F v, int cols) { kv_store_avx2(y, v, cols); }
+
+/* out[b][p][r] += the int32 dots of chunks c0..c1-1 of block i0 + b's codes in panel p (src[p].code(i, c): kW
+ * lanes of 4 codes) with row r's activation codes of the block (x + 32 b + r * ldq). vpmaddubsw (u8 codes x s8
+ * activations) pairs are summed in int16 for as many chunks as cannot overflow (2 * 127 * MaxCode each), then
+ * widened by vpmaddwd. */
+template <int R, int P, int B, int MaxCode, bool Signed, class Src>
+inline __attribute__((always_inline)) void dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0, int c1,
+                                                I (*out)[P][R]) {
+  constexpr int flush = 32767 / (2 * 127 * MaxCode);
+  const I ones = _mm256_set1_epi16(1);
+  static_assert(flush >= 1, "vpmaddubsw pairs of these codes would saturate");
+  I pairs[B][P][R];
+  KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
+    pairs[b][p][r] = zero_i();
+  KV_UNROLL for (int c = c0; c < c1; ++c) {
+    KV_UNROLL for (int b = 0; b < B; ++b) {
+      I cv[P];
+      KV_UNROLL for (int p = 0; p < P; ++p) cv[p] = src[p].code(i0 + b, c);
+      KV_UNROLL for (int r = 0; r < R; ++r) {
+        const I xv = b32(kv_load_i32(x + 32 * b + r * ldq + 4 * c));
+        KV_UNROLL for (int p = 0; p < P; ++p) {
+          /* signed codes: |w| on the unsigned side, w's sign moved onto x (w = 0 gives 0, as its product) */
+          const I u = Signed ? _mm256_abs_epi8(cv[p]) : cv[p], s8 = Signed ? _mm256_sign_epi8(xv, cv[p]) : xv;
+          pairs[b][p][r] = _mm256_add_epi16(pairs[b][p][r], _mm256_maddubs_epi16(u, s8));
+        }
+      }
+    }
+    if ((c - c0 + 1) % flush == 0 || c + 1 == c1) {
+      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) {
+        out[b][p][r] = add(out[b][p][r], _mm256_madd_epi16(pairs[b][p][r], ones));
+        pairs[b][p][r] = zero_i();
+      }
+    }
+  }
+}
+
+/* Panels per direct tile of R rows, and the int32 accumulators a tile's dots may keep (each has an int16 twin). */
+template <int R>
+constexpr int kPanelsOf = R == 1 ? 2 : 1;
+constexpr int kDotRegs = 4;
+
+#include "ukernel_gguf_body.h"
+
+}  // namespace kvserve::gguf::avx2
+#pragma GCC pop_options
+
+/* ---- AVX-512 F/BW/VL/VNNI: 16 features per panel, tiles of up to 8 rows ---- */
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c") /* KV_AVX512_TARGET: a pragma takes no macro */
+namespace kvserve::gguf::avx512 {
+
+constexpr int kW = KV_NR_AVX512, kMR = KV_MR_AVX512;
+using I = __m512i;
+using F = __m512;
+
+inline I ld(const void* p) { return _mm512_loadu_si512(p); }
+inline void st(void* p, I v) { _mm512_storeu_si512(p, v); }
+inline I b8(int v) { return _mm512_set1_epi8((char)v); }
+inline I b32(int32_t v) { return _mm512_set1_epi32(v); }
+inline I zero_i() { return _mm512_setzero_si512(); }
+inline I and_(I a, I b) { return _mm512_and_si512(a, b); }
+inline I or_(I a, I b) { return _mm512_or_si512(a, b); }
+inline I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
+inline I add(I a, I b) { return _mm512_add_epi32(a, b); }
+inline I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
+inline I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+inline I shift(I v, int s) { return s >= 0 ? _mm512_slli_epi32(v, s) : _mm512_srli_epi32(v, -s); }
+inline I srl(I v, int s) { return _mm512_srli_epi32(v, s); }
+inline I sra(I v, int s) { return _mm512_srai_epi32(v, s); }
+inline I byte_of(I v, int k) {
+  const int32_t b = (int32_t)(0x80808000u | (uint32_t)k);
+  return _mm512_shuffle_epi8(v, _mm512_set4_epi32(b + 12, b + 8, b + 4, b));
+}
+/* Q4_K's high nibbles go into vpdpbusd in place (q & 0xF0 = 16 q: 240 * 127 * 4 per lane and instruction, < 2^20
+ * a block), the block's dot shifted down by 4 after: exact, and one operation fewer per chunk */
+constexpr bool kHighInPlace = true;
+/* Q8_0's codes go into vpdpbusd as w + 128 (w xor 0x80); 128 qsum comes off the dot */
+constexpr bool kSignedDots = false;
+/* low | (high & mask) in one vpternlogd (0xF8: a | (b & c)) */
+inline I merge(I low, I high, I mask) { return _mm512_ternarylogic_epi32(low, high, mask, 0xF8); }
+inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
+inline F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
+inline F ldf(const float* p) { return _mm512_loadu_ps(p); }
+inline void stf(float* p, F v) { _mm512_storeu_ps(p, v); }
+inline F bset(float v) { return _mm512_set1_ps(v); }
+inline F zero_f() { return _mm512_setzero_ps(); }
+inline F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+inline F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+inline F neg(F v) { return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u))); }
+inline F load_y(const float* y, int cols) { return _mm512_maskz_loadu_ps((__mmask16)((1u << cols) - 1u), y); }
+inline void store_y(float* y, F v, int cols) { kv_store_avx512(y, v, cols); }
+
+/* out[b][p][r] += the int32 dots of chunks c0..c1-1 of block i0 + b in panel p (vpdpbusd: u8 codes x s8
+ * activations, 4 products a lane), one activation broadcast serving every panel. With few accumulators the chunks
+ * spread over independent chains, summed exactly at the end. */
+template <int R, int P, int B, int MaxCode, bool Signed, class Src>
+inline __attribute__((always_inline)) void dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0, int c1,
+                                                I (*out)[P][R]) {
+  static_assert(!Signed, "vpdpbusd takes unsigned codes");
+  constexpr int chains = B * R * P >= 4 ? 1 : 4 / (B * R * P);
+  I part[B][P][R][chains];
+  KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) {
+    part[b][p][r][0] = out[b][p][r];
+    KV_UNROLL for (int k = 1; k < chains; ++k) part[b][p][r][k] = zero_i();
+  }
+  KV_UNROLL for (int c = c0; c < c1; ++c)
+    KV_UNROLL for (int b = 0; b < B; ++b) {
+      I cv[P];
+      KV_UNROLL for (int p = 0; p < P; ++p) cv[p] = src[p].code(i0 + b, c);
+      KV_UNROLL for (int r = 0; r < R; ++r) {
+        const I xv = b32(kv_load_i32(x + 32 * b + r * ldq + 4 * c));
+        KV_UNROLL for (int p = 0; p < P; ++p)
+          part[b][p][r][c % chains] = _mm512_dpbusd_epi32(part[b][p][r][c % chains], cv[p], xv);
+      }
+    }
+  KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) {
+    out[b][p][r] = part[b][p][r][0];
+    KV_UNROLL for (int k = 1; k < chains; ++k) out[b][p][r] = add(out[b][p][r], part[b][p][r][k]);
+  }
+}
+
+/* Panels per direct tile of R rows (one activation broadcast feeds R * P products), and the int32 accumulators a
+ * tile's dots may keep in registers. */
+template <int R>
+constexpr int kPanelsOf = R == 1 ? 4 : R == 2 ? 2 : 1;
+constexpr int kDotRegs = 16;
+
+#include "ukernel_gguf_body.h"
+
+}  // namespace kvserve::gguf::avx512
+#pragma GCC pop_options
+
+#endif /* KV_UK_X86 */
+
+/* ---- The leaves: extern "C", one struct argument. */
+#ifdef KV_UK_X86
+#define KV_GGUF_LEAVES(name, Fmt)                                                                        \
+  extern "C" void kv_##name##_scalar(const kv_ggml_args* a) { kvserve::gguf::reference<kvserve::gguf::Fmt>(a); } \
+  extern "C" __attribute__((target("avx2,fma,f16c"))) void kv_##name##_avx2(const kv_ggml_args* a) {  \
+    kvserve::gguf::avx2::kernel<kvserve::gguf::Fmt>(a);                                                    \
+  }                                                                                                    \
+  extern "C" __attribute__((target(KV_AVX512_TARGET))) void kv_##name##_avx512(const kv_ggml_args* a) { \
+    kvserve::gguf::avx512::kernel<kvserve::gguf::Fmt>(a);                                                  \
+  }
+#else
+#define KV_GGUF_LEAVES(name, Fmt) \
+  extern "C" void kv_##name##_scalar(const kv_ggml_args* a) { kvserve::gguf::reference<kvserve::gguf::Fmt>(a); }
+#endif
+
+KV_GGUF_LEAVES(q4_0, Q4_0)
+KV_GGUF_LEAVES(q4_1, Q4_1)
+KV_GGUF_LEAVES(q5_0, Q5_0)
+KV_GGUF_LEAVES(q5_1, Q5_1)
+KV_GGUF_LEAVES(q8_0, Q8_0)
+KV_GGUF_LEAVES(q4_k, Q4_K)
+KV_GGUF_LEAVES(q5_k, Q5_K)
+KV_GGUF_LEAVES(q6_k, Q6_K)
+
+#undef KV_GGUF_LEAVES
+
+#endif /* KVSERVE_UKERNEL_GGUF_H */

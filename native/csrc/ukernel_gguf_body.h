@@ -1,0 +1,291 @@
+/* The vector micro-kernels of ukernel_gguf.h, one body included once per ISA path inside a namespace that first
+ * defines the path's lanes (no include guard: that is the point):
+ *
+ *   kW, kMR                 features per panel (32-bit lanes of I and F), rows per register tile
+ *   I, F                    integer and float vectors of kW lanes
+ *   ld(p), st(p, v), b8(v), b32(v), zero_i(), and_, or_, add, sub, mullo (32-bit lanes), shift(v, s) (left by s,
+ *   right by -s), srl, sra, merge(low, high, mask) = low | (high & mask)
+ *   cvt(I), half(p) (kW fp16), ldf, stf, bset, zero_f, mul, fma, neg, load_y / store_y (the first `cols` lanes)
+ *   dots<R, MaxCode>(src, i, x, ldq, c0, c1, out)   out[r] += exact int32 dots of block i's chunks c0..c1-1
+ *
+ * Layouts and the arithmetic: ukernel_gguf.h. */
+
+constexpr int kChunk = 4 * kW;  // bytes per chunk of a panel field
+
+/* Everything below a tile is inlined into it, so that a block's index is a constant (shifts and offsets become
+ * immediates, and the loads two blocks share are made once). */
+#define KV_INLINE inline __attribute__((always_inline))
+
+KV_INLINE I low4(I v) { return and_(v, b8(15)); }
+KV_INLINE I high4(I v) { return and_(srl(v, 4), b8(15)); }
+
+/* ---- Each format's codes and scales straight from its panel: w is a group's first unit (8 blocks of 32, or
+ * fewer at the end of a 32-weight row), i a block of the group (a constant once inlined), c a chunk: kW lanes of
+ * 4 codes (one byte each) meeting activation codes 4c..4c+3 of the block. Loads the compiler may share between
+ * the calls of one group (a qs chunk holds two blocks' nibbles). */
+
+/* The 32-weight formats (one block a unit). qs chunk t holds codes 4t..4t+3 (low nibbles) and 16 + 4t.. (high):
+ * chunks t and 4 + t of the block; Q5's fifth bits come from the permuted qh word (kv_qh_pack). */
+template <class Fmt>
+struct Unit32 {
+  static constexpr int kMaxCode = Fmt::kMaxCode, kOffset = Fmt::kOffset;
+  static constexpr bool kSigned = false;
+  static constexpr bool kQ5 = Fmt::kMaxCode == 31, kMin = Fmt::kFold == Fold::kScaleMin;
+  static constexpr int kQs = kMin ? (kQ5 ? 8 : 4) : (kQ5 ? 6 : 2);  // qs's offset in the unit, in kW bytes
+  KV_INLINE static const uint8_t* unit(const uint8_t* w, int i) { return w + (int64_t)i * kLayouts[Fmt::kKind].bytes * kW; }
+  KV_INLINE static I code(const uint8_t* w, int i, int c) {
+    const uint8_t* u = unit(w, i);
+    const I q = ld(u + kQs * kW + (c & 3) * kChunk);
+    const I nibbles = c < 4 ? low4(q) : high4(q);
+    if (!kQ5) return nibbles;
+    return merge(nibbles, shift(ld(u + (kQs - 4) * kW), 4 - c), b8(0x10));  // bit c & 3 (low) or 4 + (c & 3)
+  }
+  KV_INLINE static F d(const uint8_t* w, int i) { return half(unit(w, i)); }
+  KV_INLINE static F m(const uint8_t* w, int i) { return half(unit(w, i) + 2 * kW); }
+  KV_INLINE static int shift_of(int) { return 0; }
+};
+
+/* Q4_K / Q5_K: qs chunk 8j + t holds sub-block 2j's codes 4t..4t+3 (low nibbles) and 2j + 1's (high); Q5_K's fifth
+ * bit of sub-block u is bit u of qh chunk t's bytes. The 12 scale bytes are 3 chunks S0, S1, S2 (bytes 0-3, 4-7,
+ * 8-11 of every lane), read as scale_min_k4 does: the scales of sub-blocks 0-3 are the low 6 bits of S0's bytes,
+ * 4-7 the low nibbles of S2's with S0's top 2 bits above them (S1 and S2's high nibbles for the minimums). D = d sc,
+ * Mn = (-dmin) m. Q4_K's high nibbles may stay in place (kHighInPlace: codes 16 q, the dot shifted back). */
+template <int Bits>
+struct UnitK45 {
+  static constexpr int kMaxCode = (1 << Bits) - 1, kOffset = 0;
+  static constexpr bool kSigned = false;
+  static constexpr bool kInPlace = Bits == 4 && kHighInPlace;
+  KV_INLINE static int shift_of(int i) { return kInPlace && (i & 1) ? 4 : 0; }
+  KV_INLINE static I code(const uint8_t* w, int i, int c) {
+    const I q = ld(w + (Bits == 5 ? 48 : 16) * kW + (8 * (i / 2) + c) * kChunk);
+    if (kInPlace) return and_(q, b8(i & 1 ? 0xF0 : 0x0F));
+    const I nibbles = i & 1 ? high4(q) : low4(q);
+    if (Bits == 4) return nibbles;
+    return merge(nibbles, shift(ld(w + 16 * kW + c * kChunk), 4 - i), b8(0x10));
+  }
+  /* sub-block i's 6-bit field, zero-extended: from chunk `low` (S0 for scales, S1 for minimums) and the nibbles
+   * at bit `nibble` of S2 */
+  KV_INLINE static I six_bits(const uint8_t* w, int i, int low, int nibble) {
+    const uint8_t* s = w + 4 * kW;
+    const I lo = ld(s + low * kChunk);
+    if (i < 4) return byte_of(and_(lo, b8(63)), i);
+    return byte_of(merge(and_(srl(ld(s + 2 * kChunk), nibble), b8(15)), srl(lo, 2), b8(0x30)), i - 4);
+  }
+  KV_INLINE static F d(const uint8_t* w, int i) { return mul(half(w), cvt(six_bits(w, i, 0, 0))); }
+  KV_INLINE static F m(const uint8_t* w, int i) { return mul(neg(half(w + 2 * kW)), cvt(six_bits(w, i, 1, 4))); }
+};
+
+/* Q6_K: block i = 4h + s's chunk t: the nibbles of ql chunk 16h + 8 (s & 1) + t (high ones for s >= 2) and bits
+ * 2s, 2s + 1 of qh chunk 8h + t's bytes as bits 4, 5; scale j (of 16 weights) is byte j % 4 of scales chunk j / 4,
+ * sign-extended. */
+struct UnitQ6K {
+  static constexpr int kMaxCode = 63, kOffset = 32;
+  static constexpr bool kSigned = false;
+  KV_INLINE static I code(const uint8_t* w, int i, int c) {
+    const int h = i / 4, s = i % 4;
+    const I q = ld(w + 2 * kW + (16 * h + 8 * (s & 1) + c) * kChunk);
+    return merge(s >= 2 ? high4(q) : low4(q), shift(ld(w + 130 * kW + (8 * h + c) * kChunk), 4 - 2 * s), b8(0x30));
+  }
+  KV_INLINE static F d(const uint8_t* w, int) { return half(w); }
+  KV_INLINE static int shift_of(int) { return 0; }
+  KV_INLINE static I sc(const uint8_t* w, int j) { return sra(shift(ld(w + 194 * kW + (j / 4) * kChunk), 24 - 8 * (j % 4)), 24); }
+};
+
+/* Q8_0: d, then 8 chunks of signed codes (0..7 in order): as they are (kSignedDots), or + 128. */
+struct UnitQ80 {
+  static constexpr int kMaxCode = kSignedDots ? 128 : 255, kOffset = kSignedDots ? 0 : 128;
+  static constexpr bool kSigned = kSignedDots;
+  KV_INLINE static const uint8_t* unit(const uint8_t* w, int i) { return w + (int64_t)i * 34 * kW; }
+  KV_INLINE static I code(const uint8_t* w, int i, int c) {
+    const I q = ld(unit(w, i) + 2 * kW + c * kChunk);
+    return kSignedDots ? q : xor_(q, b8(0x80));
+  }
+  KV_INLINE static F d(const uint8_t* w, int i) { return half(unit(w, i)); }
+  KV_INLINE static int shift_of(int) { return 0; }
+};
+
+template <class Fmt> struct UnitOf;
+template <> struct UnitOf<Q8_0> { using T = UnitQ80; };
+template <> struct UnitOf<Q4_0> { using T = Unit32<Q4_0>; };
+template <> struct UnitOf<Q4_1> { using T = Unit32<Q4_1>; };
+template <> struct UnitOf<Q5_0> { using T = Unit32<Q5_0>; };
+template <> struct UnitOf<Q5_1> { using T = Unit32<Q5_1>; };
+template <> struct UnitOf<Q4_K> { using T = UnitK45<4>; };
+template <> struct UnitOf<Q5_K> { using T = UnitK45<5>; };
+template <> struct UnitOf<Q6_K> { using T = UnitQ6K; };
+
+/* ---- A panel's group of blocks as a tile reads them: codes and scales made from the panel's bytes in registers
+ * where they are used (measured: faster than unpacking a group once into memory for many rows and reloading). */
+template <class Fmt>
+struct Codes {
+  using U = typename UnitOf<Fmt>::T;
+  const uint8_t* w;
+  KV_INLINE I code(int i, int c) const { return U::code(w, i, c); }
+  KV_INLINE F d(int i) const { return U::d(w, i); }
+  KV_INLINE F m(int i) const {
+    if constexpr (Fmt::kFold == Fold::kScaleMin) return U::m(w, i);
+    return zero_f();
+  }
+  KV_INLINE I sc(int j) const {
+    if constexpr (Fmt::kFold == Fold::kScale16) return U::sc(w, j);
+    return zero_i();
+  }
+};
+
+/* Blocks a format's codes share loads across (a qs chunk holds two K-quant sub-blocks' nibbles; a Q6_K qh chunk
+ * four blocks' high bits), and how many a direct tile takes at once: as many as share and fit kDotRegs. */
+template <class Fmt>
+constexpr int kShare = Fmt::kKind == kQ6_K ? 4 : Fmt::kKind == kQ4_K || Fmt::kKind == kQ5_K ? 2 : 1;
+template <class Fmt, int R, int P>
+constexpr int kBlocksAtOnce = [] {
+  const int fit = kDotRegs / (R * P * (Fmt::kFold == Fold::kScale16 ? 2 : 1));
+  return fit < 1 ? 1 : fit < kShare<Fmt> ? fit : kShare<Fmt>;
+}();
+
+/* ---- Blocks i0..i0+B-1 of a group (global block b0 + i0 ...) for rows m..m+R-1 of P panels (src[p]): their
+ * integer dots, then each block's float steps in block order (ukernel_gguf.h's order per output); the activation
+ * values are read once for all panels. */
+template <class Fmt, int R, int P, int B>
+KV_INLINE void blocks(const kv_ggml_args* a, const Codes<Fmt>* src, int i0, int64_t b0, int64_t m, F (*acc)[R]) {
+  using U = typename UnitOf<Fmt>::T;
+  const int64_t at = m * a->ldb + b0 + i0;  // row m's first block
+  const int8_t* x = a->xq + m * a->ldq + 32 * (b0 + i0);
+  I dot[B][P][R];
+  KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
+    dot[b][p][r] = zero_i();
+  if constexpr (Fmt::kFold == Fold::kScale16) {
+    I t[B][P][R];
+    KV_UNROLL for (int h = 0; h < 2; ++h) {
+      if (h == 1)
+        KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
+          dot[b][p][r] = zero_i();
+      dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, dot);
+      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
+        const I shift16 = b32(U::kOffset * a->xsum16[2 * (at + b + r * a->ldb) + h]);
+        KV_UNROLL for (int p = 0; p < P; ++p) {
+          const I v = mullo(src[p].sc(2 * (i0 + b) + h), sub(dot[b][p][r], shift16));
+          t[b][p][r] = h == 0 ? v : add(t[b][p][r], v);
+        }
+      }
+    }
+    KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
+      const F xd = bset(a->xd[at + b + r * a->ldb]);
+      KV_UNROLL for (int p = 0; p < P; ++p) acc[p][r] = fma(src[p].d(i0 + b), mul(cvt(t[b][p][r]), xd), acc[p][r]);
+    }
+  } else {
+    dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 0, 8, dot);
+    KV_UNROLL for (int b = 0; b < B; ++b) {
+      const int down = U::shift_of(i0 + b);
+      KV_UNROLL for (int r = 0; r < R; ++r) {
+        const int64_t row = at + b + r * a->ldb;
+        const F xd = bset(a->xd[row]);
+        const I offset = b32(U::kOffset * a->xsum[row]);
+        KV_UNROLL for (int p = 0; p < P; ++p) {
+          I v = dot[b][p][r];
+          if (down) v = sra(v, down);
+          if constexpr (U::kOffset != 0) v = sub(v, offset);
+          acc[p][r] = fma(src[p].d(i0 + b), mul(cvt(v), xd), acc[p][r]);
+          if constexpr (Fmt::kFold == Fold::kScaleMin) acc[p][r] = fma(src[p].m(i0 + b), bset(a->xs[row]), acc[p][r]);
+        }
+      }
+    }
+  }
+}
+
+/* Every cache line of the `bytes` at p towards L1. */
+KV_INLINE void prefetch(const uint8_t* p, int bytes) {
+  for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char*)(p + at), _MM_HINT_T0);
+}
+
+/* Panel p of a call: its first unit of group b0, its outputs, its features stored. */
+KV_INLINE const uint8_t* group_at(const kv_ggml_args* a, int kind, int p, int b0) {
+  const UnitLayout& layout = kLayouts[kind];
+  return a->w + p * a->ldw + (int64_t)(b0 / (layout.weights / 32)) * layout.bytes * kW;
+}
+KV_INLINE float* panel_y(const kv_ggml_args* a, int p, int64_t m) { return a->y + m * a->ldy + (int64_t)p * kW; }
+KV_INLINE int panel_cols(const kv_ggml_args* a, int p) { return p == a->panels - 1 ? a->cols : kW; }
+
+/* One group's blocks (nblk, from global block b0) for rows m..m+R-1 of P panels, B blocks at once. */
+template <class Fmt, int R, int P, int B>
+KV_INLINE void group(const kv_ggml_args* a, const Codes<Fmt>* src, int64_t b0, int nblk, int64_t m, F (*acc)[R]) {
+  KV_UNROLL for (int i = 0; i < 8; i += B) {
+    if (i >= nblk) break;  // a K-quant group is whole: B divides 8
+    blocks<Fmt, R, P, B>(a, src, i, b0, m, acc);
+    /* the next blocks load their own codes: codes kept from these ones (the loads two of them share) would not
+     * fit the registers */
+    __asm__ volatile("" ::: "memory");
+  }
+}
+
+/* Rows m..m+R-1 of panels p0..p0+P-1 over the whole row, codes straight from the panels: the accumulators stay
+ * in registers, one chain per output in block order. */
+template <class Fmt, int R, int P>
+inline void tile(const kv_ggml_args* a, int p0, int64_t m = 0) {
+  F acc[P][R];
+  KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) acc[p][r] = zero_f();
+  const int group_bytes = kLayouts[Fmt::kKind].bytes * kW * (256 / kLayouts[Fmt::kKind].weights);
+  for (int b0 = 0; b0 < a->nb; b0 += 8) {
+    Codes<Fmt> src[P];
+    KV_UNROLL for (int p = 0; p < P; ++p) {
+      src[p].w = group_at(a, Fmt::kKind, p0 + p, b0);
+      /* the group after next of the panel, or past its end the first of the panel the next tile takes: a tile
+       * reads P streams at once, more than the hardware prefetchers follow from memory */
+      const int ahead = b0 + 16 < a->nb ? p0 + p : p0 + p + P;
+      if (ahead < a->panels) prefetch(group_at(a, Fmt::kKind, ahead, (b0 + 16) % a->nb), group_bytes);
+    }
+    group<Fmt, R, P, kBlocksAtOnce<Fmt, R, P>>(a, src, b0, a->nb - b0 < 8 ? a->nb - b0 : 8, m, acc);
+  }
+  KV_UNROLL for (int p = 0; p < P; ++p)
+    KV_UNROLL for (int r = 0; r < R; ++r) store_y(panel_y(a, p0 + p, m + r), acc[p][r], panel_cols(a, p0 + p));
+}
+
+/* tile.run<R'>() for R' = n (1..N) as an if chain of constants (no jump table). */
+template <int N, class Tile>
+inline void with_count(int n, const Tile& tile) {
+  if constexpr (N > 1) {
+    if (n < N) {
+      with_count<N - 1>(n, tile);
+      return;
+    }
+  }
+  tile.template run<N>();
+}
+
+template <class Fmt, int R>
+struct TilePanels {
+  const kv_ggml_args* a;
+  int p0;
+  template <int P> void run() const { tile<Fmt, R, P>(a, p0); }
+};
+
+template <class Fmt>
+struct DecodeRows {
+  const kv_ggml_args* a;
+  template <int R> void run() const {
+    for (int p = 0; p < a->panels; p += kPanelsOf<R>)
+      with_count<kPanelsOf<R>>(a->panels - p, TilePanels<Fmt, R>{a, p});
+  }
+};
+
+template <class Fmt>
+struct PrefillRows {
+  const kv_ggml_args* a;
+  int p;
+  int64_t m;
+  template <int R> void run() const { tile<Fmt, R, 1>(a, p, m); }
+};
+
+/* a->panels panels (a->nr == kW) x a->rows rows. Up to kMR rows (a decode batch): one tile of rows over several
+ * panels at once. More: per panel, every tile of kMR rows (the panel's weights stay in L1 or L2 meanwhile). */
+template <class Fmt>
+inline void kernel(const kv_ggml_args* a) {
+  if (a->rows <= kMR) {
+    with_count<kMR>(a->rows, DecodeRows<Fmt>{a});
+    return;
+  }
+  for (int p = 0; p < a->panels; ++p)
+    for (int64_t m = 0; m < a->rows; m += kMR)
+      with_count<kMR>(a->rows - m < kMR ? (int)(a->rows - m) : kMR, PrefillRows<Fmt>{a, p, m});
+}
+
+#undef KV_INLINE
