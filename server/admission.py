@@ -16,7 +16,7 @@ from kvserve.server import structured
 from kvserve.server.auth import ApiKeys
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation
-from kvserve.server.prepare import prepare
+from kvserve.server.prepare import Prepared, prepare
 from kvserve.server.prompts import PromptGroups, prepare_prompts
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest
 from kvserve.server.state import ServerState
@@ -62,11 +62,14 @@ def _check_request_size(state: ServerState, body, completions: bool) -> None:
                             "(--max-num-seqs + --max-queue)", param="n")
 
 
-async def admit(state: ServerState, body, request: Request) -> Generation:
-    """Prepare and queue a request, or raise ApiError (400 limits, 429 full queue, 503 dead engine).
+async def prepare_request(state: ServerState, body, request: Request) -> list[Prepared]:
+    """Check and tokenize a chat or completions body as its generation route does, queuing nothing: one
+    ``Prepared`` per prompt (a chat body has one). The render routes (server.render) answer with exactly these
+    token ids, so a router that renders a request sees the tokens the server will prefill.
 
-    Its sequences use the prefix-cache partition of its API key and its ``cache_salt``, and belong to its key's
-    tenant or its tenant header's (server.auth).
+    Raises:
+        ApiError: 404 for a model this server does not serve; 400 for a request over the size limits, a prompt
+            ``prepare`` refuses or a grammar that does not compile.
     """
     if body.model is not None and body.model not in (state.model_name, "default"):
         raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
@@ -78,12 +81,24 @@ async def admit(state: ServerState, body, request: Request) -> Generation:
     grammar = await structured.compile_request(state, body)  # on a worker thread; cached by schema
     salt, tenant = ApiKeys.cache_salt(request, body.cache_salt), ApiKeys.tenant(request)
     owner = getattr(request.state, "key_owner", None)
-    for one in prepared if completions else [prepared]:
+    prepared = prepared if completions else [prepared]
+    for one in prepared:
         one.grammar, one.cache_salt, one.tenant, one.owner = grammar, salt, tenant, owner
-    if completions:  # one prompt or several, numbered as OpenAI numbers them
+    return prepared
+
+
+async def admit(state: ServerState, body, request: Request) -> Generation | PromptGroups:
+    """Prepare (``prepare_request``) and queue a request, or raise ApiError (its 4xx, 429 full queue, 503 dead
+    engine).
+
+    Its sequences use the prefix-cache partition of its API key and its ``cache_salt``, and belong to its key's
+    tenant or its tenant header's (server.auth).
+    """
+    prepared = await prepare_request(state, body, request)
+    if isinstance(body, CompletionRequest):  # one prompt or several, numbered as OpenAI numbers them
         generation = PromptGroups(state, prepared, body.n, body.prompts)
     else:
-        generation = Generation(state, prepared)
+        generation = Generation(state, prepared[0])
     try:
         generation.start()
     except QueueFull as exc:

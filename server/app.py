@@ -32,7 +32,7 @@ from kvserve.server.prepare import chat_prompt_ids, check_token_ids, text_prompt
 from kvserve.server.hostguard import HostGuard, HostPolicy
 from kvserve.server.openai_format import Formatter
 from kvserve.server.prompts import PromptGroups
-from kvserve.server import livepage, responses
+from kvserve.server import livepage, render, responses
 from kvserve.server.requestids import RequestIds, tokenizer_info
 from kvserve.server.openapi_doc import openapi_schema
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
@@ -222,6 +222,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         return await _complete(state, body, request, chat=False)
 
     responses.register(app, state, v1)
+    render.register(app, state, v1)
     if state.config.ui:
         livepage.register(app, state, v1)
     return app

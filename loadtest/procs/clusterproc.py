@@ -35,6 +35,7 @@ class Proc:
     url: str
     popen: subprocess.Popen | None
     log: Path
+    kv_events: tuple[str, str] | None = None  # a replica's KV events: (PUB, replay) endpoints to connect to
 
     @property
     def alive(self) -> bool:
@@ -91,29 +92,45 @@ def router_binary() -> str:
 
 KV_EVENTS = "kv_events"  # the policy of loadtest's own KV-aware router (procs/kvrouter.py), fed by the replicas' events
 KV_EVENTS_IN_FLIGHT = "kv_events_in_flight"  # the same, also counting the prompts of requests in flight (--in-flight)
+KV_AWARE = "kv_aware"  # vllm-router's own KV-aware policy, fed by the same events
+EVENT_POLICIES = {KV_EVENTS, KV_EVENTS_IN_FLIGHT, KV_AWARE}  # the policies whose replicas publish KV events
+BLOCK_SIZE = 16  # the replicas' KV block size (kvserve's default): a KV-aware router hashes prompts in these blocks
 
 
-def kv_events_endpoints(log_dir: Path, port: int | str) -> tuple[str, str]:
-    """The PUB and replay endpoints of the replica on ``port``: ipc sockets in the log folder (bound, by vLLM's
-    rule; nothing listens beyond this machine)."""
-    return f"ipc://{log_dir}/kv-events-{port}.sock", f"ipc://{log_dir}/kv-replay-{port}.sock"
-
-
-def kv_events_flags(log_dir: Path) -> list[str]:
-    """A replica's flags that publish its KV events with vLLM's block hashes (``{port}`` is replaced by its port)."""
-    pub, replay = kv_events_endpoints(log_dir, "{port}")
+def kv_events_flags() -> list[str]:
+    """A replica's flags that publish its KV events with vLLM's block hashes, on TCP ports that ``start_cluster``
+    fills in (``{events_port}``, ``{replay_port}``): vllm-router takes only ``tcp://HOST:PORT`` sources. vLLM's
+    default topic (empty): vllm-router's static sources subscribe to that topic only."""
     return ["--prefix-caching-hash-algo", "sha256_cbor", "--kv-events-config",
-            f'{{"enable_kv_cache_events": true, "endpoint": "{pub}", "replay_endpoint": "{replay}"}}']
+            '{"enable_kv_cache_events": true, "endpoint": "tcp://*:{events_port}", '
+            '"replay_endpoint": "tcp://*:{replay_port}"}']
 
 
-def kvrouter_command(port: int, replicas: list[str], log_dir: Path, block_size: int = 16,
-                     in_flight: bool = False) -> list[str]:
+def kvrouter_command(port: int, replicas: list[Proc], in_flight: bool = False) -> list[str]:
     """loadtest's KV-aware router (``procs/kvrouter.py``) over ``replicas``, which publish as ``kv_events_flags``."""
     argv = [sys.executable, "-m", "kvserve.loadtest.procs.kvrouter", "--port", str(port),
-            "--block-size", str(block_size), *(["--in-flight"] if in_flight else [])]
-    for url in replicas:
-        pub, replay = kv_events_endpoints(log_dir, url.rsplit(":", 1)[1])
-        argv += ["--replica", f"{url}={pub},{replay}"]
+            "--block-size", str(BLOCK_SIZE), *(["--in-flight"] if in_flight else [])]
+    for replica in replicas:
+        pub, replay = replica.kv_events
+        argv += ["--replica", f"{replica.url}={pub},{replay}"]
+    return argv
+
+
+def kv_aware_flags(replicas: list[Proc], temperature: float = 0.0) -> list[str]:
+    """vllm-router's flags for its ``kv_aware`` policy over ``replicas``, which publish as ``kv_events_flags``.
+
+    Each replica is a static event source (vllm-router finds HTTP workers' sources no other way); the model name
+    is the replicas' (their ``/v1/models``): it only names the index, which the router fills from the events and
+    queries with the prompt tokens it gets from a replica's render route. ``temperature``: its
+    ``--router-temperature`` (0, its default: the cheapest replica, the first of equals; above 0: a softmax draw
+    over cost / temperature, so equals share new prompts).
+    """
+    model = httpx.get(replicas[0].url + "/v1/models", timeout=10).json()["data"][0]["id"]
+    argv = ["--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", model,
+            "--router-temperature", str(temperature)]
+    for replica in replicas:
+        pub, replay = replica.kv_events
+        argv += ["--kv-event-source", f"{replica.url}={pub}", "--kv-event-replay-source", f"{replica.url}={replay}"]
     return argv
 
 
@@ -145,6 +162,7 @@ class Cluster:
     router: Proc | None = None
     router_policy: str = ""
     router_metrics: str = ""
+    kv_aware_temperature: float = 0.0  # vllm-router's --router-temperature for its kv_aware policy
 
     def start_router(self, policy: str, timeout_s: float = 60.0) -> Proc:
         """A router with ``policy`` over the live replicas, once it has found all of them healthy.
@@ -156,11 +174,14 @@ class Cluster:
         self.stop_router()
         self.router_policy = policy
         port, metrics_port = free_port(), free_port()
-        live = [r.url for r in self.replicas if r.alive]
+        alive = [r for r in self.replicas if r.alive]
+        live = [r.url for r in alive]
         if policy in (KV_EVENTS, KV_EVENTS_IN_FLIGHT):
-            command = kvrouter_command(port, live, self.log_dir, in_flight=policy == KV_EVENTS_IN_FLIGHT)
+            command = kvrouter_command(port, alive, in_flight=policy == KV_EVENTS_IN_FLIGHT)
         else:
             command = router_command(port, metrics_port, live, policy)
+            if policy == KV_AWARE:
+                command += kv_aware_flags(alive, self.kv_aware_temperature)
         self.router = _spawn(f"router-{policy}", command, port, self.log_dir)
         self.router_metrics = f"http://127.0.0.1:{metrics_port}/metrics"
         # /readiness counts the workers the router has found healthy; wait for all of them
@@ -201,9 +222,14 @@ def start_cluster(replicas: int, serve_flags: list[str], log_dir: Path = OUT_DIR
     procs = []
     try:
         for i in range(replicas):
-            port = free_port()
-            argv = [p.replace("{port}", str(port)) for p in kvserve_command(serve_flags)]
-            procs.append(_spawn(f"replica{i}", argv, port, log_dir, env={"OMP_NUM_THREADS": "1"}))
+            ports = {"{port}": free_port(), "{events_port}": free_port(), "{replay_port}": free_port()}
+            argv = kvserve_command(serve_flags)
+            for placeholder, number in ports.items():
+                argv = [p.replace(placeholder, str(number)) for p in argv]
+            proc = _spawn(f"replica{i}", argv, ports["{port}"], log_dir, env={"OMP_NUM_THREADS": "1"})
+            if any("{events_port}" in flag for flag in serve_flags):
+                proc.kv_events = tuple(f"tcp://127.0.0.1:{ports[p]}" for p in ("{events_port}", "{replay_port}"))
+            procs.append(proc)
         for proc in procs:
             _wait_ready(proc, "/health", start_timeout_s)
     except BaseException:

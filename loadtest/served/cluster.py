@@ -2,7 +2,8 @@
 
 Every replica is a real ``kvserve serve`` process (SmolLM2, float32, a small KV pool) on a free port. The routers:
 the real ``vllm-router`` binary (``pip install vllm-router``, in the ``cluster`` and ``test`` extras) for
-``round_robin`` and ``cache_aware`` (which guesses where a prefix lives from the text it has routed), and
+``round_robin``, ``cache_aware`` (which guesses where a prefix lives from the text it has routed) and ``kv_aware``
+(its own index of the replicas' KV events, queried with the prompt tokens a replica's render route gives it), and
 loadtest's own KV-aware router (``procs/kvrouter.py``) for ``kv_events``: its index is built only from the replicas'
 KV events (``--kv-events-config``, vLLM's format, with vLLM's ``sha256_cbor`` block hashes), and a request goes to
 the replica that holds its longest prefix. Two workloads: ``conversations`` (default), multi-turn chat, each turn
@@ -37,15 +38,17 @@ import httpx
 
 from kvserve.loadtest.loadgen.conversations import Result, SystemPrompts, Workload, run_conversations, run_system_prompts
 from kvserve.loadtest.loadgen.report import OUT_DIR
-from kvserve.loadtest.procs.clusterproc import (KV_EVENTS, KV_EVENTS_IN_FLIGHT, Cluster, Proc, kv_events_flags,
+from kvserve.loadtest.procs.clusterproc import (EVENT_POLICIES, KV_AWARE, KV_EVENTS, KV_EVENTS_IN_FLIGHT, Cluster,
+                                                Proc, kv_events_flags,
                                                 replica_counts, router_binary, router_retries, serve_flags,
                                                 start_cluster)
 from kvserve.loadtest.publish.benchmarks_md import update_section
 
 # cache_aware last of vllm-router's: the kill and drain phases reuse its router. kv_events: loadtest's own KV-aware
 # router (procs/kvrouter.py), its index built only from the replicas' KV events; kv_events_in_flight: the same, also
-# counting the prompts of the requests it has in flight on each replica
-POLICIES = ("round_robin", KV_EVENTS, KV_EVENTS_IN_FLIGHT, "cache_aware")
+# counting the prompts of the requests it has in flight on each replica; kv_aware: vllm-router's own KV-aware policy
+# on the same events
+POLICIES = ("round_robin", KV_EVENTS, KV_EVENTS_IN_FLIGHT, KV_AWARE, "cache_aware")
 OWN_ROUTER = {KV_EVENTS, KV_EVENTS_IN_FLIGHT}
 
 
@@ -244,6 +247,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-seconds", type=float, default=30.0, help="the replicas' --drain-seconds")
     parser.add_argument("--phase-seconds", type=float, default=300.0, help="no new turn starts after this")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
+    parser.add_argument("--kv-aware-temperature", type=float, default=0.0,
+                        help="vllm-router's --router-temperature for kv_aware (0, its default: the cheapest replica, "
+                             "the first of equals; above 0: a softmax draw over cost / temperature)")
     parser.add_argument("--no-failover", action="store_true", help="skip the kill and the SIGTERM phases")
     parser.add_argument("--no-write", action="store_true", help="do not update BENCHMARKS.md")
     s = SystemPrompts()
@@ -276,10 +282,11 @@ def run(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     print(f"starting {args.replicas} replicas (SmolLM2 float32, {args.kv_cache_memory} KV each) ...", flush=True)
     log_dir = OUT_DIR / "cluster"
-    events = bool(OWN_ROUTER & set(args.policies))
+    events = bool(EVENT_POLICIES & set(args.policies))
     if events:
-        flags += kv_events_flags(log_dir)
+        flags += kv_events_flags()
     cluster = start_cluster(args.replicas, flags, log_dir)
+    cluster.kv_aware_temperature = args.kv_aware_temperature
     try:
         print(f"ready in {time.perf_counter() - started:.0f} s", flush=True)
         emit(f"{args.replicas} replicas (`kvserve serve` {' '.join(serve_flags(args.kv_cache_memory, args.drain_seconds))}"
@@ -290,7 +297,8 @@ def run(args: argparse.Namespace) -> int:
              f"summed over the replicas; TTFT as the client sees it through the router; throughput = requests "
              f"finished per second of the phase. round_robin and cache_aware are vllm-router's; kv_events is "
              f"loadtest's KV-aware router (procs/kvrouter.py): an index of each replica's KV events, the longest "
-             f"cached prefix wins; kv_events_in_flight also counts the prompts of its requests in flight.")
+             f"cached prefix wins; kv_events_in_flight also counts the prompts of its requests in flight; kv_aware is "
+             f"vllm-router's own KV-aware policy on the same events.")
         emit()
         warm_up(cluster)
         emit("| policy | requests | failed | prefix-cache hit rate | mean TTFT (ms) | p99 TTFT (ms) | requests/s | "
