@@ -47,10 +47,11 @@
  *   overflow (Q8_0's sign moved onto x: |q| x sign(x, q)).
  *
  * ---- Loop order (vector paths): a call takes `panels` panels and any number of rows. A tile is R rows x P
- *   panels (R <= MR; P > 1 only for a decode batch's few rows, so one activation broadcast feeds R * P products);
- *   its accumulators stay in registers over the whole row, and per group of 8 blocks the codes are made from the
- *   panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting 4 activation codes broadcast
- *   as one int32), B blocks at once when they share loads. More rows than MR: per panel, every tile of MR rows.
+ *   panels (R <= MR; P > 1 only for Q6_K's decode of 1 or 2 rows on AVX-512, so one activation broadcast feeds
+ *   R * P products: kPanelsOf); its accumulators stay in registers over the whole row, and per group of 8 blocks
+ *   the codes are made from the panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting
+ *   4 activation codes broadcast as one int32), B blocks at once when they share loads. More rows than MR: per
+ *   panel, every tile of MR rows, the K-quants' prefetching the groups to come (kAhead).
  */
 #ifndef KVSERVE_UKERNEL_GGUF_H
 #define KVSERVE_UKERNEL_GGUF_H
@@ -387,6 +388,11 @@ inline F load_y(const float* y, int cols) {
 }
 inline void store_y(float* y, F v, int cols) { kv_store_avx2(y, v, cols); }
 
+/* v as it is, in a register: an empty asm the compiler cannot see through, so a chain of sums stays a chain. GCC
+ * otherwise reassociates the integer sums of `dots` into trees that keep every product of a block live at once:
+ * spills on 16 registers (measured: the 8-row Q4_1 / Q8_0 tiles 10-25% slower). No instruction. */
+inline __attribute__((always_inline)) void pin(I& v) { __asm__("" : "+x"(v)); }
+
 /* out[b][p][r] += the int32 dots of chunks c0..c1-1 of block i0 + b's codes in panel p (src[p].code(i, c): kW
  * lanes of 4 codes) with row r's activation codes of the block (x + 32 b + r * ldq). vpmaddubsw (u8 codes x s8
  * activations) pairs are summed in int16 for as many chunks as cannot overflow (2 * 127 * MaxCode each), then
@@ -410,21 +416,25 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
           /* signed codes: |w| on the unsigned side, w's sign moved onto x (w = 0 gives 0, as its product) */
           const I u = Signed ? _mm256_abs_epi8(cv[p]) : cv[p], s8 = Signed ? _mm256_sign_epi8(xv, cv[p]) : xv;
           pairs[b][p][r] = _mm256_add_epi16(pairs[b][p][r], _mm256_maddubs_epi16(u, s8));
+          pin(pairs[b][p][r]);
         }
       }
     }
     if ((c - c0 + 1) % flush == 0 || c + 1 == c1) {
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) {
         out[b][p][r] = add(out[b][p][r], _mm256_madd_epi16(pairs[b][p][r], ones));
+        pin(out[b][p][r]);
         pairs[b][p][r] = zero_i();
       }
     }
   }
 }
 
-/* Panels per direct tile of R rows, and the int32 accumulators a tile's dots may keep (each has an int16 twin). */
-template <int R>
-constexpr int kPanelsOf = R == 1 ? 2 : 1;
+/* Panels per direct tile of R rows, and the int32 accumulators a tile's dots may keep (each has an int16 twin).
+ * One panel: a tile of several panels spills here and reads several streams at once (measured slower for every
+ * format, 1 row to 4). */
+template <class Fmt, int R>
+constexpr int kPanelsOf = 1;
 constexpr int kDotRegs = 4;
 
 #include "ukernel_gguf_body.h"
@@ -508,9 +518,11 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
 }
 
 /* Panels per direct tile of R rows (one activation broadcast feeds R * P products), and the int32 accumulators a
- * tile's dots may keep in registers. */
-template <int R>
-constexpr int kPanelsOf = R == 1 ? 4 : R == 2 ? 2 : 1;
+ * tile's dots may keep in registers. Several panels only for Q6_K (its many operations per code are shared by
+ * the panels); the lighter formats are bound by the stream of weights, read fastest one panel at a time with
+ * four chains of dots per row (measured). */
+template <class Fmt, int R>
+constexpr int kPanelsOf = Fmt::kKind == kQ6_K ? (R == 1 ? 4 : R == 2 ? 2 : 1) : 1;
 constexpr int kDotRegs = 16;
 
 #include "ukernel_gguf_body.h"

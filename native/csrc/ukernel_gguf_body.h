@@ -218,8 +218,8 @@ KV_INLINE void group(const kv_ggml_args* a, const Codes<Fmt>* src, int64_t b0, i
 }
 
 /* Rows m..m+R-1 of panels p0..p0+P-1 over the whole row, codes straight from the panels: the accumulators stay
- * in registers, one chain per output in block order. */
-template <class Fmt, int R, int P>
+ * in registers, one chain per output in block order. Ahead: prefetch the groups to come (kAhead). */
+template <class Fmt, int R, int P, bool Ahead>
 inline void tile(const kv_ggml_args* a, int p0, int64_t m = 0) {
   F acc[P][R];
   KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) acc[p][r] = zero_f();
@@ -231,7 +231,7 @@ inline void tile(const kv_ggml_args* a, int p0, int64_t m = 0) {
       /* the group after next of the panel, or past its end the first of the panel the next tile takes: a tile
        * reads P streams at once, more than the hardware prefetchers follow from memory */
       const int ahead = b0 + 16 < a->nb ? p0 + p : p0 + p + P;
-      if (ahead < a->panels) prefetch(group_at(a, Fmt::kKind, ahead, (b0 + 16) % a->nb), group_bytes);
+      if (Ahead && ahead < a->panels) prefetch(group_at(a, Fmt::kKind, ahead, (b0 + 16) % a->nb), group_bytes);
     }
     group<Fmt, R, P, kBlocksAtOnce<Fmt, R, P>>(a, src, b0, a->nb - b0 < 8 ? a->nb - b0 : 8, m, acc);
   }
@@ -255,24 +255,31 @@ template <class Fmt, int R>
 struct TilePanels {
   const kv_ggml_args* a;
   int p0;
-  template <int P> void run() const { tile<Fmt, R, P>(a, p0); }
+  template <int P> void run() const { tile<Fmt, R, P, false>(a, p0); }
 };
 
 template <class Fmt>
 struct DecodeRows {
   const kv_ggml_args* a;
   template <int R> void run() const {
-    for (int p = 0; p < a->panels; p += kPanelsOf<R>)
-      with_count<kPanelsOf<R>>(a->panels - p, TilePanels<Fmt, R>{a, p});
+    for (int p = 0; p < a->panels; p += kPanelsOf<Fmt, R>)
+      with_count<kPanelsOf<Fmt, R>>(a->panels - p, TilePanels<Fmt, R>{a, p});
   }
 };
+
+/* Whether a tile prefetches its panels' groups to come: only the K-quants' tiles of many rows (measured: faster
+ * there on AVX2, 8 rows; a decode tile streams its weights once, and the hardware prefetchers serve it better
+ * alone, the prefetches costing up to half its speed; the 32-weight formats' tiles of many rows lose 5-10% with
+ * them). */
+template <class Fmt>
+constexpr bool kAhead = kLayouts[Fmt::kKind].weights == 256;
 
 template <class Fmt>
 struct PrefillRows {
   const kv_ggml_args* a;
   int p;
   int64_t m;
-  template <int R> void run() const { tile<Fmt, R, 1>(a, p, m); }
+  template <int R> void run() const { tile<Fmt, R, 1, kAhead<Fmt>>(a, p, m); }
 };
 
 /* a->panels panels (a->nr == kW) x a->rows rows. Up to kMR rows (a decode batch): one tile of rows over several
