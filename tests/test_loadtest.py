@@ -389,15 +389,15 @@ def test_the_fairness_tables_give_each_groups_ttft_percentiles():
     assert "fair share against FCFS: 2.0x longer" in render(tenants, priority, args)
 
 
-def test_prefill_peers_count_only_short_requests_inside_the_long_prefill():
+def test_prefill_peers_count_the_short_requests_sent_during_the_long_prefill():
     from kvserve.loadtest.loadgen.client import RequestRecord
 
     long = RequestRecord(0, start_s=1.0, status=200, ttft_s=10.0)  # prefilled from 1 s to 11 s
     shorts = [RequestRecord(1, start_s=0.5, status=200, ttft_s=0.2),   # before the long one was sent
               RequestRecord(2, start_s=2.0, status=200, ttft_s=0.3),   # inside
-              RequestRecord(3, start_s=5.0, status=200, ttft_s=1.5),   # inside
-              RequestRecord(4, start_s=10.5, status=200, ttft_s=0.9)]  # answered after the long one's first token
-    assert prefillpeers.delayed(shorts, long) == [0.3, 1.5]
+              RequestRecord(3, start_s=5.0, status=200, ttft_s=7.5),   # inside, answered after the long one
+              RequestRecord(4, start_s=11.5, status=200, ttft_s=0.9)]  # sent after the long one's first token
+    assert prefillpeers.delayed(shorts, long) == [0.3, 7.5]
 
 
 def test_prefill_peers_measure_a_server_and_render_ratios_to_kvserve(fake_url):
@@ -410,5 +410,5 @@ def test_prefill_peers_measure_a_server_and_render_ratios_to_kvserve(fake_url):
     text = prefillpeers.render({"kvserve-gguf": base, "llama.cpp": slow,
                                 "vllm": {"system": "vllm", "error": "FileNotFoundError: not installed"}}, [16, 64], "x")
     row = next(line for line in text.splitlines() if line.startswith("| llama.cpp"))
-    assert "1.00 s (2.00x)" in row and "4.00 s (4.00x)" in row and "none answered" in row
+    assert "1.00 s (2.00x)" in row and "4.00 s (4.00x)" in row and "none sent" in row
     assert "| vllm | failed: FileNotFoundError" in text

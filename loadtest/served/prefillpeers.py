@@ -4,10 +4,9 @@ Per system, one server with a few slots and room for the longest prompt:
 - TTFT of prompts of 512, 2,048 and 8,000 tokens (``--prefill-lengths``), one token out, each prompt starting
   with a different word so no prefix cache helps; the median of ``PROMPTS_PER_LENGTH`` prompts;
 - the chunked-prefill stall: TTFT of short requests (32-token prompts, one token out, two at a time) alone, then
-  while one prompt of the longest length is being prefilled. Only short requests sent after the long one and
-  answered before its first token count: those are the ones its prefill could delay. A server that prefills in
-  chunks (kvserve's --max-num-batched-tokens, vLLM's chunked prefill, llama.cpp's -ub batches) lets them in
-  between chunks; one that does not makes them wait for the whole prompt.
+  while one prompt of the longest length is being prefilled: those sent after the long one and before its first
+  token count, however long they waited. A server that gives them room beside the long prompt's chunks answers
+  them within a step or two; one whose chunks take the whole step makes them wait for the whole prompt.
 
 The systems: llama.cpp's server (``python -m kvserve.loadtest llamacpp`` builds it), kvserve serving the file's
 own blocks, and vLLM's CPU backend when ``python -m kvserve.loadtest vllm`` has installed it (outside the repo).
@@ -120,10 +119,10 @@ async def _measure(url: str, lengths: list[int]) -> PrefillFigures:
 
 
 def delayed(shorts: list[RequestRecord], long: RequestRecord) -> list[float]:
-    """TTFTs (s) of the short requests the long prompt's prefill could delay: sent after it, and given their
-    first token before it got its own."""
+    """TTFTs (s) of the short requests the long prompt's prefill could delay: those sent after it and before it got
+    its first token, however long they then waited."""
     end = long.start_s + long.ttft_s
-    return [r.ttft_s for r in shorts if r.start_s > long.start_s and r.start_s + r.ttft_s < end]
+    return [r.ttft_s for r in shorts if long.start_s < r.start_s < end]
 
 
 def _p50_p99(values: list[float]) -> tuple[float | None, float | None]:
@@ -160,16 +159,16 @@ def render(results: dict[str, dict], lengths: list[int], served: str) -> str:
         alone = (f"{r['short_alone_p50_s']:.3f} / {r['short_alone_p99_s']:.3f} s"
                  if r["short_alone_p50_s"] is not None else "-")
         during = (f"{r['short_during_p50_s']:.3f} / {r['short_during_p99_s']:.3f} s ({r['short_during_count']})"
-                  if r["short_during_p50_s"] is not None else "none answered before the long prompt's first token")
+                  if r["short_during_p50_s"] is not None else "none sent")
         rows.append(f"| {name} | " + " | ".join(ttfts) + f" | {alone} | {during} | {r.get('measured_utc', '?')} |")
     return "\n".join(rows) + (
         f"\n\nEach system serves {served} with {SLOTS} slots and 2 threads. TTFT: the median of "
         f"{PROMPTS_PER_LENGTH} one-token completions whose prompts differ from the first token (in brackets, this "
         f"system's TTFT over kvserve's: > 1, kvserve is faster). Short requests: {SHORT_PROMPT_TOKENS}-token prompts, "
         f"one token out, {SHORT_USERS} at a time, first alone ({SHORT_REQUESTS} requests), then while one "
-        f"{max(lengths)}-token prompt is prefilled (those sent after it and answered before its first token; n of "
-        "them). A server that prefills long prompts in chunks answers them between chunks; one that does not "
-        "answers none until the long prompt's first token.")
+        f"{max(lengths)}-token prompt is prefilled (those sent after it and before its first token, n of them, "
+        "however long they waited): a server whose prefill chunks leave room for them answers within a step or "
+        "two; one whose chunks take the whole step answers them only after the long prompt's prefill.")
 
 
 def as_dict(figures: PrefillFigures) -> dict:
