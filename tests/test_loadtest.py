@@ -201,6 +201,16 @@ def test_peers_median_skips_failed_repeats():
     assert merged["error"] is None
 
 
+
+def test_prefill_peers_median_skips_failed_repeats_and_keeps_the_fewest_shorts():
+    one = prefillpeers.PrefillFigures("vllm", {"512": 1.0}, short_during_p99_s=2.0, short_during_count=4)
+    two = prefillpeers.PrefillFigures("vllm", {"512": 3.0}, short_during_p99_s=None, short_during_count=2)
+    failed = prefillpeers.PrefillFigures("vllm", error="RuntimeError: boom")
+    merged = prefillpeers.median([one, failed, two])
+    assert merged["ttft_s"] == {"512": 2.0} and merged["short_during_p99_s"] == 2.0
+    assert merged["short_during_count"] == 2 and merged["error"] is None
+    assert prefillpeers.median([failed])["error"] == "RuntimeError: boom"
+
 def test_simulated_queue_order_decides_the_tail():
     lengths = [10, 1, 1, 1]
     first = simulate.simulate(lengths, 2, False, simulate.flat_cost)
