@@ -449,3 +449,10 @@ def test_prefill_peers_measure_a_server_and_render_ratios_to_kvserve(fake_url):
     row = next(line for line in text.splitlines() if line.startswith("| llama.cpp"))
     assert "1.00 s (2.00x)" in row and "4.00 s (4.00x)" in row and "none sent" in row
     assert "| vllm | failed: FileNotFoundError" in text
+
+
+def test_model_paths_are_made_absolute_before_servers_start_elsewhere(tmp_path, monkeypatch):
+    from kvserve.loadtest.argtypes import absolute_path
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_path("m.gguf") == tmp_path / "m.gguf"  # the launched servers run from the repository root

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import httpx
 
+from kvserve.loadtest.argtypes import absolute_path
 from kvserve.loadtest.errors import UsageError
 from kvserve.loadtest.peer_systems.llamacpp import find_server
 from kvserve.loadtest.procs.serverproc import kvserve_command, launch
@@ -104,7 +105,7 @@ def common_prefix(a: str, b: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, required=True, action="append",
+    parser.add_argument("--model", type=absolute_path, required=True, action="append",
                         help="a GGUF file both serve (repeat for several: one row each)")
     parser.add_argument("--tokens", type=int, default=32, help="greedy tokens per prompt")
     parser.add_argument("--write", action="store_true",
