@@ -32,8 +32,13 @@ LAYOUTS = {
     "q5_1": (24, 32, [(0, 2, False), (2, 2, False), (4, 4, True), (8, 16, False)]),
     "q8_0": (34, 32, [(0, 2, False), (2, 32, False)]),
     "q4_k": (144, 256, [(0, 2, False), (2, 2, False), (4, 12, False), (16, 128, False)]),
-    "q5_k": (176, 256, [(0, 2, False), (2, 2, False), (4, 12, False), (16, 160, False)]),
-    "q6_k": (210, 256, [(208, 2, False), (0, 128, False), (128, 64, False), (192, 16, False)]),
+    # qh's chunks alternating with qs's first 8, then the rest of qs (q5_k_layout)
+    "q5_k": (176, 256, [(0, 2, False), (2, 2, False), (4, 12, False)]
+             + [(offset + 4 * c, 4, False) for c in range(8) for offset in (16, 48)] + [(80, 96, False)]),
+    # d, scales, then per half h and chunk c: ql chunks 16h + c and 16h + 8 + c, qh chunk 8h + c (q6_k_layout)
+    "q6_k": (210, 256, [(208, 2, False), (192, 16, False)]
+             + [(offset + 4 * c, 4, False) for h in range(2) for c in range(8)
+                for offset in (64 * h, 64 * h + 32, 128 + 32 * h)]),
 }
 KINDS = tuple(LAYOUTS)
 BLOCK_BYTES = {kind: unit for kind, (unit, _, _) in LAYOUTS.items()}  # bytes per unit, as in a GGUF file

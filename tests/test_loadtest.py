@@ -456,3 +456,13 @@ def test_model_paths_are_made_absolute_before_servers_start_elsewhere(tmp_path, 
 
     monkeypatch.chdir(tmp_path)
     assert absolute_path("m.gguf") == tmp_path / "m.gguf"  # the launched servers run from the repository root
+
+
+def test_engine_benches_accept_a_gguf_file_and_refuse_a_directory_without_weights(tiny_gguf, tmp_path):
+    from kvserve.loadtest.engine.enginebench import check_engine_flags
+    from kvserve.loadtest.errors import UsageError
+
+    check_engine_flags(str(tiny_gguf("tiny-llama")), "cpu")  # its derived directory has no weights: the file has them
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(UsageError, match="no weights"):
+        check_engine_flags(str(tmp_path), "cpu")

@@ -97,13 +97,14 @@ def check_engine_flags(model: str | None, device: str) -> None:
     Raises:
         UsageError: no such device (``--device cuda`` without a GPU) or no such model directory.
     """
-    from kvserve.engine.loader import resolve_device, resolve_model_dir
+    from kvserve.engine.loader import gguf_file, resolve_device, resolve_model_dir
 
     try:
         resolve_device(Device(device))
         if model is not None:
             path = resolve_model_dir(model)
-            if path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
+            # a GGUF file's derived directory holds its config and tokenizer only: the weights are the file's
+            if gguf_file(model) is None and path.is_dir() and not any(path.glob("*.safetensors")) and not any(path.glob("pytorch_model*.bin")):
                 raise FileNotFoundError(f"--model {model!r} has a config.json but no weights (*.safetensors, "
                                         "pytorch_model*.bin)")
     except (ValueError, FileNotFoundError) as exc:

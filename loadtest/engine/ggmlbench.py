@@ -210,8 +210,9 @@ def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
 
 
 @torch.inference_mode()
-def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
-    """A Q4_K_M decode step's projections with the server's threads against the read bound; writes "ggml-model"."""
+def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> None:
+    """A Q4_K_M decode step's projections with the server's threads against the read bound; writes "ggml-model"
+    unless ``write`` is False."""
     from kvserve import native
     from kvserve.loadtest.publish.benchmarks_md import update_section
     from kvserve.native.ggml_leaves import random_units
@@ -253,5 +254,7 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32)) -> None:
               f"{100 * gbs / read:.0f}% of the read bound", flush=True)
         lines.append(f"| {rows} | {1e3 * busy:.1f} | {1 / busy:.1f} | {gbs:.1f} | {100 * gbs / read:.0f}% | "
                      f"{1e3 * wall:.1f} |")
-    update_section("ggml-model", "A Q4_K_M Llama-3.2-1B decode step's projections against the read bound",
-                   "python -m kvserve.loadtest kernelbench --ggml-model", "\n".join(lines))
+    print("\n".join(lines), flush=True)
+    if write:
+        update_section("ggml-model", "A Q4_K_M Llama-3.2-1B decode step's projections against the read bound",
+                       "python -m kvserve.loadtest kernelbench --ggml-model", "\n".join(lines))

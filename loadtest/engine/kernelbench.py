@@ -209,7 +209,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-mb", type=int, default=ggmlbench.STREAM_BYTES >> 20,
                         help="--ggml: MB of weights cycled at 1 row (past the L3)")
     parser.add_argument("--budget-s", type=float, default=0.3, help="--ggml: CPU seconds per measurement")
-    parser.add_argument("--no-write", action="store_true", help="--ggml: print only, leave BENCHMARKS.md alone")
+    parser.add_argument("--no-write", action="store_true", help="--ggml, --ggml-model: print only, leave BENCHMARKS.md alone")
     parser.add_argument("--mode", choices=["one-thread", "split", "ggml"], help=argparse.SUPPRESS)
 
 
@@ -230,7 +230,7 @@ def run(args: argparse.Namespace) -> int:
         ggmlbench.ggml_path(kinds, args.stream_mb, args.budget_s)
         return 0
     if args.ggml_model:
-        ggmlbench.ggml_model()
+        ggmlbench.ggml_model(write=not args.no_write)
         return 0
     if args.mode:
         one_step_mode(args.mode)

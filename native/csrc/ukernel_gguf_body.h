@@ -57,11 +57,12 @@ struct UnitK45 {
   static constexpr bool kInPlace = Bits == 4 && kHighInPlace;
   KV_INLINE static int shift_of(int i) { return kInPlace && (i & 1) ? 4 : 0; }
   KV_INLINE static I code(const uint8_t* w, int i, int c) {
-    const I q = ld(w + (Bits == 5 ? 48 : 16) * kW + (8 * (i / 2) + c) * kChunk);
+    const int t = 8 * (i / 2) + c;  // the qs chunk; Q5_K's first 8 alternate with qh's (q5_k_layout)
+    const I q = ld(w + 16 * kW + (Bits == 4 ? t : t < 8 ? 2 * t + 1 : t + 8) * kChunk);
     if (kInPlace) return and_(q, b8(i & 1 ? 0xF0 : 0x0F));
     const I nibbles = i & 1 ? high4(q) : low4(q);
     if (Bits == 4) return nibbles;
-    return merge(nibbles, shift(ld(w + 16 * kW + c * kChunk), 4 - i), b8(0x10));
+    return merge(nibbles, shift(ld(w + 16 * kW + 2 * c * kChunk), 4 - i), b8(0x10));
   }
   /* sub-block i's 6-bit field, zero-extended: from chunk `low` (S0 for scales, S1 for minimums) and the nibbles
    * at bit `nibble` of S2 */
@@ -75,20 +76,21 @@ struct UnitK45 {
   KV_INLINE static F m(const uint8_t* w, int i) { return mul(neg(half(w + 2 * kW)), cvt(six_bits(w, i, 1, 4))); }
 };
 
-/* Q6_K: block i = 4h + s's chunk t: the nibbles of ql chunk 16h + 8 (s & 1) + t (high ones for s >= 2) and bits
- * 2s, 2s + 1 of qh chunk 8h + t's bytes as bits 4, 5; scale j (of 16 weights) is byte j % 4 of scales chunk j / 4,
- * sign-extended. */
+/* Q6_K (q6_k_layout: d, scales, then per half h and chunk c three chunks): block i = 4h + s's chunk c: the
+ * nibbles of the half's chunk 3c + (s & 1) (high ones for s >= 2) and bits 2s, 2s + 1 of its chunk 3c + 2's bytes
+ * (qh) as bits 4, 5; scale j (of 16 weights) is byte j % 4 of scales chunk j / 4, sign-extended. */
 struct UnitQ6K {
   static constexpr int kMaxCode = 63, kOffset = 32;
   static constexpr bool kSigned = false;
   KV_INLINE static I code(const uint8_t* w, int i, int c) {
     const int h = i / 4, s = i % 4;
-    const I q = ld(w + 2 * kW + (16 * h + 8 * (s & 1) + c) * kChunk);
-    return merge(s >= 2 ? high4(q) : low4(q), shift(ld(w + 130 * kW + (8 * h + c) * kChunk), 4 - 2 * s), b8(0x30));
+    const uint8_t* at = w + 18 * kW + (24 * h + 3 * c) * kChunk;
+    const I q = ld(at + (s & 1) * kChunk);
+    return merge(s >= 2 ? high4(q) : low4(q), shift(ld(at + 2 * kChunk), 4 - 2 * s), b8(0x30));
   }
   KV_INLINE static F d(const uint8_t* w, int) { return half(w); }
   KV_INLINE static int shift_of(int) { return 0; }
-  KV_INLINE static I sc(const uint8_t* w, int j) { return sra(shift(ld(w + 194 * kW + (j / 4) * kChunk), 24 - 8 * (j % 4)), 24); }
+  KV_INLINE static I sc(const uint8_t* w, int j) { return sra(shift(ld(w + 2 * kW + (j / 4) * kChunk), 24 - 8 * (j % 4)), 24); }
 };
 
 /* Q8_0: d, then 8 chunks of signed codes (0..7 in order): as they are (kSignedDots), or + 128. */
