@@ -89,7 +89,7 @@ def test_paged_decode_attention_equals_a_float64_softmax(batch, context, heads, 
 
 # (prompt, start, heads, kv_heads, dim, window) of one prompt's rows attended in one call
 PROMPT_TILE_SHAPES = [
-    (100, 0, 9, 3, 64, 0),      # SmolLM2's heads: several tiles of 16 rows and chunks of 64 keys
+    (100, 0, 9, 3, 64, 0),      # SmolLM2's heads: several tiles of rows and chunks of 64 keys
     (37, 5, 8, 8, 64, 0),       # over a cached prefix of 5 tokens, no GQA
     (70, 0, 4, 1, 128, 0),      # D = 128
     (50, 3, 6, 2, 72, 0),       # D = 72: the loop over D (neither 64 nor 128; AVX2 only)

@@ -127,8 +127,10 @@ KV_TWO_PATHS(attend_loops,
               float scale, float* scores, float* out),
              (q, q_head_stride, table, first, len, kp, vp, bs, H_kv, g, D, group, scale, scores, out))
 
-// Rows of one prompt attended together in a tile (rows_alone prefill); each reads the context once per tile.
-constexpr int64_t kTileRows = 16;
+// Rows of one prompt attended together in a tile (rows_alone prefill); each reads the context once per tile. A
+// long context's K and V rows come from L3 or memory once per tile, so larger tiles run faster (the scores
+// buffer, rows x heads x context floats, grows with them); a 512-token chunk still gives 16 tiles per KV head.
+constexpr int64_t kTileRows = 32;
 
 // The call's rows cut into tiles: starts of consecutive runs of at most `most` rows that belong to one prompt
 // (q rows one after the other, context lengths growing by one, the same blocks up to the shorter context; the
