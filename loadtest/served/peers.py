@@ -38,7 +38,7 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvserve.loadtest.argtypes import positive_ints
+from kvserve.loadtest.argtypes import absolute_path, positive_ints
 from kvserve.loadtest.loadgen import report, workloads
 from kvserve.loadtest.loadgen.generator import LoadConfig, run_sync
 from kvserve.loadtest.loadgen.report import median_over_repeats
@@ -190,7 +190,7 @@ def render(results: dict[str, dict], served: str = "the Q4_1 GGUF") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None,
+    parser.add_argument("--model", type=absolute_path, default=None,
                         help="a GGUF file llama.cpp and kvserve both serve (default: the embedded SmolLM2)")
     parser.add_argument("--systems", default=None,
                         help=f"comma list of {', '.join(SYSTEMS)} (default: all; with --model, "
