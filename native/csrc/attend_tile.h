@@ -70,6 +70,15 @@ inline void tile_span(const TileQuery* qs, int64_t n, int64_t* lo, int64_t* hi) 
   }
 }
 
+// Between a tile's two passes: each query vector's scores to their softmax (softmax_avx2, decode_core.h), its
+// output row to zero for the FMAs over the keys.
+__attribute__((target("avx2,fma"))) inline void softmax_tile(const TileQuery* qs, int64_t n, int64_t D) {
+  for (int64_t j = 0; j < n; ++j) {
+    softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
+    std::fill_n(qs[j].out, D, 0.f);
+  }
+}
+
 // The AVX2 path, for D a multiple of 8 (D = 64 and 128 compiled with D known, so a query row and the output
 // row stay in registers). The keys are taken in chunks of kChunk: each chunk's K rows are read for every query
 // vector of the tile while they are in L1 (a prefill tile of R rows reads the context from memory R times less
@@ -119,10 +128,7 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, i
       }
     }
   }
-  for (int64_t j = 0; j < n; ++j) {
-    softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
-    std::fill_n(qs[j].out, D, 0.f);
-  }
+  softmax_tile(qs, n, D);
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
@@ -391,10 +397,7 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
     for (; j0 < n; ++j0)
       scores_alone<kD>(qs[j0], rows, c0, std::max(c0, qs[j0].first), std::min(c1, qs[j0].len), D, scale);
   }
-  for (int64_t j = 0; j < n; ++j) {
-    softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
-    std::fill_n(qs[j].out, D, 0.f);
-  }
+  softmax_tile(qs, n, D);
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
