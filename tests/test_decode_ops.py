@@ -87,19 +87,21 @@ def test_paged_decode_attention_equals_a_float64_softmax(batch, context, heads, 
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("prompt,start,heads,kv_heads,dim,window", [
-    (100, 0, 9, 3, 64, 0),      # SmolLM2's heads: several tiles of 16 rows and chunks of 64 keys
+# (prompt, start, heads, kv_heads, dim, window) of one prompt's rows attended in one call
+PROMPT_TILE_SHAPES = [
+    (100, 0, 9, 3, 64, 0),      # SmolLM2's heads: several tiles of rows and chunks of 64 keys
     (37, 5, 8, 8, 64, 0),       # over a cached prefix of 5 tokens, no GQA
     (70, 0, 4, 1, 128, 0),      # D = 128
-    (50, 3, 6, 2, 72, 0),       # D = 72: the loop over D (neither 64 nor 128)
+    (50, 3, 6, 2, 72, 0),       # D = 72: the loop over D (neither 64 nor 128; AVX2 only)
+    (45, 20, 6, 3, 80, 0),      # D = 80: the loop over D on the AVX-512 path too
     (90, 0, 9, 3, 64, 40),      # a sliding window shorter than the prompt
     (17, 200, 9, 3, 64, 0),     # one tile's rows over a long prefix
-])
-def test_a_prompts_rows_attended_in_one_call_have_the_bits_of_each_row_alone(prompt, start, heads, kv_heads, dim,
-                                                                             window):
-    """rows_alone prefill: every token of a prompt is a decode row; one call attends consecutive rows of one
-    prompt together (tiles sharing each K and V row read), and each row must have the bits it has alone. The
-    call also holds rows of other sequences, before and after the prompt, which are not of its tiles."""
+]
+
+
+def prompt_tile_case(prompt, start, heads, kv_heads, dim, window):
+    """A call holding one prompt's rows (consecutive rows, context lengths growing by one, one block table) between
+    two rows of other sequences: (q, rows, tables, lens, k_blocks, v_blocks, the call's output)."""
     torch.manual_seed(0)
     block_size, blocks = 16, (start + prompt) // 16 + 2
     pool = blocks * 3
@@ -112,6 +114,18 @@ def test_a_prompts_rows_attended_in_one_call_have_the_bits_of_each_row_alone(pro
     tables = torch.cat([other[None], table.repeat(prompt, 1), other[None]])
     together = torch.zeros(q.shape)
     ops.paged_decode_attention(q, rows, tables, lens, k_blocks, v_blocks, dim ** -0.5, window, together)
+    return q, rows, tables, lens, k_blocks, v_blocks, together
+
+
+@pytest.mark.parametrize("prompt,start,heads,kv_heads,dim,window", PROMPT_TILE_SHAPES)
+def test_a_prompts_rows_attended_in_one_call_have_the_bits_of_each_row_alone(prompt, start, heads, kv_heads, dim,
+                                                                             window):
+    """rows_alone prefill: every token of a prompt is a decode row; one call attends consecutive rows of one
+    prompt together (tiles sharing each K and V row read; on AVX-512 the K rows transposed and the query vectors
+    register-blocked), and each row must have the bits it has alone. The call also holds rows of other
+    sequences, before and after the prompt, which are not of its tiles."""
+    q, rows, tables, lens, k_blocks, v_blocks, together = prompt_tile_case(prompt, start, heads, kv_heads, dim,
+                                                                           window)
     alone = torch.zeros(q.shape)
     for b in range(len(rows)):
         ops.paged_decode_attention(q, rows[b:b + 1], tables[b:b + 1], lens[b:b + 1], k_blocks, v_blocks, dim ** -0.5,

@@ -93,6 +93,26 @@ def test_quantized_cache_attention_has_the_same_bits_on_every_path(isa, tmp_path
 
 
 @needs_kernels
+@pytest.mark.skipif(_best_isa() != "avx512" or os.environ.get("KVSERVE_ISA") in ("avx2", "scalar"),
+                    reason="the AVX-512 path does not run here")
+def test_float32_cache_attention_has_the_same_bits_on_the_avx2_and_avx512_paths(tmp_path):
+    """The float32 cache's paged attention (csrc/attend_tile.h: the AVX-512 tile, with K transposed for prompt
+    tiles, and the AVX2 tile, in one order of operations) gives the same bits on AVX-512 and on forced AVX2, for
+    one prompt's rows attended together and for decode rows, on every shape of
+    tests/test_decode_ops.PROMPT_TILE_SHAPES (the one with D = 72 runs AVX2 on both)."""
+    from tests.test_decode_ops import PROMPT_TILE_SHAPES, prompt_tile_case
+
+    code = ("import sys, torch; from tests.test_decode_ops import PROMPT_TILE_SHAPES, prompt_tile_case; "
+            "torch.save([prompt_tile_case(*shape)[-1] for shape in PROMPT_TILE_SHAPES], sys.argv[1])")
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / "avx2.pt")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "KVSERVE_ISA": "avx2"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    forced = torch.load(tmp_path / "avx2.pt")
+    for shape, theirs in zip(PROMPT_TILE_SHAPES, forced, strict=True):
+        assert torch.equal(prompt_tile_case(*shape)[-1], theirs), shape
+
+
+@needs_kernels
 @pytest.mark.skipif(os.environ.get("KVSERVE_ISA") == "scalar", reason="already on the scalar path")
 def test_kernel_tests_pass_on_the_scalar_path():
     """The kernel test files (against the PyTorch reference, batch invariance, thread invariance) on the forced

@@ -12,7 +12,8 @@
 //       one query token per sequence against its cached context, read block by block through its block
 //       table (no gathered copy, no mask tensor), with GQA; softmax in float32 (AVX2: vectorized exp).
 //       The rows of one prompt (a prefill whose every token attends as a decode row) are attended in tiles of
-//       up to kTileRows rows that read each K and V row once for the tile, each row with its own bits alone.
+//       up to kTileRows rows that read each K and V row once for the tile, each row with its own bits alone
+//       (attend_tile.h: the AVX2 and AVX-512 tile kernels, one order of operations).
 //   decode_attention_(qkv, ...)            RoPE, the KV write and paged decode attention for one layer
 //   write_kv_quant, paged_decode_attention_quant    the int8 / int4 cache's (kv_quant.cpp; bound here)
 //   silu_mul(gate, up)                     silu(gate) * up (SwiGLU), with torch's own kernels
@@ -22,6 +23,7 @@
 // Each hot loop is compiled for AVX2+FMA and for plain x86-64; native/csrc/cpu.h chooses which runs.
 #include <ATen/Parallel.h>
 
+#include "attend_tile.h"
 #include "decode_common.h"
 
 #include <vector>
@@ -46,6 +48,7 @@
 namespace {
 
 using kvserve::decode::check_f32;
+using kvserve::decode::TileQuery;
 #ifdef KV_X86
 using kvserve::decode::exp8;
 using kvserve::decode::hmax8;
@@ -124,17 +127,10 @@ KV_TWO_PATHS(attend_loops,
               float scale, float* scores, float* out),
              (q, q_head_stride, table, first, len, kp, vp, bs, H_kv, g, D, group, scale, scores, out))
 
-// One query vector of a tile: a query head's row q (D floats) attending to keys first..len-1, its scores
-// buffer (len - first floats) and its output row (D floats).
-struct TileQuery {
-  const float* q;
-  float* out;
-  int64_t first, len;
-  float* scores;
-};
-
-// Rows of one prompt attended together in a tile (rows_alone prefill); each reads the context once per tile.
-constexpr int64_t kTileRows = 16;
+// Rows of one prompt attended together in a tile (rows_alone prefill); each reads the context once per tile. A
+// long context's K and V rows come from L3 or memory once per tile, so larger tiles run faster (the scores
+// buffer, rows x heads x context floats, grows with them); a 512-token chunk still gives 16 tiles per KV head.
+constexpr int64_t kTileRows = 32;
 
 // The call's rows cut into tiles: starts of consecutive runs of at most `most` rows that belong to one prompt
 // (q rows one after the other, context lengths growing by one, the same blocks up to the shorter context; the
@@ -192,113 +188,7 @@ __attribute__((target("avx2,fma"))) float sum_exp_avx2(const float* x, int64_t n
   return hsum8(_mm256_add_ps(s0, s1));
 }
 
-constexpr int64_t kAhead = 4;  // key/value rows prefetched this many positions ahead
 
-// Keys whose K (then V) rows a tile reads as one chunk while every query vector of the tile runs over them:
-// 64 rows of D = 64 floats are 16 KB, which stay in L1 across the tile's query vectors.
-constexpr int64_t kChunk = 64;
-
-// Paged attention of `n` query vectors that share one KV head g and one block table (the `group` heads of one
-// decode row; or of several consecutive rows of one prompt: a prefill tile), for D a multiple of 8 with AVX2
-// (D = 64 and 128 compiled with D known, so a query row and the output row stay in registers).
-//
-// The keys are taken in chunks of kChunk: each chunk's K rows are read for every query vector of the tile while
-// they are in L1 (a prefill tile of R rows reads the context from memory R times less often than R decode rows
-// would), then, after each vector's softmax, the V rows likewise. Each query vector goes through exactly the
-// operations, in the order, of a decode row alone: its score per key (two 8-lane FMA chains over D, summed by
-// hsum8, times scale), softmax_avx2 over its own keys, and its output as one FMA per key in key order. So a row's
-// bits do not depend on which tile it shares or how the keys are chunked (tests/test_decode_ops.py checks it).
-template <int64_t kD>
-__attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, int64_t n, const int64_t* table,
-                                                          const float* kp, const float* vp, int64_t bs,
-                                                          int64_t H_kv, int64_t g, int64_t D_, float scale) {
-  const int64_t D = kD > 0 ? kD : D_;
-  constexpr int64_t kRegs = kD > 0 ? kD / 8 : 1;  // 8-float lanes of a row kept in registers
-  int64_t lo = qs[0].first, hi = qs[0].len;
-  for (int64_t j = 1; j < n; ++j) {
-    lo = std::min(lo, qs[j].first);
-    hi = std::max(hi, qs[j].len);
-  }
-  const float* rows[kChunk];
-  auto chunk_rows = [&](const float* base, int64_t c0, int64_t c1) {
-    for (int64_t t = c0; t < c1; ++t) rows[t - c0] = base + ((table[t / bs] * bs + t % bs) * H_kv + g) * D;
-  };
-  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores
-    const int64_t c1 = std::min(hi, c0 + kChunk);
-    chunk_rows(kp, c0, c1);
-    for (int64_t j = 0; j < n; ++j) {
-      const TileQuery& query = qs[j];
-      const int64_t t0 = std::max(c0, query.first), t1 = std::min(c1, query.len);
-      float* out = query.scores - query.first;
-      if constexpr (kD > 0) {
-        __m256 q[kRegs];
-        for (int64_t r = 0; r < kRegs; ++r) q[r] = _mm256_loadu_ps(query.q + 8 * r);
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* k = rows[t - c0];
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-          for (int64_t r = 0; r + 1 < kRegs; r += 2) {
-            a0 = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(k + 8 * r), a0);
-            a1 = _mm256_fmadd_ps(q[r + 1], _mm256_loadu_ps(k + 8 * r + 8), a1);
-          }
-          if (kRegs % 2) a0 = _mm256_fmadd_ps(q[kRegs - 1], _mm256_loadu_ps(k + 8 * (kRegs - 1)), a0);
-          out[t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
-        }
-      } else {
-        const float* qh = query.q;
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* k = rows[t - c0];
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-          int64_t i = 0;
-          for (; i + 16 <= D; i += 16) {
-            a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
-            a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i + 8), _mm256_loadu_ps(k + i + 8), a1);
-          }
-          if (i < D) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qh + i), _mm256_loadu_ps(k + i), a0);
-          out[t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
-        }
-      }
-    }
-  }
-  for (int64_t j = 0; j < n; ++j) {
-    softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
-    std::fill_n(qs[j].out, D, 0.f);
-  }
-  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
-    const int64_t c1 = std::min(hi, c0 + kChunk);
-    chunk_rows(vp, c0, c1);
-    for (int64_t j = 0; j < n; ++j) {
-      const TileQuery& query = qs[j];
-      const int64_t t0 = std::max(c0, query.first), t1 = std::min(c1, query.len);
-      const float* w = query.scores - query.first;
-      if constexpr (kD > 0) {
-        __m256 o[kRegs];
-        for (int64_t r = 0; r < kRegs; ++r) o[r] = _mm256_loadu_ps(query.out + 8 * r);
-        for (int64_t t = t0; t < t1; ++t) {
-          const __m256 wt = _mm256_set1_ps(w[t]);
-          const float* v = rows[t - c0];
-          for (int64_t r = 0; r < kRegs; ++r) o[r] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v + 8 * r), o[r]);
-        }
-        for (int64_t r = 0; r < kRegs; ++r) _mm256_storeu_ps(query.out + 8 * r, o[r]);
-      } else {
-        for (int64_t t = t0; t < t1; ++t) {
-          const __m256 wt = _mm256_set1_ps(w[t]);
-          const float* v = rows[t - c0];
-          for (int64_t i = 0; i < D; i += 8)
-            _mm256_storeu_ps(query.out + i, _mm256_fmadd_ps(wt, _mm256_loadu_ps(v + i), _mm256_loadu_ps(query.out + i)));
-        }
-      }
-    }
-  }
-}
-
-// attend_tile_avx2 for this D: compiled for D = 64 and 128, looped over D otherwise.
-__attribute__((target("avx2,fma"))) void attend_tile(const TileQuery* qs, int64_t n, const int64_t* table,
-                                                     const float* kp, const float* vp, int64_t bs, int64_t H_kv,
-                                                     int64_t g, int64_t D, float scale) {
-  if (D == 64) return attend_tile_avx2<64>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-  if (D == 128) return attend_tile_avx2<128>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-  attend_tile_avx2<0>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-}
 #endif
 
 }  // namespace
@@ -390,6 +280,7 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
   const float* vp = v_blocks.data_ptr<float>();
 #ifdef KV_X86
   const bool avx2 = kvserve::cpu::avx2() && D % 8 == 0;
+  const bool avx512 = kvserve::cpu::chosen() == kvserve::cpu::Isa::kAvx512;  // attend_tile: D % 16 == 0 too
 #endif
   // One task per (tile, KV head). A tile is one decode row, or up to kTileRows consecutive rows of one prompt
   // (rows_alone prefill: consecutive q rows, context lengths growing by one, the same blocks): its R x `group`
@@ -418,8 +309,8 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
             queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * D, first, call.lens[b], next});
             next += call.lens[b] - first;
           }
-        attend_tile(queries.data(), static_cast<int64_t>(queries.size()), call.table_of(b1 - 1), kp, vp, bs, H_kv,
-                         g, D, call.scale);
+        kvserve::decode::attend_tile(avx512, queries.data(), static_cast<int64_t>(queries.size()),
+                                     call.table_of(b1 - 1), kp, vp, bs, H_kv, g, D, call.scale);
         continue;
       }
 #endif
