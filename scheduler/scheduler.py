@@ -5,7 +5,17 @@ needs (1 for a decode, up to the remaining budget for a prefill in progress: chu
 sequences in the policy's order while slots (max_num_seqs), the per-step token budget (max_num_batched_tokens) and
 free blocks allow; a prefix-cache hit shrinks a newcomer's prefill. When the pool cannot hold the next step of a
 running sequence, the last running sequence in the policy's order is preempted: its blocks are freed and it goes
-back to the waiting queue to be recomputed. The scheduling policy (``scheduler.ordering``: FCFS, priority, fair
+back to the waiting queue to be recomputed.
+
+Sharing a step between prompts (vLLM's partial-prefill limits, by their names): a prefill with more than
+``long_prefill_token_threshold`` tokens left is long, and computes at most that many in the first pass of a step,
+so requests that arrive while it is chunk-prefilled get the rest of the budget instead of waiting for its whole
+prompt; whatever they leave goes back to it at the end of the pass, so a long prompt alone still fills every step.
+At most ``max_num_partial_prefills`` prompts prefill at once, of which ``max_long_partial_prefills`` long ones: a
+long prompt that finds the long ones' limit reached waits, and a short prompt behind it in the queue goes first (the
+one exception to no overtaking; the long one keeps its place and goes next). Decodes keep their token: a prefill
+leaves one for each decode after it in the claim order (vLLM plans decodes first; here the policy's order stays the
+claim order, since preemption takes from its end). The scheduling policy (``scheduler.ordering``: FCFS, priority, fair
 share per tenant) decides those orders, which running sequence a waiting one may displace, and each sequence's
 share of the budget; the batching policy (``scheduler.policies``: continuous, or the static baseline) decides
 when a waiting sequence may start and when a finished one's last output goes out; the finish rate behind
@@ -50,12 +60,28 @@ class SchedulerConfig:
     max_model_len: int = 2048            # context limit (tokens): prompt + output
     policy: Policy = Policy.CONTINUOUS   # batching: continuous, or the static baseline
     scheduling: SchedulingPolicy = SchedulingPolicy.FCFS  # order: fcfs | priority | fair (per tenant)
+    long_prefill_token_threshold: int | None = None  # a prefill with more tokens left is long (tokens); its chunk is
+                                                     # capped at this while others want the budget. None: half the
+                                                     # budget; 0: no prompt is long, no chunk capped
+    max_num_partial_prefills: int | None = None  # prompts prefilling at once; None: max_num_seqs
+    max_long_partial_prefills: int = 1           # long prompts prefilling at once (<= max_num_partial_prefills)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError("max_num_seqs and max_model_len must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = self.max_num_batched_tokens // 2
+        if self.max_num_partial_prefills is None:
+            self.max_num_partial_prefills = self.max_num_seqs
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no prompt is long)")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError("max_num_partial_prefills must be >= 1")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills must be in 1..max_num_partial_prefills "
+                             f"({self.max_num_partial_prefills})")
         self.policy, self.scheduling = Policy(self.policy), SchedulingPolicy(self.scheduling)
         check_policies(self.policy, self.scheduling)
 
@@ -133,19 +159,27 @@ class Scheduler:
         self.waiting.begin(self.running, budget)
         self._displace()
         work: list[SeqWork] = []
+        short_of: list[int] = []  # indices in work of prefills given less than they need (topped up at the end)
         order = self.waiting.order(self.running)
-        for seq in order:
+        decoding = [seq.num_uncomputed == 1 for seq in order]
+        decodes_after = sum(decoding)  # decodes later in the claim order: a prefill leaves each its token
+        for seq, is_decode in zip(order, decoding):
+            decodes_after -= is_decode
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed, budget, self.waiting.cap(seq))
+            need = seq.num_uncomputed
+            num_new = min(need, budget - decodes_after, self.waiting.cap(seq), self._chunk_cap(need))
             if num_new <= 0 or not self._reserve(seq, num_new, order):
                 continue
+            if num_new < need:
+                short_of.append(len(work))
             work.append(self._work(seq, num_new))
             self.waiting.charge(seq, num_new)
             budget -= num_new
-        budget = self._admit(work, budget)
+        budget = self._admit(work, budget, short_of)
+        budget = self._top_up(work, budget, short_of)
         plan, self._ended = StepPlan(work, ended_ids=self._ended), []
         if self.spec is not None:
             self._add_drafts(plan, budget)
@@ -175,6 +209,8 @@ class Scheduler:
             if (len(self.running) < self.config.max_num_seqs
                     and self.blocks.blocks_needed(first_chunk) <= self.blocks.num_free_blocks):
                 return
+            if not self._may_start(newcomer, self._lookup(newcomer), *self._prefilling()):
+                return  # the prefill limits would keep it waiting anyway: preempting would free nothing it can use
             victim = self.waiting.displace(self.running, newcomer)
             if victim is None:
                 return
@@ -217,18 +253,19 @@ class Scheduler:
             return False  # wait one step for the sibling's prompt blocks, then share them
         return self.policy.admissible(seq, self.waiting, self.running)
 
-    def _admit(self, work: list[SeqWork], budget: int) -> int:
-        """Admit waiting sequences into ``work`` while slots, the token budget and blocks allow; returns the
-        budget left."""
+    def _admit(self, work: list[SeqWork], budget: int, short_of: list[int]) -> int:
+        """Admit waiting sequences into ``work`` while slots, the token budget, the prefill limits and blocks allow;
+        returns the budget left. A newcomer given less than its prompt is noted in ``short_of``."""
+        prefills, longs = self._prefilling()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.head()
-            if seq is None or not self._admissible(seq):
+            found = self._next_newcomer(prefills, longs)
+            if found is None:
                 break
+            seq, cached = found
             first_time = seq.num_cached_tokens is None
-            cached = ([] if seq.params.prompt_logprobs
-                      else self.blocks.find_cached_prefix(seq.all_ids, seq.request.cache_salt))
             num_cached = len(cached) * self.blocks.block_size
-            num_new = min(seq.num_tokens - num_cached, budget, self.waiting.cap(seq))
+            need = seq.num_tokens - num_cached
+            num_new = min(need, budget, self.waiting.cap(seq), self._chunk_cap(need))
             if num_new <= 0 or not self.blocks.allocate(seq.block_table, num_cached + num_new, cached):
                 break  # no room: wait for blocks to free (no overtaking)
             self.waiting.pop(seq)
@@ -239,9 +276,77 @@ class Scheduler:
                 self.prefix_queries += len(seq.prompt_ids)
                 self.prefix_hits += num_cached
             self.running.append(seq)
+            prefills += need > 1
+            longs += self._is_long(need)
+            if num_new < need:
+                short_of.append(len(work))
             work.append(self._work(seq, num_new))
             self.waiting.charge(seq, num_new, admitted=True)
             budget -= num_new
+        return budget
+
+    def _next_newcomer(self, prefills: int, longs: int) -> tuple[Sequence, list[int]] | None:
+        """The waiting sequence to admit next and its cached prefix blocks: the policy's head; or, when the head is
+        a long prompt that the long ones' limit keeps waiting, the first short prompt behind it; None: none may
+        start now."""
+        head = self.waiting.head()
+        if head is None or not self._admissible(head):
+            return None
+        cached = self._lookup(head)
+        if self._may_start(head, cached, prefills, longs):
+            return head, cached
+        if prefills >= self.config.max_num_partial_prefills:
+            return None
+        for seq in self.waiting:  # the policy's order; a prompt this long only goes as short on a prefix hit
+            if (seq is not head and not self._is_long(seq.num_tokens) and self.waiting.cap(seq) > 0
+                    and self._admissible(seq)):
+                return seq, self._lookup(seq)
+        return None
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The prefix-cache blocks ``seq`` would start from (none when it asks for prompt logprobs)."""
+        if seq.params.prompt_logprobs:
+            return []
+        return self.blocks.find_cached_prefix(seq.all_ids, seq.request.cache_salt)
+
+    def _prefilling(self) -> tuple[int, int]:
+        """Running sequences with more than one token to compute (prompts, or recomputes, in progress), and of
+        them the long ones."""
+        prefills = [seq.num_uncomputed for seq in self.running if seq.num_uncomputed > 1]
+        return len(prefills), sum(self._is_long(need) for need in prefills)
+
+    def _may_start(self, seq: Sequence, cached: list[int], prefills: int, longs: int) -> bool:
+        """The prefill limits let ``seq`` (whose prefix ``cached`` is in the cache) start beside ``prefills``
+        prompts in progress, ``longs`` of them long."""
+        if prefills >= self.config.max_num_partial_prefills:
+            return False
+        need = seq.num_tokens - len(cached) * self.blocks.block_size
+        return not self._is_long(need) or longs < self.config.max_long_partial_prefills
+
+    def _is_long(self, tokens_left: int) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return 0 < threshold < tokens_left
+
+    def _chunk_cap(self, tokens_left: int) -> int:
+        """The most tokens a prefill with ``tokens_left`` may take in the first pass of a step."""
+        return self.config.long_prefill_token_threshold if self._is_long(tokens_left) else tokens_left
+
+    def _top_up(self, work: list[SeqWork], budget: int, short_of: list[int]) -> int:
+        """Give the budget nobody else claimed to the prefills in ``short_of`` (indices in ``work``), in claim
+        order, where their blocks can grow without preempting anyone; returns the budget left. A long prompt alone
+        thus fills the step as if its chunk had no cap."""
+        for index in short_of:
+            if budget == 0:
+                break
+            w = work[index]
+            seq = self.live[w.seq_id]
+            planned = len(w.token_ids)
+            extra = min(seq.num_uncomputed - planned, budget, self.waiting.cap(seq))
+            if extra <= 0 or not self.blocks.allocate(seq.block_table, seq.num_computed + planned + extra):
+                continue
+            work[index] = self._work(seq, planned + extra)
+            self.waiting.charge(seq, extra)
+            budget -= extra
         return budget
 
     def _work(self, seq: Sequence, num_new: int, draft_ids: list[int] = (), propose: int = 0) -> SeqWork:
