@@ -137,3 +137,13 @@ def test_the_defaults_cap_at_half_the_budget_with_one_long_prompt_at_a_time():
     config = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=512)
     assert (config.long_prefill_token_threshold, config.max_num_partial_prefills,
             config.max_long_partial_prefills) == (256, 4, 1)
+
+
+def test_a_long_newcomer_the_limit_holds_back_preempts_nobody_in_vain():
+    # priority: a higher-priority long prompt finds no slot while a long prompt prefills; preempting the decode
+    # beside it would free a slot the long prompts' limit does not let it take (and the decode would come back)
+    arrivals = {0: [request(0, 400, priority=5), request(1, 4, max_tokens=60, priority=5, first=900)],
+                2: [request(2, 300, priority=0, first=2000)]}
+    beside = run(arrivals, budget=32, max_num_seqs=2, scheduling="priority")
+    assert sum(record.preemptions for record in beside.records) <= 1
+    assert beside.tokens[1] == [7] * 60
