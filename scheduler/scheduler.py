@@ -5,7 +5,11 @@ needs (1 for a decode, up to the remaining budget for a prefill in progress: chu
 sequences in the policy's order while slots (max_num_seqs), the per-step token budget (max_num_batched_tokens) and
 free blocks allow; a prefix-cache hit shrinks a newcomer's prefill. When the pool cannot hold the next step of a
 running sequence, the last running sequence in the policy's order is preempted: its blocks are freed and it goes
-back to the waiting queue to be recomputed.
+back to the waiting queue to be recomputed. The scheduling policy (``scheduler.ordering``: FCFS, priority, fair
+share per tenant) decides those orders, which running sequence a waiting one may displace, and each sequence's
+share of the budget; the batching policy (``scheduler.policies``: continuous, or the static baseline) decides
+when a waiting sequence may start and when a finished one's last output goes out; the finish rate behind
+Retry-After is ``scheduler.finish_rate``'s.
 
 Sharing a step between prompts (vLLM's partial-prefill limits, by their names): a prefill with more than
 ``long_prefill_token_threshold`` tokens left is long, and computes at most that many in the first pass of a step,
@@ -13,13 +17,10 @@ so requests that arrive while it is chunk-prefilled get the rest of the budget i
 prompt; whatever they leave goes back to it at the end of the pass, so a long prompt alone still fills every step.
 At most ``max_num_partial_prefills`` prompts prefill at once, of which ``max_long_partial_prefills`` long ones: a
 long prompt that finds the long ones' limit reached waits, and a short prompt behind it in the queue goes first (the
-one exception to no overtaking; the long one keeps its place and goes next). Decodes keep their token: a prefill
-leaves one for each decode after it in the claim order (vLLM plans decodes first; here the policy's order stays the
-claim order, since preemption takes from its end). The scheduling policy (``scheduler.ordering``: FCFS, priority, fair
-share per tenant) decides those orders, which running sequence a waiting one may displace, and each sequence's
-share of the budget; the batching policy (``scheduler.policies``: continuous, or the static baseline) decides
-when a waiting sequence may start and when a finished one's last output goes out; the finish rate behind
-Retry-After is ``scheduler.finish_rate``'s.
+one exception to no overtaking; the long one keeps its place and goes next). Only a budget left once every prefill
+got all it needs may start a long prompt beyond the limit, so steps stay full when several such prompts arrive
+together. Decodes keep their token: a prefill leaves one for each decode after it in the claim order (vLLM plans
+decodes first; here the policy's order stays the claim order, since preemption takes from its end).
 
 Speculation adds one rule (as vLLM v1's scheduler has it): a sequence's computed tokens catch up to its tokens plus
 its speculative tokens. Drafts only get the token budget and the blocks left over once every sequence's own work is
@@ -178,8 +179,9 @@ class Scheduler:
             work.append(self._work(seq, num_new))
             self.waiting.charge(seq, num_new)
             budget -= num_new
-        budget = self._admit(work, budget, short_of)
-        budget = self._top_up(work, budget, short_of)
+        budget = self._top_up(work, self._admit(work, budget, short_of), short_of)
+        if budget:  # every prefill got all it needs: what is left may start a long prompt beyond the limit
+            budget = self._top_up(work, self._admit(work, budget, short_of, limit_longs=False), short_of)
         plan, self._ended = StepPlan(work, ended_ids=self._ended), []
         if self.spec is not None:
             self._add_drafts(plan, budget)
@@ -209,7 +211,9 @@ class Scheduler:
             if (len(self.running) < self.config.max_num_seqs
                     and self.blocks.blocks_needed(first_chunk) <= self.blocks.num_free_blocks):
                 return
-            if not self._may_start(newcomer, self._lookup(newcomer), *self._prefilling()):
+            prefills, longs = self._prefilling()
+            if not self._may_start(newcomer, self._lookup(newcomer), prefills,
+                                   longs < self.config.max_long_partial_prefills):
                 return  # the prefill limits would keep it waiting anyway: preempting would free nothing it can use
             victim = self.waiting.displace(self.running, newcomer)
             if victim is None:
@@ -253,12 +257,18 @@ class Scheduler:
             return False  # wait one step for the sibling's prompt blocks, then share them
         return self.policy.admissible(seq, self.waiting, self.running)
 
-    def _admit(self, work: list[SeqWork], budget: int, short_of: list[int]) -> int:
+    def _admit(self, work: list[SeqWork], budget: int, short_of: list[int], limit_longs: bool = True) -> int:
         """Admit waiting sequences into ``work`` while slots, the token budget, the prefill limits and blocks allow;
-        returns the budget left. A newcomer given less than its prompt is noted in ``short_of``."""
+        returns the budget left. A newcomer given less than its prompt is noted in ``short_of``.
+
+        ``limit_longs=False``: the long prompts' limit is not applied. The planner admits so only with the budget
+        nobody in the step could take (the prefills given less than they need were topped up first), so prompts a
+        little over the threshold arriving together fill the steps as they did without it; a long prompt started
+        so takes all that budget, and the prompts before it finish theirs in this step."""
         prefills, longs = self._prefilling()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            found = self._next_newcomer(prefills, longs)
+            long_room = not limit_longs or longs < self.config.max_long_partial_prefills
+            found = self._next_newcomer(prefills, long_room)
             if found is None:
                 break
             seq, cached = found
@@ -285,15 +295,15 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _next_newcomer(self, prefills: int, longs: int) -> tuple[Sequence, list[int]] | None:
+    def _next_newcomer(self, prefills: int, long_room: bool) -> tuple[Sequence, list[int]] | None:
         """The waiting sequence to admit next and its cached prefix blocks: the policy's head; or, when the head is
-        a long prompt that the long ones' limit keeps waiting, the first short prompt behind it; None: none may
-        start now."""
+        a long prompt and ``long_room`` is False (the long ones' limit is reached), the first short prompt behind
+        it; None: none may start now (``prefills``: prompts in progress, for their limit)."""
         head = self.waiting.head()
         if head is None or not self._admissible(head):
             return None
         cached = self._lookup(head)
-        if self._may_start(head, cached, prefills, longs):
+        if self._may_start(head, cached, prefills, long_room):
             return head, cached
         if prefills >= self.config.max_num_partial_prefills:
             return None
@@ -315,13 +325,12 @@ class Scheduler:
         prefills = [seq.num_uncomputed for seq in self.running if seq.num_uncomputed > 1]
         return len(prefills), sum(self._is_long(need) for need in prefills)
 
-    def _may_start(self, seq: Sequence, cached: list[int], prefills: int, longs: int) -> bool:
+    def _may_start(self, seq: Sequence, cached: list[int], prefills: int, long_room: bool) -> bool:
         """The prefill limits let ``seq`` (whose prefix ``cached`` is in the cache) start beside ``prefills``
-        prompts in progress, ``longs`` of them long."""
+        prompts in progress; ``long_room``: a long one may start."""
         if prefills >= self.config.max_num_partial_prefills:
             return False
-        need = seq.num_tokens - len(cached) * self.blocks.block_size
-        return not self._is_long(need) or longs < self.config.max_long_partial_prefills
+        return long_room or not self._is_long(seq.num_tokens - len(cached) * self.blocks.block_size)
 
     def _is_long(self, tokens_left: int) -> bool:
         threshold = self.config.long_prefill_token_threshold

@@ -147,3 +147,13 @@ def test_a_long_newcomer_the_limit_holds_back_preempts_nobody_in_vain():
     beside = run(arrivals, budget=32, max_num_seqs=2, scheduling="priority")
     assert sum(record.preemptions for record in beside.records) <= 1
     assert beside.tokens[1] == [7] * 60
+
+
+def test_prompts_a_little_over_the_threshold_arriving_together_fill_every_step():
+    # the budget left once the long prompt in progress has all it needs starts the next one beyond the limit
+    plans: list[StepPlan] = []
+    arrivals = {0: [request(i, 24, first=100 * i) for i in range(4)]}
+    capped = run(arrivals, budget=32, plans=plans)               # threshold 16: each prompt is long
+    uncapped = run(arrivals, budget=32, long_prefill_token_threshold=0)
+    assert [plan.num_tokens for plan in plans[:3]] == [32, 32, 32]
+    assert capped.first_token_step == uncapped.first_token_step == {0: 0, 1: 1, 2: 2, 3: 2}
