@@ -4,7 +4,9 @@ budget are shared.
 Each policy is the scheduler's waiting queue plus a few decisions; the scheduler asks and knows nothing else of it:
 
 - ``add(seq)`` / ``requeue(seq)`` / ``remove(seq)``: an arrival, a preempted sequence going back, an abort;
-- ``head()``: the waiting sequence to admit next (None: none may now);
+- ``head()``: the waiting sequence to admit next (None: none may now); iterating the queue gives the rest in the
+  policy's order (the scheduler admits a short prompt from behind a long head that the prefill limits hold back);
+- ``pop(seq)``: ``seq`` was admitted (the head, or such a short prompt);
 - ``order(running)``: the order running sequences claim the step's budget and blocks; when the pool runs out, the
   last of this order still running is preempted (it may be the sequence that needed the room);
 - ``displace(running, newcomer)``: a running sequence to preempt so that ``newcomer`` can start now, or None;
@@ -13,8 +15,9 @@ Each policy is the scheduler's waiting queue plus a few decisions; the scheduler
 
 Three policies:
 
-- ``FCFS`` (the default): arrival order, no overtaking; a preempted sequence goes back to the head of the queue and
-  the newest running sequence is the one preempted.
+- ``FCFS`` (the default): arrival order, no overtaking (but for a short prompt past a long one that the scheduler's
+  prefill limits hold back); a preempted sequence goes back to the head of the queue and the newest running sequence
+  is the one preempted.
 - ``PRIORITY``: lower ``priority`` first (vLLM's field and meaning), first come first served within a level; a
   waiting sequence that finds no slot or no blocks preempts the newest running sequence of the lowest priority
   below its own.
@@ -69,8 +72,11 @@ class Fcfs:
         return self._queue[0] if self._queue else None
 
     def pop(self, seq: Sequence) -> None:
-        """Take ``seq`` (the head) out: it was admitted."""
-        self._queue.popleft()
+        """Take ``seq`` out: it was admitted (the head, or a short prompt from behind it)."""
+        if self._queue[0] is seq:
+            self._queue.popleft()
+        else:
+            self._queue.remove(seq)
 
     def order(self, running: list[Sequence]) -> list[Sequence]:
         return list(running)
@@ -114,7 +120,10 @@ class Priority(Fcfs):
         return self._heap[0][2] if self._heap else None
 
     def pop(self, seq: Sequence) -> None:
-        heapq.heappop(self._heap)
+        if self._heap[0][2] is seq:
+            heapq.heappop(self._heap)
+        else:
+            self.remove(seq)
 
     def order(self, running: list[Sequence]) -> list[Sequence]:
         return sorted(running, key=lambda seq: seq.request.priority)  # stable: admission order within a level
@@ -178,11 +187,7 @@ class FairShare(Fcfs):
         return best[1] if best is not None else None
 
     def pop(self, seq: Sequence) -> None:
-        queue = self._queue(seq)
-        queue.popleft()
-        self._count -= 1
-        if not queue:
-            del self._queues[seq.request.tenant]
+        self.remove(seq)  # the head of its tenant's queue, or a short prompt from behind it
 
     def order(self, running: list[Sequence]) -> list[Sequence]:
         """The tenants with fewer running sequences first; the newest sequence of the tenant with the most is last

@@ -11,6 +11,17 @@ share of the budget; the batching policy (``scheduler.policies``: continuous, or
 when a waiting sequence may start and when a finished one's last output goes out; the finish rate behind
 Retry-After is ``scheduler.finish_rate``'s.
 
+Sharing a step between prompts (vLLM's partial-prefill limits, by their names): a prefill with more than
+``long_prefill_token_threshold`` tokens left is long, and computes at most that many in the first pass of a step,
+so requests that arrive while it is chunk-prefilled get the rest of the budget instead of waiting for its whole
+prompt; whatever they leave goes back to it at the end of the pass, so a long prompt alone still fills every step.
+At most ``max_num_partial_prefills`` prompts prefill at once, of which ``max_long_partial_prefills`` long ones: a
+long prompt that finds the long ones' limit reached waits, and a short prompt behind it in the queue goes first (the
+one exception to no overtaking; the long one keeps its place and goes next). Only a budget left once every prefill
+got all it needs may start a long prompt beyond the limit, so steps stay full when several such prompts arrive
+together. Decodes keep their token: a prefill leaves one for each decode after it in the claim order (vLLM plans
+decodes first; here the policy's order stays the claim order, since preemption takes from its end).
+
 Speculation adds one rule (as vLLM v1's scheduler has it): a sequence's computed tokens catch up to its tokens plus
 its speculative tokens. Drafts only get the token budget and the blocks left over once every sequence's own work is
 planned, so they never displace a prefill or preempt anyone; which draft tokens each decoding sequence verifies is
@@ -50,12 +61,28 @@ class SchedulerConfig:
     max_model_len: int = 2048            # context limit (tokens): prompt + output
     policy: Policy = Policy.CONTINUOUS   # batching: continuous, or the static baseline
     scheduling: SchedulingPolicy = SchedulingPolicy.FCFS  # order: fcfs | priority | fair (per tenant)
+    long_prefill_token_threshold: int | None = None  # a prefill with more tokens left is long (tokens); its chunk is
+                                                     # capped at this while others want the budget. None: half the
+                                                     # budget; 0: no prompt is long, no chunk capped
+    max_num_partial_prefills: int | None = None  # prompts prefilling at once; None: max_num_seqs
+    max_long_partial_prefills: int = 1           # long prompts prefilling at once (<= max_num_partial_prefills)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_model_len < 1:
             raise ValueError("max_num_seqs and max_model_len must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
+        if self.long_prefill_token_threshold is None:
+            self.long_prefill_token_threshold = self.max_num_batched_tokens // 2
+        if self.max_num_partial_prefills is None:
+            self.max_num_partial_prefills = self.max_num_seqs
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0 (0: no prompt is long)")
+        if self.max_num_partial_prefills < 1:
+            raise ValueError("max_num_partial_prefills must be >= 1")
+        if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
+            raise ValueError(f"max_long_partial_prefills must be in 1..max_num_partial_prefills "
+                             f"({self.max_num_partial_prefills})")
         self.policy, self.scheduling = Policy(self.policy), SchedulingPolicy(self.scheduling)
         check_policies(self.policy, self.scheduling)
 
@@ -133,19 +160,28 @@ class Scheduler:
         self.waiting.begin(self.running, budget)
         self._displace()
         work: list[SeqWork] = []
+        short_of: list[int] = []  # indices in work of prefills given less than they need (topped up at the end)
         order = self.waiting.order(self.running)
-        for seq in order:
+        decoding = [seq.num_uncomputed == 1 for seq in order]
+        decodes_after = sum(decoding)  # decodes later in the claim order: a prefill leaves each its token
+        for seq, is_decode in zip(order, decoding):
+            decodes_after -= is_decode
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_uncomputed, budget, self.waiting.cap(seq))
+            need = seq.num_uncomputed
+            num_new = min(need, budget - decodes_after, self.waiting.cap(seq), self._chunk_cap(need))
             if num_new <= 0 or not self._reserve(seq, num_new, order):
                 continue
+            if num_new < need:
+                short_of.append(len(work))
             work.append(self._work(seq, num_new))
             self.waiting.charge(seq, num_new)
             budget -= num_new
-        budget = self._admit(work, budget)
+        budget = self._top_up(work, self._admit(work, budget, short_of), short_of)
+        if budget:  # every prefill got all it needs: what is left may start a long prompt beyond the limit
+            budget = self._top_up(work, self._admit(work, budget, short_of, limit_longs=False), short_of)
         plan, self._ended = StepPlan(work, ended_ids=self._ended), []
         if self.spec is not None:
             self._add_drafts(plan, budget)
@@ -175,6 +211,10 @@ class Scheduler:
             if (len(self.running) < self.config.max_num_seqs
                     and self.blocks.blocks_needed(first_chunk) <= self.blocks.num_free_blocks):
                 return
+            prefills, longs = self._prefilling()
+            if not self._may_start(newcomer, self._lookup(newcomer), prefills,
+                                   longs < self.config.max_long_partial_prefills):
+                return  # the prefill limits would keep it waiting anyway: preempting would free nothing it can use
             victim = self.waiting.displace(self.running, newcomer)
             if victim is None:
                 return
@@ -217,18 +257,25 @@ class Scheduler:
             return False  # wait one step for the sibling's prompt blocks, then share them
         return self.policy.admissible(seq, self.waiting, self.running)
 
-    def _admit(self, work: list[SeqWork], budget: int) -> int:
-        """Admit waiting sequences into ``work`` while slots, the token budget and blocks allow; returns the
-        budget left."""
+    def _admit(self, work: list[SeqWork], budget: int, short_of: list[int], limit_longs: bool = True) -> int:
+        """Admit waiting sequences into ``work`` while slots, the token budget, the prefill limits and blocks allow;
+        returns the budget left. A newcomer given less than its prompt is noted in ``short_of``.
+
+        ``limit_longs=False``: the long prompts' limit is not applied. The planner admits so only with the budget
+        nobody in the step could take (the prefills given less than they need were topped up first), so prompts a
+        little over the threshold arriving together fill the steps as they did without it; a long prompt started
+        so takes all that budget, and the prompts before it finish theirs in this step."""
+        prefills, longs = self._prefilling()
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting.head()
-            if seq is None or not self._admissible(seq):
+            long_room = not limit_longs or longs < self.config.max_long_partial_prefills
+            found = self._next_newcomer(prefills, long_room)
+            if found is None:
                 break
+            seq, cached = found
             first_time = seq.num_cached_tokens is None
-            cached = ([] if seq.params.prompt_logprobs
-                      else self.blocks.find_cached_prefix(seq.all_ids, seq.request.cache_salt))
             num_cached = len(cached) * self.blocks.block_size
-            num_new = min(seq.num_tokens - num_cached, budget, self.waiting.cap(seq))
+            need = seq.num_tokens - num_cached
+            num_new = min(need, budget, self.waiting.cap(seq), self._chunk_cap(need))
             if num_new <= 0 or not self.blocks.allocate(seq.block_table, num_cached + num_new, cached):
                 break  # no room: wait for blocks to free (no overtaking)
             self.waiting.pop(seq)
@@ -239,9 +286,76 @@ class Scheduler:
                 self.prefix_queries += len(seq.prompt_ids)
                 self.prefix_hits += num_cached
             self.running.append(seq)
+            prefills += need > 1
+            longs += self._is_long(need)
+            if num_new < need:
+                short_of.append(len(work))
             work.append(self._work(seq, num_new))
             self.waiting.charge(seq, num_new, admitted=True)
             budget -= num_new
+        return budget
+
+    def _next_newcomer(self, prefills: int, long_room: bool) -> tuple[Sequence, list[int]] | None:
+        """The waiting sequence to admit next and its cached prefix blocks: the policy's head; or, when the head is
+        a long prompt and ``long_room`` is False (the long ones' limit is reached), the first short prompt behind
+        it; None: none may start now (``prefills``: prompts in progress, for their limit)."""
+        head = self.waiting.head()
+        if head is None or not self._admissible(head):
+            return None
+        cached = self._lookup(head)
+        if self._may_start(head, cached, prefills, long_room):
+            return head, cached
+        if prefills >= self.config.max_num_partial_prefills:
+            return None
+        for seq in self.waiting:  # the policy's order; a prompt this long only goes as short on a prefix hit
+            if (seq is not head and not self._is_long(seq.num_tokens) and self.waiting.cap(seq) > 0
+                    and self._admissible(seq)):
+                return seq, self._lookup(seq)
+        return None
+
+    def _lookup(self, seq: Sequence) -> list[int]:
+        """The prefix-cache blocks ``seq`` would start from (none when it asks for prompt logprobs)."""
+        if seq.params.prompt_logprobs:
+            return []
+        return self.blocks.find_cached_prefix(seq.all_ids, seq.request.cache_salt)
+
+    def _prefilling(self) -> tuple[int, int]:
+        """Running sequences with more than one token to compute (prompts, or recomputes, in progress), and of
+        them the long ones."""
+        prefills = [seq.num_uncomputed for seq in self.running if seq.num_uncomputed > 1]
+        return len(prefills), sum(self._is_long(need) for need in prefills)
+
+    def _may_start(self, seq: Sequence, cached: list[int], prefills: int, long_room: bool) -> bool:
+        """The prefill limits let ``seq`` (whose prefix ``cached`` is in the cache) start beside ``prefills``
+        prompts in progress; ``long_room``: a long one may start."""
+        if prefills >= self.config.max_num_partial_prefills:
+            return False
+        return long_room or not self._is_long(seq.num_tokens - len(cached) * self.blocks.block_size)
+
+    def _is_long(self, tokens_left: int) -> bool:
+        threshold = self.config.long_prefill_token_threshold
+        return 0 < threshold < tokens_left
+
+    def _chunk_cap(self, tokens_left: int) -> int:
+        """The most tokens a prefill with ``tokens_left`` may take in the first pass of a step."""
+        return self.config.long_prefill_token_threshold if self._is_long(tokens_left) else tokens_left
+
+    def _top_up(self, work: list[SeqWork], budget: int, short_of: list[int]) -> int:
+        """Give the budget nobody else claimed to the prefills in ``short_of`` (indices in ``work``), in claim
+        order, where their blocks can grow without preempting anyone; returns the budget left. A long prompt alone
+        thus fills the step as if its chunk had no cap."""
+        for index in short_of:
+            if budget == 0:
+                break
+            w = work[index]
+            seq = self.live[w.seq_id]
+            planned = len(w.token_ids)
+            extra = min(seq.num_uncomputed - planned, budget, self.waiting.cap(seq))
+            if extra <= 0 or not self.blocks.allocate(seq.block_table, seq.num_computed + planned + extra):
+                continue
+            work[index] = self._work(seq, planned + extra)
+            self.waiting.charge(seq, extra)
+            budget -= extra
         return budget
 
     def _work(self, seq: Sequence, num_new: int, draft_ids: list[int] = (), propose: int = 0) -> SeqWork:

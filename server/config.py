@@ -11,6 +11,7 @@ from kvserve.kvcache.sizing import KVCacheDType, parse_bytes
 from kvserve.quant.options import Scheme
 from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.scheduler.policies import Policy, check_policies
+from kvserve.scheduler.scheduler import SchedulerConfig
 from kvserve.server.kv_events import KVEventsConfig
 from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
@@ -38,6 +39,10 @@ class ServeConfig:
     block_size: int = 16                # tokens per KV block
     max_num_seqs: int = 32              # slots: sequences decoding at once
     max_num_batched_tokens: int = 512   # per-step token budget (chunked prefill splits longer prompts)
+    long_prefill_token_threshold: int | None = None  # a prefill with more tokens left is long: its chunk is capped
+                                        # at this while others wait (tokens); None: half the budget; 0: never
+    max_num_partial_prefills: int | None = None  # prompts prefilling at once; None: max_num_seqs
+    max_long_partial_prefills: int = 1  # long prompts prefilling at once; a short prompt may pass a waiting long one
     max_queue: int = 256                # sequences waiting beyond the free slots before 429
     max_prompts_per_request: int = 128  # prompts in one /v1/completions body (each x n choices is a sequence)
     max_model_len: int | None = None    # context limit (tokens); default: the model's
@@ -93,6 +98,11 @@ class ServeConfig:
             raise ValueError("max_num_seqs must be >= 1")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs (one decode token per slot)")
+        # the scheduler's own checks of the prefill limits (messages in the fields' names)
+        SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
+                        long_prefill_token_threshold=self.long_prefill_token_threshold,
+                        max_num_partial_prefills=self.max_num_partial_prefills,
+                        max_long_partial_prefills=self.max_long_partial_prefills)
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if self.max_prompts_per_request < 1:

@@ -117,6 +117,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help="slots: sequences decoding at once")
     _option(g, "--max-num-batched-tokens", type=int, default=d.max_num_batched_tokens, metavar="TOKENS",
             help="tokens one step computes at most (longer prompts are prefilled in chunks)")
+    _option(g, "--long-prefill-token-threshold", type=int, default=None, metavar="TOKENS",
+            default_text="half of --max-num-batched-tokens",
+            help="a prompt with more tokens left to prefill is long: its chunk takes at most this many tokens of a "
+                 "step before the requests waiting beside it get theirs (what they leave goes back to it), so a "
+                 "short request is not stalled for a long prompt's whole prefill; 0: no prompt is long, a chunk "
+                 "takes the whole budget")
+    _option(g, "--max-num-partial-prefills", type=int, default=None, metavar="N", default_text="--max-num-seqs",
+            help="prompts prefilled at once (vLLM's default, 1, queues every prompt behind the one in progress)")
+    _option(g, "--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills, metavar="N",
+            help="long prompts (see --long-prefill-token-threshold) prefilled at once; a long prompt beyond this "
+                 "waits, and shorter prompts behind it in the queue go first")
     _option(g, "--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default=d.scheduling_policy.value,
             help="who runs first: fcfs, arrival order; priority, a request's lower 'priority' first (vLLM's field; "
                  "the other policies refuse a request with a priority), preempting lower priorities to admit "
@@ -213,6 +224,9 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        kv_cache_dtype=args.kv_cache_dtype,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                       long_prefill_token_threshold=args.long_prefill_token_threshold,
+                       max_num_partial_prefills=args.max_num_partial_prefills,
+                       max_long_partial_prefills=args.max_long_partial_prefills,
                        max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,
                        max_model_len=args.max_model_len,
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),

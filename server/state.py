@@ -178,7 +178,11 @@ class ServerState:
         scheduler = Scheduler(SchedulerConfig(max_num_seqs=config.max_num_seqs,
                                               max_num_batched_tokens=config.max_num_batched_tokens,
                                               max_model_len=self.max_model_len, policy=config.policy,
-                                              scheduling=config.scheduling_policy), blocks, self.spec)
+                                              scheduling=config.scheduling_policy,
+                                              long_prefill_token_threshold=config.long_prefill_token_threshold,
+                                              max_num_partial_prefills=config.max_num_partial_prefills,
+                                              max_long_partial_prefills=config.max_long_partial_prefills),
+                              blocks, self.spec)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         execute = self.runner.execute if self.spec is None else self.spec.execute
         self.core = EngineCore(scheduler, execute)
