@@ -135,8 +135,8 @@ def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_s
     monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
     assert loadtest_main(["profile", "--batch", "1,2", "--layers", "both", "--rounds", "1", "--steps", "2",
                           "--context", "8", "--quantization", "none", "--no-write"]) == 0
-    table = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")]
-                                              for line in capsys.readouterr().out.splitlines() if line.startswith("| "))}
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    table = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
     assert table["share of a decode step"] == ["layer loop, B = 1", "layer stack, B = 1", "layer loop, B = 2",
                                                "layer stack, B = 2"]
     step, alone, rest = ([float(c) for c in table[row]] for row in ("step ms (median, no profiler)",

@@ -40,8 +40,8 @@ const ProjectionHandle* handle_of(const py::capsule& capsule, int64_t N, int64_t
   KV_CHECK(capsule.name() != nullptr && std::string(capsule.name()) == ProjectionHandle::kCapsuleName, what,
            " must be a projection handle (a capsule from the linear kernels, e.g. ggml_handle)");
   const auto* handle = capsule.get_pointer<ProjectionHandle>();
-  KV_CHECK(handle->N == N && handle->K == K, what, " computes [", handle->K, "] -> [", handle->N, "], the layer needs [",
-           K, "] -> [", N, "]");
+  KV_CHECK(handle->N == N && handle->K == K, what, " computes [", handle->K, "] -> [", handle->N,
+           "], the layer needs [", K, "] -> [", N, "]");
   return handle;
 }
 
@@ -85,10 +85,9 @@ class DecodeLayers {
       KV_CHECK(w->is_contiguous() && w->numel() == hidden_, "norm weights must be contiguous [", hidden_, "]");
     }
     layers_.push_back({in_norm, post_norm, static_cast<float>(in_eps), static_cast<float>(post_eps),
-                       {qkv, o_proj, gate_up, down},
-                       handle_of(qkv, (H_ + 2 * H_kv_) * D_, hidden_, "qkv"), handle_of(o_proj, hidden_, H_ * D_, "o_proj"),
-                       handle_of(gate_up, 2 * I_, hidden_, "gate_up"), handle_of(down, hidden_, I_, "down"), scale,
-                       window});
+                       {qkv, o_proj, gate_up, down}, handle_of(qkv, (H_ + 2 * H_kv_) * D_, hidden_, "qkv"),
+                       handle_of(o_proj, hidden_, H_ * D_, "o_proj"), handle_of(gate_up, 2 * I_, hidden_, "gate_up"),
+                       handle_of(down, hidden_, I_, "down"), scale, window});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }

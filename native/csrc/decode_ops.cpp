@@ -319,7 +319,8 @@ void add_rows(float* x, const float* r, int64_t T, int64_t n) {
 void rope_rows(float* qk, int64_t T, int64_t heads, int64_t D, int64_t row_stride, int64_t head_stride,
                const float* cos, const float* sin) {
   for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < heads; ++h) rope_row(qk + t * row_stride + h * head_stride, cos + t * D, sin + t * D, D / 2);
+    for (int64_t h = 0; h < heads; ++h)
+      rope_row(qk + t * row_stride + h * head_stride, cos + t * D, sin + t * D, D / 2);
 }
 
 }  // namespace kvserve::decode
@@ -385,7 +386,8 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
 
 void kvserve::decode::check_slots(const torch::Tensor& slots, int64_t num_slots) {
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < slots.numel(); ++t) KV_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
+  for (int64_t t = 0; t < slots.numel(); ++t)
+    KV_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
 }
 
 void kvserve::decode::write_kv_rows(float* k_cache, float* v_cache, const int64_t* slots, const float* k,
