@@ -41,6 +41,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "agree": ("kvserve.loadtest.served.agree", "greedy output of kvserve and llama.cpp's server on the same GGUF file"),
     "ready": ("kvserve.loadtest.served.readybench", "time to ready and peak resident memory of kvserve serve on a GGUF file"),
     "randgguf": ("kvserve.loadtest.fixtures.randgguf", "a GGUF file with a real model's shapes and random blocks, in llama.cpp's mixtures"),
+    "requant": ("kvserve.loadtest.fixtures.requant", "the embedded model requantized by llama.cpp's llama-quantize (real weights in K-quant mixtures)"),
 }
 
 

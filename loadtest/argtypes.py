@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import Callable, TypeVar
 
 N = TypeVar("N", int, float)
@@ -51,3 +52,9 @@ def positive_floats(text: str) -> list[float]:
 # --quantization of the benchmarks that load or serve the model: the server's choices; auto (their default) is
 # what `kvserve serve` picks (for the embedded model: the GGUF's own blocks)
 QUANTIZATIONS = ("auto", "none", "gguf", "int8", "int4", "nf4")
+
+
+def absolute_path(text: str) -> Path:
+    """A path made absolute against the caller's working directory: the servers a command launches run from the
+    repository root, where a relative path would name another file."""
+    return Path(text).expanduser().resolve()

@@ -78,11 +78,15 @@ NEAR_TIE_LOGITS = 0.5
 
 
 @torch.inference_mode()
-def reference_shortfall(ref, prompt_ids: list[int], tokens: list[int]) -> float:
+def reference_shortfall(ref, prompt_ids: list[int], tokens: list[int], suppressed: frozenset[int] = frozenset({EOS})
+                        ) -> float:
     """The largest gap (logits) between the reference's best token and ``tokens``' own, teacher-forced on them
-    (0 where every token is the reference's greedy choice)."""
+    (0 where every token is the reference's greedy choice). ``suppressed`` ids are out of the reference's choice,
+    as they were out of the engine's: ``engine_greedy`` suppresses EOS until its last token (min_tokens), so a
+    step where the reference's best is EOS compares the engine's pick with the best token it could pick."""
     ids = torch.tensor([prompt_ids + tokens[:-1]], device=ref.device)
     logits = ref(input_ids=ids).logits[0, len(prompt_ids) - 1:].float()  # [len(tokens), vocab]
+    logits[:, list(suppressed)] = float("-inf")
     chosen = logits.gather(1, torch.tensor(tokens, device=ref.device)[:, None])[:, 0]
     return float((logits.amax(dim=-1) - chosen).max())
 

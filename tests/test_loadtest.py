@@ -17,7 +17,7 @@ from kvserve.loadtest.__main__ import main as loadtest_main
 from kvserve.loadtest.loadgen import report, workloads
 from kvserve.loadtest.loadgen.fakeserver import FakeEngine, serve_in_thread
 from kvserve.loadtest.loadgen.generator import LoadConfig, Mode, run_sync
-from kvserve.loadtest.served import compare, peers, prefillpeers
+from kvserve.loadtest.served import agree, compare, peers, prefillpeers
 from kvserve.loadtest.sim import simulate
 
 
@@ -200,6 +200,43 @@ def test_peers_median_skips_failed_repeats():
     assert merged["single_decode_tps"] == 20.0 and merged["aggregate_tps"] == {"1": 20.0}
     assert merged["error"] is None
 
+
+
+def test_prefill_peers_median_skips_failed_repeats_and_keeps_the_fewest_shorts():
+    one = prefillpeers.PrefillFigures("vllm", {"512": 1.0}, short_during_p99_s=2.0, short_during_count=4)
+    two = prefillpeers.PrefillFigures("vllm", {"512": 3.0}, short_during_p99_s=None, short_during_count=2)
+    failed = prefillpeers.PrefillFigures("vllm", error="RuntimeError: boom")
+    merged = prefillpeers.median([one, failed, two])
+    assert merged["ttft_s"] == {"512": 2.0} and merged["short_during_p99_s"] == 2.0
+    assert merged["short_during_count"] == 2 and merged["error"] is None
+    assert prefillpeers.median([failed])["error"] == "RuntimeError: boom"
+
+
+def test_agree_reads_both_logprob_formats_and_measures_the_parting():
+    ours = agree.parse_reply({"text": " Paris is", "logprobs": {
+        "tokens": [" Paris", " is"], "top_logprobs": [{" Paris": -0.2, " the": -2.0}, {" is": -0.5, ",": -0.7}]}})
+    theirs = agree.parse_reply({"text": " Paris,", "logprobs": {"content": [
+        {"token": " Paris", "top_logprobs": [{"token": " Paris", "logprob": -0.1}]},
+        {"token": ",", "top_logprobs": [{"token": ",", "logprob": -0.4}, {"token": " is", "logprob": -0.6}]}]}})
+    assert theirs.tokens == [" Paris", ","] and theirs.top[1] == {",": -0.4, " is": -0.6}
+    index, gap_ours, gap_theirs = agree.parting(ours, theirs)
+    assert index == 1 and gap_ours == pytest.approx(0.2) and gap_theirs == pytest.approx(0.2)
+    assert agree.near_tie((index, gap_ours, gap_theirs))
+    assert not agree.near_tie((1, 0.2, None))  # the other's token outside one server's top logprobs
+    assert not agree.near_tie((1, 0.2, 0.9)) and agree.parting(ours, ours) is None
+
+
+def test_agree_table_names_each_file_and_its_widest_gap():
+    text = agree.render([agree.Agreement("a.gguf", 6, 5, 1, 0.071), agree.Agreement("b.gguf", 6, 3, 2, None)], 32)
+    assert "| a.gguf | 5 of 6 | 1 of 1 | 0.071 |" in text and "| b.gguf | 3 of 6 | 2 of 3 | outside a top 5 |" in text
+
+
+def test_requant_refuses_an_unknown_mixture_before_building_anything(tmp_path):
+    from kvserve.loadtest.errors import UsageError
+    from kvserve.loadtest.fixtures import requant
+
+    with pytest.raises(UsageError, match="Q4_K_X"):
+        requant.requantize(tmp_path / "in.gguf", tmp_path / "out.gguf", "Q4_K_X")
 
 def test_simulated_queue_order_decides_the_tail():
     lengths = [10, 1, 1, 1]
@@ -412,3 +449,10 @@ def test_prefill_peers_measure_a_server_and_render_ratios_to_kvserve(fake_url):
     row = next(line for line in text.splitlines() if line.startswith("| llama.cpp"))
     assert "1.00 s (2.00x)" in row and "4.00 s (4.00x)" in row and "none sent" in row
     assert "| vllm | failed: FileNotFoundError" in text
+
+
+def test_model_paths_are_made_absolute_before_servers_start_elsewhere(tmp_path, monkeypatch):
+    from kvserve.loadtest.argtypes import absolute_path
+
+    monkeypatch.chdir(tmp_path)
+    assert absolute_path("m.gguf") == tmp_path / "m.gguf"  # the launched servers run from the repository root

@@ -7,8 +7,9 @@ successful requests over the run's wall time (first send to last response).
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,30 @@ class Summary:
 
 def _stat(values: list[float], fn) -> float:
     return float(fn(np.asarray(values))) if values else float("nan")
+
+
+def median_over_repeats(figures: list, scalars: tuple[str, ...], mappings: tuple[str, ...] = ()) -> dict:
+    """Per-figure medians over the repeats of one system that succeeded (those whose ``error`` is None).
+
+    Args:
+        figures: dataclasses with ``system`` and ``error`` fields, one per repeat.
+        scalars: names of float fields (None where a repeat has no figure: left out of the median).
+        mappings: names of ``dict[str, float]`` fields, medians per key of the first successful repeat.
+
+    Returns ``{"system", *scalars, *mappings, "error": None}``, or the last repeat as a dict (its error kept) if
+    none succeeded.
+    """
+    good = [f for f in figures if f.error is None]
+    if not good:
+        return asdict(figures[-1])
+
+    def med(values):
+        values = [v for v in values if v is not None]
+        return statistics.median(values) if values else None
+
+    return {"system": good[0].system, **{k: med(getattr(f, k) for f in good) for k in scalars},
+            **{k: {key: med(getattr(f, k).get(key) for f in good) for key in getattr(good[0], k)} for k in mappings},
+            "error": None}
 
 
 def summarize(run: RunResult) -> Summary:

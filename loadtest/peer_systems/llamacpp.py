@@ -1,8 +1,9 @@
-"""Build llama.cpp's ``llama-server`` from the sources inside the llama-cpp-python sdist, outside the repo.
+"""Build llama.cpp's ``llama-server`` (and ``llama-quantize``) from the sources inside the llama-cpp-python sdist,
+outside the repo.
 
-The peers benchmark needs llama.cpp's own server serving the same GGUF file. We take the llama.cpp tree that
-llama-cpp-python vendors (one PyPI download, no git), configure it with cmake, and build only the
-``llama-server`` target, at the lowest CPU priority so it yields to whoever else shares the machine.
+The peers benchmark needs llama.cpp's own server serving the same GGUF file, and ``loadtest requant`` needs its
+quantizer. We take the llama.cpp tree that llama-cpp-python vendors (one PyPI download, no git), configure it with
+cmake, and build only those targets, at the lowest CPU priority so it yields to whoever else shares the machine.
 The sources and the build live in a temporary directory (default ``/tmp/kvserve-llamacpp``) and never enter
 the repo.
 
@@ -44,9 +45,10 @@ def build_dir_name() -> str:
     return f"build-{cpu_key()}-noamx"
 
 
-def find_server(workdir: Path = DEFAULT_DIR) -> Path | None:
-    """The ``llama-server`` built for this CPU under ``workdir``, or None when it has not been built here."""
-    for candidate in sorted(workdir.glob(f"llama_cpp_python-*/vendor/llama.cpp/{build_dir_name()}/bin/llama-server")):
+def find_server(workdir: Path = DEFAULT_DIR, tool: str = "llama-server") -> Path | None:
+    """The ``tool`` (``llama-server`` or ``llama-quantize``) built for this CPU under ``workdir``, or None when it
+    has not been built here."""
+    for candidate in sorted(workdir.glob(f"llama_cpp_python-*/vendor/llama.cpp/{build_dir_name()}/bin/{tool}")):
         return candidate
     return None
 
@@ -61,13 +63,13 @@ def _download_sdist(workdir: Path) -> Path:
     return found[-1]
 
 
-def build(workdir: Path = DEFAULT_DIR, jobs: int = 2) -> Path:
-    """Download, configure and build ``llama-server``; returns the binary's path.
+def build(workdir: Path = DEFAULT_DIR, jobs: int = 2, tool: str = "llama-server") -> Path:
+    """Download, configure and build ``tool`` (``llama-server`` or ``llama-quantize``); returns the binary's path.
 
     Raises:
         subprocess.CalledProcessError: pip, cmake or the compiler failed.
     """
-    existing = find_server(workdir)
+    existing = find_server(workdir, tool)
     if existing is not None:
         return existing
     workdir.mkdir(parents=True, exist_ok=True)
@@ -89,12 +91,11 @@ def build(workdir: Path = DEFAULT_DIR, jobs: int = 2) -> Path:
                            "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DGGML_NATIVE=ON", "-DGGML_AMX_TILE=OFF",
                            "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF", f"-DCMAKE_C_FLAGS={no_amx}",
                            f"-DCMAKE_CXX_FLAGS={no_amx}"], check=True)
-    subprocess.run(nice + ["cmake", "--build", str(out), "--target", "llama-server",
-                           "-j", str(jobs)], check=True)
-    server = find_server(workdir)
-    if server is None:
-        raise FileNotFoundError(f"llama-server was not produced under {out}")
-    return server
+    subprocess.run(nice + ["cmake", "--build", str(out), "--target", tool, "-j", str(jobs)], check=True)
+    binary = find_server(workdir, tool)
+    if binary is None:
+        raise FileNotFoundError(f"{tool} was not produced under {out}")
+    return binary
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -38,9 +38,10 @@ import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvserve.loadtest.argtypes import positive_ints
+from kvserve.loadtest.argtypes import absolute_path, positive_ints
 from kvserve.loadtest.loadgen import report, workloads
 from kvserve.loadtest.loadgen.generator import LoadConfig, run_sync
+from kvserve.loadtest.loadgen.report import median_over_repeats
 from kvserve.loadtest.loadgen.runcmd import server_model
 from kvserve.loadtest.peer_systems.llamacpp import find_server
 from kvserve.loadtest.procs.serverproc import ServerStartError, kvserve_command, launch
@@ -189,7 +190,7 @@ def render(results: dict[str, dict], served: str = "the Q4_1 GGUF") -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, default=None,
+    parser.add_argument("--model", type=absolute_path, default=None,
                         help="a GGUF file llama.cpp and kvserve both serve (default: the embedded SmolLM2)")
     parser.add_argument("--systems", default=None,
                         help=f"comma list of {', '.join(SYSTEMS)} (default: all; with --model, "
@@ -259,18 +260,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _median(figures: list[PeerFigures]) -> dict:
     """The per-figure median over repeats that succeeded (the last error if none did)."""
-    good = [f for f in figures if f.error is None]
-    if not good:
-        return asdict(figures[-1])
-
-    def med(values):
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
-    return {"system": good[0].system, "single_decode_tps": med(f.single_decode_tps for f in good),
-            "ttft_512_s": med(f.ttft_512_s for f in good),
-            "aggregate_tps": {k: med(f.aggregate_tps.get(k) for f in good) for k in good[0].aggregate_tps},
-            "seed64_tps": med(f.seed64_tps for f in good), "error": None}
+    return median_over_repeats(figures, ("single_decode_tps", "ttft_512_s", "seed64_tps"), ("aggregate_tps",))
 
 
 PREFILL_SYSTEMS = ("llama.cpp", "kvserve-gguf", "vllm")

@@ -25,6 +25,7 @@ import numpy as np
 
 from kvserve.loadtest.loadgen import workloads
 from kvserve.loadtest.loadgen.client import RequestRecord, stream_request
+from kvserve.loadtest.loadgen.report import median_over_repeats
 from kvserve.loadtest.loadgen.runcmd import server_model
 
 LENGTHS = (512, 2048, 8000)
@@ -176,19 +177,13 @@ def as_dict(figures: PrefillFigures) -> dict:
 
 
 def median(figures: list[PrefillFigures]) -> dict:
-    """Per-figure medians over repeats that succeeded (the last error if none did)."""
-    good = [f for f in figures if f.error is None]
-    if not good:
-        return asdict(figures[-1])
-
-    def med(values):
-        values = [v for v in values if v is not None]
-        return statistics.median(values) if values else None
-
+    """Per-figure medians over repeats that succeeded (the last error if none did); the fewest short requests
+    seen during the long prefill."""
     keys = ("short_alone_p50_s", "short_alone_p99_s", "short_during_p50_s", "short_during_p99_s", "long_ttft_s")
-    return {"system": good[0].system, "ttft_s": {k: med(f.ttft_s.get(k) for f in good) for k in good[0].ttft_s},
-            **{key: med(getattr(f, key) for f in good) for key in keys},
-            "short_during_count": min(f.short_during_count for f in good), "error": None}
+    out = median_over_repeats(figures, keys, ("ttft_s",))
+    if out["error"] is None:
+        out["short_during_count"] = min(f.short_during_count for f in figures if f.error is None)
+    return out
 
 
 def results_path(out_dir: Path, stem: str) -> Path:

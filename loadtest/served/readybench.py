@@ -17,6 +17,7 @@ import shutil
 import time
 from pathlib import Path
 
+from kvserve.loadtest.argtypes import absolute_path
 from kvserve.loadtest.errors import UsageError
 from kvserve.loadtest.procs.serverproc import kvserve_command, launch
 
@@ -49,7 +50,7 @@ def one_start(model: Path, kv_memory: str, extra: list[str]) -> dict:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=Path, required=True, help="the GGUF file")
+    parser.add_argument("--model", type=absolute_path, required=True, help="the GGUF file")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="as kvserve serve's")
     parser.add_argument("--starts", type=int, default=2, help="starts, one after another")
     parser.add_argument("--fresh", action="store_true", help="delete the file's cached tokenizer first")
