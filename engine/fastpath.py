@@ -14,14 +14,20 @@ interface's reshapes). This module runs the same arithmetic with the same weight
                 x += down_proj(act(gate_proj(h)) * up_proj(h))
     logits = lm_head(rms_norm(x[keep]))                     [K, vocab]
 
-There is one layer loop (``FastDecoder.forward``). What it calls is chosen once per step (``_Step``):
+The layers run one of two ways, chosen once per step (``FastDecoder._step``):
 
-- float32 on a CPU: the C++ ops of native/csrc/decode_ops.cpp (RMSNorm fused with the residual add, SwiGLU),
-  and on a step of decodes only one call per layer for RoPE, the KV write and attention;
-- the projections (engine.kernelbind): on such an all-decode step of a model without projection biases and
-  with SiLU, each projection's bare C++ kernel (a SmolLM2 step at batch 1 makes ~270 C++ calls, so each Python
-  frame saved counts); otherwise the checked Projections, which pick a kernel or the module per call;
-- under torch.profiler, every C++ call wrapped in a ``kvserve::...`` label (they are not aten ops).
+- the layer stack (``DecodeLayers``, native/csrc/decode_layers.cpp): on a step of decodes only, float32 on a
+  CPU, of a model whose every projection has a kernel handle (GGUF blocks), SiLU and no q/k norm, one C++ call
+  runs every layer: the same ops as the loop below in the same order (the same bits), without a Python frame,
+  a dispatch or an allocation between them (a SmolLM2 step at batch 1 made ~270 calls from Python);
+- otherwise the layer loop (``FastDecoder._layer_loop``), whose calls are chosen per step (``_LayerCalls``):
+  float32 on a CPU, the C++ ops of native/csrc/decode_ops.cpp (RMSNorm fused with the residual add, SwiGLU),
+  and on a step of decodes only one call per layer for RoPE, the KV write and attention; for the projections
+  (engine.kernelbind), on such an all-decode step of a model without projection biases and with SiLU, each
+  projection's bare C++ kernel, otherwise the checked Projections, which pick a kernel or the module per call.
+
+Under torch.profiler every C++ call carries a ``kvserve::...`` label (they are not aten ops), the layer stack's
+parts included.
 
 RoPE's cos/sin and rotation are engine.rope's. Weights are shared with the transformers model, not copied
 (engine.kernelbind.fuse). The transformers path stays the reference; tests check that both give the same
@@ -32,6 +38,7 @@ off.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -67,10 +74,18 @@ class _Layer:
 
 @dataclass(slots=True, frozen=True)
 class _Step:
-    """What one step's layer loop calls, chosen once for the step (see the module docstring)."""
+    """What one step calls, chosen once for the step (see the module docstring)."""
+
+    layers: Callable  # (x [T, hidden]) -> None: every decoder layer, x (the residual stream) updated in place
+    rms_norm: Callable  # (x [T, n], weight [n], eps) -> [T, n]
+    lm_head: Callable  # [K, hidden] -> [K, vocab]
+
+
+@dataclass(slots=True, frozen=True)
+class _LayerCalls:
+    """What the layer loop calls, chosen once for the step (see the module docstring)."""
 
     projections: list[LayerKernels]  # per layer
-    lm_head: Callable  # [K, hidden] -> [K, vocab]
     rms_norm: Callable  # (x [T, n], weight [n], eps) -> [T, n]
     add_rms_norm: Callable  # (x [T, n] residual, updated in place, update [T, n], weight, eps) -> rms_norm(x)
     act_mul: Callable  # (gate [T, I], up [T, I]) -> act(gate) * up  [T, I]
@@ -116,7 +131,9 @@ class FastDecoder:
         direct = [p.direct() for p in self.projections]
         self.direct = direct if self.silu and all(k is not None for k in direct) else None
         self.direct_max_rows = min(p.max_rows for p in self.projections)
+        self.layer_stack = self._layer_stack(config) if self.direct is not None else None
         self._torch_projections = False  # aten_ops: every projection runs its module
+        self._stack_off = False  # layer_loop_only: all-decode steps run the layer loop
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -133,51 +150,61 @@ class FastDecoder:
             ``[K, vocab]`` logits in the model dtype.
         """
         x = self.embed(input_ids)  # [T, hidden], the residual stream (updated in place)
-        num_tokens, width = x.shape[0], self.num_heads * self.head_dim
         step = self._step(x, positions, meta)
+        step.layers(x)
+        if keep.numel() == 0:
+            return x.new_empty(0, self.vocab_size)
+        return step.lm_head(step.rms_norm(x.index_select(0, keep), self.norm, self.norm_eps))  # [K, vocab]
+
+    def _layer_loop(self, calls: _LayerCalls, x: torch.Tensor) -> None:
+        """Every decoder layer on ``x`` ``[T, hidden]`` (updated in place), one layer at a time from Python."""
+        num_tokens, width = x.shape[0], self.num_heads * self.head_dim
         layers = self.layers
-        h = step.rms_norm(x, layers[0].in_norm, layers[0].in_eps)
-        for index, (layer, proj) in enumerate(zip(layers, step.projections)):
+        h = calls.rms_norm(x, layers[0].in_norm, layers[0].in_eps)
+        for index, (layer, proj) in enumerate(zip(layers, calls.projections)):
             qkv = proj.qkv(h)  # [T, (H + 2 H_kv) d]
             if layer.qk_norm is not None:
                 self._norm_qk(qkv, *layer.qk_norm)
-            attn = step.attention(index, qkv, layer.scale, layer.window)  # [T, H, d]
-            h = step.add_rms_norm(x, proj.o_proj(attn.view(num_tokens, width)), layer.post_norm, layer.post_eps)
+            attn = calls.attention(index, qkv, layer.scale, layer.window)  # [T, H, d]
+            h = calls.add_rms_norm(x, proj.o_proj(attn.view(num_tokens, width)), layer.post_norm, layer.post_eps)
             if proj.gate_up is not None:
                 gate_up = proj.gate_up(h)  # [T, 2I]
                 gate, up = gate_up[:, :layer.intermediate], gate_up[:, layer.intermediate:]
             else:
                 gate, up = proj.gate(h), proj.up(h)  # [T, I] each
-            mlp_out = proj.down(step.act_mul(gate, up))  # [T, hidden]
+            mlp_out = proj.down(calls.act_mul(gate, up))  # [T, hidden]
             if index + 1 < len(layers):
-                h = step.add_rms_norm(x, mlp_out, layers[index + 1].in_norm, layers[index + 1].in_eps)
+                h = calls.add_rms_norm(x, mlp_out, layers[index + 1].in_norm, layers[index + 1].in_eps)
             else:
                 x += mlp_out
-        if keep.numel() == 0:
-            return x.new_empty(0, self.vocab_size)
-        return step.lm_head(step.rms_norm(x.index_select(0, keep), self.norm, self.norm_eps))  # [K, vocab]
 
     def _step(self, x: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> _Step:
-        """Choose this step's calls: C++ ops or torch's, fused decode attention or not, which projections."""
+        """Choose this step's calls: the layer stack or the layer loop; C++ ops or torch's, fused decode
+        attention or not, which projections."""
         # fused RMSNorm / RoPE / SwiGLU ops for float32 CPU steps; None: torch's ops
         ops = native.load_ops() if x.dtype is torch.float32 and x.is_cpu else None
         label = labelled if profiling() else _unlabelled
         cos, sin = self.rope.cos_sin(x, positions)
         # an all-decode float32 CPU step: RoPE, the KV write and attention in one C++ call per layer
         fused_decode = ops is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
+        direct = (fused_decode and self.direct is not None and x.shape[0] <= self.direct_max_rows
+                  and not self._torch_projections)
+        lm_head = self.lm_head.module if self._torch_projections else self.lm_head
+        lm_head = labelled(lm_head, PROFILE_LABEL) if label is labelled else lm_head
+        rms_norm = label(ops.rms_norm, "kvserve::rms_norm") if ops is not None else _rms_norm
+        if direct and self.layer_stack is not None and not self._stack_off:
+            stack, cos, sin = self.layer_stack, cos.contiguous(), sin.contiguous()
+            return _Step(lambda x: stack.forward(x, cos, sin, meta.slot_mapping, meta.decode_rows, meta.decode_tables,
+                                                 meta.decode_lens, meta.pool.data), rms_norm, lm_head)
         if self._torch_projections:
-            projections, lm_head = [p.torch() for p in self.projections], self.lm_head.module
-        elif fused_decode and self.direct is not None and x.shape[0] <= self.direct_max_rows:
-            projections, lm_head = self.direct, self.lm_head  # inputs are fresh contiguous float32 rows
+            projections = [p.torch() for p in self.projections]
+        elif direct:
+            projections = self.direct  # inputs are fresh contiguous float32 rows
         else:
-            projections, lm_head = self.checked, self.lm_head
+            projections = self.checked
         if label is labelled:
-            projections, lm_head = [k.labelled() for k in projections], labelled(lm_head, PROFILE_LABEL)
-        if ops is not None:
-            rms_norm, add_rms_norm = label(ops.rms_norm, "kvserve::rms_norm"), label(ops.add_rms_norm_,
-                                                                                  "kvserve::rms_norm")
-        else:
-            rms_norm, add_rms_norm = _rms_norm, _add_rms_norm
+            projections = [k.labelled() for k in projections]
+        add_rms_norm = label(ops.add_rms_norm_, "kvserve::rms_norm") if ops is not None else _add_rms_norm
         act_mul = label(ops.silu_mul, "kvserve::silu_mul") if ops is not None and self.silu else self._act_mul
         if fused_decode:
             attention = self._decode_attention(label(ops.decode_attention_, "kvserve::decode_attention"),
@@ -185,7 +212,27 @@ class FastDecoder:
         else:
             rope = Rope(cos, sin, None if ops is None else label(ops.rope_, "kvserve::rope"))
             attention = self._paged_attention(rope, meta, x.shape[0])
-        return _Step(projections, lm_head, rms_norm, add_rms_norm, act_mul, attention)
+        calls = _LayerCalls(projections, rms_norm, add_rms_norm, act_mul, attention)
+        return _Step(functools.partial(self._layer_loop, calls), rms_norm, lm_head)
+
+    def _layer_stack(self, config) -> object | None:
+        """The C++ layer stack (``DecodeLayers``) over this model's layers, or None where it does not apply: no
+        decode ops, a q/k norm, or a projection without a kernel handle (float32, int8, int4 or 16-bit weights:
+        their kernels have none; the layer loop runs them)."""
+        ops = native.load_ops()
+        handles = [p.handles() for p in self.projections]
+        if (ops is None or not hasattr(ops, "DecodeLayers") or any(h is None for h in handles)
+                or any(layer.qk_norm is not None for layer in self.layers)):
+            return None
+        intermediate = self.layers[0].intermediate
+        stack = ops.DecodeLayers(self.num_heads, self.num_kv_heads, self.head_dim, config.hidden_size, intermediate)
+        for layer, (qkv, o_proj, gate_up, down) in zip(self.layers, handles):
+            if layer.intermediate != intermediate or any(w.dtype is not torch.float32 or not w.is_contiguous()
+                                                         for w in (layer.in_norm, layer.post_norm)):
+                return None
+            stack.add_layer(layer.in_norm, layer.in_eps, layer.post_norm, layer.post_eps, qkv, o_proj, gate_up, down,
+                            layer.scale, layer.window or 0)
+        return stack
 
     def _decode_attention(self, decode_attention: Callable, cos: torch.Tensor, sin: torch.Tensor,
                           meta: AttentionMetadata) -> Callable:
@@ -232,6 +279,16 @@ class FastDecoder:
                 yield
         finally:
             self._torch_projections = False
+
+    @contextlib.contextmanager
+    def layer_loop_only(self):
+        """Within the block all-decode steps run the layer loop instead of the layer stack: the same bits, the
+        calls from Python (``loadtest profile --layers both`` times one against the other)."""
+        self._stack_off = True
+        try:
+            yield
+        finally:
+            self._stack_off = False
 
     def all_projections(self) -> list[Projection]:
         """Every layer's Projections, in call order (the LM head not included)."""

@@ -8,6 +8,8 @@ engine.fastpath computes the forward; this module decides, once per model, what 
                           checked()  the Projections (any step, any dtype: checks, then kernel or module)
                           direct()   the bare kernels (all-decode float32 CPU steps: no checks, no Python frame)
                           torch()    the modules (torch's own ops, for dispatch-level tools)
+                        and handles(): the kernels as C++ function pointers, for the layer stack that runs
+                        every layer of an all-decode step in one C++ call (native/csrc/decode_layers.cpp)
 
 Fusing stacks the weights once: the fused matrix owns the storage and the original projections become views
 of its rows, so memory is not doubled and transformers' modules (the reference path) still read the same
@@ -179,6 +181,17 @@ class LayerProjections:
             return None
         return LayerKernels(self.qkv.kernel, self.o_proj.kernel, *(
             p.kernel if p is not None else None for p in (self.gate_up, self.gate, self.up)), self.down.kernel)
+
+    def handles(self) -> tuple | None:
+        """The q/k/v, o, gate/up and down projections as projection handles (``QuantLinear.projection_handle``),
+        for the decode ops' layer stack (``DecodeLayers.add_layer``); None where one has none (no kernel, a bias,
+        a kernel family without handles, gate and up not fused)."""
+        parts = (self.qkv, self.o_proj, self.gate_up, self.down)
+        if any(p is None or p.kernel is None or p.bias is not None or not isinstance(p.module, QuantLinear)
+               for p in parts):
+            return None
+        handles = tuple(p.module.projection_handle() for p in parts)
+        return None if any(h is None for h in handles) else handles
 
     def torch(self) -> LayerKernels:
         """The modules: torch's own ops (or a QuantLinear's forward), never a bare kernel."""

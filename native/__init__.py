@@ -8,7 +8,9 @@ Two extensions, built once with torch's C++ extension tooling:
   blocks, around the leaf micro-kernels of ``ukernel*.h``), ``linear_bf16.cpp`` (bfloat16 weights, AVX512-BF16,
   around ``ukernel_bf16.h``), bound in ``linear_module.cpp``;
 - ``load_ops()``: the fast path's fused ops (``decode_ops.cpp``: RMSNorm, RoPE, KV write, paged decode
-  attention, SwiGLU, greedy pick; ``kv_quant.cpp``: the int8 / int4 cache's write and attention).
+  attention, SwiGLU, greedy pick; ``kv_quant.cpp``: the int8 / int4 cache's write and attention;
+  ``decode_layers.cpp``: every layer of an all-decode step in one call, calling the linear kernels through the
+  projection handles of ``projection_handle.h``).
 
 Which instruction-set path runs is decided in one place, ``csrc/cpu.h``: the best the CPU supports (cpuid),
 unless ``KVSERVE_ISA`` names a lesser one (``scalar``, ``avx2``; ``avx512`` is the best), so every path can be
@@ -39,7 +41,7 @@ _SOURCES = {
     "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
                                            "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp",
                                            "linear_bf16.cpp")],
-    "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp"],
+    "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp", _CSRC / "decode_layers.cpp"],
 }
 # kv_quant.cpp's attention gives the same bits on every ISA path: its fused multiply-adds are written out
 # (intrinsics, std::fma); no other multiply and add may fuse into one on one path only (native/kv_leaves.py builds

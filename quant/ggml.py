@@ -256,6 +256,9 @@ class GGMLLinear(QuantLinear):
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         return module.bind_ggml(self.weight, self.kind.value, self.out_features, self.in_features)
 
+    def _handle(self, module):
+        return module.ggml_handle(self.weight, self.kind.value, self.out_features, self.in_features)
+
     def _stack_rows(self, layers: list[QuantLinear]) -> None:
         raw = torch.cat([m.blocks() for m in layers])  # [sum(out), bytes]: blocks run along `in`, rows stack
         self.weight = self._packed(raw)

@@ -127,6 +127,18 @@ class QuantLinear(nn.Module):
     def _bind(self, module) -> Callable[[torch.Tensor], torch.Tensor]:
         raise NotImplementedError
 
+    def projection_handle(self):
+        """The C++ kernel bound to this layer's weights as a projection handle (a capsule holding a
+        ``ProjectionHandle``, native/csrc/projection_handle.h) that the decode ops' layer stack calls without
+        Python (``engine.fastpath``); None where the kernel cannot run or its family has no handle (then the
+        per-layer loop runs). Same conditions and bits as ``decode_kernel``; the bias is not added."""
+        if not self._kernel_usable():
+            return None
+        return self._handle(native.load())
+
+    def _handle(self, module):
+        return None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., in]`` -> ``[..., out]`` in the dtype of ``x``."""
         rows = x.numel() // self.in_features

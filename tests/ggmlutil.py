@@ -1,4 +1,5 @@
-"""GGUF blocks and quantized activations that the GGUF kernel tests share (tests/test_ggml_*.py).
+"""GGUF blocks and quantized activations that the GGUF kernel tests share (tests/test_ggml_*.py), and a model's
+layers put on GGUF blocks (``with_gguf_blocks``).
 
 Blocks of every format the kernels serve: made by the ``gguf`` package's quantizer where it has one (Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0), else random bytes (every code, every 6-bit scale and minimum) with sane float16 scales.
@@ -7,9 +8,11 @@ Q5_0, Q5_1, Q8_0), else random bytes (every code, every 6-bit scale and minimum)
 from __future__ import annotations
 
 import numpy as np
+import torch
 from gguf import GGMLQuantizationType, quants
 
 from kvserve.native.ggml_leaves import LAYOUTS, random_units
+from kvserve.quant.ggml import GGMLKind, GGMLLinear
 
 QTYPES = {kind: GGMLQuantizationType[kind.upper()] for kind in LAYOUTS}
 QUANTIZABLE = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0")  # gguf 0.19 quantizes these; not the K-quants
@@ -74,3 +77,15 @@ def quantized_activations(M: int, K: int, rng: np.random.Generator) -> dict[str,
     qsum = q.reshape(M, nb, 32).astype(np.int32).sum(-1, dtype=np.int32)
     qsum16 = q.reshape(M, 2 * nb, 16).astype(np.int32).sum(-1, dtype=np.int32)
     return {"xq": q, "xd": d, "xs": d * qsum.astype(np.float32), "xsum": qsum, "xsum16": qsum16}
+
+
+def with_gguf_blocks(model) -> None:
+    """Every decoder layer's projections of ``model`` as GGUF blocks, quantized by gguf's own quantizer: Q4_1,
+    and Q8_0 for the down projection (the embedded file's mixture)."""
+    for layer in model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for name, linear in list(parent.named_children()):
+                if isinstance(linear, torch.nn.Linear):
+                    kind = GGMLKind.Q8_0 if name == "down_proj" else GGMLKind.Q4_1
+                    raw = quants.quantize(linear.weight.detach().numpy(), GGMLQuantizationType[kind.name])
+                    setattr(parent, name, GGMLLinear(torch.from_numpy(raw), kind))

@@ -1,15 +1,22 @@
-"""native/csrc/decode_ops.cpp (fused RMSNorm, RoPE, KV write, paged decode attention) computes what the torch ops do."""
+"""native/csrc/decode_ops.cpp (fused RMSNorm, RoPE, KV write, paged decode attention) computes what the torch ops do,
+and decode_layers.cpp (every layer of a decode step in one call) what the per-layer loop does."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+import contextlib
+from dataclasses import replace
+
+from kvserve.engine.plan import SeqWork, StepPlan
 from kvserve.engine.rope import Rope
 from kvserve.engine.loader import wrap_model
+from kvserve.engine.runner import ModelRunner
 from kvserve import native
-from kvserve.kvcache.pool import dequantize, quantize
-from tests.engineutil import run_both, tiny
+from kvserve.kvcache.pool import KVPool, dequantize, quantize
+from tests.engineutil import BLOCK, GREEDY, run_both, tiny
+from tests.ggmlutil import with_gguf_blocks
 
 ops = native.load_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="engine decode ops could not be built here")
@@ -320,6 +327,60 @@ def test_the_kernels_format_error_messages_without_iostreams():
     qlinear = native.load()
     with pytest.raises(RuntimeError, match="per block of 32 or 64 that divides K; block = 32, K = 30$"):
         qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32, False)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {"sliding_window": 4})])
+def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides):
+    # An all-decode step of a model on GGUF blocks runs every layer in one C++ call (DecodeLayers): the logits
+    # and every K/V it writes are the per-layer loop's, bit for bit, at 1 and 3 rows (contexts of 10-12 tokens;
+    # Mistral's 4-token window reaches the attention). The loop's q/k/v calls are counted: each path ran.
+    model = tiny(arch, **overrides)
+    with_gguf_blocks(model)
+    loaded = wrap_model(model, tokenizer=None, name=f"{arch}-gguf")
+    tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
+
+    def slots(s, positions):
+        return [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in positions]
+    for rows in (1, 3):
+        outputs = []
+        for stack in (True, False):
+            runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype))
+            assert runner.fast.layer_stack is not None
+            calls: list[int] = []
+            runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
+                                  for k in runner.fast.direct]
+            prompts = [list(range(3 + s, 12 + 2 * s)) for s in range(rows)]
+            runner.execute(StepPlan([SeqWork(s, p, 0, tables[s], slots(s, range(len(p))), False, GREEDY, p, [])
+                                     for s, p in enumerate(prompts)]))
+            calls.clear()  # the prompts' rows ran the loop (a prefill step)
+            plan = StepPlan([SeqWork(s, [40 + s], len(p), tables[s], slots(s, [len(p)]), True, GREEDY, p, [40 + s])
+                             for s, p in enumerate(prompts)])
+            with contextlib.nullcontext() if stack else runner.fast.layer_loop_only():
+                logits = runner.logits(plan)
+            assert len(calls) == (0 if stack else len(loaded.model.model.layers))
+            outputs.append((logits, runner.pool.data.clone()))
+        assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_fused_layer_stack_refuses_what_it_cannot_run(smollm2_gguf):
+    runner = ModelRunner(smollm2_gguf, KVPool(smollm2_gguf.kv_shape(), 4, 16, smollm2_gguf.dtype))
+    stack, pool = runner.fast.layer_stack, runner.pool
+    x, cos, one = torch.randn(1, 576), torch.randn(1, 64), torch.ones(1, dtype=torch.long)
+    table, zero = torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long)
+    with pytest.raises(RuntimeError, match="slot 64 out of range"):
+        stack.forward(x, cos, cos, torch.tensor([64]), zero, table, one, pool.data)
+    with pytest.raises(RuntimeError, match="x must be contiguous"):
+        stack.forward(torch.randn(1, 64), cos, cos, zero, zero, table, one, pool.data)
+    with pytest.raises(RuntimeError, match="kv must be the contiguous pool"):
+        stack.forward(x, cos, cos, zero, zero, table, one, pool.data[:, :2])
+    with pytest.raises(RuntimeError, match="does not fit its block table"):
+        stack.forward(x, cos, cos, zero, zero, table, torch.tensor([17]), pool.data)
+    qkv, o_proj, gate_up, down = runner.fast.projections[0].handles()
+    norm = torch.ones(576)
+    with pytest.raises(RuntimeError, match=r"qkv computes \[576\] -> \[576\], the layer needs \[576\] -> \[960\]"):
+        stack.add_layer(norm, 1e-5, norm, 1e-5, o_proj, o_proj, gate_up, down, 0.125, 0)
+    with pytest.raises(TypeError):  # not a capsule at all
+        stack.add_layer(norm, 1e-5, norm, 1e-5, None, o_proj, gate_up, down, 0.125, 0)
 
 
 def test_silu_mul_is_torch_bits_on_contiguous_and_strided_halves():

@@ -117,3 +117,30 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
     shares = [int(c.split("(")[1].rstrip("%)")) for c in cells[3:6]]
     assert 97 <= sum(shares) <= 103 and shares[0] > 0
     assert profile_step._category("kvserve::paged_attention") == "attention (SDPA)"
+
+
+def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_stack(monkeypatch, capsys):
+    """`python -m kvserve.loadtest profile --layers both`: per batch size the per-layer loop and the layer stack side
+    by side, each with its step, its projections and LM head replayed alone, and the rest (the step less them)."""
+    from kvserve.loadtest.__main__ import main as loadtest_main
+    from kvserve.loadtest.engine import enginebench
+    from tests.ggmlutil import with_gguf_blocks
+
+    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    with_gguf_blocks(model)
+    loaded = wrap_model(model, tokenizer=None, name="tiny-gguf")
+    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    assert loadtest_main(["profile", "--batch", "1,2", "--layers", "both", "--rounds", "1", "--steps", "2",
+                          "--context", "8", "--quantization", "none", "--no-write"]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    table = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines)}
+    assert table["share of a decode step"] == ["layer loop, B = 1", "layer stack, B = 1", "layer loop, B = 2",
+                                               "layer stack, B = 2"]
+    step, alone, rest = ([float(c) for c in table[row]] for row in ("step ms (median, no profiler)",
+                                                                   "projections + LM head alone, ms",
+                                                                   "rest ms (step - them)"))
+    assert all(a > 0 for a in alone)
+    assert all(abs(s - a - r) < 0.02 for s, a, r in zip(step, alone, rest))

@@ -18,7 +18,9 @@ chains on registers, times the threads the kernels use), and attention's causal 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import statistics
 import time
 
 import torch
@@ -42,12 +44,48 @@ def _category(name: str) -> str:
     return "other ops"
 
 
-def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[float, float, dict[str, float],
-                                                                             list[tuple[str, float]]]:
-    """Returns (median step ms without the profiler, mean step ms under it, share of the profiled step by category
-    in [0, 1], top ops by self CPU ms per profiled step). ``loaded``: the model (default: the embedded one as
-    served). The profiler's own cost per call inflates the profiled step: most of it lands in what no op accounts
-    for ("Python/dispatch overhead") and in the short ops.
+@dataclasses.dataclass
+class DecodeProfile:
+    """One batch size's decode step: ``wall_ms`` median step without the profiler; ``profiled_ms`` mean step under
+    it; ``shares`` of the profiled step by category in [0, 1]; ``top`` ops by self CPU ms per profiled step;
+    ``alone_ms`` every projection and the LM head replayed alone (``replay_projections``), so ``rest_ms``, the
+    step less them, is attention, norms, RoPE, sampling and the Python around them."""
+
+    wall_ms: float
+    profiled_ms: float
+    shares: dict[str, float]
+    top: list[tuple[str, float]]
+    alone_ms: float
+
+    @property
+    def rest_ms(self) -> float:
+        return self.wall_ms - self.alone_ms
+
+
+LAYER_PATHS = ("loop", "stack")  # FastDecoder's per-layer loop, and its layer stack (one C++ call per step)
+
+
+def replay_projections(decoder, rows: int, reps: int = 7) -> float:
+    """Median ms of one step's projections and LM head replayed alone on ``rows`` random float32 rows, each
+    through its bare kernel where it has one (what the layer stack calls, plus a Python call and an output
+    tensor each: ~1 us, about 0.1 ms a step) and its Projection otherwise."""
+    calls = [(p.kernel if p.kernel is not None and rows <= p.max_rows else p, torch.randn(rows, p.module.in_features))
+             for p in [*decoder.all_projections(), decoder.lm_head]]
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps + 1):
+            start = time.perf_counter()
+            for call, x in calls:
+                call(x)
+            times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times[1:])
+
+
+def profile_decode(batch: int, context: int, steps: int, loaded=None, layers: str = "stack") -> DecodeProfile:
+    """Time and profile a decode step of ``batch`` sequences. ``loaded``: the model (default: the embedded one as
+    served); ``layers``: which of ``LAYER_PATHS`` all-decode steps run ("stack" is what the engine runs where
+    the layer stack applies, else the loop runs either way). The profiler's own cost per call inflates the
+    profiled step: most of it lands in what no op accounts for ("Python/dispatch overhead") and in the short ops.
 
     On a GPU the shares are of host time: kernels run asynchronously, and a wait for them shows up in the op
     that synchronises (``aten::_local_scalar_dense``, ``cudaStreamSynchronize``, a device-to-host copy).
@@ -55,19 +93,25 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[f
     from kvserve.engine.plan import StepPlan
     from kvserve.loadtest.engine.enginebench import EngineBench, load
 
+    if layers not in LAYER_PATHS:
+        raise ValueError(f"layers must be one of {LAYER_PATHS}, got {layers!r}")
     bench = EngineBench(loaded or load(), batch, context + 1)
     for s in range(batch):
         bench.fill(s, context)
     work = [bench.decode(s, context) for s in range(batch)]
-    wall_ms = 1000 * bench.time_plan(work, reps=steps, warmup=3)  # without the profiler's own overhead
+    decoder = bench.runner.fast
+    path = decoder.layer_loop_only() if decoder is not None and layers == "loop" else contextlib.nullcontext()
     plan = StepPlan(work)
     on_gpu = bench.runner.device.type == "cuda"
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
-    with profile(activities=activities) as prof:
-        start = time.perf_counter()
-        for _ in range(steps):
-            bench.runner.execute(plan)
-        profiled_ms = 1000 * (time.perf_counter() - start) / steps
+    with path:
+        wall_ms = 1000 * bench.time_plan(work, reps=steps, warmup=3)  # without the profiler's own overhead
+        alone_ms = replay_projections(decoder, batch) if decoder is not None and not on_gpu else float("nan")
+        with profile(activities=activities) as prof:
+            start = time.perf_counter()
+            for _ in range(steps):
+                bench.runner.execute(plan)
+            profiled_ms = 1000 * (time.perf_counter() - start) / steps
     by_category: dict[str, float] = {}
     ops = []
     for event in prof.key_averages():
@@ -79,7 +123,7 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None) -> tuple[f
         gpu_ms = sum(getattr(e, "self_device_time_total", 0.0) for e in prof.key_averages()) / 1000 / steps
         print(f"B = {batch}: GPU kernels {gpu_ms:.2f} ms of a {profiled_ms:.2f} ms profiled step")
     shares = {label: ms / profiled_ms for label, ms in by_category.items()}
-    return wall_ms, profiled_ms, shares, sorted(ops, key=lambda op: -op[1])[:12]
+    return DecodeProfile(wall_ms, profiled_ms, shares, sorted(ops, key=lambda op: -op[1])[:12], alone_ms)
 
 
 _PREFILL_PARTS = (("projections", ("projections (linear/matmul)",)), ("attention", ("attention (SDPA)",)),
@@ -192,6 +236,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="profile a prefill of each prompt length instead (comma list, e.g. 128,512,2048,8192)")
     parser.add_argument("--chunk", type=positive_int, default=512,
                         help="tokens per prefill step (as kvserve serve --max-num-batched-tokens)")
+    parser.add_argument("--layers", default="stack", choices=[*LAYER_PATHS, "both"],
+                        help="what all-decode steps run: the layer stack (one C++ call a step, the default where "
+                             "it applies), the per-layer loop, or both side by side in alternating rounds")
+    parser.add_argument("--rounds", type=positive_int, default=3,
+                        help="with --layers both: rounds, each running the loop then the stack per batch size")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -205,17 +254,25 @@ def run(args: argparse.Namespace) -> int:
     loaded, served = load_served(args.quantization, DType(args.dtype), args.model, Device(args.device))
     if args.prefill:
         return _run_prefill(args, loaded, served)
-    results = [(b, *profile_decode(b, args.context, args.steps, loaded)) for b in batches]
+    paths = LAYER_PATHS if args.layers == "both" else (args.layers,)
+    results = _profiles(batches, paths, args.rounds if args.layers == "both" else 1, args, loaded)
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
-    rows = ["| share of a decode step | " + " | ".join(f"B = {b}" for b, *_ in results) + " |",
-            "|---" * (len(results) + 1) + "|"]
-    rows.append("| step ms (median, no profiler) | " + " | ".join(f"{r[1]:.1f}" for r in results) + " |")
-    rows.append("| step ms under the profiler | " + " | ".join(f"{r[2]:.1f}" for r in results) + " |")
+    heads = [f"{_PATH_NAMES[path]}, B = {b}" if len(paths) > 1 else f"B = {b}" for b, path, _ in results]
+    rows = ["| share of a decode step | " + " | ".join(heads) + " |", "|---" * (len(results) + 1) + "|"]
+    rows.append("| step ms (median, no profiler) | " + " | ".join(f"{r.wall_ms:.2f}" for *_, r in results) + " |")
+    rows.append("| projections + LM head alone, ms | " + " | ".join(f"{r.alone_ms:.2f}" for *_, r in results) + " |")
+    rows.append("| rest ms (step - them) | " + " | ".join(f"{r.rest_ms:.2f}" for *_, r in results) + " |")
+    rows.append("| step ms under the profiler | " + " | ".join(f"{r.profiled_ms:.1f}" for *_, r in results) + " |")
     for label in labels:
-        cells = [f"{100 * shares.get(label, 0.0):.0f}%" for _, _, _, shares, _ in results]
+        cells = [f"{100 * r.shares.get(label, 0.0):.0f}%" for *_, r in results]
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
-    top = results[-1][4]
-    text = "\n".join(rows) + ("\n\nShares are of a profiled step (self CPU time per op; the step without the "
+    top = results[-1][2].top
+    rounds = (f" Both paths side by side: {args.rounds} alternating rounds (per batch size the loop, then the stack), "
+              "the round with the median step per column; the two give the same bits." if len(paths) > 1 else "")
+    text = "\n".join(rows) + ("\n\nRest: the step without the profiler less every projection and the LM head "
+                              "replayed alone on as many rows (median of 7, through their bare kernels): "
+                              "attention, norms, RoPE, SwiGLU, sampling and the Python around them." + rounds +
+                              " Shares are of a profiled step (self CPU time per op; the step without the "
                               "profiler is a median, the one under it a mean). The profiler costs time per call, "
                               "spread over every row (Python/dispatch overhead and the small ops most): where the "
                               "step under the profiler is much longer than without it (batch 1: a step makes ~300 "
@@ -227,7 +284,9 @@ def run(args: argparse.Namespace) -> int:
                               + ", ".join(f"`{name}` {ms:.1f}" for name, ms in top) + ".")
     print(text)
     print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served})")
-    if not args.no_write:
+    if not args.no_write and args.layers != "stack":
+        print("not written to BENCHMARKS.md: its section shows what the engine runs (--layers stack)")
+    elif not args.no_write:
         # each device and quantization gets its own section
         on_cpu, scheme = loaded.device.type == "cpu", args.quantization
         key = "profile" + ("" if on_cpu else f"-{loaded.device.type}") + ("" if scheme == "auto" else f"-{scheme}")
@@ -237,6 +296,23 @@ def run(args: argparse.Namespace) -> int:
                        "python -m kvserve.loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
                        + ("" if scheme == "auto" else f" --quantization {scheme}"), text)
     return 0
+
+
+_PATH_NAMES = {"loop": "layer loop", "stack": "layer stack"}
+
+
+def _profiles(batches: list[int], paths: tuple[str, ...], rounds: int, args: argparse.Namespace,
+              loaded) -> list[tuple[int, str, DecodeProfile]]:
+    """Per batch size and path, the profile of the round whose step (no profiler) is the median; rounds alternate
+    the paths, so a busy spell of the machine falls on both alike."""
+    runs: dict[tuple[int, str], list[DecodeProfile]] = {}
+    for _ in range(rounds):
+        for batch in batches:
+            for path in paths:
+                runs.setdefault((batch, path), []).append(profile_decode(batch, args.context, args.steps, loaded,
+                                                                          path))
+    return [(batch, path, sorted(runs[batch, path], key=lambda r: r.wall_ms)[rounds // 2])
+            for batch in batches for path in paths]
 
 
 def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:

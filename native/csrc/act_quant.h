@@ -162,13 +162,11 @@ struct QuantizedX {
   std::vector<int32_t> qsum;
 };
 
-const QuantizedX& quantize_x(const torch::Tensor& x) {
+const QuantizedX& quantize_x(const float* xp, int64_t M, int64_t K) {
   thread_local QuantizedX out;
-  const int64_t M = x.size(0), K = x.size(1);
   out.q.resize(M * K);
   out.d.resize(M * K / 32);
   out.qsum.resize(M * K / 32);
-  const float* xp = x.data_ptr<float>();
 #ifdef QL_X86
   if (cpu::avx2()) {
     quantize_blocks_avx2(xp, M, K, out.q.data(), out.d.data(), out.qsum.data());
@@ -178,6 +176,8 @@ const QuantizedX& quantize_x(const torch::Tensor& x) {
   quantize_blocks_scalar(xp, M, K, out.q.data(), out.d.data(), out.qsum.data());
   return out;
 }
+
+const QuantizedX& quantize_x(const torch::Tensor& x) { return quantize_x(x.data_ptr<float>(), x.size(0), x.size(1)); }
 
 // Q16 activations of one call: q int16 [M, K], d float32 [M, K / qb], reused across calls (per thread).
 struct QuantizedX16 {

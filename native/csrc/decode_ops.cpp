@@ -19,12 +19,15 @@
 //   silu_mul(gate, up)                     silu(gate) * up (SwiGLU), with torch's own kernels
 //   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
 //   log_softmax(logits)                    the same log-softmax for every token (sampled and top tokens)
+//   DecodeLayers                           every layer of an all-decode step in one call (decode_layers.cpp),
+//                                          with these loops on raw rows (decode_rows.h)
 //
 // Each hot loop is compiled for AVX2+FMA and for plain x86-64; native/csrc/cpu.h chooses which runs.
 #include <ATen/Parallel.h>
 
 #include "attend_tile.h"
 #include "decode_common.h"
+#include "decode_rows.h"
 
 #include <vector>
 
@@ -193,6 +196,30 @@ __attribute__((target("avx2,fma"))) float sum_exp_avx2(const float* x, int64_t n
 
 }  // namespace
 
+namespace kvserve::decode {
+
+void rms_norm_rows(const float* x, const float* w, float eps, float* y, int64_t T, int64_t n) {
+  for (int64_t t = 0; t < T; ++t) rms_row(x + t * n, w, eps, y + t * n, n);
+}
+
+void add_rows(float* x, const float* r, int64_t T, int64_t n) {
+  for (int64_t t = 0; t < T; ++t) add_row(x + t * n, r + t * n, n);
+}
+
+void rope_rows(float* qk, int64_t T, int64_t heads, int64_t D, int64_t row_stride, int64_t head_stride,
+               const float* cos, const float* sin) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < heads; ++h)
+      rope_row(qk + t * row_stride + h * head_stride, cos + t * D, sin + t * D, D / 2);
+}
+
+}  // namespace kvserve::decode
+
+using kvserve::decode::add_rows;
+using kvserve::decode::attend_decode;
+using kvserve::decode::rms_norm_rows;
+using kvserve::decode::rope_rows;
+
 // y [T, H] = rms_norm(x [T, H]) * w [H].
 torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double eps) {
   check_f32(x, "x");
@@ -200,9 +227,8 @@ torch::Tensor rms_norm(const torch::Tensor& x, const torch::Tensor& w, double ep
   KV_CHECK(x.dim() == 2 && x.is_contiguous() && w.is_contiguous() && w.numel() == x.size(1),
            "x must be contiguous [T, H] and w [H]");
   auto y = torch::empty_like(x);
-  const int64_t n = x.size(1);
-  for (int64_t t = 0; t < x.size(0); ++t)
-    rms_row(x.data_ptr<float>() + t * n, w.data_ptr<float>(), static_cast<float>(eps), y.data_ptr<float>() + t * n, n);
+  rms_norm_rows(x.data_ptr<float>(), w.data_ptr<float>(), static_cast<float>(eps), y.data_ptr<float>(), x.size(0),
+                x.size(1));
   return y;
 }
 
@@ -212,8 +238,7 @@ torch::Tensor add_rms_norm_(torch::Tensor& x, const torch::Tensor& r, const torc
   check_f32(r, "r");
   KV_CHECK(x.dim() == 2 && x.is_contiguous() && r.is_contiguous() && r.sizes() == x.sizes(),
            "x and r must be contiguous [T, H]");
-  const int64_t n = x.size(1);
-  for (int64_t t = 0; t < x.size(0); ++t) add_row(x.data_ptr<float>() + t * n, r.data_ptr<float>() + t * n, n);
+  add_rows(x.data_ptr<float>(), r.data_ptr<float>(), x.size(0), x.size(1));
   return rms_norm(x, w, eps);
 }
 
@@ -225,12 +250,8 @@ void rope_(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin
   KV_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.sizes() == sin.sizes() && cos.dim() == 2 &&
                cos.size(0) == qk.size(0) && cos.size(1) == qk.size(2),
            "cos and sin must be contiguous [T, D]");
-  const int64_t T = qk.size(0), heads = qk.size(1), D = qk.size(2);
-  float* base = qk.data_ptr<float>();
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t h = 0; h < heads; ++h)
-      rope_row(base + t * qk.stride(0) + h * qk.stride(1), cos.data_ptr<float>() + t * D,
-               sin.data_ptr<float>() + t * D, D / 2);
+  rope_rows(qk.data_ptr<float>(), qk.size(0), qk.size(1), qk.size(2), qk.stride(0), qk.stride(1),
+            cos.data_ptr<float>(), sin.data_ptr<float>());
 }
 
 // k_cache, v_cache [slots, H_kv, D] (contiguous) <- k, v [T, H_kv, D] (any row/head strides) at slots [T].
@@ -247,17 +268,26 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
   KV_CHECK(k.sizes() == v.sizes() && k.size(1) == k_cache.size(1) && k.size(2) == k_cache.size(2) &&
                k.stride(2) == 1 && v.stride(2) == 1,
            "k and v must be [T, H_kv, D] with D contiguous");
-  const int64_t T = k.size(0), H = k.size(1), D = k.size(2), num_slots = k_cache.size(0);
+  kvserve::decode::check_slots(slots, k_cache.size(0));
+  kvserve::decode::write_kv_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(),
+                                 k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k.size(1), k.size(2),
+                                 k.stride(0), k.stride(1), v.stride(0), v.stride(1));
+}
+
+void kvserve::decode::check_slots(const torch::Tensor& slots, int64_t num_slots) {
   const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; ++t) {
+  for (int64_t t = 0; t < slots.numel(); ++t)
     KV_CHECK(sp[t] >= 0 && sp[t] < num_slots, "slot ", sp[t], " out of range");
+}
+
+void kvserve::decode::write_kv_rows(float* k_cache, float* v_cache, const int64_t* slots, const float* k,
+                                    const float* v, int64_t T, int64_t H, int64_t D, int64_t k_row, int64_t k_head,
+                                    int64_t v_row, int64_t v_head) {
+  for (int64_t t = 0; t < T; ++t)
     for (int64_t h = 0; h < H; ++h) {
-      std::copy_n(k.data_ptr<float>() + t * k.stride(0) + h * k.stride(1), D,
-                  k_cache.data_ptr<float>() + (sp[t] * H + h) * D);
-      std::copy_n(v.data_ptr<float>() + t * v.stride(0) + h * v.stride(1), D,
-                  v_cache.data_ptr<float>() + (sp[t] * H + h) * D);
+      std::copy_n(k + t * k_row + h * k_head, D, k_cache + (slots[t] * H + h) * D);
+      std::copy_n(v + t * v_row + h * v_head, D, v_cache + (slots[t] * H + h) * D);
     }
-  }
 }
 
 
@@ -273,11 +303,13 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
   KV_CHECK(k_blocks.dim() == 4 && k_blocks.is_contiguous() && v_blocks.is_contiguous() &&
                k_blocks.sizes() == v_blocks.sizes() && q.dim() == 3 && k_blocks.size(3) == q.size(2),
            "k_blocks and v_blocks must be contiguous [blocks, block_size, H_kv, D]");
-  const kvserve::decode::DecodeCall call = kvserve::decode::check_decode_call(
-      q, rows, tables, lens, out, k_blocks.size(0), k_blocks.size(1), k_blocks.size(2), scale, window);
+  attend_decode(kvserve::decode::check_decode_call(q, rows, tables, lens, out, k_blocks.size(0), k_blocks.size(1),
+                                                   k_blocks.size(2), scale, window),
+                k_blocks.data_ptr<float>(), v_blocks.data_ptr<float>());
+}
+
+void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, const float* vp) {
   const int64_t D = call.D, H_kv = call.H_kv, group = call.group, bs = call.block_size;
-  const float* kp = k_blocks.data_ptr<float>();
-  const float* vp = v_blocks.data_ptr<float>();
 #ifdef KV_X86
   const bool avx2 = kvserve::cpu::avx2() && D % 8 == 0;
   const bool avx512 = kvserve::cpu::chosen() == kvserve::cpu::Isa::kAvx512;  // attend_tile: D % 16 == 0 too
@@ -450,6 +482,9 @@ torch::Tensor silu_mul(const torch::Tensor& gate, const torch::Tensor& up) {
 // Without the GIL, as torch's own ops (see quant/qlinear.cpp).
 using NoGil = py::call_guard<py::gil_scoped_release>;
 
+// DecodeLayers, the whole layer stack of an all-decode step in one call (decode_layers.cpp).
+void bind_decode_layers(py::module& m);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, NoGil(), "x [T,H] f32, w [H], eps -> rms_norm(x) * w");
   m.def("add_rms_norm_", &add_rms_norm_, NoGil(), "x += r in place; returns rms_norm(x) * w");
@@ -470,4 +505,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_pick", &greedy_pick, NoGil(),
         "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
   m.def("log_softmax", &log_softmax, NoGil(), "logits [R,V] f32 -> log_softmax [R,V] (greedy_pick's normalizer)");
+  bind_decode_layers(m);
 }

@@ -105,6 +105,8 @@ torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& packed, c
                           int64_t K);
 std::function<torch::Tensor(const torch::Tensor&)> bind_ggml(const torch::Tensor& packed, const std::string& kind,
                                                              int64_t N, int64_t K);
+// ggml_linear bound to its weights as a ProjectionHandle (projection_handle.h) in a capsule, for the decode ops.
+py::capsule ggml_handle(const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K);
 // bfloat16 weights (linear_bf16.cpp): w [N, K] <-> packed panels of 32 features.
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t N, int64_t K);

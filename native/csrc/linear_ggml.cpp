@@ -9,6 +9,7 @@
 // and its rows for every panel. Every output is computed in ukernel_gguf.h's fixed order, so a row's bits depend
 // neither on the batch, nor on the tile, slice or chunk it falls in, nor on the threads.
 #include "act_quant.h"
+#include "projection_handle.h"
 #include "ukernel_gguf.h"
 
 #include <cstring>
@@ -100,16 +101,14 @@ const int32_t* sums16(const QuantizedX& qx, int64_t M, int64_t K) {
   return out.data();
 }
 
-torch::Tensor run(const GgmlWeights& g, const torch::Tensor& x) {
-  check_x(x, g.K);
-  const int64_t M = x.size(0), nb = g.K / 32, panels = g.packed.size(0), panel_bytes = g.packed.size(1);
-  auto y = torch::empty({M, g.N}, x.options());
-  if (M == 0) return y;
-  const QuantizedX& qx = quantize_x(x);
+// y [M, N] <- x [M, K] @ W^T (x and y contiguous float32, checked by the caller).
+void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
+  const int64_t nb = g.K / 32, panels = g.packed.size(0), panel_bytes = g.packed.size(1);
+  if (M == 0) return;
+  const QuantizedX& qx = quantize_x(x, M, g.K);
   const float* xs = group_shifts(qx, M, g.K, 32);  // groups of one block: xs = d_x * qsum
   const int32_t* xsum16 = g.kind == gguf::kQ6_K ? sums16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
-  float* yp = y.data_ptr<float>();
   const bool decode = M <= tile_rows();
   const int64_t rows_per_call = decode ? M : kRowSlice;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
@@ -138,7 +137,22 @@ torch::Tensor run(const GgmlWeights& g, const torch::Tensor& x) {
       }
     }
   });
+}
+
+torch::Tensor run(const GgmlWeights& g, const torch::Tensor& x) {
+  check_x(x, g.K);
+  auto y = torch::empty({x.size(0), g.N}, x.options());
+  run_into(g, x.data_ptr<float>(), x.size(0), y.data_ptr<float>());
   return y;
+}
+
+// A ProjectionHandle (projection_handle.h) that owns its checked weights; the capsule's destructor frees it.
+struct GgmlHandle : ProjectionHandle {
+  GgmlWeights g;
+};
+
+void run_handle(const ProjectionHandle* self, const float* x, int64_t M, float* y) {
+  run_into(static_cast<const GgmlHandle*>(self)->g, x, M, y);
 }
 
 }  // namespace
@@ -189,6 +203,14 @@ std::function<torch::Tensor(const torch::Tensor&)> bind_ggml(const torch::Tensor
                                                              int64_t N, int64_t K) {
   GgmlWeights g = checked(packed, kind, N, K);
   return [g](const torch::Tensor& x) { return run(g, x); };
+}
+
+py::capsule ggml_handle(const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K) {
+  auto* owned = new GgmlHandle{{N, K, &run_handle}, checked(packed, kind, N, K)};
+  return py::capsule(static_cast<const ProjectionHandle*>(owned), ProjectionHandle::kCapsuleName, [](PyObject* c) {
+    auto* handle = static_cast<ProjectionHandle*>(PyCapsule_GetPointer(c, ProjectionHandle::kCapsuleName));
+    delete static_cast<GgmlHandle*>(handle);
+  });
 }
 
 }  // namespace kvserve::linear
