@@ -133,13 +133,31 @@ def test_a_prompts_rows_attended_in_one_call_have_the_bits_of_each_row_alone(pro
     sequences, before and after the prompt, which are not of its tiles."""
     q, rows, tables, lens, k_blocks, v_blocks, together = prompt_tile_case(prompt, start, heads, kv_heads, dim,
                                                                            window)
-    alone = torch.zeros(q.shape)
-    for b in range(len(rows)):
-        ops.paged_decode_attention(q, rows[b:b + 1], tables[b:b + 1], lens[b:b + 1], k_blocks, v_blocks, dim ** -0.5,
-                                   window, alone)
-    assert torch.equal(together, alone)
+    assert torch.equal(together, _each_row_alone(q, rows, tables, lens, k_blocks, v_blocks, window))
     expected = _attention_reference(q, tables, lens, k_blocks, v_blocks, dim ** -0.5, window)
     torch.testing.assert_close(together.double(), expected, rtol=1e-5, atol=1e-5)
+
+
+def _each_row_alone(q, rows, tables, lens, k_blocks, v_blocks, window):
+    """Each row of a call attended by a call of its own (a decode row)."""
+    alone = torch.zeros(q.shape)
+    for b in range(len(rows)):
+        ops.paged_decode_attention(q, rows[b:b + 1], tables[b:b + 1], lens[b:b + 1], k_blocks, v_blocks,
+                                   q.shape[-1] ** -0.5, window, alone)
+    return alone
+
+
+def test_a_prompts_rows_in_tiles_of_64_have_the_bits_of_each_row_alone():
+    """On the AVX-512 path a prompt whose rows make 4 tasks a thread is cut into tiles of 64 rows (130 rows x 3 KV
+    heads on one thread: two tiles of 64 and one of 2), handed to the threads largest first; each row still has
+    the bits it has alone. (Elsewhere, and on the AVX2 path, tiles are of 32 rows.)"""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        q, rows, tables, lens, k_blocks, v_blocks, together = prompt_tile_case(130, 0, 9, 3, 64, 0)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(together, _each_row_alone(q, rows, tables, lens, k_blocks, v_blocks, 0))
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim,window", [(9, 3, 64, 0), (4, 4, 16, 5)])

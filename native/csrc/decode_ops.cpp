@@ -29,6 +29,7 @@
 #include "decode_common.h"
 #include "decode_rows.h"
 
+#include <atomic>
 #include <vector>
 
 #ifdef KV_X86
@@ -134,6 +135,17 @@ KV_TWO_PATHS(attend_loops,
 // long context's K and V rows come from L3 or memory once per tile, so larger tiles run faster (the scores
 // buffer, rows x heads x context floats, grows with them); a 512-token chunk still gives 16 tiles per KV head.
 constexpr int64_t kTileRows = 32;
+// The AVX-512 tile also transposes each chunk of K rows once per tile for all its rows, so it takes twice the rows
+// (the transposition and the K and V reads shared by twice as many query vectors) where that still leaves every
+// thread 4 tasks of the call to balance; the AVX2 tile, which reads K rows as they lie, gains nothing from more.
+constexpr int64_t kTileRowsTransposed = 64;
+
+// How many rows a prompt tile of this call takes on the AVX-512 path: kTileRowsTransposed where its prompt rows
+// still make 4 tasks a thread (rows / tile x KV heads), else kTileRows.
+int64_t tile_rows_avx512(const kvserve::decode::DecodeCall& call) {
+  const int64_t tasks = call.B / kTileRowsTransposed * call.H_kv;
+  return tasks >= 4 * at::get_num_threads() ? kTileRowsTransposed : kTileRows;
+}
 
 // The call's rows cut into tiles: starts of consecutive runs of at most `most` rows that belong to one prompt
 // (q rows one after the other, context lengths growing by one, the same blocks up to the shorter context; the
@@ -314,43 +326,64 @@ void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, con
   const bool avx2 = kvserve::cpu::avx2() && D % 8 == 0;
   const bool avx512 = kvserve::cpu::chosen() == kvserve::cpu::Isa::kAvx512;  // attend_tile: D % 16 == 0 too
 #endif
-  // One task per (tile, KV head). A tile is one decode row, or up to kTileRows consecutive rows of one prompt
-  // (rows_alone prefill: consecutive q rows, context lengths growing by one, the same blocks): its R x `group`
-  // query heads share each K and V row read. The portable path runs one row a task.
+  // One task per (tile, KV head). A tile is one decode row, or up to kTileRows (AVX-512: tile_rows_avx512)
+  // consecutive rows of one prompt (rows_alone prefill: consecutive q rows, context lengths growing by one, the
+  // same blocks): its R x `group` query heads share each K and V row read. The portable path runs one row a task.
 #ifdef KV_X86
-  const std::vector<int64_t> tiles = avx2 ? prompt_tiles(call, kTileRows) : prompt_tiles(call, 1);
+  const std::vector<int64_t> tiles =
+      prompt_tiles(call, avx512 && D % 16 == 0 ? tile_rows_avx512(call) : avx2 ? kTileRows : 1);
 #else
   const std::vector<int64_t> tiles = prompt_tiles(call, 1);
 #endif
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1;
-  at::parallel_for(0, num_tiles * H_kv, 1, [&](int64_t begin, int64_t end) {
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * H_kv;
+  auto attend_task = [&](int64_t task, std::vector<float>& scores, std::vector<TileQuery>& queries) {
+    const int64_t tile = task / H_kv, g = task % H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
+#ifdef KV_X86
+    if (avx2) {
+      int64_t total = 0;
+      for (int64_t b = b0; b < b1; ++b) total += group * (call.lens[b] - call.first_of(b));
+      scores.resize(total);
+      queries.clear();
+      float* next = scores.data();
+      for (int64_t b = b0; b < b1; ++b)
+        for (int64_t j = 0; j < group; ++j) {
+          const int64_t first = call.first_of(b);
+          queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * D, first, call.lens[b], next});
+          next += call.lens[b] - first;
+        }
+      kvserve::decode::attend_tile(avx512, queries.data(), static_cast<int64_t>(queries.size()),
+                                   call.table_of(b1 - 1), kp, vp, bs, H_kv, g, D, call.scale);
+      return;
+    }
+#endif
+    const int64_t b = b0, len = call.lens[b], first = call.first_of(b);
+    scores.resize(group * (len - first));
+    attend_loops(call.q_of(b, g), call.q_head, call.table_of(b), first, len, kp, vp, bs, H_kv, g, D, group,
+                 call.scale, scores.data(), call.out_of(b, g));
+  };
+  if (num_tiles == call.B) {  // decode rows only: tasks of about one size, split evenly
+    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      std::vector<TileQuery> queries;
+      for (int64_t task = begin; task < end; ++task) attend_task(task, scores, queries);
+    });
+    return;
+  }
+  // Prompt tiles differ in work (a tile's keys grow with its rows: the first tiles of a prompt's first chunk see a
+  // few keys, its last ones the whole chunk), so an even split of the task range leaves one thread with most of
+  // it. The tasks go largest first, each to whichever thread is free next (the order of tasks changes no bits:
+  // every row is computed alone).
+  std::vector<int64_t> work(num_tiles, 0), order(num_tasks);
+  for (int64_t tile = 0; tile < num_tiles; ++tile)
+    for (int64_t b = tiles[tile]; b < tiles[tile + 1]; ++b) work[tile] += call.lens[b] - call.first_of(b);
+  for (int64_t task = 0; task < num_tasks; ++task) order[task] = task;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return work[a / H_kv] > work[b / H_kv]; });
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
     std::vector<TileQuery> queries;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t tile = task / H_kv, g = task % H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
-#ifdef KV_X86
-      if (avx2) {
-        int64_t total = 0;
-        for (int64_t b = b0; b < b1; ++b) total += group * (call.lens[b] - call.first_of(b));
-        scores.resize(total);
-        queries.clear();
-        float* next = scores.data();
-        for (int64_t b = b0; b < b1; ++b)
-          for (int64_t j = 0; j < group; ++j) {
-            const int64_t first = call.first_of(b);
-            queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * D, first, call.lens[b], next});
-            next += call.lens[b] - first;
-          }
-        kvserve::decode::attend_tile(avx512, queries.data(), static_cast<int64_t>(queries.size()),
-                                     call.table_of(b1 - 1), kp, vp, bs, H_kv, g, D, call.scale);
-        continue;
-      }
-#endif
-      const int64_t b = b0, len = call.lens[b], first = call.first_of(b);
-      scores.resize(group * (len - first));
-      attend_loops(call.q_of(b, g), call.q_head, call.table_of(b), first, len, kp, vp, bs, H_kv, g, D, group,
-                   call.scale, scores.data(), call.out_of(b, g));
-    }
+    for (int64_t i = next_task++; i < num_tasks; i = next_task++) attend_task(order[i], scores, queries);
   });
 }
 
