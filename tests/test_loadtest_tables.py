@@ -165,3 +165,7 @@ def test_rest_per_round_and_the_median_of_the_rounds_ratios():
     assert rows["round 2"] == ["10.00", "1.00", "0.10"]
     assert rows["round 3"] == ["2.50", "1.50", "0.60"]
     assert rows["median (ratio: of the rounds' ratios)"] == ["2.50", "1.00", "0.50"]
+    # noise larger than the loop's rest: that round has no ratio, and the median is of the others
+    runs[1, "loop"][1] = run(-0.5)
+    lines = rest_rounds_table([1], runs).splitlines()
+    assert lines[3] == "| round 2 | -0.50 | 1.00 | nan |" and lines[-1].endswith("| 0.55 |")

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import statistics
 import time
 
@@ -323,9 +324,10 @@ def _profiles(batches: list[int], paths: tuple[str, ...], rounds: int, args: arg
 def rest_rounds_table(batches: list[int], runs: dict[tuple[int, str], list[DecodeProfile]]) -> str:
     """The rest of the layer loop and of the layer stack in every round, side by side, and their ratio (stack /
     loop) per round; its last row has the median of each column, the ratio's being the median of the rounds'
-    ratios. Each round ran the two paths one after the other, so a ratio is taken within one spell of the
-    machine, and a slow round moves one ratio of several rather than the figure (the main table's columns are
-    each path's median round, which may be different rounds)."""
+    ratios (of the rounds that have one: a loop rest <= 0 has none). Each round ran the two paths one after the
+    other, so a ratio is taken within one spell of the machine, and a slow round moves one ratio of several
+    rather than the figure (the main table's columns are each path's median round, which may be different
+    rounds)."""
     heads = [f"{head}, B = {b}" for b in batches for head in ("layer loop", "layer stack", "stack / loop")]
     rows = ["| rest ms per round | " + " | ".join(heads) + " |", "|---" + "|---:" * len(heads) + "|"]
     rounds = len(runs[batches[0], "loop"])
@@ -338,9 +340,15 @@ def rest_rounds_table(batches: list[int], runs: dict[tuple[int, str], list[Decod
         for column, value in zip(columns, cells):
             column.append(value)
         rows.append(f"| round {index + 1} | " + " | ".join(f"{v:.2f}" for v in cells) + " |")
+    # a round whose loop rest came out <= 0 (the machine's noise larger than the rest) has no ratio
     rows.append("| median (ratio: of the rounds' ratios) | " + " | ".join(
-        f"{statistics.median(column):.2f}" for column in columns) + " |")
+        f"{_median_of_finite(column):.2f}" for column in columns) + " |")
     return "\n".join(rows)
+
+
+def _median_of_finite(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else float("nan")
 
 
 def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:
