@@ -68,6 +68,7 @@ class AttentionMetadata:
         decode_lens: ``[num_decodes]`` context lengths (tokens).
         prefills: multi-token sequences.
         all_decodes: True when there are no prefills (the decode rows are then every row, in order).
+        max_position: the step's largest token position, where the caller knows it (None: unknown).
     """
 
     pool: KVPool
@@ -77,6 +78,7 @@ class AttentionMetadata:
     decode_lens: torch.Tensor
     prefills: list[PrefillSpan]
     all_decodes: bool = False  # every token is a decode, in row order (decode_rows is 0..n-1)
+    max_position: int | None = None
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # per sliding window, built once a step
 
     def decode_mask(self, sliding_window: int | None) -> torch.Tensor:

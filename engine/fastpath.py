@@ -14,12 +14,14 @@ interface's reshapes). This module runs the same arithmetic with the same weight
                 x += down_proj(act(gate_proj(h)) * up_proj(h))
     logits = lm_head(rms_norm(x[keep]))                     [K, vocab]
 
-The layers run one of two ways, chosen once per step (``FastDecoder._step``):
+The layers run one of two ways, chosen once per step (``FastDecoder.forward``):
 
 - the layer stack (``DecodeLayers``, native/csrc/decode_layers.cpp): on a step of decodes only, float32 on a
   CPU, of a model whose every projection has a kernel handle (GGUF blocks), SiLU and no q/k norm, one C++ call
-  runs every layer: the same ops as the loop below in the same order (the same bits), without a Python frame,
-  a dispatch or an allocation between them (a SmolLM2 step at batch 1 made ~270 calls from Python);
+  runs the whole step: the embedding lookup (where the table is float32 or GGUF units of 32 weights), the cos/sin
+  rows of the RoPE table, every layer, the final norm of the kept rows and the LM head (where it has a handle);
+  the same ops as the loop below in the same order (the same bits), without a Python frame, a dispatch or an
+  allocation between them (a SmolLM2 step at batch 1 made ~270 calls from Python);
 - otherwise the layer loop (``FastDecoder._layer_loop``), whose calls are chosen per step (``_LayerCalls``):
   float32 on a CPU, the C++ ops of native/csrc/decode_ops.cpp (RMSNorm fused with the residual add, SwiGLU),
   and on a step of decodes only one call per layer for RoPE, the KV write and attention; for the projections
@@ -51,6 +53,7 @@ from kvserve.engine.architectures import ARCHITECTURES, for_model_type
 from kvserve.engine.attention import AttentionMetadata, paged_attention
 from kvserve.engine.kernelbind import PROFILE_LABEL, LayerKernels, LayerProjections, Projection, labelled, profiling
 from kvserve.engine.rope import Rope, RopeTable
+from kvserve.quant.ggml import GGMLEmbedding
 from kvserve import environment, native
 
 log = logging.getLogger("kvserve.engine")
@@ -131,6 +134,8 @@ class FastDecoder:
         direct = [p.direct() for p in self.projections]
         self.direct = direct if self.silu and all(k is not None for k in direct) else None
         self.direct_max_rows = min(p.max_rows for p in self.projections)
+        self.stack_embeds = self.stack_head = False  # the stack looks the ids up / applies the LM head itself
+        self.stack_rope_positions = 0  # positions below this: the stack reads cos/sin from its RoPE table
         self.layer_stack = self._layer_stack(config) if self.direct is not None else None
         self._torch_projections = False  # aten_ops: every projection runs its module
         self._stack_off = False  # layer_loop_only: all-decode steps run the layer loop
@@ -149,12 +154,34 @@ class FastDecoder:
         Returns:
             ``[K, vocab]`` logits in the model dtype.
         """
+        if (self.layer_stack is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
+                and input_ids.shape[0] <= self.direct_max_rows and not self._torch_projections and not self._stack_off):
+            return self._stack_step(input_ids, positions, meta, keep)
         x = self.embed(input_ids)  # [T, hidden], the residual stream (updated in place)
         step = self._step(x, positions, meta)
         step.layers(x)
         if keep.numel() == 0:
             return x.new_empty(0, self.vocab_size)
         return step.lm_head(step.rms_norm(x.index_select(0, keep), self.norm, self.norm_eps))  # [K, vocab]
+
+    def _stack_step(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                    keep: torch.Tensor) -> torch.Tensor:
+        """``forward`` of an all-decode float32 CPU step in one C++ call (``DecodeLayers.decode``): the rows
+        embedded, cos/sin gathered, the layers, the final norm and the LM head, each where the stack has them
+        (``_layer_stack``), else here; the bits of the layer loop's step."""
+        x = cos = sin = None
+        if not self.stack_embeds:
+            x = self.embed(input_ids).contiguous()  # [T, hidden]
+        if meta.max_position is None or meta.max_position >= self.stack_rope_positions:  # past the stack's table
+            cos, sin = self.rope.cos_sin(self.norm, positions)  # the norm weight gives the dtype
+            cos, sin = cos.contiguous(), sin.contiguous()
+        out = self.layer_stack.decode(input_ids, positions, meta.slot_mapping, meta.decode_rows, meta.decode_tables,
+                                      meta.decode_lens, meta.pool.data, keep, x, cos, sin)
+        if self.stack_head:
+            return out  # [K, vocab]
+        if keep.numel() == 0:
+            return out.new_empty(0, self.vocab_size)
+        return (labelled(self.lm_head, PROFILE_LABEL) if profiling() else self.lm_head)(out)  # [K, vocab]
 
     def _layer_loop(self, calls: _LayerCalls, x: torch.Tensor) -> None:
         """Every decoder layer on ``x`` ``[T, hidden]`` (updated in place), one layer at a time from Python."""
@@ -192,10 +219,6 @@ class FastDecoder:
         lm_head = self.lm_head.module if self._torch_projections else self.lm_head
         lm_head = labelled(lm_head, PROFILE_LABEL) if label is labelled else lm_head
         rms_norm = label(ops.rms_norm, "kvserve::rms_norm") if ops is not None else _rms_norm
-        if direct and self.layer_stack is not None and not self._stack_off:
-            stack, cos, sin = self.layer_stack, cos.contiguous(), sin.contiguous()
-            return _Step(lambda x: stack.forward(x, cos, sin, meta.slot_mapping, meta.decode_rows, meta.decode_tables,
-                                                 meta.decode_lens, meta.pool.data), rms_norm, lm_head)
         if self._torch_projections:
             projections = [p.torch() for p in self.projections]
         elif direct:
@@ -217,12 +240,16 @@ class FastDecoder:
 
     def _layer_stack(self, config) -> object | None:
         """The C++ layer stack (``DecodeLayers``) over this model's layers, or None where it does not apply: no
-        decode ops, a q/k norm, or a projection without a kernel handle (float32, int8, int4 or 16-bit weights:
-        their kernels have none; the layer loop runs them)."""
+        decode ops, activations other than float32, a q/k norm, or a projection without a kernel handle (float32,
+        int8, int4 or 16-bit weights: their kernels have none; the layer loop runs them). It also gets, once, what
+        a step needs besides the layers: the RoPE table, the final norm, and where it can take them the embedding
+        table (float32, or GGUF units of 32 weights) and the LM head's handle (``stack_embeds``, ``stack_head``)."""
         ops = native.load_ops()
         handles = [p.handles() for p in self.projections]
         if (ops is None or not hasattr(ops, "DecodeLayers") or any(h is None for h in handles)
-                or any(layer.qk_norm is not None for layer in self.layers)):
+                or any(layer.qk_norm is not None for layer in self.layers)
+                or _activation_dtype(self.embed) is not torch.float32 or self.norm.dtype is not torch.float32
+                or not self.norm.is_cpu or not self.norm.is_contiguous()):
             return None
         intermediate = self.layers[0].intermediate
         stack = ops.DecodeLayers(self.num_heads, self.num_kv_heads, self.head_dim, config.hidden_size, intermediate)
@@ -232,6 +259,17 @@ class FastDecoder:
                 return None
             stack.add_layer(layer.in_norm, layer.in_eps, layer.post_norm, layer.post_eps, qkv, o_proj, gate_up, down,
                             layer.scale, layer.window or 0)
+        rope = self.rope.table(torch.float32)  # None: cos/sin depend on more than the position
+        if rope is not None:
+            stack.set_rope(*rope)
+            self.stack_rope_positions = rope[0].shape[0]
+        table = _embedding_table(self.embed)
+        if table is not None:
+            stack.set_embedding(*table)
+        # the head's kernel serves the stack's rows only if it serves as many as every layer's
+        head = self.lm_head.handle() if self.lm_head.max_rows >= self.direct_max_rows else None
+        stack.set_head(self.norm, self.norm_eps, head)
+        self.stack_embeds, self.stack_head = table is not None, head is not None
         return stack
 
     def _decode_attention(self, decode_attention: Callable, cos: torch.Tensor, sin: torch.Tensor,
@@ -297,6 +335,30 @@ class FastDecoder:
 
 def _unlabelled(fn: Callable, label: str) -> Callable:
     return fn
+
+
+def _activation_dtype(embed: nn.Module) -> torch.dtype | None:
+    """The dtype of the rows ``embed`` returns (the model's activations), or None if unknown."""
+    if isinstance(embed, GGMLEmbedding):
+        return embed.dtype
+    weight = getattr(embed, "weight", None)
+    return weight.dtype if type(embed) is nn.Embedding and weight is not None else None
+
+
+def _embedding_table(embed: nn.Module) -> tuple[torch.Tensor, str] | None:
+    """``embed``'s table as ``DecodeLayers.set_embedding`` takes it (the table, its kind), or None where the
+    stack cannot look rows up in it the way ``embed`` does (K-quant blocks, a max_norm, another device)."""
+    if isinstance(embed, GGMLEmbedding):
+        blocks = embed.weight_blocks
+        if (embed.dtype is torch.float32 and embed.kind.block_weights == 32 and blocks.is_cpu
+                and blocks.is_contiguous()):
+            return blocks, embed.kind.value
+        return None
+    weight = getattr(embed, "weight", None)
+    if (type(embed) is nn.Embedding and embed.max_norm is None and weight.dtype is torch.float32 and weight.is_cpu
+            and weight.is_contiguous()):
+        return weight, "f32"
+    return None
 
 
 def _qk_norm(layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, float]:

@@ -74,6 +74,14 @@ class Projection:
         if type(module) is nn.Linear and weight.is_cpu and weight.dtype in (torch.bfloat16, torch.float16):
             self.row_blocks = invariant_rows(module.out_features, module.in_features, weight.dtype)
 
+    def handle(self):
+        """The kernel as a projection handle (``QuantLinear.projection_handle``), for C++ callers that run it
+        without Python on contiguous float32 rows, at most ``max_rows`` of them; None where there is none (no
+        kernel, a bias, a kernel family without handles)."""
+        if self.kernel is None or self.bias is not None or not isinstance(self.module, QuantLinear):
+            return None
+        return self.module.projection_handle()
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype is torch.float32 and (x.shape[0] <= self.max_rows or self.dense):
             x = x if x.is_contiguous() else x.contiguous()
@@ -187,10 +195,7 @@ class LayerProjections:
         for the decode ops' layer stack (``DecodeLayers.add_layer``); None where one has none (no kernel, a bias,
         a kernel family without handles, gate and up not fused)."""
         parts = (self.qkv, self.o_proj, self.gate_up, self.down)
-        if any(p is None or p.kernel is None or p.bias is not None or not isinstance(p.module, QuantLinear)
-               for p in parts):
-            return None
-        handles = tuple(p.module.projection_handle() for p in parts)
+        handles = tuple(None if p is None else p.handle() for p in parts)
         return None if any(h is None for h in handles) else handles
 
     def torch(self) -> LayerKernels:

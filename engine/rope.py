@@ -29,17 +29,24 @@ class RopeTable:
         self.static = getattr(rotary, "rope_type", None) in STATIC_ROPE_TYPES
         self._table: tuple | None = None  # ((dtype, device), cos [P, d], sin [P, d]), built on first use
 
+    def table(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """cos and sin ``[ROPE_TABLE_POSITIONS, d]`` (contiguous, CPU) of every position below
+        ROPE_TABLE_POSITIONS in ``dtype``, built on first use; None where they depend on more than the position."""
+        if not self.static:
+            return None
+        if self._table is None or self._table[0] != dtype:
+            every = torch.arange(ROPE_TABLE_POSITIONS)
+            cos, sin = self.rotary(torch.empty(1, 0, 0, dtype=dtype), every[None])  # [1, P, d] each
+            self._table = (dtype, cos[0].contiguous(), sin[0].contiguous())
+        return self._table[1], self._table[2]
+
     def cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and sin ``[T, d]`` in ``x``'s dtype for ``positions`` ``[T]``."""
-        if self.static and x.is_cpu:
-            key = (x.dtype, x.device)
-            if self._table is None or self._table[0] != key:
-                every = torch.arange(ROPE_TABLE_POSITIONS, device=x.device)
-                cos, sin = self.rotary(x[:0][None], every[None])  # [1, P, d] each
-                self._table = (key, cos[0], sin[0])
-            _, cos, sin = self._table
-            if positions.numel() and int(positions.max()) < ROPE_TABLE_POSITIONS:
-                return cos.index_select(0, positions), sin.index_select(0, positions)
+        """cos and sin ``[T, d]`` in ``x``'s dtype for ``positions`` ``[T]`` (``x`` gives only its dtype and
+        device)."""
+        table = self.table(x.dtype) if x.is_cpu else None
+        if table is not None and positions.numel() and int(positions.max()) < ROPE_TABLE_POSITIONS:
+            cos, sin = table
+            return cos.index_select(0, positions), sin.index_select(0, positions)
         cos, sin = self.rotary(x[None], positions[None])  # [1, T, d] each
         return cos[0], sin[0]
 

@@ -104,40 +104,57 @@ class ModelRunner:
                     times[size].append(time.perf_counter() - begun)
         return {size: statistics.median(samples) for size, samples in times.items()}
 
-    def _metadata(self, plan: StepPlan) -> AttentionMetadata:
-        """The step's attention metadata: every token of a decoding sequence is a decode row (each attends to
-        the cache up to its own position through the block table, so a row computes the same bits as if it
-        were decoded alone); a prefilling sequence is one span, except where ``rows_alone``: then its tokens
-        are decode rows too (see ``_rows_alone``)."""
+    def _step_tensors(self, plan: StepPlan, spans: list[tuple[int, int]]
+                      ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """The step's tensors: token ids ``[T]``, their positions ``[T]``, the attention metadata and the rows
+        whose logits are kept ``[K]`` (per SeqWork its last ``spans`` rows).
+
+        Every token of a decoding sequence is a decode row (each attends to the cache up to its own position
+        through the block table, so a row computes the same bits as if it were decoded alone); a prefilling
+        sequence is one span, except where ``rows_alone``: then its tokens are decode rows too (see
+        ``_rows_alone``). The int64 vectors (ids, positions, slots, kept rows, decode rows, context lengths and
+        block tables) are views of one tensor built from one list: a tensor per list cost a few microseconds each,
+        a large part of what a batch-1 decode step spends outside its C++ call.
+        """
         device, block_size = self.device, self.pool.block_size
-        slot_mapping = [slot for w in plan.work for slot in w.slot_mapping]
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        keep: list[int] = []
         decode_rows: list[int] = []
         decode_lens: list[int] = []
         decode_tables: list[list[int]] = []
         prefills: list[PrefillSpan] = []
         row = 0
-        for w in plan.work:
+        for w, (_, kept) in zip(plan.work, spans):
             n = len(w.token_ids)
+            ids += w.token_ids
+            positions += range(w.start_pos, w.start_pos + n)
+            slots += w.slot_mapping
+            keep += range(row + n - kept, row + n)
             if w.is_decode or self.rows_alone:
-                decode_rows.extend(range(row, row + n))
-                decode_lens.extend(range(w.start_pos + 1, w.context_len + 1))
-                decode_tables.extend([w.block_table] * n)
+                decode_rows += range(row, row + n)
+                decode_lens += range(w.start_pos + 1, w.context_len + 1)
+                decode_tables += [w.block_table] * n
             else:
                 table = (padded_tables([w.block_table], [w.context_len], block_size, device)[0] if w.start_pos
                          else torch.empty(0, dtype=torch.long, device=device))
                 prefills.append(PrefillSpan(start=row, end=row + n, block_table=table, start_pos=w.start_pos))
             row += n
-        tables = (padded_tables(decode_tables, decode_lens, block_size, device) if decode_rows
-                  else torch.empty(0, 0, dtype=torch.long, device=device))
-        return AttentionMetadata(
-            pool=self.pool,
-            slot_mapping=torch.tensor(slot_mapping, dtype=torch.long, device=device),
-            decode_rows=torch.tensor(decode_rows, dtype=torch.long, device=device),
-            decode_tables=tables,
-            decode_lens=torch.tensor(decode_lens, dtype=torch.long, device=device),
-            prefills=prefills,
-            all_decodes=not prefills,
-        )
+        # the decode rows' block tables cut to the blocks that hold each context, padded with block 0
+        counts = [-(-length // block_size) for length in decode_lens]
+        width = max(counts, default=0)
+        tables = [block for table, count in zip(decode_tables, counts) for block in table[:count]
+                  + [0] * (width - count)] if decode_rows else []
+        sizes = [row, row, row, len(keep), len(decode_rows), len(decode_rows), len(tables)]
+        flat = torch.tensor(ids + positions + slots + keep + decode_rows + decode_lens + tables, dtype=torch.long,
+                            device=device)
+        ids_t, positions_t, slots_t, keep_t, rows_t, lens_t, tables_t = flat.split(sizes)
+        meta = AttentionMetadata(pool=self.pool, slot_mapping=slots_t, decode_rows=rows_t,
+                                 decode_tables=tables_t.view(len(decode_rows), width), decode_lens=lens_t,
+                                 prefills=prefills, all_decodes=not prefills,
+                                 max_position=max(positions) if positions else None)
+        return ids_t, positions_t, meta, keep_t
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[SeqResult]:
@@ -165,31 +182,21 @@ class ModelRunner:
         """
         if not plan.work:
             raise ValueError("empty step plan")
-        device = self.device
-        input_ids = torch.tensor([[t for w in plan.work for t in w.token_ids]], device=device)  # [1, T]
-        positions = torch.tensor([[w.start_pos + i for w in plan.work for i in range(len(w.token_ids))]],
-                                 device=device)  # [1, T]
         spans = _logit_spans(plan)
-        keep: list[int] = []  # rows whose logits we need: each SeqWork's last n rows
-        row = 0
-        for w, (_, n) in zip(plan.work, spans):
-            row += len(w.token_ids)
-            keep.extend(range(row - n, row))
         matchers = self.constraints.of(plan)  # {seq_id: matcher} of the sampling sequences with a grammar
         # grammar masks are computed on their own thread while the forward runs; unconstrained steps skip this
         masks = fill_masks_async(list(matchers.values()), [w.output_ids for w in plan.work if w.seq_id in matchers]) \
             if matchers else None
-        meta = self._metadata(plan)
-        keep_rows = torch.tensor(keep, dtype=torch.long, device=device)
+        input_ids, positions, meta, keep_rows = self._step_tensors(plan, spans)  # [T], [T], ..., [K]
         if self.fast is not None:
-            logits = self.fast.forward(input_ids[0], positions[0], meta, keep_rows)  # [len(keep), vocab]
-        elif not keep:
-            self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                              logits_to_keep=torch.tensor([0], device=device), kvserve=meta)
+            logits = self.fast.forward(input_ids, positions, meta, keep_rows)  # [K, vocab]
+        elif not keep_rows.numel():
+            self.loaded.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                              logits_to_keep=torch.tensor([0], device=self.device), kvserve=meta)
         else:
-            logits = self.loaded.model(input_ids=input_ids, position_ids=positions, use_cache=False,
-                                       logits_to_keep=keep_rows, kvserve=meta).logits[0]  # [len(keep), vocab]
-        if not keep:
+            logits = self.loaded.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                                       logits_to_keep=keep_rows, kvserve=meta).logits[0]  # [K, vocab]
+        if not keep_rows.numel():
             return None
         logits = logits.float()
         if masks is not None:
@@ -214,14 +221,15 @@ class ModelRunner:
         for w, (first, n) in zip(plan.work, spans):
             result = SeqResult(seq_id=w.seq_id)
             results.append(result)
-            rows = logits[first:first + n]  # [n, vocab]
             if w.params.prompt_logprobs and not w.is_decode:
-                result.prompt_logprobs = self._prompt_logprobs(w, rows)
+                result.prompt_logprobs = self._prompt_logprobs(w, logits[first:first + n])  # [n, vocab]
             if not w.sample:
                 continue
-            sampled = rows[n - w.num_sampled_rows:]  # [1 + num_draft, vocab]
             drafts = w.draft_ids
             picked = batched.get(w.seq_id)
+            # a plain greedy sequence's tokens are picked already: the row views (a tensor op each, a good part
+            # of a 32-sequence step's Python) only for the others
+            sampled = logits[first + n - w.num_sampled_rows:first + n] if picked is None else None  # [1 + draft, V]
             for i in range(w.num_sampled_rows):
                 if picked is not None:
                     token = picked[i]

@@ -8,6 +8,9 @@ import torch
 
 import contextlib
 from dataclasses import replace
+from types import SimpleNamespace
+
+from gguf import GGMLQuantizationType, quants
 
 from kvserve.engine.plan import SeqWork, StepPlan
 from kvserve.engine.rope import Rope
@@ -15,6 +18,7 @@ from kvserve.engine.loader import wrap_model
 from kvserve.engine.runner import ModelRunner
 from kvserve import native
 from kvserve.kvcache.pool import KVPool, dequantize, quantize
+from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear
 from tests.engineutil import BLOCK, GREEDY, run_both, tiny
 from tests.ggmlutil import with_gguf_blocks
 
@@ -347,37 +351,87 @@ def test_the_kernels_format_error_messages_without_iostreams():
         qlinear.int8_linear(torch.randn(1, 30), torch.zeros(4, 30, dtype=torch.int8), torch.ones(4), 32, False)
 
 
-@pytest.mark.parametrize("arch,overrides", [("llama", {}), ("mistral", {"sliding_window": 4})])
-def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides):
-    # An all-decode step of a model on GGUF blocks runs every layer in one C++ call (DecodeLayers): the logits
-    # and every K/V it writes are the per-layer loop's, bit for bit, at 1 and 3 rows (contexts of 10-12 tokens;
-    # Mistral's 4-token window reaches the attention). The loop's q/k/v calls are counted: each path ran.
+def _gguf_tiny(arch: str, overrides: dict, embedding: str | None = None, head: str | None = None):
+    """The tiny model on GGUF blocks (``with_gguf_blocks``), its embedding and LM head too where a kind is given
+    (gguf's quantizer on their float weights)."""
     model = tiny(arch, **overrides)
     with_gguf_blocks(model)
-    loaded = wrap_model(model, tokenizer=None, name=f"{arch}-gguf")
+
+    def blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
+        return torch.from_numpy(quants.quantize(weight.detach().numpy(), GGMLQuantizationType[kind.upper()]))
+    if embedding is not None:
+        model.model.embed_tokens = GGMLEmbedding(blocks(model.model.embed_tokens.weight, embedding),
+                                                 GGMLKind(embedding))
+    if head is not None:
+        model.lm_head = GGMLLinear(blocks(model.lm_head.weight, head), GGMLKind(head))
+    return wrap_model(model, tokenizer=None, name=f"{arch}-gguf")
+
+
+def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Logits and the pool after an all-decode step of ``rows`` sequences (contexts of 10-12 tokens), with the
+    layer stack and with the layer loop; ``prepare(decoder)`` runs on each fresh decoder. The loop's q/k/v calls
+    are counted: each path ran."""
     tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
 
     def slots(s, positions):
         return [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in positions]
+    outputs = []
+    for stack in (True, False):
+        runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype))
+        assert runner.fast.layer_stack is not None
+        prepare(runner.fast)
+        calls: list[int] = []
+        runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
+                              for k in runner.fast.direct]
+        prompts = [list(range(3 + s, 12 + 2 * s)) for s in range(rows)]
+        runner.execute(StepPlan([SeqWork(s, p, 0, tables[s], slots(s, range(len(p))), False, GREEDY, p, [])
+                                 for s, p in enumerate(prompts)]))
+        calls.clear()  # the prompts' rows ran the loop (a prefill step)
+        plan = StepPlan([SeqWork(s, [40 + s], len(p), tables[s], slots(s, [len(p)]), True, GREEDY, p, [40 + s])
+                         for s, p in enumerate(prompts)])
+        with contextlib.nullcontext() if stack else runner.fast.layer_loop_only():
+            logits = runner.logits(plan)
+        assert len(calls) == (0 if stack else len(loaded.model.model.layers))
+        outputs.append((logits, runner.pool.data.clone()))
+    return outputs
+
+
+@pytest.mark.parametrize("arch,overrides,embedding,head", [
+    ("llama", {}, None, None), ("mistral", {"sliding_window": 4}, None, None), ("llama", {}, "q8_0", "q8_0"),
+    ("llama", {}, "q4_0", "q4_1"), ("llama", {}, "q4_1", None), ("llama", {}, "q5_0", "q8_0"),
+    ("llama", {}, "q5_1", None)])
+def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides, embedding, head):
+    # An all-decode step of a model on GGUF blocks runs in one C++ call (DecodeLayers.decode): the embedding
+    # looked up there (a float32 table, or each GGUF kind of 32-weight units), the RoPE rows, every layer, the
+    # final norm and, where the head is on GGUF blocks, the LM head. The logits and every K/V it writes are the
+    # per-layer loop's, bit for bit, at 1 and 3 rows (Mistral's 4-token window reaches the attention).
+    loaded = _gguf_tiny(arch, overrides, embedding, head)
     for rows in (1, 3):
-        outputs = []
-        for stack in (True, False):
-            runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype))
-            assert runner.fast.layer_stack is not None
-            calls: list[int] = []
-            runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
-                                  for k in runner.fast.direct]
-            prompts = [list(range(3 + s, 12 + 2 * s)) for s in range(rows)]
-            runner.execute(StepPlan([SeqWork(s, p, 0, tables[s], slots(s, range(len(p))), False, GREEDY, p, [])
-                                     for s, p in enumerate(prompts)]))
-            calls.clear()  # the prompts' rows ran the loop (a prefill step)
-            plan = StepPlan([SeqWork(s, [40 + s], len(p), tables[s], slots(s, [len(p)]), True, GREEDY, p, [40 + s])
-                             for s, p in enumerate(prompts)])
-            with contextlib.nullcontext() if stack else runner.fast.layer_loop_only():
-                logits = runner.logits(plan)
-            assert len(calls) == (0 if stack else len(loaded.model.model.layers))
-            outputs.append((logits, runner.pool.data.clone()))
+        outputs = _stack_and_loop(loaded, rows)
         assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)).fast
+    assert fast.stack_embeds and fast.stack_head == (head is not None)
+
+
+def test_fused_layer_stack_takes_rows_and_rope_from_python():
+    # Where the stack cannot look the ids up (a K-quant table) or a position is past its RoPE table, the step
+    # hands it the embedded rows and cos/sin: the same bits.
+    loaded = _gguf_tiny("llama", {}, "q8_0", "q8_0")
+    seen: list[bool] = []
+
+    def from_python(fast) -> None:
+        fast.stack_embeds, fast.stack_rope_positions = False, 0  # every position past the stack's table
+        decode = fast.layer_stack.decode
+        fast.layer_stack = SimpleNamespace(decode=lambda *args: seen.append(all(a is not None for a in args[-3:]))
+                                           or decode(*args))
+    outputs = _stack_and_loop(loaded, 3, from_python)
+    assert seen and all(seen)  # the prompts' step and the decode step
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_the_served_model_runs_its_whole_decode_step_in_the_stack(smollm2_gguf):
+    fast = ModelRunner(smollm2_gguf, KVPool(smollm2_gguf.kv_shape(), 4, 16, smollm2_gguf.dtype)).fast
+    assert fast.layer_stack is not None and fast.stack_embeds and fast.stack_head
 
 
 def test_fused_layer_stack_refuses_what_it_cannot_run(smollm2_gguf):
@@ -393,6 +447,15 @@ def test_fused_layer_stack_refuses_what_it_cannot_run(smollm2_gguf):
         stack.forward(x, cos, cos, zero, zero, table, one, pool.data[:, :2])
     with pytest.raises(RuntimeError, match="does not fit its block table"):
         stack.forward(x, cos, cos, zero, zero, table, torch.tensor([17]), pool.data)
+    # a whole step from ids: each index checked before it is read
+    with pytest.raises(RuntimeError, match="token id 49152 out of range for a vocabulary of 49152"):
+        stack.decode(torch.tensor([49152]), zero, zero, zero, table, one, pool.data, zero)
+    with pytest.raises(RuntimeError, match="position 8192 is past the RoPE table's 8192 positions"):
+        stack.decode(zero, torch.tensor([8192]), zero, zero, table, one, pool.data, zero)
+    with pytest.raises(RuntimeError, match="keep row 1 out of range"):
+        stack.decode(zero, zero, zero, zero, table, one, pool.data, one)
+    with pytest.raises(RuntimeError, match="embedding kind q6_k"):
+        stack.set_embedding(torch.zeros(4, 576 // 256 * 210, dtype=torch.uint8), "q6_k")
     qkv, o_proj, gate_up, down = runner.fast.projections[0].handles()
     norm = torch.ones(576)
     with pytest.raises(RuntimeError, match=r"qkv computes \[576\] -> \[576\], the layer needs \[576\] -> \[960\]"):

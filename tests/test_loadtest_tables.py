@@ -144,3 +144,28 @@ def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_s
                                                                    "rest ms (step - them)"))
     assert all(a > 0 for a in alone)
     assert all(abs(s - a - r) < 0.02 for s, a, r in zip(step, alone, rest))
+    # every round's rest of both paths and their ratio, then the medians
+    assert table["rest ms per round"] == [f"{head}, B = {b}" for b in (1, 2)
+                                          for head in ("layer loop", "layer stack", "stack / loop")]
+    assert list(table)[-3:] == ["rest ms per round", "round 1", "median (ratio: of the rounds' ratios)"]
+
+
+def test_rest_per_round_and_the_median_of_the_rounds_ratios():
+    """`profile --layers both`: one round where the machine was busy for the loop moves one ratio of three, not the
+    median ratio (the main table's per-path median rounds could pair a quiet stack round with a busy loop one)."""
+    from kvserve.loadtest.engine.profile_step import DecodeProfile, rest_rounds_table
+
+    def run(rest_ms: float) -> DecodeProfile:
+        return DecodeProfile(wall_ms=rest_ms + 5.0, profiled_ms=0.0, shares={}, top=[], alone_ms=5.0)
+    runs = {(1, "loop"): [run(2.0), run(10.0), run(2.5)], (1, "stack"): [run(1.0), run(1.0), run(1.5)]}
+    lines = rest_rounds_table([1], runs).splitlines()
+    rows = {cells[0]: cells[1:] for cells in ([c.strip() for c in line.strip("|").split("|")] for line in lines
+                                              if line.startswith("| "))}
+    assert rows["round 1"] == ["2.00", "1.00", "0.50"]
+    assert rows["round 2"] == ["10.00", "1.00", "0.10"]
+    assert rows["round 3"] == ["2.50", "1.50", "0.60"]
+    assert rows["median (ratio: of the rounds' ratios)"] == ["2.50", "1.00", "0.50"]
+    # noise larger than the loop's rest: that round has no ratio, and the median is of the others
+    runs[1, "loop"][1] = run(-0.5)
+    lines = rest_rounds_table([1], runs).splitlines()
+    assert lines[3] == "| round 2 | -0.50 | 1.00 | nan |" and lines[-1].endswith("| 0.55 |")

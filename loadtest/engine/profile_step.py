@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
 import statistics
 import time
 
@@ -255,7 +256,7 @@ def run(args: argparse.Namespace) -> int:
     if args.prefill:
         return _run_prefill(args, loaded, served)
     paths = LAYER_PATHS if args.layers == "both" else (args.layers,)
-    results = _profiles(batches, paths, args.rounds if args.layers == "both" else 1, args, loaded)
+    results, runs = _profiles(batches, paths, args.rounds if args.layers == "both" else 1, args, loaded)
     labels = [label for label, _ in _CATEGORIES] + ["other ops", "Python/dispatch overhead"]
     heads = [f"{_PATH_NAMES[path]}, B = {b}" if len(paths) > 1 else f"B = {b}" for b, path, _ in results]
     rows = ["| share of a decode step | " + " | ".join(heads) + " |", "|---" * (len(results) + 1) + "|"]
@@ -268,7 +269,9 @@ def run(args: argparse.Namespace) -> int:
         rows.append(f"| {label} | " + " | ".join(cells) + " |")
     top = results[-1][2].top
     rounds = (f" Both paths side by side: {args.rounds} alternating rounds (per batch size the loop, then the stack), "
-              "the round with the median step per column; the two give the same bits." if len(paths) > 1 else "")
+              "the round with the median step per column; the two give the same bits. The table after the notes has "
+              "every round's rest and its ratio stack / loop, and the median of those ratios: the figure to quote "
+              "on a busy machine." if len(paths) > 1 else "")
     text = "\n".join(rows) + ("\n\nRest: the step without the profiler less every projection and the LM head "
                               "replayed alone on as many rows (median of 7, through their bare kernels): "
                               "attention, norms, RoPE, SwiGLU, sampling and the Python around them." + rounds +
@@ -282,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
                               "RoPE and writes the step's K/V. "
                               f"Top ops at B = {results[-1][0]} (self ms per profiled step): "
                               + ", ".join(f"`{name}` {ms:.1f}" for name, ms in top) + ".")
+    if len(paths) > 1:
+        text += "\n\n" + rest_rounds_table(batches, runs)
     print(text)
     print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served})")
     if not args.no_write and args.layers != "stack":
@@ -301,10 +306,11 @@ def run(args: argparse.Namespace) -> int:
 _PATH_NAMES = {"loop": "layer loop", "stack": "layer stack"}
 
 
-def _profiles(batches: list[int], paths: tuple[str, ...], rounds: int, args: argparse.Namespace,
-              loaded) -> list[tuple[int, str, DecodeProfile]]:
-    """Per batch size and path, the profile of the round whose step (no profiler) is the median; rounds alternate
-    the paths, so a busy spell of the machine falls on both alike."""
+def _profiles(batches: list[int], paths: tuple[str, ...], rounds: int, args: argparse.Namespace, loaded
+              ) -> tuple[list[tuple[int, str, DecodeProfile]], dict[tuple[int, str], list[DecodeProfile]]]:
+    """Per batch size and path, the profile of the round whose step (no profiler) is the median, and every
+    round's profile in round order; rounds alternate the paths, so a busy spell of the machine falls on both
+    alike."""
     runs: dict[tuple[int, str], list[DecodeProfile]] = {}
     for _ in range(rounds):
         for batch in batches:
@@ -312,7 +318,37 @@ def _profiles(batches: list[int], paths: tuple[str, ...], rounds: int, args: arg
                 runs.setdefault((batch, path), []).append(profile_decode(batch, args.context, args.steps, loaded,
                                                                           path))
     return [(batch, path, sorted(runs[batch, path], key=lambda r: r.wall_ms)[rounds // 2])
-            for batch in batches for path in paths]
+            for batch in batches for path in paths], runs
+
+
+def rest_rounds_table(batches: list[int], runs: dict[tuple[int, str], list[DecodeProfile]]) -> str:
+    """The rest of the layer loop and of the layer stack in every round, side by side, and their ratio (stack /
+    loop) per round; its last row has the median of each column, the ratio's being the median of the rounds'
+    ratios (of the rounds that have one: a loop rest <= 0 has none). Each round ran the two paths one after the
+    other, so a ratio is taken within one spell of the machine, and a slow round moves one ratio of several
+    rather than the figure (the main table's columns are each path's median round, which may be different
+    rounds)."""
+    heads = [f"{head}, B = {b}" for b in batches for head in ("layer loop", "layer stack", "stack / loop")]
+    rows = ["| rest ms per round | " + " | ".join(heads) + " |", "|---" + "|---:" * len(heads) + "|"]
+    rounds = len(runs[batches[0], "loop"])
+    columns: list[list[float]] = [[] for _ in heads]
+    for index in range(rounds):
+        cells = []
+        for b in batches:
+            loop, stack = runs[b, "loop"][index].rest_ms, runs[b, "stack"][index].rest_ms
+            cells += [loop, stack, stack / loop if loop > 0 else float("nan")]
+        for column, value in zip(columns, cells):
+            column.append(value)
+        rows.append(f"| round {index + 1} | " + " | ".join(f"{v:.2f}" for v in cells) + " |")
+    # a round whose loop rest came out <= 0 (the machine's noise larger than the rest) has no ratio
+    rows.append("| median (ratio: of the rounds' ratios) | " + " | ".join(
+        f"{_median_of_finite(column):.2f}" for column in columns) + " |")
+    return "\n".join(rows)
+
+
+def _median_of_finite(values: list[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return statistics.median(finite) if finite else float("nan")
 
 
 def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:

@@ -15,19 +15,36 @@
 //     gate_up = h @ W_gate_up^T                               [T, 2I]
 //     x += (silu(gate) * up) @ W_down^T;  h = rms_norm(x, next layer's in_norm)   (the last layer: x only)
 //
+//   logits = lm_head(rms_norm(x[keep], final_norm))          decode() only: [K, vocab] (or the normed rows)
+//
+// forward() runs the layers on rows the caller embedded, with the caller's cos/sin. decode() runs the whole step
+// from token ids: the embedding rows (a float32 table, or GGUF blocks of 32 weights dequantized as
+// quant/ggml.py's dequantize_blocks does: exact products, one rounding where it adds a minimum), the rows of a
+// cos/sin table at the positions (the RoPE table engine/rope.py's RopeTable fills), the layers, the final
+// norm of the kept rows and the LM head's kernel, so a step's only tensors from Python are its int64 indices.
+// Either of its inputs may still come from the caller (rows embedded in Python, cos/sin of positions past the
+// table).
+//
 // x [T, hidden] is the residual stream, updated in place. The projections are the linear kernels' own entry
-// points, reached through ProjectionHandle (projection_handle.h) without Python or torch's dispatcher; the norms,
-// RoPE, KV write and attention are decode_ops.cpp's loops (decode_rows.h); SwiGLU is torch's silu kernel, as
-// silu_mul computes it (see swiglu). Intermediate rows live in a workspace kept across steps (grown to the largest
-// batch).
+// points, reached through ProjectionHandle (projection_handle.h) without Python or torch's dispatcher; the
+// norms, RoPE, KV write and attention are decode_ops.cpp's loops (decode_rows.h); SwiGLU is torch's silu
+// kernel, as silu_mul computes it (see swiglu). Intermediate rows live in a workspace kept across steps (grown
+// to the largest batch).
 // Under torch.profiler each part carries the label the per-layer loop's calls carry.
 #include <ATen/record_function.h>
+#include <c10/util/Half.h>
+
+#include <pybind11/stl.h>  // std::optional arguments
 
 #include "decode_common.h"
 #include "decode_rows.h"
 #include "projection_handle.h"
 
+#include <algorithm>
+#include <cstring>
 #include <mutex>
+#include <optional>
+#include <string>
 #include <vector>
 
 namespace {
@@ -35,13 +52,14 @@ namespace {
 using kvserve::ProjectionHandle;
 using kvserve::decode::check_f32;
 
-// The ProjectionHandle in a capsule made by the linear kernels (e.g. ggml_handle), checked for its shape.
+// The ProjectionHandle in a capsule made by the linear kernels (e.g. ggml_handle), checked for its shape (N < 0:
+// any number of outputs).
 const ProjectionHandle* handle_of(const py::capsule& capsule, int64_t N, int64_t K, const char* what) {
   KV_CHECK(capsule.name() != nullptr && std::string(capsule.name()) == ProjectionHandle::kCapsuleName, what,
            " must be a projection handle (a capsule from the linear kernels, e.g. ggml_handle)");
   const auto* handle = capsule.get_pointer<ProjectionHandle>();
-  KV_CHECK(handle->N == N && handle->K == K, what, " computes [", handle->K, "] -> [", handle->N,
-           "], the layer needs [", K, "] -> [", N, "]");
+  KV_CHECK((N < 0 || handle->N == N) && handle->K == K, what, " computes [", handle->K, "] -> [", handle->N,
+           "], the layer needs [", K, "] -> [", N < 0 ? std::string("any") : std::to_string(N), "]");
   return handle;
 }
 
@@ -62,6 +80,55 @@ void swiglu(torch::Tensor& act, const torch::Tensor& gate, const float* up, int6
   float* a = act.data_ptr<float>();
   for (int64_t t = 0; t < T; ++t)
     for (int64_t i = 0; i < I; ++i) a[t * I + i] *= up[t * up_stride + i];
+}
+
+// The token embedding's formats decode() looks rows up in: a float32 table, or GGUF units of 32 weights.
+enum class Table { kF32, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0 };
+
+struct TableFormat {
+  const char* name;  // quant/ggml.py's GGMLKind value ("f32": a float32 nn.Embedding weight)
+  Table table;
+  int64_t unit_bytes;  // bytes per 32 weights (0: float32 rows)
+};
+
+constexpr TableFormat kTableFormats[] = {{"f32", Table::kF32, 0},     {"q4_0", Table::kQ4_0, 18},
+                                         {"q4_1", Table::kQ4_1, 20},  {"q5_0", Table::kQ5_0, 22},
+                                         {"q5_1", Table::kQ5_1, 24},  {"q8_0", Table::kQ8_0, 34}};
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, 2);
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));  // exact
+}
+
+// One unit of 32 weights as quant/ggml.py's dequantize_blocks computes it, the same float32 operations in the
+// same order (this file is built without FMA contraction): codes 0-15 are the low nibbles, 16-31 the high ones,
+// Q5's fifth bit j is bit j of a little-endian word; d q, (q - 8) d and (q - 16) d are exact, + m rounds once.
+void dequantize_unit(Table table, const uint8_t* u, float* w) {
+  const float d = half_at(u);
+  if (table == Table::kQ8_0) {
+    for (int j = 0; j < 32; ++j) w[j] = static_cast<float>(static_cast<int8_t>(u[2 + j])) * d;
+    return;
+  }
+  const bool has_min = table == Table::kQ4_1 || table == Table::kQ5_1;
+  const bool fifth = table == Table::kQ5_0 || table == Table::kQ5_1;
+  const int head = has_min ? 4 : 2;  // after d (and m)
+  const uint8_t* qs = u + head + (fifth ? 4 : 0);
+  uint32_t qh = 0;
+  if (fifth) std::memcpy(&qh, u + head, 4);
+  const float m = has_min ? half_at(u + 2) : 0.f;
+  const float offset = table == Table::kQ4_0 ? 8.f : table == Table::kQ5_0 ? 16.f : 0.f;
+  for (int j = 0; j < 32; ++j) {
+    int code = j < 16 ? qs[j] & 0x0F : qs[j - 16] >> 4;
+    if (fifth) code |= static_cast<int>((qh >> j) & 1u) << 4;
+    const float q = static_cast<float>(code);
+    if (has_min) {
+      const float dq = q * d;
+      w[j] = dq + m;
+    } else {
+      w[j] = (q - offset) * d;
+    }
+  }
 }
 
 class DecodeLayers {
@@ -92,6 +159,59 @@ class DecodeLayers {
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
+  // decode()'s token embedding: a float32 table [vocab, hidden] ("f32", contiguous) or GGUF units uint8 [vocab,
+  // hidden / 32 * unit bytes] of kind "q4_0", "q4_1", "q5_0", "q5_1" or "q8_0" (GGMLEmbedding's weight_blocks).
+  void set_embedding(const torch::Tensor& table, const std::string& kind) {
+    const TableFormat* format = nullptr;
+    for (const TableFormat& f : kTableFormats)
+      if (kind == f.name) format = &f;
+    KV_CHECK(format != nullptr, "embedding kind ", kind, " (the stack looks up f32, q4_0, q4_1, q5_0, q5_1, q8_0)");
+    KV_CHECK(table.is_cpu() && table.is_contiguous() && table.dim() == 2 && table.size(0) > 0,
+             "the embedding must be a contiguous CPU table [vocab, row]");
+    if (format->table == Table::kF32) {
+      check_f32(table, "an f32 embedding");
+      KV_CHECK(table.size(1) == hidden_, "an f32 embedding must be [vocab, ", hidden_, "]");
+    } else {
+      KV_CHECK(table.scalar_type() == torch::kUInt8 && hidden_ % 32 == 0 &&
+                   table.size(1) == hidden_ / 32 * format->unit_bytes,
+               kind, " embedding rows must be uint8 [vocab, ", hidden_ / 32 * format->unit_bytes, "]");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    embedding_ = table;
+    embedding_format_ = format->table;
+  }
+
+  // decode()'s RoPE: cos and sin [P, D] per position 0..P-1 (contiguous float32).
+  void set_rope(const torch::Tensor& cos, const torch::Tensor& sin) {
+    for (const torch::Tensor* t : {&cos, &sin}) {
+      check_f32(*t, "the cos and sin tables");
+      KV_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(1) == D_ && t->size(0) == cos.size(0),
+               "the cos and sin tables must be contiguous [positions, ", D_, "]");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    cos_table_ = cos;
+    sin_table_ = sin;
+  }
+
+  // decode()'s last part: the final RMSNorm's weights [hidden] and eps, and the LM head's projection handle (None:
+  // decode returns the normed rows and the caller applies its head).
+  void set_head(const torch::Tensor& norm, double eps, const py::object& head) {
+    check_f32(norm, "the final norm weight");
+    KV_CHECK(norm.is_contiguous() && norm.numel() == hidden_, "the final norm weight must be contiguous [", hidden_,
+             "]");
+    const ProjectionHandle* handle = nullptr;
+    py::capsule owner;
+    if (!head.is_none()) {
+      owner = head.cast<py::capsule>();
+      handle = handle_of(owner, -1, hidden_, "lm_head");
+    }
+    std::lock_guard<std::mutex> lock(mutex_);
+    final_norm_ = norm;
+    final_eps_ = static_cast<float>(eps);
+    head_owner_ = owner;
+    head_ = handle;
+  }
+
   // Runs every layer on x [T, hidden] (contiguous float32, updated in place). cos, sin [T, D]: the rows' RoPE
   // (contiguous); slots [T]: where each row's K/V goes; rows, tables, lens: the paged attention's decode rows
   // (every row, in order), block tables and context lengths (paged_decode_attention); kv [2, layers, blocks,
@@ -101,64 +221,73 @@ class DecodeLayers {
     RECORD_FUNCTION("kvserve::decode_layers", c10::ArrayRef<const c10::IValue>{});
     std::lock_guard<std::mutex> lock(mutex_);  // one step at a time: the workspace is shared
     c10::InferenceMode inference;  // the workspace's in-place ops need no autograd record, whoever calls
-    const int64_t layers = num_layers(), T = x.size(0), width = (H_ + 2 * H_kv_) * D_;
+    const int64_t T = x.size(0);
     check_f32(x, "x");
-    KV_CHECK(layers > 0 && x.dim() == 2 && x.is_contiguous() && x.size(1) == hidden_, "x must be contiguous [T, ",
-             hidden_, "]");
-    for (const torch::Tensor* t : {&cos, &sin}) {
-      check_f32(*t, "cos and sin");
-      KV_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(0) == T && t->size(1) == D_,
-               "cos and sin must be contiguous [T, D]");
-    }
-    check_f32(kv, "kv");
-    KV_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == 2 && kv.size(1) == layers && kv.size(4) == H_kv_ &&
-                 kv.size(5) == D_,
-             "kv must be the contiguous pool [2, ", layers, ", blocks, block_size, ", H_kv_, ", ", D_, "]");
-    KV_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
-             "slots must be int64 [T]");
-    const int64_t blocks = kv.size(2), block_size = kv.size(3), layer_floats = blocks * block_size * H_kv_ * D_;
-    kvserve::decode::check_slots(slots, blocks * block_size);
+    KV_CHECK(num_layers() > 0 && x.dim() == 2 && x.is_contiguous() && x.size(1) == hidden_,
+             "x must be contiguous [T, ", hidden_, "]");
+    check_cos_sin(cos, sin, T);
+    check_pool(kv, slots, T);
     if (T == 0) return;
     reserve(T);
-    // this step's views of the workspace (a few tensor ops per step, none per layer)
-    auto qkv = qkv_.narrow(0, 0, T), attn = attn_.narrow(0, 0, T), gate_up = gate_up_.narrow(0, 0, T);
-    auto act = act_.narrow(0, 0, T), gate = gate_up.narrow(1, 0, I_);
-    kvserve::decode::DecodeCall call = kvserve::decode::check_decode_call(
-        qkv.view({T, H_ + 2 * H_kv_, D_}).narrow(1, 0, H_), rows, tables, lens, attn, blocks, block_size, H_kv_, 1.0,
-        0);
-    KV_CHECK(call.B == T, "every row must be a decode row");
-    float* xp = x.data_ptr<float>();
-    float* hp = h_.data_ptr<float>();
-    float* qkvp = qkv_.data_ptr<float>();
-    float* outp = out_.data_ptr<float>();
-    float* gate_upp = gate_up_.data_ptr<float>();
-    const float* actp = act_.data_ptr<float>();
-    const int64_t* sp = slots.data_ptr<int64_t>();
-    float* kvp = kv.data_ptr<float>();
-    rms_norm(xp, layers_[0].in_norm, layers_[0].in_eps, hp, T);
-    for (int64_t l = 0; l < layers; ++l) {
-      const Layer& layer = layers_[l];
-      float* k_blocks = kvp + l * layer_floats;
-      float* v_blocks = kvp + (layers + l) * layer_floats;
-      project(layer.qkv, hp, T, qkvp);
-      {
-        RECORD_FUNCTION("kvserve::decode_attention", c10::ArrayRef<const c10::IValue>{});
-        kvserve::decode::rope_rows(qkvp, T, H_ + H_kv_, D_, width, D_, cos.data_ptr<float>(), sin.data_ptr<float>());
-        kvserve::decode::write_kv_rows(k_blocks, v_blocks, sp, qkvp + H_ * D_, qkvp + (H_ + H_kv_) * D_, T, H_kv_, D_,
-                                       width, D_, width, D_);
-        call.scale = static_cast<float>(layer.scale);
-        call.window = layer.window;
-        kvserve::decode::attend_decode(call, k_blocks, v_blocks);
-      }
-      project(layer.o_proj, call.out, T, outp);
-      kvserve::decode::add_rows(xp, outp, T, hidden_);
-      rms_norm(xp, layer.post_norm, layer.post_eps, hp, T);
-      project(layer.gate_up, hp, T, gate_upp);
-      swiglu(act, gate, gate_upp + I_, 2 * I_);
-      project(layer.down, actp, T, outp);
-      kvserve::decode::add_rows(xp, outp, T, hidden_);
-      if (l + 1 < layers) rms_norm(xp, layers_[l + 1].in_norm, layers_[l + 1].in_eps, hp, T);
+    run_layers(x.data_ptr<float>(), T, cos.data_ptr<float>(), sin.data_ptr<float>(), slots, rows, tables, lens, kv);
+  }
+
+  // A whole all-decode step: ids [T] (int64 token ids) and positions [T] (int64) in, the kept rows' logits
+  // [K, vocab] out (a fresh tensor; the normed rows [K, hidden] where no head is set). slots, rows, tables, lens,
+  // kv: as forward; keep [K]: int64 rows whose logits are wanted, in [0, T). Optional x [T, hidden]: rows the
+  // caller embedded (else the embedding set_embedding gave looks up ids); optional cos, sin [T, D]: the rows'
+  // RoPE (else rows of set_rope's tables at the positions). Needs set_head. Every row's bits are forward's
+  // followed by rms_norm (decode_ops) and the head's kernel on the kept rows.
+  torch::Tensor decode(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                       const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                       torch::Tensor& kv, const torch::Tensor& keep, const std::optional<torch::Tensor>& x,
+                       const std::optional<torch::Tensor>& cos, const std::optional<torch::Tensor>& sin) {
+    RECORD_FUNCTION("kvserve::decode_layers", c10::ArrayRef<const c10::IValue>{});
+    std::lock_guard<std::mutex> lock(mutex_);
+    c10::InferenceMode inference;
+    KV_CHECK(num_layers() > 0 && final_norm_.defined(), "decode needs the layers and set_head");
+    for (const torch::Tensor* t : {&ids, &positions, &keep})
+      KV_CHECK(t->scalar_type() == torch::kLong && t->is_cpu() && t->is_contiguous() && t->dim() == 1,
+               "ids, positions and keep must be contiguous int64 CPU vectors");
+    const int64_t T = ids.numel(), K = keep.numel();
+    KV_CHECK(positions.numel() == T, "ids and positions must both be [T]");
+    check_pool(kv, slots, T);
+    const int64_t* kp = keep.data_ptr<int64_t>();
+    for (int64_t k = 0; k < K; ++k) KV_CHECK(kp[k] >= 0 && kp[k] < T, "keep row ", kp[k], " out of range");
+    reserve(std::max<int64_t>(T, 1));
+    float* xp = x_.data_ptr<float>();
+    if (x.has_value()) {
+      check_f32(*x, "x");
+      KV_CHECK(x->dim() == 2 && x->is_contiguous() && x->size(0) == T && x->size(1) == hidden_,
+               "x must be contiguous [T, ", hidden_, "]");
+      if (T > 0) std::memcpy(xp, x->data_ptr<float>(), sizeof(float) * T * hidden_);
+    } else {
+      embed(ids, xp);
     }
+    const float *cosp = cos_.data_ptr<float>(), *sinp = sin_.data_ptr<float>();
+    KV_CHECK(cos.has_value() == sin.has_value(), "give both cos and sin, or neither");
+    if (cos.has_value()) {
+      check_cos_sin(*cos, *sin, T);
+      cosp = cos->data_ptr<float>();
+      sinp = sin->data_ptr<float>();
+    } else {
+      gather_rope(positions, T);
+    }
+    const int64_t vocab = head_ != nullptr ? head_->N : hidden_;
+    auto out = torch::empty({K, vocab}, torch::TensorOptions().dtype(torch::kFloat32));
+    if (T == 0) return out;
+    run_layers(xp, T, cosp, sinp, slots, rows, tables, lens, kv);
+    // the kept rows normed into h (free once the layers ran), then the head
+    float* hp = h_.data_ptr<float>();
+    float* normed = head_ != nullptr ? hp : out.data_ptr<float>();
+    {
+      RECORD_FUNCTION("kvserve::rms_norm", c10::ArrayRef<const c10::IValue>{});
+      for (int64_t k = 0; k < K; ++k)
+        kvserve::decode::rms_norm_rows(xp + kp[k] * hidden_, final_norm_.data_ptr<float>(), final_eps_,
+                                       normed + k * hidden_, 1, hidden_);
+    }
+    if (head_ != nullptr && K > 0) project(head_, hp, K, out.data_ptr<float>());
+    return out;
   }
 
  private:
@@ -176,10 +305,129 @@ class DecodeLayers {
     kvserve::decode::rms_norm_rows(x, w.data_ptr<float>(), eps, y, T, w.numel());
   }
 
+  void check_cos_sin(const torch::Tensor& cos, const torch::Tensor& sin, int64_t T) const {
+    for (const torch::Tensor* t : {&cos, &sin}) {
+      check_f32(*t, "cos and sin");
+      KV_CHECK(t->is_contiguous() && t->dim() == 2 && t->size(0) == T && t->size(1) == D_,
+               "cos and sin must be contiguous [T, D]");
+    }
+  }
+
+  // kv: the pool, one K and one V block array per layer; slots [T] inside it.
+  void check_pool(const torch::Tensor& kv, const torch::Tensor& slots, int64_t T) const {
+    check_f32(kv, "kv");
+    KV_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == 2 && kv.size(1) == num_layers() &&
+                 kv.size(4) == H_kv_ && kv.size(5) == D_,
+             "kv must be the contiguous pool [2, ", num_layers(), ", blocks, block_size, ", H_kv_, ", ", D_, "]");
+    KV_CHECK(slots.scalar_type() == torch::kLong && slots.is_contiguous() && slots.numel() == T,
+             "slots must be int64 [T]");
+    kvserve::decode::check_slots(slots, kv.size(2) * kv.size(3));
+  }
+
+  // x [T, hidden] <- the embedding's rows of ids (GGMLEmbedding / nn.Embedding's bits).
+  void embed(const torch::Tensor& ids, float* x) const {
+    RECORD_FUNCTION("kvserve::embedding", c10::ArrayRef<const c10::IValue>{});
+    KV_CHECK(embedding_.defined(), "decode without x needs set_embedding");
+    const int64_t T = ids.numel(), vocab = embedding_.size(0), row_bytes = embedding_.size(1) *
+                                                                  embedding_.element_size();
+    const int64_t* id = ids.data_ptr<int64_t>();
+    const auto* table = static_cast<const uint8_t*>(embedding_.data_ptr());
+    for (int64_t t = 0; t < T; ++t) {
+      KV_CHECK(id[t] >= 0 && id[t] < vocab, "token id ", id[t], " out of range for a vocabulary of ", vocab);
+      const uint8_t* row = table + id[t] * row_bytes;
+      float* out = x + t * hidden_;
+      if (embedding_format_ == Table::kF32) {
+        std::memcpy(out, row, sizeof(float) * hidden_);
+        continue;
+      }
+      const int64_t unit = row_bytes / (hidden_ / 32);
+      for (int64_t u = 0; u < hidden_ / 32; ++u) dequantize_unit(embedding_format_, row + u * unit, out + 32 * u);
+    }
+  }
+
+  // cos_, sin_ [T, D] <- rows of the RoPE tables at positions.
+  void gather_rope(const torch::Tensor& positions, int64_t T) {
+    KV_CHECK(cos_table_.defined(), "decode without cos and sin needs set_rope");
+    const int64_t P = cos_table_.size(0);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    const float *cos = cos_table_.data_ptr<float>(), *sin = sin_table_.data_ptr<float>();
+    float *cos_out = cos_.data_ptr<float>(), *sin_out = sin_.data_ptr<float>();
+    for (int64_t t = 0; t < T; ++t) {
+      KV_CHECK(pos[t] >= 0 && pos[t] < P, "position ", pos[t], " is past the RoPE table's ", P, " positions");
+      std::memcpy(cos_out + t * D_, cos + pos[t] * D_, sizeof(float) * D_);
+      std::memcpy(sin_out + t * D_, sin + pos[t] * D_, sizeof(float) * D_);
+    }
+  }
+
+  // Every layer on x [T, hidden] (the caller holds the lock, checked the pool and reserved T rows).
+  void run_layers(float* xp, int64_t T, const float* cosp, const float* sinp, const torch::Tensor& slots,
+                  const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens,
+                  torch::Tensor& kv) {
+    const int64_t layers = num_layers(), width = (H_ + 2 * H_kv_) * D_;
+    const int64_t blocks = kv.size(2), block_size = kv.size(3), layer_floats = blocks * block_size * H_kv_ * D_;
+    Views& v = views(T);
+    kvserve::decode::DecodeCall call =
+        kvserve::decode::check_decode_call(v.q, rows, tables, lens, v.attn, blocks, block_size, H_kv_, 1.0, 0);
+    KV_CHECK(call.B == T, "every row must be a decode row");
+    float* hp = h_.data_ptr<float>();
+    float* qkvp = qkv_.data_ptr<float>();
+    float* outp = out_.data_ptr<float>();
+    float* gate_upp = gate_up_.data_ptr<float>();
+    const float* actp = act_.data_ptr<float>();
+    const int64_t* sp = slots.data_ptr<int64_t>();
+    float* kvp = kv.data_ptr<float>();
+    rms_norm(xp, layers_[0].in_norm, layers_[0].in_eps, hp, T);
+    for (int64_t l = 0; l < layers; ++l) {
+      const Layer& layer = layers_[l];
+      float* k_blocks = kvp + l * layer_floats;
+      float* v_blocks = kvp + (layers + l) * layer_floats;
+      project(layer.qkv, hp, T, qkvp);
+      {
+        RECORD_FUNCTION("kvserve::decode_attention", c10::ArrayRef<const c10::IValue>{});
+        kvserve::decode::rope_rows(qkvp, T, H_ + H_kv_, D_, width, D_, cosp, sinp);
+        kvserve::decode::write_kv_rows(k_blocks, v_blocks, sp, qkvp + H_ * D_, qkvp + (H_ + H_kv_) * D_, T, H_kv_, D_,
+                                       width, D_, width, D_);
+        call.scale = static_cast<float>(layer.scale);
+        call.window = layer.window;
+        kvserve::decode::attend_decode(call, k_blocks, v_blocks);
+      }
+      project(layer.o_proj, call.out, T, outp);
+      kvserve::decode::add_rows(xp, outp, T, hidden_);
+      rms_norm(xp, layer.post_norm, layer.post_eps, hp, T);
+      project(layer.gate_up, hp, T, gate_upp);
+      swiglu(v.act, v.gate, gate_upp + I_, 2 * I_);
+      project(layer.down, actp, T, outp);
+      kvserve::decode::add_rows(xp, outp, T, hidden_);
+      if (l + 1 < layers) rms_norm(xp, layers_[l + 1].in_norm, layers_[l + 1].in_eps, hp, T);
+    }
+  }
+
+  // The workspace's first T rows as the attention and SwiGLU take them, made again only when T changes (a
+  // handful of tensor ops, where a run of steps of one batch size makes none).
+  struct Views {
+    int64_t T = -1;
+    torch::Tensor q, attn, act, gate;  // [T, H, D] (in qkv's rows), [T, H, D], [T, I], [T, I] (in gate_up's rows)
+  };
+
+  Views& views(int64_t T) {
+    if (views_.T != T) {
+      views_.q = qkv_.narrow(0, 0, T).view({T, H_ + 2 * H_kv_, D_}).narrow(1, 0, H_);
+      views_.attn = attn_.narrow(0, 0, T);
+      views_.act = act_.narrow(0, 0, T);
+      views_.gate = gate_up_.narrow(0, 0, T).narrow(1, 0, I_);
+      views_.T = T;
+    }
+    return views_;
+  }
+
   // A workspace of at least T rows (intermediate results; kept across steps).
   void reserve(int64_t T) {
     if (h_.defined() && h_.size(0) >= T) return;
+    views_.T = -1;  // the views below are of the old workspace
     const auto f32 = torch::TensorOptions().dtype(torch::kFloat32);
+    x_ = torch::empty({T, hidden_}, f32);
+    cos_ = torch::empty({T, D_}, f32);
+    sin_ = torch::empty({T, D_}, f32);
     h_ = torch::empty({T, hidden_}, f32);
     qkv_ = torch::empty({T, (H_ + 2 * H_kv_) * D_}, f32);
     attn_ = torch::empty({T, H_, D_}, f32);
@@ -190,7 +438,13 @@ class DecodeLayers {
 
   const int64_t H_, H_kv_, D_, hidden_, I_;
   std::vector<Layer> layers_;
-  torch::Tensor h_, qkv_, attn_, out_, gate_up_, act_;  // [rows, ...] workspace
+  torch::Tensor embedding_, cos_table_, sin_table_, final_norm_;  // decode()'s per-model inputs
+  Table embedding_format_ = Table::kF32;
+  float final_eps_ = 0.f;
+  py::capsule head_owner_;  // keeps head_ alive
+  const ProjectionHandle* head_ = nullptr;
+  torch::Tensor x_, cos_, sin_, h_, qkv_, attn_, out_, gate_up_, act_;  // [rows, ...] workspace
+  Views views_;
   std::mutex mutex_;
 };
 
@@ -205,7 +459,18 @@ void bind_decode_layers(py::module& m) {
            "in_norm [hidden], in_eps, post_norm [hidden], post_eps, qkv, o_proj, gate_up, down (projection handles), "
            "scale, window (<= 0: none)")
       .def("num_layers", &DecodeLayers::num_layers)
+      .def("set_embedding", &DecodeLayers::set_embedding,
+           "table (float32 [vocab, hidden], or GGUF units uint8 [vocab, bytes]), kind (f32, q4_0, q4_1, q5_0, q5_1, "
+           "q8_0): decode's token embedding")
+      .def("set_rope", &DecodeLayers::set_rope, "cos, sin [positions, D]: decode's RoPE tables")
+      .def("set_head", &DecodeLayers::set_head, py::arg("norm"), py::arg("eps"), py::arg("head").none(true),
+           "final norm [hidden], eps, the LM head's projection handle or None: decode's last part")
       .def("forward", &DecodeLayers::forward, py::call_guard<py::gil_scoped_release>(),
            "x [T, hidden] (updated in place), cos/sin [T, D], slots [T], rows [T], tables [T, nb], lens [T], "
-           "kv [2, layers, blocks, block_size, H_kv, D]");
+           "kv [2, layers, blocks, block_size, H_kv, D]")
+      .def("decode", &DecodeLayers::decode, py::call_guard<py::gil_scoped_release>(), py::arg("ids"),
+           py::arg("positions"), py::arg("slots"), py::arg("rows"), py::arg("tables"), py::arg("lens"), py::arg("kv"),
+           py::arg("keep"), py::arg("x") = py::none(), py::arg("cos") = py::none(), py::arg("sin") = py::none(),
+           "ids [T], positions [T], slots [T], rows [T], tables [T, nb], lens [T], kv, keep [K], optional x [T, "
+           "hidden], cos/sin [T, D] -> logits [K, vocab] (normed rows [K, hidden] without a head)");
 }
