@@ -471,10 +471,11 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
 template <class Fmt, int R>
 constexpr int kPanelsOf = 1;
 constexpr int kDotRegs = 4;
-/* Tiles of many rows take a K-quant's groups unpacked once (Unpacked): every K-quant (measured on an AMD EPYC,
- * 32 and 512 rows: Q4_K 1.05-1.1x, Q5_K 1.2x, Q6_K 1.2-1.35x the tiles that make the codes per tile) */
+/* Tiles of many rows take Q5_K's and Q6_K's groups unpacked once (Unpacked; measured on an AMD EPYC, a
+ * Llama-3.2-1B layer at 32 and 512 rows: 1.1-1.2x the tiles that make the codes per tile). Not Q4_K: its codes
+ * are one mask a chunk, and over the layer the unpacked tiles were no faster. */
 template <class Fmt>
-constexpr bool kUnpackGroups = kLayouts[Fmt::kKind].weights == 256;
+constexpr bool kUnpackGroups = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
 
 #include "ukernel_gguf_body.h"
 
