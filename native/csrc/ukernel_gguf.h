@@ -565,9 +565,9 @@ template <class Fmt, int R>
 constexpr int kPanelsOf = Fmt::kKind == kQ6_K ? (R == 2 ? 2 : 1) : 1;
 constexpr int kDotRegs = 16;
 /* Tiles of many rows take Q6_K's groups unpacked once (Unpacked): its codes cost 4 operations a chunk, made per
- * tile (measured on an AMD EPYC, 32 and 512 rows: 1.05-1.2x). Not Q4_K / Q5_K: their tiles straight from the
- * panels run at the bound of their vpdpbusd and float steps already (11 of 12 cycles a block and row), and the
- * unpacked codes' loads cost more than the masks they save (0.9x). */
+ * tile (measured on an AMD EPYC, 32 and 512 rows: 1.05-1.2x). Not Q4_K: its tiles straight from the panels run
+ * at the bound of its vpdpbusd and float steps already (12 cycles a block and row against 11), and unpacked ran
+ * 0.9x; nor Q5_K (no faster). */
 template <class Fmt>
 constexpr bool kUnpackGroups = Fmt::kKind == kQ6_K;
 
