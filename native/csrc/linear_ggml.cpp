@@ -2,7 +2,7 @@
 // time) and the driver around the micro-kernels of ukernel_gguf.h (formats, layouts and the exact arithmetic).
 //
 // The driver quantizes the activations once per call (act_quant.h's Q8 blocks of 32, plus xs = d_x * qsum per
-// block, and qsum per 16 for Q6_K) and threads over panels of output features (at::parallel_for: each thread a
+// block, and -32 qsum per 16 for Q6_K) and threads over panels of output features (at::parallel_for: each thread a
 // run of consecutive panels). A decode batch (up to MR rows) is one micro-kernel call per thread, its tiles
 // covering several panels at once. More rows are blocked so that both operands stay in cache: chunks of panels
 // (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call reusing its panels for every tile of rows
@@ -88,15 +88,17 @@ GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, i
   return {packed, kind, N, K, nr, ukernel_for(kind)};
 }
 
-// qsum per 16 activation codes [M, K / 16] (Q6_K's scales cover 16 weights), reused across calls (per thread).
-const int32_t* sums16(const QuantizedX& qx, int64_t M, int64_t K) {
+// Q6_K's offset on the activation side, -32 qsum per 16 activation codes [M, K / 16] (its scales cover 16
+// weights): where the micro-kernel's dots start, so they end as the sums of (q - 32) x. Reused across calls (per
+// thread).
+const int32_t* offsets16(const QuantizedX& qx, int64_t M, int64_t K) {
   thread_local std::vector<int32_t> out;
   out.resize(M * K / 16);
   const int8_t* q = qx.q.data();
   for (int64_t i = 0; i < M * K / 16; ++i) {
     int32_t sum = 0;
     for (int k = 0; k < 16; ++k) sum += q[16 * i + k];
-    out[i] = sum;
+    out[i] = -32 * sum;
   }
   return out.data();
 }
@@ -107,7 +109,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   if (M == 0) return;
   const QuantizedX& qx = quantize_x(x, M, g.K);
   const float* xs = group_shifts(qx, M, g.K, 32);  // groups of one block: xs = d_x * qsum
-  const int32_t* xsum16 = g.kind == gguf::kQ6_K ? sums16(qx, M, g.K) : nullptr;
+  const int32_t* xoff16 = g.kind == gguf::kQ6_K ? offsets16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
   const bool decode = M <= tile_rows();
   const int64_t rows_per_call = decode ? M : kRowSlice;
@@ -131,7 +133,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
         a.xd = qx.d.data() + m * nb;
         a.xs = xs + m * nb;
         a.xsum = qx.qsum.data() + m * nb;
-        a.xsum16 = xsum16 == nullptr ? nullptr : xsum16 + 2 * m * nb;
+        a.xoff16 = xoff16 == nullptr ? nullptr : xoff16 + 2 * m * nb;
         a.y = yp + m * g.N + p * g.nr;
         g.ukernel(&a);
       }

@@ -41,7 +41,7 @@ typedef struct kv_ggml_args {
   int32_t rows;         /* any */
   int32_t cols;         /* 1..nr: the last panel's features stored (the others store nr) */
   int32_t nr;           /* panel width: KV_NR_AVX2 or KV_NR_AVX512 (the vector kernels assume their own) */
-  const int32_t* xsum16; /* qsum per 16 codes [rows][2 * ldb] (read by Q6_K) */
+  const int32_t* xoff16; /* -32 * qsum per 16 codes [rows][2 * ldb]: Q6_K's offset times the codes (read by Q6_K) */
   int64_t ldw;           /* bytes from one panel to the next */
   int32_t panels;        /* panels of the call, >= 1 */
 } kv_ggml_args;

@@ -56,10 +56,12 @@ struct UnitK45 {
   static constexpr bool kSigned = false;
   static constexpr bool kInPlace = Bits == 4 && kHighInPlace;
   KV_INLINE static int shift_of(int i) { return kInPlace && (i & 1) ? 4 : 0; }
+  /* InPlace: Q4_K's high nibbles as 16 q (shift_of says so); else every code as it is */
+  template <bool InPlace = kInPlace>
   KV_INLINE static I code(const uint8_t* w, int i, int c) {
     const int t = 8 * (i / 2) + c;  // the qs chunk; Q5_K's first 8 alternate with qh's (q5_k_layout)
     const I q = ld(w + 16 * kW + (Bits == 4 ? t : t < 8 ? 2 * t + 1 : t + 8) * kChunk);
-    if (kInPlace) return and_(q, b8(i & 1 ? 0xF0 : 0x0F));
+    if (InPlace) return and_(q, b8(i & 1 ? 0xF0 : 0x0F));
     const I nibbles = i & 1 ? high4(q) : low4(q);
     if (Bits == 4) return nibbles;
     return merge(nibbles, shift(ld(w + 16 * kW + 2 * c * kChunk), 4 - i), b8(0x10));
@@ -123,6 +125,7 @@ struct Codes {
   using U = typename UnitOf<Fmt>::T;
   const uint8_t* w;
   KV_INLINE I code(int i, int c) const { return U::code(w, i, c); }
+  KV_INLINE static int shift_of(int i) { return U::shift_of(i); }
   KV_INLINE F d(int i) const { return U::d(w, i); }
   KV_INLINE F m(int i) const {
     if constexpr (Fmt::kFold == Fold::kScaleMin) return U::m(w, i);
@@ -131,6 +134,39 @@ struct Codes {
   KV_INLINE I sc(int j) const {
     if constexpr (Fmt::kFold == Fold::kScale16) return U::sc(w, j);
     return zero_i();
+  }
+};
+
+/* ---- A K-quant panel's group unpacked once into memory for every tile of rows of a call that takes it (more rows
+ * than kMR, where kUnpackGroups says so): the codes as the dots take them (every code as it is, in 0..MaxCode),
+ * the block scales as the float steps take them, so the tiles spend their operations on the dots and the float
+ * steps. */
+template <class Fmt>
+struct Unpacked {
+  using U = typename UnitOf<Fmt>::T;
+  I codes[8][8];  // [block][chunk]
+  F D[8], Mn[8];  // per block: d sc and -(dmin m) (scale-min); D[0] = d (Q6_K)
+  I scales[16];   // Q6_K's scale per 16 weights, sign-extended
+  KV_INLINE I code(int i, int c) const { return codes[i][c]; }
+  KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScale16 ? D[0] : D[i]; }
+  KV_INLINE F m(int i) const { return Mn[i]; }
+  KV_INLINE I sc(int j) const { return scales[j]; }
+  KV_INLINE static int shift_of(int) { return 0; }
+  /* From the group at w (8 blocks: K-quant groups are whole). */
+  KV_INLINE void unpack(const uint8_t* w) {
+    KV_UNROLL for (int i = 0; i < 8; ++i) KV_UNROLL for (int c = 0; c < 8; ++c) {
+      if constexpr (Fmt::kKind == kQ6_K) codes[i][c] = U::code(w, i, c);
+      else codes[i][c] = U::template code<false>(w, i, c);
+    }
+    if constexpr (Fmt::kFold == Fold::kScale16) {
+      D[0] = U::d(w, 0);
+      KV_UNROLL for (int j = 0; j < 16; ++j) scales[j] = U::sc(w, j);
+    } else {
+      KV_UNROLL for (int i = 0; i < 8; ++i) {
+        D[i] = U::d(w, i);
+        Mn[i] = U::m(w, i);
+      }
+    }
   }
 };
 
@@ -144,30 +180,27 @@ constexpr int kBlocksAtOnce = [] {
   return fit < 1 ? 1 : fit < kShare<Fmt> ? fit : kShare<Fmt>;
 }();
 
-/* ---- Blocks i0..i0+B-1 of a group (global block b0 + i0 ...) for rows m..m+R-1 of P panels (src[p]): their
- * integer dots, then each block's float steps in block order (ukernel_gguf.h's order per output); the activation
- * values are read once for all panels. */
-template <class Fmt, int R, int P, int B>
-KV_INLINE void blocks(const kv_ggml_args* a, const Codes<Fmt>* src, int i0, int64_t b0, int64_t m, F (*acc)[R]) {
+/* ---- Blocks i0..i0+B-1 of a group (global block b0 + i0 ...) for rows m..m+R-1 of P panels (src[p]: Codes or
+ * Unpacked): their integer dots, then each block's float steps in block order (ukernel_gguf.h's order per output);
+ * the activation values are read once for all panels. Q6_K's offset is on the activation side: each half's dot
+ * starts from -32 qsum16 (xoff16), so it ends as sum (q - 32) x with no operation of its own. */
+template <class Fmt, int R, int P, int B, class Src>
+KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0, int64_t m, F (*acc)[R]) {
   using U = typename UnitOf<Fmt>::T;
   const int64_t at = m * a->ldb + b0 + i0;  // row m's first block
   const int8_t* x = a->xq + m * a->ldq + 32 * (b0 + i0);
   I dot[B][P][R];
-  KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
-    dot[b][p][r] = zero_i();
   if constexpr (Fmt::kFold == Fold::kScale16) {
     I t[B][P][R];
     KV_UNROLL for (int h = 0; h < 2; ++h) {
-      if (h == 1)
-        KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
-          dot[b][p][r] = zero_i();
-      dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, dot);
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
-        const I shift16 = b32(U::kOffset * a->xsum16[2 * (at + b + r * a->ldb) + h]);
-        KV_UNROLL for (int p = 0; p < P; ++p) {
-          const I v = mullo(src[p].sc(2 * (i0 + b) + h), sub(dot[b][p][r], shift16));
-          t[b][p][r] = h == 0 ? v : add(t[b][p][r], v);
-        }
+        const I offset = b32(a->xoff16[2 * (at + b + r * a->ldb) + h]);
+        KV_UNROLL for (int p = 0; p < P; ++p) dot[b][p][r] = offset;
+      }
+      dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, dot);
+      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) KV_UNROLL for (int p = 0; p < P; ++p) {
+        const I v = mullo(src[p].sc(2 * (i0 + b) + h), dot[b][p][r]);
+        t[b][p][r] = h == 0 ? v : add(t[b][p][r], v);
       }
     }
     KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
@@ -175,9 +208,11 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Codes<Fmt>* src, int i0, int6
       KV_UNROLL for (int p = 0; p < P; ++p) acc[p][r] = fma(src[p].d(i0 + b), mul(cvt(t[b][p][r]), xd), acc[p][r]);
     }
   } else {
+    KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
+      dot[b][p][r] = zero_i();
     dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 0, 8, dot);
     KV_UNROLL for (int b = 0; b < B; ++b) {
-      const int down = U::shift_of(i0 + b);
+      const int down = Src::shift_of(i0 + b);
       KV_UNROLL for (int r = 0; r < R; ++r) {
         const int64_t row = at + b + r * a->ldb;
         const F xd = bset(a->xd[row]);
@@ -208,8 +243,8 @@ KV_INLINE float* panel_y(const kv_ggml_args* a, int p, int64_t m) { return a->y 
 KV_INLINE int panel_cols(const kv_ggml_args* a, int p) { return p == a->panels - 1 ? a->cols : kW; }
 
 /* One group's blocks (nblk, from global block b0) for rows m..m+R-1 of P panels, B blocks at once. */
-template <class Fmt, int R, int P, int B>
-KV_INLINE void group(const kv_ggml_args* a, const Codes<Fmt>* src, int64_t b0, int nblk, int64_t m, F (*acc)[R]) {
+template <class Fmt, int R, int P, int B, class Src>
+KV_INLINE void group(const kv_ggml_args* a, const Src* src, int64_t b0, int nblk, int64_t m, F (*acc)[R]) {
   KV_UNROLL for (int i = 0; i < 8; i += B) {
     if (i >= nblk) break;  // a K-quant group is whole: B divides 8
     blocks<Fmt, R, P, B>(a, src, i, b0, m, acc);
@@ -284,12 +319,50 @@ struct PrefillRows {
   template <int R> void run() const { tile<Fmt, R, 1, kAhead<Fmt>>(a, p, m); }
 };
 
+/* Rows m..m+R-1 of panel p over the group at block b0, from its unpacked form: the accumulators come from y (but
+ * for the first group) and go back to it, so each output still takes the float steps of its blocks in K order.
+ * Not inlined: one function per R keeps the tile's dots in registers (inlined into with_count's chain, GCC kept
+ * them on the stack). */
+template <class Fmt, int R>
+__attribute__((noinline)) void group_tile(const kv_ggml_args* a, const Unpacked<Fmt>* u, int p, int b0, int64_t m) {
+  F acc[1][R];
+  const int cols = panel_cols(a, p);
+  KV_UNROLL for (int r = 0; r < R; ++r) acc[0][r] = b0 == 0 ? zero_f() : load_y(panel_y(a, p, m + r), cols);
+  group<Fmt, R, 1, 1>(a, u, b0, 8, m, acc);
+  KV_UNROLL for (int r = 0; r < R; ++r) store_y(panel_y(a, p, m + r), acc[0][r], cols);
+}
+
+template <class Fmt>
+struct GroupRows {
+  const kv_ggml_args* a;
+  const Unpacked<Fmt>* u;
+  int p;
+  int b0;
+  int64_t m;
+  template <int R> void run() const { group_tile<Fmt, R>(a, u, p, b0, m); }
+};
+
 /* a->panels panels (a->nr == kW) x a->rows rows. Up to kMR rows (a decode batch): one tile of rows over several
- * panels at once. More: per panel, every tile of kMR rows (the panel's weights stay in L1 or L2 meanwhile). */
+ * panels at once. More: per panel, every tile of kMR rows (the panel's weights stay in L1 or L2 meanwhile); the
+ * K-quants' panels group by group, each group unpacked once for all the tiles. */
 template <class Fmt>
 inline void kernel(const kv_ggml_args* a) {
   if (a->rows <= kMR) {
     with_count<kMR>(a->rows, DecodeRows<Fmt>{a});
+    return;
+  }
+  if constexpr (kUnpackGroups<Fmt>) {
+    const int group_bytes = kLayouts[Fmt::kKind].bytes * kW;
+    Unpacked<Fmt> u;
+    for (int p = 0; p < a->panels; ++p)
+      for (int b0 = 0; b0 < a->nb; b0 += 8) {
+        /* the group after next, or past the panel's end the next panel's first ones (as tile's) */
+        const int ahead = b0 + 16 < a->nb ? p : p + 1;
+        if (ahead < a->panels) prefetch(group_at(a, Fmt::kKind, ahead, (b0 + 16) % a->nb), group_bytes);
+        u.unpack(group_at(a, Fmt::kKind, p, b0));
+        for (int64_t m = 0; m < a->rows; m += kMR)
+          with_count<kMR>(a->rows - m < kMR ? (int)(a->rows - m) : kMR, GroupRows<Fmt>{a, &u, p, b0, m});
+      }
     return;
   }
   for (int p = 0; p < a->panels; ++p)
