@@ -161,7 +161,10 @@ def test_static_policy_holds_the_short_answer_until_the_group_finishes(state_fac
     assert order.index(("blocker", True)) < order.index(("long", False))  # the pair formed the second group
     short_final = order.index(("short", True))
     long_chunks_before = sum(1 for name, _ in order[:short_final] if name == "long")
-    assert long_chunks_before >= 39  # nobody hears of the short answer before its neighbour is done
+    # Nobody hears of the short answer before its neighbour is done: released together with long's 40th token.
+    # Two client threads read the two streams, so long's reader may trail by a few chunks (37 was seen); without
+    # the hold the short answer would come after about 4 of long's chunks.
+    assert long_chunks_before >= 30, long_chunks_before
 
 
 @pytest.mark.parametrize("memory", ["1e30TiB", "100TiB"])
