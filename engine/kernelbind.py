@@ -184,19 +184,26 @@ class LayerProjections:
 
     def direct(self) -> LayerKernels | None:
         """The bare kernels, for inputs known to be contiguous float32 with at most ``max_rows`` rows; None if a
-        projection has no kernel or adds a bias (q/k/v unfused counts as one without)."""
-        if self.qkv is None or any(p.kernel is None or p.bias is not None for p in self.all()):
+        projection has no kernel or adds a bias. Unfused q/k/v (layers whose q, k and v differ in kind) is one call
+        of the three kernels, their outputs side by side."""
+        if any(p.kernel is None or p.bias is not None for p in self.all()):
             return None
-        return LayerKernels(self.qkv.kernel, self.o_proj.kernel, *(
+        qkv = (self.qkv.kernel if self.qkv is not None
+               else functools.partial(_side_by_side, tuple(p.kernel for p in self.separate_qkv)))
+        return LayerKernels(qkv, self.o_proj.kernel, *(
             p.kernel if p is not None else None for p in (self.gate_up, self.gate, self.up)), self.down.kernel)
 
     def handles(self) -> tuple | None:
         """The q/k/v, o, gate/up and down projections as projection handles (``QuantLinear.projection_handle``),
-        for the decode ops' layer stack (``DecodeLayers.add_layer``); None where one has none (no kernel, a bias,
-        a kernel family without handles, gate and up not fused)."""
-        parts = (self.qkv, self.o_proj, self.gate_up, self.down)
-        handles = tuple(None if p is None else p.handle() for p in parts)
-        return None if any(h is None for h in handles) else handles
+        for the decode ops' layer stack (``DecodeLayers.add_layer``): q/k/v and gate/up each a list of handles
+        whose outputs go side by side (one where the layer fused them, else q, k, v and gate, up); None where one
+        has none (no kernel, a bias, a kernel family without handles)."""
+        qkv = [self.qkv] if self.qkv is not None else self.separate_qkv
+        gate_up = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
+        handles = ([p.handle() for p in qkv], self.o_proj.handle(), [p.handle() for p in gate_up],
+                   self.down.handle())
+        flat = [*handles[0], handles[1], *handles[2], handles[3]]
+        return None if any(h is None for h in flat) else handles
 
     def torch(self) -> LayerKernels:
         """The modules: torch's own ops (or a QuantLinear's forward), never a bare kernel."""
@@ -210,6 +217,11 @@ class LayerProjections:
 
     def _separate_qkv_modules(self, h: torch.Tensor) -> torch.Tensor:
         return torch.cat([proj.module(h) for proj in self.separate_qkv], dim=-1)  # [T, (H + 2 H_kv) d]
+
+
+def _side_by_side(kernels: tuple[Callable, ...], h: torch.Tensor) -> torch.Tensor:
+    """The kernels' outputs on ``h`` ``[T, in]`` side by side: ``[T, sum(out)]``."""
+    return torch.cat([kernel(h) for kernel in kernels], dim=-1)
 
 
 def labelled(fn: Callable, label: str) -> Callable:

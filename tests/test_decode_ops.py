@@ -413,6 +413,36 @@ def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides, emb
     assert fast.stack_embeds and fast.stack_head == (head is not None)
 
 
+def test_fused_layer_stack_runs_layers_whose_projections_mix_block_kinds():
+    # llama.cpp's Q4_K_M mixture gives some layers a Q6_K attn_v beside Q4_K q and k: q/k/v cannot be fused into
+    # one kernel there, and such a model ran every decode step through the per-layer loop from Python. The stack
+    # takes the parts' handles side by side (here v, and up, in Q8_0 beside Q4_1), with the loop's bits.
+    loaded = _gguf_tiny("llama", {})
+    for layer in loaded.model.model.layers[:1]:
+        for parent, name in ((layer.self_attn, "v_proj"), (layer.mlp, "up_proj")):
+            weight = getattr(parent, name).dequantize()
+            raw = quants.quantize(weight.numpy(), GGMLQuantizationType.Q8_0)
+            setattr(parent, name, GGMLLinear(torch.from_numpy(raw), GGMLKind.Q8_0))
+    fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)).fast
+    assert fast.projections[0].qkv is None and fast.projections[0].gate_up is None  # layer 0 is made of parts
+    assert fast.projections[1].qkv is not None and fast.layer_stack is not None and fast.stack_head is False
+    for rows in (1, 3):
+        outputs = _stack_and_loop(loaded, rows)
+        assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+def test_a_q4_k_m_file_runs_its_whole_decode_step_in_the_stack(tiny_gguf):
+    # the mixture as llama.cpp's quantizer writes it: layer 1's attn_v is Q6_K, layer 0's Q4_K
+    from kvserve.engine.loader import Device, DType, load_model
+
+    loaded = load_model(str(tiny_gguf("tiny-llama", "Q4_K_M")), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)).fast
+    assert fast.projections[0].qkv is not None and fast.projections[1].qkv is None
+    assert fast.layer_stack is not None and fast.stack_head
+    outputs = _stack_and_loop(loaded, 2)
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
 def test_fused_layer_stack_takes_rows_and_rope_from_python():
     # Where the stack cannot look the ids up (a K-quant table) or a position is past its RoPE table, the step
     # hands it the embedded rows and cos/sin: the same bits.
@@ -456,12 +486,16 @@ def test_fused_layer_stack_refuses_what_it_cannot_run(smollm2_gguf):
         stack.decode(zero, zero, zero, zero, table, one, pool.data, one)
     with pytest.raises(RuntimeError, match="embedding kind q6_k"):
         stack.set_embedding(torch.zeros(4, 576 // 256 * 210, dtype=torch.uint8), "q6_k")
-    qkv, o_proj, gate_up, down = runner.fast.projections[0].handles()
+    qkv, o_proj, gate_up, down = runner.fast.projections[0].handles()  # qkv, gate_up: lists of one handle
     norm = torch.ones(576)
     with pytest.raises(RuntimeError, match=r"qkv computes \[576\] -> \[576\], the layer needs \[576\] -> \[960\]"):
         stack.add_layer(norm, 1e-5, norm, 1e-5, o_proj, o_proj, gate_up, down, 0.125, 0)
     with pytest.raises(TypeError):  # not a capsule at all
         stack.add_layer(norm, 1e-5, norm, 1e-5, None, o_proj, gate_up, down, 0.125, 0)
+    with pytest.raises(TypeError, match="qkv must be projection handles"):
+        stack.add_layer(norm, 1e-5, norm, 1e-5, [qkv[0], None], o_proj, gate_up, down, 0.125, 0)
+    with pytest.raises(RuntimeError, match=r"qkv's parts compute \[576\] -> \[1536\], the layer needs"):
+        stack.add_layer(norm, 1e-5, norm, 1e-5, [qkv[0], o_proj], o_proj, gate_up, down, 0.125, 0)
 
 
 def test_silu_mul_is_torch_bits_on_contiguous_and_strided_halves():

@@ -69,6 +69,59 @@ inline void project(const ProjectionHandle* p, const float* x, int64_t T, float*
   p->run(p, x, T, y);
 }
 
+// A projection whose outputs are its parts' side by side: one handle where the weights could be fused, else one
+// per part (a GGUF file may mix block kinds within a layer: llama.cpp's Q4_K_M mixture gives attn_v Q6_K beside a
+// Q4_K attn_q and attn_k in some layers, and blocks of two kinds are not one kernel's).
+struct Parts {
+  std::vector<py::capsule> owners;  // keep the handles below alive
+  std::vector<const ProjectionHandle*> handles;
+  int64_t N = 0;  // the sum of the parts' outputs
+};
+
+// The handle or sequence of handles ``parts`` (a capsule, or a list/tuple of them), each [K] -> [any], together
+// [K] -> [N].
+Parts parts_of(const py::object& parts, int64_t N, int64_t K, const char* what) {
+  Parts out;
+  if (py::isinstance<py::capsule>(parts)) {
+    out.owners.push_back(parts.cast<py::capsule>());
+    out.handles.push_back(handle_of(out.owners.back(), N, K, what));
+  } else if (py::isinstance<py::list>(parts) || py::isinstance<py::tuple>(parts)) {
+    for (const py::handle& part : parts) {
+      if (!py::isinstance<py::capsule>(part))
+        throw py::type_error(std::string(what) + " must be projection handles (capsules from the linear kernels)");
+      out.owners.push_back(part.cast<py::capsule>());
+      out.handles.push_back(handle_of(out.owners.back(), -1, K, what));
+    }
+    KV_CHECK(!out.handles.empty(), what, " needs at least one projection handle");
+  } else {
+    throw py::type_error(std::string(what) + " must be a projection handle or a list of them");
+  }
+  for (const ProjectionHandle* h : out.handles) out.N += h->N;
+  KV_CHECK(out.N == N, what, "'s parts compute [", K, "] -> [", out.N, "], the layer needs [", K, "] -> [", N, "]");
+  return out;
+}
+
+// y [T, parts.N] <- the parts' outputs side by side (the bits of each part's kernel, as torch.cat of their calls
+// gives them). One row, or one part, writes y directly; more rows go through scratch, a part at a time.
+void project_parts(const Parts& parts, const float* x, int64_t T, float* y, std::vector<float>& scratch) {
+  if (parts.handles.size() == 1 || T == 1) {
+    int64_t offset = 0;
+    for (const ProjectionHandle* p : parts.handles) {
+      project(p, x, T, y + offset);
+      offset += p->N;
+    }
+    return;
+  }
+  int64_t offset = 0;
+  for (const ProjectionHandle* p : parts.handles) {
+    scratch.resize(std::max<size_t>(scratch.size(), static_cast<size_t>(T * p->N)));
+    project(p, x, T, scratch.data());
+    for (int64_t t = 0; t < T; ++t)
+      std::memcpy(y + t * parts.N + offset, scratch.data() + t * p->N, sizeof(float) * p->N);
+    offset += p->N;
+  }
+}
+
 // SwiGLU as silu_mul computes it: act = silu(gate) * up, [T, I] each, in act's workspace rows. The silu is
 // torch's own (at::silu_out on the layouts silu_mul's at::silu sees, so Sleef's exp at this CPU's vector width:
 // torch's bits); the product is one correctly rounded multiply per element, so a plain loop gives mul_'s bits
@@ -142,18 +195,19 @@ class DecodeLayers {
              ", intermediate ", intermediate);
   }
 
-  // Appends the next layer: its RMSNorm weights [hidden] and eps, its four projections' handles (q/k/v fused, o,
-  // gate/up fused side by side, down), its softmax scale and sliding window (tokens; <= 0: none).
+  // Appends the next layer: its RMSNorm weights [hidden] and eps, its four projections' handles (q/k/v, o,
+  // gate/up, down; q/k/v and gate/up each one handle of the parts fused side by side, or a list of the parts'
+  // handles in that order), its softmax scale and sliding window (tokens; <= 0: none).
   void add_layer(const torch::Tensor& in_norm, double in_eps, const torch::Tensor& post_norm, double post_eps,
-                 const py::capsule& qkv, const py::capsule& o_proj, const py::capsule& gate_up,
+                 const py::object& qkv, const py::capsule& o_proj, const py::object& gate_up,
                  const py::capsule& down, double scale, int64_t window) {
     for (const torch::Tensor* w : {&in_norm, &post_norm}) {
       check_f32(*w, "norm weight");
       KV_CHECK(w->is_contiguous() && w->numel() == hidden_, "norm weights must be contiguous [", hidden_, "]");
     }
     layers_.push_back({in_norm, post_norm, static_cast<float>(in_eps), static_cast<float>(post_eps),
-                       {qkv, o_proj, gate_up, down}, handle_of(qkv, (H_ + 2 * H_kv_) * D_, hidden_, "qkv"),
-                       handle_of(o_proj, hidden_, H_ * D_, "o_proj"), handle_of(gate_up, 2 * I_, hidden_, "gate_up"),
+                       {o_proj, down}, parts_of(qkv, (H_ + 2 * H_kv_) * D_, hidden_, "qkv"),
+                       handle_of(o_proj, hidden_, H_ * D_, "o_proj"), parts_of(gate_up, 2 * I_, hidden_, "gate_up"),
                        handle_of(down, hidden_, I_, "down"), scale, window});
   }
 
@@ -294,8 +348,11 @@ class DecodeLayers {
   struct Layer {
     torch::Tensor in_norm, post_norm;
     float in_eps, post_eps;
-    py::capsule owners[4];  // keep the handles below alive
-    const ProjectionHandle *qkv, *o_proj, *gate_up, *down;
+    py::capsule owners[2];  // keep o_proj and down alive
+    Parts qkv;
+    const ProjectionHandle* o_proj;
+    Parts gate_up;
+    const ProjectionHandle* down;
     double scale;
     int64_t window;
   };
@@ -381,7 +438,7 @@ class DecodeLayers {
       const Layer& layer = layers_[l];
       float* k_blocks = kvp + l * layer_floats;
       float* v_blocks = kvp + (layers + l) * layer_floats;
-      project(layer.qkv, hp, T, qkvp);
+      project_parts(layer.qkv, hp, T, qkvp, scratch_);
       {
         RECORD_FUNCTION("kvserve::decode_attention", c10::ArrayRef<const c10::IValue>{});
         kvserve::decode::rope_rows(qkvp, T, H_ + H_kv_, D_, width, D_, cosp, sinp);
@@ -394,7 +451,7 @@ class DecodeLayers {
       project(layer.o_proj, call.out, T, outp);
       kvserve::decode::add_rows(xp, outp, T, hidden_);
       rms_norm(xp, layer.post_norm, layer.post_eps, hp, T);
-      project(layer.gate_up, hp, T, gate_upp);
+      project_parts(layer.gate_up, hp, T, gate_upp, scratch_);
       swiglu(v.act, v.gate, gate_upp + I_, 2 * I_);
       project(layer.down, actp, T, outp);
       kvserve::decode::add_rows(xp, outp, T, hidden_);
@@ -444,6 +501,7 @@ class DecodeLayers {
   py::capsule head_owner_;  // keeps head_ alive
   const ProjectionHandle* head_ = nullptr;
   torch::Tensor x_, cos_, sin_, h_, qkv_, attn_, out_, gate_up_, act_;  // [rows, ...] workspace
+  std::vector<float> scratch_;  // one part's rows of a projection made of parts (project_parts)
   Views views_;
   std::mutex mutex_;
 };
@@ -456,8 +514,8 @@ void bind_decode_layers(py::module& m) {
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"))
       .def("add_layer", &DecodeLayers::add_layer,
-           "in_norm [hidden], in_eps, post_norm [hidden], post_eps, qkv, o_proj, gate_up, down (projection handles), "
-           "scale, window (<= 0: none)")
+           "in_norm [hidden], in_eps, post_norm [hidden], post_eps, qkv, o_proj, gate_up, down (projection handles; "
+           "qkv and gate_up: one, or a list of their parts' handles side by side), scale, window (<= 0: none)")
       .def("num_layers", &DecodeLayers::num_layers)
       .def("set_embedding", &DecodeLayers::set_embedding,
            "table (float32 [vocab, hidden], or GGUF units uint8 [vocab, bytes]), kind (f32, q4_0, q4_1, q5_0, q5_1, "
