@@ -51,12 +51,16 @@ KERNEL_CACHE = Variable("KVSERVE_KERNEL_CACHE", "$KVSERVE_CACHE/kernels", "where
 COMPILER = Variable("CXX", "c++", "the C++ compiler torch builds the kernels with; part of their build key")
 HUB_OFFLINE = Variable("HF_HUB_OFFLINE", "1", "kvserve never downloads: set to 1 unless the environment says "
                        "otherwise, before transformers loads")
+OPENMP_SPIN = Variable("GOMP_SPINCOUNT", "1000", "how many times the kernels' OpenMP threads spin (~25 ns each here) "
+                       "before they sleep, waiting for work: set before torch loads unless it or OMP_WAIT_POLICY "
+                       "is already set (libgomp's own default, 300,000, keeps a core busy for ms after each step)")
 CLIENT_URL = Variable("KVSERVE_URL", "", "the server `python -m kvserve.clients` talks to (its --url; unset: "
                      "http://127.0.0.1:8000)")
 CLIENT_API_KEY = Variable("KVSERVE_API_KEY", "", "the bearer token `python -m kvserve.clients` sends (its --api-key; "
                          "the container's entrypoint passes it to kvserve serve as --api-key)")
 
-VARIABLES = (FASTPATH, NATIVE_KERNELS, ISA, CACHE, KERNEL_CACHE, COMPILER, HUB_OFFLINE, CLIENT_URL, CLIENT_API_KEY)
+VARIABLES = (FASTPATH, NATIVE_KERNELS, ISA, CACHE, KERNEL_CACHE, COMPILER, HUB_OFFLINE, OPENMP_SPIN, CLIENT_URL,
+             CLIENT_API_KEY)
 
 
 def value(variable: Variable) -> str:
@@ -120,6 +124,24 @@ def stay_offline() -> None:
     (called before transformers is imported by the model loader)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def bound_openmp_spin(env: dict | None = None) -> bool:
+    """Cap how long an idle OpenMP thread spins before it sleeps (``GOMP_SPINCOUNT``, default ``OPENMP_SPIN``), unless
+    the environment already says (``GOMP_SPINCOUNT`` or ``OMP_WAIT_POLICY`` set); True where it set it.
+
+    Why: the kernels' threads are torch's OpenMP team, and libgomp reads its wait policy once, when it loads (with
+    torch), so this must run first. Its default, with as many threads as cores, spins 300,000 times (~7 ms here)
+    at every wait: after each decode step a worker keeps its core busy while the event loop streams the token,
+    and within a step a thread whose partner was preempted burns its own turn. The serving process always has a
+    third busy thread (the event loop) beside a team as large as the cores, and libgomp's manual gives 1,000 spins
+    for a team larger than the machine. ``env``: the mapping to read and set (default ``os.environ``).
+    """
+    env = os.environ if env is None else env
+    if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env:
+        return False
+    env["GOMP_SPINCOUNT"] = OPENMP_SPIN.default
+    return True
 
 
 def check() -> list[str]:

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> int:
         sub.add_parser(name, help=help_text, add_help=False)
     if not argv or argv[0] not in _COMMANDS:
         parser.parse_args(argv)  # prints usage and exits
+    from kvserve import environment
+
+    environment.bound_openmp_spin()  # as kvserve serve does, before the command imports torch
     module = importlib.import_module(_COMMANDS[argv[0]][0])
     command = argparse.ArgumentParser(prog=f"python -m kvserve.loadtest {argv[0]}", description=_COMMANDS[argv[0]][1])
     module.add_arguments(command)

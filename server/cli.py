@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     # before any subcommand imports transformers or huggingface_hub, which read it once, at import (the server's
     # routes import transformers before engine.loader, which sets it too, for library users)
     environment.stay_offline()
+    environment.bound_openmp_spin()  # before any subcommand imports torch (libgomp reads it once, at load)
     args = build_parser(argv).parse_args(argv)
     return int(args._run(args) or 0)
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -55,3 +56,16 @@ def test_serve_refuses_a_bad_switch_before_loading_anything():
     assert done.returncode == 2, done.stderr[-2000:]
     assert "KVSERVE_FASTPATH='maybe': expected one of 0, 1" in done.stderr
     assert "Loading" not in done.stderr
+
+
+def test_openmp_threads_spin_briefly_unless_the_environment_says():
+    env: dict[str, str] = {}
+    assert environment.bound_openmp_spin(env) and env == {"GOMP_SPINCOUNT": "1000"}
+    for given in ({"GOMP_SPINCOUNT": "300000"}, {"OMP_WAIT_POLICY": "passive"}):
+        env = dict(given)
+        assert not environment.bound_openmp_spin(env) and env == given
+    # the server's process has it before torch loads: libgomp reads it once, at load
+    code = ("import os, sys; from kvserve.server import cli; cli.build_parser = lambda argv: sys.exit(0 if "
+            "os.environ.get('GOMP_SPINCOUNT') == '1000' and 'torch' not in sys.modules else 3); cli.main(['serve'])")
+    env = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+    assert subprocess.run([sys.executable, "-c", code], env=env, timeout=60).returncode == 0
