@@ -466,3 +466,21 @@ def test_engine_benches_accept_a_gguf_file_and_refuse_a_directory_without_weight
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(UsageError, match="no weights"):
         check_engine_flags(str(tmp_path), "cpu")
+
+
+def test_overhead_splits_a_single_streams_token_against_the_read_bound(monkeypatch):
+    from dataclasses import replace
+
+    import torch
+
+    from kvserve.loadtest.engine import ggmlbench
+    from kvserve.loadtest.served.overhead import Overhead, split_text
+
+    monkeypatch.setattr(ggmlbench, "served_split", lambda model: (20.0, 16.0, 50.0, 800_000_000))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    one = Overhead(1, 40.0, 25.0, 24.0, 0.5, 0.1, 1.0, 0.8, 44.0, 0.5)
+    lines = split_text([one, replace(one, streams=8)], "m.gguf").splitlines()
+    assert lines[2] == "| ms | 25.00 | 24.00 | 22.00 | 20.00 | 16.00 |"
+    assert lines[3] == "| % of the read bound | 64% | 67% | 73% | 80% | 100% |"
+    assert "800 MB" in lines[5] and "50.0 GB/s" in lines[5]
+    assert split_text([replace(one, streams=8)], "m.gguf") == ""

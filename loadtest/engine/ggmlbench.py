@@ -258,3 +258,35 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
     if write:
         update_section("ggml-model", "A Q4_K_M Llama-3.2-1B decode step's projections against the read bound",
                        "python -m kvserve.loadtest kernelbench --ggml-model", "\n".join(lines))
+
+
+@torch.inference_mode()
+def served_split(model: str | None, budget_s: float = 2.0) -> tuple[float, float, float, int]:
+    """A batch-1 decode step's projections and LM head of ``model`` as ``kvserve serve`` loads it (its own blocks
+    for a GGUF file), each through its bare kernel on one random row, with the server's threads: (ms per step, timed
+    by the process's CPU seconds per thread as ``ggml_model``; the read bound in ms: their bytes over the read
+    bandwidth the same threads measure; that bandwidth in GB/s; the bytes).
+    """
+    from kvserve.engine.fastpath import FastDecoder
+    from kvserve.loadtest.engine.enginebench import load_served
+
+    loaded, _ = load_served("auto", model=model)
+    decoder = FastDecoder(loaded.model)
+    projections = [*decoder.all_projections(), decoder.lm_head]
+    calls = [(p.kernel if p.kernel is not None else p, torch.randn(1, p.module.in_features)) for p in projections]
+    nbytes = sum(t.numel() * t.element_size() for p in projections
+                 for t in [*p.module.parameters(recurse=False), *p.module.buffers(recurse=False)])
+    threads = torch.get_num_threads()
+
+    def step():
+        for call, x in calls:
+            call(x)
+
+    step()
+    n, cpu0 = 0, time.process_time()
+    while time.process_time() - cpu0 < budget_s * threads or n < 3:
+        step()
+        n += 1
+    busy = (time.process_time() - cpu0) / threads / n
+    read = read_bandwidth(threads)
+    return 1e3 * busy, 1e3 * nbytes / read / 1e9, read, nbytes

@@ -151,6 +151,34 @@ def measure(url: str, pid: int, streams: int, tokens: int) -> Overhead:
         cpu_client=per_token * max(0.0, client1 - client0 - client_fixed))
 
 
+def split_text(rows: list[Overhead], model: str | None) -> str:
+    """Where a single stream's token goes against the weights' read bound: the served ms per token (1 stream),
+    the server's runner ms per step, the projections and LM head alone in this process (``ggmlbench.served_split``)
+    and the read bound; "" without a 1-stream row."""
+    import torch
+
+    from kvserve.loadtest.engine import ggmlbench
+
+    single = next((r for r in rows if r.streams == 1), None)
+    if single is None:
+        return ""
+    alone, bound, read, nbytes = ggmlbench.served_split(model)
+    served = 1000 / single.tokens_per_s
+    threads = torch.get_num_threads()
+    engine = single.cpu_engine / threads
+    return ("| single stream, ms per token | served | runner | served engine CPU per thread | projections + LM head "
+            "alone | read bound |\n|---|---:|---:|---:|---:|---:|\n"
+            f"| ms | {served:.2f} | {single.runner_ms_per_step:.2f} | {engine:.2f} | {alone:.2f} | {bound:.2f} |\n"
+            f"| % of the read bound | {100 * bound / served:.0f}% | {100 * bound / single.runner_ms_per_step:.0f}% | "
+            f"{100 * bound / engine:.0f}% | {100 * bound / alone:.0f}% | 100% |\n\n"
+            f"Served: 1000 / output tok/s at 1 stream (wall time); runner: the server's ms per step; served engine "
+            f"CPU: the server's threads but the event loop, per token, over the {threads} threads (on a shared "
+            "machine the figure to compare: others' turns are not in it); alone: every "
+            f"projection and the LM head through its bare kernel on one row in this process, timed by CPU seconds "
+            f"per thread; read bound: their {nbytes / 1e6:.0f} MB over the read bandwidth of the server's threads "
+            f"measured in the same run ({read:.1f} GB/s, ``kernelbench --ggml-model``'s probe).")
+
+
 def render(rows: list[Overhead], scheme: str, tokens: int) -> str:
     """The markdown table and what it means."""
     head = ("| streams | output tok/s | ITL ms (client) | runner ms/step | between steps ms | no step running ms/step "
@@ -161,7 +189,7 @@ def render(rows: list[Overhead], scheme: str, tokens: int) -> str:
                      f"{r.between_ms_per_step:.2f} | {r.other_ms_per_step:.2f} | {r.tokens_per_step:.1f} | "
                      f"{r.cpu_event_loop:.2f} | {r.cpu_engine:.2f} | {r.cpu_client:.2f} |")
     return "\n".join(lines) + (
-        f"\n\n`kvserve serve --quantization {scheme}`, greedy completions of {tokens} tokens through the load "
+        f"\n\n`kvserve serve {scheme}`, greedy completions of {tokens} tokens through the load "
         "generator (same process as this command). Runner and between-steps times are the server's own counters "
         "(/metrics); \"no step running\" is the rest of the run's wall time per step. CPU per output token: the "
         "server's main thread (uvicorn's event loop: HTTP, SSE, detokenizing, JSON), its other threads (the engine "
@@ -173,8 +201,12 @@ def render(rows: list[Overhead], scheme: str, tokens: int) -> str:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quantization", default="int4", choices=["none", "int8", "int4", "nf4"],
-                        help="as kvserve serve --quantization (default int4: the fastest single stream here)")
+    parser.add_argument("--quantization", default=None, choices=["none", "int8", "int4", "nf4"],
+                        help="as kvserve serve --quantization (default int4 for the embedded model: the fastest "
+                             "single stream here; a --model file's own weights otherwise)")
+    parser.add_argument("--model", default=None,
+                        help="as kvserve serve --model (e.g. a GGUF file); with a 1-stream row, the split of its "
+                             "token against the projections alone and the read bound is printed too")
     parser.add_argument("--streams", type=positive_ints, default=[1, 32], help="comma list of concurrencies")
     parser.add_argument("--tokens", type=positive_int, default=128, help="output tokens per request")
     parser.add_argument("--no-write", action="store_true")
@@ -183,7 +215,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not Path("/proc/self/task").is_dir():
         raise UsageError("overhead reads per-thread CPU time from /proc: Linux only")
-    command = kvserve_command(["--quantization", args.quantization, "--max-num-seqs", str(max(args.streams))])
+    quantization = args.quantization or ("int4" if args.model is None else None)
+    flags = (["--quantization", quantization] if quantization else []) + (["--model", args.model] if args.model else [])
+    scheme = " ".join(flags)
+    command = kvserve_command([*flags, "--max-num-seqs", str(max(args.streams))])
     try:
         with launch(command, name="overhead") as server:
             measure(server.url, server.pid, 2, 16)  # warm-up: first requests pay one-time costs
@@ -191,12 +226,15 @@ def run(args: argparse.Namespace) -> int:
     except (ServerStartError, RuntimeError, OSError) as exc:
         print(f"overhead: {exc}", file=sys.stderr)
         return 1
-    text = render(rows, args.quantization, args.tokens)
+    text = render(rows, scheme, args.tokens)
+    if args.model is not None:
+        split = split_text(rows, args.model)
+        text += "\n\n" + split if split else ""
     print(text)
     OUT_DIR.mkdir(parents=True, exist_ok=True)
     (OUT_DIR / "overhead.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if not args.no_write:
-        update_section(f"overhead-{args.quantization}", f"Serving overhead: a served token beyond the model step "
-                       f"({args.quantization} weights)",
-                       f"python -m kvserve.loadtest overhead --quantization {args.quantization}", text)
+        key = quantization or Path(args.model).stem
+        update_section(f"overhead-{key}", f"Serving overhead: a served token beyond the model step ({key} weights)",
+                       f"python -m kvserve.loadtest overhead {scheme}", text)
     return 0
