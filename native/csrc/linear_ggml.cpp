@@ -6,8 +6,9 @@
 // output features (at::parallel_for: each thread a run of consecutive panels). A decode batch (up to MR rows) is
 // one micro-kernel call per thread, its tiles covering several panels at once. More rows are blocked so that both
 // operands stay in cache: chunks of panels (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call
-// reusing its panels for every tile of rows and its rows for every panel. Every output is computed in ukernel_gguf.h's fixed order, so a row's bits depend
-// neither on the batch, nor on the tile, slice or chunk it falls in, nor on the threads.
+// reusing its panels for every tile of rows and its rows for every panel. Every output is computed in
+// ukernel_gguf.h's fixed order, so a row's bits depend neither on the batch, nor on the tile, slice or chunk it
+// falls in, nor on the threads.
 #include "act_quant.h"
 #include "projection_handle.h"
 #include "ukernel_gguf.h"
