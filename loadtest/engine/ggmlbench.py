@@ -8,8 +8,8 @@
    prefill chunk). Reported, the paths side by side: at 1 row the weight GB/s (the layer's bytes read per second;
    a layer is larger than the L3, and copies of it are cycled) and its share of one thread's measured read
    bandwidth; at 8, 32 and 512 rows the rows (tokens) through the layer per second, and at 512 the share of the
-   core's measured vpdpbusd peak (AVX-512 path). ``--kinds``, ``--stream-mb`` and ``--budget-s`` make a small run (a busy machine);
-   ``--no-write`` leaves BENCHMARKS.md alone.
+   core's measured vpdpbusd peak (AVX-512 path). ``--kinds``, ``--stream-mb`` and ``--budget-s`` make a small run
+   (a busy machine); ``--no-write`` leaves BENCHMARKS.md alone.
 2. ``--ggml-model``: a decode step's projections of a Q4_K_M file of Llama-3.2-1B's shape (llama.cpp's mixture:
    Q6_K for attn_v and ffn_down in half the layers and for the tied output/embedding table, Q4_K elsewhere; 805 MB),
    all 112 projections and the LM head in a row with the server's threads, at 1, 8 and 32 rows (a decode batch),
