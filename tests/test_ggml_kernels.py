@@ -119,6 +119,29 @@ def test_bound_kernel_gives_the_bits_of_the_call():
             module.bind_ggml(packed, kind, 40, K)(torch.randn(2, 32))
 
 
+def test_a_chunks_activations_quantized_by_several_threads_give_the_bits_of_one():
+    """A call of more than 32 rows quantizes its activations on the kernels' threads, a run of rows each: the same
+    bits as one thread, split evenly or not (130 rows over 3 threads; 33, just past one thread's share), and as
+    the same rows in decode batches."""
+    module = native.load()
+    threads = torch.get_num_threads()
+    try:
+        for kind in ("q4_1", "q8_0", "q6_k"):
+            N, K = BATCH_SHAPE[weights_of(kind)]
+            packed = module.ggml_pack(blocks(kind, N, K), kind)
+            for M in (33, 130):
+                x = activations(M, K)
+                torch.set_num_threads(1)
+                one = module.ggml_linear(x, packed, kind, N, K)
+                torch.set_num_threads(3)
+                assert torch.equal(module.ggml_linear(x, packed, kind, N, K), one), (kind, M)
+                # and the rows of decode batches (quantized by the calling thread alone)
+                batches = torch.cat([module.ggml_linear(x[m:m + 8], packed, kind, N, K) for m in range(0, M, 8)])
+                assert torch.equal(batches, one), (kind, M)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_bad_shapes_and_kinds_raise_clear_errors():
     module = native.load()
     raw = blocks("q8_0", 16, 64)

@@ -2,14 +2,14 @@
 
 1. ``--ggml``: every format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) on each ISA path this CPU runs (one
    process per path, forced with ``KVSERVE_ISA``), one thread timed in CPU seconds (``time.thread_time``: per core,
-   even on a machine shared with other work). The work is one layer of Llama-3.2-1B (q and o 2048 x 2048, k and v
-   512 x 2048, gate and up 8192 x 2048, down 2048 x 8192), all seven projections in the format, at 1 row (a
-   decode step alone), 8 and 32 (decode batches) and 512 (the scheduler's prefill chunk). Reported, the paths
-   side by side: at 1 row the weight GB/s (the layer's bytes read per second; a layer is larger than the L3, and
-   copies of it are cycled) and its share of one thread's measured read bandwidth; at 8, 32 and 512 rows the
-   rows (tokens) through the layer per second, and at 512 the share of the core's measured vpdpbusd peak
-   (AVX-512 path). ``--kinds``, ``--stream-mb`` and ``--budget-s`` make a small run (a busy machine);
-   ``--no-write`` leaves BENCHMARKS.md alone.
+   even on a machine shared with other work), on pages the allocator keeps (``KEEP_PAGES``). The work is one layer
+   of Llama-3.2-1B (q and o 2048 x 2048, k and v 512 x 2048, gate and up 8192 x 2048, down 2048 x 8192), all seven
+   projections in the format, at 1 row (a decode step alone), 8 and 32 (decode batches) and 512 (the scheduler's
+   prefill chunk). Reported, the paths side by side: at 1 row the weight GB/s (the layer's bytes read per second;
+   a layer is larger than the L3, and copies of it are cycled) and its share of one thread's measured read
+   bandwidth; at 8, 32 and 512 rows the rows (tokens) through the layer per second, and at 512 the share of the
+   core's measured vpdpbusd peak (AVX-512 path). ``--kinds``, ``--stream-mb`` and ``--budget-s`` make a small run
+   (a busy machine); ``--no-write`` leaves BENCHMARKS.md alone.
 2. ``--ggml-model``: a decode step's projections of a Q4_K_M file of Llama-3.2-1B's shape (llama.cpp's mixture:
    Q6_K for attn_v and ffn_down in half the layers and for the tied output/embedding table, Q4_K elsewhere; 805 MB),
    all 112 projections and the LM head in a row with the server's threads, at 1, 8 and 32 rows (a decode batch),
@@ -39,6 +39,10 @@ LAYER = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (81
 ROWS = (1, 8, 32, 512)
 STREAM_BYTES = 256 << 20  # more than the L3: weights streamed from memory, as a decode step reads them
 LAYERS, VOCAB, WIDTH = 16, 128256, 2048
+# glibc's allocator in the --ggml children: blocks up to 32 MiB from the heap, never handed back, so each call's
+# outputs reuse pages already touched. Otherwise fresh outputs (up to 16 MB a call) may come as new pages, zeroed
+# by the kernel at their first write, and that cost, in the thread's CPU time, varies with the allocator's state.
+KEEP_PAGES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
 
 
 @cache
@@ -160,8 +164,8 @@ def ggml_paths(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 
     for isa in isas:
         command = [sys.executable, "-m", "kvserve.loadtest", "kernelbench", "--mode", "ggml", "--kinds",
                    ",".join(kinds), "--stream-mb", str(stream_mb), "--budget-s", str(budget_s)]
-        done = subprocess.run(command, env={**os.environ, "KVSERVE_ISA": isa}, capture_output=True, text=True,
-                              check=True)
+        done = subprocess.run(command, env={**os.environ, "KVSERVE_ISA": isa, "GLIBC_TUNABLES": KEEP_PAGES},
+                              capture_output=True, text=True, check=True)
         for line in done.stdout.splitlines():
             print(line, flush=True)
             fields = dict(item.split("=") for item in line.split())
@@ -173,7 +177,8 @@ def ggml_paths(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 
     lines = [f"One thread (core), CPU seconds; each path in its own process, cells {paths} side by side. Read "
              f"bandwidth measured in the same run ({stream_mb} MB of 32-byte loads): {read:.1f} GB/s"
              + (f"; vpdpbusd peak (16 chains on registers): {peak:.0f} GMAC/s" if peak else "") + ". The work: one "
-             "Llama-3.2-1B layer's seven projections (60.8 M weights) in the format. 1 row: weight GB/s (% of the "
+             "Llama-3.2-1B layer's seven projections (60.8 M weights) in the format, outputs on pages the allocator "
+             "keeps (GLIBC_TUNABLES: no page faults in the timing). 1 row: weight GB/s (% of the "
              "read bandwidth, best path), over copies of the layer larger than the L3; 8 and 32 rows (decode "
              "batches) and 512 (a prefill chunk): rows through the layer per second"
              + (" (512: % of the vpdpbusd peak, AVX-512 path)" if peak else "") + "; - where a path was not run "

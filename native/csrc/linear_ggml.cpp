@@ -2,12 +2,13 @@
 // time) and the driver around the micro-kernels of ukernel_gguf.h (formats, layouts and the exact arithmetic).
 //
 // The driver quantizes the activations once per call (act_quant.h's Q8 blocks of 32, plus xs = d_x * qsum per
-// block, and -32 qsum per 16 for Q6_K) and threads over panels of output features (at::parallel_for: each thread a
-// run of consecutive panels). A decode batch (up to MR rows) is one micro-kernel call per thread, its tiles
-// covering several panels at once. More rows are blocked so that both operands stay in cache: chunks of panels
-// (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call reusing its panels for every tile of rows
-// and its rows for every panel. Every output is computed in ukernel_gguf.h's fixed order, so a row's bits depend
-// neither on the batch, nor on the tile, slice or chunk it falls in, nor on the threads.
+// block, and -32 qsum per 16 for Q6_K; a prefill chunk's rows split over the threads) and threads over panels of
+// output features (at::parallel_for: each thread a run of consecutive panels). A decode batch (up to MR rows) is
+// one micro-kernel call per thread, its tiles covering several panels at once. More rows are blocked so that both
+// operands stay in cache: chunks of panels (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call
+// reusing its panels for every tile of rows and its rows for every panel. Every output is computed in
+// ukernel_gguf.h's fixed order, so a row's bits depend neither on the batch, nor on the tile, slice or chunk it
+// falls in, nor on the threads.
 #include "act_quant.h"
 #include "projection_handle.h"
 #include "ukernel_gguf.h"
@@ -103,12 +104,47 @@ const int32_t* offsets16(const QuantizedX& qx, int64_t M, int64_t K) {
   return out.data();
 }
 
+// Rows per thread, at least, of a chunk's activation quantization: fewer are quantized by the calling thread
+// alone (waking the others would cost about what they save).
+constexpr int64_t kQuantizeRows = 32;
+
+// The Q8 activations of a call of many rows (a prefill chunk) and their xs = d_x * qsum [M, K / 32], made by the
+// kernels' threads, a run of rows each, rather than by the calling thread while the others wait: each block
+// through act_quant.h's block quantizer and xs as group_shifts(.., 32) forms it (fma(d, qsum, 0): the bits of
+// quantize_x and group_shifts, which serve the calls of few rows). Reused across calls (per calling thread).
+const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, const float*& xs) {
+  thread_local QuantizedX out;
+  thread_local std::vector<float> shifts;
+  const int64_t nb = K / 32;
+  out.q.resize(M * K);
+  out.d.resize(M * nb);
+  out.qsum.resize(M * nb);
+  shifts.resize(M * nb);
+  // the calling thread's buffers, by pointer: inside the lambda, another thread's `out` would be its own
+  int8_t* const q = out.q.data();
+  float* const d = out.d.data();
+  int32_t* const qsum = out.qsum.data();
+  float* const s = shifts.data();
+  at::parallel_for(0, M, kQuantizeRows, [=](int64_t m0, int64_t m1) {
+#ifdef QL_X86
+    if (cpu::avx2())
+      quantize_blocks_avx2(x + m0 * K, m1 - m0, K, q + m0 * K, d + m0 * nb, qsum + m0 * nb);
+    else
+#endif
+      quantize_blocks_scalar(x + m0 * K, m1 - m0, K, q + m0 * K, d + m0 * nb, qsum + m0 * nb);
+    for (int64_t i = m0 * nb; i < m1 * nb; ++i) s[i] = std::fma(d[i], static_cast<float>(qsum[i]), 0.f);
+  });
+  xs = s;
+  return out;
+}
+
 // y [M, N] <- x [M, K] @ W^T (x and y contiguous float32, checked by the caller).
 void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const int64_t nb = g.K / 32, panels = g.packed.size(0), panel_bytes = g.packed.size(1);
   if (M == 0) return;
-  const QuantizedX& qx = quantize_x(x, M, g.K);
-  const float* xs = group_shifts(qx, M, g.K, 32);  // groups of one block: xs = d_x * qsum
+  const float* xs = nullptr;
+  const QuantizedX& qx = M > kQuantizeRows ? quantize_rows(x, M, g.K, xs) : quantize_x(x, M, g.K);
+  if (xs == nullptr) xs = group_shifts(qx, M, g.K, 32);  // groups of one block: xs = d_x * qsum
   const int32_t* xoff16 = g.kind == gguf::kQ6_K ? offsets16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
   const bool decode = M <= tile_rows();
