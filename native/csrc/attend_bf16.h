@@ -1,0 +1,331 @@
+// The bfloat16 KV cache's paged attention for one tile (attend_tile.h's TileQuery: the `group` query heads of one
+// decode row, or of up to kTileRows consecutive rows of one prompt), for float32 queries over K and V stored as
+// bfloat16 [blocks, block_size, H_kv, D]. The scores and the outputs are bfloat16 dot products with float32
+// accumulation, vdpbf16ps' arithmetic (bf16_bits.h: the Intel SDM's VDPBF16PS, lane i: acc += a[2i+1] * b[2i+1],
+// then acc += a[2i] * b[2i], each product exact, each product and sum flushed to zero if denormal, inputs
+// denormal read as zero), the softmax in float32 as the float32 cache's (softmax_avx2).
+//
+// The order of every float operation, for one query vector q [D] attending to keys first .. len-1 (the reference;
+// every path below reproduces it, so every path, tile make-up, batch and chunking gives the same bits):
+//   qb       = bf16(q)                  (kv_float_to_bf16: vcvtneps2bf16's rounding, to nearest even)
+//   score(t) = hsum8(lane[0..7] + lane[8..15]) * scale, where lane[l] starts at +0 and takes, for the pairs
+//              p = l, l + 16, l + 32, ... < D / 2 in this order, the pair step
+//                  acc = ftz(acc + ftz(x[2p+1] * y[2p+1])); acc = ftz(acc + ftz(x[2p] * y[2p]))
+//              with x = qb, y = k_t (denormal inputs read as zero): vdpbf16ps over D / 32 vectors of 16 pairs;
+//   w        = softmax_avx2(scores), then each weight rounded: wb(t) = bf16(w(t));
+//   out[d]   = starts at +0 and takes, for the key pairs (2p, 2p + 1), p = floor(first / 2) .. ceil(len / 2) - 1
+//              in this order, the pair step with x = (wb(2p), wb(2p+1)), y = (v_2p[d], v_2p+1[d]); a key outside
+//              first .. len-1 (the even one before `first`, the odd one at `len`) has weight +0 and value +0.
+// Pairs are by absolute position, so a prompt row computed alone, in a tile, in another chunk or as a decode row
+// takes the same pair steps.
+//
+// Three paths: base (scalar, any even D), avx2 (AVX2 + FMA, D a multiple of 32: the pair steps in 8 float lanes
+// with explicit flushes), avx512 (AVX-512 F + BF16, D a multiple of 32: vdpbf16ps; keys' V rows interleaved two
+// by two with vpunpck{l,h}wd, so an output register's lanes are a fixed permutation of d, undone once per query).
+#pragma once
+
+#include "attend_tile.h"
+#include "bf16_bits.h"
+#include "cpu.h"
+#include "decode_core.h"
+#include "kv_attend.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve::bf16_attend {
+
+using kvserve::decode::TileQuery;
+
+// One tile's view of the pool: K and V bfloat16 bits [blocks, block_size, H_kv, D], KV head g.
+struct Tile {
+  const int64_t* table;
+  const uint16_t* kp;
+  const uint16_t* vp;
+  int64_t bs, H_kv, g, D;
+  float scale;
+
+  int64_t at(int64_t t) const { return ((table[t / bs] * bs + t % bs) * H_kv + g) * D; }
+};
+
+// Whether the vector paths take head size D (16 pairs a vector, whole vectors); else the scalar path runs.
+inline bool vector_takes(int64_t D) { return D % 32 == 0; }
+
+// Keys a tile reads as one chunk while all its query vectors run over them (even, so a key pair never straddles).
+constexpr int64_t kChunk = 64;
+
+// One pair step of the reference: x, y bfloat16 values as floats (denormals already read as zero).
+inline float pair_half(float acc, float x, float y) { return kv_flush_denormal(acc + kv_flush_denormal(x * y)); }
+
+// scores' weights rounded to bfloat16 in place (kept as floats whose low 16 bits are zero).
+inline void round_weights(float* w, int64_t span) {
+  for (int64_t i = 0; i < span; ++i) w[i] = kv_bits_f32(static_cast<uint32_t>(kv_float_to_bf16(w[i])) << 16);
+}
+
+// The weight pair of key pair p for a query: low half wb(2p) (0 before `first`), high half wb(2p+1) (0 at len).
+inline uint32_t weight_pair(const TileQuery& query, int64_t p) {
+  const float* w = query.scores - query.first;
+  const uint32_t even = 2 * p >= query.first ? kv_f32_bits(w[2 * p]) >> 16 : 0u;
+  const uint32_t odd = 2 * p + 1 < query.len ? kv_f32_bits(w[2 * p + 1]) >> 16 : 0u;
+  return even | (odd << 16);
+}
+
+// ---- base: the reference, one float at a time ----
+namespace base {
+
+inline float score(const uint16_t* qb, const uint16_t* k, int64_t D, float scale) {
+  float lane[16];
+  for (int l = 0; l < 16; ++l) {
+    float acc = 0.f;
+    for (int64_t p = l; p < D / 2; p += 16) {
+      acc = pair_half(acc, kv_bf16_to_float(qb[2 * p + 1]), kv_bf16_to_float(k[2 * p + 1]));
+      acc = pair_half(acc, kv_bf16_to_float(qb[2 * p]), kv_bf16_to_float(k[2 * p]));
+    }
+    lane[l] = acc;
+  }
+  float x[8];
+  for (int l = 0; l < 8; ++l) x[l] = lane[l] + lane[l + 8];
+  return (((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]))) * scale;
+}
+
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+  const int64_t D = tile.D;
+  std::vector<uint16_t> qb(D);
+  static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const TileQuery& query = qs[j];
+    for (int64_t i = 0; i < D; ++i) qb[i] = kv_float_to_bf16(query.q[i]);
+    for (int64_t t = query.first; t < query.len; ++t)
+      query.scores[t - query.first] = score(qb.data(), tile.kp + tile.at(t), D, tile.scale);
+    kvserve::kv_quant::base::softmax(query.scores, query.len - query.first);
+    round_weights(query.scores, query.len - query.first);
+    std::fill_n(query.out, D, 0.f);
+    for (int64_t p = query.first / 2; p < (query.len + 1) / 2; ++p) {
+      const uint32_t w = weight_pair(query, p);
+      const float we = kv_bits_f32(w << 16), wo = kv_bits_f32(w & 0xFFFF0000u);
+      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = pair_half(query.out[d], wo, kv_bf16_to_float(vo[d]));
+        query.out[d] = pair_half(acc, we, kv_bf16_to_float(ve[d]));
+      }
+    }
+  }
+}
+
+}  // namespace base
+
+#ifdef KV_X86
+
+// ---- avx2: the pair steps in 8 float lanes, denormals flushed explicitly ----
+namespace avx2 {
+
+#define KV_BF16_AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
+
+KV_BF16_AVX2 __m256 flush(__m256 x) {  // kv_flush_denormal per lane
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(u, _mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN)), tiny));
+}
+KV_BF16_AVX2 __m256 step(__m256 acc, __m256 x, __m256 y) { return flush(_mm256_add_ps(acc, flush(_mm256_mul_ps(x, y)))); }
+// 8 bfloat16 pairs (as uint32) -> their odd (high) and even (low) halves as floats, denormals read as zero.
+KV_BF16_AVX2 __m256 odd_of(__m256i pairs) { return flush(_mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)))); }
+KV_BF16_AVX2 __m256 even_of(__m256i pairs) { return flush(_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16))); }
+KV_BF16_AVX2 __m256i load8(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// 8 bfloat16 values -> floats, denormals read as zero.
+KV_BF16_AVX2 __m256 widen(const uint16_t* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return flush(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+}
+
+__attribute__((target("avx2,fma"))) inline float score(const uint16_t* qb, const uint16_t* k, int64_t D, float scale) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // lanes 0-7, 8-15
+  for (int64_t i = 0; i < D; i += 32) {
+    const __m256i q0 = load8(qb + i), k0 = load8(k + i), q1 = load8(qb + i + 16), k1 = load8(k + i + 16);
+    a0 = step(step(a0, odd_of(q0), odd_of(k0)), even_of(q0), even_of(k0));
+    a1 = step(step(a1, odd_of(q1), odd_of(k1)), even_of(q1), even_of(k1));
+  }
+  return kvserve::decode::hsum8(_mm256_add_ps(a0, a1)) * scale;
+}
+
+__attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+  const int64_t D = tile.D;
+  static thread_local std::vector<uint16_t> qb;
+  qb.resize(n * D);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < D; ++i) qb[j * D + i] = kv_float_to_bf16(qs[j].q[i]);
+  int64_t lo, hi;
+  kvserve::decode::tile_span(qs, n, &lo, &hi);
+  lo &= ~int64_t{1};
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // scores, a chunk's K rows for every query vector
+    for (int64_t j = 0; j < n; ++j) {
+      const TileQuery& query = qs[j];
+      for (int64_t t = std::max(c0, query.first); t < std::min(c0 + kChunk, query.len); ++t)
+        query.scores[t - query.first] = score(qb.data() + j * D, tile.kp + tile.at(t), D, tile.scale);
+    }
+  for (int64_t j = 0; j < n; ++j) {
+    kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
+    round_weights(qs[j].scores, qs[j].len - qs[j].first);
+    std::fill_n(qs[j].out, D, 0.f);
+  }
+  alignas(32) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // outputs, a chunk's V rows for every query vector
+    for (int64_t j = 0; j < n; ++j) {
+      const TileQuery& query = qs[j];
+      const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 acc = _mm256_loadu_ps(query.out + d);
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint32_t w = weight_pair(query, p);
+          const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
+          const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+          acc = step(acc, _mm256_set1_ps(kv_bits_f32(w & 0xFFFF0000u)), widen(vo + d));
+          acc = step(acc, _mm256_set1_ps(kv_bits_f32(w << 16)), widen(ve + d));
+        }
+        _mm256_storeu_ps(query.out + d, acc);
+      }
+    }
+}
+
+#undef KV_BF16_AVX2
+}  // namespace avx2
+
+// ---- avx512: vdpbf16ps ----
+namespace avx512 {
+
+#define KV_BF16_512 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"), always_inline)) inline
+
+KV_BF16_512 __m512 dot(__m512 acc, __m512i x, __m512i y) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y); }
+KV_BF16_512 __m512i load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
+// One query's scores against keys t0 .. t1-1 (rows through the table): 8 keys reduced together (scores_of).
+KV_BF16_512 void scores_range(const uint16_t* qb, const Tile& tile, int64_t t0, int64_t t1, float* s) {
+  const int64_t D = tile.D;
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    __m512 acc[8];
+    const uint16_t* k[8];
+    for (int r = 0; r < 8; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      k[r] = tile.kp + tile.at(t + r);
+    }
+    for (int64_t i = 0; i < D; i += 32) {
+      __m512i q = load32(qb + i);
+      kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&q));
+      for (int r = 0; r < 8; ++r) acc[r] = dot(acc[r], q, load32(k[r] + i));
+    }
+    _mm256_storeu_ps(s + t, kvserve::decode::scores_of(acc, tile.scale));
+  }
+  for (; t < t1; ++t) {
+    const uint16_t* k = tile.kp + tile.at(t);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 32) acc = dot(acc, load32(qb + i), load32(k + i));
+    s[t] = kvserve::decode::score_of(acc, tile.scale);
+  }
+}
+
+// Output lane m of the unpacklo (unpackhi) register of a 32-value block holds d = 8 (m / 4) + m % 4 (+ 4).
+inline int64_t lane_d(int64_t m) { return m < 16 ? 8 * (m / 4) + m % 4 : 8 * ((m - 16) / 4) + (m - 16) % 4 + 4; }
+
+// Key pairs p0 .. p1-1 of one query into its output row (in lane order), kD = D known (<= 256) or looped.
+template <int64_t kD>
+KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t p0, int64_t p1, float* out) {
+  alignas(64) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
+  const int64_t D = kD > 0 ? kD : tile.D;
+  constexpr int64_t kRegs = kD > 0 ? kD / 16 : 2;
+  if constexpr (kD > 0) {
+    __m512 acc[kRegs];
+    for (int64_t r = 0; r < kRegs; ++r) acc[r] = _mm512_loadu_ps(out + 16 * r);
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(weight_pair(query, p)));
+      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+      for (int64_t b = 0; b < kD / 32; ++b) {
+        const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
+        acc[2 * b] = dot(acc[2 * b], w, _mm512_unpacklo_epi16(e, o));
+        acc[2 * b + 1] = dot(acc[2 * b + 1], w, _mm512_unpackhi_epi16(e, o));
+      }
+    }
+    for (int64_t r = 0; r < kRegs; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+  } else {
+    for (int64_t b = 0; b < D / 32; ++b) {
+      __m512 lo = _mm512_loadu_ps(out + 32 * b), hi = _mm512_loadu_ps(out + 32 * b + 16);
+      for (int64_t p = p0; p < p1; ++p) {
+        const __m512i w = _mm512_set1_epi32(static_cast<int>(weight_pair(query, p)));
+        const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
+        const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+        const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
+        lo = dot(lo, w, _mm512_unpacklo_epi16(e, o));
+        hi = dot(hi, w, _mm512_unpackhi_epi16(e, o));
+      }
+      _mm512_storeu_ps(out + 32 * b, lo);
+      _mm512_storeu_ps(out + 32 * b + 16, hi);
+    }
+  }
+}
+
+template <int64_t kD>
+__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"))) void attend_tile_d(const TileQuery* qs, int64_t n,
+                                                                                   const Tile& tile) {
+  const int64_t D = tile.D;
+  static thread_local std::vector<uint16_t> qb;
+  qb.resize(n * D);
+  for (int64_t j = 0; j < n; ++j)  // vcvtneps2bf16: kv_float_to_bf16's rounding
+    for (int64_t i = 0; i < D; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + j * D + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qs[j].q + i)));
+  int64_t lo, hi;
+  kvserve::decode::tile_span(qs, n, &lo, &hi);
+  lo &= ~int64_t{1};
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // scores, a chunk's K rows for every query vector
+    for (int64_t j = 0; j < n; ++j)
+      scores_range(qb.data() + j * D, tile, std::max(c0, qs[j].first), std::min(c0 + kChunk, qs[j].len),
+                   qs[j].scores - qs[j].first);
+  for (int64_t j = 0; j < n; ++j) {
+    kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
+    round_weights(qs[j].scores, qs[j].len - qs[j].first);
+    std::fill_n(qs[j].out, D, 0.f);
+  }
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // outputs (in lane order), a chunk's V rows for every query
+    for (int64_t j = 0; j < n; ++j) {
+      const TileQuery& query = qs[j];
+      const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
+      if (p0 < p1) outputs_range<kD>(query, tile, p0, p1, query.out);
+    }
+  float lanes[512];
+  for (int64_t j = 0; j < n; ++j) {  // lane order -> d order
+    std::copy_n(qs[j].out, D, lanes);
+    for (int64_t b = 0; b < D; b += 32)
+      for (int64_t m = 0; m < 32; ++m) qs[j].out[b + lane_d(m)] = lanes[b + m];
+  }
+}
+
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+  if (tile.D == 64) return attend_tile_d<64>(qs, n, tile);
+  if (tile.D == 128) return attend_tile_d<128>(qs, n, tile);
+  attend_tile_d<0>(qs, n, tile);
+}
+
+#undef KV_BF16_512
+}  // namespace avx512
+
+#endif
+
+// The path the bfloat16 cache's attention runs for head size D: avx512 where cpu.h chose it and the CPU has
+// AVX512-BF16 (cpu::bf16()), avx2 where chosen, else the scalar one; the vector paths for D a multiple of 32.
+inline kvserve::cpu::Isa path(int64_t D) {
+  using kvserve::cpu::Isa;
+  if (!vector_takes(D)) return Isa::kScalar;
+  if (kvserve::cpu::bf16()) return Isa::kAvx512;
+  return kvserve::cpu::avx2() ? Isa::kAvx2 : Isa::kScalar;
+}
+
+inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile) {
+#ifdef KV_X86
+  if (isa == kvserve::cpu::Isa::kAvx512) return avx512::attend_tile(qs, n, tile);
+  if (isa == kvserve::cpu::Isa::kAvx2) return avx2::attend_tile(qs, n, tile);
+#endif
+  base::attend_tile(qs, n, tile);
+}
+
+}  // namespace kvserve::bf16_attend
