@@ -17,7 +17,13 @@
 //              in this order, the pair step with x = (wb(2p), wb(2p+1)), y = (v_2p[d], v_2p+1[d]); a key outside
 //              first .. len-1 (the even one before `first`, the odd one at `len`) has weight +0 and value +0.
 // Pairs are by absolute position, so a prompt row computed alone, in a tile, in another chunk or as a decode row
-// takes the same pair steps.
+// takes the same pair steps: on one path every row's bits are independent of batch, tile and chunking.
+//
+// Across paths the bits agree wherever no product or partial sum falls below float32's normal range (2^-126) other
+// than by being zero, the case of every attention over model activations. In that range Zen 4's vdpbf16ps departs
+// from the SDM's pseudo-code the reference follows (measured: it adds a denormal product or a denormal input's
+// product instead of flushing it, and can give -0 where +0 + -0 is +0), so there the AVX-512 path's last bits may
+// differ from the scalar and AVX2 paths'.
 //
 // Three paths: base (scalar, any even D), avx2 (AVX2 + FMA, D a multiple of 32: the pair steps in 8 float lanes
 // with explicit flushes), avx512 (AVX-512 F + BF16, D a multiple of 32: vdpbf16ps; keys' V rows interleaved two
