@@ -18,6 +18,7 @@ from kvserve.engine.loader import wrap_model
 from kvserve.engine.runner import ModelRunner
 from kvserve import native
 from kvserve.kvcache.pool import KVPool, dequantize, quantize
+from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear
 from tests.engineutil import BLOCK, GREEDY, run_both, tiny
 from tests.ggmlutil import with_gguf_blocks
@@ -367,17 +368,19 @@ def _gguf_tiny(arch: str, overrides: dict, embedding: str | None = None, head: s
     return wrap_model(model, tokenizer=None, name=f"{arch}-gguf")
 
 
-def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None,
+                    pool_dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Logits and the pool after an all-decode step of ``rows`` sequences (contexts of 10-12 tokens), with the
-    layer stack and with the layer loop; ``prepare(decoder)`` runs on each fresh decoder. The loop's q/k/v calls
-    are counted: each path ran."""
+    layer stack and with the layer loop; ``prepare(decoder)`` runs on each fresh decoder; ``pool_dtype``: the KV
+    cache's (default the model's). The loop's q/k/v calls are counted: each path ran."""
     tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
 
     def slots(s, positions):
         return [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in positions]
     outputs = []
     for stack in (True, False):
-        runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype))
+        shape = loaded.kv_shape(KVCacheDType.BFLOAT16 if pool_dtype is torch.bfloat16 else KVCacheDType.AUTO)
+        runner = ModelRunner(loaded, KVPool(shape, 32, BLOCK, pool_dtype or loaded.dtype))
         assert runner.fast.layer_stack is not None
         prepare(runner.fast)
         calls: list[int] = []
@@ -411,6 +414,20 @@ def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides, emb
         assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
     fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)).fast
     assert fast.stack_embeds and fast.stack_head == (head is not None)
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"head_dim": 32}), ("mistral", {"sliding_window": 4})])
+def test_fused_layer_stack_runs_a_bfloat16_cache_with_the_bits_of_the_layer_loop(arch, overrides):
+    # A bfloat16 KV cache under float32 activations: the stack writes and attends it (attend_bf16.h) as the
+    # per-layer loop's ops do, bit for bit, the pool's bfloat16 K/V included (head_dim 32: the vector paths;
+    # Mistral's 16 with a window: the scalar path).
+    loaded = _gguf_tiny(arch, overrides, "q8_0", "q8_0")
+    for rows in (1, 3):
+        (stack_logits, stack_pool), (loop_logits, loop_pool) = _stack_and_loop(loaded, rows,
+                                                                               pool_dtype=torch.bfloat16)
+        assert stack_pool.dtype is torch.bfloat16
+        assert torch.equal(stack_logits, loop_logits) and torch.equal(stack_pool.view(torch.int16),
+                                                                      loop_pool.view(torch.int16))
 
 
 def test_fused_layer_stack_takes_rows_and_rope_from_python():
