@@ -309,7 +309,8 @@ def run(args: argparse.Namespace) -> int:
                          + ([] if cache == "auto" else [f"{cache} KV cache"]))
         update_section(key, f"Where a decode step's time goes ({what})",
                        "python -m kvserve.loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
-                       + ("" if scheme == "auto" else f" --quantization {scheme}"), text)
+                       + ("" if scheme == "auto" else f" --quantization {scheme}")
+                       + ("" if cache == "auto" else f" --kv-cache-dtype {cache}"), text)
     return 0
 
 
