@@ -192,3 +192,29 @@ def test_the_op_names_its_path_and_refuses_an_odd_head_size():
     with pytest.raises(RuntimeError, match="head size must be even"):
         ops.paged_decode_attention(q, torch.tensor([0]), torch.tensor([[0]]), torch.tensor([3]), blocks, blocks,
                                    1.0, 0, out)
+
+
+def test_the_quant_reports_bfloat16_attention_rounds_as_the_kernel_does():
+    """kvserve quant report --kv-caches bfloat16 measures quality with a torch attention that makes the kernel's
+    roundings (query, keys, values, weights to bfloat16); against the kernel over the same prompt it differs only
+    by the order of float32 sums (and a weight that this moves across a bfloat16 rounding boundary)."""
+    from kvserve.server.quant_report import register_kv_caches
+    from transformers import AttentionInterface
+
+    class _Config:  # the geometry register_kv_caches reads
+        num_attention_heads, num_key_value_heads, head_dim, num_hidden_layers, hidden_size = 6, 2, 64, 1, 384
+    assert register_kv_caches(_Config(), ("bfloat16",)) == {"bfloat16": ("kvserve-kv-bfloat16", 1 * 2 * 2 * 64 * 2)}
+    torch.manual_seed(3)
+    q, k, v = torch.randn(1, 6, 40, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
+    ours, _ = AttentionInterface()["kvserve-kv-bfloat16"](None, q, k, v, None, scaling=0.125)
+    # the kernel: the 40 positions as one prompt's rows over a bfloat16 pool of 3 blocks
+    blocks = torch.zeros(2, 3, 16, 2, 64, dtype=torch.bfloat16)
+    slots = torch.arange(40)
+    ops.write_kv(blocks[0].flatten(0, 1), blocks[1].flatten(0, 1), slots, k[0].transpose(0, 1), v[0].transpose(0, 1))
+    kernel = torch.zeros(40, 6, 64)
+    ops.paged_decode_attention(q[0].transpose(0, 1).contiguous(), slots, torch.arange(3).repeat(40, 1), slots + 1,
+                               blocks[0], blocks[1], 0.125, 0, kernel)
+    torch.testing.assert_close(ours[0], kernel, rtol=0, atol=5e-3)
+    exact = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.125,
+                                                            enable_gqa=True)
+    assert (ours[0] - kernel).abs().max() < (exact[0].transpose(0, 1) - kernel).abs().max()
