@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from kvserve import native
+from tests.test_decode_ops import prompt_rows
 
 ops = native.load_ops()
 pytestmark = pytest.mark.skipif(ops is None, reason="the C++ ops are not built")
@@ -63,11 +64,8 @@ def bf16_prompt_case(prompt, start, heads, kv_heads, dim, window, extremes=True)
     torch.manual_seed(prompt + start + dim + window)
     block_size, blocks = 16, (start + prompt) // 16 + 2
     k_blocks, v_blocks = _bf16_pool(blocks * 3, block_size, kv_heads, dim, extremes)
-    table, other = torch.randperm(blocks * 3)[:blocks], torch.randperm(blocks * 3)[:blocks]
+    rows, lens, tables = prompt_rows(prompt, start, blocks * 3, blocks)
     q = torch.randn(prompt + 2, heads, dim)
-    rows = torch.arange(prompt + 2)
-    lens = torch.cat([torch.tensor([9]), torch.arange(start + 1, start + prompt + 1), torch.tensor([start + 3])])
-    tables = torch.cat([other[None], table.repeat(prompt, 1), other[None]])
     together = torch.zeros(q.shape)
     ops.paged_decode_attention(q, rows, tables, lens, k_blocks, v_blocks, dim ** -0.5, window, together)
     return q, rows, tables, lens, k_blocks, v_blocks, together

@@ -111,19 +111,27 @@ PROMPT_TILE_SHAPES = [
 ]
 
 
+def prompt_rows(prompt: int, start: int, pool: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows, lens, tables of a call holding one prompt's rows (after a cached prefix of ``start`` tokens:
+    consecutive rows, context lengths growing by one, one block table of ``blocks`` of a ``pool``-block pool)
+    between two rows of other sequences."""
+    table = torch.randperm(pool)[:blocks]
+    other = torch.randperm(pool)[:blocks]
+    rows = torch.arange(prompt + 2)
+    lens = torch.cat([torch.tensor([9]), torch.arange(start + 1, start + prompt + 1), torch.tensor([start + 3])])
+    tables = torch.cat([other[None], table.repeat(prompt, 1), other[None]])
+    return rows, lens, tables
+
+
 def prompt_tile_case(prompt, start, heads, kv_heads, dim, window):
-    """A call holding one prompt's rows (consecutive rows, context lengths growing by one, one block table) between
-    two rows of other sequences: (q, rows, tables, lens, k_blocks, v_blocks, the call's output)."""
+    """A call holding one prompt's rows (``prompt_rows``) between two rows of other sequences: (q, rows, tables,
+    lens, k_blocks, v_blocks, the call's output)."""
     torch.manual_seed(0)
     block_size, blocks = 16, (start + prompt) // 16 + 2
     pool = blocks * 3
     k_blocks, v_blocks = torch.randn(pool, block_size, kv_heads, dim), torch.randn(pool, block_size, kv_heads, dim)
-    table = torch.randperm(pool)[:blocks]
-    other = torch.randperm(pool)[:blocks]
+    rows, lens, tables = prompt_rows(prompt, start, pool, blocks)
     q = torch.randn(prompt + 2, heads, dim)
-    rows = torch.arange(prompt + 2)
-    lens = torch.cat([torch.tensor([9]), torch.arange(start + 1, start + prompt + 1), torch.tensor([start + 3])])
-    tables = torch.cat([other[None], table.repeat(prompt, 1), other[None]])
     together = torch.zeros(q.shape)
     ops.paged_decode_attention(q, rows, tables, lens, k_blocks, v_blocks, dim ** -0.5, window, together)
     return q, rows, tables, lens, k_blocks, v_blocks, together

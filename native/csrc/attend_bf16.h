@@ -230,12 +230,59 @@ KV_BF16_512 void scores_range(const uint16_t* qb, const Tile& tile, int64_t t0, 
   }
 }
 
+// Two queries' scores against keys t0 .. t1-1 (both attend to them), 8 keys a pass so each K row loaded feeds
+// both; each score's operations are scores_range's.
+KV_BF16_512 void scores_range2(const uint16_t* qa, const uint16_t* qb, const Tile& tile, int64_t t0, int64_t t1,
+                               float* sa, float* sb) {
+  const int64_t D = tile.D;
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    __m512 acc_a[8], acc_b[8];
+    const uint16_t* k[8];
+    for (int r = 0; r < 8; ++r) {
+      acc_a[r] = acc_b[r] = _mm512_setzero_ps();
+      k[r] = tile.kp + tile.at(t + r);
+    }
+    for (int64_t i = 0; i < D; i += 32) {
+      const __m512i x = load32(qa + i), y = load32(qb + i);
+      for (int r = 0; r < 8; ++r) {
+        const __m512i kv = load32(k[r] + i);
+        acc_a[r] = dot(acc_a[r], x, kv);
+        acc_b[r] = dot(acc_b[r], y, kv);
+      }
+    }
+    _mm256_storeu_ps(sa + t, kvserve::decode::scores_of(acc_a, tile.scale));
+    _mm256_storeu_ps(sb + t, kvserve::decode::scores_of(acc_b, tile.scale));
+  }
+  scores_range(qa, tile, t, t1, sa);
+  scores_range(qb, tile, t, t1, sb);
+}
+
 // Output lane m of the unpacklo (unpackhi) register of a 32-value block holds d = 8 (m / 4) + m % 4 (+ 4).
 inline int64_t lane_d(int64_t m) { return m < 16 ? 8 * (m / 4) + m % 4 : 8 * ((m - 16) / 4) + (m - 16) % 4 + 4; }
 
 // Key pairs p0 .. p1-1 of one query into its output row (in lane order), kD = D known (<= 256) or looped.
+// The V rows of key pairs pb .. pe-1 interleaved two by two, once per tile for all its query vectors: vi[(p - pb)
+// * D / 16 + r] is register r (unpacklo, unpackhi per 32 values) of pair p; a key past the tile's last, hi, is 0.
 template <int64_t kD>
-KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t p0, int64_t p1, float* out) {
+KV_BF16_512 void interleave_pairs(const Tile& tile, int64_t pb, int64_t pe, int64_t hi, __m512i* vi) {
+  for (int64_t p = pb; p < pe; ++p) {
+    const uint16_t* ve = tile.vp + tile.at(2 * p);
+    for (int64_t b = 0; b < kD / 32; ++b) {
+      const __m512i e = load32(ve + 32 * b);
+      const __m512i o = 2 * p + 1 < hi ? load32(tile.vp + tile.at(2 * p + 1) + 32 * b) : _mm512_setzero_si512();
+      vi[(p - pb) * (kD / 16) + 2 * b] = _mm512_unpacklo_epi16(e, o);
+      vi[(p - pb) * (kD / 16) + 2 * b + 1] = _mm512_unpackhi_epi16(e, o);
+    }
+  }
+}
+
+// Key pairs p0 .. p1-1 of one query into its output row (in lane order). kD known: a pair whose two keys the query
+// attends comes from vi (interleave_pairs from pair pb), its edge pairs (the even key before `first`, the odd one
+// at `len`) are interleaved here with a zero row; kD = 0: every pair interleaved here, a loop over D.
+template <int64_t kD>
+KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t p0, int64_t p1, const __m512i* vi,
+                               int64_t pb, float* out) {
   alignas(64) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
   const int64_t D = kD > 0 ? kD : tile.D;
   constexpr int64_t kRegs = kD > 0 ? kD / 16 : 2;
@@ -244,6 +291,11 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
     for (int64_t r = 0; r < kRegs; ++r) acc[r] = _mm512_loadu_ps(out + 16 * r);
     for (int64_t p = p0; p < p1; ++p) {
       const __m512i w = _mm512_set1_epi32(static_cast<int>(weight_pair(query, p)));
+      if (vi != nullptr && 2 * p >= query.first && 2 * p + 1 < query.len) {
+        const __m512i* v = vi + (p - pb) * kRegs;
+        for (int64_t r = 0; r < kRegs; ++r) acc[r] = dot(acc[r], w, v[r]);
+        continue;
+      }
       const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
       const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
       for (int64_t b = 0; b < kD / 32; ++b) {
@@ -283,21 +335,43 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"))) void attend_tile
   int64_t lo, hi;
   kvserve::decode::tile_span(qs, n, &lo, &hi);
   lo &= ~int64_t{1};
-  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // scores, a chunk's K rows for every query vector
-    for (int64_t j = 0; j < n; ++j)
-      scores_range(qb.data() + j * D, tile, std::max(c0, qs[j].first), std::min(c0 + kChunk, qs[j].len),
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores, a chunk's K rows for every query vector
+    const int64_t c1 = std::min(c0 + kChunk, hi);
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {  // two at a time over the keys both read, each alone over the others
+      const TileQuery &a = qs[j], &b = qs[j + 1];
+      const int64_t ta = std::max(c0, a.first), tb = std::max(c0, b.first);
+      const int64_t ea = std::min(c1, a.len), eb = std::min(c1, b.len);
+      const int64_t s0 = std::max(ta, tb), s1 = std::max(s0, std::min(ea, eb));
+      float *sa = a.scores - a.first, *sb = b.scores - b.first;
+      scores_range(qb.data() + j * D, tile, ta, std::min(ea, s0), sa);
+      scores_range(qb.data() + (j + 1) * D, tile, tb, std::min(eb, s0), sb);
+      scores_range2(qb.data() + j * D, qb.data() + (j + 1) * D, tile, s0, s1, sa, sb);
+      scores_range(qb.data() + j * D, tile, std::max(ta, s1), ea, sa);
+      scores_range(qb.data() + (j + 1) * D, tile, std::max(tb, s1), eb, sb);
+    }
+    for (; j < n; ++j)
+      scores_range(qb.data() + j * D, tile, std::max(c0, qs[j].first), std::min(c1, qs[j].len),
                    qs[j].scores - qs[j].first);
+  }
   for (int64_t j = 0; j < n; ++j) {
     kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     round_weights(qs[j].scores, qs[j].len - qs[j].first);
     std::fill_n(qs[j].out, D, 0.f);
   }
-  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // outputs (in lane order), a chunk's V rows for every query
+  // outputs (in lane order): a chunk's V rows interleaved once (D known; a decode row's few query vectors skip
+  // it), then every query vector over them
+  const bool shared = kD > 0 && n >= 4;
+  alignas(64) __m512i vi[kChunk / 2 * (kD > 0 ? kD / 16 : 1)];
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+    const int64_t pb = c0 / 2, pe = (std::min(c0 + kChunk, hi) + 1) / 2;
+    if (shared) interleave_pairs<kD>(tile, pb, pe, hi, vi);
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
       const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
-      if (p0 < p1) outputs_range<kD>(query, tile, p0, p1, query.out);
+      if (p0 < p1) outputs_range<kD>(query, tile, p0, p1, shared ? vi : nullptr, pb, query.out);
     }
+  }
   float lanes[512];
   for (int64_t j = 0; j < n; ++j) {  // lane order -> d order
     std::copy_n(qs[j].out, D, lanes);

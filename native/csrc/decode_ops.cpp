@@ -357,6 +357,23 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
 // The path the bfloat16 cache's attention runs for head size D (attend_bf16.h's path): avx512, avx2 or scalar.
 std::string bf16_attention_path(int64_t D) { return kvserve::cpu::name(kvserve::bf16_attend::path(D)); }
 
+// The query vectors of rows b0 .. b1-1 of a call for KV head g (each row's `group` query heads), each with its
+// share of `scores` (resized to hold them all).
+void tile_queries(const kvserve::decode::DecodeCall& call, int64_t b0, int64_t b1, int64_t g,
+                  std::vector<float>& scores, std::vector<TileQuery>& queries) {
+  int64_t total = 0;
+  for (int64_t b = b0; b < b1; ++b) total += call.group * (call.lens[b] - call.first_of(b));
+  scores.resize(total);
+  queries.clear();
+  float* next = scores.data();
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t j = 0; j < call.group; ++j) {
+      const int64_t first = call.first_of(b);
+      queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * call.D, first, call.lens[b], next});
+      next += call.lens[b] - first;
+    }
+}
+
 // The (tile, KV head) tasks of a call cut into tiles (prompt_tiles' starts), on the threads: attend_task(task,
 // scores, queries) with a scores buffer and a query list per thread.
 template <class Task>
@@ -408,17 +425,7 @@ void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, con
     const int64_t tile = task / H_kv, g = task % H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
 #ifdef KV_X86
     if (avx2) {
-      int64_t total = 0;
-      for (int64_t b = b0; b < b1; ++b) total += group * (call.lens[b] - call.first_of(b));
-      scores.resize(total);
-      queries.clear();
-      float* next = scores.data();
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t j = 0; j < group; ++j) {
-          const int64_t first = call.first_of(b);
-          queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * D, first, call.lens[b], next});
-          next += call.lens[b] - first;
-        }
+      tile_queries(call, b0, b1, g, scores, queries);
       kvserve::decode::attend_tile(avx512, queries.data(), static_cast<int64_t>(queries.size()),
                                    call.table_of(b1 - 1), kp, vp, bs, H_kv, g, D, call.scale);
       return;
@@ -436,22 +443,12 @@ void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, con
 // attend_decode over a bfloat16 pool (attend_bf16.h): the same tiles and threads, every path tiled (the tile's
 // order of operations is the one order; its scalar path included).
 void kvserve::decode::attend_decode_bf16(const DecodeCall& call, const uint16_t* kp, const uint16_t* vp) {
-  const int64_t D = call.D, group = call.group;
+  const int64_t D = call.D;
   const kvserve::cpu::Isa isa = kvserve::bf16_attend::path(D);
   const std::vector<int64_t> tiles = prompt_tiles(call, kTileRows);
   run_tiles(call, tiles, [&](int64_t task, std::vector<float>& scores, std::vector<TileQuery>& queries) {
     const int64_t tile = task / call.H_kv, g = task % call.H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
-    int64_t total = 0;
-    for (int64_t b = b0; b < b1; ++b) total += group * (call.lens[b] - call.first_of(b));
-    scores.resize(total);
-    queries.clear();
-    float* next = scores.data();
-    for (int64_t b = b0; b < b1; ++b)
-      for (int64_t j = 0; j < group; ++j) {
-        const int64_t first = call.first_of(b);
-        queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * D, first, call.lens[b], next});
-        next += call.lens[b] - first;
-      }
+    tile_queries(call, b0, b1, g, scores, queries);
     const kvserve::bf16_attend::Tile view{call.table_of(b1 - 1), kp, vp, call.block_size, call.H_kv, g, D, call.scale};
     kvserve::bf16_attend::attend_tile(isa, queries.data(), static_cast<int64_t>(queries.size()), view);
   });
