@@ -50,8 +50,14 @@ struct Tile {
   const uint16_t* vp;
   int64_t bs, H_kv, g, D;
   float scale;
+  // The AVX-512 path's current chunk: its K and V rows from key c0, looked up once for all the tile's queries
+  const uint16_t* const* krows = nullptr;
+  const uint16_t* const* vrows = nullptr;
+  int64_t c0 = 0;
 
   int64_t at(int64_t t) const { return ((table[t / bs] * bs + t % bs) * H_kv + g) * D; }
+  const uint16_t* k_row(int64_t t) const { return krows != nullptr ? krows[t - c0] : kp + at(t); }
+  const uint16_t* v_row(int64_t t) const { return vrows != nullptr ? vrows[t - c0] : vp + at(t); }
 };
 
 // Whether the vector paths take head size D (16 pairs a vector, whole vectors); else the scalar path runs.
@@ -199,7 +205,7 @@ __attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs,
 // ---- avx512: vdpbf16ps ----
 namespace avx512 {
 
-#define KV_BF16_512 __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"), always_inline)) inline
+#define KV_BF16_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"), always_inline)) inline
 
 KV_BF16_512 __m512 dot(__m512 acc, __m512i x, __m512i y) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y); }
 KV_BF16_512 __m512i load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
@@ -213,7 +219,7 @@ KV_BF16_512 void scores_range(const uint16_t* qb, const Tile& tile, int64_t t0, 
     const uint16_t* k[8];
     for (int r = 0; r < 8; ++r) {
       acc[r] = _mm512_setzero_ps();
-      k[r] = tile.kp + tile.at(t + r);
+      k[r] = tile.k_row(t + r);
     }
     for (int64_t i = 0; i < D; i += 32) {
       __m512i q = load32(qb + i);
@@ -223,7 +229,7 @@ KV_BF16_512 void scores_range(const uint16_t* qb, const Tile& tile, int64_t t0, 
     _mm256_storeu_ps(s + t, kvserve::decode::scores_of(acc, tile.scale));
   }
   for (; t < t1; ++t) {
-    const uint16_t* k = tile.kp + tile.at(t);
+    const uint16_t* k = tile.k_row(t);
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < D; i += 32) acc = dot(acc, load32(qb + i), load32(k + i));
     s[t] = kvserve::decode::score_of(acc, tile.scale);
@@ -241,7 +247,7 @@ KV_BF16_512 void scores_range2(const uint16_t* qa, const uint16_t* qb, const Til
     const uint16_t* k[8];
     for (int r = 0; r < 8; ++r) {
       acc_a[r] = acc_b[r] = _mm512_setzero_ps();
-      k[r] = tile.kp + tile.at(t + r);
+      k[r] = tile.k_row(t + r);
     }
     for (int64_t i = 0; i < D; i += 32) {
       const __m512i x = load32(qa + i), y = load32(qb + i);
@@ -262,15 +268,32 @@ KV_BF16_512 void scores_range2(const uint16_t* qa, const uint16_t* qb, const Til
 inline int64_t lane_d(int64_t m) { return m < 16 ? 8 * (m / 4) + m % 4 : 8 * ((m - 16) / 4) + (m - 16) % 4 + 4; }
 
 // Key pairs p0 .. p1-1 of one query into its output row (in lane order), kD = D known (<= 256) or looped.
+// A query's softmax weights rounded to bfloat16 (vcvtneps2bf16: kv_float_to_bf16's rounding) and packed in place
+// into its key pairs' weight pairs (weight_pair's), pair p at index p - floor(first / 2): the bfloat16 weights in
+// key order are those pairs' halves, after a zero (the even key before an odd `first`) and before one (the odd key
+// at an odd end). The writes land at or below what is still to be read (2 bytes a weight written, 4 read).
+KV_BF16_512 void pack_pairs(const TileQuery& query) {
+  const int64_t span = query.len - query.first, off = query.first & 1;
+  float* w = query.scores;
+  auto* out = reinterpret_cast<uint16_t*>(w);
+  for (int64_t i = 0; i < span; i += 16) {
+    const __mmask16 mask = span - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (span - i)) - 1u);
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, w + i));
+    if (i == 0 && off) out[0] = 0;  // after the load of the first weights, whose bytes it overwrites
+    _mm256_mask_storeu_epi16(out + off + i, mask, (__m256i)b);
+  }
+  if ((off + span) % 2) out[off + span] = 0;
+}
+
 // The V rows of key pairs pb .. pe-1 interleaved two by two, once per tile for all its query vectors: vi[(p - pb)
 // * D / 16 + r] is register r (unpacklo, unpackhi per 32 values) of pair p; a key past the tile's last, hi, is 0.
 template <int64_t kD>
 KV_BF16_512 void interleave_pairs(const Tile& tile, int64_t pb, int64_t pe, int64_t hi, __m512i* vi) {
   for (int64_t p = pb; p < pe; ++p) {
-    const uint16_t* ve = tile.vp + tile.at(2 * p);
+    const uint16_t* ve = tile.v_row(2 * p);
     for (int64_t b = 0; b < kD / 32; ++b) {
       const __m512i e = load32(ve + 32 * b);
-      const __m512i o = 2 * p + 1 < hi ? load32(tile.vp + tile.at(2 * p + 1) + 32 * b) : _mm512_setzero_si512();
+      const __m512i o = 2 * p + 1 < hi ? load32(tile.v_row(2 * p + 1) + 32 * b) : _mm512_setzero_si512();
       vi[(p - pb) * (kD / 16) + 2 * b] = _mm512_unpacklo_epi16(e, o);
       vi[(p - pb) * (kD / 16) + 2 * b + 1] = _mm512_unpackhi_epi16(e, o);
     }
@@ -290,14 +313,14 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
     __m512 acc[kRegs];
     for (int64_t r = 0; r < kRegs; ++r) acc[r] = _mm512_loadu_ps(out + 16 * r);
     for (int64_t p = p0; p < p1; ++p) {
-      const __m512i w = _mm512_set1_epi32(static_cast<int>(weight_pair(query, p)));
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(kv_f32_bits(query.scores[p - query.first / 2])));
       if (vi != nullptr && 2 * p >= query.first && 2 * p + 1 < query.len) {
         const __m512i* v = vi + (p - pb) * kRegs;
         for (int64_t r = 0; r < kRegs; ++r) acc[r] = dot(acc[r], w, v[r]);
         continue;
       }
-      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
-      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+      const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
       for (int64_t b = 0; b < kD / 32; ++b) {
         const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
         acc[2 * b] = dot(acc[2 * b], w, _mm512_unpacklo_epi16(e, o));
@@ -309,9 +332,9 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
     for (int64_t b = 0; b < D / 32; ++b) {
       __m512 lo = _mm512_loadu_ps(out + 32 * b), hi = _mm512_loadu_ps(out + 32 * b + 16);
       for (int64_t p = p0; p < p1; ++p) {
-        const __m512i w = _mm512_set1_epi32(static_cast<int>(weight_pair(query, p)));
-        const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
-        const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+        const __m512i w = _mm512_set1_epi32(static_cast<int>(kv_f32_bits(query.scores[p - query.first / 2])));
+        const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
+        const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
         const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
         lo = dot(lo, w, _mm512_unpacklo_epi16(e, o));
         hi = dot(hi, w, _mm512_unpackhi_epi16(e, o));
@@ -323,7 +346,7 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
 }
 
 template <int64_t kD>
-__attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"))) void attend_tile_d(const TileQuery* qs, int64_t n,
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void attend_tile_d(const TileQuery* qs, int64_t n,
                                                                                    const Tile& tile) {
   const int64_t D = tile.D;
   static thread_local std::vector<uint16_t> qb;
@@ -335,8 +358,14 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"))) void attend_tile
   int64_t lo, hi;
   kvserve::decode::tile_span(qs, n, &lo, &hi);
   lo &= ~int64_t{1};
+  const uint16_t* krows[kChunk];
+  const uint16_t* vrows[kChunk];
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores, a chunk's K rows for every query vector
     const int64_t c1 = std::min(c0 + kChunk, hi);
+    Tile chunk = tile;
+    for (int64_t t = c0; t < c1; ++t) krows[t - c0] = tile.kp + tile.at(t);
+    chunk.krows = krows;
+    chunk.c0 = c0;
     int64_t j = 0;
     for (; j + 2 <= n; j += 2) {  // two at a time over the keys both read, each alone over the others
       const TileQuery &a = qs[j], &b = qs[j + 1];
@@ -344,32 +373,36 @@ __attribute__((target("avx512f,avx512bw,avx512bf16,avx2,fma"))) void attend_tile
       const int64_t ea = std::min(c1, a.len), eb = std::min(c1, b.len);
       const int64_t s0 = std::max(ta, tb), s1 = std::max(s0, std::min(ea, eb));
       float *sa = a.scores - a.first, *sb = b.scores - b.first;
-      scores_range(qb.data() + j * D, tile, ta, std::min(ea, s0), sa);
-      scores_range(qb.data() + (j + 1) * D, tile, tb, std::min(eb, s0), sb);
-      scores_range2(qb.data() + j * D, qb.data() + (j + 1) * D, tile, s0, s1, sa, sb);
-      scores_range(qb.data() + j * D, tile, std::max(ta, s1), ea, sa);
-      scores_range(qb.data() + (j + 1) * D, tile, std::max(tb, s1), eb, sb);
+      scores_range(qb.data() + j * D, chunk, ta, std::min(ea, s0), sa);
+      scores_range(qb.data() + (j + 1) * D, chunk, tb, std::min(eb, s0), sb);
+      scores_range2(qb.data() + j * D, qb.data() + (j + 1) * D, chunk, s0, s1, sa, sb);
+      scores_range(qb.data() + j * D, chunk, std::max(ta, s1), ea, sa);
+      scores_range(qb.data() + (j + 1) * D, chunk, std::max(tb, s1), eb, sb);
     }
     for (; j < n; ++j)
-      scores_range(qb.data() + j * D, tile, std::max(c0, qs[j].first), std::min(c1, qs[j].len),
+      scores_range(qb.data() + j * D, chunk, std::max(c0, qs[j].first), std::min(c1, qs[j].len),
                    qs[j].scores - qs[j].first);
   }
   for (int64_t j = 0; j < n; ++j) {
     kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
-    round_weights(qs[j].scores, qs[j].len - qs[j].first);
+    pack_pairs(qs[j]);
     std::fill_n(qs[j].out, D, 0.f);
   }
-  // outputs (in lane order): a chunk's V rows interleaved once (D known; a decode row's few query vectors skip
-  // it), then every query vector over them
-  const bool shared = kD > 0 && n >= 4;
+  // outputs (in lane order): a chunk's V rows interleaved once (D known, two query vectors or more), then every
+  // query vector over them
+  const bool shared = kD > 0 && n >= 2;
   alignas(64) __m512i vi[kChunk / 2 * (kD > 0 ? kD / 16 : 1)];
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
     const int64_t pb = c0 / 2, pe = (std::min(c0 + kChunk, hi) + 1) / 2;
-    if (shared) interleave_pairs<kD>(tile, pb, pe, hi, vi);
+    Tile chunk = tile;
+    for (int64_t t = c0; t < std::min(c0 + kChunk, hi); ++t) vrows[t - c0] = tile.vp + tile.at(t);
+    chunk.vrows = vrows;
+    chunk.c0 = c0;
+    if (shared) interleave_pairs<kD>(chunk, pb, pe, hi, vi);
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
       const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
-      if (p0 < p1) outputs_range<kD>(query, tile, p0, p1, shared ? vi : nullptr, pb, query.out);
+      if (p0 < p1) outputs_range<kD>(query, chunk, p0, p1, shared ? vi : nullptr, pb, query.out);
     }
   }
   float lanes[512];
