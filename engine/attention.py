@@ -131,9 +131,11 @@ def op_label(name: str):
 
 
 def _fused_ops(q: torch.Tensor, k_cache: torch.Tensor):
-    """native/csrc/decode_ops.cpp's ops (kv_quant.cpp's for an int8 / int4 cache) when this step can use them
-    (float32 queries on CPU over a float32 or int8 / int4 cache), else None."""
-    if q.dtype is not torch.float32 or k_cache.dtype not in (torch.float32, torch.int8, torch.uint8) or not q.is_cpu:
+    """native/csrc/decode_ops.cpp's ops (kv_quant.cpp's for an int8 / int4 cache, attend_bf16.h's attention for a
+    bfloat16 one) when this step can use them (float32 queries on CPU over a float32, bfloat16 or int8 / int4
+    cache), else None."""
+    if (q.dtype is not torch.float32 or not q.is_cpu
+            or k_cache.dtype not in (torch.float32, torch.bfloat16, torch.int8, torch.uint8)):
         return None
     return native.load_ops()
 

@@ -60,6 +60,10 @@ log = logging.getLogger("kvserve.engine")
 
 SUPPORTED_MODEL_TYPES = frozenset(ARCHITECTURES)
 
+# The pool dtypes the fused decode attention and the layer stack read in place (a bfloat16 pool through
+# native/csrc/attend_bf16.h); an int8 / int4 pool takes the per-layer loop's kv_quant ops.
+_STACK_POOLS = (torch.float32, torch.bfloat16)
+
 
 @dataclass(slots=True, frozen=True)
 class _Layer:
@@ -154,7 +158,7 @@ class FastDecoder:
         Returns:
             ``[K, vocab]`` logits in the model dtype.
         """
-        if (self.layer_stack is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
+        if (self.layer_stack is not None and meta.all_decodes and meta.pool.data.dtype in _STACK_POOLS
                 and input_ids.shape[0] <= self.direct_max_rows and not self._torch_projections and not self._stack_off):
             return self._stack_step(input_ids, positions, meta, keep)
         x = self.embed(input_ids)  # [T, hidden], the residual stream (updated in place)
@@ -213,7 +217,7 @@ class FastDecoder:
         label = labelled if profiling() else _unlabelled
         cos, sin = self.rope.cos_sin(x, positions)
         # an all-decode float32 CPU step: RoPE, the KV write and attention in one C++ call per layer
-        fused_decode = ops is not None and meta.all_decodes and meta.pool.data.dtype is torch.float32
+        fused_decode = ops is not None and meta.all_decodes and meta.pool.data.dtype in _STACK_POOLS
         direct = (fused_decode and self.direct is not None and x.shape[0] <= self.direct_max_rows
                   and not self._torch_projections)
         lm_head = self.lm_head.module if self._torch_projections else self.lm_head

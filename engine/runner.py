@@ -31,15 +31,15 @@ def _rows_alone(loaded: LoadedModel, pool: KVPool) -> bool:
     """Whether every token, prefill ones included, attends as a decode row does: through the C++ paged attention
     (``native/csrc/decode_ops.cpp``), one query row at a time against its own context in block order.
 
-    Where that kernel runs (float32 activations on CPU over a float32 pool or an int8 / int4 one, whose codes it
-    reads in place; no logit soft-cap), it does: a token's attention then has the same bits however the scheduler
+    Where that kernel runs (float32 activations on CPU over a float32 or bfloat16 pool or an int8 / int4 one,
+    whose bfloat16 values or codes it reads in place; no logit soft-cap), it does: a token's attention then has the same bits however the scheduler
     cut its prompt into chunks, batched it, or found part of it in the prefix cache. SDPA, which prefill spans use
     otherwise, blocks its reduction by the number of queries and keys of the call (a prompt cut at another place
     gives rows that differ in last bits), and the GGUF default quantizes activations to int8 per block of 32,
     which turns such a last bit into another code and, at a near-tie, another token.
     """
     softcap = getattr(getattr(loaded.model, "config", None), "attn_logit_softcapping", None)
-    kernel_reads_pool = pool.data.dtype is torch.float32 or pool.quantized
+    kernel_reads_pool = pool.data.dtype in (torch.float32, torch.bfloat16) or pool.quantized
     return (loaded.dtype is torch.float32 and kernel_reads_pool and pool.data.is_cpu
             and softcap is None and native.load_ops() is not None)
 

@@ -180,7 +180,8 @@ def kv_table(data: dict) -> str:
 
 KV_NOTE = ("KV cache rows: the same measures with every attention reading its keys and values as that cache "
            "gives them back (`kvserve serve --kv-cache-dtype`; int8: codes and a float16 scale per token and KV "
-           "head; int4: a float16 scale per 32 channels), the new tokens' own keys included, as the paged engine "
+           "head; int4: a float16 scale per 32 channels; bfloat16: the query and the softmax weights rounded "
+           "to bfloat16 too, as its kernel does), the new tokens' own keys included, as the paged engine "
            "computes; \"auto\" is the model's dtype. All columns compare with float32 weights and a float32 cache.")
 
 

@@ -127,9 +127,10 @@ def tiny(arch: str, **overrides):
     config_class = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
                     "qwen3": transformers.Qwen3Config, "mistral": transformers.MistralConfig,
                     "gemma": transformers.GemmaConfig}[arch]
-    config = config_class(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                          bos_token_id=1, eos_token_id=2, pad_token_id=0, **overrides)
+    config = config_class(**{**dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=0),
+                             **overrides})
     return transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
 
 

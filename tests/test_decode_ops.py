@@ -18,6 +18,7 @@ from kvserve.engine.loader import wrap_model
 from kvserve.engine.runner import ModelRunner
 from kvserve import native
 from kvserve.kvcache.pool import KVPool, dequantize, quantize
+from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear
 from tests.engineutil import BLOCK, GREEDY, run_both, tiny
 from tests.ggmlutil import with_gguf_blocks
@@ -110,19 +111,27 @@ PROMPT_TILE_SHAPES = [
 ]
 
 
+def prompt_rows(prompt: int, start: int, pool: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """rows, lens, tables of a call holding one prompt's rows (after a cached prefix of ``start`` tokens:
+    consecutive rows, context lengths growing by one, one block table of ``blocks`` of a ``pool``-block pool)
+    between two rows of other sequences."""
+    table = torch.randperm(pool)[:blocks]
+    other = torch.randperm(pool)[:blocks]
+    rows = torch.arange(prompt + 2)
+    lens = torch.cat([torch.tensor([9]), torch.arange(start + 1, start + prompt + 1), torch.tensor([start + 3])])
+    tables = torch.cat([other[None], table.repeat(prompt, 1), other[None]])
+    return rows, lens, tables
+
+
 def prompt_tile_case(prompt, start, heads, kv_heads, dim, window):
-    """A call holding one prompt's rows (consecutive rows, context lengths growing by one, one block table) between
-    two rows of other sequences: (q, rows, tables, lens, k_blocks, v_blocks, the call's output)."""
+    """A call holding one prompt's rows (``prompt_rows``) between two rows of other sequences: (q, rows, tables,
+    lens, k_blocks, v_blocks, the call's output)."""
     torch.manual_seed(0)
     block_size, blocks = 16, (start + prompt) // 16 + 2
     pool = blocks * 3
     k_blocks, v_blocks = torch.randn(pool, block_size, kv_heads, dim), torch.randn(pool, block_size, kv_heads, dim)
-    table = torch.randperm(pool)[:blocks]
-    other = torch.randperm(pool)[:blocks]
+    rows, lens, tables = prompt_rows(prompt, start, pool, blocks)
     q = torch.randn(prompt + 2, heads, dim)
-    rows = torch.arange(prompt + 2)
-    lens = torch.cat([torch.tensor([9]), torch.arange(start + 1, start + prompt + 1), torch.tensor([start + 3])])
-    tables = torch.cat([other[None], table.repeat(prompt, 1), other[None]])
     together = torch.zeros(q.shape)
     ops.paged_decode_attention(q, rows, tables, lens, k_blocks, v_blocks, dim ** -0.5, window, together)
     return q, rows, tables, lens, k_blocks, v_blocks, together
@@ -367,17 +376,19 @@ def _gguf_tiny(arch: str, overrides: dict, embedding: str | None = None, head: s
     return wrap_model(model, tokenizer=None, name=f"{arch}-gguf")
 
 
-def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None,
+                    pool_dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Logits and the pool after an all-decode step of ``rows`` sequences (contexts of 10-12 tokens), with the
-    layer stack and with the layer loop; ``prepare(decoder)`` runs on each fresh decoder. The loop's q/k/v calls
-    are counted: each path ran."""
+    layer stack and with the layer loop; ``prepare(decoder)`` runs on each fresh decoder; ``pool_dtype``: the KV
+    cache's (default the model's). The loop's q/k/v calls are counted: each path ran."""
     tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
 
     def slots(s, positions):
         return [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in positions]
     outputs = []
     for stack in (True, False):
-        runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype))
+        shape = loaded.kv_shape(KVCacheDType.BFLOAT16 if pool_dtype is torch.bfloat16 else KVCacheDType.AUTO)
+        runner = ModelRunner(loaded, KVPool(shape, 32, BLOCK, pool_dtype or loaded.dtype))
         assert runner.fast.layer_stack is not None
         prepare(runner.fast)
         calls: list[int] = []
@@ -441,6 +452,20 @@ def test_a_q4_k_m_file_runs_its_whole_decode_step_in_the_stack(tiny_gguf):
     assert fast.layer_stack is not None and fast.stack_head
     outputs = _stack_and_loop(loaded, 2)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
+@pytest.mark.parametrize("arch,overrides", [("llama", {"head_dim": 32}), ("mistral", {"sliding_window": 4})])
+def test_fused_layer_stack_runs_a_bfloat16_cache_with_the_bits_of_the_layer_loop(arch, overrides):
+    # A bfloat16 KV cache under float32 activations: the stack writes and attends it (attend_bf16.h) as the
+    # per-layer loop's ops do, bit for bit, the pool's bfloat16 K/V included (head_dim 32: the vector paths;
+    # Mistral's 16 with a window: the scalar path).
+    loaded = _gguf_tiny(arch, overrides, "q8_0", "q8_0")
+    for rows in (1, 3):
+        (stack_logits, stack_pool), (loop_logits, loop_pool) = _stack_and_loop(loaded, rows,
+                                                                               pool_dtype=torch.bfloat16)
+        assert stack_pool.dtype is torch.bfloat16
+        assert torch.equal(stack_logits, loop_logits) and torch.equal(stack_pool.view(torch.int16),
+                                                                      loop_pool.view(torch.int16))
 
 
 def test_fused_layer_stack_takes_rows_and_rope_from_python():

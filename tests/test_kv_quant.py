@@ -1,9 +1,11 @@
-"""A quantized KV cache (--kv-cache-dtype int8 / int4) keeps the cache's exactness against its own dtype.
+"""A quantized KV cache (--kv-cache-dtype int8 / int4), and the bfloat16 one, keep the cache's exactness against
+their own dtype.
 
 Greedy output with an int8 or int4 cache differs from the float cache's (the keys and values are rounded), but the
 engine must still be exact with respect to that cache: alone equals batched, chunked and preempted, a prefix hit
 equals a miss, and speculation on equals off, because a token's codes depend on its own vector only and every
-token (prefill, chunk, decode, verify) attends as one row through the C++ kernel that reads the codes. Each test
+token (prefill, chunk, decode, verify) attends as one row through the C++ kernel that reads the codes (for
+bfloat16: attend_bf16.h's kernel over the bfloat16 values). Each test
 runs on the float32 weights and on the default ones (the GGUF's own blocks, whose int8 activations turn any
 last-bit difference into a near-tie flip).
 """
@@ -30,7 +32,7 @@ PROMPTS = [
     "step for a man and one giant leap for mankind. Afterwards, the astronauts of the mission",
 ]
 NEW = 20
-CACHES = ["int8", "int4"]
+CACHES = ["int8", "int4", "bfloat16"]
 
 
 @pytest.fixture(scope="module")

@@ -117,6 +117,17 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
     shares = [int(c.split("(")[1].rstrip("%)")) for c in cells[3:6]]
     assert 97 <= sum(shares) <= 103 and shares[0] > 0
     assert profile_step._category("kvserve::paged_attention") == "attention (SDPA)"
+    # --kv-cache-dtype: the prefill over that cache (its pool's dtype), named in the output
+    pools = []
+    torch.manual_seed(0)
+    fresh = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")  # the first run quantized `loaded`
+    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: fresh)
+    monkeypatch.setattr(enginebench.ModelRunner, "execute",
+                        lambda self, plan: pools.append(self.pool.data.dtype) or execute(self, plan))
+    assert loadtest_main(["profile", "--prefill", "40", "--chunk", "16", "--quantization", "int8",
+                          "--kv-cache-dtype", "bfloat16", "--no-write"]) == 0
+    assert pools and set(pools) == {torch.bfloat16}
+    assert "KV cache bfloat16" in capsys.readouterr().out
 
 
 def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_stack(monkeypatch, capsys):

@@ -18,7 +18,8 @@ import torch
 from kvserve.engine.loader import Device, DType, LoadedModel, load_model
 from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
 from kvserve.engine.runner import ModelRunner
-from kvserve.kvcache.pool import KVPool
+from kvserve.kvcache.pool import KVPool, storage_dtype
+from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.loadtest.errors import UsageError
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -34,11 +35,13 @@ class EngineBench:
         block_size: tokens per block.
     """
 
-    def __init__(self, loaded: LoadedModel, num_seqs: int, max_len: int, block_size: int = 16) -> None:
+    def __init__(self, loaded: LoadedModel, num_seqs: int, max_len: int, block_size: int = 16,
+                 cache_dtype: str = "auto") -> None:
         self.loaded = loaded
         self.block_size = block_size
         self.blocks_per_seq = -(-max_len // block_size)
-        self.pool = KVPool(loaded.kv_shape(), num_seqs * self.blocks_per_seq, block_size, loaded.dtype,
+        shape = loaded.kv_shape(KVCacheDType(cache_dtype))  # as --kv-cache-dtype
+        self.pool = KVPool(shape, num_seqs * self.blocks_per_seq, block_size, storage_dtype(shape, loaded.dtype),
                            loaded.device)
         self.runner = ModelRunner(loaded, self.pool)
 

@@ -27,6 +27,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.loadtest.argtypes import QUANTIZATIONS, positive_int, positive_ints
 from kvserve.loadtest.publish.benchmarks_md import update_section
 
@@ -82,7 +83,8 @@ def replay_projections(decoder, rows: int, reps: int = 7) -> float:
     return 1000 * statistics.median(times[1:])
 
 
-def profile_decode(batch: int, context: int, steps: int, loaded=None, layers: str = "stack") -> DecodeProfile:
+def profile_decode(batch: int, context: int, steps: int, loaded=None, layers: str = "stack",
+                   cache_dtype: str = "auto") -> DecodeProfile:
     """Time and profile a decode step of ``batch`` sequences. ``loaded``: the model (default: the embedded one as
     served); ``layers``: which of ``LAYER_PATHS`` all-decode steps run ("stack" is what the engine runs where
     the layer stack applies, else the loop runs either way). The profiler's own cost per call inflates the
@@ -96,7 +98,7 @@ def profile_decode(batch: int, context: int, steps: int, loaded=None, layers: st
 
     if layers not in LAYER_PATHS:
         raise ValueError(f"layers must be one of {LAYER_PATHS}, got {layers!r}")
-    bench = EngineBench(loaded or load(), batch, context + 1)
+    bench = EngineBench(loaded or load(), batch, context + 1, cache_dtype=cache_dtype)
     for s in range(batch):
         bench.fill(s, context)
     work = [bench.decode(s, context) for s in range(batch)]
@@ -132,8 +134,10 @@ _PREFILL_PARTS = (("projections", ("projections (linear/matmul)",)), ("attention
                                                        "Python/dispatch overhead")))
 
 
-def profile_prefill(length: int, chunk: int, loaded, reps: int = 1) -> tuple[float, dict[str, float]]:
-    """One ``length``-token prompt prefilled in ``chunk``-token steps (token ids of a fixed pattern).
+def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
+                    cache_dtype: str = "auto") -> tuple[float, dict[str, float]]:
+    """One ``length``-token prompt prefilled in ``chunk``-token steps (token ids of a fixed pattern), over a
+    ``cache_dtype`` KV cache (as --kv-cache-dtype).
 
     Returns:
         (wall seconds of the whole prefill without the profiler, the median over ``reps`` runs; seconds per part
@@ -143,7 +147,7 @@ def profile_prefill(length: int, chunk: int, loaded, reps: int = 1) -> tuple[flo
     from kvserve.engine.plan import StepPlan
     from kvserve.loadtest.engine.enginebench import EngineBench, dummy_ids
 
-    bench = EngineBench(loaded, 1, length + 1)
+    bench = EngineBench(loaded, 1, length + 1, cache_dtype=cache_dtype)
     ids = dummy_ids(length)
     # as the scheduler plans it: only the chunk that reaches the prompt's end samples a token
     plans = [StepPlan([dataclasses.replace(bench.work(0, ids[start:start + chunk], start),
@@ -188,9 +192,9 @@ def int8_peak_gmacs(iterations: int = 20_000_000) -> float | None:
     return iterations * 16 * 64 / (time.thread_time() - started) / 1e9
 
 
-def prefill_table(lengths: list[int], chunk: int, loaded) -> str:
+def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "auto") -> str:
     """The prefill profile as markdown: per prompt length, wall time (median of 3 runs up to 2,048 tokens, one
-    run past that) and per part its seconds, share and rate."""
+    run past that) and per part its seconds, share and rate, over a ``cache_dtype`` KV cache."""
     from kvserve import native
     from kvserve.loadtest.engine.macs import Geometry
 
@@ -202,7 +206,7 @@ def prefill_table(lengths: list[int], chunk: int, loaded) -> str:
         " (% of int8 peak)" if peak else "") + " | attention GMAC/s |",
         "|---:" * (4 + len(_PREFILL_PARTS)) + "|---:|"]
     for length in lengths:
-        wall, seconds = profile_prefill(length, chunk, loaded, 3 if length <= 2048 else 1)
+        wall, seconds = profile_prefill(length, chunk, loaded, 3 if length <= 2048 else 1, cache_dtype)
         total = sum(seconds.values())
         parts = {part: sum(seconds.get(label, 0.0) for label in labels) for part, labels in _PREFILL_PARTS}
         # the profiler's own cost is spread over the parts: scale them to the prefill without it
@@ -220,7 +224,8 @@ def prefill_table(lengths: list[int], chunk: int, loaded) -> str:
             f"{native.isa()}, {threads} threads; {peak_text}. Shares are of the profiled prefill (self CPU time per "
             "op); seconds are those shares of the prefill without the profiler. Projections: q/k/v/o and the MLP "
             "for every prompt token plus the LM head once; attention: 2 L H d multiply-adds per causal (query, key) "
-            "pair, in float32.")
+            + ("pair, in float32." if cache_dtype in ("auto", "float32") else
+               f"pair, over a {cache_dtype} KV cache (bfloat16: bf16 dot products, float32 sums)."))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,6 +247,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "it applies), the per-layer loop, or both side by side in alternating rounds")
     parser.add_argument("--rounds", type=positive_int, default=3,
                         help="with --layers both: rounds, each running the loop then the stack per batch size")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDType],
+                        help="as kvserve serve --kv-cache-dtype (default auto: the model's dtype)")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -294,12 +301,16 @@ def run(args: argparse.Namespace) -> int:
     elif not args.no_write:
         # each device and quantization gets its own section
         on_cpu, scheme = loaded.device.type == "cpu", args.quantization
-        key = "profile" + ("" if on_cpu else f"-{loaded.device.type}") + ("" if scheme == "auto" else f"-{scheme}")
+        cache = args.kv_cache_dtype
+        key = ("profile" + ("" if on_cpu else f"-{loaded.device.type}") + ("" if scheme == "auto" else f"-{scheme}")
+               + ("" if cache == "auto" else f"-kv-{cache}"))
         what = ", ".join(["our engine", f"{args.context}-token caches"] + ([] if on_cpu else [loaded.device.type])
-                         + ([f"the default weights ({served})"] if scheme == "auto" else [f"{scheme} weights"]))
+                         + ([f"the default weights ({served})"] if scheme == "auto" else [f"{scheme} weights"])
+                         + ([] if cache == "auto" else [f"{cache} KV cache"]))
         update_section(key, f"Where a decode step's time goes ({what})",
                        "python -m kvserve.loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
-                       + ("" if scheme == "auto" else f" --quantization {scheme}"), text)
+                       + ("" if scheme == "auto" else f" --quantization {scheme}")
+                       + ("" if cache == "auto" else f" --kv-cache-dtype {cache}"), text)
     return 0
 
 
@@ -316,7 +327,7 @@ def _profiles(batches: list[int], paths: tuple[str, ...], rounds: int, args: arg
         for batch in batches:
             for path in paths:
                 runs.setdefault((batch, path), []).append(profile_decode(batch, args.context, args.steps, loaded,
-                                                                          path))
+                                                                          path, args.kv_cache_dtype))
     return [(batch, path, sorted(runs[batch, path], key=lambda r: r.wall_ms)[rounds // 2])
             for batch in batches for path in paths], runs
 
@@ -352,13 +363,17 @@ def _median_of_finite(values: list[float]) -> float:
 
 
 def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:
-    text = prefill_table(args.prefill, args.chunk, loaded)
+    text = prefill_table(args.prefill, args.chunk, loaded, args.kv_cache_dtype)
     print(text)
-    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served})")
+    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served}), "
+          f"KV cache {args.kv_cache_dtype}")
     if not args.no_write:
         scheme = "" if args.quantization == "auto" else f" --quantization {args.quantization}"
-        update_section("profile-prefill" + scheme.replace(" --quantization ", "-"),
-                       f"Where a prefill's time goes (our engine, {loaded.name}, {served} weights)",
+        cache = "" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"
+        update_section("profile-prefill" + scheme.replace(" --quantization ", "-")
+                       + cache.replace(" --kv-cache-dtype ", "-kv-"),
+                       f"Where a prefill's time goes (our engine, {loaded.name}, {served} weights"
+                       + (f", {args.kv_cache_dtype} KV cache)" if cache else ")"),
                        "python -m kvserve.loadtest profile --prefill " + ",".join(map(str, args.prefill))
-                       + (f" --chunk {args.chunk}" if args.chunk != 512 else "") + scheme, text)
+                       + (f" --chunk {args.chunk}" if args.chunk != 512 else "") + scheme + cache, text)
     return 0

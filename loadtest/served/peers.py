@@ -207,6 +207,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure prefill instead: TTFT by prompt length and short requests during a long one")
     parser.add_argument("--prefill-lengths", type=positive_ints, default=list(prefillpeers.LENGTHS),
                         metavar="TOKENS", help="prompt lengths for --prefill (comma list)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
+                        help="with --prefill: kvserve's --kv-cache-dtype; its row is named after it, beside the "
+                             "default's")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -266,8 +269,10 @@ def _median(figures: list[PeerFigures]) -> dict:
 PREFILL_SYSTEMS = ("llama.cpp", "kvserve-gguf", "vllm")
 
 
-def measure_prefill(system: str, model: Path | None, lengths: list[int]) -> prefillpeers.PrefillFigures:
-    """One system's prefill figures on ``model`` (None: the embedded GGUF); a failure is recorded, not raised."""
+def measure_prefill(system: str, model: Path | None, lengths: list[int],
+                    kv_cache_dtype: str = "auto") -> prefillpeers.PrefillFigures:
+    """One system's prefill figures on ``model`` (None: the embedded GGUF), kvserve's with a ``kv_cache_dtype``
+    KV cache (its --kv-cache-dtype); a failure is recorded, not raised."""
     from kvserve.engine.loader import default_gguf_path
     from kvserve.loadtest.peer_systems import vllmcpu
 
@@ -284,7 +289,8 @@ def measure_prefill(system: str, model: Path | None, lengths: list[int]) -> pref
                             "-np", str(slots), "-c", str(context * slots), "-cb"], None
         elif system == "kvserve-gguf":
             chosen = ["--model", str(model)] if model is not None else []
-            command, env = kvserve_command([*chosen, "--max-num-seqs", str(slots)]), None
+            cache = [] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]
+            command, env = kvserve_command([*chosen, *cache, "--max-num-seqs", str(slots)]), None
         elif system == "vllm":
             command, env = vllmcpu.serve_command(gguf, slots, context)
         else:
@@ -311,8 +317,11 @@ def run_prefill(args: argparse.Namespace, model: Path | None, stem: str, title: 
     results = json.loads(path.read_text()) if path.exists() else {}  # merged across runs, as the decode table
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
     for system in chosen if not args.render_only else []:
-        passes = [measure_prefill(system, model, lengths) for _ in range(args.repeats)]
-        results[system] = prefillpeers.median(passes) | {"measured_utc": stamp}
+        passes = [measure_prefill(system, model, lengths, args.kv_cache_dtype) for _ in range(args.repeats)]
+        # a kvserve row with another cache dtype stands beside the default one (ratios stay to the default's)
+        name = (system if args.kv_cache_dtype == "auto" or not system.startswith("kvserve")
+                else f"{system} (--kv-cache-dtype {args.kv_cache_dtype})")
+        results[name] = prefillpeers.median(passes) | {"measured_utc": stamp}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))
     served = "the embedded Q4_1 GGUF (vLLM: its bfloat16 weights)" if model is None else f"{model.name}"
@@ -321,7 +330,8 @@ def run_prefill(args: argparse.Namespace, model: Path | None, stem: str, title: 
     if not args.no_write:
         command = ("python -m kvserve.loadtest peers --prefill" + ("" if model is None else f" --model {model.name}")
                    + ("" if lengths == list(prefillpeers.LENGTHS) else " --prefill-lengths "
-                      + ",".join(map(str, lengths))))
+                      + ",".join(map(str, lengths)))
+                   + ("" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"))
         update_section(f"{stem}-prefill", f"Prefill side by side: TTFT by prompt length and the stall ({title})",
                        command, text, args.benchmarks)
     return 0

@@ -269,7 +269,7 @@ class DecodeLayers {
   // Runs every layer on x [T, hidden] (contiguous float32, updated in place). cos, sin [T, D]: the rows' RoPE
   // (contiguous); slots [T]: where each row's K/V goes; rows, tables, lens: the paged attention's decode rows
   // (every row, in order), block tables and context lengths (paged_decode_attention); kv [2, layers, blocks,
-  // block_size, H_kv, D]: the pool's float32 K and V (KVPool.data).
+  // block_size, H_kv, D]: the pool's K and V (KVPool.data), float32 or bfloat16.
   void forward(torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& slots,
                const torch::Tensor& rows, const torch::Tensor& tables, const torch::Tensor& lens, torch::Tensor& kv) {
     RECORD_FUNCTION("kvserve::decode_layers", c10::ArrayRef<const c10::IValue>{});
@@ -372,7 +372,8 @@ class DecodeLayers {
 
   // kv: the pool, one K and one V block array per layer; slots [T] inside it.
   void check_pool(const torch::Tensor& kv, const torch::Tensor& slots, int64_t T) const {
-    check_f32(kv, "kv");
+    KV_CHECK((kv.scalar_type() == torch::kFloat32 || kv.scalar_type() == torch::kBFloat16) && kv.is_cpu(),
+             "kv must be a float32 or bfloat16 CPU tensor");
     KV_CHECK(kv.is_contiguous() && kv.dim() == 6 && kv.size(0) == 2 && kv.size(1) == num_layers() &&
                  kv.size(4) == H_kv_ && kv.size(5) == D_,
              "kv must be the contiguous pool [2, ", num_layers(), ", blocks, block_size, ", H_kv_, ", ", D_, "]");
@@ -432,21 +433,32 @@ class DecodeLayers {
     float* gate_upp = gate_up_.data_ptr<float>();
     const float* actp = act_.data_ptr<float>();
     const int64_t* sp = slots.data_ptr<int64_t>();
-    float* kvp = kv.data_ptr<float>();
+    // a float32 pool, or a bfloat16 one (attend_bf16.h's attention): one layer's K or V is layer_floats elements
+    const bool bf16 = kv.scalar_type() == torch::kBFloat16;
+    auto* kvp = static_cast<char*>(kv.data_ptr());
+    const int64_t layer_bytes = layer_floats * kv.element_size();
     rms_norm(xp, layers_[0].in_norm, layers_[0].in_eps, hp, T);
     for (int64_t l = 0; l < layers; ++l) {
       const Layer& layer = layers_[l];
-      float* k_blocks = kvp + l * layer_floats;
-      float* v_blocks = kvp + (layers + l) * layer_floats;
+      void* k_blocks = kvp + l * layer_bytes;
+      void* v_blocks = kvp + (layers + l) * layer_bytes;
       project_parts(layer.qkv, hp, T, qkvp, scratch_);
       {
         RECORD_FUNCTION("kvserve::decode_attention", c10::ArrayRef<const c10::IValue>{});
         kvserve::decode::rope_rows(qkvp, T, H_ + H_kv_, D_, width, D_, cosp, sinp);
-        kvserve::decode::write_kv_rows(k_blocks, v_blocks, sp, qkvp + H_ * D_, qkvp + (H_ + H_kv_) * D_, T, H_kv_, D_,
-                                       width, D_, width, D_);
         call.scale = static_cast<float>(layer.scale);
         call.window = layer.window;
-        kvserve::decode::attend_decode(call, k_blocks, v_blocks);
+        if (bf16) {
+          auto *kb = static_cast<uint16_t*>(k_blocks), *vb = static_cast<uint16_t*>(v_blocks);
+          kvserve::decode::write_kv_rows_bf16(kb, vb, sp, qkvp + H_ * D_, qkvp + (H_ + H_kv_) * D_, T, H_kv_, D_,
+                                              width, D_, width, D_);
+          kvserve::decode::attend_decode_bf16(call, kb, vb);
+        } else {
+          auto *kb = static_cast<float*>(k_blocks), *vb = static_cast<float*>(v_blocks);
+          kvserve::decode::write_kv_rows(kb, vb, sp, qkvp + H_ * D_, qkvp + (H_ + H_kv_) * D_, T, H_kv_, D_, width,
+                                         D_, width, D_);
+          kvserve::decode::attend_decode(call, kb, vb);
+        }
       }
       project(layer.o_proj, call.out, T, outp);
       kvserve::decode::add_rows(xp, outp, T, hidden_);

@@ -16,6 +16,9 @@
 //       (attend_tile.h: the AVX2 and AVX-512 tile kernels, one order of operations).
 //   decode_attention_(qkv, ...)            RoPE, the KV write and paged decode attention for one layer
 //   write_kv_quant, paged_decode_attention_quant    the int8 / int4 cache's (kv_quant.cpp; bound here)
+//   A bfloat16 cache (KVPool.data bfloat16 under float32 activations) takes the same ops: write_kv rounds the
+//   rows to bfloat16 (torch's rounding), paged_decode_attention and decode_attention_ run attend_bf16.h's tiles
+//   (bfloat16 dot products, vdpbf16ps' arithmetic on every path); bf16_attention_path names the path.
 //   silu_mul(gate, up)                     silu(gate) * up (SwiGLU), with torch's own kernels
 //   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
 //   log_softmax(logits)                    the same log-softmax for every token (sampled and top tokens)
@@ -25,6 +28,7 @@
 // Each hot loop is compiled for AVX2+FMA and for plain x86-64; native/csrc/cpu.h chooses which runs.
 #include <ATen/Parallel.h>
 
+#include "attend_bf16.h"
 #include "attend_tile.h"
 #include "decode_common.h"
 #include "decode_rows.h"
@@ -267,10 +271,13 @@ void rope_(torch::Tensor& qk, const torch::Tensor& cos, const torch::Tensor& sin
 }
 
 // k_cache, v_cache [slots, H_kv, D] (contiguous) <- k, v [T, H_kv, D] (any row/head strides) at slots [T].
+// A bfloat16 cache takes the rows rounded to bfloat16 as torch's .to(torch.bfloat16) rounds (to nearest even).
 void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tensor& slots, const torch::Tensor& k,
               const torch::Tensor& v) {
-  check_f32(k_cache, "k_cache");
-  check_f32(v_cache, "v_cache");
+  const bool bf16 = k_cache.scalar_type() == torch::kBFloat16;
+  KV_CHECK((bf16 || k_cache.scalar_type() == torch::kFloat32) && v_cache.scalar_type() == k_cache.scalar_type() &&
+               k_cache.is_cpu() && v_cache.is_cpu(),
+           "k_cache and v_cache must be float32 or bfloat16 CPU tensors");
   check_f32(k, "k");
   check_f32(v, "v");
   KV_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.sizes() == v_cache.sizes(),
@@ -281,9 +288,28 @@ void write_kv(torch::Tensor& k_cache, torch::Tensor& v_cache, const torch::Tenso
                k.stride(2) == 1 && v.stride(2) == 1,
            "k and v must be [T, H_kv, D] with D contiguous");
   kvserve::decode::check_slots(slots, k_cache.size(0));
+  if (bf16) {
+    kvserve::decode::write_kv_rows_bf16(
+        reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>()),
+        reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>()), slots.data_ptr<int64_t>(),
+        k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k.size(1), k.size(2), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1));
+    return;
+  }
   kvserve::decode::write_kv_rows(k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), slots.data_ptr<int64_t>(),
                                  k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k.size(1), k.size(2),
                                  k.stride(0), k.stride(1), v.stride(0), v.stride(1));
+}
+
+void kvserve::decode::write_kv_rows_bf16(uint16_t* k_cache, uint16_t* v_cache, const int64_t* slots, const float* k,
+                                         const float* v, int64_t T, int64_t H, int64_t D, int64_t k_row,
+                                         int64_t k_head, int64_t v_row, int64_t v_head) {
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) {
+        k_cache[(slots[t] * H + h) * D + d] = c10::BFloat16(k[t * k_row + h * k_head + d]).x;
+        v_cache[(slots[t] * H + h) * D + d] = c10::BFloat16(v[t * v_row + h * v_head + d]).x;
+      }
 }
 
 void kvserve::decode::check_slots(const torch::Tensor& slots, int64_t num_slots) {
@@ -310,57 +336,50 @@ void kvserve::decode::write_kv_rows(float* k_cache, float* v_cache, const int64_
 void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, const torch::Tensor& tables,
                             const torch::Tensor& lens, const torch::Tensor& k_blocks, const torch::Tensor& v_blocks,
                             double scale, int64_t window, torch::Tensor& out) {
-  check_f32(k_blocks, "k_blocks");
-  check_f32(v_blocks, "v_blocks");
+  const bool bf16 = k_blocks.scalar_type() == torch::kBFloat16;
+  KV_CHECK((bf16 || k_blocks.scalar_type() == torch::kFloat32) && v_blocks.scalar_type() == k_blocks.scalar_type() &&
+               k_blocks.is_cpu() && v_blocks.is_cpu(),
+           "k_blocks and v_blocks must be float32 or bfloat16 CPU tensors");
   KV_CHECK(k_blocks.dim() == 4 && k_blocks.is_contiguous() && v_blocks.is_contiguous() &&
                k_blocks.sizes() == v_blocks.sizes() && q.dim() == 3 && k_blocks.size(3) == q.size(2),
            "k_blocks and v_blocks must be contiguous [blocks, block_size, H_kv, D]");
-  attend_decode(kvserve::decode::check_decode_call(q, rows, tables, lens, out, k_blocks.size(0), k_blocks.size(1),
-                                                   k_blocks.size(2), scale, window),
-                k_blocks.data_ptr<float>(), v_blocks.data_ptr<float>());
+  const kvserve::decode::DecodeCall call = kvserve::decode::check_decode_call(
+      q, rows, tables, lens, out, k_blocks.size(0), k_blocks.size(1), k_blocks.size(2), scale, window);
+  if (bf16) {
+    KV_CHECK(call.D % 2 == 0 && call.D <= 512, "a bfloat16 cache's head size must be even and at most 512");
+    attend_decode_bf16(call, reinterpret_cast<const uint16_t*>(k_blocks.data_ptr<at::BFloat16>()),
+                       reinterpret_cast<const uint16_t*>(v_blocks.data_ptr<at::BFloat16>()));
+    return;
+  }
+  attend_decode(call, k_blocks.data_ptr<float>(), v_blocks.data_ptr<float>());
 }
 
-void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, const float* vp) {
-  const int64_t D = call.D, H_kv = call.H_kv, group = call.group, bs = call.block_size;
-#ifdef KV_X86
-  const bool avx2 = kvserve::cpu::avx2() && D % 8 == 0;
-  const bool avx512 = kvserve::cpu::chosen() == kvserve::cpu::Isa::kAvx512;  // attend_tile: D % 16 == 0 too
-#endif
-  // One task per (tile, KV head). A tile is one decode row, or up to kTileRows (AVX-512: tile_rows_avx512)
-  // consecutive rows of one prompt (rows_alone prefill: consecutive q rows, context lengths growing by one, the
-  // same blocks): its R x `group` query heads share each K and V row read. The portable path runs one row a task.
-#ifdef KV_X86
-  const std::vector<int64_t> tiles =
-      prompt_tiles(call, avx512 && D % 16 == 0 ? tile_rows_avx512(call) : avx2 ? kTileRows : 1);
-#else
-  const std::vector<int64_t> tiles = prompt_tiles(call, 1);
-#endif
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * H_kv;
-  auto attend_task = [&](int64_t task, std::vector<float>& scores, std::vector<TileQuery>& queries) {
-    const int64_t tile = task / H_kv, g = task % H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
-#ifdef KV_X86
-    if (avx2) {
-      int64_t total = 0;
-      for (int64_t b = b0; b < b1; ++b) total += group * (call.lens[b] - call.first_of(b));
-      scores.resize(total);
-      queries.clear();
-      float* next = scores.data();
-      for (int64_t b = b0; b < b1; ++b)
-        for (int64_t j = 0; j < group; ++j) {
-          const int64_t first = call.first_of(b);
-          queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * D, first, call.lens[b], next});
-          next += call.lens[b] - first;
-        }
-      kvserve::decode::attend_tile(avx512, queries.data(), static_cast<int64_t>(queries.size()),
-                                   call.table_of(b1 - 1), kp, vp, bs, H_kv, g, D, call.scale);
-      return;
+// The path the bfloat16 cache's attention runs for head size D (attend_bf16.h's path): avx512, avx2 or scalar.
+std::string bf16_attention_path(int64_t D) { return kvserve::cpu::name(kvserve::bf16_attend::path(D)); }
+
+// The query vectors of rows b0 .. b1-1 of a call for KV head g (each row's `group` query heads), each with its
+// share of `scores` (resized to hold them all).
+void tile_queries(const kvserve::decode::DecodeCall& call, int64_t b0, int64_t b1, int64_t g,
+                  std::vector<float>& scores, std::vector<TileQuery>& queries) {
+  int64_t total = 0;
+  for (int64_t b = b0; b < b1; ++b) total += call.group * (call.lens[b] - call.first_of(b));
+  scores.resize(total);
+  queries.clear();
+  float* next = scores.data();
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t j = 0; j < call.group; ++j) {
+      const int64_t first = call.first_of(b);
+      queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * call.D, first, call.lens[b], next});
+      next += call.lens[b] - first;
     }
-#endif
-    const int64_t b = b0, len = call.lens[b], first = call.first_of(b);
-    scores.resize(group * (len - first));
-    attend_loops(call.q_of(b, g), call.q_head, call.table_of(b), first, len, kp, vp, bs, H_kv, g, D, group,
-                 call.scale, scores.data(), call.out_of(b, g));
-  };
+}
+
+// The (tile, KV head) tasks of a call cut into tiles (prompt_tiles' starts), on the threads: attend_task(task,
+// scores, queries) with a scores buffer and a query list per thread.
+template <class Task>
+void run_tiles(const kvserve::decode::DecodeCall& call, const std::vector<int64_t>& tiles, Task&& attend_task) {
+  const int64_t H_kv = call.H_kv;
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * H_kv;
   if (num_tiles == call.B) {  // decode rows only: tasks of about one size, split evenly
     at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores;
@@ -384,6 +403,54 @@ void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, con
     std::vector<float> scores;
     std::vector<TileQuery> queries;
     for (int64_t i = next_task++; i < num_tasks; i = next_task++) attend_task(order[i], scores, queries);
+  });
+}
+
+void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, const float* vp) {
+  const int64_t D = call.D, H_kv = call.H_kv, group = call.group, bs = call.block_size;
+#ifdef KV_X86
+  const bool avx2 = kvserve::cpu::avx2() && D % 8 == 0;
+  const bool avx512 = kvserve::cpu::chosen() == kvserve::cpu::Isa::kAvx512;  // attend_tile: D % 16 == 0 too
+#endif
+  // One task per (tile, KV head). A tile is one decode row, or up to kTileRows (AVX-512: tile_rows_avx512)
+  // consecutive rows of one prompt (rows_alone prefill: consecutive q rows, context lengths growing by one, the
+  // same blocks): its R x `group` query heads share each K and V row read. The portable path runs one row a task.
+#ifdef KV_X86
+  const std::vector<int64_t> tiles =
+      prompt_tiles(call, avx512 && D % 16 == 0 ? tile_rows_avx512(call) : avx2 ? kTileRows : 1);
+#else
+  const std::vector<int64_t> tiles = prompt_tiles(call, 1);
+#endif
+  auto attend_task = [&](int64_t task, std::vector<float>& scores, std::vector<TileQuery>& queries) {
+    const int64_t tile = task / H_kv, g = task % H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
+#ifdef KV_X86
+    if (avx2) {
+      tile_queries(call, b0, b1, g, scores, queries);
+      kvserve::decode::attend_tile(avx512, queries.data(), static_cast<int64_t>(queries.size()),
+                                   call.table_of(b1 - 1), kp, vp, bs, H_kv, g, D, call.scale);
+      return;
+    }
+#endif
+    const int64_t b = b0, len = call.lens[b], first = call.first_of(b);
+    scores.resize(group * (len - first));
+    attend_loops(call.q_of(b, g), call.q_head, call.table_of(b), first, len, kp, vp, bs, H_kv, g, D, group,
+                 call.scale, scores.data(), call.out_of(b, g));
+  };
+  run_tiles(call, tiles, attend_task);
+}
+
+
+// attend_decode over a bfloat16 pool (attend_bf16.h): the same tiles and threads, every path tiled (the tile's
+// order of operations is the one order; its scalar path included).
+void kvserve::decode::attend_decode_bf16(const DecodeCall& call, const uint16_t* kp, const uint16_t* vp) {
+  const int64_t D = call.D;
+  const kvserve::cpu::Isa isa = kvserve::bf16_attend::path(D);
+  const std::vector<int64_t> tiles = prompt_tiles(call, kTileRows);
+  run_tiles(call, tiles, [&](int64_t task, std::vector<float>& scores, std::vector<TileQuery>& queries) {
+    const int64_t tile = task / call.H_kv, g = task % call.H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
+    tile_queries(call, b0, b1, g, scores, queries);
+    const kvserve::bf16_attend::Tile view{call.table_of(b1 - 1), kp, vp, call.block_size, call.H_kv, g, D, call.scale};
+    kvserve::bf16_attend::attend_tile(isa, queries.data(), static_cast<int64_t>(queries.size()), view);
   });
 }
 
@@ -533,6 +600,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention_quant", &paged_decode_attention_quant, NoGil(),
         "q [T,H,D], rows [B], tables [B,nb], lens [B], k_codes, k_scales, v_codes, v_scales [nb,bs,H_kv,...], bits, "
         "scale, window, out [T,H,D]");
+  m.def("bf16_attention_path", &bf16_attention_path, "head_dim -> the ISA path a bfloat16 cache's attention runs");
   m.def("kv_quant_path", &kv_quant_path, "bits, group -> the ISA path paged_decode_attention_quant runs");
   m.def("silu_mul", &silu_mul, NoGil(), "gate, up [T,I] f32 -> silu(gate) * up [T,I]");
   m.def("greedy_pick", &greedy_pick, NoGil(),

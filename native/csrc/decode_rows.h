@@ -27,8 +27,15 @@ void check_slots(const torch::Tensor& slots, int64_t num_slots);
 void write_kv_rows(float* k_cache, float* v_cache, const int64_t* slots, const float* k, const float* v, int64_t T,
                    int64_t H, int64_t D, int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head);
 
+// write_kv_rows for a bfloat16 cache (bfloat16 bits), each value rounded to nearest even (torch's rounding).
+void write_kv_rows_bf16(uint16_t* k_cache, uint16_t* v_cache, const int64_t* slots, const float* k, const float* v,
+                        int64_t T, int64_t H, int64_t D, int64_t k_row, int64_t k_head, int64_t v_row, int64_t v_head);
+
 // Paged decode attention of a checked call (check_decode_call) over float32 K and V blocks [blocks, block_size,
 // H_kv, D] (paged_decode_attention).
 void attend_decode(const DecodeCall& call, const float* k_blocks, const float* v_blocks);
+
+// The same over bfloat16 K and V blocks (bits), attend_bf16.h's arithmetic; D even, at most 512.
+void attend_decode_bf16(const DecodeCall& call, const uint16_t* k_blocks, const uint16_t* v_blocks);
 
 }  // namespace kvserve::decode

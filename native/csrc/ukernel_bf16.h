@@ -28,6 +28,7 @@
 #ifndef KVSERVE_UKERNEL_BF16_H
 #define KVSERVE_UKERNEL_BF16_H
 
+#include "bf16_bits.h"
 #include "ukernel.h"
 
 #ifdef __cplusplus
@@ -65,35 +66,6 @@ void kv_bf16_convert_avx512(const kv_bf16_convert_args* a);
  * 16 * 32 multiply-adds a round; returns a lane of the sum so the work cannot be dropped
  * (loadtest/kernelbench.py times it through ctypes). */
 float kv_bf16_peak(int64_t iterations);
-
-static inline uint32_t kv_f32_bits(float f) {
-  uint32_t u;
-  __builtin_memcpy(&u, &f, 4);
-  return u;
-}
-
-static inline float kv_bits_f32(uint32_t u) {
-  float f;
-  __builtin_memcpy(&f, &u, 4);
-  return f;
-}
-
-/* A float32 with a zero exponent field (zero or denormal) becomes the zero of its sign: vdpbf16ps' DAZ on its
- * inputs and FTZ on its products and sums. On the bits, so no multiply and add can fuse across it. */
-static inline float kv_flush_denormal(float f) {
-  const uint32_t u = kv_f32_bits(f);
-  return (u & 0x7F800000u) == 0 ? kv_bits_f32(u & 0x80000000u) : f;
-}
-
-static inline float kv_bf16_to_float(uint16_t b) { return kv_flush_denormal(kv_bits_f32((uint32_t)b << 16)); }
-
-/* float32 -> bfloat16 as vcvtneps2bf16 converts (the SDM's convert_fp32_to_bfloat16). */
-static inline uint16_t kv_float_to_bf16(float f) {
-  const uint32_t u = kv_f32_bits(f), exponent = u & 0x7F800000u;
-  if (exponent == 0) return (uint16_t)((u >> 16) & 0x8000u);
-  if (exponent == 0x7F800000u) return (uint16_t)((u >> 16) | ((u & 0x007FFFFFu) ? 0x0040u : 0u));
-  return (uint16_t)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-}
 
 /* The reference: one output at a time in the order above, for any number of rows. */
 void kv_bf16_scalar(const kv_bf16_args* a) {

@@ -1,0 +1,444 @@
+// The bfloat16 KV cache's paged attention for one tile (attend_tile.h's TileQuery: the `group` query heads of one
+// decode row, or of up to kTileRows consecutive rows of one prompt), for float32 queries over K and V stored as
+// bfloat16 [blocks, block_size, H_kv, D]. The scores and the outputs are bfloat16 dot products with float32
+// accumulation, vdpbf16ps' arithmetic (bf16_bits.h: the Intel SDM's VDPBF16PS, lane i: acc += a[2i+1] * b[2i+1],
+// then acc += a[2i] * b[2i], each product exact, each product and sum flushed to zero if denormal, inputs
+// denormal read as zero), the softmax in float32 as the float32 cache's (softmax_avx2).
+//
+// The order of every float operation, for one query vector q [D] attending to keys first .. len-1 (the reference;
+// every path below reproduces it, so every path, tile make-up, batch and chunking gives the same bits):
+//   qb       = bf16(q)                  (kv_float_to_bf16: vcvtneps2bf16's rounding, to nearest even)
+//   score(t) = hsum8(lane[0..7] + lane[8..15]) * scale, where lane[l] starts at +0 and takes, for the pairs
+//              p = l, l + 16, l + 32, ... < D / 2 in this order, the pair step
+//                  acc = ftz(acc + ftz(x[2p+1] * y[2p+1])); acc = ftz(acc + ftz(x[2p] * y[2p]))
+//              with x = qb, y = k_t (denormal inputs read as zero): vdpbf16ps over D / 32 vectors of 16 pairs;
+//   w        = softmax_avx2(scores), then each weight rounded: wb(t) = bf16(w(t));
+//   out[d]   = starts at +0 and takes, for the key pairs (2p, 2p + 1), p = floor(first / 2) .. ceil(len / 2) - 1
+//              in this order, the pair step with x = (wb(2p), wb(2p+1)), y = (v_2p[d], v_2p+1[d]); a key outside
+//              first .. len-1 (the even one before `first`, the odd one at `len`) has weight +0 and value +0.
+// Pairs are by absolute position, so a prompt row computed alone, in a tile, in another chunk or as a decode row
+// takes the same pair steps: on one path every row's bits are independent of batch, tile and chunking.
+//
+// Across paths the bits agree wherever no product or partial sum falls below float32's normal range (2^-126) other
+// than by being zero, the case of every attention over model activations. In that range Zen 4's vdpbf16ps departs
+// from the SDM's pseudo-code the reference follows (measured: it adds a denormal product or a denormal input's
+// product instead of flushing it, and can give -0 where +0 + -0 is +0), so there the AVX-512 path's last bits may
+// differ from the scalar and AVX2 paths'.
+//
+// Three paths: base (scalar, any even D), avx2 (AVX2 + FMA, D a multiple of 32: the pair steps in 8 float lanes
+// with explicit flushes), avx512 (AVX-512 F + BF16, D a multiple of 32: vdpbf16ps; keys' V rows interleaved two
+// by two with vpunpck{l,h}wd, so an output register's lanes are a fixed permutation of d, undone once per query).
+#pragma once
+
+#include "attend_tile.h"
+#include "bf16_bits.h"
+#include "cpu.h"
+#include "decode_core.h"
+#include "kv_attend.h"
+
+#include <cstdint>
+#include <vector>
+
+namespace kvserve::bf16_attend {
+
+using kvserve::decode::TileQuery;
+
+// One tile's view of the pool: K and V bfloat16 bits [blocks, block_size, H_kv, D], KV head g.
+struct Tile {
+  const int64_t* table;
+  const uint16_t* kp;
+  const uint16_t* vp;
+  int64_t bs, H_kv, g, D;
+  float scale;
+  // The AVX-512 path's current chunk: its K and V rows from key c0, looked up once for all the tile's queries
+  const uint16_t* const* krows = nullptr;
+  const uint16_t* const* vrows = nullptr;
+  int64_t c0 = 0;
+
+  int64_t at(int64_t t) const { return ((table[t / bs] * bs + t % bs) * H_kv + g) * D; }
+  const uint16_t* k_row(int64_t t) const { return krows != nullptr ? krows[t - c0] : kp + at(t); }
+  const uint16_t* v_row(int64_t t) const { return vrows != nullptr ? vrows[t - c0] : vp + at(t); }
+};
+
+// Whether the vector paths take head size D (16 pairs a vector, whole vectors); else the scalar path runs.
+inline bool vector_takes(int64_t D) { return D % 32 == 0; }
+
+// Keys a tile reads as one chunk while all its query vectors run over them (even, so a key pair never straddles).
+constexpr int64_t kChunk = 64;
+
+// One pair step of the reference: x, y bfloat16 values as floats (denormals already read as zero).
+inline float pair_half(float acc, float x, float y) { return kv_flush_denormal(acc + kv_flush_denormal(x * y)); }
+
+// scores' weights rounded to bfloat16 in place (kept as floats whose low 16 bits are zero).
+inline void round_weights(float* w, int64_t span) {
+  for (int64_t i = 0; i < span; ++i) w[i] = kv_bits_f32(static_cast<uint32_t>(kv_float_to_bf16(w[i])) << 16);
+}
+
+// The weight pair of key pair p for a query: low half wb(2p) (0 before `first`), high half wb(2p+1) (0 at len).
+inline uint32_t weight_pair(const TileQuery& query, int64_t p) {
+  const float* w = query.scores - query.first;
+  const uint32_t even = 2 * p >= query.first ? kv_f32_bits(w[2 * p]) >> 16 : 0u;
+  const uint32_t odd = 2 * p + 1 < query.len ? kv_f32_bits(w[2 * p + 1]) >> 16 : 0u;
+  return even | (odd << 16);
+}
+
+// ---- base: the reference, one float at a time ----
+namespace base {
+
+inline float score(const uint16_t* qb, const uint16_t* k, int64_t D, float scale) {
+  float lane[16];
+  for (int l = 0; l < 16; ++l) {
+    float acc = 0.f;
+    for (int64_t p = l; p < D / 2; p += 16) {
+      acc = pair_half(acc, kv_bf16_to_float(qb[2 * p + 1]), kv_bf16_to_float(k[2 * p + 1]));
+      acc = pair_half(acc, kv_bf16_to_float(qb[2 * p]), kv_bf16_to_float(k[2 * p]));
+    }
+    lane[l] = acc;
+  }
+  float x[8];
+  for (int l = 0; l < 8; ++l) x[l] = lane[l] + lane[l + 8];
+  return (((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]))) * scale;
+}
+
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+  const int64_t D = tile.D;
+  std::vector<uint16_t> qb(D);
+  static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
+  for (int64_t j = 0; j < n; ++j) {
+    const TileQuery& query = qs[j];
+    for (int64_t i = 0; i < D; ++i) qb[i] = kv_float_to_bf16(query.q[i]);
+    for (int64_t t = query.first; t < query.len; ++t)
+      query.scores[t - query.first] = score(qb.data(), tile.kp + tile.at(t), D, tile.scale);
+    kvserve::kv_quant::base::softmax(query.scores, query.len - query.first);
+    round_weights(query.scores, query.len - query.first);
+    std::fill_n(query.out, D, 0.f);
+    for (int64_t p = query.first / 2; p < (query.len + 1) / 2; ++p) {
+      const uint32_t w = weight_pair(query, p);
+      const float we = kv_bits_f32(w << 16), wo = kv_bits_f32(w & 0xFFFF0000u);
+      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+      for (int64_t d = 0; d < D; ++d) {
+        float acc = pair_half(query.out[d], wo, kv_bf16_to_float(vo[d]));
+        query.out[d] = pair_half(acc, we, kv_bf16_to_float(ve[d]));
+      }
+    }
+  }
+}
+
+}  // namespace base
+
+#ifdef KV_X86
+
+// ---- avx2: the pair steps in 8 float lanes, denormals flushed explicitly ----
+namespace avx2 {
+
+#define KV_BF16_AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
+
+KV_BF16_AVX2 __m256 flush(__m256 x) {  // kv_flush_denormal per lane
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(u, _mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN)), tiny));
+}
+KV_BF16_AVX2 __m256 step(__m256 acc, __m256 x, __m256 y) { return flush(_mm256_add_ps(acc, flush(_mm256_mul_ps(x, y)))); }
+// 8 bfloat16 pairs (as uint32) -> their odd (high) and even (low) halves as floats, denormals read as zero.
+KV_BF16_AVX2 __m256 odd_of(__m256i pairs) { return flush(_mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)))); }
+KV_BF16_AVX2 __m256 even_of(__m256i pairs) { return flush(_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16))); }
+KV_BF16_AVX2 __m256i load8(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+// 8 bfloat16 values -> floats, denormals read as zero.
+KV_BF16_AVX2 __m256 widen(const uint16_t* p) {
+  const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return flush(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+}
+
+__attribute__((target("avx2,fma"))) inline float score(const uint16_t* qb, const uint16_t* k, int64_t D, float scale) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // lanes 0-7, 8-15
+  for (int64_t i = 0; i < D; i += 32) {
+    const __m256i q0 = load8(qb + i), k0 = load8(k + i), q1 = load8(qb + i + 16), k1 = load8(k + i + 16);
+    a0 = step(step(a0, odd_of(q0), odd_of(k0)), even_of(q0), even_of(k0));
+    a1 = step(step(a1, odd_of(q1), odd_of(k1)), even_of(q1), even_of(k1));
+  }
+  return kvserve::decode::hsum8(_mm256_add_ps(a0, a1)) * scale;
+}
+
+__attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+  const int64_t D = tile.D;
+  static thread_local std::vector<uint16_t> qb;
+  qb.resize(n * D);
+  for (int64_t j = 0; j < n; ++j)
+    for (int64_t i = 0; i < D; ++i) qb[j * D + i] = kv_float_to_bf16(qs[j].q[i]);
+  int64_t lo, hi;
+  kvserve::decode::tile_span(qs, n, &lo, &hi);
+  lo &= ~int64_t{1};
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // scores, a chunk's K rows for every query vector
+    for (int64_t j = 0; j < n; ++j) {
+      const TileQuery& query = qs[j];
+      for (int64_t t = std::max(c0, query.first); t < std::min(c0 + kChunk, query.len); ++t)
+        query.scores[t - query.first] = score(qb.data() + j * D, tile.kp + tile.at(t), D, tile.scale);
+    }
+  for (int64_t j = 0; j < n; ++j) {
+    kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
+    round_weights(qs[j].scores, qs[j].len - qs[j].first);
+    std::fill_n(qs[j].out, D, 0.f);
+  }
+  alignas(32) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // outputs, a chunk's V rows for every query vector
+    for (int64_t j = 0; j < n; ++j) {
+      const TileQuery& query = qs[j];
+      const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
+      for (int64_t d = 0; d < D; d += 8) {
+        __m256 acc = _mm256_loadu_ps(query.out + d);
+        for (int64_t p = p0; p < p1; ++p) {
+          const uint32_t w = weight_pair(query, p);
+          const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
+          const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+          acc = step(acc, _mm256_set1_ps(kv_bits_f32(w & 0xFFFF0000u)), widen(vo + d));
+          acc = step(acc, _mm256_set1_ps(kv_bits_f32(w << 16)), widen(ve + d));
+        }
+        _mm256_storeu_ps(query.out + d, acc);
+      }
+    }
+}
+
+#undef KV_BF16_AVX2
+}  // namespace avx2
+
+// ---- avx512: vdpbf16ps ----
+namespace avx512 {
+
+#define KV_BF16_512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"), always_inline)) inline
+
+KV_BF16_512 __m512 dot(__m512 acc, __m512i x, __m512i y) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y); }
+KV_BF16_512 __m512i load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
+
+// One query's scores against keys t0 .. t1-1 (rows through the table): 8 keys reduced together (scores_of).
+KV_BF16_512 void scores_range(const uint16_t* qb, const Tile& tile, int64_t t0, int64_t t1, float* s) {
+  const int64_t D = tile.D;
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    __m512 acc[8];
+    const uint16_t* k[8];
+    for (int r = 0; r < 8; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      k[r] = tile.k_row(t + r);
+    }
+    for (int64_t i = 0; i < D; i += 32) {
+      __m512i q = load32(qb + i);
+      kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&q));
+      for (int r = 0; r < 8; ++r) acc[r] = dot(acc[r], q, load32(k[r] + i));
+    }
+    _mm256_storeu_ps(s + t, kvserve::decode::scores_of(acc, tile.scale));
+  }
+  for (; t < t1; ++t) {
+    const uint16_t* k = tile.k_row(t);
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < D; i += 32) acc = dot(acc, load32(qb + i), load32(k + i));
+    s[t] = kvserve::decode::score_of(acc, tile.scale);
+  }
+}
+
+// Two queries' scores against keys t0 .. t1-1 (both attend to them), 8 keys a pass so each K row loaded feeds
+// both; each score's operations are scores_range's.
+KV_BF16_512 void scores_range2(const uint16_t* qa, const uint16_t* qb, const Tile& tile, int64_t t0, int64_t t1,
+                               float* sa, float* sb) {
+  const int64_t D = tile.D;
+  int64_t t = t0;
+  for (; t + 8 <= t1; t += 8) {
+    __m512 acc_a[8], acc_b[8];
+    const uint16_t* k[8];
+    for (int r = 0; r < 8; ++r) {
+      acc_a[r] = acc_b[r] = _mm512_setzero_ps();
+      k[r] = tile.k_row(t + r);
+    }
+    for (int64_t i = 0; i < D; i += 32) {
+      const __m512i x = load32(qa + i), y = load32(qb + i);
+      for (int r = 0; r < 8; ++r) {
+        const __m512i kv = load32(k[r] + i);
+        acc_a[r] = dot(acc_a[r], x, kv);
+        acc_b[r] = dot(acc_b[r], y, kv);
+      }
+    }
+    _mm256_storeu_ps(sa + t, kvserve::decode::scores_of(acc_a, tile.scale));
+    _mm256_storeu_ps(sb + t, kvserve::decode::scores_of(acc_b, tile.scale));
+  }
+  scores_range(qa, tile, t, t1, sa);
+  scores_range(qb, tile, t, t1, sb);
+}
+
+// Output lane m of the unpacklo (unpackhi) register of a 32-value block holds d = 8 (m / 4) + m % 4 (+ 4).
+inline int64_t lane_d(int64_t m) { return m < 16 ? 8 * (m / 4) + m % 4 : 8 * ((m - 16) / 4) + (m - 16) % 4 + 4; }
+
+// Key pairs p0 .. p1-1 of one query into its output row (in lane order), kD = D known (<= 256) or looped.
+// A query's softmax weights rounded to bfloat16 (vcvtneps2bf16: kv_float_to_bf16's rounding) and packed in place
+// into its key pairs' weight pairs (weight_pair's), pair p at index p - floor(first / 2): the bfloat16 weights in
+// key order are those pairs' halves, after a zero (the even key before an odd `first`) and before one (the odd key
+// at an odd end). The writes land at or below what is still to be read (2 bytes a weight written, 4 read).
+KV_BF16_512 void pack_pairs(const TileQuery& query) {
+  const int64_t span = query.len - query.first, off = query.first & 1;
+  float* w = query.scores;
+  auto* out = reinterpret_cast<uint16_t*>(w);
+  for (int64_t i = 0; i < span; i += 16) {
+    const __mmask16 mask = span - i >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (span - i)) - 1u);
+    const __m256bh b = _mm512_cvtneps_pbh(_mm512_maskz_loadu_ps(mask, w + i));
+    if (i == 0 && off) out[0] = 0;  // after the load of the first weights, whose bytes it overwrites
+    _mm256_mask_storeu_epi16(out + off + i, mask, (__m256i)b);
+  }
+  if ((off + span) % 2) out[off + span] = 0;
+}
+
+// The V rows of key pairs pb .. pe-1 interleaved two by two, once per tile for all its query vectors: vi[(p - pb)
+// * D / 16 + r] is register r (unpacklo, unpackhi per 32 values) of pair p; a key past the tile's last, hi, is 0.
+template <int64_t kD>
+KV_BF16_512 void interleave_pairs(const Tile& tile, int64_t pb, int64_t pe, int64_t hi, __m512i* vi) {
+  for (int64_t p = pb; p < pe; ++p) {
+    const uint16_t* ve = tile.v_row(2 * p);
+    for (int64_t b = 0; b < kD / 32; ++b) {
+      const __m512i e = load32(ve + 32 * b);
+      const __m512i o = 2 * p + 1 < hi ? load32(tile.v_row(2 * p + 1) + 32 * b) : _mm512_setzero_si512();
+      vi[(p - pb) * (kD / 16) + 2 * b] = _mm512_unpacklo_epi16(e, o);
+      vi[(p - pb) * (kD / 16) + 2 * b + 1] = _mm512_unpackhi_epi16(e, o);
+    }
+  }
+}
+
+// Key pairs p0 .. p1-1 of one query into its output row (in lane order). kD known: a pair whose two keys the query
+// attends comes from vi (interleave_pairs from pair pb), its edge pairs (the even key before `first`, the odd one
+// at `len`) are interleaved here with a zero row; kD = 0: every pair interleaved here, a loop over D.
+template <int64_t kD>
+KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t p0, int64_t p1, const __m512i* vi,
+                               int64_t pb, float* out) {
+  alignas(64) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
+  const int64_t D = kD > 0 ? kD : tile.D;
+  constexpr int64_t kRegs = kD > 0 ? kD / 16 : 2;
+  if constexpr (kD > 0) {
+    __m512 acc[kRegs];
+    for (int64_t r = 0; r < kRegs; ++r) acc[r] = _mm512_loadu_ps(out + 16 * r);
+    for (int64_t p = p0; p < p1; ++p) {
+      const __m512i w = _mm512_set1_epi32(static_cast<int>(kv_f32_bits(query.scores[p - query.first / 2])));
+      if (vi != nullptr && 2 * p >= query.first && 2 * p + 1 < query.len) {
+        const __m512i* v = vi + (p - pb) * kRegs;
+        for (int64_t r = 0; r < kRegs; ++r) acc[r] = dot(acc[r], w, v[r]);
+        continue;
+      }
+      const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
+      for (int64_t b = 0; b < kD / 32; ++b) {
+        const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
+        acc[2 * b] = dot(acc[2 * b], w, _mm512_unpacklo_epi16(e, o));
+        acc[2 * b + 1] = dot(acc[2 * b + 1], w, _mm512_unpackhi_epi16(e, o));
+      }
+    }
+    for (int64_t r = 0; r < kRegs; ++r) _mm512_storeu_ps(out + 16 * r, acc[r]);
+  } else {
+    for (int64_t b = 0; b < D / 32; ++b) {
+      __m512 lo = _mm512_loadu_ps(out + 32 * b), hi = _mm512_loadu_ps(out + 32 * b + 16);
+      for (int64_t p = p0; p < p1; ++p) {
+        const __m512i w = _mm512_set1_epi32(static_cast<int>(kv_f32_bits(query.scores[p - query.first / 2])));
+        const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
+        const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
+        const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
+        lo = dot(lo, w, _mm512_unpacklo_epi16(e, o));
+        hi = dot(hi, w, _mm512_unpackhi_epi16(e, o));
+      }
+      _mm512_storeu_ps(out + 32 * b, lo);
+      _mm512_storeu_ps(out + 32 * b + 16, hi);
+    }
+  }
+}
+
+template <int64_t kD>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void attend_tile_d(const TileQuery* qs, int64_t n,
+                                                                                   const Tile& tile) {
+  const int64_t D = tile.D;
+  static thread_local std::vector<uint16_t> qb;
+  qb.resize(n * D);
+  for (int64_t j = 0; j < n; ++j)  // vcvtneps2bf16: kv_float_to_bf16's rounding
+    for (int64_t i = 0; i < D; i += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + j * D + i),
+                          (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qs[j].q + i)));
+  int64_t lo, hi;
+  kvserve::decode::tile_span(qs, n, &lo, &hi);
+  lo &= ~int64_t{1};
+  const uint16_t* krows[kChunk];
+  const uint16_t* vrows[kChunk];
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores, a chunk's K rows for every query vector
+    const int64_t c1 = std::min(c0 + kChunk, hi);
+    Tile chunk = tile;
+    for (int64_t t = c0; t < c1; ++t) krows[t - c0] = tile.kp + tile.at(t);
+    chunk.krows = krows;
+    chunk.c0 = c0;
+    int64_t j = 0;
+    for (; j + 2 <= n; j += 2) {  // two at a time over the keys both read, each alone over the others
+      const TileQuery &a = qs[j], &b = qs[j + 1];
+      const int64_t ta = std::max(c0, a.first), tb = std::max(c0, b.first);
+      const int64_t ea = std::min(c1, a.len), eb = std::min(c1, b.len);
+      const int64_t s0 = std::max(ta, tb), s1 = std::max(s0, std::min(ea, eb));
+      float *sa = a.scores - a.first, *sb = b.scores - b.first;
+      scores_range(qb.data() + j * D, chunk, ta, std::min(ea, s0), sa);
+      scores_range(qb.data() + (j + 1) * D, chunk, tb, std::min(eb, s0), sb);
+      scores_range2(qb.data() + j * D, qb.data() + (j + 1) * D, chunk, s0, s1, sa, sb);
+      scores_range(qb.data() + j * D, chunk, std::max(ta, s1), ea, sa);
+      scores_range(qb.data() + (j + 1) * D, chunk, std::max(tb, s1), eb, sb);
+    }
+    for (; j < n; ++j)
+      scores_range(qb.data() + j * D, chunk, std::max(c0, qs[j].first), std::min(c1, qs[j].len),
+                   qs[j].scores - qs[j].first);
+  }
+  for (int64_t j = 0; j < n; ++j) {
+    kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
+    pack_pairs(qs[j]);
+    std::fill_n(qs[j].out, D, 0.f);
+  }
+  // outputs (in lane order): a chunk's V rows interleaved once (D known, two query vectors or more), then every
+  // query vector over them
+  const bool shared = kD > 0 && n >= 2;
+  alignas(64) __m512i vi[kChunk / 2 * (kD > 0 ? kD / 16 : 1)];
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+    const int64_t pb = c0 / 2, pe = (std::min(c0 + kChunk, hi) + 1) / 2;
+    Tile chunk = tile;
+    for (int64_t t = c0; t < std::min(c0 + kChunk, hi); ++t) vrows[t - c0] = tile.vp + tile.at(t);
+    chunk.vrows = vrows;
+    chunk.c0 = c0;
+    if (shared) interleave_pairs<kD>(chunk, pb, pe, hi, vi);
+    for (int64_t j = 0; j < n; ++j) {
+      const TileQuery& query = qs[j];
+      const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
+      if (p0 < p1) outputs_range<kD>(query, chunk, p0, p1, shared ? vi : nullptr, pb, query.out);
+    }
+  }
+  float lanes[512];
+  for (int64_t j = 0; j < n; ++j) {  // lane order -> d order
+    std::copy_n(qs[j].out, D, lanes);
+    for (int64_t b = 0; b < D; b += 32)
+      for (int64_t m = 0; m < 32; ++m) qs[j].out[b + lane_d(m)] = lanes[b + m];
+  }
+}
+
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+  if (tile.D == 64) return attend_tile_d<64>(qs, n, tile);
+  if (tile.D == 128) return attend_tile_d<128>(qs, n, tile);
+  attend_tile_d<0>(qs, n, tile);
+}
+
+#undef KV_BF16_512
+}  // namespace avx512
+
+#endif
+
+// The path the bfloat16 cache's attention runs for head size D: avx512 where cpu.h chose it and the CPU has
+// AVX512-BF16 (cpu::bf16()), avx2 where chosen, else the scalar one; the vector paths for D a multiple of 32.
+inline kvserve::cpu::Isa path(int64_t D) {
+  using kvserve::cpu::Isa;
+  if (!vector_takes(D)) return Isa::kScalar;
+  if (kvserve::cpu::bf16()) return Isa::kAvx512;
+  return kvserve::cpu::avx2() ? Isa::kAvx2 : Isa::kScalar;
+}
+
+inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile) {
+#ifdef KV_X86
+  if (isa == kvserve::cpu::Isa::kAvx512) return avx512::attend_tile(qs, n, tile);
+  if (isa == kvserve::cpu::Isa::kAvx2) return avx2::attend_tile(qs, n, tile);
+#endif
+  base::attend_tile(qs, n, tile);
+}
+
+}  // namespace kvserve::bf16_attend
