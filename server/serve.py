@@ -94,7 +94,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(g, "--num-kv-blocks", type=int, default=None, metavar="N", default_text="from --kv-cache-memory",
             help="the pool's size in blocks instead of --kv-cache-memory (a draft model's pool gets as many)")
     _option(g, "--kv-cache-dtype", choices=[v.value for v in KVCacheDType], default=d.kv_cache_dtype.value,
-            help="what the KV cache stores; auto: the activations' dtype (--dtype); int8 / int4: codes with "
+            help="what the KV cache stores; auto: the activations' dtype (--dtype); bfloat16 under float32 "
+                 "activations: 2x the tokens of float32, attended by bfloat16 dot products with float32 sums "
+                 "(vdpbf16ps; exact against itself, docs/api.md); int8 / int4: codes with "
                  "float16 scales, 4x / 7.3x the tokens of float32 in the same memory, for some quality "
                  "(kvserve quant report --kv-only measures it)")
     _option(g, "--block-size", type=int, default=d.block_size, metavar="TOKENS", help="tokens per KV block")
