@@ -119,6 +119,9 @@ class _SamplingRequest(RequestModel):
         """OpenAI's checks: keys are token ids written as integers, values in [-100, 100]. The ids' range is
         the tokenizer's and is checked when the request is prepared."""
         for key, bias in (value or {}).items():
+            if len(key) > 12 and key.isascii() and key.isdigit():  # an id, but more digits than any vocabulary
+                raise ValueError(f"token id {key[:24]} is past any vocabulary (this model's ids are checked "
+                                 "against its tokenizer)")
             if not _TOKEN_ID_KEY.fullmatch(key):  # isdigit() would pass "²", which int() refuses
                 raise ValueError(f"invalid key {key!r}: keys are token ids, written as non-negative integers "
                                  "(digits only, no spaces or sign)")

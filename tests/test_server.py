@@ -186,6 +186,10 @@ def test_logprobs_chat_and_completion_echo(server_url):
     (COMPLETIONS, {"prompt": "hi \ud800"}, "prompt"),
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "temperature": float("nan")}, "temperature"),
     (COMPLETIONS, {"prompt": None}, "prompt"),
+    # 1e400 reads as infinity: a tool schema holding it could not be written back for the grammar
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "number", "maximum": float("inf")}}}]}, "tools.0.function.parameters"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1000000000000": 5}}, "logit_bias"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server_url, path, body, param):
     for stream in (False, True):
