@@ -475,8 +475,8 @@ def test_fused_layer_stack_runs_a_bfloat16_cache_with_the_bits_of_the_layer_loop
 
 
 def test_fused_layer_stack_takes_rows_and_rope_from_python():
-    # Where the stack cannot look the ids up (a K-quant table) or a position is past its RoPE table, the step
-    # hands it the embedded rows and cos/sin: the same bits.
+    # Where the stack cannot look the ids up (an nn.Embedding with a max_norm) or a position is past its RoPE table,
+    # the step hands it the embedded rows and cos/sin: the same bits.
     loaded = _gguf_tiny("llama", {}, "q8_0", "q8_0")
     seen: list[bool] = []
 
