@@ -18,7 +18,7 @@ The layers run one of two ways, chosen once per step (``FastDecoder.forward``):
 
 - the layer stack (``DecodeLayers``, native/csrc/decode_layers.cpp): on a step of decodes only, float32 on a
   CPU, of a model whose every projection has a kernel handle (GGUF blocks), SiLU and no q/k norm, one C++ call
-  runs the whole step: the embedding lookup (where the table is float32 or GGUF units of 32 weights), the cos/sin
+  runs the whole step: the embedding lookup (where the table is float32 or GGUF blocks), the cos/sin
   rows of the RoPE table, every layer, the final norm of the kept rows and the LM head (where it has a handle);
   the same ops as the loop below in the same order (the same bits), without a Python frame, a dispatch or an
   allocation between them (a SmolLM2 step at batch 1 made ~270 calls from Python);
@@ -247,7 +247,7 @@ class FastDecoder:
         decode ops, activations other than float32, a q/k norm, or a projection without a kernel handle (float32,
         int8, int4 or 16-bit weights: their kernels have none; the layer loop runs them). It also gets, once, what
         a step needs besides the layers: the RoPE table, the final norm, and where it can take them the embedding
-        table (float32, or GGUF units of 32 weights) and the LM head's handle (``stack_embeds``, ``stack_head``)."""
+        table (float32, or GGUF blocks) and the LM head's handle (``stack_embeds``, ``stack_head``)."""
         ops = native.load_ops()
         handles = [p.handles() for p in self.projections]
         if (ops is None or not hasattr(ops, "DecodeLayers") or any(h is None for h in handles)
@@ -351,11 +351,12 @@ def _activation_dtype(embed: nn.Module) -> torch.dtype | None:
 
 def _embedding_table(embed: nn.Module) -> tuple[torch.Tensor, str] | None:
     """``embed``'s table as ``DecodeLayers.set_embedding`` takes it (the table, its kind), or None where the
-    stack cannot look rows up in it the way ``embed`` does (K-quant blocks, a max_norm, another device)."""
+    stack cannot look rows up in it the way ``embed`` does (a max_norm, another device). It looks rows up in every
+    GGMLKind: the tied Q6_K table of a Q4_K_M file (128,256 rows of Llama 3's vocabulary) would otherwise be
+    dequantized from Python, a dozen tensor ops each step."""
     if isinstance(embed, GGMLEmbedding):
         blocks = embed.weight_blocks
-        if (embed.dtype is torch.float32 and embed.kind.block_weights == 32 and blocks.is_cpu
-                and blocks.is_contiguous()):
+        if embed.dtype is torch.float32 and blocks.is_cpu and blocks.is_contiguous():
             return blocks, embed.kind.value
         return None
     weight = getattr(embed, "weight", None)

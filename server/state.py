@@ -7,7 +7,6 @@ import itertools
 import json
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,9 +43,10 @@ class StepLog:
     Fields: ``prefills`` (sequences computing prompt tokens), ``decodes`` (sequences computing generated tokens:
     one, plus ``draft_tokens`` in all of them with speculation), ``prefill_tokens``, ``max_context`` (longest
     context among the decodes, tokens; the paged gather pads every decode to it), ``seconds`` (wall time inside the
-    runner), ``end_s`` (``time.perf_counter()`` when the line is written, just after the step: CLOCK_MONOTONIC on
-    Linux, so it lines up with other processes' perf_counter() on the same machine, as ``loadtest ui``'s windows
-    need). All but ``end_s`` come from the step's record (``scheduler.contract.StepRecord``).
+    runner), ``end_s`` (``time.perf_counter()`` at the step's end, ``StepRecord.ended``: CLOCK_MONOTONIC on Linux,
+    so it lines up with other processes' perf_counter() on the same machine, as ``loadtest ui``'s windows need; the
+    line itself is written once the event loop takes the step, which may be after the next one has started). All
+    come from the step's record (``scheduler.contract.StepRecord``).
     """
 
     def __init__(self, path: str) -> None:
@@ -62,7 +62,7 @@ class StepLog:
         self._file.write(json.dumps({
             "prefills": record.prefills, "decodes": record.decodes, "prefill_tokens": record.prefill_tokens,
             "draft_tokens": record.draft_tokens, "max_context": record.max_context,
-            "seconds": round(record.seconds, 6), "end_s": round(time.perf_counter(), 6)}) + "\n")
+            "seconds": round(record.seconds, 6), "end_s": round(record.ended, 6)}) + "\n")
 
 
 def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: str = "",
@@ -207,6 +207,7 @@ class ServerState:
         self.log_capacity()
         # KV cache events for KV-aware routers (server/kv_events.py): sockets bound last, once nothing else can fail
         self.kv_events = EventPublisher(config.kv_events) if publishing else None
+        self._resync_queued = False  # a resync of the KV events waits for the gap between two steps
         if self.kv_events is not None:
             self.metrics.count_kv_events_dropped(lambda: self.kv_events.dropped_events)
             log.info("KV events: publishing on %s (replay %s, topic %r, %s digests, %s-encoded events)",
@@ -246,12 +247,18 @@ class ServerState:
             self.live.stepped(step)
 
     def _publish_kv_events(self, step: StepOutput) -> None:
-        """Hand the step's KV events to the publisher; after a drop, the whole cache instead (it covers this step's
-        events too: this runs between steps, so the block manager holds the state they lead to)."""
-        if self.kv_events.needs_resync:
-            self.kv_events.publish(self.blocks.cached_snapshot(), resync=True)
-        else:
+        """Hand the step's KV events to the publisher; after a drop, the whole cache instead, taken between two steps
+        (``SchedulerService.between_steps``: the next step may be running while this observer runs), where the
+        block manager holds the state the steps so far led to: it covers their events too."""
+        if not self.kv_events.needs_resync:
             self.kv_events.publish(step.kv_events)
+        elif not self._resync_queued:
+            self._resync_queued = True
+            self.service.between_steps(self._resync_kv_events)
+
+    def _resync_kv_events(self) -> None:
+        self._resync_queued = False
+        self.kv_events.publish(self.blocks.cached_snapshot(), resync=True)
 
     def close(self) -> None:
         """Release what the state holds outside the engine: the KV events' thread and sockets."""

@@ -442,14 +442,20 @@ def test_fused_layer_stack_runs_layers_whose_projections_mix_block_kinds():
         assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
 
-def test_a_q4_k_m_file_runs_its_whole_decode_step_in_the_stack(tiny_gguf):
-    # the mixture as llama.cpp's quantizer writes it: layer 1's attn_v is Q6_K, layer 0's Q4_K
+@pytest.mark.parametrize("shape,mix,embedding", [("tiny-llama", "Q4_K_M", GGMLKind.Q6_K),
+                                                  ("tiny-mistral", "Q4_K_M", GGMLKind.Q4_K),
+                                                  ("tiny-mistral", "Q5_K_M", GGMLKind.Q5_K)])
+def test_a_k_quant_file_runs_its_whole_decode_step_in_the_stack(tiny_gguf, shape, mix, embedding):
+    # the mixture as llama.cpp's quantizer writes it: layer 1's attn_v is Q6_K, layer 0's Q4_K (Q5_K); the token
+    # embedding in super-blocks of 256 (the tied Q6_K table, or an untied one of the mixture's base type) is
+    # looked up in the stack, bit for bit as GGMLEmbedding dequantizes it in the loop
     from kvserve.engine.loader import Device, DType, load_model
 
-    loaded = load_model(str(tiny_gguf("tiny-llama", "Q4_K_M")), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    loaded = load_model(str(tiny_gguf(shape, mix)), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    assert loaded.model.model.embed_tokens.kind is embedding
     fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)).fast
     assert fast.projections[0].qkv is not None and fast.projections[1].qkv is None
-    assert fast.layer_stack is not None and fast.stack_head
+    assert fast.layer_stack is not None and fast.stack_head and fast.stack_embeds
     outputs = _stack_and_loop(loaded, 2)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 
@@ -469,8 +475,8 @@ def test_fused_layer_stack_runs_a_bfloat16_cache_with_the_bits_of_the_layer_loop
 
 
 def test_fused_layer_stack_takes_rows_and_rope_from_python():
-    # Where the stack cannot look the ids up (a K-quant table) or a position is past its RoPE table, the step
-    # hands it the embedded rows and cos/sin: the same bits.
+    # Where the stack cannot look the ids up (an nn.Embedding with a max_norm) or a position is past its RoPE table,
+    # the step hands it the embedded rows and cos/sin: the same bits.
     loaded = _gguf_tiny("llama", {}, "q8_0", "q8_0")
     seen: list[bool] = []
 
@@ -509,8 +515,10 @@ def test_fused_layer_stack_refuses_what_it_cannot_run(smollm2_gguf):
         stack.decode(zero, torch.tensor([8192]), zero, zero, table, one, pool.data, zero)
     with pytest.raises(RuntimeError, match="keep row 1 out of range"):
         stack.decode(zero, zero, zero, zero, table, one, pool.data, one)
-    with pytest.raises(RuntimeError, match="embedding kind q6_k"):
-        stack.set_embedding(torch.zeros(4, 576 // 256 * 210, dtype=torch.uint8), "q6_k")
+    with pytest.raises(RuntimeError, match="embedding kind iq4_nl"):
+        stack.set_embedding(torch.zeros(4, 576 // 32 * 18, dtype=torch.uint8), "iq4_nl")
+    with pytest.raises(RuntimeError, match="q6_k embedding rows must be uint8 .* of whole units of 256 weights"):
+        stack.set_embedding(torch.zeros(4, 576 // 256 * 210, dtype=torch.uint8), "q6_k")  # 576: 2.25 units
     qkv, o_proj, gate_up, down = runner.fast.projections[0].handles()  # qkv, gate_up: lists of one handle
     norm = torch.ones(576)
     with pytest.raises(RuntimeError, match=r"qkv computes \[576\] -> \[576\], the layer needs \[576\] -> \[960\]"):

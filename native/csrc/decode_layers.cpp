@@ -18,7 +18,7 @@
 //   logits = lm_head(rms_norm(x[keep], final_norm))          decode() only: [K, vocab] (or the normed rows)
 //
 // forward() runs the layers on rows the caller embedded, with the caller's cos/sin. decode() runs the whole step
-// from token ids: the embedding rows (a float32 table, or GGUF blocks of 32 weights dequantized as
+// from token ids: the embedding rows (a float32 table, or GGUF units of 32 or 256 weights dequantized as
 // quant/ggml.py's dequantize_blocks does: exact products, one rounding where it adds a minimum), the rows of a
 // cos/sin table at the positions (the RoPE table engine/rope.py's RopeTable fills), the layers, the final
 // norm of the kept rows and the LM head's kernel, so a step's only tensors from Python are its int64 indices.
@@ -135,18 +135,21 @@ void swiglu(torch::Tensor& act, const torch::Tensor& gate, const float* up, int6
     for (int64_t i = 0; i < I; ++i) a[t * I + i] *= up[t * up_stride + i];
 }
 
-// The token embedding's formats decode() looks rows up in: a float32 table, or GGUF units of 32 weights.
-enum class Table { kF32, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0 };
+// The token embedding's formats decode() looks rows up in: a float32 table, GGUF units of 32 weights, or the
+// K-quants' super-blocks of 256.
+enum class Table { kF32, kQ4_0, kQ4_1, kQ5_0, kQ5_1, kQ8_0, kQ4_K, kQ5_K, kQ6_K };
 
 struct TableFormat {
   const char* name;  // quant/ggml.py's GGMLKind value ("f32": a float32 nn.Embedding weight)
   Table table;
-  int64_t unit_bytes;  // bytes per 32 weights (0: float32 rows)
+  int64_t unit_bytes;    // bytes per unit (0: float32 rows)
+  int64_t unit_weights;  // weights per unit: 32, or 256 for the K-quants
 };
 
-constexpr TableFormat kTableFormats[] = {{"f32", Table::kF32, 0},     {"q4_0", Table::kQ4_0, 18},
-                                         {"q4_1", Table::kQ4_1, 20},  {"q5_0", Table::kQ5_0, 22},
-                                         {"q5_1", Table::kQ5_1, 24},  {"q8_0", Table::kQ8_0, 34}};
+constexpr TableFormat kTableFormats[] = {
+    {"f32", Table::kF32, 0, 1},         {"q4_0", Table::kQ4_0, 18, 32},   {"q4_1", Table::kQ4_1, 20, 32},
+    {"q5_0", Table::kQ5_0, 22, 32},     {"q5_1", Table::kQ5_1, 24, 32},   {"q8_0", Table::kQ8_0, 34, 32},
+    {"q4_k", Table::kQ4_K, 144, 256},   {"q5_k", Table::kQ5_K, 176, 256}, {"q6_k", Table::kQ6_K, 210, 256}};
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -184,6 +187,57 @@ void dequantize_unit(Table table, const uint8_t* u, float* w) {
   }
 }
 
+// One Q4_K / Q5_K super-block of 256 weights as dequantize_blocks computes it (ggml's block_q4_K / block_q5_K):
+// per sub-block s of 32, a 6-bit scale and minimum (get_scale_min_k4's packing in bytes 4-15), w = (d sc) q -
+// (dmin m); d sc and (d sc) q are exact (at most 22 significant bits), the subtraction rounds once. Sub-block s
+// takes the low nibbles (s even) or the high ones (s odd) of the 32 bytes at 32 (s / 2); Q5_K's fifth bit of
+// weight l of sub-block s is bit s of byte l of the 32 bytes after the scales.
+void dequantize_k45(bool q5, const uint8_t* u, float* w) {
+  const float d = half_at(u), dmin = half_at(u + 2);
+  const uint8_t* sc = u + 4;
+  const uint8_t* qh = u + 16;
+  const uint8_t* qs = u + (q5 ? 48 : 16);
+  for (int s = 0; s < 8; ++s) {
+    const int scale = s < 4 ? sc[s] & 63 : (sc[s + 4] & 15) | ((sc[s - 4] >> 2) & 48);
+    const int minimum = s < 4 ? sc[s + 4] & 63 : (sc[s + 4] >> 4) | ((sc[s] >> 2) & 48);
+    const float ds = d * static_cast<float>(scale), dm = dmin * static_cast<float>(minimum);
+    const uint8_t* bytes = qs + 32 * (s / 2);
+    for (int l = 0; l < 32; ++l) {
+      int code = s % 2 ? bytes[l] >> 4 : bytes[l] & 0x0F;
+      if (q5) code |= ((qh[l] >> s) & 1) << 4;
+      const float dq = static_cast<float>(code) * ds;
+      w[32 * s + l] = dq - dm;
+    }
+  }
+}
+
+// One Q6_K super-block of 256 weights as dequantize_blocks computes it (ggml's block_q6_K): weight 128 h + 32 s +
+// l has its low 4 bits in ql[64 h + 32 (s % 2) + l] (the high nibble for s >= 2) and its high 2 bits at 2 s of
+// qh[32 h + l]; w = (d sc) (q - 32) with an int8 scale per 16 weights, d sc exact, the product rounded once.
+void dequantize_q6_k(const uint8_t* u, float* w) {
+  const uint8_t *ql = u, *qh = u + 128;
+  const auto* scales = reinterpret_cast<const int8_t*>(u + 192);
+  const float d = half_at(u + 208);
+  for (int h = 0; h < 2; ++h)
+    for (int s = 0; s < 4; ++s)
+      for (int l = 0; l < 32; ++l) {
+        const int j = 128 * h + 32 * s + l;
+        const uint8_t low = ql[64 * h + 32 * (s % 2) + l];
+        const int code = ((s < 2 ? low & 0x0F : low >> 4) | (((qh[32 * h + l] >> (2 * s)) & 3) << 4)) - 32;
+        w[j] = static_cast<float>(code) * (d * static_cast<float>(scales[j / 16]));
+      }
+}
+
+// One unit of any table format but float32 (unit_weights weights at w).
+void dequantize_any(Table table, const uint8_t* u, float* w) {
+  if (table == Table::kQ6_K)
+    dequantize_q6_k(u, w);
+  else if (table == Table::kQ4_K || table == Table::kQ5_K)
+    dequantize_k45(table == Table::kQ5_K, u, w);
+  else
+    dequantize_unit(table, u, w);
+}
+
 class DecodeLayers {
  public:
   // H query heads and H_kv KV heads of D, hidden width, MLP width I (the model's geometry, checked per layer).
@@ -214,25 +268,29 @@ class DecodeLayers {
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
 
   // decode()'s token embedding: a float32 table [vocab, hidden] ("f32", contiguous) or GGUF units uint8 [vocab,
-  // hidden / 32 * unit bytes] of kind "q4_0", "q4_1", "q5_0", "q5_1" or "q8_0" (GGMLEmbedding's weight_blocks).
+  // hidden / unit weights * unit bytes] of kind "q4_0", "q4_1", "q5_0", "q5_1", "q8_0" (units of 32 weights),
+  // "q4_k", "q5_k" or "q6_k" (super-blocks of 256) (GGMLEmbedding's weight_blocks).
   void set_embedding(const torch::Tensor& table, const std::string& kind) {
     const TableFormat* format = nullptr;
     for (const TableFormat& f : kTableFormats)
       if (kind == f.name) format = &f;
-    KV_CHECK(format != nullptr, "embedding kind ", kind, " (the stack looks up f32, q4_0, q4_1, q5_0, q5_1, q8_0)");
+    KV_CHECK(format != nullptr, "embedding kind ", kind,
+             " (the stack looks up f32, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k)");
     KV_CHECK(table.is_cpu() && table.is_contiguous() && table.dim() == 2 && table.size(0) > 0,
              "the embedding must be a contiguous CPU table [vocab, row]");
     if (format->table == Table::kF32) {
       check_f32(table, "an f32 embedding");
       KV_CHECK(table.size(1) == hidden_, "an f32 embedding must be [vocab, ", hidden_, "]");
     } else {
-      KV_CHECK(table.scalar_type() == torch::kUInt8 && hidden_ % 32 == 0 &&
-                   table.size(1) == hidden_ / 32 * format->unit_bytes,
-               kind, " embedding rows must be uint8 [vocab, ", hidden_ / 32 * format->unit_bytes, "]");
+      const int64_t units = hidden_ / format->unit_weights;
+      KV_CHECK(table.scalar_type() == torch::kUInt8 && hidden_ % format->unit_weights == 0 &&
+                   table.size(1) == units * format->unit_bytes,
+               kind, " embedding rows must be uint8 [vocab, ", units * format->unit_bytes, "] of whole units of ",
+               format->unit_weights, " weights");
     }
     std::lock_guard<std::mutex> lock(mutex_);
     embedding_ = table;
-    embedding_format_ = format->table;
+    embedding_format_ = *format;
   }
 
   // decode()'s RoPE: cos and sin [P, D] per position 0..P-1 (contiguous float32).
@@ -394,12 +452,13 @@ class DecodeLayers {
       KV_CHECK(id[t] >= 0 && id[t] < vocab, "token id ", id[t], " out of range for a vocabulary of ", vocab);
       const uint8_t* row = table + id[t] * row_bytes;
       float* out = x + t * hidden_;
-      if (embedding_format_ == Table::kF32) {
+      const TableFormat& f = embedding_format_;
+      if (f.table == Table::kF32) {
         std::memcpy(out, row, sizeof(float) * hidden_);
         continue;
       }
-      const int64_t unit = row_bytes / (hidden_ / 32);
-      for (int64_t u = 0; u < hidden_ / 32; ++u) dequantize_unit(embedding_format_, row + u * unit, out + 32 * u);
+      for (int64_t u = 0; u < hidden_ / f.unit_weights; ++u)
+        dequantize_any(f.table, row + u * f.unit_bytes, out + f.unit_weights * u);
     }
   }
 
@@ -508,7 +567,7 @@ class DecodeLayers {
   const int64_t H_, H_kv_, D_, hidden_, I_;
   std::vector<Layer> layers_;
   torch::Tensor embedding_, cos_table_, sin_table_, final_norm_;  // decode()'s per-model inputs
-  Table embedding_format_ = Table::kF32;
+  TableFormat embedding_format_ = kTableFormats[0];
   float final_eps_ = 0.f;
   py::capsule head_owner_;  // keeps head_ alive
   const ProjectionHandle* head_ = nullptr;
@@ -531,7 +590,7 @@ void bind_decode_layers(py::module& m) {
       .def("num_layers", &DecodeLayers::num_layers)
       .def("set_embedding", &DecodeLayers::set_embedding,
            "table (float32 [vocab, hidden], or GGUF units uint8 [vocab, bytes]), kind (f32, q4_0, q4_1, q5_0, q5_1, "
-           "q8_0): decode's token embedding")
+           "q8_0, q4_k, q5_k, q6_k): decode's token embedding")
       .def("set_rope", &DecodeLayers::set_rope, "cos, sin [positions, D]: decode's RoPE tables")
       .def("set_head", &DecodeLayers::set_head, py::arg("norm"), py::arg("eps"), py::arg("head").none(true),
            "final norm [hidden], eps, the LM head's projection handle or None: decode's last part")
