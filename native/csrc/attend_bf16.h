@@ -63,6 +63,11 @@ struct Tile {
 // Whether the vector paths take head size D (16 pairs a vector, whole vectors); else the scalar path runs.
 inline bool vector_takes(int64_t D) { return D % 32 == 0; }
 
+// The value row of a key outside a query's keys: +0 for every d (D <= 512). At namespace scope with internal
+// linkage, so a leaf reaches it without a relocation (a function-local static of an inline function is a
+// shared symbol, read through the GOT).
+alignas(64) constexpr uint16_t kZeroRow[kvserve::kv_quant::kMaxChunks * 8] = {};
+
 // Keys a tile reads as one chunk while all its query vectors run over them (even, so a key pair never straddles).
 constexpr int64_t kChunk = 64;
 
@@ -100,23 +105,22 @@ inline float score(const uint16_t* qb, const uint16_t* k, int64_t D, float scale
   return (((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]))) * scale;
 }
 
-inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile, uint16_t* qb, bool scores_only) {
   const int64_t D = tile.D;
-  std::vector<uint16_t> qb(D);
-  static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
   for (int64_t j = 0; j < n; ++j) {
     const TileQuery& query = qs[j];
     for (int64_t i = 0; i < D; ++i) qb[i] = kv_float_to_bf16(query.q[i]);
     for (int64_t t = query.first; t < query.len; ++t)
-      query.scores[t - query.first] = score(qb.data(), tile.kp + tile.at(t), D, tile.scale);
+      query.scores[t - query.first] = score(qb, tile.kp + tile.at(t), D, tile.scale);
+    if (scores_only) continue;
     kvserve::kv_quant::base::softmax(query.scores, query.len - query.first);
     round_weights(query.scores, query.len - query.first);
     std::fill_n(query.out, D, 0.f);
     for (int64_t p = query.first / 2; p < (query.len + 1) / 2; ++p) {
       const uint32_t w = weight_pair(query, p);
       const float we = kv_bits_f32(w << 16), wo = kv_bits_f32(w & 0xFFFF0000u);
-      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
-      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : kZeroRow;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : kZeroRow;
       for (int64_t d = 0; d < D; ++d) {
         float acc = pair_half(query.out[d], wo, kv_bf16_to_float(vo[d]));
         query.out[d] = pair_half(acc, we, kv_bf16_to_float(ve[d]));
@@ -160,10 +164,9 @@ __attribute__((target("avx2,fma"))) inline float score(const uint16_t* qb, const
   return kvserve::decode::hsum8(_mm256_add_ps(a0, a1)) * scale;
 }
 
-__attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+__attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile,
+                                                         uint16_t* qb, bool scores_only) {
   const int64_t D = tile.D;
-  static thread_local std::vector<uint16_t> qb;
-  qb.resize(n * D);
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < D; ++i) qb[j * D + i] = kv_float_to_bf16(qs[j].q[i]);
   int64_t lo, hi;
@@ -173,14 +176,14 @@ __attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs,
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
       for (int64_t t = std::max(c0, query.first); t < std::min(c0 + kChunk, query.len); ++t)
-        query.scores[t - query.first] = score(qb.data() + j * D, tile.kp + tile.at(t), D, tile.scale);
+        query.scores[t - query.first] = score(qb + j * D, tile.kp + tile.at(t), D, tile.scale);
     }
+  if (scores_only) return;
   for (int64_t j = 0; j < n; ++j) {
     kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     round_weights(qs[j].scores, qs[j].len - qs[j].first);
     std::fill_n(qs[j].out, D, 0.f);
   }
-  alignas(32) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // outputs, a chunk's V rows for every query vector
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
@@ -189,8 +192,8 @@ __attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs,
         __m256 acc = _mm256_loadu_ps(query.out + d);
         for (int64_t p = p0; p < p1; ++p) {
           const uint32_t w = weight_pair(query, p);
-          const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
-          const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+          const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : kZeroRow;
+          const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : kZeroRow;
           acc = step(acc, _mm256_set1_ps(kv_bits_f32(w & 0xFFFF0000u)), widen(vo + d));
           acc = step(acc, _mm256_set1_ps(kv_bits_f32(w << 16)), widen(ve + d));
         }
@@ -306,7 +309,6 @@ KV_BF16_512 void interleave_pairs(const Tile& tile, int64_t pb, int64_t pe, int6
 template <int64_t kD>
 KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t p0, int64_t p1, const __m512i* vi,
                                int64_t pb, float* out) {
-  alignas(64) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
   const int64_t D = kD > 0 ? kD : tile.D;
   constexpr int64_t kRegs = kD > 0 ? kD / 16 : 2;
   if constexpr (kD > 0) {
@@ -319,8 +321,8 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
         for (int64_t r = 0; r < kRegs; ++r) acc[r] = dot(acc[r], w, v[r]);
         continue;
       }
-      const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
-      const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
+      const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : kZeroRow;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : kZeroRow;
       for (int64_t b = 0; b < kD / 32; ++b) {
         const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
         acc[2 * b] = dot(acc[2 * b], w, _mm512_unpacklo_epi16(e, o));
@@ -333,8 +335,8 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
       __m512 lo = _mm512_loadu_ps(out + 32 * b), hi = _mm512_loadu_ps(out + 32 * b + 16);
       for (int64_t p = p0; p < p1; ++p) {
         const __m512i w = _mm512_set1_epi32(static_cast<int>(kv_f32_bits(query.scores[p - query.first / 2])));
-        const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
-        const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
+        const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : kZeroRow;
+        const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : kZeroRow;
         const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
         lo = dot(lo, w, _mm512_unpacklo_epi16(e, o));
         hi = dot(hi, w, _mm512_unpackhi_epi16(e, o));
@@ -347,13 +349,12 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
 
 template <int64_t kD>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void attend_tile_d(const TileQuery* qs, int64_t n,
-                                                                                   const Tile& tile) {
+                                                                                   const Tile& tile, uint16_t* qb,
+                                                                                   bool scores_only) {
   const int64_t D = tile.D;
-  static thread_local std::vector<uint16_t> qb;
-  qb.resize(n * D);
   for (int64_t j = 0; j < n; ++j)  // vcvtneps2bf16: kv_float_to_bf16's rounding
     for (int64_t i = 0; i < D; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + j * D + i),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + j * D + i),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qs[j].q + i)));
   int64_t lo, hi;
   kvserve::decode::tile_span(qs, n, &lo, &hi);
@@ -373,16 +374,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void at
       const int64_t ea = std::min(c1, a.len), eb = std::min(c1, b.len);
       const int64_t s0 = std::max(ta, tb), s1 = std::max(s0, std::min(ea, eb));
       float *sa = a.scores - a.first, *sb = b.scores - b.first;
-      scores_range(qb.data() + j * D, chunk, ta, std::min(ea, s0), sa);
-      scores_range(qb.data() + (j + 1) * D, chunk, tb, std::min(eb, s0), sb);
-      scores_range2(qb.data() + j * D, qb.data() + (j + 1) * D, chunk, s0, s1, sa, sb);
-      scores_range(qb.data() + j * D, chunk, std::max(ta, s1), ea, sa);
-      scores_range(qb.data() + (j + 1) * D, chunk, std::max(tb, s1), eb, sb);
+      scores_range(qb + j * D, chunk, ta, std::min(ea, s0), sa);
+      scores_range(qb + (j + 1) * D, chunk, tb, std::min(eb, s0), sb);
+      scores_range2(qb + j * D, qb + (j + 1) * D, chunk, s0, s1, sa, sb);
+      scores_range(qb + j * D, chunk, std::max(ta, s1), ea, sa);
+      scores_range(qb + (j + 1) * D, chunk, std::max(tb, s1), eb, sb);
     }
     for (; j < n; ++j)
-      scores_range(qb.data() + j * D, chunk, std::max(c0, qs[j].first), std::min(c1, qs[j].len),
+      scores_range(qb + j * D, chunk, std::max(c0, qs[j].first), std::min(c1, qs[j].len),
                    qs[j].scores - qs[j].first);
   }
+  if (scores_only) return;
   for (int64_t j = 0; j < n; ++j) {
     kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     pack_pairs(qs[j]);
@@ -406,17 +408,17 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void at
     }
   }
   float lanes[512];
-  for (int64_t j = 0; j < n; ++j) {  // lane order -> d order
-    std::copy_n(qs[j].out, D, lanes);
+  for (int64_t j = 0; j < n; ++j) {  // lane order -> d order (loops, not std::copy_n: no memmove in a leaf)
+    for (int64_t d = 0; d < D; ++d) lanes[d] = qs[j].out[d];
     for (int64_t b = 0; b < D; b += 32)
       for (int64_t m = 0; m < 32; ++m) qs[j].out[b + lane_d(m)] = lanes[b + m];
   }
 }
 
-inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
-  if (tile.D == 64) return attend_tile_d<64>(qs, n, tile);
-  if (tile.D == 128) return attend_tile_d<128>(qs, n, tile);
-  attend_tile_d<0>(qs, n, tile);
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile, uint16_t* qb, bool scores_only) {
+  if (tile.D == 64) return attend_tile_d<64>(qs, n, tile, qb, scores_only);
+  if (tile.D == 128) return attend_tile_d<128>(qs, n, tile, qb, scores_only);
+  attend_tile_d<0>(qs, n, tile, qb, scores_only);
 }
 
 #undef KV_BF16_512
@@ -433,12 +435,25 @@ inline kvserve::cpu::Isa path(int64_t D) {
   return kvserve::cpu::avx2() ? Isa::kAvx2 : Isa::kScalar;
 }
 
-inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile) {
+// One tile on path isa (path()'s choice, or a lesser one), with the caller's scratch qb: n * D bfloat16 values,
+// overwritten (the query vectors rounded). No allocation, no thread-local state: the emulator's leaves
+// (attend_bf16_leaves.cpp) run this. scores_only: stop after the scores (each query's scores, times scale, in
+// key order; out untouched), so a test can compare every score's bits, which the weights' rounding to bfloat16
+// would mostly hide in the outputs.
+inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile, uint16_t* qb,
+                        bool scores_only = false) {
 #ifdef KV_X86
-  if (isa == kvserve::cpu::Isa::kAvx512) return avx512::attend_tile(qs, n, tile);
-  if (isa == kvserve::cpu::Isa::kAvx2) return avx2::attend_tile(qs, n, tile);
+  if (isa == kvserve::cpu::Isa::kAvx512) return avx512::attend_tile(qs, n, tile, qb, scores_only);
+  if (isa == kvserve::cpu::Isa::kAvx2) return avx2::attend_tile(qs, n, tile, qb, scores_only);
 #endif
-  base::attend_tile(qs, n, tile);
+  base::attend_tile(qs, n, tile, qb, scores_only);
+}
+
+// The same with a scratch of this thread's own, kept across calls.
+inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile) {
+  static thread_local std::vector<uint16_t> qb;
+  qb.resize(n * tile.D);
+  attend_tile(isa, qs, n, tile, qb.data());
 }
 
 }  // namespace kvserve::bf16_attend
