@@ -4,11 +4,12 @@ core: AVX512-BF16 on any x86-64 machine) and, where this CPU has the instruction
 against the extension's paged_decode_attention over the same prompt rows, so the leaf is the shipped tile (the
 extension's own paths give the scalar path's bits: tests/test_bf16_cache.py forces each).
 
-The tiles reach every branch of the AVX-512 path: a prompt's consecutive rows times a GQA group of 3 and 4 (the
-query vectors two at a time, and an odd one left over), contexts of several scattered blocks over more than one
+The tiles reach every branch of the AVX-512 path: a prompt's consecutive rows times a GQA group of 2, 3 and 4 (the
+query vectors three at a time, and two or one left over), contexts of several scattered blocks over more than one
 64-key chunk (the last one partial), key counts ending on odd positions and below 8 (the 8-key blocks' tail),
 a sliding window whose first key is odd on every other row, head sizes 64 and 128 (known at compile time: the
-V pairs interleaved once per chunk) and 96 (looped), a lone decode vector. Values stay in float32's normal range,
+V pairs interleaved once per chunk, and in tiles of 12 vectors or more the K rows transposed by pairs, 16 keys a
+register) and 96 (looped), a lone decode vector. Values stay in float32's normal range,
 where vdpbf16ps and the scalar reference agree (attend_bf16.h says where they part).
 """
 
@@ -28,6 +29,8 @@ TILES = [
     (3, 33, 4, 2, 96, 0, 8),
     (5, 100, 3, 3, 64, 45, 16),
     (1, 8, 1, 1, 64, 0, 16),
+    (6, 100, 6, 2, 64, 37, 16),
+    (7, 20, 4, 2, 128, 0, 16),
 ]
 
 
