@@ -26,8 +26,11 @@
 // differ from the scalar and AVX2 paths'.
 //
 // Three paths: base (scalar, any even D), avx2 (AVX2 + FMA, D a multiple of 32: the pair steps in 8 float lanes
-// with explicit flushes), avx512 (AVX-512 F + BF16, D a multiple of 32: vdpbf16ps; keys' V rows interleaved two
-// by two with vpunpck{l,h}wd, so an output register's lanes are a fixed permutation of d, undone once per query).
+// with explicit flushes), avx512 (AVX-512 F + BF16, D a multiple of 32: vdpbf16ps; the scores three query vectors
+// at a time over 8 keys, or in a prefill tile with D known over 16 keys transposed by pairs, a key a lane, which
+// needs no shuffles to reduce a score's lanes; keys' V rows interleaved two by two with vpunpck{l,h}wd once per
+// chunk, then three query vectors at a time over them, so an output register's lanes are a fixed permutation of
+// d, undone once per query).
 #pragma once
 
 #include "attend_tile.h"
@@ -62,6 +65,11 @@ struct Tile {
 
 // Whether the vector paths take head size D (16 pairs a vector, whole vectors); else the scalar path runs.
 inline bool vector_takes(int64_t D) { return D % 32 == 0; }
+
+// The value row of a key outside a query's keys: +0 for every d (D <= 512). At namespace scope with internal
+// linkage, so a leaf reaches it without a relocation (a function-local static of an inline function is a
+// shared symbol, read through the GOT).
+alignas(64) constexpr uint16_t kZeroRow[kvserve::kv_quant::kMaxChunks * 8] = {};
 
 // Keys a tile reads as one chunk while all its query vectors run over them (even, so a key pair never straddles).
 constexpr int64_t kChunk = 64;
@@ -100,23 +108,22 @@ inline float score(const uint16_t* qb, const uint16_t* k, int64_t D, float scale
   return (((x[0] + x[4]) + (x[2] + x[6])) + ((x[1] + x[5]) + (x[3] + x[7]))) * scale;
 }
 
-inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile, uint16_t* qb, bool scores_only) {
   const int64_t D = tile.D;
-  std::vector<uint16_t> qb(D);
-  static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
   for (int64_t j = 0; j < n; ++j) {
     const TileQuery& query = qs[j];
     for (int64_t i = 0; i < D; ++i) qb[i] = kv_float_to_bf16(query.q[i]);
     for (int64_t t = query.first; t < query.len; ++t)
-      query.scores[t - query.first] = score(qb.data(), tile.kp + tile.at(t), D, tile.scale);
+      query.scores[t - query.first] = score(qb, tile.kp + tile.at(t), D, tile.scale);
+    if (scores_only) continue;
     kvserve::kv_quant::base::softmax(query.scores, query.len - query.first);
     round_weights(query.scores, query.len - query.first);
     std::fill_n(query.out, D, 0.f);
     for (int64_t p = query.first / 2; p < (query.len + 1) / 2; ++p) {
       const uint32_t w = weight_pair(query, p);
       const float we = kv_bits_f32(w << 16), wo = kv_bits_f32(w & 0xFFFF0000u);
-      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
-      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+      const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : kZeroRow;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : kZeroRow;
       for (int64_t d = 0; d < D; ++d) {
         float acc = pair_half(query.out[d], wo, kv_bf16_to_float(vo[d]));
         query.out[d] = pair_half(acc, we, kv_bf16_to_float(ve[d]));
@@ -160,10 +167,9 @@ __attribute__((target("avx2,fma"))) inline float score(const uint16_t* qb, const
   return kvserve::decode::hsum8(_mm256_add_ps(a0, a1)) * scale;
 }
 
-__attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
+__attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile,
+                                                         uint16_t* qb, bool scores_only) {
   const int64_t D = tile.D;
-  static thread_local std::vector<uint16_t> qb;
-  qb.resize(n * D);
   for (int64_t j = 0; j < n; ++j)
     for (int64_t i = 0; i < D; ++i) qb[j * D + i] = kv_float_to_bf16(qs[j].q[i]);
   int64_t lo, hi;
@@ -173,14 +179,14 @@ __attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs,
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
       for (int64_t t = std::max(c0, query.first); t < std::min(c0 + kChunk, query.len); ++t)
-        query.scores[t - query.first] = score(qb.data() + j * D, tile.kp + tile.at(t), D, tile.scale);
+        query.scores[t - query.first] = score(qb + j * D, tile.kp + tile.at(t), D, tile.scale);
     }
+  if (scores_only) return;
   for (int64_t j = 0; j < n; ++j) {
     kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     round_weights(qs[j].scores, qs[j].len - qs[j].first);
     std::fill_n(qs[j].out, D, 0.f);
   }
-  alignas(32) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // outputs, a chunk's V rows for every query vector
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
@@ -189,8 +195,8 @@ __attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs,
         __m256 acc = _mm256_loadu_ps(query.out + d);
         for (int64_t p = p0; p < p1; ++p) {
           const uint32_t w = weight_pair(query, p);
-          const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : zeros;
-          const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : zeros;
+          const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : kZeroRow;
+          const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : kZeroRow;
           acc = step(acc, _mm256_set1_ps(kv_bits_f32(w & 0xFFFF0000u)), widen(vo + d));
           acc = step(acc, _mm256_set1_ps(kv_bits_f32(w << 16)), widen(ve + d));
         }
@@ -210,58 +216,173 @@ namespace avx512 {
 KV_BF16_512 __m512 dot(__m512 acc, __m512i x, __m512i y) { return _mm512_dpbf16_ps(acc, (__m512bh)x, (__m512bh)y); }
 KV_BF16_512 __m512i load32(const uint16_t* p) { return _mm512_loadu_si512(p); }
 
-// One query's scores against keys t0 .. t1-1 (rows through the table): 8 keys reduced together (scores_of).
-KV_BF16_512 void scores_range(const uint16_t* qb, const Tile& tile, int64_t t0, int64_t t1, float* s) {
+// kQ query vectors' scores against keys t0 .. t1-1 (each of them attends to all), 8 keys a pass over d so each K
+// row loaded feeds kQ dot products (kQ x 8 accumulators: 24 of the 32 registers at kQ = 3), reduced together
+// (scores_of); the keys left, fewer than 8, one at a time (score_of). Every score's operations are the same
+// whichever block computes it. q[j]: query j's bfloat16 vector; s[j]: its scores, indexed by key.
+template <int kQ>
+KV_BF16_512 void scores_block(const uint16_t* const* q, const Tile& tile, int64_t t0, int64_t t1, float* const* s) {
   const int64_t D = tile.D;
   int64_t t = t0;
   for (; t + 8 <= t1; t += 8) {
-    __m512 acc[8];
+    __m512 acc[kQ][8];
     const uint16_t* k[8];
     for (int r = 0; r < 8; ++r) {
-      acc[r] = _mm512_setzero_ps();
+      for (int j = 0; j < kQ; ++j) acc[j][r] = _mm512_setzero_ps();
       k[r] = tile.k_row(t + r);
     }
     for (int64_t i = 0; i < D; i += 32) {
-      __m512i q = load32(qb + i);
-      kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&q));
-      for (int r = 0; r < 8; ++r) acc[r] = dot(acc[r], q, load32(k[r] + i));
+      __m512i x[kQ];
+      for (int j = 0; j < kQ; ++j) x[j] = load32(q[j] + i);
+      if constexpr (kQ == 1) kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&x[0]));
+      for (int r = 0; r < 8; ++r) {
+        __m512i kv = load32(k[r] + i);
+        if constexpr (kQ > 1) kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&kv));
+        for (int j = 0; j < kQ; ++j) acc[j][r] = dot(acc[j][r], x[j], kv);
+      }
     }
-    _mm256_storeu_ps(s + t, kvserve::decode::scores_of(acc, tile.scale));
+    for (int j = 0; j < kQ; ++j) _mm256_storeu_ps(s[j] + t, kvserve::decode::scores_of(acc[j], tile.scale));
   }
   for (; t < t1; ++t) {
     const uint16_t* k = tile.k_row(t);
-    __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < D; i += 32) acc = dot(acc, load32(qb + i), load32(k + i));
-    s[t] = kvserve::decode::score_of(acc, tile.scale);
+    for (int j = 0; j < kQ; ++j) {
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t i = 0; i < D; i += 32) acc = dot(acc, load32(q[j] + i), load32(k + i));
+      s[j][t] = kvserve::decode::score_of(acc, tile.scale);
+    }
   }
 }
 
-// Two queries' scores against keys t0 .. t1-1 (both attend to them), 8 keys a pass so each K row loaded feeds
-// both; each score's operations are scores_range's.
-KV_BF16_512 void scores_range2(const uint16_t* qa, const uint16_t* qb, const Tile& tile, int64_t t0, int64_t t1,
-                               float* sa, float* sb) {
-  const int64_t D = tile.D;
-  int64_t t = t0;
-  for (; t + 8 <= t1; t += 8) {
-    __m512 acc_a[8], acc_b[8];
-    const uint16_t* k[8];
-    for (int r = 0; r < 8; ++r) {
-      acc_a[r] = acc_b[r] = _mm512_setzero_ps();
-      k[r] = tile.k_row(t + r);
-    }
-    for (int64_t i = 0; i < D; i += 32) {
-      const __m512i x = load32(qa + i), y = load32(qb + i);
-      for (int r = 0; r < 8; ++r) {
-        const __m512i kv = load32(k[r] + i);
-        acc_a[r] = dot(acc_a[r], x, kv);
-        acc_b[r] = dot(acc_b[r], y, kv);
+// The scores of query vectors qs[0 .. kQ) (bfloat16 vectors qb[j * D ..]) over the chunk's keys c0 .. c1-1:
+// kQ at a time (scores_block) over the keys all of them attend, each alone over its others, in key order.
+template <int kQ>
+KV_BF16_512 void scores_group(const TileQuery* qs, const uint16_t* qb, const Tile& chunk, int64_t c0, int64_t c1) {
+  const uint16_t* q[kQ];
+  float* s[kQ];
+  int64_t t0[kQ], t1[kQ], s0 = c0, s1 = c1;
+  for (int j = 0; j < kQ; ++j) {
+    q[j] = qb + j * chunk.D;
+    s[j] = qs[j].scores - qs[j].first;
+    t0[j] = std::max(c0, qs[j].first);
+    t1[j] = std::min(c1, qs[j].len);
+    s0 = std::max(s0, t0[j]);
+    s1 = std::min(s1, t1[j]);
+  }
+  s1 = std::max(s0, s1);
+  for (int j = 0; j < kQ; ++j) scores_block<1>(q + j, chunk, t0[j], std::min(t1[j], s0), s + j);
+  scores_block<kQ>(q, chunk, s0, s1, s);
+  for (int j = 0; j < kQ; ++j) scores_block<1>(q + j, chunk, std::max(t0[j], s1), t1[j], s + j);
+}
+
+// The K rows of keys c0 .. c0 + 16 m - 1 (m groups of 16; rows through chunk.krows) transposed by bfloat16 pairs:
+// kt[p * kChunk + i] = pair p (32 bits) of key c0 + i, so one zmm load at kt + p * kChunk + 16 b is pair p of the
+// 16 keys of group b. 16 x 16 blocks of 32-bit elements: unpack 32, unpack 64, then two 128-bit lane shuffles.
+template <int64_t kD>
+KV_BF16_512 void transpose_pairs(const Tile& chunk, int64_t c0, int64_t m, uint32_t* kt) {
+  for (int64_t i0 = 0; i0 < 16 * m; i0 += 16)
+    for (int64_t p0 = 0; p0 < kD / 2; p0 += 16) {
+      __m512i r[16], t[16], u[16];
+      for (int i = 0; i < 16; ++i) r[i] = load32(chunk.k_row(c0 + i0 + i) + 2 * p0);
+      for (int i = 0; i < 16; i += 2) {  // 128-bit lane k: [a4k, b4k, a4k+1, b4k+1], [a4k+2, b4k+2, ...]
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+      }
+      for (int g = 0; g < 4; ++g) {  // u[4g + e], lane k: element 4k + e of rows 4g .. 4g + 3
+        u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+        u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+        u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+      }
+      for (int e = 0; e < 4; ++e) {  // column 4k + e: lane k of u[e], u[4 + e], u[8 + e], u[12 + e]
+        const __m512i v0 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0x88), v1 = _mm512_shuffle_i32x4(u[e], u[4 + e], 0xDD);
+        const __m512i w0 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0x88);
+        const __m512i w1 = _mm512_shuffle_i32x4(u[8 + e], u[12 + e], 0xDD);
+        uint32_t* col = kt + (p0 + e) * kChunk + i0;
+        _mm512_store_si512(col, _mm512_shuffle_i32x4(v0, w0, 0x88));                 // k = 0
+        _mm512_store_si512(col + 4 * kChunk, _mm512_shuffle_i32x4(v1, w1, 0x88));    // k = 1
+        _mm512_store_si512(col + 8 * kChunk, _mm512_shuffle_i32x4(v0, w0, 0xDD));    // k = 2
+        _mm512_store_si512(col + 12 * kChunk, _mm512_shuffle_i32x4(v1, w1, 0xDD));   // k = 3
       }
     }
-    _mm256_storeu_ps(sa + t, kvserve::decode::scores_of(acc_a, tile.scale));
-    _mm256_storeu_ps(sb + t, kvserve::decode::scores_of(acc_b, tile.scale));
+}
+
+// The scores of kQ query vectors against the 16 keys of one transposed group (kt: its column 0), lanes over the
+// keys. Lane partial l of a key (the vdpbf16ps chain over pairs p = l, l + 16, ... from zero) is one register's
+// lane here, built with the same pair steps in the same order; then, as scores_of, x_l = partial l + partial
+// l + 8, hsum8's ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), times scale: every addition of a row's
+// score, done for 16 keys at once with no shuffles.
+// x[j] = lane partial l + partial l + 8 of query j (32-bit pairs qp[j]) over a transposed group (scores_transposed).
+template <int64_t kD, int kQ>
+KV_BF16_512 void partial_pair(const uint32_t* const* qp, const uint32_t* kt, int l, __m512* x) {
+  for (int half = 0; half < 2; ++half) {
+    __m512 acc[kQ];
+    for (int j = 0; j < kQ; ++j) acc[j] = _mm512_setzero_ps();
+    for (int64_t p = l + 8 * half; p < kD / 2; p += 16) {
+      __m512i k = _mm512_load_si512(kt + p * kChunk);
+      kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&k));
+      for (int j = 0; j < kQ; ++j) acc[j] = dot(acc[j], _mm512_set1_epi32(static_cast<int>(qp[j][p])), k);
+    }
+    for (int j = 0; j < kQ; ++j) x[j] = half == 0 ? acc[j] : _mm512_add_ps(x[j], acc[j]);
   }
-  scores_range(qa, tile, t, t1, sa);
-  scores_range(qb, tile, t, t1, sb);
+}
+
+// The scores of kQ query vectors against the 16 keys of one transposed group (kt: its column 0), lanes over the
+// keys. Lane partial l of a key (the vdpbf16ps chain over pairs p = l, l + 16, ... from zero) is one register's
+// lane here, built with the same pair steps in the same order; then, as scores_of, x_l = partial l + partial
+// l + 8, hsum8's ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), times scale: every addition of a row's
+// score, done for 16 keys at once with no shuffles.
+template <int64_t kD, int kQ>
+KV_BF16_512 void scores_transposed(const uint16_t* const* q, const uint32_t* kt, float scale, float* const* out) {
+  const uint32_t* qp[kQ];
+  for (int j = 0; j < kQ; ++j) qp[j] = reinterpret_cast<const uint32_t*>(q[j]);
+  __m512 x0[kQ], x4[kQ], x2[kQ], x6[kQ], z0[kQ];
+  partial_pair<kD, kQ>(qp, kt, 0, x0);
+  partial_pair<kD, kQ>(qp, kt, 4, x4);
+  partial_pair<kD, kQ>(qp, kt, 2, x2);
+  partial_pair<kD, kQ>(qp, kt, 6, x6);
+  for (int j = 0; j < kQ; ++j) z0[j] = _mm512_add_ps(_mm512_add_ps(x0[j], x4[j]), _mm512_add_ps(x2[j], x6[j]));
+  __m512 x1[kQ], x5[kQ], x3[kQ], x7[kQ];
+  partial_pair<kD, kQ>(qp, kt, 1, x1);
+  partial_pair<kD, kQ>(qp, kt, 5, x5);
+  partial_pair<kD, kQ>(qp, kt, 3, x3);
+  partial_pair<kD, kQ>(qp, kt, 7, x7);
+  for (int j = 0; j < kQ; ++j) {
+    const __m512 z1 = _mm512_add_ps(_mm512_add_ps(x1[j], x5[j]), _mm512_add_ps(x3[j], x7[j]));
+    _mm512_storeu_ps(out[j], _mm512_mul_ps(_mm512_add_ps(z0[j], z1), _mm512_set1_ps(scale)));
+  }
+}
+
+// scores_group over a chunk whose first `groups` groups of 16 keys are transposed in kt: kQ at a time over the
+// whole groups all of them attend (scores_transposed), each alone (scores_block) over its other keys.
+template <int64_t kD, int kQ>
+KV_BF16_512 void scores_group_transposed(const TileQuery* qs, const uint16_t* qb, const Tile& chunk, int64_t c0,
+                                         int64_t c1, const uint32_t* kt, int64_t groups) {
+  const uint16_t* q[kQ];
+  float* s[kQ];
+  int64_t t0[kQ], t1[kQ], s0 = c0, s1 = c1;
+  for (int j = 0; j < kQ; ++j) {
+    q[j] = qb + j * kD;
+    s[j] = qs[j].scores - qs[j].first;
+    t0[j] = std::max(c0, qs[j].first);
+    t1[j] = std::min(c1, qs[j].len);
+    s0 = std::max(s0, t0[j]);
+    s1 = std::min(s1, t1[j]);
+  }
+  const int64_t b0 = c0 + std::min(groups, (s0 - c0 + 15) / 16) * 16;
+  const int64_t b1 = std::max(b0, c0 + std::min(groups, std::max<int64_t>(0, s1 - c0) / 16) * 16);
+  for (int64_t t = b0; t < b1; t += 16) {
+    float* out[kQ];
+    for (int j = 0; j < kQ; ++j) out[j] = s[j] + t;
+    scores_transposed<kD, kQ>(q, kt + (t - c0), chunk.scale, out);
+  }
+  for (int j = 0; j < kQ; ++j) {
+    if (b1 > b0) {
+      scores_block<1>(q + j, chunk, t0[j], b0, s + j);
+      scores_block<1>(q + j, chunk, std::max(t0[j], b1), t1[j], s + j);
+    } else {
+      scores_block<1>(q + j, chunk, t0[j], t1[j], s + j);
+    }
+  }
 }
 
 // Output lane m of the unpacklo (unpackhi) register of a 32-value block holds d = 8 (m / 4) + m % 4 (+ 4).
@@ -306,7 +427,6 @@ KV_BF16_512 void interleave_pairs(const Tile& tile, int64_t pb, int64_t pe, int6
 template <int64_t kD>
 KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t p0, int64_t p1, const __m512i* vi,
                                int64_t pb, float* out) {
-  alignas(64) static const uint16_t zeros[kvserve::kv_quant::kMaxChunks * 8] = {};
   const int64_t D = kD > 0 ? kD : tile.D;
   constexpr int64_t kRegs = kD > 0 ? kD / 16 : 2;
   if constexpr (kD > 0) {
@@ -319,8 +439,8 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
         for (int64_t r = 0; r < kRegs; ++r) acc[r] = dot(acc[r], w, v[r]);
         continue;
       }
-      const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
-      const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
+      const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : kZeroRow;
+      const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : kZeroRow;
       for (int64_t b = 0; b < kD / 32; ++b) {
         const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
         acc[2 * b] = dot(acc[2 * b], w, _mm512_unpacklo_epi16(e, o));
@@ -333,8 +453,8 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
       __m512 lo = _mm512_loadu_ps(out + 32 * b), hi = _mm512_loadu_ps(out + 32 * b + 16);
       for (int64_t p = p0; p < p1; ++p) {
         const __m512i w = _mm512_set1_epi32(static_cast<int>(kv_f32_bits(query.scores[p - query.first / 2])));
-        const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : zeros;
-        const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : zeros;
+        const uint16_t* ve = 2 * p >= query.first ? tile.v_row(2 * p) : kZeroRow;
+        const uint16_t* vo = 2 * p + 1 < query.len ? tile.v_row(2 * p + 1) : kZeroRow;
         const __m512i e = load32(ve + 32 * b), o = load32(vo + 32 * b);
         lo = dot(lo, w, _mm512_unpacklo_epi16(e, o));
         hi = dot(hi, w, _mm512_unpackhi_epi16(e, o));
@@ -345,44 +465,90 @@ KV_BF16_512 void outputs_range(const TileQuery& query, const Tile& tile, int64_t
   }
 }
 
+// Key pairs p0 .. p1-1 of kQ query vectors qs[0 .. kQ) that each attend to both keys of every one of these pairs,
+// from vi (interleave_pairs from pair pb), into their output rows (in lane order): per pair each interleaved V
+// register is loaded once for kQ dot products (kQ x kD / 16 accumulators: 24 at kQ = 3, kD = 128), each output
+// lane taking its pairs in order as outputs_range's.
+template <int64_t kD, int kQ>
+KV_BF16_512 void outputs_shared(const TileQuery* qs, int64_t p0, int64_t p1, const __m512i* vi, int64_t pb) {
+  constexpr int64_t kRegs = kD / 16;
+  __m512 acc[kQ][kRegs];
+  const float* w[kQ];
+  for (int j = 0; j < kQ; ++j) {
+    w[j] = qs[j].scores - qs[j].first / 2;
+    for (int64_t r = 0; r < kRegs; ++r) acc[j][r] = _mm512_loadu_ps(qs[j].out + 16 * r);
+  }
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512i wp[kQ];
+    for (int j = 0; j < kQ; ++j) wp[j] = _mm512_set1_epi32(static_cast<int>(kv_f32_bits(w[j][p])));
+    const __m512i* v = vi + (p - pb) * kRegs;
+    for (int64_t r = 0; r < kRegs; ++r) {
+      __m512i x = _mm512_load_si512(v + r);
+      kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&x));
+      for (int j = 0; j < kQ; ++j) acc[j][r] = dot(acc[j][r], wp[j], x);
+    }
+  }
+  for (int j = 0; j < kQ; ++j)
+    for (int64_t r = 0; r < kRegs; ++r) _mm512_storeu_ps(qs[j].out + 16 * r, acc[j][r]);
+}
+
+// The chunk's key pairs (from c0) of query vectors qs[0 .. kQ) into their output rows: kQ at a time
+// (outputs_shared) over the pairs whose two keys all of them attend, each alone (outputs_range) over its others,
+// in pair order.
+template <int64_t kD, int kQ>
+KV_BF16_512 void outputs_group(const TileQuery* qs, const Tile& chunk, int64_t c0, const __m512i* vi, int64_t pb) {
+  int64_t p0[kQ], p1[kQ], f0 = c0 / 2, f1 = (c0 + kChunk) / 2;
+  for (int j = 0; j < kQ; ++j) {
+    p0[j] = std::max(c0, qs[j].first & ~int64_t{1}) / 2;
+    p1[j] = std::min(c0 + kChunk, qs[j].len + 1) / 2;
+    f0 = std::max(f0, std::max(p0[j], (qs[j].first + 1) / 2));  // pairs 2p >= first
+    f1 = std::min(f1, std::min(p1[j], qs[j].len / 2));           // pairs 2p + 1 < len
+  }
+  f1 = std::max(f0, f1);
+  for (int j = 0; j < kQ; ++j)
+    if (p0[j] < std::min(p1[j], f0)) outputs_range<kD>(qs[j], chunk, p0[j], std::min(p1[j], f0), vi, pb, qs[j].out);
+  if (f0 < f1) outputs_shared<kD, kQ>(qs, f0, f1, vi, pb);
+  for (int j = 0; j < kQ; ++j)
+    if (std::max(p0[j], f1) < p1[j]) outputs_range<kD>(qs[j], chunk, std::max(p0[j], f1), p1[j], vi, pb, qs[j].out);
+}
+
 template <int64_t kD>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void attend_tile_d(const TileQuery* qs, int64_t n,
-                                                                                   const Tile& tile) {
+                                                                                   const Tile& tile, uint16_t* qb,
+                                                                                   bool scores_only) {
   const int64_t D = tile.D;
-  static thread_local std::vector<uint16_t> qb;
-  qb.resize(n * D);
   for (int64_t j = 0; j < n; ++j)  // vcvtneps2bf16: kv_float_to_bf16's rounding
     for (int64_t i = 0; i < D; i += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb.data() + j * D + i),
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb + j * D + i),
                           (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(qs[j].q + i)));
   int64_t lo, hi;
   kvserve::decode::tile_span(qs, n, &lo, &hi);
   lo &= ~int64_t{1};
   const uint16_t* krows[kChunk];
   const uint16_t* vrows[kChunk];
+  // a prefill tile (D known) reads each chunk's whole groups of 16 keys transposed, once for all its query vectors
+  // (a decode row's few vectors would not repay the transposition)
+  const bool transposed = kD > 0 && n >= 12;
+  alignas(64) uint32_t kt[kD > 0 ? kChunk * kD / 2 : 1];
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores, a chunk's K rows for every query vector
     const int64_t c1 = std::min(c0 + kChunk, hi);
     Tile chunk = tile;
     for (int64_t t = c0; t < c1; ++t) krows[t - c0] = tile.kp + tile.at(t);
     chunk.krows = krows;
     chunk.c0 = c0;
-    int64_t j = 0;
-    for (; j + 2 <= n; j += 2) {  // two at a time over the keys both read, each alone over the others
-      const TileQuery &a = qs[j], &b = qs[j + 1];
-      const int64_t ta = std::max(c0, a.first), tb = std::max(c0, b.first);
-      const int64_t ea = std::min(c1, a.len), eb = std::min(c1, b.len);
-      const int64_t s0 = std::max(ta, tb), s1 = std::max(s0, std::min(ea, eb));
-      float *sa = a.scores - a.first, *sb = b.scores - b.first;
-      scores_range(qb.data() + j * D, chunk, ta, std::min(ea, s0), sa);
-      scores_range(qb.data() + (j + 1) * D, chunk, tb, std::min(eb, s0), sb);
-      scores_range2(qb.data() + j * D, qb.data() + (j + 1) * D, chunk, s0, s1, sa, sb);
-      scores_range(qb.data() + j * D, chunk, std::max(ta, s1), ea, sa);
-      scores_range(qb.data() + (j + 1) * D, chunk, std::max(tb, s1), eb, sb);
+    const int64_t groups = transposed ? (c1 - c0) / 16 : 0;
+    int64_t j = 0;  // three query vectors at a time, then the two or one left
+    if constexpr (kD > 0) {
+      if (groups > 0) {
+        transpose_pairs<kD>(chunk, c0, groups, kt);
+        for (; j + 3 <= n; j += 3) scores_group_transposed<kD, 3>(qs + j, qb + j * D, chunk, c0, c1, kt, groups);
+      }
     }
-    for (; j < n; ++j)
-      scores_range(qb.data() + j * D, chunk, std::max(c0, qs[j].first), std::min(c1, qs[j].len),
-                   qs[j].scores - qs[j].first);
+    for (; j + 3 <= n; j += 3) scores_group<3>(qs + j, qb + j * D, chunk, c0, c1);
+    if (n - j == 2) scores_group<2>(qs + j, qb + j * D, chunk, c0, c1);
+    if (n - j == 1) scores_group<1>(qs + j, qb + j * D, chunk, c0, c1);
   }
+  if (scores_only) return;
   for (int64_t j = 0; j < n; ++j) {
     kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     pack_pairs(qs[j]);
@@ -399,24 +565,34 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void at
     chunk.vrows = vrows;
     chunk.c0 = c0;
     if (shared) interleave_pairs<kD>(chunk, pb, pe, hi, vi);
-    for (int64_t j = 0; j < n; ++j) {
+    int64_t j = 0;
+    if constexpr (kD > 0) {  // D known: three query vectors at a time over the pairs they all attend
+      if (shared) {
+        for (; j + 3 <= n; j += 3) outputs_group<kD, 3>(qs + j, chunk, c0, vi, pb);
+        if (n - j == 2) {
+          outputs_group<kD, 2>(qs + j, chunk, c0, vi, pb);
+          j += 2;
+        }
+      }
+    }
+    for (; j < n; ++j) {
       const TileQuery& query = qs[j];
       const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
       if (p0 < p1) outputs_range<kD>(query, chunk, p0, p1, shared ? vi : nullptr, pb, query.out);
     }
   }
   float lanes[512];
-  for (int64_t j = 0; j < n; ++j) {  // lane order -> d order
-    std::copy_n(qs[j].out, D, lanes);
+  for (int64_t j = 0; j < n; ++j) {  // lane order -> d order (loops, not std::copy_n: no memmove in a leaf)
+    for (int64_t d = 0; d < D; ++d) lanes[d] = qs[j].out[d];
     for (int64_t b = 0; b < D; b += 32)
       for (int64_t m = 0; m < 32; ++m) qs[j].out[b + lane_d(m)] = lanes[b + m];
   }
 }
 
-inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile) {
-  if (tile.D == 64) return attend_tile_d<64>(qs, n, tile);
-  if (tile.D == 128) return attend_tile_d<128>(qs, n, tile);
-  attend_tile_d<0>(qs, n, tile);
+inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile, uint16_t* qb, bool scores_only) {
+  if (tile.D == 64) return attend_tile_d<64>(qs, n, tile, qb, scores_only);
+  if (tile.D == 128) return attend_tile_d<128>(qs, n, tile, qb, scores_only);
+  attend_tile_d<0>(qs, n, tile, qb, scores_only);
 }
 
 #undef KV_BF16_512
@@ -433,12 +609,25 @@ inline kvserve::cpu::Isa path(int64_t D) {
   return kvserve::cpu::avx2() ? Isa::kAvx2 : Isa::kScalar;
 }
 
-inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile) {
+// One tile on path isa (path()'s choice, or a lesser one), with the caller's scratch qb: n * D bfloat16 values,
+// overwritten (the query vectors rounded). No allocation, no thread-local state: the emulator's leaves
+// (attend_bf16_leaves.cpp) run this. scores_only: stop after the scores (each query's scores, times scale, in
+// key order; out untouched), so a test can compare every score's bits, which the weights' rounding to bfloat16
+// would mostly hide in the outputs.
+inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile, uint16_t* qb,
+                        bool scores_only = false) {
 #ifdef KV_X86
-  if (isa == kvserve::cpu::Isa::kAvx512) return avx512::attend_tile(qs, n, tile);
-  if (isa == kvserve::cpu::Isa::kAvx2) return avx2::attend_tile(qs, n, tile);
+  if (isa == kvserve::cpu::Isa::kAvx512) return avx512::attend_tile(qs, n, tile, qb, scores_only);
+  if (isa == kvserve::cpu::Isa::kAvx2) return avx2::attend_tile(qs, n, tile, qb, scores_only);
 #endif
-  base::attend_tile(qs, n, tile);
+  base::attend_tile(qs, n, tile, qb, scores_only);
+}
+
+// The same with a scratch of this thread's own, kept across calls.
+inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile) {
+  static thread_local std::vector<uint16_t> qb;
+  qb.resize(n * tile.D);
+  attend_tile(isa, qs, n, tile, qb.data());
 }
 
 }  // namespace kvserve::bf16_attend

@@ -1,0 +1,142 @@
+"""The bfloat16 KV cache's attention tile (native/csrc/attend_bf16.h) run as leaves: its AVX-512 BF16 path
+(vdpbf16ps) and its AVX2 path against the scalar path, bit for bit, under the CPU emulator (a Sapphire Rapids
+core: AVX512-BF16 on any x86-64 machine) and, where this CPU has the instructions, natively; and every leaf
+against the extension's paged_decode_attention over the same prompt rows, so the leaf is the shipped tile (the
+extension's own paths give the scalar path's bits: tests/test_bf16_cache.py forces each).
+
+The tiles reach every branch of the AVX-512 path: a prompt's consecutive rows times a GQA group of 2, 3 and 4 (the
+query vectors three at a time, and two or one left over), contexts of several scattered blocks over more than one
+64-key chunk (the last one partial), key counts ending on odd positions and below 8 (the 8-key blocks' tail),
+a sliding window whose first key is odd on every other row, head sizes 64 and 128 (known at compile time: the
+V pairs interleaved once per chunk, and in tiles of 12 vectors or more the K rows transposed by pairs, 16 keys a
+register) and 96 (looped), a lone decode vector. Values stay in float32's normal range,
+where vdpbf16ps and the scalar reference agree (attend_bf16.h says where they part).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from kvserve.native import attend_bf16_leaves as leaves
+from kvserve.native import emulate
+from tests.leafutil import leaf_runner
+
+# prompt rows, cached prefix, heads, kv heads, head size, window, block size
+TILES = [
+    (4, 70, 6, 2, 64, 0, 16),
+    (3, 40, 4, 1, 128, 0, 16),
+    (3, 33, 4, 2, 96, 0, 8),
+    (5, 100, 3, 3, 64, 45, 16),
+    (1, 8, 1, 1, 64, 0, 16),
+    (6, 100, 6, 2, 64, 37, 16),
+    (7, 20, 4, 2, 128, 0, 16),
+]
+
+
+@pytest.fixture(scope="module", params=["emulated", "native"])
+def runner(request):
+    """The leaves in the emulator, or on this CPU (ctypes)."""
+    yield from leaf_runner(request.param, leaves.build)
+
+
+def runs(runner, isa: str) -> bool:
+    return not isinstance(runner, emulate.Native) or leaves.NEEDS[isa] <= emulate.host_cpu_flags()
+
+
+def to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits, rounded to nearest even (torch's rounding; no NaNs here)."""
+    bits = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def tile_case(shape, seed: int) -> dict:
+    """One prompt's rows (context lengths start + 1 .. start + prompt, one scattered block table) over a seeded
+    bfloat16 pool: the arrays of a leaf call for the last KV head (its query vectors row by row, each row's group
+    heads in order, as the extension's tiles take them) and of the extension's call."""
+    prompt, start, heads, kv_heads, dim, window, block_size = shape
+    rng = np.random.default_rng(seed)
+    width = -(-(start + prompt) // block_size)
+    pool = 2 * width + 1
+    # each element's magnitude spread over 2^-8 .. 2^2, so that float32 sums of bfloat16 products round (sums of
+    # products of like magnitude are mostly exact and would hide a change of order), while scores stay a few units
+    # (no weight near float32's underflow)
+    def spread(shape):
+        return rng.standard_normal(shape) * np.exp2(rng.integers(-8, 3, shape))
+
+    k = to_bf16_bits(spread((pool, block_size, kv_heads, dim)))
+    v = to_bf16_bits(spread((pool, block_size, kv_heads, dim)))
+    table = rng.permutation(pool)[:width].astype(np.int64)
+    q = spread((prompt, heads, dim)).astype(np.float32)
+    lens = np.arange(start + 1, start + prompt + 1, dtype=np.int64)
+    firsts = np.maximum(0, lens - window) if window > 0 else np.zeros_like(lens)
+    group, g = heads // kv_heads, kv_heads - 1
+    return dict(q=q, lens=lens, table=table, k=k, v=v, window=window, scale=float(np.float32(dim ** -0.5)),
+                g=g, tile_q=q[:, g * group:(g + 1) * group].reshape(-1, dim),
+                first=np.repeat(firsts, group), length=np.repeat(lens, group))
+
+
+def run_leaf(runner, isa: str, case: dict, scores_only: bool = False) -> tuple[int, np.ndarray]:
+    return leaves.attend_tile(runner, isa, case["tile_q"], case["first"], case["length"], case["table"], case["k"],
+                              case["v"], case["g"], case["scale"], scores_only)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+@pytest.mark.parametrize("scores_only", [False, True], ids=["outputs", "scores"])
+def test_vector_paths_give_the_scalar_bits(runner, isa, scores_only):
+    """The outputs, and the scores alone (the weights' rounding to bfloat16 hides most of a score's last bits
+    from the outputs, so each score's lane order is checked on the scores themselves)."""
+    if not runs(runner, isa):
+        pytest.skip(f"this CPU has no {isa} (the emulated run covers it)")
+    for index, shape in enumerate(TILES):
+        case = tile_case(shape, index)
+        done, scalar = run_leaf(runner, "scalar", case, scores_only)
+        assert done == 0 and np.isfinite(scalar).all() and np.abs(scalar).max() > 0, shape
+        done, vector = run_leaf(runner, isa, case, scores_only)
+        assert done == 0 and same_bits(vector, scalar), shape
+
+
+def test_the_leaves_are_the_extensions_tile(runner):
+    """Every leaf this runner runs gives paged_decode_attention's bits over the same rows (the extension runs the
+    path native/csrc/cpu.h chose here, one tile per 32 rows and KV head)."""
+    torch = pytest.importorskip("torch")
+    from kvserve import native
+
+    ops = native.load_ops()
+    if ops is None:
+        pytest.skip("the native extension is not built here")
+    for index, shape in enumerate(TILES):
+        case = tile_case(shape, 10 + index)
+        prompt, heads, dim = case["q"].shape
+        out = torch.full((prompt, heads, dim), float("nan"))
+        as_bf16 = lambda bits: torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)  # noqa: E731
+        ops.paged_decode_attention(torch.from_numpy(case["q"]), torch.arange(prompt),
+                                   torch.from_numpy(np.tile(case["table"], (prompt, 1))), torch.from_numpy(case["lens"]),
+                                   as_bf16(case["k"]), as_bf16(case["v"]), case["scale"], case["window"], out)
+        group = heads // case["k"].shape[2]
+        theirs = out[:, case["g"] * group:(case["g"] + 1) * group].reshape(-1, dim).numpy()
+        for isa in leaves.ISAS:
+            if runs(runner, isa):
+                done, ours = run_leaf(runner, isa, case)
+                assert done == 0 and same_bits(ours, theirs), (isa, shape)
+
+
+def test_each_leaf_refuses_a_shape_its_path_does_not_take(runner):
+    case = tile_case(TILES[0], 0)
+    for isa in leaves.ISAS:
+        if not runs(runner, isa):
+            continue
+        odd = dict(case, length=case["first"])  # a vector with no keys
+        done, out = run_leaf(runner, isa, odd)
+        assert done == 1 and np.isnan(out).all(), isa
+    narrow = dict(case, tile_q=case["tile_q"][:, :48].copy(), k=case["k"][..., :48].copy(), v=case["v"][..., :48].copy())
+    for isa in ("avx2", "avx512"):  # D = 48: the vector paths take multiples of 32 (the extension runs scalar)
+        if runs(runner, isa):
+            done, out = run_leaf(runner, isa, narrow)
+            assert done == 1 and np.isnan(out).all(), isa
+    done, out = run_leaf(runner, "scalar", narrow)
+    assert done == 0 and np.isfinite(out).all()
