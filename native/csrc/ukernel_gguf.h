@@ -514,8 +514,14 @@ inline I byte_of(I v, int k) {
 constexpr bool kHighInPlace = true;
 /* Q8_0's codes go into vpdpbusd as w + 128 (w xor 0x80); 128 qsum comes off the dot */
 constexpr bool kSignedDots = false;
-/* low | (high & mask) in one vpternlogd (0xF8: a | (b & c)) */
-inline I merge(I low, I high, I mask) { return _mm512_ternarylogic_epi32(low, high, mask, 0xF8); }
+/* low | (high & mask) as vpandd then vpord: one vpternlogd would do, but on an AMD Zen 4 it takes the pipes of
+ * vpdpbusd and the float multiplies (measured: 8 vpdpbusd + 8 vpternlogd 16 cycles, + 8 vpandd 8), where the two
+ * bitwise operations go to the others. The empty asm keeps GCC from fusing them back. */
+inline I merge(I low, I high, I mask) {
+  I masked = _mm512_and_si512(high, mask);
+  __asm__("" : "+v"(masked));
+  return _mm512_or_si512(low, masked);
+}
 inline F cvt(I v) { return _mm512_cvtepi32_ps(v); }
 inline F half(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)p)); }
 inline F ldf(const float* p) { return _mm512_loadu_ps(p); }
@@ -546,9 +552,18 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
       I cv[P];
       KV_UNROLL for (int p = 0; p < P; ++p) cv[p] = src[p].code(i0 + b, c);
       KV_UNROLL for (int r = 0; r < R; ++r) {
-        const I xv = b32(kv_load_i32(x + 32 * b + r * ldq + 4 * c));
-        KV_UNROLL for (int p = 0; p < P; ++p)
-          part[b][p][r][c % chains] = _mm512_dpbusd_epi32(part[b][p][r][c % chains], cv[p], xv);
+        const int8_t* xr = x + 32 * b + r * ldq + 4 * c;
+        if constexpr (P == 1) {
+          /* the activations' broadcast inside vpdpbusd ({1to16}): GCC makes it a vpbroadcastd of its own, one more
+           * operation per vpdpbusd (measured: the tiles of many rows 2-9% faster without) */
+          __asm__("vpdpbusd %2%{1to16%}, %1, %0"
+                  : "+v"(part[b][0][r][c % chains])
+                  : "v"(cv[0]), "m"(*(const int32_t*)xr));
+        } else {
+          const I xv = b32(kv_load_i32(xr));
+          KV_UNROLL for (int p = 0; p < P; ++p)
+            part[b][p][r][c % chains] = _mm512_dpbusd_epi32(part[b][p][r][c % chains], cv[p], xv);
+        }
       }
     }
   KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) {
@@ -564,12 +579,13 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
 template <class Fmt, int R>
 constexpr int kPanelsOf = Fmt::kKind == kQ6_K ? (R == 2 ? 2 : 1) : 1;
 constexpr int kDotRegs = 16;
-/* Tiles of many rows take Q6_K's groups unpacked once (Unpacked): its codes cost 4 operations a chunk, made per
- * tile (measured on an AMD EPYC, 32 and 512 rows: 1.05-1.2x). Not Q4_K: its tiles straight from the panels run
- * at the bound of its vpdpbusd and float steps already (12 cycles a block and row against 11), and unpacked ran
- * 0.9x; nor Q5_K (no faster). */
+/* No format's tiles of many rows take their groups unpacked: the codes made per tile cost bitwise operations
+ * (merge as vpandd and vpord), which run beside vpdpbusd, and the accumulators stay in registers over the whole
+ * row (measured on an AMD EPYC, a Llama-3.2-1B layer at 512 rows: Q6_K's direct tiles 1.25x its unpacked ones;
+ * Q4_K's run near the bound of its vpdpbusd and float steps, 11 of Zen 4's vpdpbusd-or-float cycles a block and
+ * row, and unpacked ran 0.9x; Q5_K's no faster). */
 template <class Fmt>
-constexpr bool kUnpackGroups = Fmt::kKind == kQ6_K;
+constexpr bool kUnpackGroups = false;
 
 #include "ukernel_gguf_body.h"
 
