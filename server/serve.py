@@ -283,20 +283,23 @@ def _host_list(text: str) -> tuple[str, ...]:
 def build_state(config: ServeConfig, executor: ThreadPoolExecutor | None = None):
     """Load and (optionally) quantize the model, then build the ServerState (steps run on ``executor``)."""
     from kvserve.engine import weights
+    from kvserve.engine.heap import loading_heap
     from kvserve.engine.loader import load_model
     from kvserve.server.state import ServerState
 
-    choice = weights.choose(config.quantization, config.model)
-    loaded = load_model(config.model, config.dtype, config.device, quantized=choice.scheme is not Scheme.NONE,
-                        allow_pickle=config.allow_pickle, blocks=choice.scheme is Scheme.GGUF)
-    log.info("model %s loaded: %s on %s (%s)", loaded.name, loaded.dtype, loaded.device,
-             dtype_reason(config, loaded, choice.scheme))
-    log.info("tokenizer: %s (for clients that tokenize locally, e.g. guidellm --processor; `kvserve model-path` "
-             "prints it)", loaded.tokenizer.name_or_path)
-    described = weights.apply(loaded, choice.scheme, config.model, loaded.tokenizer)
-    log.info("weights: %s (%s; %s)", described, choice.reason, weights.FULL_PRECISION_HINT)
-    draft = load_draft(config, loaded) if config.speculative is Drafter.DRAFT else None
-    return ServerState(loaded, config, executor, draft)
+    with loading_heap():  # what loading frees goes back to the OS: the server's resident set is its own
+        choice = weights.choose(config.quantization, config.model)
+        loaded = load_model(config.model, config.dtype, config.device, quantized=choice.scheme is not Scheme.NONE,
+                            allow_pickle=config.allow_pickle, blocks=choice.scheme is Scheme.GGUF)
+        log.info("model %s loaded: %s on %s (%s)", loaded.name, loaded.dtype, loaded.device,
+                 dtype_reason(config, loaded, choice.scheme))
+        log.info("tokenizer: %s (for clients that tokenize locally, e.g. guidellm --processor; `kvserve model-path` "
+                 "prints it)", loaded.tokenizer.name_or_path)
+        described = weights.apply(loaded, choice.scheme, config.model, loaded.tokenizer)
+        log.info("weights: %s (%s; %s)", described, choice.reason, weights.FULL_PRECISION_HINT)
+        draft = load_draft(config, loaded) if config.speculative is Drafter.DRAFT else None
+        state = ServerState(loaded, config, executor, draft)
+    return state
 
 
 def dtype_reason(config: ServeConfig, loaded, scheme: Scheme) -> str:

@@ -79,3 +79,51 @@ def test_a_refused_pickle_ends_the_start_in_one_line_not_a_traceback(tmp_path):
     assert "Traceback" not in result.stderr and "this pickle runs code" not in result.stdout + result.stderr
     errors = [line for line in result.stderr.splitlines() if " ERROR " in line]
     assert len(errors) == 1 and "cannot start: cannot load the weights in" in errors[0]
+
+
+# Run in a fresh process: in this one, earlier tests' freed chunks would serve the allocations below from the heap.
+_HEAP_PROBE = """
+import ctypes, ctypes.util
+from kvserve.engine.heap import loading_heap
+
+def resident_kib():
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+
+libc = ctypes.CDLL(ctypes.util.find_library("c"))
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+
+def touched(size, count):
+    chunks = [libc.malloc(size) for _ in range(count)]
+    for chunk in chunks:
+        ctypes.memset(chunk, 1, size)
+    return chunks
+
+def freed_kib(chunks):  # all but the last: it pins the heap's top, so only a trim gives the rest back
+    before = resident_kib()
+    for chunk in chunks[:-1]:
+        libc.free(chunk)
+    return before - resident_kib()
+
+libc.free(libc.malloc(16 << 20))  # as a load's first big frees do: glibc's own threshold rises to 16 MiB
+with loading_heap() as managed:
+    copies = freed_kib(touched(512 << 10, 256))  # a layer's blocks, copied and dropped while loading
+    small = touched(100 << 10, 320)  # under any threshold: heap chunks, whose frees leave resident holes
+    freed_kib(small)
+    held = resident_kib()
+trimmed = held - resident_kib()
+serving = freed_kib(touched(512 << 10, 256))
+print(managed, copies, trimmed, serving)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt, malloc_trim and /proc: Linux")
+def test_loading_heap_gives_freed_copies_back_at_once_and_the_heap_s_holes_on_leaving():
+    out = subprocess.run([sys.executable, "-c", _HEAP_PROBE], capture_output=True, text=True, timeout=60, check=True)
+    managed, copies, trimmed, serving = out.stdout.split()
+    assert managed == "True"
+    assert int(copies) > 120 << 10  # of 127.5 MiB of 512 KiB copies, freed inside: each was its own mapping
+    assert int(trimmed) > 25 << 10  # leaving trims: most of the 31 MiB of holes went back
+    assert int(serving) < 20 << 10  # after it, 512 KiB chunks come from the heap again, as glibc's own threshold

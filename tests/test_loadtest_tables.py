@@ -194,3 +194,19 @@ def test_rest_per_round_and_the_median_of_the_rounds_ratios():
     runs[1, "loop"][1] = run(-0.5)
     lines = rest_rounds_table([1], runs).splitlines()
     assert lines[3] == "| round 2 | -0.50 | 1.00 | nan |" and lines[-1].endswith("| 0.55 |")
+
+
+def test_ready_table_takes_the_peak_over_starts_and_judges_it_against_the_budget():
+    from kvserve.loadtest.served.readybench import table
+
+    mib = 2**20
+    rows = [{"name": "a.gguf", "size": 800 * mib, "pool": 1024 * mib,
+             "starts": [{"ready_s": 9.06, "peak_rss": 2100 * mib, "rss": 2000 * mib},
+                        {"ready_s": 4.0, "peak_rss": 2300 * mib, "rss": 1900 * mib}]},
+            {"name": "b.gguf", "size": 800 * mib, "pool": 1024 * mib,
+             "starts": [{"ready_s": 3.0, "peak_rss": 2225 * mib, "rss": 2200 * mib}]}]
+    lines = table(rows).splitlines()
+    assert lines[2] == "| a.gguf | 800 | 1,024 | 9.1 | 4.0 | 2,000 | 2,300 | +476 | no |"
+    assert lines[3] == "| b.gguf | 800 | 1,024 | 3.0 | - | 2,200 | 2,225 | +401 | no |"
+    rows[1]["starts"][0]["peak_rss"] = 2224 * mib
+    assert table(rows).splitlines()[3].endswith("| +400 | yes |")

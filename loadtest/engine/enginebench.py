@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from kvserve.engine.heap import loading_heap
 from kvserve.engine.loader import Device, DType, LoadedModel, load_model
 from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
 from kvserve.engine.runner import ModelRunner
@@ -129,9 +130,11 @@ def check_out_dir(path: Path) -> None:
 def load(dtype: DType = DType.AUTO, model: str | None = None, device: Device = Device.AUTO,
          quantized: bool = False, blocks: bool = False) -> LoadedModel:
     """``model`` (default: the embedded one) as ``kvserve serve`` loads it with these ``--dtype``/``--device``
-    (``quantized``: as it loads a model it is about to quantize; ``blocks``: a GGUF file's own blocks kept)."""
+    (``quantized``: as it loads a model it is about to quantize; ``blocks``: a GGUF file's own blocks kept), with
+    the heap as the server's after loading (``engine.heap.loading_heap``: steps then allocate as a server's do)."""
     torch.manual_seed(0)
-    return load_model(model, dtype, device, quantized, blocks=blocks)
+    with loading_heap():
+        return load_model(model, dtype, device, quantized, blocks=blocks)
 
 
 def load_served(quantization: str = "auto", dtype: DType = DType.AUTO, model: str | None = None,

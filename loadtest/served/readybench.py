@@ -2,9 +2,11 @@
 peak resident memory against the file's size plus the KV pool.
 
 Each start is a fresh ``kvserve serve`` process (the C++ kernels already built: their build is a one-off of its
-own), timed from its launch to the first 200 from /health; then its peak resident set (VmHWM, /proc) and its
-resident set at rest (VmRSS) are read, and the server is stopped. The first start converts the file's tokenizer
-into the cache (``--fresh`` empties that entry first); the ones after find it there.
+own), timed from its launch to the first 200 from /health. Then one greedy completion of a ~512-token prompt is
+served, so every weight page the model reads has been touched (the file is memory-mapped: a page counts as
+resident once read), and the peak resident set (VmHWM, /proc) and the resident set at rest (VmRSS) are read before
+the server is stopped. The first start converts the file's tokenizer into the cache (``--fresh`` empties that entry
+first); the ones after find it there.
 
     python -m kvserve.loadtest randgguf --shape llama-3.2-1b --mix Q4_K_M /tmp/llama-1b-q4_k_m.gguf
     python -m kvserve.loadtest ready --model /tmp/llama-1b-q4_k_m.gguf --kv-cache-memory 1GiB --fresh --starts 2
@@ -17,9 +19,17 @@ import shutil
 import time
 from pathlib import Path
 
+import httpx
+
+from kvserve.kvcache.sizing import parse_bytes
 from kvserve.loadtest.argtypes import absolute_path
 from kvserve.loadtest.errors import UsageError
 from kvserve.loadtest.procs.serverproc import kvserve_command, launch
+
+# The issue's budget for what a server holds beyond the file's bytes and its KV pool (runtime, tokenizer, buffers).
+OVERHEAD_BUDGET = 400 * 2**20
+# A prompt of about 512 tokens for the request that pages the weights in (a prefill chunk, then a few decode steps).
+_PROMPT = "The quick brown fox jumps over the lazy dog. " * 50
 
 
 def _status_kib(pid: int, field: str) -> int:
@@ -29,52 +39,105 @@ def _status_kib(pid: int, field: str) -> int:
     raise KeyError(field)
 
 
-def parse_bytes(text: str) -> int:
-    """``1GiB`` / ``512MiB`` / a plain number of bytes -> bytes."""
-    units = {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}
-    for unit, size in units.items():
-        if text.endswith(unit):
-            return int(float(text.removesuffix(unit)) * size)
-    return int(text)
+def _serve_one(url: str) -> None:
+    """One greedy completion through the server (the model it serves, whatever its name)."""
+    with httpx.Client(base_url=url, timeout=600) as client:
+        model = client.get("/v1/models").raise_for_status().json()["data"][0]["id"]
+        client.post("/v1/completions", json={"model": model, "prompt": _PROMPT, "max_tokens": 8,
+                                             "temperature": 0}).raise_for_status()
 
 
 def one_start(model: Path, kv_memory: str, extra: list[str]) -> dict:
-    """Start kvserve on ``model``; seconds to ready, and peak and resting resident memory (bytes)."""
+    """Start kvserve on ``model``: seconds to ready, then (after one served request) peak and resting resident
+    memory in bytes.
+
+    Raises:
+        ServerStartError: the server did not come up.
+        httpx.HTTPError: the request that pages the weights in failed.
+    """
     started = time.perf_counter()
     command = kvserve_command(["--model", str(model), "--kv-cache-memory", kv_memory, *extra])
     with launch(command, name="ready", start_timeout_s=1800) as server:
         ready_s = time.perf_counter() - started
+        ready_peak = _status_kib(server.pid, "VmHWM") * 1024
+        _serve_one(server.url)
         peak = _status_kib(server.pid, "VmHWM") * 1024
         rest = _status_kib(server.pid, "VmRSS") * 1024
-    return {"ready_s": ready_s, "peak_rss": peak, "rss": rest}
+    return {"ready_s": ready_s, "ready_peak_rss": ready_peak, "peak_rss": peak, "rss": rest}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", type=absolute_path, required=True, help="the GGUF file")
+    parser.add_argument("--model", type=absolute_path, action="append", required=True,
+                        help="a GGUF file (repeat for several, one after another)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="as kvserve serve's")
-    parser.add_argument("--starts", type=int, default=2, help="starts, one after another")
-    parser.add_argument("--fresh", action="store_true", help="delete the file's cached tokenizer first")
+    parser.add_argument("--starts", type=int, default=2, help="starts per file, one after another")
+    parser.add_argument("--fresh", action="store_true", help="delete each file's cached tokenizer first")
+    parser.add_argument("--write", action="store_true", help="write the table into BENCHMARKS.md (section ready)")
     parser.add_argument("extra", nargs="*", help="more kvserve serve flags (after --)")
 
 
+def _mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:,.0f}"
+
+
+def table(rows: list[dict]) -> str:
+    """The markdown table of ``rows`` (one per file: its name, size, pool and its starts' results)."""
+    lines = ["| file | file MiB | KV pool MiB | first start: ready s | later starts: ready s | resident MiB after a "
+             "request | peak resident MiB | peak beyond file + pool MiB | within +400 MiB |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for row in rows:
+        starts = row["starts"]
+        later = [s["ready_s"] for s in starts[1:]]
+        peak, rest = max(s["peak_rss"] for s in starts), max(s["rss"] for s in starts)
+        over = peak - row["size"] - row["pool"]
+        lines.append(f"| {row['name']} | {_mib(row['size'])} | {_mib(row['pool'])} | {starts[0]['ready_s']:.1f} | "
+                     f"{' / '.join(f'{s:.1f}' for s in later) or '-'} | {_mib(rest)} | {_mib(peak)} | "
+                     f"{over / 2**20:+,.0f} | {'yes' if over <= OVERHEAD_BUDGET else 'no'} |")
+    return "\n".join(lines)
+
+
 def run(args: argparse.Namespace) -> int:
-    """Start the server ``--starts`` times and print one line per start.
+    """Start the server ``--starts`` times per file, print one line per start, and with --write the table.
 
     Raises:
-        UsageError: the model is not a .gguf file.
+        UsageError: a model is not a .gguf file.
     """
-    if args.model.suffix != ".gguf" or not args.model.is_file():
-        raise UsageError(f"--model {str(args.model)!r} is not a .gguf file")
-    if args.fresh:
-        from kvserve.engine.gguf_file import read_gguf
-        from kvserve.engine.gguf_tokenizer import derived_dir
+    for model in args.model:
+        if model.suffix != ".gguf" or not model.is_file():
+            raise UsageError(f"--model {str(model)!r} is not a .gguf file")
+    rows = []
+    for model in args.model:
+        if args.fresh:
+            from kvserve.engine.gguf_file import read_gguf
+            from kvserve.engine.gguf_tokenizer import derived_dir
 
-        shutil.rmtree(derived_dir(read_gguf(args.model)), ignore_errors=True)
-    size, pool = args.model.stat().st_size, parse_bytes(args.kv_cache_memory)
-    print(f"{args.model.name}: {size / 2**20:.0f} MiB file, {pool / 2**20:.0f} MiB KV pool")
-    for index in range(args.starts):
-        got = one_start(args.model, args.kv_cache_memory, args.extra)
-        over = got["peak_rss"] - size - pool
-        print(f"start {index + 1}: ready in {got['ready_s']:.1f} s; peak RSS {got['peak_rss'] / 2**20:.0f} MiB "
-              f"(file + pool {over / 2**20:+.0f} MiB), at rest {got['rss'] / 2**20:.0f} MiB")
+            shutil.rmtree(derived_dir(read_gguf(model)), ignore_errors=True)
+        size, pool = model.stat().st_size, parse_bytes(args.kv_cache_memory)
+        print(f"{model.name}: {size / 2**20:.0f} MiB file, {pool / 2**20:.0f} MiB KV pool", flush=True)
+        starts = []
+        for index in range(args.starts):
+            got = one_start(model, args.kv_cache_memory, args.extra)
+            starts.append(got)
+            over = got["peak_rss"] - size - pool
+            print(f"start {index + 1}: ready in {got['ready_s']:.1f} s (peak RSS {_mib(got['ready_peak_rss'])} MiB); "
+                  f"after a request peak RSS {_mib(got['peak_rss'])} MiB (file + pool {over / 2**20:+.0f} MiB), "
+                  f"at rest {_mib(got['rss'])} MiB", flush=True)
+        rows.append({"name": model.name, "size": size, "pool": pool, "starts": starts})
+    markdown = table(rows)
+    print(markdown)
+    if args.write:
+        from kvserve.loadtest.publish.benchmarks_md import update_section
+
+        names = " ".join(f"--model {model.name}" for model in args.model)
+        fresh = " --fresh" if args.fresh else ""
+        body = (markdown + "\n\nEach start: a fresh `kvserve serve` process (kernels already built), timed from "
+                "its launch to the first 200 from /health; then one greedy completion of a ~512-token prompt (8 "
+                "tokens), so every weight page the model reads is resident (the file is memory-mapped), then the "
+                "process's resident set (VmRSS) and its peak since launch (VmHWM), the largest over its starts; the "
+                "budget is judged on the peak. First start: the file's tokenizer is "
+                f"converted into ~/.cache/kvserve{' (emptied first, --fresh)' if args.fresh else ''}; later starts "
+                "find it there. The budget: the file's size + the KV pool + 400 MiB.")
+        update_section("ready", "Time to ready and resident memory on GGUF files",
+                       f"python -m kvserve.loadtest ready {names} --kv-cache-memory {args.kv_cache_memory} "
+                       f"--starts {args.starts}{fresh} --write", body)
     return 0
