@@ -62,6 +62,8 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
         return ApiError(400, message, param=param)
     if param is None and first.get("type") == "missing":
         message = "the request body is required (a JSON object)"
+    if first.get("type") == "extra_forbidden":
+        message = "unrecognized request argument: kvserve does not serve this field (docs/api.md lists those it does)"
     return ApiError(400, f"{param}: {message}" if param else message, param=param)
 
 

@@ -72,16 +72,59 @@ def _finite(schema, finite: set[str], known) -> bool:
     return True
 
 
+def _count(match: re.Match) -> int:
+    """The largest count of a repetition match; one of 10+ digits is past any limit without reading it (int()
+    refuses 4,300+ digits)."""
+    return max(int(number) if len(number) < 10 else 10**9 for number in match.groups() if number)
+
+
+def nested_repetition(text: str) -> int:
+    """The largest product of counted repetitions nested in one another (``(a{1000}){1000}`` unrolls into a
+    million states, though neither count is past ``MAX_REPEAT``). Read over parentheses, with backslash escapes
+    and regex character classes skipped; a repetition applies to the group it follows (the product of its
+    contents) or else to one atom. A parenthesis inside a quoted literal is read as a group, which can only
+    raise the figure."""
+    levels = [1]  # per open group: the largest product within it so far
+    closed = None  # the product of the group that just closed, while a repetition may still follow it
+    i = 0
+    while i < len(text):
+        char = text[i]
+        match = _REPEAT_COUNTS.match(text, i) if char in "{~" and (i == 0 or text[i - 1] != "\\") else None
+        if match is not None:
+            inner = closed if closed is not None else 1
+            levels[-1] = max(levels[-1], min(inner * _count(match), 10**12))
+            closed, i = None, match.end()
+            continue
+        if closed is not None:
+            levels[-1] = max(levels[-1], closed)
+            closed = None
+        if char == "\\":
+            i += 2
+            continue
+        if char == "[":  # a character class: its brackets and braces are characters
+            end = text.find("]", i + 2 if text.startswith("[]", i) or text.startswith("[^]", i) else i + 1)
+            i = len(text) if end < 0 else end + 1
+            continue
+        if char == "(":
+            levels.append(1)
+        elif char == ")" and len(levels) > 1:
+            closed = levels.pop()
+        i += 1
+    return max([*levels, closed or 1])
+
+
 def repetition_problem(text: str) -> str | None:
-    """Why a regex or Lark grammar's counted repetitions cannot be built (a count past ``MAX_REPEAT``), or None.
-    Read from the text: a brace that is not a repetition (inside a class or a quoted literal) is counted too,
-    which can only refuse, never let a large one through."""
+    """Why a regex or Lark grammar's counted repetitions cannot be built (a count past ``MAX_REPEAT``, or counts
+    nested to a product past it), or None. Read from the text: a brace that is not a repetition (inside a class
+    or a quoted literal) is counted too, which can only refuse, never let a large one through."""
     for match in _REPEAT_COUNTS.finditer(text):
-        # a count of 10+ digits is past the limit without reading it (int() refuses 4,300+ digits)
-        count = max(int(number) if len(number) < 10 else 10**9 for number in match.groups() if number)
-        if count > MAX_REPEAT:
+        if _count(match) > MAX_REPEAT:
             return (f"repeats {match.group().strip()[:24]!r}, more than the limit of {MAX_REPEAT:,} "
                     "repetitions a grammar may count")
+    nested = nested_repetition(text)
+    if nested > MAX_REPEAT:
+        return (f"nests counted repetitions into {nested:,} repetitions, more than the limit of {MAX_REPEAT:,} a "
+                "grammar may count")
     return None
 
 

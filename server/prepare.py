@@ -82,16 +82,24 @@ def template_variables(request) -> dict:
 
 
 def chat_prompt(state: ServerState, messages: list, request=None,
-                add_generation_prompt: bool = True) -> tuple[str, list[int]]:
+                add_generation_prompt: bool | None = None) -> tuple[str, list[int]]:
     """The prompt text and token ids of chat messages through the model's chat template (server.chat_template),
-    ready for the assistant's turn unless ``add_generation_prompt`` is False, with the tools and
-    ``chat_template_kwargs`` of ``request`` (a chat or a tokenize request, see server.tools). /tokenize and
-    generation both render through here, so they count the same tokens.
+    ready for the assistant's turn unless ``add_generation_prompt`` is False (None: the request's own, vLLM's
+    field, default True), with the tools and ``chat_template_kwargs`` of ``request`` (a chat or a tokenize
+    request, see server.tools). /tokenize and generation both render through here, so they count the same tokens.
+
+    With the request's ``continue_final_message`` (vLLM's; transformers' apply_chat_template has the same), the
+    final message is left open: the text is cut right after that message's own text, so the model continues it
+    (an assistant prefill) instead of starting a new turn.
 
     Raises:
-        ApiError: 400 for text that is not valid Unicode, a model without a chat template, or a template that
-            refuses or fails on the messages (its reason quoted).
+        ApiError: 400 for text that is not valid Unicode, a model without a chat template, a template that
+            refuses or fails on the messages (its reason quoted), or one that does not show the final message's
+            text as given (continue_final_message).
     """
+    continue_final = bool(getattr(request, "continue_final_message", False))
+    if add_generation_prompt is None:
+        add_generation_prompt = bool(getattr(request, "add_generation_prompt", True))
     for index, message in enumerate(messages):
         _check_text(message.text, f"messages.{index}.content")
     template = pick(state.chat_templates, tools=request is not None and tools.active(request))
@@ -105,10 +113,28 @@ def chat_prompt(state: ServerState, messages: list, request=None,
     except TemplateError as exc:  # the template's own refusal (roles that do not alternate), or a failure or bound
         reason = str(exc)[:_MAX_TEMPLATE_ERROR]
         raise ApiError(400, f"the model's chat template refused these messages: {reason}", param="messages") from None
+    if continue_final:
+        text = _open_final_message(text, messages[-1].text)
     return text, state.tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def chat_prompt_ids(state: ServerState, messages: list, request=None, add_generation_prompt: bool = True) -> list[int]:
+def _open_final_message(text: str, final: str) -> str:
+    """``text`` cut right after the last place it shows ``final`` (stripped, as the templates strip turns), so
+    the final message stays open (transformers' apply_chat_template does the same for continue_final_message).
+
+    Raises:
+        ApiError: 400 when the rendered text does not contain the final message's text.
+    """
+    final = final.strip()
+    at = text.rfind(final) if final else -1
+    if at < 0:
+        raise ApiError(400, "continue_final_message: the model's chat template does not show the final message's "
+                            "text as given (an empty final message cannot be continued)", param="messages")
+    return text[:at + len(final)]
+
+
+def chat_prompt_ids(state: ServerState, messages: list, request=None,
+                    add_generation_prompt: bool | None = None) -> list[int]:
     """The token ids of ``chat_prompt``."""
     return chat_prompt(state, messages, request, add_generation_prompt)[1]
 

@@ -19,6 +19,7 @@ part (``response.output_item.added``, ``response.reasoning_text.delta`` ..., ``r
 from __future__ import annotations
 
 import json
+import re
 import time
 from typing import ClassVar
 
@@ -276,7 +277,13 @@ def register(app: FastAPI, state: ServerState, dependencies: list) -> None:
         except ValidationError as exc:
             first = exc.errors()[0]
             raise ApiError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None
-        generation = await admit(state, chat, request)
+        try:
+            generation = await admit(state, chat, request)
+        except ApiError as exc:  # chat's checks name chat's field: this route's is max_output_tokens
+            if exc.param in ("max_tokens", "max_completion_tokens"):
+                exc.message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", exc.message)
+                exc.param = "max_output_tokens"
+            raise
         builder = _ResponseBuilder(body, generation, request.state.request_id, state.model_name)
         if body.stream:
             return EventSourceResponse(_stream(builder, request.app.state.drain), ping=state.config.sse_ping_s or None,

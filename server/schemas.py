@@ -1,6 +1,8 @@
-"""Request bodies of the OpenAI-compatible API (pydantic). Unknown fields are ignored, as OpenAI does; OpenAI
-fields that kvserve does not implement (best_of and suffix on chat, image parts) are refused with a 400 naming
-them whenever they would change the output, so a client never gets silently different text.
+"""Request bodies of the OpenAI-compatible API (pydantic). A chat or completions field kvserve does not know is
+a 400 naming it (OpenAI's "unrecognized request argument"); OpenAI fields that kvserve does not implement
+(best_of and suffix on chat, image parts, store) are refused with a 400 naming them whenever they would change the
+output, so a client never gets silently different text. Keys inside a message are not checked (clients send back
+the assistant messages they were given, with OpenAI's extra keys).
 
 Ranges follow OpenAI's API reference; vLLM's extra sampling fields (top_k, min_p, repetition_penalty,
 ignore_eos, min_tokens, stop_token_ids) are accepted too.
@@ -13,7 +15,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
 
-from kvserve.server.validation import RequestModel
+from kvserve.server.validation import BodyError, RequestModel
 
 
 # a logit_bias key: a token id written as ASCII digits and nothing else, as OpenAI requires (no spaces, no sign:
@@ -43,7 +45,9 @@ class StreamOptions(RequestModel):
 class _SamplingRequest(RequestModel):
     """Fields shared by chat and completions."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # a field kvserve does not know is a 400 naming it (OpenAI's "unrecognized request argument"), never
+    # silently ignored: vLLM's and other servers' fields change the output where they are served
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     _is_body: ClassVar[bool] = True
     _completions: ClassVar[bool] = False  # CompletionRequest serves best_of and suffix
 
@@ -89,6 +93,13 @@ class _SamplingRequest(RequestModel):
     # served on completions only (CompletionRequest); see _refuse_unsupported
     best_of: int | None = None
     suffix: str | None = None
+    # OpenAI's fields that do not change a reply: accepted, with no effect here (kvserve keeps no completions,
+    # so store: true is refused; its prefix cache needs no key; it has one service tier)
+    store: bool = False
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):
@@ -96,6 +107,7 @@ class _SamplingRequest(RequestModel):
             # completions serve these (CompletionRequest, server.fim); chat has no such fields at OpenAI
             ("best_of", self.best_of is not None and self.best_of != self.n and not self._completions),
             ("suffix", self.suffix is not None and not self._completions),
+            ("store", self.store),  # kvserve stores nothing
         ) if used]
         if unsupported:
             raise ValueError(f"not supported by kvserve: {', '.join(unsupported)}")
@@ -107,6 +119,9 @@ class _SamplingRequest(RequestModel):
         """OpenAI's checks: keys are token ids written as integers, values in [-100, 100]. The ids' range is
         the tokenizer's and is checked when the request is prepared."""
         for key, bias in (value or {}).items():
+            if len(key) > 12 and key.isascii() and key.isdigit():  # an id, but more digits than any vocabulary
+                raise ValueError(f"token id {key[:24]} is past any vocabulary (this model's ids are checked "
+                                 "against its tokenizer)")
             if not _TOKEN_ID_KEY.fullmatch(key):  # isdigit() would pass "²", which int() refuses
                 raise ValueError(f"invalid key {key!r}: keys are token ids, written as non-negative integers "
                                  "(digits only, no spaces or sign)")
@@ -210,6 +225,10 @@ class ChatCompletionRequest(_SamplingRequest):
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
     # vLLM's: extra variables for the chat template (Qwen3's enable_thinking, ...); see server.prepare
     chat_template_kwargs: dict[str, object] | None = None
+    # vLLM's: end the prompt with the assistant's turn opened (add_generation_prompt), or leave the final message
+    # open for the model to continue (continue_final_message: an assistant prefill); server.prepare.chat_prompt
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
     # OpenAI's deprecated function calling (superseded by tools): refused by name, never silently ignored
     functions: list | None = None
     function_call: str | dict | None = None
@@ -226,6 +245,9 @@ class ChatCompletionRequest(_SamplingRequest):
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs requires logprobs: true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false (the final message is "
+                             "continued, so no new turn is opened; vLLM refuses both too)")
         return self
 
     @property
@@ -255,7 +277,8 @@ class CompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _no_tools(self):
         if self.tools or self.tool_choice is not None:
-            raise ValueError("tools and tool_choice are for /v1/chat/completions")
+            name = "tools" if self.tools else "tool_choice"
+            raise BodyError(f"{name}: tools and tool_choice are for /v1/chat/completions", name)
         return self
 
     @field_validator("prompt", mode="before")
@@ -323,6 +346,7 @@ class TokenizeRequest(RequestModel):
     add_special_tokens: bool = True  # a text prompt's; chat messages render as generation renders them
     # chat: what generation renders too (vLLM's tokenize fields), so the count is the request's prompt tokens
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     tools: list | None = Field(default=None, json_schema_extra={"items": TOOL_SCHEMA})
     tool_choice: str | dict | None = Field(default=None, json_schema_extra={"anyOf": TOOL_CHOICE_SCHEMAS})
     chat_template_kwargs: dict[str, object] | None = None
@@ -331,6 +355,8 @@ class TokenizeRequest(RequestModel):
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message needs add_generation_prompt: false")
         return self
 
 

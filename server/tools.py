@@ -186,6 +186,20 @@ def _object_end(text: str, start: int) -> int | None:
     return None
 
 
+def _one_per_call(deltas: list[dict]) -> list[dict]:
+    """``deltas`` with one entry per call index: a call's header and its argument fragments from the same text
+    joined into one, as OpenAI's chunks carry them (a client that reads ``delta.tool_calls`` by position, or
+    keeps the last entry per index, would otherwise lose a fragment)."""
+    merged: dict[int, dict] = {}
+    for delta in deltas:
+        entry = merged.get(delta["index"])
+        if entry is None:
+            merged[delta["index"]] = {**delta, "function": dict(delta["function"])}
+        else:
+            entry["function"]["arguments"] = entry["function"].get("arguments", "") + delta["function"]["arguments"]
+    return list(merged.values())
+
+
 class ToolCallStream:
     """Splits one choice's generated text into content and tool calls, incrementally.
 
@@ -217,7 +231,7 @@ class ToolCallStream:
                 self.mode = "content"
                 content, self.buffer = self.buffer, ""
                 return content, []
-        return "", self._parse()
+        return "", _one_per_call(self._parse())
 
     def _parse(self) -> list[dict]:
         deltas: list[dict] = []

@@ -6,6 +6,7 @@ server/schemas.py (chat, completions, tokenize) and server/responses.py (the Res
 from __future__ import annotations
 
 import functools
+import math
 import types
 import typing
 from typing import ClassVar
@@ -77,8 +78,9 @@ MAX_JSON_DEPTH = 64  # objects and arrays within one another in a request body; 
 
 
 def check_json(value) -> None:
-    """Refuse what no field could use and what would break later: nesting deeper than ``MAX_JSON_DEPTH``, and text
-    with lone surrogates (``"\\ud800"``: not Unicode, so it cannot be tokenized, compiled or echoed as UTF-8).
+    """Refuse what no field could use and what would break later: nesting deeper than ``MAX_JSON_DEPTH``, text
+    with lone surrogates (``"\\ud800"``: not Unicode, so it cannot be tokenized, compiled or echoed as UTF-8), and
+    numbers that are not finite (NaN, 1e400: a schema holding one cannot be written back as JSON for the grammar).
 
     Raises:
         BodyError: naming the place (``messages.0.content``) and the limit.
@@ -89,6 +91,9 @@ def check_json(value) -> None:
         if isinstance(item, str):
             _check_unicode(item, path)
             continue
+        if isinstance(item, float) and not math.isfinite(item):  # NaN, or a number past a float (1e400)
+            raise BodyError(f"{path or 'the body'}: {item} is not a finite number (a JSON number past a float's "
+                            "range, such as 1e400, reads as infinity)", path or None)
         if not isinstance(item, (dict, list)):
             continue
         if depth >= MAX_JSON_DEPTH:

@@ -171,6 +171,10 @@ def _stream_events(response: httpx.Response) -> list:
     ("response_format", {"type": "json_schema", "json_schema": {"name": "t", "schema": {
         "type": "array", "minItems": 1, "items": {"$ref": "#"}}}}, "admits no output"),
     ("guided_json", {"type": "string", "pattern": "[0-9]{99999}"}, "limit of 10,000 repetitions"),
+    # counts under the limit, nested into a million: refused before any SSE byte, not by the lexer mid-reply
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "t", "schema": {
+        "type": "string", "pattern": "^(a{1000}){1000}$"}}}, "into 1,000,000 repetitions"),
+    ("guided_grammar", 'start: ("a"~100)~200', "into 20,000 repetitions"),
     ("guided_choice", [f"option {i}" for i in range(5000)], "limit of 1,024"),
 ])
 def test_constraints_that_cannot_be_served_are_refused_before_queueing(server_url, field, value, limit):
@@ -280,3 +284,13 @@ def test_every_status_and_content_type_answered_is_in_the_openapi_document(smoll
                         undocumented.append(f"{method.upper()} {path}: {status} {kind or 'no content type'}")
     assert not undocumented, undocumented
     assert {"200", "400", "401", "404", "413", "415", "421", "431"} <= seen
+
+
+@pytest.mark.parametrize("text,product", [
+    ("^(a{1000}){1000}$", 1_000_000), ("((ab){10}c){10}", 100), ("a{100}b{100}", 100), ("(a|b){2,5}", 5),
+    (r"[(]{5}(x){3}", 5), (r"\({100}", 100), ('("a"~100)~200', 20_000), ("[0-9]{3}-[0-9]{4}", 4),
+])
+def test_nested_repetition_multiplies_counts_down_groups_only(text, product):
+    from kvserve.server.grammar_limits import nested_repetition
+
+    assert nested_repetition(text) == product

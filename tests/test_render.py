@@ -97,3 +97,27 @@ def test_render_routes_need_the_api_key_and_are_in_the_openapi_document(smollm2)
         responses = paths[path]["post"]["responses"]
         assert shape in responses["200"]["content"]["application/json"]["schema"]
         assert {"400", "401", "404"} <= set(responses) and "422" not in responses
+
+
+def test_continue_final_message_leaves_the_assistant_prefill_open_and_add_generation_prompt_false_opens_no_turn(
+        server_url):
+    def text(body: dict) -> str:
+        ids = _post(server_url, "/v1/chat/completions/render", body).json()["token_ids"]
+        return _post(server_url, "/detokenize", {"tokens": ids}).json()["prompt"]
+
+    prefill = {"role": "assistant", "content": "The colour is"}
+    opened = text({"messages": [USER]})
+    closed = text({"messages": [USER], "add_generation_prompt": False})
+    assert opened.startswith(closed) and len(opened) > len(closed)  # only the assistant turn's opening is added
+    continued = text({"messages": [USER, prefill], "continue_final_message": True, "add_generation_prompt": False})
+    assert continued.endswith("The colour is") and continued.startswith(opened)  # the open turn, then the prefill
+    count = _post(server_url, "/tokenize", {"messages": [USER, prefill], "continue_final_message": True,
+                                            "add_generation_prompt": False}).json()["count"]
+    assert count == len(_post(server_url, "/tokenize", {"prompt": continued, "add_special_tokens": False}).json()[
+        "tokens"])
+    reply = _post(server_url, "/v1/chat/completions", {"messages": [USER, prefill], "continue_final_message": True,
+                                                        "add_generation_prompt": False, "max_tokens": 2,
+                                                        "temperature": 0})
+    assert reply.status_code == 200
+    both = _post(server_url, "/v1/chat/completions", {"messages": [USER, prefill], "continue_final_message": True})
+    assert both.status_code == 400 and "add_generation_prompt" in both.json()["error"]["message"]

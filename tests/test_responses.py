@@ -70,6 +70,13 @@ def test_unserved_fields_are_a_400_naming_them(client, extra, named):
     assert named in caught.value.message
 
 
+def test_a_limit_past_the_context_names_max_output_tokens(server_url):
+    body = {"model": MODEL, "input": "Hi", "max_output_tokens": 10**9}
+    error = httpx.post(server_url + "/v1/responses", json=body, timeout=60).json()["error"]
+    assert error["param"] == "max_output_tokens" and "max_output_tokens" in error["message"]
+    assert "max_tokens" not in error["message"].replace("max_output_tokens", "")
+
+
 def test_store_false_and_metadata_are_accepted(server_url):
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": False, "metadata": {"k": "v"}}
     response = httpx.post(server_url + "/v1/responses", json=body, timeout=60)

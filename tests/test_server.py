@@ -186,6 +186,10 @@ def test_logprobs_chat_and_completion_echo(server_url):
     (COMPLETIONS, {"prompt": "hi \ud800"}, "prompt"),
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "temperature": float("nan")}, "temperature"),
     (COMPLETIONS, {"prompt": None}, "prompt"),
+    # 1e400 reads as infinity: a tool schema holding it could not be written back for the grammar
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "number", "maximum": float("inf")}}}]}, "tools.0.function.parameters"),
+    (COMPLETIONS, {"prompt": "Hi", "logit_bias": {"1000000000000": 5}}, "logit_bias"),
 ])
 def test_bad_input_is_a_400_naming_the_field(server_url, path, body, param):
     for stream in (False, True):
@@ -200,13 +204,27 @@ def test_malformed_json_and_unknown_fields(server_url):
     response = httpx.post(server_url + CHAT, content=b"{not json", headers={"content-type": "application/json"})
     assert response.status_code == 400
     assert response.json()["error"]["param"] is None and "not valid JSON" in response.json()["error"]["message"]
-    ok = post(server_url, CHAT, chat_body("Hi", max_tokens=2, some_future_field={"x": 1}))
-    assert ok.status_code == 200
+    for path, body, unknown in ((CHAT, chat_body("Hi", max_tokens=2, some_future_field={"x": 1}), "some_future_field"),
+                                (COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, "include_stop_str_in_output": True},
+                                 "include_stop_str_in_output"),
+                                (CHAT, chat_body("Hi", max_tokens=2, prompt="Hi"), "prompt")):
+        refused = post(server_url, path, body)  # never silently ignored: OpenAI's "unrecognized request argument"
+        assert refused.status_code == 400, refused.text
+        error = refused.json()["error"]
+        assert error["param"] == unknown and "unrecognized request argument" in error["message"]
+    for name, value in (("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto")):
+        refused = post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 2, name: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == name  # chat's fields, named
+    harmless = chat_body("Hi", max_tokens=2, metadata={"team": "a"}, service_tier="auto", prompt_cache_key="k")
+    assert post(server_url, CHAT, harmless).status_code == 200  # OpenAI's fields that change no reply
+    stored = post(server_url, CHAT, chat_body("Hi", max_tokens=2, store=True))
+    assert stored.status_code == 400 and "store" in stored.json()["error"]["message"]
 
 
 @pytest.mark.parametrize("path", [CHAT, COMPLETIONS, "/tokenize"])
 def test_a_body_that_is_not_sent_as_json_is_415_naming_the_content_type(server_url, path):
-    body = json.dumps({"prompt": "Hi"} if path == "/tokenize" else chat_body("Hi", max_tokens=2, prompt="Hi")).encode()
+    body = json.dumps({"prompt": "Hi"} if path == "/tokenize" else {"prompt": "Hi", "max_tokens": 2}
+                      if path == COMPLETIONS else chat_body("Hi", max_tokens=2)).encode()
     for content_type in ("application/x-www-form-urlencoded", "text/plain"):  # curl -d without -H; a form post
         response = httpx.post(server_url + path, content=body, headers={"content-type": content_type})
         assert response.status_code == 415, response.text

@@ -370,6 +370,20 @@ def test_tool_call_stream_splits_any_chunking_into_the_same_call(pieces):
     assert stream.calls[0]["function"]["arguments"] == arguments
 
 
+def test_tool_call_stream_sends_one_entry_per_call_in_a_delta():
+    """A call's header and its first argument fragment, cut from one piece of text, arrive as one entry (clients
+    read ``delta.tool_calls`` by position); two calls in one piece are two entries, in order."""
+    from kvserve.server.tools import ToolCallStream
+
+    stream = ToolCallStream()
+    _, deltas = stream.feed('<tool_call>{"name": "f", "arguments": {"city": "')
+    assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [(0, "f", '{"city": "')]
+    _, deltas = stream.feed('P"}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>')
+    assert [(d["index"], d["function"].get("name"), d["function"]["arguments"]) for d in deltas] == [
+        (0, None, 'P"}'), (1, "g", "{}")]
+    assert [c["function"]["arguments"] for c in stream.calls] == ['{"city": "P"}', "{}"]
+
+
 def test_plain_reply_with_tools_stays_content():
     from kvserve.server.tools import ToolCallStream
 
