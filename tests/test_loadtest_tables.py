@@ -111,9 +111,12 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
                         lambda self, plan: steps.append([(len(w.token_ids), w.sample) for w in plan.work]) or execute(self, plan))
     assert loadtest_main(["profile", "--prefill", "40", "--chunk", "16", "--quantization", "int8", "--no-write"]) == 0
     assert steps[:3] == [[(16, False)], [(16, False)], [(8, True)]]  # the 40-token prompt in 16-token chunks, as the server cuts it
-    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 |"))
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("| 40 |"))
     cells = [c.strip() for c in row.strip("|").split("|")]
-    assert float(cells[1]) > 0 and float(cells[6].split()[0]) > 0 and float(cells[7]) > 0
+    assert float(cells[1]) > 0 and float(cells[6].split()[0]) > 0 and float(cells[7].split()[0]) > 0
+    if profile_step.attention_peak("auto", 32) is not None:  # attention as a share of its path's measured peak
+        assert cells[7].endswith("%)") and "attention GMAC/s (% of" in out and "at 100% of its peak" in out
     shares = [int(c.split("(")[1].rstrip("%)")) for c in cells[3:6]]
     assert 97 <= sum(shares) <= 103 and shares[0] > 0
     assert profile_step._category("kvserve::paged_attention") == "attention (SDPA)"
@@ -128,6 +131,17 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
                           "--kv-cache-dtype", "bfloat16", "--no-write"]) == 0
     assert pools and set(pools) == {torch.bfloat16}
     assert "KV cache bfloat16" in capsys.readouterr().out
+
+
+def test_fma_peak_probes_give_a_rate_on_each_native_path():
+    """The float32 FMA roofline probes (leaves.cpp) the prefill profile sets attention against: a positive rate on
+    every vector path this CPU runs, none for the scalar path (no probe)."""
+    from kvserve import native
+    from kvserve.loadtest.engine import profile_step
+
+    for path in set(native.native_isas()) & {"avx2", "avx512"}:
+        assert profile_step.fma_peak_gmacs(path, iterations=200_000) > 0
+    assert profile_step.fma_peak_gmacs("scalar") is None
 
 
 def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_stack(monkeypatch, capsys):

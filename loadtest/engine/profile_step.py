@@ -12,7 +12,9 @@ A prefill is profiled as the server runs it: one sequence, its prompt in chunks 
 server's ``--max-num-batched-tokens``), each chunk a step attending to the chunks before it. Each part's time is
 set against its work: the projections' multiply-adds (``macs.Geometry.per_token`` per prompt token, the LM head
 once) as GMAC/s and a share of the ISA's measured int8 peak (``kv_vnni_peak``: 16 independent ``vpdpbusd``
-chains on registers, times the threads the kernels use), and attention's causal (query, key) pairs as GMAC/s.
+chains on registers, times the threads the kernels use), and attention's causal (query, key) pairs as GMAC/s and a
+share of its own measured peak (``attention_peak``: float32 FMA chains on the path the kernels run, or
+``vdpbf16ps`` for a bfloat16 cache on the AVX-512 BF16 path).
 """
 
 from __future__ import annotations
@@ -171,25 +173,67 @@ def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
     return wall, seconds
 
 
-def int8_peak_gmacs(iterations: int = 20_000_000) -> float | None:
-    """One core's ``vpdpbusd`` multiply-adds per CPU second (``kv_vnni_peak`` in the native library of leaves,
-    16 chains of 64 MACs a round); None where the CPU has no AVX-512 VNNI or the library lacks the probe."""
+def _probe_gmacs(symbol: str, macs_per_round: int, iterations: int = 20_000_000) -> float | None:
+    """One core's multiply-adds per CPU second (GMAC/s) from roofline probe ``symbol`` of the native library of
+    leaves (native/csrc/leaves.cpp: independent chains on registers, ``macs_per_round`` multiply-adds a round),
+    run once short to warm up then for ``iterations`` rounds; None where the library lacks the probe."""
     import ctypes
 
-    from kvserve import native
     from kvserve.native import ggml_leaves
 
-    if "avx512" not in native.native_isas():
-        return None
-    library = ctypes.CDLL(str(ggml_leaves.build(native=True)))
-    probe = getattr(library, "kv_vnni_peak", None)
+    probe = getattr(ctypes.CDLL(str(ggml_leaves.build(native=True))), symbol, None)
     if probe is None:
         return None
-    probe.argtypes, probe.restype = [ctypes.c_int64], ctypes.c_int32
+    probe.argtypes, probe.restype = [ctypes.c_int64], None  # its result only keeps the chains from being dropped
     probe(iterations // 10)
     started = time.thread_time()
     probe(iterations)
-    return iterations * 16 * 64 / (time.thread_time() - started) / 1e9
+    return iterations * macs_per_round / (time.thread_time() - started) / 1e9
+
+
+def int8_peak_gmacs(iterations: int = 20_000_000) -> float | None:
+    """One core's ``vpdpbusd`` multiply-adds per CPU second (``kv_vnni_peak``, 16 chains of 64 MACs a round); None
+    where the CPU has no AVX-512 VNNI or the library lacks the probe."""
+    from kvserve import native
+
+    if "avx512" not in native.native_isas():
+        return None
+    return _probe_gmacs("kv_vnni_peak", 16 * 64, iterations)
+
+
+# Per path, the float32 FMA probe (leaves.cpp) and its multiply-adds a round: 16 zmm chains, or 12 ymm chains.
+_FMA_PROBES = {"avx512": ("kv_fma_peak_avx512", 16 * 16), "avx2": ("kv_fma_peak_avx2", 12 * 8)}
+
+
+def fma_peak_gmacs(path: str, iterations: int = 20_000_000) -> float | None:
+    """One core's float32 FMA multiply-adds per CPU second on ISA path ``path`` ("avx512": zmm, "avx2": ymm, as
+    the float32 attention tiles of attend_tile.h run them); None for another path (the scalar one has no probe) or
+    where this CPU lacks the path."""
+    from kvserve import native
+
+    if path not in _FMA_PROBES or path not in native.native_isas():
+        return None
+    return _probe_gmacs(*_FMA_PROBES[path], iterations)
+
+
+def attention_peak(cache_dtype: str, head_dim: int) -> tuple[str, float] | None:
+    """The measured peak per core that prefill attention over a ``cache_dtype`` KV cache is set against, as
+    (name, GMAC/s): ``vdpbf16ps`` where a bfloat16 cache runs its AVX-512 BF16 path (``kv_bf16_peak``, 16 chains
+    of 32 MACs a round), else the float32 FMA peak of the path the kernels run (the float32 tiles' arithmetic,
+    and the float32 FMAs a quantized or bfloat16 cache's other paths run after widening); None without a probe
+    for that path (the scalar one, or no kernel build)."""
+    from kvserve import native
+
+    ops = native.load_ops()
+    if ops is None:
+        return None
+    if cache_dtype == KVCacheDType.BFLOAT16.value and ops.bf16_attention_path(head_dim) == "avx512":
+        gmacs = _probe_gmacs("kv_bf16_peak", 16 * 32)
+        return ("vdpbf16ps", gmacs) if gmacs else None
+    module = native.load()
+    path = module.isa() if module is not None else "scalar"
+    gmacs = fma_peak_gmacs(path)
+    return (f"{path} float32 FMA", gmacs) if gmacs else None
 
 
 def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "auto") -> str:
@@ -200,10 +244,12 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
 
     geometry = Geometry.of(loaded.model.config)
     peak = int8_peak_gmacs()
+    attn_peak = attention_peak(cache_dtype, geometry.head_dim)
     threads = torch.get_num_threads()
     rows = ["| prompt tokens | prefill s (no profiler) | tokens/s | " + " | ".join(
         f"{part} s (share)" for part, _ in _PREFILL_PARTS) + " | projections GMAC/s" + (
-        " (% of int8 peak)" if peak else "") + " | attention GMAC/s |",
+        " (% of int8 peak)" if peak else "") + " | attention GMAC/s" + (
+        f" (% of {attn_peak[0]} peak)" if attn_peak else "") + " |",
         "|---:" * (4 + len(_PREFILL_PARTS)) + "|---:|"]
     for length in lengths:
         wall, seconds = profile_prefill(length, chunk, loaded, 3 if length <= 2048 else 1, cache_dtype)
@@ -215,17 +261,32 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
         pairs = length * (length + 1) // 2
         attn_gmacs = geometry.per_pair * pairs / scaled["attention"] / 1e9 if scaled["attention"] else float("nan")
         proj = f"{proj_gmacs:.3g}" + (f" ({100 * proj_gmacs / (peak * threads):.0f}%)" if peak else "")
+        attn = f"{attn_gmacs:.3g}" + (f" ({100 * attn_gmacs / (attn_peak[1] * threads):.0f}%)" if attn_peak else "")
         rows.append(f"| {length} | {wall:.3g} | {length / wall:.0f} | " + " | ".join(
             f"{scaled[part]:.3g} ({100 * parts[part] / total:.0f}%)" for part, _ in _PREFILL_PARTS)
-            + f" | {proj} | {attn_gmacs:.3g} |")
+            + f" | {proj} | {attn} |")
+        if attn_peak:  # attention at the peak, the rest as measured
+            floor = geometry.per_pair * pairs / (attn_peak[1] * threads * 1e9)
+            bound = (length, floor, floor / (floor + wall - scaled["attention"]))
     peak_text = (f"int8 peak measured in the same run: {peak:.0f} GMAC/s per core (`vpdpbusd`, 16 chains on "
                  f"registers), x {threads} threads" if peak else "int8 peak not measured (its probe needs AVX-512 VNNI)")
+    if attn_peak:
+        name, gmacs = attn_peak
+        peak_text += (f"; attention's peak likewise: {gmacs:.0f} GMAC/s per core (`vdpbf16ps`, 16 chains)"
+                      if name == "vdpbf16ps" else
+                      f"; attention's peak likewise: {gmacs:.0f} GMAC/s per core ({name}: `vfmadd231ps`, independent "
+                      "chains on registers)") + f", x {threads} threads"
+    else:
+        peak_text += "; attention's peak not measured (no probe for its path)"
     return ("\n".join(rows) + f"\n\nChunks of {chunk} tokens (the server's --max-num-batched-tokens), kernels "
             f"{native.isa()}, {threads} threads; {peak_text}. Shares are of the profiled prefill (self CPU time per "
             "op); seconds are those shares of the prefill without the profiler. Projections: q/k/v/o and the MLP "
             "for every prompt token plus the LM head once; attention: 2 L H d multiply-adds per causal (query, key) "
             + ("pair, in float32." if cache_dtype in ("auto", "float32") else
-               f"pair, over a {cache_dtype} KV cache (bfloat16: bf16 dot products, float32 sums)."))
+               f"pair, over a {cache_dtype} KV cache (bfloat16: bf16 dot products, float32 sums).")
+            + (" Attention is exact (every query's softmax over all its keys, in a decode row's order), so its "
+               f"multiply-adds set a floor: at {bound[0]} tokens, at 100% of its peak it would take {bound[1]:.3g} s, "
+               f"{100 * bound[2]:.0f}% of the prefill with the rest as measured." if attn_peak else ""))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -35,5 +35,36 @@ __attribute__((target(KV_AVX512_TARGET))) int32_t kv_vnni_peak(int64_t iteration
   return _mm512_cvtsi512_si32(acc[0]);
 }
 
+/* `iterations` rounds of 16 independent float32 FMAs on zmm registers (no loads), 16 * 16 multiply-adds a round:
+ * one core's float32 peak on the AVX-512 path (the float32 cache's attention tiles, attend_tile.h). Each chain is
+ * acc = acc * 0.5 + 1, which settles at 2: no overflow, no denormal however many rounds. */
+__attribute__((target(KV_AVX512_TARGET))) float kv_fma_peak_avx512(int64_t iterations) {
+  __m512 acc[16];
+  __m512 a = _mm512_set1_ps(0.5f), b = _mm512_set1_ps(1.f);
+  __asm__("" : "+v"(a), "+v"(b));
+  KV_UNROLL for (int c = 0; c < 16; ++c) {
+    acc[c] = _mm512_set1_ps((float)c);
+    __asm__("" : "+v"(acc[c]));
+  }
+  for (int64_t i = 0; i < iterations; ++i) KV_UNROLL for (int c = 0; c < 16; ++c) acc[c] = _mm512_fmadd_ps(acc[c], a, b);
+  KV_UNROLL for (int c = 1; c < 16; ++c) acc[0] = _mm512_add_ps(acc[0], acc[c]);
+  return _mm512_cvtss_f32(acc[0]);
+}
+
+/* The same on the AVX2 path: 12 chains of 8 lanes (12 * 8 multiply-adds a round; 12 + the two operands fit the 16
+ * ymm registers, and cover an FMA's latency times its issue rate on current cores). */
+__attribute__((target("avx2,fma"))) float kv_fma_peak_avx2(int64_t iterations) {
+  __m256 acc[12];
+  __m256 a = _mm256_set1_ps(0.5f), b = _mm256_set1_ps(1.f);
+  __asm__("" : "+x"(a), "+x"(b));
+  KV_UNROLL for (int c = 0; c < 12; ++c) {
+    acc[c] = _mm256_set1_ps((float)c);
+    __asm__("" : "+x"(acc[c]));
+  }
+  for (int64_t i = 0; i < iterations; ++i) KV_UNROLL for (int c = 0; c < 12; ++c) acc[c] = _mm256_fmadd_ps(acc[c], a, b);
+  KV_UNROLL for (int c = 1; c < 12; ++c) acc[0] = _mm256_add_ps(acc[0], acc[c]);
+  return _mm256_cvtss_f32(acc[0]);
+}
+
 }  // extern "C"
 #endif
