@@ -42,6 +42,14 @@ class StreamOptions(RequestModel):
     include_usage: bool = False
 
 
+# Fields of vLLM and SGLang that change nothing at these values, which vllm-router (SGLang's router) writes into
+# every request it forwards: accepted at exactly these values (or null), else a 400 naming them as any field
+# kvserve does not serve.
+NEUTRAL_AT = {"no_stop_trim": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
+              "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True,
+              "return_hidden_states": False, "include_stop_str_in_output": False}
+
+
 class _SamplingRequest(RequestModel):
     """Fields shared by chat and completions."""
 
@@ -100,6 +108,16 @@ class _SamplingRequest(RequestModel):
     service_tier: str | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _drop_neutral(cls, data):
+        """Leave out the ``NEUTRAL_AT`` fields sent at their neutral value (or null): they change nothing."""
+        if not isinstance(data, dict):
+            return data
+        return {key: value for key, value in data.items()
+                if key not in NEUTRAL_AT or key in cls.model_fields
+                or not (value is None or (type(value) is type(NEUTRAL_AT[key]) and value == NEUTRAL_AT[key]))}
 
     @model_validator(mode="after")
     def _refuse_unsupported(self):

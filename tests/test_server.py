@@ -217,6 +217,11 @@ def test_malformed_json_and_unknown_fields(server_url):
         assert refused.status_code == 400 and refused.json()["error"]["param"] == name  # chat's fields, named
     harmless = chat_body("Hi", max_tokens=2, metadata={"team": "a"}, service_tier="auto", prompt_cache_key="k")
     assert post(server_url, CHAT, harmless).status_code == 200  # OpenAI's fields that change no reply
+    routed = chat_body("Hi", max_tokens=2, no_stop_trim=False, skip_special_tokens=True, separate_reasoning=True,
+                       stream_reasoning=True, include_reasoning=True, return_hidden_states=False)
+    assert post(server_url, CHAT, routed).status_code == 200  # what vllm-router writes into every request
+    changed = post(server_url, CHAT, chat_body("Hi", max_tokens=2, skip_special_tokens=False))
+    assert changed.status_code == 400 and changed.json()["error"]["param"] == "skip_special_tokens"
     stored = post(server_url, CHAT, chat_body("Hi", max_tokens=2, store=True))
     assert stored.status_code == 400 and "store" in stored.json()["error"]["message"]
 
