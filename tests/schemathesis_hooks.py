@@ -12,12 +12,13 @@ _TOKEN_FIELDS = {"/v1/chat/completions": "max_tokens", "/v1/completions": "max_t
 
 @schemathesis.hook
 def map_body(context, body):
-    """A generation body asks for at most ``MAX_TOKENS`` tokens. A value that is not a positive integer is left as
-    generated (a negative case the server must refuse)."""
+    """A generation body asks for at most ``MAX_TOKENS`` tokens, also when it leaves the limit out or sends null
+    (the server's default then: thousands of tokens, sampled, so minutes on a busy machine). A value that is not a
+    positive integer is left as generated (a negative case the server must refuse)."""
     field = _TOKEN_FIELDS.get(context.operation.path)
     if field is None or not isinstance(body, dict):
         return body
-    value = body.get(field, MAX_TOKENS)
+    value = body.get(field) if body.get(field) is not None else MAX_TOKENS
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1:
         body[field] = min(value, MAX_TOKENS)
     body.pop("max_completion_tokens", None)
