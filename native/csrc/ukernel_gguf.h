@@ -47,11 +47,12 @@
  *   overflow (Q8_0's sign moved onto x: |q| x sign(x, q)).
  *
  * ---- Loop order (vector paths): a call takes `panels` panels and any number of rows. A tile is R rows x P
- *   panels (R <= MR; P > 1 only for Q6_K's decode of 1 or 2 rows on AVX-512, so one activation broadcast feeds
+ *   panels (R <= MR; P > 1 only for Q6_K's decode of 2 rows on AVX-512, so one activation broadcast feeds
  *   R * P products: kPanelsOf); its accumulators stay in registers over the whole row, and per group of 8 blocks
  *   the codes are made from the panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting
  *   4 activation codes broadcast as one int32), B blocks at once when they share loads. More rows than MR: per
- *   panel, every tile of MR rows, the K-quants' prefetching the groups to come (kAhead); or, for the K-quants
+ *   panel, every tile of MR rows, the K-quants' prefetching the groups to come towards L2 (kAhead: their decode
+ *   tiles of 3 rows or more too); or, for the K-quants
  *   kUnpackGroups names, per panel and group, the group's codes and scales unpacked once into memory and every
  *   tile of MR rows taking them, its accumulators read from y and written back around the group (the same float
  *   steps in the same order).
