@@ -173,49 +173,6 @@ def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
     return wall, seconds
 
 
-def _probe_gmacs(symbol: str, macs_per_round: int, iterations: int = 20_000_000) -> float | None:
-    """One core's multiply-adds per CPU second (GMAC/s) from roofline probe ``symbol`` of the native library of
-    leaves (native/csrc/leaves.cpp: independent chains on registers, ``macs_per_round`` multiply-adds a round),
-    run once short to warm up then for ``iterations`` rounds; None where the library lacks the probe."""
-    import ctypes
-
-    from kvserve.native import ggml_leaves
-
-    probe = getattr(ctypes.CDLL(str(ggml_leaves.build(native=True))), symbol, None)
-    if probe is None:
-        return None
-    probe.argtypes, probe.restype = [ctypes.c_int64], None  # its result only keeps the chains from being dropped
-    probe(iterations // 10)
-    started = time.thread_time()
-    probe(iterations)
-    return iterations * macs_per_round / (time.thread_time() - started) / 1e9
-
-
-def int8_peak_gmacs(iterations: int = 20_000_000) -> float | None:
-    """One core's ``vpdpbusd`` multiply-adds per CPU second (``kv_vnni_peak``, 16 chains of 64 MACs a round); None
-    where the CPU has no AVX-512 VNNI or the library lacks the probe."""
-    from kvserve import native
-
-    if "avx512" not in native.native_isas():
-        return None
-    return _probe_gmacs("kv_vnni_peak", 16 * 64, iterations)
-
-
-# Per path, the float32 FMA probe (leaves.cpp) and its multiply-adds a round: 16 zmm chains, or 12 ymm chains.
-_FMA_PROBES = {"avx512": ("kv_fma_peak_avx512", 16 * 16), "avx2": ("kv_fma_peak_avx2", 12 * 8)}
-
-
-def fma_peak_gmacs(path: str, iterations: int = 20_000_000) -> float | None:
-    """One core's float32 FMA multiply-adds per CPU second on ISA path ``path`` ("avx512": zmm, "avx2": ymm, as
-    the float32 attention tiles of attend_tile.h run them); None for another path (the scalar one has no probe) or
-    where this CPU lacks the path."""
-    from kvserve import native
-
-    if path not in _FMA_PROBES or path not in native.native_isas():
-        return None
-    return _probe_gmacs(*_FMA_PROBES[path], iterations)
-
-
 def attention_peak(cache_dtype: str, head_dim: int) -> tuple[str, float] | None:
     """The measured peak per core that prefill attention over a ``cache_dtype`` KV cache is set against, as
     (name, GMAC/s): ``vdpbf16ps`` where a bfloat16 cache runs its AVX-512 BF16 path (``kv_bf16_peak``, 16 chains
@@ -223,12 +180,13 @@ def attention_peak(cache_dtype: str, head_dim: int) -> tuple[str, float] | None:
     and the float32 FMAs a quantized or bfloat16 cache's other paths run after widening); None without a probe
     for that path (the scalar one, or no kernel build)."""
     from kvserve import native
+    from kvserve.loadtest.engine.roofline import bf16_peak_gmacs, fma_peak_gmacs
 
     ops = native.load_ops()
     if ops is None:
         return None
     if cache_dtype == KVCacheDType.BFLOAT16.value and ops.bf16_attention_path(head_dim) == "avx512":
-        gmacs = _probe_gmacs("kv_bf16_peak", 16 * 32)
+        gmacs = bf16_peak_gmacs()
         return ("vdpbf16ps", gmacs) if gmacs else None
     module = native.load()
     path = module.isa() if module is not None else "scalar"
@@ -241,6 +199,8 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
     run past that) and per part its seconds, share and rate, over a ``cache_dtype`` KV cache."""
     from kvserve import native
     from kvserve.loadtest.engine.macs import Geometry
+
+    from kvserve.loadtest.engine.roofline import int8_peak_gmacs
 
     geometry = Geometry.of(loaded.model.config)
     peak = int8_peak_gmacs()
