@@ -289,7 +289,9 @@ async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, w
                 echo_part = fmt.echo_prefix(update.index, prompt_text(update.index), want_logprobs)
             if update.finish_reason is not None:
                 finished.add(update.index)
-            yield {"data": json.dumps(fmt.chunk(update, want_logprobs, echo_part))}
+            chunk = fmt.chunk(update, want_logprobs, echo_part)
+            if chunk is not None:
+                yield {"data": json.dumps(chunk)}
         if body.include_usage:
             yield {"data": json.dumps(fmt.usage_chunk())}
         yield {"data": "[DONE]"}

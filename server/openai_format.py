@@ -138,11 +138,17 @@ class Formatter:
         first = TokenLogprob(token_id=prompt_ids[0], logprob=0.0)
         return prompt_text, self._completion_logprobs(index, [first] + self.generation.prompt_logprobs(index))
 
-    def chunk(self, update: ChoiceUpdate, want_logprobs: bool, echo: tuple[str, dict | None] | None = None) -> dict:
-        """One streamed chunk for one choice update."""
+    def chunk(self, update: ChoiceUpdate, want_logprobs: bool,
+              echo: tuple[str, dict | None] | None = None) -> dict | None:
+        """One streamed chunk for one choice update; None for a chat update that leaves nothing to send (its
+        tokens' text held back, e.g. while a tool call's opening tag may be forming, no logprobs asked, the role
+        already sent, not the last), which vLLM's streams skip too."""
         if self.chat:
             reasoning, text = self._split_reasoning(update.index, update.text, update.finish_reason is not None)
             content, tool_deltas, reason = self._split_tools(update.index, text, update.finish_reason)
+            if not (content or tool_deltas or reasoning or reason or update.index not in self.sent_role
+                    or (want_logprobs and update.tokens)):
+                return None
             delta: dict = {"content": content}
             if update.index not in self.sent_role:
                 self.sent_role.add(update.index)
