@@ -200,7 +200,6 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
     run past that) and per part its seconds, share and rate, over a ``cache_dtype`` KV cache."""
     from kvserve import native
     from kvserve.loadtest.engine.macs import Geometry
-
     from kvserve.loadtest.engine.roofline import int8_peak_gmacs
 
     geometry = Geometry.of(loaded.model.config)
@@ -210,22 +209,29 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
     rows = ["| prompt tokens | prefill s (no profiler) | tokens/s | " + " | ".join(
         f"{part} s (share)" for part, _ in _PREFILL_PARTS) + " | projections GMAC/s" + (
         " (% of int8 peak)" if peak else "") + " | attention GMAC/s" + (
-        f" (% of {attn_peak[0]} peak)" if attn_peak else "") + " |",
-        "|---:" * (4 + len(_PREFILL_PARTS)) + "|---:|"]
+        f" (% of {attn_peak[0]} peak)" if attn_peak else "") + " |" + (
+        " at the peaks s |" if peak and attn_peak else ""),
+        "|---:" * (4 + len(_PREFILL_PARTS)) + "|---:|" + ("---:|" if peak and attn_peak else "")]
     for length in lengths:
         wall, seconds = profile_prefill(length, chunk, loaded, 3 if length <= 2048 else 1, cache_dtype)
         total = sum(seconds.values())
         parts = {part: sum(seconds.get(label, 0.0) for label in labels) for part, labels in _PREFILL_PARTS}
         # the profiler's own cost is spread over the parts: scale them to the prefill without it
         scaled = {part: wall * s / total for part, s in parts.items()}
-        proj_gmacs = (length * geometry.per_token + geometry.hidden * geometry.vocab) / scaled["projections"] / 1e9
+        proj_macs = length * geometry.per_token + geometry.hidden * geometry.vocab
+        proj_gmacs = proj_macs / scaled["projections"] / 1e9
         pairs = length * (length + 1) // 2
         attn_gmacs = geometry.per_pair * pairs / scaled["attention"] / 1e9 if scaled["attention"] else float("nan")
         proj = f"{proj_gmacs:.3g}" + (f" ({100 * proj_gmacs / (peak * threads):.0f}%)" if peak else "")
         attn = f"{attn_gmacs:.3g}" + (f" ({100 * attn_gmacs / (attn_peak[1] * threads):.0f}%)" if attn_peak else "")
+        at_peaks = ""
+        if peak and attn_peak:  # projections and attention at 100% of their peaks, the rest as measured
+            at_peaks = " {:.3g} |".format(
+                proj_macs / (peak * threads * 1e9) + geometry.per_pair * pairs / (attn_peak[1] * threads * 1e9)
+                + wall - scaled["projections"] - scaled["attention"])
         rows.append(f"| {length} | {wall:.3g} | {length / wall:.0f} | " + " | ".join(
             f"{scaled[part]:.3g} ({100 * parts[part] / total:.0f}%)" for part, _ in _PREFILL_PARTS)
-            + f" | {proj} | {attn} |")
+            + f" | {proj} | {attn} |" + at_peaks)
         if attn_peak:  # attention at the peak, the rest as measured
             floor = geometry.per_pair * pairs / (attn_peak[1] * threads * 1e9)
             bound = (length, floor, floor / (floor + wall - scaled["attention"]))
@@ -241,7 +247,10 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
         peak_text += "; attention's peak not measured (no probe for its path)"
     return ("\n".join(rows) + f"\n\nChunks of {chunk} tokens (the server's --max-num-batched-tokens), kernels "
             f"{native.isa()}, {threads} threads; {peak_text}. Shares are of the profiled prefill (self CPU time per "
-            "op); seconds are those shares of the prefill without the profiler. Projections: q/k/v/o and the MLP "
+            "op); seconds are those shares of the prefill without the profiler"
+            + ("; at the peaks: the prefill with its projections and attention at 100% of their peaks and the rest "
+               "as measured, the least time these exact ops could take" if peak and attn_peak else "")
+            + ". Projections: q/k/v/o and the MLP "
             "for every prompt token plus the LM head once; attention: 2 L H d multiply-adds per causal (query, key) "
             + ("pair, in float32." if cache_dtype in ("auto", "float32") else
                f"pair, over a {cache_dtype} KV cache (bfloat16: bf16 dot products, float32 sums).")
