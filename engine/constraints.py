@@ -54,7 +54,8 @@ class GrammarSpec:
 
     Attributes:
         kind: ``json_schema`` (text is a JSON schema), ``regex``, ``choice`` (a JSON list of strings),
-            ``lark`` (a Lark or GBNF grammar, llguidance's syntax) or ``llguidance`` (a ready grammar).
+            ``lark`` (a Lark grammar, llguidance's syntax), ``gbnf`` (llama.cpp's GBNF) or ``llguidance`` (a
+            ready grammar).
         text: the grammar in that kind's syntax.
         json_literals: the text it generates is JSON, or JSON inside a wrapper (a forced tool call); implied by
             ``json_schema``. Its numbers are bounded (engine.closing).

@@ -37,6 +37,8 @@ MAX_CHOICES = 1_024         # options of a guided_choice (the choice list's JSON
 
 _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "lark"}
+# a line that starts a GBNF rule: Lark writes rules as `name: ...`, GBNF as `name ::= ...`
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=", re.M)
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 # keywords whose numbers the output may have to write (a step shapes the number's regex); bounds are narrowed to
 # what can be written instead (server.schema_numbers)
@@ -207,6 +209,8 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
         raise ApiError(400, f"{param} must be a non-empty string", param=param)
     if len(value.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
+    if kind == "lark" and _GBNF_RULE.search(value):
+        kind = "gbnf"  # llama.cpp's syntax (rules as `name ::= ...`), which llguidance reads too
     problem = repetition_problem(value) or (lark_problem(value) if kind == "lark" else None)
     if problem is not None:
         raise ApiError(400, f"{param} {problem}", param=param)

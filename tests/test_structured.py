@@ -680,3 +680,14 @@ def test_a_grammar_that_crashes_the_compiler_ends_only_the_worker(smollm2):
             compiler.compile(GrammarSpec("regex", "["))
     finally:
         sandbox.close()
+
+
+@pytest.mark.parametrize("field", ["guided_grammar", "structured_outputs"])
+def test_a_gbnf_grammar_constrains_as_a_lark_one_does(server_url, field):
+    """docs/api.md: guided_grammar takes Lark or GBNF. GBNF went to the Lark parser and was a 400."""
+    grammar = 'root ::= answer "."\nanswer ::= "yes" | "no"'
+    extra = {"guided_grammar": grammar} if field == "guided_grammar" else {"structured_outputs": {"grammar": grammar}}
+    response = chat(server_url, "Is the sky blue?", max_tokens=8, temperature=0, **extra)
+    assert response.status_code == 200, response.text
+    assert response.json()["choices"][0]["message"]["content"] in ("yes.", "no.")
+    assert response.json()["choices"][0]["finish_reason"] == "stop"
