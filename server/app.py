@@ -291,6 +291,8 @@ async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, w
                 finished.add(update.index)
             chunk = fmt.chunk(update, want_logprobs, echo_part)
             if chunk is not None:
+                if body.continuous_usage:
+                    chunk["usage"] = generation.usage()
                 yield {"data": json.dumps(chunk)}
         if body.include_usage:
             yield {"data": json.dumps(fmt.usage_chunk())}
