@@ -38,8 +38,14 @@ from kvserve.server.openapi_doc import openapi_schema
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.server.state import ServerState
 
-# pydantic names the member of a union that failed (``stop.str``); the client only needs the field
-_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+# pydantic names the member of a union that failed (``stop.str``, ``input.list[...]``, a model's class name); the
+# client only needs the fields and indices
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before",
+                  "function-wrap", "function-plain", "literal", "tagged-union"}
+
+
+def _is_union_member(part: str) -> bool:
+    return part.split("[")[0] in _UNION_MEMBERS or part[:1].isupper()  # no request field starts with a capital
 
 
 def _is_json(content_type: str) -> bool:
@@ -53,9 +59,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    while loc and (loc[-1].split("[")[0] in _UNION_MEMBERS):
-        loc.pop()
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_member(str(part))]
     param = ".".join(loc) or getattr(first.get("ctx", {}).get("error"), "param", None)
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if not loc and param and message.startswith(f"{param}: "):  # a BodyError names its place itself

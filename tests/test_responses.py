@@ -146,3 +146,11 @@ def test_responses_and_chat_without_a_limit_stop_at_the_default_cap(smollm2):
         chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": body["input"]}], "temperature": 0}).json()
         assert chat["usage"]["completion_tokens"] == 5 and chat["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("item", [{"role": "tool", "content": "x"}, {"type": "function_call_output", "output": "x"}])
+def test_a_refused_input_item_is_named_by_its_place_not_by_pydantics_union_tags(server_url, item):
+    response = httpx.post(server_url + "/v1/responses", json={"input": [item], "max_output_tokens": 1}, timeout=60)
+    assert response.status_code == 400, response.text
+    param = response.json()["error"]["param"]
+    assert param.startswith("input.0") and "[" not in param and "function-after" not in param, param
