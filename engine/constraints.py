@@ -335,5 +335,10 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
 
 def _short(error: str) -> str:
-    """llguidance's error without the parser-state dump it may append."""
-    return error.split("\n")[0].strip()
+    """llguidance's error without the parser-state dump it may append. A regex error comes over several lines
+    (``regex parse error:``, the pattern, a caret line, ``error: <why>``): its pattern and reason are kept."""
+    lines = [line.strip() for line in error.split("\n")]
+    why = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if lines[0].endswith(":") and why is not None:
+        return f"{lines[0]} {lines[1]}: {why.removeprefix('error:').strip()}"
+    return lines[0]

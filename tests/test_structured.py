@@ -126,6 +126,7 @@ def test_vllm_guided_fields(server_url):
     ({"guided_choice": ["a"], "guided_regex": "b"}, "not several"),
     ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "exactly one"),
     ({"guided_grammar": "start: ("}, "guided_grammar"),
+    ({"guided_regex": "(?=a)b"}, "look-around, including look-ahead and look-behind, is not supported"),
     ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
     ({"tools": [{"type": "retrieval"}]}, "tools.0"),
 ])
