@@ -53,7 +53,8 @@ class Formatter:
     """
 
     def __init__(self, generation: Generation, chat: bool, request_id: str, model: str, tokenizer,
-                 tool_calls: bool = False, thinking: bool | None = None) -> None:
+                 tool_calls: bool = False, thinking: bool | None = None,
+                 tool_names: frozenset[str] = frozenset()) -> None:
         self.generation = generation
         self.chat = chat
         self.id = request_id
@@ -65,6 +66,7 @@ class Formatter:
         self.sent_role: set[int] = set()
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self.tool_streams: dict[int, ToolCallStream] | None = {} if tool_calls else None
+        self.tool_names = tool_names  # the request's functions: a whole reply's calls must name one of them
         self.thinking = thinking
         self.reasoning_splits: dict[int, ReasoningSplit] = {}
 
@@ -193,6 +195,9 @@ class Formatter:
                 content, _, reason = self._split_tools(index, text, reasons[index])
                 message = {"role": "assistant", "content": content}
                 calls = self.tool_streams[index].calls if self.tool_streams is not None else []
+                if calls and not self.tool_streams[index].well_formed(self.tool_names):
+                    calls, content = [], text  # not a call kvserve can hand over: the model's text, as vLLM does
+                    message["content"], reason = content, "stop" if reason == "tool_calls" else reason
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 if self.thinking is not None:  # a reasoning parser: the fields are there, null without reasoning

@@ -268,6 +268,20 @@ class ToolCallStream:
                 return deltas
             self.pos, self.args_start = close.end(), None
 
+    def well_formed(self, names: frozenset[str]) -> bool:
+        """Whether every call so far names one of ``names`` and its arguments are a JSON object. A reply in
+        ``auto`` mode is not constrained, so a model may write a call that is neither; the whole (non-streamed)
+        reply then returns it as content, as vLLM's Hermes parser does."""
+        for call in self.calls:
+            if call["function"]["name"] not in names:
+                return False
+            try:
+                if not isinstance(json.loads(call["function"]["arguments"]), dict):
+                    return False
+            except ValueError:
+                return False
+        return True
+
     def finish(self) -> tuple[str, list[dict]]:
         """Flush at the end: undecided text is content; a tools-mode reply that yielded no call is content."""
         if self.mode == "undecided" or (self.mode == "tools" and not self.calls):

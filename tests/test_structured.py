@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -692,3 +693,18 @@ def test_a_gbnf_grammar_constrains_as_a_lark_one_does(server_url, field):
     assert response.status_code == 200, response.text
     assert response.json()["choices"][0]["message"]["content"] in ("yes.", "no.")
     assert response.json()["choices"][0]["finish_reason"] == "stop"
+
+
+@pytest.mark.parametrize("call", ['{"name": "get_weather", "arguments": {bad}}',
+                                  '{"name": "nope", "arguments": {"city": "Rome"}}'])
+def test_an_auto_reply_that_is_not_a_call_to_a_given_function_comes_back_as_content(server_url, call):
+    """tool_choice auto does not constrain the reply: a call whose arguments are not JSON, or to a function the
+    request did not give, is the model's text (as vLLM's Hermes parser returns it), not a tool call a client
+    would run."""
+    reply = f"<tool_call>{call}</tool_call>"
+    response = chat(server_url, "What is the weather in Rome?", tools=[WEATHER], max_tokens=48,
+                    guided_regex=re.escape(reply))
+    assert response.status_code == 200, response.text
+    choice = response.json()["choices"][0]
+    assert choice["message"].get("tool_calls") is None and choice["message"]["content"] == reply
+    assert choice["finish_reason"] == "stop"
