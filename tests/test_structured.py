@@ -708,3 +708,26 @@ def test_an_auto_reply_that_is_not_a_call_to_a_given_function_comes_back_as_cont
     choice = response.json()["choices"][0]
     assert choice["message"].get("tool_calls") is None and choice["message"]["content"] == reply
     assert choice["finish_reason"] == "stop"
+
+
+ITEMS = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "qty": {"type": "integer"}},
+    "required": ["name", "qty"]}}}}
+
+
+@pytest.mark.parametrize("schema, max_tokens", [
+    (ITEMS, 40), (ITEMS, 60),
+    ({"type": "object", "properties": {"b": {"type": "string", "format": "email"}}, "required": ["b"]}, 40),
+    ({"type": "object", "properties": {"b": {"type": "string", "format": "uri"}}, "required": ["b"]}, 40),
+    ({"type": "object", "properties": {"b": {"type": "string", "pattern": "^[a-z0-9-]+@[a-z]+\\.com$"}},
+      "required": ["b"]}, 40),
+])
+def test_a_reply_closes_within_the_budget_where_one_token_opens_a_long_way_to_close(server_url, schema, max_tokens):
+    """engine.closing: in an array of objects one `},` adds a whole item to the closing path (more than the fixed
+    slack), and a string whose format or pattern refuses the closing quote was forced one token at a time from a
+    fresh walk each step (which repeated its first token without end). Both ended `length` with broken JSON."""
+    response = chat(server_url, "Order 2 apples and 3 pears, then tell me where Barcelona is.", max_tokens=max_tokens,
+                    response_format=schema_format(schema))
+    choice = response.json()["choices"][0]
+    assert choice["finish_reason"] == "stop", choice
+    jsonschema.validate(json.loads(choice["message"]["content"]), schema)
