@@ -22,6 +22,7 @@ import json
 import re
 
 import jsonschema
+import llguidance
 
 from kvserve.engine.closing import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS
 from kvserve.engine.constraints import Grammar, GrammarError, GrammarSpec
@@ -92,6 +93,23 @@ def _bounded_text(text: str) -> tuple[str, str | None]:
 
 
 @functools.lru_cache(maxsize=256)
+def _pattern_compiles(pattern: object) -> bool:
+    """A ``pattern`` the metaschema's ``format: regex`` allows: one Python's ``re`` compiles, or one the grammar
+    compiler's regex engine takes (ECMA-262's ``\\p{L}`` classes, which ``re`` lacks)."""
+    if not isinstance(pattern, str):
+        return True  # not a string: the metaschema's type check reports it
+    try:
+        re.compile(pattern)
+        return True
+    except re.error:
+        return not llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("regex", pattern))
+
+
+# jsonschema's checks of a schema's own formats, but a pattern is judged by what the grammar compiler can build
+_METASCHEMA_FORMATS = jsonschema.FormatChecker()
+_METASCHEMA_FORMATS.checks("regex")(_pattern_compiles)
+
+
 def _schema_problem(text: str) -> str | None:
     """Why the schema ``text`` cannot be served (too deep, not a valid JSON Schema), or None. Cached by text:
     jsonschema's check against the metaschema takes milliseconds (~5 ms for loadtest's mid-sized schema) on the
@@ -105,7 +123,8 @@ def _schema_problem(text: str) -> str | None:
         return (f"asks for the number {value} (at {where}), longer than a generated JSON number may be: at most "
                 f"{MAX_MANTISSA_DIGITS} digits before the exponent and {MAX_EXPONENT_DIGITS} in it")
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(
+            schema, format_checker=_METASCHEMA_FORMATS)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         return f"is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")
