@@ -128,6 +128,12 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 405:
             return _method_not_allowed(request).response()
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for any cause
+            try:
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError as bad:  # JSON's encoding is UTF-8 (RFC 8259), whatever charset is declared
+                return ApiError(400, f"the request body is not valid UTF-8 (byte {bad.start} is not): JSON text "
+                                "is UTF-8, whatever the Content-Type's charset says").response()
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
     @app.get("/health")

@@ -325,3 +325,11 @@ def test_tool_parameters_of_a_type_other_than_object_are_refused():
         functions(Body())
     assert refused.value.status == 400 and refused.value.param == "tools.0.function.parameters"
     assert 'type "string"' in str(refused.value)
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=latin-1"])
+def test_a_body_that_is_not_utf8_gets_a_400_saying_so(server_url, content_type):
+    body = b'{"messages": [{"role": "user", "content": "a\xff\xfeb"}], "max_tokens": 1}'
+    response = httpx.post(server_url + CHAT, content=body, headers={"content-type": content_type}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "not valid UTF-8 (byte 44 is not)" in response.json()["error"]["message"]
