@@ -13,7 +13,8 @@ from kvserve.kvcache.block_manager import BlockManager
 from kvserve.scheduler.contract import EngineRequest
 from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.offline import OfflineRun, run_offline
-from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig, affordable_tokens, chunk_work
+from kvserve.scheduler.scheduler import (LONE_STEP_WORK, Scheduler, SchedulerConfig, affordable_tokens,
+                                         chunk_work)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -191,23 +192,25 @@ def test_the_context_where_attention_costs_the_projections_comes_from_the_models
     assert attention_cost_context(smollm2) == COST_CONTEXT
 
 
-def test_a_lone_long_prompts_chunks_shrink_with_depth_so_no_step_costs_more_than_the_first():
+def test_a_lone_long_prompts_chunks_shrink_with_depth_within_the_lone_steps_work():
     plans: list[StepPlan] = []
     alone = run({0: [request(0, LONG)]}, plans=plans, attention_cost_context=COST_CONTEXT)
     sizes = chunks(plans, 0)
-    assert sizes[:4] == [512, 372, 307, 268] and sizes[-4:] == [69, 68, 68, 42]  # by tokens: [512] * 15 + [320]
-    assert len(sizes) == 66 and sum(sizes) == LONG and alone.first_token_step[0] == 65
-    assert all(step_work(plan) <= STEP_WORK for plan in plans)
+    assert sizes[:6] == [512, 512, 512, 449, 388, 347]  # by tokens: [512] * 15 + [320]
+    assert sizes[-3:] == [139, 137, 79] and len(sizes) == 34 and alone.first_token_step[0] == 33
+    assert all(step_work(plan) <= LONE_STEP_WORK * STEP_WORK for plan in plans)
 
 
 def test_a_short_request_beside_a_deep_prefill_shares_a_step_of_bounded_work():
     plans: list[StepPlan] = []
-    run({0: [request(0, LONG)], 40: [request(1, 32, first=10_000)]}, plans=plans,
+    run({0: [request(0, LONG)], 20: [request(1, 32, first=10_000)]}, plans=plans,
         attention_cost_context=COST_CONTEXT)
-    # the long chunk's first pass: the work of 256 tokens from 0 buys 38 at 6072; the short prompt's 32; what is
-    # left of the step's work tops the long chunk up by 43 (by tokens: 256 + 32, then 224 more)
-    assert positions_and_sizes(plans[40:41], 0) == [(6072, 81)] and positions_and_sizes(plans, 1) == [(0, 32)]
-    assert step_work(plans[40]) <= STEP_WORK < step_work(plans[40]) + chunk_work(6153, 1, COST_CONTEXT)
+    # alone: 178 tokens at 5753 (twice a step's work); beside the short prompt, the long chunk's first pass gets the
+    # work of 256 tokens from 0 (39 at 5931), the short one its 32, and what is left tops the long chunk up by 44
+    # (by tokens: 256 + 32, then 224 more)
+    assert positions_and_sizes(plans[19:22], 0) == [(5753, 178), (5931, 83), (6014, 171)]
+    assert positions_and_sizes(plans, 1) == [(0, 32)]
+    assert step_work(plans[20]) <= STEP_WORK < step_work(plans[20]) + chunk_work(6014, 1, COST_CONTEXT)
 
 
 def test_a_decode_keeps_its_token_and_its_attention_counts_in_the_steps_work():
@@ -220,7 +223,8 @@ def test_a_decode_keeps_its_token_and_its_attention_counts_in_the_steps_work():
 
 def test_a_prompt_deeper_than_a_steps_work_still_gets_a_token_a_step():
     plans: list[StepPlan] = []
-    deep = run({0: [request(0, 600)]}, budget=32, plans=plans, attention_cost_context=1)
+    deep = run({0: [request(0, 1200)]}, budget=32, plans=plans, attention_cost_context=1)
     sizes = chunks(plans, 0)
-    assert sizes[:3] == [32, 13, 10] and sizes[-3:] == [1, 1, 1]  # past 544 tokens one token is more than a step
-    assert sum(sizes) == 600 and deep.first_token_step[0] == 407
+    # past position 1086 one token costs more than a lone step's work (2 x 32 x 34): the step's first chunk gets one
+    assert sizes[:3] == [32, 24, 16] and sizes[-113:] == [1] * 113
+    assert sum(sizes) == 1200 and deep.first_token_step[0] == 814
