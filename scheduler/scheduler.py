@@ -22,6 +22,19 @@ got all it needs may start a long prompt beyond the limit, so steps stay full wh
 together. Decodes keep their token: a prefill leaves one for each decode after it in the claim order (vLLM plans
 decodes first; here the policy's order stays the claim order, since preemption takes from its end).
 
+Sizing chunks by work (Sarathi-Serve's stall-free batching: a budget of work per step, not of tokens): a prompt
+token costs its projections plus attention over the keys before it, so a chunk of the budget's tokens at position
+8,000 costs several times one at position 0, and everyone sharing or waiting for that step waits that much longer.
+With ``attention_cost_context`` C > 0 (the context at which a token's attention costs as much as its projections;
+``kvserve serve`` derives it from the model's shape and the kernels' measured speeds,
+``engine.loader.attention_cost_context``), n tokens from position p cost n (1 + (p + n / 2) / C) token-equivalents
+(``chunk_work``; a decode's token likewise, and it keeps its token whatever the work left). A step may do the work of
+a whole budget's chunk from position 0 (``LONE_STEP_WORK`` times that while one sequence is live, so a lone long
+prompt is not cut into many small steps), a long prefill's first-pass chunk the work of
+``long_prefill_token_threshold`` tokens from 0, and the top-up fills the step's work, not only its tokens; the token
+budget holds as well. A step's first prefill chunk gets one token however deep, so every prompt progresses. Chunk
+boundaries change no token (attention is chunk-invariant; tests/test_exactness.py). 0: chunks by tokens only.
+
 Speculation adds one rule (as vLLM v1's scheduler has it): a sequence's computed tokens catch up to its tokens plus
 its speculative tokens. Drafts only get the token budget and the blocks left over once every sequence's own work is
 planned, so they never displace a prefill or preempt anyone; which draft tokens each decoding sequence verifies is
