@@ -14,14 +14,18 @@ A grammar says what may come next, not when to stop; a small model given ``"popu
    lowest allowed token, until the matcher accepts; then EOS. Its length D (EOS included) bounds the tokens the
    grammar needs to reach an accepting state (greedy, so an upper bound, never under). When the tokens left
    (``max_tokens`` minus the tokens generated; the server caps ``max_tokens`` at the context) come down to
-   D + ``CLOSING_SLACK``, the mask allows only the path's next token, so the reply closes and ends with EOS:
+   D + slack, the mask allows only the path's next token, so the reply closes and ends with EOS:
    finish_reason ``stop``. If even the path does not fit, nothing is forced and the reply ends ``length``.
-   The slack is room for one sampled token that lengthens the path (a new key, an opened array item). The walk
-   costs microseconds per path token (llguidance's forced-token and try-consume calls, then a rollback) and is
-   capped at the tokens left. It is walked again after a quarter of the gap between the tokens left and the
-   point of forcing (path + slack), at most ``RECHECK_EVERY`` tokens, and every step in the last few tokens
-   before it: the path would have to grow by a quarter of that gap in between to be missed. A path that did
-   not fit is not walked again (it shrinks by at most one token per token, as the tokens left do). Figures in
+   The slack is room for a sampled token that lengthens the path: at least ``CLOSING_SLACK``, and as much as
+   one of the tokens that open something new (``OPENERS``: a comma that starts the next item or key, ``},``
+   that ends an object and starts another, an opened array or object) would add, taken where the grammar allows
+   it at any point along the path (``opener_slack``): in an array of objects one ``},`` adds a whole item's
+   closing (a key, a value, braces: a dozen tokens), more than any fixed slack. The walk costs microseconds per path token
+   (llguidance's forced-token and try-consume calls, then a rollback) and is capped at the tokens left. It is
+   walked again after a quarter of the gap between the tokens left and the point of forcing (path + slack), at
+   most ``RECHECK_EVERY`` tokens, and every step in the last few tokens before it. A walk that found no path
+   within the tokens left is repeated on the same schedule: the path is a greedy one, an upper bound, and a
+   later state (a string's pattern satisfied, an item closed) may have a much shorter one. Figures in
    BENCHMARKS.md, "closing within the budget".
 """
 
@@ -90,6 +94,8 @@ def advance(state: LexState, data: bytes) -> LexState:
     return part, mantissa, exponent
 
 
+# tokens after which the closing path may be much longer (a new item, key or container): the slack covers them
+OPENERS = [",", "},", "],", ", ", " ,", '",', '", "', "[", "{", " [", " {", "[{", '{"', '["']
 # the closing tokens tried, by where the text ends; in order of preference (a closing bracket before a comma)
 _CANDIDATES = {Part.STRING: ['"', "a", "0", "@", ".", "-", ":", " "], Part.ESCAPE: ["n", '"', "u"],
                Part.MANTISSA: ["}", "]", ",", "1", ".", "0"], Part.EXPONENT: ["}", "]", ",", "0"],
@@ -115,8 +121,8 @@ class TokenTable:
         self._exponent_lead = np.array([_lead(b, rb"[+-]?[0-9]*") for b in self.token_bytes])  # [vocab]
         self._starts_point = np.array([b.startswith(b".") for b in self.token_bytes])  # [vocab]
         self._bans: dict[tuple[Part, int], np.ndarray | None] = {}
-        self.candidates = {part: [ids[0] for ids in (tokenizer.tokenize_str(s) for s in texts) if len(ids) == 1]
-                           for part, texts in _CANDIDATES.items()}
+        self.candidates = {part: _single_tokens(tokenizer, texts) for part, texts in _CANDIDATES.items()}
+        self.openers = _single_tokens(tokenizer, OPENERS)
 
     def digit_ban(self, state: LexState) -> np.ndarray | None:
         """``[words]`` uint32 bitmask of the tokens that would take a number past its bounds, or None."""
@@ -135,6 +141,11 @@ class TokenTable:
                 banned = self._exponent_lead > room
             self._bans[key] = _pack(banned, self.words) if banned.any() else None
         return self._bans[key]
+
+
+def _single_tokens(tokenizer: llguidance.LLTokenizer, texts: list[str]) -> list[int]:
+    """The tokens of those ``texts`` that are one token each, in order."""
+    return [ids[0] for ids in (tokenizer.tokenize_str(t) for t in texts) if len(ids) == 1]
 
 
 def _lead(data: bytes, pattern: bytes) -> int:
@@ -195,6 +206,37 @@ def closing_path(matcher: llguidance.LLMatcher, state: LexState | None, table: T
     finally:
         if path:
             matcher.rollback(len(path))
+
+
+def opener_slack(matcher: llguidance.LLMatcher, state: LexState | None, table: TokenTable, path: list[int],
+                 limit: int) -> int:
+    """Tokens of room to keep beyond the closing ``path``: ``CLOSING_SLACK``, or more where, at some point along
+    the path, one of ``table.openers`` the grammar allows there would lengthen it by more (the path's tokens up
+    to that point, the opener, the path walked after it, less ``len(path)``; walks capped at ``limit`` tokens).
+    Along the path, because the opener may come a token or two later: after ``"qty": 3`` in an array of
+    objects, not before the number. The matcher is left as it was."""
+    room, followed = CLOSING_SLACK, 0
+    try:
+        for i, step in enumerate(path):
+            for token in table.openers:
+                if matcher.validate_tokens([token]) != 1 or not matcher.try_consume_tokens([token]):
+                    continue
+                try:
+                    after = closing_path(matcher, None if state is None else advance(state, table.token_bytes[token]),
+                                         table, limit)
+                finally:
+                    matcher.rollback(1)
+                if after is not None:
+                    room = max(room, i + 1 + len(after) - len(path))
+            if step == table.eos_id or not matcher.try_consume_tokens([step]):
+                break
+            followed += 1
+            if state is not None:
+                state = advance(state, table.token_bytes[step])
+    finally:
+        if followed:
+            matcher.rollback(followed)
+    return room
 
 
 def _one_closing_token(matcher: llguidance.LLMatcher, state: LexState | None, table: TokenTable,

@@ -29,7 +29,7 @@ import llguidance.hf
 import numpy as np
 
 from kvserve.engine.closing import (CLOSING_SLACK, RECHECK_EVERY, START, LexState, TokenTable, advance,
-                                    closing_path, only)
+                                    closing_path, only, opener_slack)
 
 # Work bounds for one grammar (llguidance's units); a schema past them is refused, never served slowly.
 _LIMITS = dict(max_grammar_size=200_000,     # symbols in the grammar's productions
@@ -54,7 +54,8 @@ class GrammarSpec:
 
     Attributes:
         kind: ``json_schema`` (text is a JSON schema), ``regex``, ``choice`` (a JSON list of strings),
-            ``lark`` (a Lark or GBNF grammar, llguidance's syntax) or ``llguidance`` (a ready grammar).
+            ``lark`` (a Lark grammar, llguidance's syntax), ``gbnf`` (llama.cpp's GBNF) or ``llguidance`` (a
+            ready grammar).
         text: the grammar in that kind's syntax.
         json_literals: the text it generates is JSON, or JSON inside a wrapper (a forced tool call); implied by
             ``json_schema``. Its numbers are bounded (engine.closing).
@@ -88,7 +89,8 @@ class Grammar:
 class Constraint:
     """One sequence's matcher. Opaque to the scheduler; only the engine calls its methods."""
 
-    __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed", "table", "budget", "lex", "path_len", "walked_at")
+    __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed", "table", "budget", "lex", "path_len", "walked_at",
+                 "slack", "forced", "forced_at")
 
     def __init__(self, matcher: llguidance.LLMatcher, grammar: Grammar, budget: int | None = None) -> None:
         self.matcher = matcher
@@ -101,11 +103,14 @@ class Constraint:
         self.lex: list[LexState] | None = [START] if grammar.is_json else None
         self.path_len: int | None = None  # the closing path's length at the last walk; None: not walked
         self.walked_at = 0                # tokens consumed at the last walk
+        self.slack = CLOSING_SLACK        # room kept beyond the path at the last walk (engine.closing.opener_slack)
+        self.forced: list[int] | None = None  # the closing path being forced, from token ``forced_at`` on
+        self.forced_at = 0
 
     def allowed_now(self, bits: np.ndarray) -> None:
         """Narrow this sequence's allowed tokens ``bits`` (``[words]`` uint32, in place) by the bounds on JSON
         numbers, and to the closing path's next token once the tokens left come down to the path's length plus
-        ``CLOSING_SLACK`` (engine.closing)."""
+        the slack (engine.closing); from then on to that path's tokens in turn, to its EOS."""
         state = self.lex[-1] if self.lex is not None else None
         if state is not None:
             ban = self.table.digit_ban(state)
@@ -113,20 +118,30 @@ class Constraint:
                 bits &= ~ban
         if self.budget is None:
             return
+        if self.forced is not None:  # the path's walk is deterministic: once forced, it is followed to its end
+            bits[:] = only(self.forced[min(len(self.consumed) - self.forced_at, len(self.forced) - 1)], bits.size)
+            return
         left = self.budget - len(self.consumed)
         if self.path_len is not None and not self._walk_due(left):
             return
         path = closing_path(self.matcher, state, self.table, left)
         self.path_len, self.walked_at = (len(path) if path is not None else left + 1), len(self.consumed)
-        if path is not None and left <= len(path) + CLOSING_SLACK:
+        if path is None:
+            return
+        # the slack is walked only near the point of forcing, where it decides
+        near = left <= len(path) + self.slack + RECHECK_EVERY
+        self.slack = opener_slack(self.matcher, state, self.table, path, left) if near else CLOSING_SLACK
+        if left <= len(path) + self.slack:
+            self.forced, self.forced_at = path, len(self.consumed)
             bits[:] = only(path[0], bits.size)
 
     def _walk_due(self, left: int) -> bool:
-        """Whether the closing path must be walked again now (engine.closing: when it is walked)."""
-        if self.path_len > left:  # it did not fit, and a path shrinks by at most a token per token: it never will
-            return False
-        # a quarter of the way to where the path would be forced, at most RECHECK_EVERY tokens: every step near it
-        gap = left - self.path_len - CLOSING_SLACK
+        """Whether the closing path must be walked again now (engine.closing: when it is walked): a quarter of the
+        way to where the path would be forced, at most RECHECK_EVERY tokens, every step near it; a walk that
+        found no path within the tokens left, on the same schedule as a far one."""
+        gap = left - self.path_len - self.slack
+        if self.path_len > left + len(self.consumed) - self.walked_at:  # it did not fit when walked
+            gap = left
         return len(self.consumed) - self.walked_at >= max(1, min(RECHECK_EVERY, gap // 4))
 
     def sync(self, output_ids: list[int]) -> None:
@@ -142,7 +157,8 @@ class Constraint:
                 self.matcher.reset()
                 common = 0
             del self.consumed[common:]
-            self.path_len = None  # walk again from the state rolled back to
+            # walk again from the state rolled back to
+            self.path_len, self.slack, self.forced = None, CLOSING_SLACK, None
             if self.lex is not None:
                 del self.lex[common + 1:]
         for token in output_ids[common:]:
@@ -334,5 +350,10 @@ def _grammar_text(spec: GrammarSpec) -> str:
 
 
 def _short(error: str) -> str:
-    """llguidance's error without the parser-state dump it may append."""
-    return error.split("\n")[0].strip()
+    """llguidance's error without the parser-state dump it may append. A regex error comes over several lines
+    (``regex parse error:``, the pattern, a caret line, ``error: <why>``): its pattern and reason are kept."""
+    lines = [line.strip() for line in error.split("\n")]
+    why = next((line for line in lines[1:] if line.startswith("error:")), None)
+    if lines[0].endswith(":") and why is not None:
+        return f"{lines[0]} {lines[1]}: {why.removeprefix('error:').strip()}"
+    return lines[0]

@@ -97,17 +97,27 @@ class SchedulerService:
             QueueFull: the waiting queue would exceed max_queue.
             RuntimeError: the loop has died.
         """
+        self.check_room(len(requests))
+        self._pending_adds += len(requests)
+        for request, stream in requests:
+            self._streams[request.request_id] = stream
+            self._inbox.put_nowait((_Command.ADD, request))
+
+    def check_room(self, sequences: int) -> None:
+        """Raise what ``submit`` would for ``sequences`` new sequences now: the server checks before it tokenizes
+        a request, so a flood is refused in microseconds each, not after every request's prompt and template.
+
+        Raises:
+            QueueFull: the waiting queue would exceed max_queue.
+            RuntimeError: the loop has died.
+        """
         if self.dead is not None:
             raise RuntimeError(f"engine loop has died: {self.dead!r}")
         queued = self.queued
         free = self.core.load.free_slots
         waiting = max(0, queued - free)
-        if self.max_queue == 0 or (waiting and queued + len(requests) - free > self.max_queue):
+        if self.max_queue == 0 or (waiting and queued + sequences - free > self.max_queue):
             raise QueueFull(waiting, self.retry_after_s(waiting))
-        self._pending_adds += len(requests)
-        for request, stream in requests:
-            self._streams[request.request_id] = stream
-            self._inbox.put_nowait((_Command.ADD, request))
 
     @property
     def queued(self) -> int:

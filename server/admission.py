@@ -7,6 +7,7 @@ tokenizing long prompts off the event loop, compiling a grammar, the prefix-cach
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Callable
 
 from fastapi import Request
@@ -94,16 +95,27 @@ async def admit(state: ServerState, body, request: Request) -> Generation | Prom
     Its sequences use the prefix-cache partition of its API key and its ``cache_salt``, and belong to its key's
     tenant or its tenant header's (server.auth).
     """
+    completions = isinstance(body, CompletionRequest)
+    with _refusals(state):  # a full queue refuses before the prompt is tokenized; the check at start decides
+        state.service.check_room((len(body.prompts) if completions else 1)
+                                 * (body.candidates if completions else body.n))
     prepared = await prepare_request(state, body, request)
-    if isinstance(body, CompletionRequest):  # one prompt or several, numbered as OpenAI numbers them
+    if completions:  # one prompt or several, numbered as OpenAI numbers them
         generation = PromptGroups(state, prepared, body.n, body.prompts)
     else:
         generation = Generation(state, prepared[0])
-    try:
+    with _refusals(state):
         generation.start()
+    return generation
+
+
+@contextlib.contextmanager
+def _refusals(state: ServerState):
+    """QueueFull as a 429 with Retry-After, a dead engine loop as a 503."""
+    try:
+        yield
     except QueueFull as exc:
         state.metrics.rejected.labels(reason="queue_full").inc()
         raise ApiError(429, str(exc), code="queue_full", headers={"Retry-After": str(exc.retry_after_s)}) from exc
     except RuntimeError as exc:
         raise ApiError(503, str(exc)) from exc
-    return generation

@@ -38,8 +38,14 @@ from kvserve.server.openapi_doc import openapi_schema
 from kvserve.server.schemas import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 from kvserve.server.state import ServerState
 
-# pydantic names the member of a union that failed (``stop.str``); the client only needs the field
-_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before"}
+# pydantic names the member of a union that failed (``stop.str``, ``input.list[...]``, a model's class name); the
+# client only needs the fields and indices
+_UNION_MEMBERS = {"str", "int", "float", "bool", "list", "dict", "none", "function-after", "function-before",
+                  "function-wrap", "function-plain", "literal", "tagged-union"}
+
+
+def _is_union_member(part: str) -> bool:
+    return part.split("[")[0] in _UNION_MEMBERS or part[:1].isupper()  # no request field starts with a capital
 
 
 def _is_json(content_type: str) -> bool:
@@ -53,9 +59,7 @@ def _validation_error(exc: RequestValidationError) -> ApiError:
     first = exc.errors()[0] if exc.errors() else {}
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON: {first.get('ctx', {}).get('error', '')}".strip())
-    loc = [str(part) for part in first.get("loc", ()) if part != "body"]
-    while loc and (loc[-1].split("[")[0] in _UNION_MEMBERS):
-        loc.pop()
+    loc = [str(part) for part in first.get("loc", ()) if part != "body" and not _is_union_member(str(part))]
     param = ".".join(loc) or getattr(first.get("ctx", {}).get("error"), "param", None)
     message = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
     if not loc and param and message.startswith(f"{param}: "):  # a BodyError names its place itself
@@ -124,6 +128,12 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def _http_error(request: Request, exc: StarletteHTTPException):
         if exc.status_code == 405:
             return _method_not_allowed(request).response()
+        if exc.status_code == 400 and exc.detail == "There was an error parsing the body":  # FastAPI's, for any cause
+            try:
+                (await request.body()).decode("utf-8")
+            except UnicodeDecodeError as bad:  # JSON's encoding is UTF-8 (RFC 8259), whatever charset is declared
+                return ApiError(400, f"the request body is not valid UTF-8 (byte {bad.start} is not): JSON text "
+                                "is UTF-8, whatever the Content-Type's charset says").response()
         return ApiError(exc.status_code, str(exc.detail), headers=dict(exc.headers or {})).response()
 
     @app.get("/health")
@@ -251,7 +261,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     prefix = "chatcmpl-" if chat else "cmpl-"
     # vLLM's form: the response id is the request id (x-request-id when the client sent one)
     fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer,
-                    tool_calls=chat and tools.active(body), thinking=generation.prepared.thinking if chat else None)
+                    tool_calls=chat and tools.active(body), thinking=generation.prepared.thinking if chat else None,
+                    tool_names=frozenset(f["name"] for f in tools.functions(body)) if chat else frozenset())
     want_logprobs = body.num_logprobs is not None
     echo = (not chat) and body.echo
     prompt_text = generation.prompt_text if echo else None  # index -> the prompt, for echo
@@ -289,7 +300,11 @@ async def _stream(generation: Generation | PromptGroups, fmt: Formatter, body, w
                 echo_part = fmt.echo_prefix(update.index, prompt_text(update.index), want_logprobs)
             if update.finish_reason is not None:
                 finished.add(update.index)
-            yield {"data": json.dumps(fmt.chunk(update, want_logprobs, echo_part))}
+            chunk = fmt.chunk(update, want_logprobs, echo_part)
+            if chunk is not None:
+                if body.continuous_usage:
+                    chunk["usage"] = generation.usage()
+                yield {"data": json.dumps(chunk)}
         if body.include_usage:
             yield {"data": json.dumps(fmt.usage_chunk())}
         yield {"data": "[DONE]"}

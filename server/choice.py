@@ -57,6 +57,8 @@ class Choice:
         constraint: its grammar matcher (the runner's constraint plug-in holds it while it runs; read here for the
             verdict once the request has ended), or None.
         arrival: when the request arrived (``time.perf_counter()`` s).
+        min_tokens: stop strings are looked for only in the text of tokens after the first ``min_tokens`` (as
+            vLLM's ``min_tokens`` holds back stop strings as well as stop tokens); one that begins before is not.
 
     Attributes:
         completion_tokens: tokens returned (the core can compute more after a stop string: it computes on until
@@ -71,12 +73,13 @@ class Choice:
     """
 
     def __init__(self, index: int, tokenizer, prompt_ids: list[int], stop_strings: list[str],
-                 constraint: Constraint | None = None, arrival: float = 0.0) -> None:
+                 constraint: Constraint | None = None, arrival: float = 0.0, min_tokens: int = 0) -> None:
         self.index = index
         self.constraint = constraint
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.matcher = StopStringMatcher(stop_strings)
         self.num_prompt_tokens = len(prompt_ids)
+        self.min_tokens = min_tokens
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_matched = False
@@ -112,7 +115,7 @@ class Choice:
             self.pending.append((token, self.fed_chars))
             text = self.detok.add(token.token_id)
             self.fed_chars += len(text)
-            released, hit = self.matcher.feed(text)
+            released, hit = self.matcher.feed(text) if self.completion_tokens > self.min_tokens else (text, False)
             update.text += released
             self.emitted_chars += len(released)
             self._release(update, everything=False)

@@ -63,7 +63,8 @@ class Generation:
             self.requests.append(request)
             constraint = prepared.grammar.constraint(prepared.max_tokens) if prepared.grammar is not None else None
             self.choices[request.request_id] = Choice(index, state.tokenizer, prepared.prompt_ids,
-                                                      prepared.stop_strings, constraint, arrival)
+                                                      prepared.stop_strings, constraint, arrival,
+                                                      prepared.min_tokens)
         self.created = int(time.time())
 
     @property

@@ -53,7 +53,8 @@ class Formatter:
     """
 
     def __init__(self, generation: Generation, chat: bool, request_id: str, model: str, tokenizer,
-                 tool_calls: bool = False, thinking: bool | None = None) -> None:
+                 tool_calls: bool = False, thinking: bool | None = None,
+                 tool_names: frozenset[str] = frozenset()) -> None:
         self.generation = generation
         self.chat = chat
         self.id = request_id
@@ -65,6 +66,7 @@ class Formatter:
         self.sent_role: set[int] = set()
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self.tool_streams: dict[int, ToolCallStream] | None = {} if tool_calls else None
+        self.tool_names = tool_names  # the request's functions: a whole reply's calls must name one of them
         self.thinking = thinking
         self.reasoning_splits: dict[int, ReasoningSplit] = {}
 
@@ -138,11 +140,17 @@ class Formatter:
         first = TokenLogprob(token_id=prompt_ids[0], logprob=0.0)
         return prompt_text, self._completion_logprobs(index, [first] + self.generation.prompt_logprobs(index))
 
-    def chunk(self, update: ChoiceUpdate, want_logprobs: bool, echo: tuple[str, dict | None] | None = None) -> dict:
-        """One streamed chunk for one choice update."""
+    def chunk(self, update: ChoiceUpdate, want_logprobs: bool,
+              echo: tuple[str, dict | None] | None = None) -> dict | None:
+        """One streamed chunk for one choice update; None for a chat update that leaves nothing to send (its
+        tokens' text held back, e.g. while a tool call's opening tag may be forming, no logprobs asked, the role
+        already sent, not the last), which vLLM's streams skip too."""
         if self.chat:
             reasoning, text = self._split_reasoning(update.index, update.text, update.finish_reason is not None)
             content, tool_deltas, reason = self._split_tools(update.index, text, update.finish_reason)
+            if not (content or tool_deltas or reasoning or reason or update.index not in self.sent_role
+                    or (want_logprobs and update.tokens)):
+                return None
             delta: dict = {"content": content}
             if update.index not in self.sent_role:
                 self.sent_role.add(update.index)
@@ -187,6 +195,9 @@ class Formatter:
                 content, _, reason = self._split_tools(index, text, reasons[index])
                 message = {"role": "assistant", "content": content}
                 calls = self.tool_streams[index].calls if self.tool_streams is not None else []
+                if calls and not self.tool_streams[index].well_formed(self.tool_names):
+                    calls, content = [], text  # not a call kvserve can hand over: the model's text, as vLLM does
+                    message["content"], reason = content, "stop" if reason == "tool_calls" else reason
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 if self.thinking is not None:  # a reasoning parser: the fields are there, null without reasoning

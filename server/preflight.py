@@ -88,8 +88,7 @@ def model_path_problem(flag: str, value: str | None) -> str | None:
         return f"{flag} {value}: no such file or directory{hub}"
     if path.is_file():
         try:
-            with path.open("rb") as handle:
-                magic = handle.read(len(GGUF_MAGIC))
+            magic = _magic(path)
         except OSError as exc:
             return f"{flag} {value}: cannot be read ({exc.strerror or exc})"
         if magic != GGUF_MAGIC:
@@ -104,13 +103,27 @@ def model_path_problem(flag: str, value: str | None) -> str | None:
         return f"{flag} {value}: the directory cannot be read (permission denied)"
     config = path / "config.json"
     if not config.is_file():
-        ggufs = sorted(path.glob("*.gguf"))
+        ggufs = [p for p in sorted(path.glob("*.gguf")) if _readable_gguf(p)]  # not an empty or partial download
         hint = f"; it holds a GGUF file: {flag} {ggufs[0]}" if ggufs else ""
         return (f"{flag} {value}: a directory without config.json, so not a Hugging Face model directory "
                 f"(kvserve never downloads){hint}")
     if not os.access(config, os.R_OK):
         return f"{flag} {value}: {config.name} cannot be read (permission denied)"
     return None
+
+
+def _magic(path: Path) -> bytes:
+    """The first bytes of ``path``, as many as a GGUF file's magic (fewer for a shorter file). Raises OSError."""
+    with path.open("rb") as handle:
+        return handle.read(len(GGUF_MAGIC))
+
+
+def _readable_gguf(path: Path) -> bool:
+    """Whether ``path`` is a readable file that starts as a GGUF file does."""
+    try:
+        return path.is_file() and _magic(path) == GGUF_MAGIC
+    except OSError:
+        return False
 
 
 def listen_problem(host: str, port: int) -> str | None:

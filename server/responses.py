@@ -33,8 +33,8 @@ from kvserve.server.drain import Drain
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation, until_done_or_gone
 from kvserve.server.reasoning import ReasoningSplit
-from kvserve.server.schemas import ChatCompletionRequest
-from kvserve.server.validation import RequestModel
+from kvserve.server.schemas import ChatCompletionRequest, StreamOptions
+from kvserve.server.validation import BodyError, RequestModel
 from kvserve.server.state import ServerState
 
 
@@ -84,7 +84,8 @@ class InputMessage(RequestModel):
 class ResponsesRequest(RequestModel):
     """The request body of ``POST /v1/responses`` (fields as OpenAI's API reference)."""
 
-    model_config = ConfigDict(extra="ignore", allow_inf_nan=False)
+    # an unknown field is a 400 naming it, as on chat and completions (OpenAI answers "unknown parameter")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     _is_body: ClassVar[bool] = True
 
     model: str | None = None
@@ -103,6 +104,10 @@ class ResponsesRequest(RequestModel):
     # accepted without effect: kvserve runs every request at once, and there is one tier
     parallel_tool_calls: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None   # the prefix cache needs no key
+    safety_identifier: str | None = None
+    stream_options: StreamOptions | None = None  # include_obfuscation false only (server.schemas.StreamOptions)
+    max_tool_calls: int | None = Field(default=None, json_schema_extra=_only())
     truncation: str | None = Field(default=None, json_schema_extra=_only({"const": "disabled"}))
     # refused when used: they need stored state, tools or structured decoding (see _refuse_unsupported); the
     # schema says which values are served
@@ -123,7 +128,15 @@ class ResponsesRequest(RequestModel):
     def _refuse_unsupported(self):
         text_format = (self.text or {}).get("format") or {}
         if not isinstance(text_format, dict):
-            raise ValueError("text.format must be an object, e.g. {\"type\": \"text\"}")
+            raise BodyError("text.format must be an object, e.g. {\"type\": \"text\"}", "text.format")
+        unknown = sorted(set(self.text or {}) - {"format", "verbosity"})
+        if unknown:
+            raise BodyError(f"text.{unknown[0]}: unrecognized request argument", f"text.{unknown[0]}")
+        if (self.text or {}).get("verbosity") not in (None, "medium"):  # medium: OpenAI's default
+            raise BodyError("text.verbosity: not supported by kvserve other than \"medium\" (the model's own "
+                            "length)", "text.verbosity")
+        if self.stream_options is not None and not self.stream:
+            raise BodyError("stream_options is only allowed when stream is true", "stream_options")
         unsupported = [name for name, used in (
             ("previous_response_id", self.previous_response_id is not None),
             ("store", bool(self.store)),
@@ -136,6 +149,7 @@ class ResponsesRequest(RequestModel):
             ("include", bool(self.include)),
             ("prompt", self.prompt is not None),
             ("top_logprobs", bool(self.top_logprobs)),
+            ("max_tool_calls", self.max_tool_calls is not None),
             ("truncation", self.truncation not in (None, "disabled")),
         ) if used]
         if unsupported:

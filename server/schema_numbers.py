@@ -150,7 +150,8 @@ def _narrow(node: dict, where: str) -> bool:
             shown = " and ".join(f"{key} {node[key]}" for key in BOUND_KEYWORDS if key in node)
             raise SchemaNumberError(
                 f"{where or '/'} allows no value kvserve can generate: {shown} leave no "
-                + ("integer within ±2^62 (the integers kvserve generates)" if types == ["integer"] else
+                + ("integer within ±2^62 (where kvserve keeps integer bounds; an integer without bounds "
+                   "is not limited)" if types == ["integer"] else
                    f"number within ±10^{NUMBER_LIMIT.adjusted()} written in at most {MAX_MANTISSA_DIGITS} digits "
                    "without an exponent (the numbers kvserve generates)"))
         if kept != types:

@@ -38,8 +38,21 @@ TOOL_CHOICE_SCHEMAS = [{"enum": ["none", "auto", "required"]},
 
 
 class StreamOptions(RequestModel):
-    model_config = ConfigDict(extra="ignore")
-    include_usage: bool = False
+    """``stream_options``: OpenAI's ``include_usage`` (a last chunk with the usage) and vLLM's
+    ``continuous_usage_stats`` (the usage so far on every chunk); ``include_obfuscation`` only at false (kvserve
+    pads no chunk). Another key is a 400 naming it."""
+
+    model_config = ConfigDict(extra="forbid")
+    include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
+    include_obfuscation: StrictBool = False
+
+    @field_validator("include_obfuscation")
+    @classmethod
+    def _no_obfuscation(cls, value: bool) -> bool:
+        if value:
+            raise ValueError("not supported by kvserve: kvserve adds no obfuscation padding to chunks (send false)")
+        return value
 
 
 # Fields of vLLM and SGLang that change nothing at these values, which vllm-router (SGLang's router) writes into
@@ -129,6 +142,8 @@ class _SamplingRequest(RequestModel):
         ) if used]
         if unsupported:
             raise ValueError(f"not supported by kvserve: {', '.join(unsupported)}")
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
+            raise BodyError("stream_options is only allowed when stream is true", "stream_options")
         return self
 
     @field_validator("logit_bias")
@@ -174,6 +189,11 @@ class _SamplingRequest(RequestModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Whether every streamed chunk carries the usage so far (vLLM's ``continuous_usage_stats``)."""
+        return bool(self.stream and self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class ContentPart(RequestModel):

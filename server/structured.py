@@ -22,6 +22,7 @@ import json
 import re
 
 import jsonschema
+import llguidance
 
 from kvserve.engine.closing import MAX_EXPONENT_DIGITS, MAX_MANTISSA_DIGITS
 from kvserve.engine.constraints import Grammar, GrammarError, GrammarSpec
@@ -37,6 +38,8 @@ MAX_CHOICES = 1_024         # options of a guided_choice (the choice list's JSON
 
 _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
                 "guided_grammar": "lark"}
+# a line that starts a GBNF rule: Lark writes rules as `name: ...`, GBNF as `name ::= ...`
+_GBNF_RULE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=", re.M)
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
 # keywords whose numbers the output may have to write (a step shapes the number's regex); bounds are narrowed to
 # what can be written instead (server.schema_numbers)
@@ -90,6 +93,23 @@ def _bounded_text(text: str) -> tuple[str, str | None]:
 
 
 @functools.lru_cache(maxsize=256)
+def _pattern_compiles(pattern: object) -> bool:
+    """A ``pattern`` the metaschema's ``format: regex`` allows: one Python's ``re`` compiles, or one the grammar
+    compiler's regex engine takes (ECMA-262's ``\\p{L}`` classes, which ``re`` lacks)."""
+    if not isinstance(pattern, str):
+        return True  # not a string: the metaschema's type check reports it
+    try:
+        re.compile(pattern)
+        return True
+    except re.error:
+        return not llguidance.LLMatcher.validate_grammar(llguidance.grammar_from("regex", pattern))
+
+
+# jsonschema's checks of a schema's own formats, but a pattern is judged by what the grammar compiler can build
+_METASCHEMA_FORMATS = jsonschema.FormatChecker()
+_METASCHEMA_FORMATS.checks("regex")(_pattern_compiles)
+
+
 def _schema_problem(text: str) -> str | None:
     """Why the schema ``text`` cannot be served (too deep, not a valid JSON Schema), or None. Cached by text:
     jsonschema's check against the metaschema takes milliseconds (~5 ms for loadtest's mid-sized schema) on the
@@ -103,7 +123,8 @@ def _schema_problem(text: str) -> str | None:
         return (f"asks for the number {value} (at {where}), longer than a generated JSON number may be: at most "
                 f"{MAX_MANTISSA_DIGITS} digits before the exponent and {MAX_EXPONENT_DIGITS} in it")
     try:
-        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(schema)
+        jsonschema.validators.validator_for(schema, default=jsonschema.Draft202012Validator).check_schema(
+            schema, format_checker=_METASCHEMA_FORMATS)
     except jsonschema.SchemaError as exc:
         where = "/".join(str(p) for p in exc.path)
         return f"is not a valid JSON Schema: {exc.message}" + (f" (at {where})" if where else "")
@@ -207,6 +228,8 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
         raise ApiError(400, f"{param} must be a non-empty string", param=param)
     if len(value.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
+    if kind == "lark" and _GBNF_RULE.search(value):
+        kind = "gbnf"  # llama.cpp's syntax (rules as `name ::= ...`), which llguidance reads too
     problem = repetition_problem(value) or (lark_problem(value) if kind == "lark" else None)
     if problem is not None:
         raise ApiError(400, f"{param} {problem}", param=param)

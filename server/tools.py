@@ -60,6 +60,10 @@ def functions(body) -> list[dict]:
         parameters = function.get("parameters") or _EMPTY_PARAMETERS
         if not isinstance(parameters, dict):
             raise ApiError(400, f"{param}.function.parameters must be a JSON Schema object", param=param)
+        if parameters.get("type", "object") != "object":  # the arguments are a JSON object (OpenAI's rule too)
+            raise ApiError(400, f"{param}.function.parameters must be a schema of type \"object\" (the arguments "
+                           f"are a JSON object), not type {json.dumps(parameters['type'])}",
+                           param=f"{param}.function.parameters")
         result.append({"name": name, "description": function.get("description", ""), "parameters": parameters})
     choice = body.tool_choice
     if choice is not None and not result and choice != "none":
@@ -68,8 +72,12 @@ def functions(body) -> list[dict]:
         raise ApiError(400, f"tool_choice must be none, auto, required or a function, not {choice!r}",
                        param="tool_choice")
     if isinstance(choice, dict):
-        name = (choice.get("function") or {}).get("name")
-        if choice.get("type") != "function" or name not in {f["name"] for f in result}:
+        function = choice.get("function")
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise ApiError(400, 'tool_choice must be none, auto, required or {"type": "function", "function": '
+                           '{"name": "<one of the tools>"}}', param="tool_choice")
+        if name not in {f["name"] for f in result}:
             raise ApiError(400, f"tool_choice names function {name!r}, which is not in tools", param="tool_choice")
     return result
 
@@ -259,6 +267,20 @@ class ToolCallStream:
             if close is None:
                 return deltas
             self.pos, self.args_start = close.end(), None
+
+    def well_formed(self, names: frozenset[str]) -> bool:
+        """Whether every call so far names one of ``names`` and its arguments are a JSON object. A reply in
+        ``auto`` mode is not constrained, so a model may write a call that is neither; the whole (non-streamed)
+        reply then returns it as content, as vLLM's Hermes parser does."""
+        for call in self.calls:
+            if call["function"]["name"] not in names:
+                return False
+            try:
+                if not isinstance(json.loads(call["function"]["arguments"]), dict):
+                    return False
+            except ValueError:
+                return False
+        return True
 
     def finish(self) -> tuple[str, list[dict]]:
         """Flush at the end: undecided text is content; a tools-mode reply that yielded no call is content."""

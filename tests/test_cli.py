@@ -82,6 +82,7 @@ def test_model_paths_are_checked_before_loading(tmp_path):
     gguf = tmp_path / "m.bin"
     gguf.write_bytes(b"GGUF\x03\x00\x00\x00")
     assert "its name does not end in .gguf" in check("--model", str(gguf))
+    (tmp_path / "a-partial-download.gguf").write_bytes(b"")  # sorts first: the hint must skip it
     gguf = gguf.rename(tmp_path / "m.gguf")
     assert check("--model", str(gguf)) is None
     assert check("--model", str(tmp_path)) == (f"--model {tmp_path}: a directory without config.json, so not a Hugging "

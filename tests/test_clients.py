@@ -272,6 +272,10 @@ def test_live_full_queue_gives_429_with_retry_after(smollm2, capsys):
         with KVServeClient(url) as client, pytest.raises(KVServeError) as caught:
             client.chat("hi", max_tokens=2)
         assert cli_main(["chat", "hi", "--url", url]) == 1
+        # refused before its prompt is tokenized (a flood is refused at once): a prompt over the context, which
+        # tokenizing would refuse with a 400, gets the 429
+        long = httpx.post(url + "/v1/completions", json={"prompt": "word " * 20_000, "max_tokens": 1}, timeout=60)
+        assert long.status_code == 429 and long.headers["retry-after"], long.text
     assert caught.value.status_code == 429 and caught.value.code == "queue_full"
     assert caught.value.retry_after_s is not None and caught.value.retry_after_s >= 1
     assert f"retry after {caught.value.retry_after_s:g} s" in capsys.readouterr().err

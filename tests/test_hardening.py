@@ -294,3 +294,42 @@ def test_nested_repetition_multiplies_counts_down_groups_only(text, product):
     from kvserve.server.grammar_limits import nested_repetition
 
     assert nested_repetition(text) == product
+
+
+_TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+@pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+@pytest.mark.parametrize("tool_choice", [{"type": "function", "function": "f"}, {"type": "function"},
+                                         {"type": "function", "function": {"name": ["f"]}},
+                                         {"function": {"name": "f"}}])
+def test_a_tool_choice_of_the_wrong_shape_is_a_400_naming_it(server_url, path, tool_choice):
+    """It was a 500 (a string or list where server.tools read a mapping or a name)."""
+    response = _post(server_url, path, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
+                                        "tools": [_TOOL], "tool_choice": tool_choice})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == "tool_choice"
+
+
+def test_tool_parameters_of_a_type_other_than_object_are_refused():
+    """A call's arguments are a JSON object: a ``{"type": "string"}`` schema could never be honoured by
+    ``required`` (the reply came back as content) and OpenAI refuses it too."""
+    from kvserve.server.errors import ApiError
+    from kvserve.server.tools import functions
+
+    class Body:
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]
+        tool_choice = "required"
+
+    with pytest.raises(ApiError) as refused:
+        functions(Body())
+    assert refused.value.status == 400 and refused.value.param == "tools.0.function.parameters"
+    assert 'type "string"' in str(refused.value)
+
+
+@pytest.mark.parametrize("content_type", ["application/json", "application/json; charset=latin-1"])
+def test_a_body_that_is_not_utf8_gets_a_400_saying_so(server_url, content_type):
+    body = b'{"messages": [{"role": "user", "content": "a\xff\xfeb"}], "max_tokens": 1}'
+    response = httpx.post(server_url + CHAT, content=body, headers={"content-type": content_type}, timeout=30)
+    assert response.status_code == 400, response.text
+    assert "not valid UTF-8 (byte 44 is not)" in response.json()["error"]["message"]

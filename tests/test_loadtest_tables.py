@@ -137,11 +137,11 @@ def test_fma_peak_probes_give_a_rate_on_each_native_path():
     """The float32 FMA roofline probes (leaves.cpp) the prefill profile sets attention against: a positive rate on
     every vector path this CPU runs, none for the scalar path (no probe)."""
     from kvserve import native
-    from kvserve.loadtest.engine import profile_step
+    from kvserve.loadtest.engine import roofline
 
     for path in set(native.native_isas()) & {"avx2", "avx512"}:
-        assert profile_step.fma_peak_gmacs(path, iterations=200_000) > 0
-    assert profile_step.fma_peak_gmacs("scalar") is None
+        assert roofline.fma_peak_gmacs(path, iterations=200_000) > 0
+    assert roofline.fma_peak_gmacs("scalar") is None
 
 
 def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_stack(monkeypatch, capsys):

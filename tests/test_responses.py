@@ -146,3 +146,29 @@ def test_responses_and_chat_without_a_limit_stop_at_the_default_cap(smollm2):
         chat = httpx.post(url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": body["input"]}], "temperature": 0}).json()
         assert chat["usage"]["completion_tokens"] == 5 and chat["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("item", [{"role": "tool", "content": "x"}, {"type": "function_call_output", "output": "x"}])
+def test_a_refused_input_item_is_named_by_its_place_not_by_pydantics_union_tags(server_url, item):
+    response = httpx.post(server_url + "/v1/responses", json={"input": [item], "max_output_tokens": 1}, timeout=60)
+    assert response.status_code == 400, response.text
+    param = response.json()["error"]["param"]
+    assert param.startswith("input.0") and "[" not in param and "function-after" not in param, param
+
+
+@pytest.mark.parametrize("extra, param", [({"seed": 7}, "seed"), ({"stop": [" "]}, "stop"), ({"top_k": 5}, "top_k"),
+                                          ({"text": {"verbosity": "low"}}, "text.verbosity"),
+                                          ({"text": {"fmt": {}}}, "text.fmt"),
+                                          ({"stream_options": {"include_usage": True}}, "stream_options")])
+def test_a_field_the_responses_route_would_ignore_is_a_400_naming_it(server_url, extra, param):
+    """As on chat and completions: a field not served is refused by name (seed and stop were taken and ignored)."""
+    response = httpx.post(server_url + "/v1/responses", json={"input": "Hi", "max_output_tokens": 1} | extra,
+                          timeout=60)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
+def test_responses_fields_without_effect_are_accepted(server_url):
+    body = {"input": "Hi", "max_output_tokens": 1, "prompt_cache_key": "k", "safety_identifier": "u",
+            "text": {"format": {"type": "text"}, "verbosity": "medium"}, "store": False, "parallel_tool_calls": True}
+    assert httpx.post(server_url + "/v1/responses", json=body, timeout=60).status_code == 200

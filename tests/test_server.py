@@ -111,6 +111,25 @@ def test_stop_string_is_never_streamed(server_url):
     assert text_of(whole, chat=False) == streamed and whole["choices"][0]["finish_reason"] == "stop"
 
 
+def test_continuous_usage_stats_puts_the_usage_so_far_on_every_chunk(server_url):
+    chunks = stream_chunks(server_url, CHAT, chat_body("Hi", max_tokens=5, temperature=0)
+                           | {"stream_options": {"continuous_usage_stats": True}})
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert counts == sorted(counts) and 1 <= counts[-1] <= 5 and counts[0] < counts[-1]
+    assert all(c["usage"]["total_tokens"] == c["usage"]["prompt_tokens"] + c["usage"]["completion_tokens"]
+               for c in chunks)
+
+
+@pytest.mark.parametrize("body, param", [({"stream_options": {"include_usage": True}}, "stream_options"),
+                                         ({"stream": True, "stream_options": {"bogus": 1}}, "stream_options.bogus"),
+                                         ({"stream": True, "stream_options": {"include_obfuscation": True}},
+                                          "stream_options.include_obfuscation")])
+def test_stream_options_that_would_be_ignored_are_a_400_naming_them(server_url, body, param):
+    response = post(server_url, CHAT, chat_body("Hi", max_tokens=2) | body)
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param
+
+
 @pytest.mark.parametrize("options, expect_usage", [({"include_usage": True}, True), ({}, False), (None, False)])
 def test_usage_chunk(server_url, options, expect_usage):
     body = chat_body("Hi", max_tokens=5) | ({"stream_options": options} if options is not None else {})

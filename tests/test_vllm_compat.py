@@ -231,3 +231,15 @@ def test_metrics_carry_model_name_and_vllms_families_under_both_prefixes(smollm2
     assert decode > 0 and prefill > 0 and inference == pytest.approx(decode + prefill, rel=1e-6)
     (info,) = families["vllm:cache_config_info"].samples
     assert info.value == 1 and info.labels["enable_prefix_caching"] == "True" and int(info.labels["block_size"]) > 0
+
+
+def test_min_tokens_holds_back_stop_strings_too(server_url):
+    """vLLM's min_tokens suppresses stop strings as well as stop tokens until that many tokens are out; a stop
+    string in the first min_tokens tokens' text was ending the reply there."""
+    body = {"prompt": "List fruits: apple, banana,", "max_tokens": 12, "temperature": 0, "stop": [","]}
+    early = post(server_url, "/v1/completions", body).json()
+    assert early["usage"]["completion_tokens"] < 5  # the premise: without min_tokens the stop string comes early
+    held = post(server_url, "/v1/completions", body | {"min_tokens": 5}).json()
+    assert held["usage"]["completion_tokens"] >= 5
+    text = held["choices"][0]["text"]
+    assert "," in text and text.startswith(early["choices"][0]["text"])

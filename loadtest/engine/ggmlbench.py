@@ -15,76 +15,31 @@
    all 112 projections and the LM head in a row with the server's threads, at 1, 8 and 32 rows (a decode batch),
    against the read bound: the step's bytes over the read bandwidth the same threads measure.
 
-Both roofline probes are the native leaves' (native/ggml_leaves.py): ``kv_read_bytes`` (32-byte loads into 8
-independent chains, as a kernel streams its weights) and ``kv_vnni_peak`` (16 independent vpdpbusd chains on
-registers).
+Both roofline probes are loadtest.engine.roofline's: ``read_bandwidth`` (``kv_read_bytes``) and ``int8_peak_gmacs``
+(``kv_vnni_peak``: 16 independent vpdpbusd chains on registers).
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
 import subprocess
 import sys
-import threading
 import time
-from functools import cache
 
 import numpy as np
 import torch
+
+from kvserve.loadtest.engine.roofline import STREAM_BYTES, int8_peak_gmacs, read_bandwidth
 
 KINDS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k")
 # (N, K) of one Llama-3.2-1B layer's projections: q, k, v, o, gate, up, down
 LAYER = ((2048, 2048), (512, 2048), (512, 2048), (2048, 2048), (8192, 2048), (8192, 2048), (2048, 8192))
 ROWS = (1, 8, 32, 512)
-STREAM_BYTES = 256 << 20  # more than the L3: weights streamed from memory, as a decode step reads them
 LAYERS, VOCAB, WIDTH = 16, 128256, 2048
 # glibc's allocator in the --ggml children: blocks up to 32 MiB from the heap, never handed back, so each call's
 # outputs reuse pages already touched. Otherwise fresh outputs (up to 16 MB a call) may come as new pages, zeroed
 # by the kernel at their first write, and that cost, in the thread's CPU time, varies with the allocator's state.
 KEEP_PAGES = "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=4294967296"
-
-
-@cache
-def _probes() -> ctypes.CDLL:
-    from kvserve.native import ggml_leaves
-
-    library = ctypes.CDLL(str(ggml_leaves.build(native=True)))
-    library.kv_read_bytes.argtypes, library.kv_read_bytes.restype = [ctypes.c_void_p, ctypes.c_int64], ctypes.c_uint32
-    library.kv_vnni_peak.argtypes, library.kv_vnni_peak.restype = [ctypes.c_int64], ctypes.c_int32
-    return library
-
-
-def read_bandwidth(threads: int = 1, nbytes: int = STREAM_BYTES) -> float:
-    """GB/s that ``threads`` threads read together, each over its own ``nbytes`` (ctypes releases the GIL), per CPU
-    second of each thread: process CPU time / threads, so time another process takes the core does not count."""
-    library = _probes()
-    buffers = [np.ones(nbytes, np.uint8) for _ in range(threads)]
-    for b in buffers:
-        library.kv_read_bytes(b.ctypes.data, nbytes)  # touched: no page faults in the timing
-    rounds = 3
-
-    def read(b: np.ndarray) -> None:
-        for _ in range(rounds):
-            library.kv_read_bytes(b.ctypes.data, nbytes)
-
-    workers = [threading.Thread(target=read, args=(b,)) for b in buffers]
-    started = time.process_time()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    busy = (time.process_time() - started) / threads
-    return threads * rounds * nbytes / busy / 1e9
-
-
-def vnni_peak_gmacs(iterations: int = 20_000_000) -> float:
-    """One core's vpdpbusd multiply-adds per CPU second (16 chains of 64 a round)."""
-    library = _probes()
-    library.kv_vnni_peak(iterations // 10)
-    started = time.thread_time()
-    library.kv_vnni_peak(iterations)
-    return iterations * 16 * 64 / (time.thread_time() - started) / 1e9
 
 
 def _per_call(fn, budget_s: float = 0.3) -> float:
@@ -124,7 +79,7 @@ def ggml_path(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 2
     torch.set_num_threads(1)
     module = native.load()
     isa = module.isa()
-    peak = vnni_peak_gmacs() if isa == "avx512" else 0.0
+    peak = (int8_peak_gmacs() or 0.0) if isa == "avx512" else 0.0
     print(f"isa={isa} kind=roofline rows=0 gbs={read_bandwidth(nbytes=stream_mb << 20):.2f} gmacs={peak:.1f} "
           "rows_s=0", flush=True)
     rng = np.random.default_rng(0)

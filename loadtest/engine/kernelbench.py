@@ -138,25 +138,11 @@ def _per_call(fns, x, budget_s: float = 0.3) -> float:
 BF16_SHAPES = ((576, 576), (192, 576), (1536, 576), (576, 1536), (49152, 576))  # (N, K): q/o, k/v, gate/up, down, head
 
 
-def bf16_peak_gmacs(iterations: int = 20_000_000) -> float:
-    """One core's vdpbf16ps multiply-adds per CPU second: ``kv_bf16_peak`` (16 chains, 32 MACs each a round) run
-    through ctypes from the native library of leaves."""
-    import ctypes
-
-    from kvserve.native import bf16_leaves
-
-    library = ctypes.CDLL(str(bf16_leaves.build(native=True)))
-    library.kv_bf16_peak.argtypes, library.kv_bf16_peak.restype = [ctypes.c_int64], ctypes.c_float
-    library.kv_bf16_peak(iterations // 10)
-    started = time.thread_time()
-    library.kv_bf16_peak(iterations)
-    return iterations * 16 * 32 / (time.thread_time() - started) / 1e9
-
-
 @torch.inference_mode()
 def bf16_kernel() -> None:
     """The bf16 kernel's GMAC/s per CPU second against the measured peak and torch's bf16 GEMM; writes "bf16"."""
     from kvserve import native
+    from kvserve.loadtest.engine.roofline import bf16_peak_gmacs
     from kvserve.loadtest.publish.benchmarks_md import update_section
     from kvserve.quant.bf16 import kernel_runs
 

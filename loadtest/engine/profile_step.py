@@ -29,6 +29,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from kvserve import environment
 from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.loadtest.argtypes import QUANTIZATIONS, positive_int, positive_ints
 from kvserve.loadtest.publish.benchmarks_md import update_section
@@ -173,49 +174,6 @@ def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
     return wall, seconds
 
 
-def _probe_gmacs(symbol: str, macs_per_round: int, iterations: int = 20_000_000) -> float | None:
-    """One core's multiply-adds per CPU second (GMAC/s) from roofline probe ``symbol`` of the native library of
-    leaves (native/csrc/leaves.cpp: independent chains on registers, ``macs_per_round`` multiply-adds a round),
-    run once short to warm up then for ``iterations`` rounds; None where the library lacks the probe."""
-    import ctypes
-
-    from kvserve.native import ggml_leaves
-
-    probe = getattr(ctypes.CDLL(str(ggml_leaves.build(native=True))), symbol, None)
-    if probe is None:
-        return None
-    probe.argtypes, probe.restype = [ctypes.c_int64], None  # its result only keeps the chains from being dropped
-    probe(iterations // 10)
-    started = time.thread_time()
-    probe(iterations)
-    return iterations * macs_per_round / (time.thread_time() - started) / 1e9
-
-
-def int8_peak_gmacs(iterations: int = 20_000_000) -> float | None:
-    """One core's ``vpdpbusd`` multiply-adds per CPU second (``kv_vnni_peak``, 16 chains of 64 MACs a round); None
-    where the CPU has no AVX-512 VNNI or the library lacks the probe."""
-    from kvserve import native
-
-    if "avx512" not in native.native_isas():
-        return None
-    return _probe_gmacs("kv_vnni_peak", 16 * 64, iterations)
-
-
-# Per path, the float32 FMA probe (leaves.cpp) and its multiply-adds a round: 16 zmm chains, or 12 ymm chains.
-_FMA_PROBES = {"avx512": ("kv_fma_peak_avx512", 16 * 16), "avx2": ("kv_fma_peak_avx2", 12 * 8)}
-
-
-def fma_peak_gmacs(path: str, iterations: int = 20_000_000) -> float | None:
-    """One core's float32 FMA multiply-adds per CPU second on ISA path ``path`` ("avx512": zmm, "avx2": ymm, as
-    the float32 attention tiles of attend_tile.h run them); None for another path (the scalar one has no probe) or
-    where this CPU lacks the path."""
-    from kvserve import native
-
-    if path not in _FMA_PROBES or path not in native.native_isas():
-        return None
-    return _probe_gmacs(*_FMA_PROBES[path], iterations)
-
-
 def attention_peak(cache_dtype: str, head_dim: int) -> tuple[str, float] | None:
     """The measured peak per core that prefill attention over a ``cache_dtype`` KV cache is set against, as
     (name, GMAC/s): ``vdpbf16ps`` where a bfloat16 cache runs its AVX-512 BF16 path (``kv_bf16_peak``, 16 chains
@@ -223,12 +181,13 @@ def attention_peak(cache_dtype: str, head_dim: int) -> tuple[str, float] | None:
     and the float32 FMAs a quantized or bfloat16 cache's other paths run after widening); None without a probe
     for that path (the scalar one, or no kernel build)."""
     from kvserve import native
+    from kvserve.loadtest.engine.roofline import bf16_peak_gmacs, fma_peak_gmacs
 
     ops = native.load_ops()
     if ops is None:
         return None
     if cache_dtype == KVCacheDType.BFLOAT16.value and ops.bf16_attention_path(head_dim) == "avx512":
-        gmacs = _probe_gmacs("kv_bf16_peak", 16 * 32)
+        gmacs = bf16_peak_gmacs()
         return ("vdpbf16ps", gmacs) if gmacs else None
     module = native.load()
     path = module.isa() if module is not None else "scalar"
@@ -241,6 +200,7 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
     run past that) and per part its seconds, share and rate, over a ``cache_dtype`` KV cache."""
     from kvserve import native
     from kvserve.loadtest.engine.macs import Geometry
+    from kvserve.loadtest.engine.roofline import int8_peak_gmacs
 
     geometry = Geometry.of(loaded.model.config)
     peak = int8_peak_gmacs()
@@ -249,22 +209,29 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
     rows = ["| prompt tokens | prefill s (no profiler) | tokens/s | " + " | ".join(
         f"{part} s (share)" for part, _ in _PREFILL_PARTS) + " | projections GMAC/s" + (
         " (% of int8 peak)" if peak else "") + " | attention GMAC/s" + (
-        f" (% of {attn_peak[0]} peak)" if attn_peak else "") + " |",
-        "|---:" * (4 + len(_PREFILL_PARTS)) + "|---:|"]
+        f" (% of {attn_peak[0]} peak)" if attn_peak else "") + " |" + (
+        " at the peaks s |" if peak and attn_peak else ""),
+        "|---:" * (4 + len(_PREFILL_PARTS)) + "|---:|" + ("---:|" if peak and attn_peak else "")]
     for length in lengths:
         wall, seconds = profile_prefill(length, chunk, loaded, 3 if length <= 2048 else 1, cache_dtype)
         total = sum(seconds.values())
         parts = {part: sum(seconds.get(label, 0.0) for label in labels) for part, labels in _PREFILL_PARTS}
         # the profiler's own cost is spread over the parts: scale them to the prefill without it
         scaled = {part: wall * s / total for part, s in parts.items()}
-        proj_gmacs = (length * geometry.per_token + geometry.hidden * geometry.vocab) / scaled["projections"] / 1e9
+        proj_macs = length * geometry.per_token + geometry.hidden * geometry.vocab
+        proj_gmacs = proj_macs / scaled["projections"] / 1e9
         pairs = length * (length + 1) // 2
         attn_gmacs = geometry.per_pair * pairs / scaled["attention"] / 1e9 if scaled["attention"] else float("nan")
         proj = f"{proj_gmacs:.3g}" + (f" ({100 * proj_gmacs / (peak * threads):.0f}%)" if peak else "")
         attn = f"{attn_gmacs:.3g}" + (f" ({100 * attn_gmacs / (attn_peak[1] * threads):.0f}%)" if attn_peak else "")
+        at_peaks = ""
+        if peak and attn_peak:  # projections and attention at 100% of their peaks, the rest as measured
+            at_peaks = " {:.3g} |".format(
+                proj_macs / (peak * threads * 1e9) + geometry.per_pair * pairs / (attn_peak[1] * threads * 1e9)
+                + wall - scaled["projections"] - scaled["attention"])
         rows.append(f"| {length} | {wall:.3g} | {length / wall:.0f} | " + " | ".join(
             f"{scaled[part]:.3g} ({100 * parts[part] / total:.0f}%)" for part, _ in _PREFILL_PARTS)
-            + f" | {proj} | {attn} |")
+            + f" | {proj} | {attn} |" + at_peaks)
         if attn_peak:  # attention at the peak, the rest as measured
             floor = geometry.per_pair * pairs / (attn_peak[1] * threads * 1e9)
             bound = (length, floor, floor / (floor + wall - scaled["attention"]))
@@ -280,7 +247,10 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
         peak_text += "; attention's peak not measured (no probe for its path)"
     return ("\n".join(rows) + f"\n\nChunks of {chunk} tokens (the server's --max-num-batched-tokens), kernels "
             f"{native.isa()}, {threads} threads; {peak_text}. Shares are of the profiled prefill (self CPU time per "
-            "op); seconds are those shares of the prefill without the profiler. Projections: q/k/v/o and the MLP "
+            "op); seconds are those shares of the prefill without the profiler"
+            + ("; at the peaks: the prefill with its projections and attention at 100% of their peaks and the rest "
+               "as measured, the least time these exact ops could take" if peak and attn_peak else "")
+            + ". Projections: q/k/v/o and the MLP "
             "for every prompt token plus the LM head once; attention: 2 L H d multiply-adds per causal (query, key) "
             + ("pair, in float32." if cache_dtype in ("auto", "float32") else
                f"pair, over a {cache_dtype} KV cache (bfloat16: bf16 dot products, float32 sums).")
@@ -431,10 +401,13 @@ def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:
     if not args.no_write:
         scheme = "" if args.quantization == "auto" else f" --quantization {args.quantization}"
         cache = "" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"
+        forced = environment.forced_isa()  # a lesser path forced: its own section beside the best path's
         update_section("profile-prefill" + scheme.replace(" --quantization ", "-")
-                       + cache.replace(" --kv-cache-dtype ", "-kv-"),
+                       + cache.replace(" --kv-cache-dtype ", "-kv-") + (f"-{forced}" if forced else ""),
                        f"Where a prefill's time goes (our engine, {loaded.name}, {served} weights"
-                       + (f", {args.kv_cache_dtype} KV cache)" if cache else ")"),
-                       "python -m kvserve.loadtest profile --prefill " + ",".join(map(str, args.prefill))
+                       + (f", {args.kv_cache_dtype} KV cache" if cache else "")
+                       + (f", {forced} path)" if forced else ")"),
+                       (f"KVSERVE_ISA={forced} " if forced else "")
+                       + "python -m kvserve.loadtest profile --prefill " + ",".join(map(str, args.prefill))
                        + (f" --chunk {args.chunk}" if args.chunk != 512 else "") + scheme + cache, text)
     return 0
