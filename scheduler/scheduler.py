@@ -106,9 +106,10 @@ class SchedulerConfig:
 
 
 # A step's work with one sequence live, in steps' work with more: a lone long prompt's chunks take fewer, larger
-# steps (each step costs a fixed overhead; at 1 its TTFT grew by 4-5% at 4,096-8,000 tokens, at 2 by 1-2%), and a
-# request arriving during such a step waits for it, then shares a step of the usual work (BENCHMARKS.md, the
-# prefill section's rows with and without --attention-cost-context).
+# steps (each step has a fixed overhead: at 1 a lone 4,096-token prompt took 21 steps instead of 8 and its TTFT grew
+# past the few percent allowed; at 2, 11), and a request arriving during such a step waits for it, then shares a
+# step of the usual work (the lone TTFT and step times: `loadtest peers --prefill` with and without
+# --attention-cost-context 0).
 LONE_STEP_WORK = 2
 
 
