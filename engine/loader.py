@@ -184,6 +184,31 @@ class LoadedModel:
         return kv_shape_of(self.model.config, self.dtype, cache_dtype)
 
 
+# Multiply-adds per second of prefill attention over those of the projections, on the served default (the GGUF's
+# own blocks, a float32 cache, AVX-512): the ratio of the two GMAC/s columns of ``python -m kvserve.loadtest
+# profile --prefill 2048,8192`` (BENCHMARKS.md, its prefill profile). Attention runs every query as a decode row
+# (chunk-invariant), so the ratio does not depend on how a prompt is chunked.
+ATTENTION_SPEED_RATIO = 0.3
+
+
+def attention_cost_context(config) -> int:
+    """The context length (tokens) at which one prompt token's attention costs as much as its projections: the
+    scheduler's ``attention_cost_context``, which sizes prefill chunks by work (``scheduler.scheduler.chunk_work``).
+
+    From a transformers config (text config for multimodal wrappers): the projections' multiply-adds per token
+    (q, k, v, o and the gated MLP, every layer; ``loadtest.engine.macs.Geometry.per_token``) over attention's per
+    (query, key) pair (``2 * layers * heads * head_dim``: Q K^T and P V), times ``ATTENTION_SPEED_RATIO``, attention's
+    measured speed over the projections'. SmolLM2-135M: 106.2 M / 34,560 * 0.3 = 921 tokens. At least 1."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers, hidden, heads = config.num_hidden_layers, config.hidden_size, config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    per_token = layers * (2 * hidden * heads * head_dim + 2 * hidden * kv_heads * head_dim
+                          + 3 * hidden * config.intermediate_size)
+    per_pair = 2 * layers * heads * head_dim
+    return max(1, round(per_token / per_pair * ATTENTION_SPEED_RATIO))
+
+
 def kv_shape_of(config, dtype: torch.dtype, cache_dtype: KVCacheDType = KVCacheDType.AUTO) -> KVShape:
     """KV geometry from a transformers config (text config for multimodal wrappers), for a ``cache_dtype`` cache
     of a model in ``dtype``."""

@@ -22,6 +22,19 @@ got all it needs may start a long prompt beyond the limit, so steps stay full wh
 together. Decodes keep their token: a prefill leaves one for each decode after it in the claim order (vLLM plans
 decodes first; here the policy's order stays the claim order, since preemption takes from its end).
 
+Sizing chunks by work (Sarathi-Serve's stall-free batching: a budget of work per step, not of tokens): a prompt
+token costs its projections plus attention over the keys before it, so a chunk of the budget's tokens at position
+8,000 costs several times one at position 0, and everyone sharing or waiting for that step waits that much longer.
+With ``attention_cost_context`` C > 0 (the context at which a token's attention costs as much as its projections;
+``kvserve serve`` derives it from the model's shape and the kernels' measured speeds,
+``engine.loader.attention_cost_context``), n tokens from position p cost n (1 + (p + n / 2) / C) token-equivalents
+(``chunk_work``; a decode's token likewise, and it keeps its token whatever the work left). A step may do the work of
+a whole budget's chunk from position 0 (``LONE_STEP_WORK`` times that while one sequence is live, so a lone long
+prompt is not cut into many small steps), a long prefill's first-pass chunk the work of
+``long_prefill_token_threshold`` tokens from 0, and the top-up fills the step's work, not only its tokens; the token
+budget holds as well. A step's first prefill chunk gets one token however deep, so every prompt progresses. Chunk
+boundaries change no token (attention is chunk-invariant; tests/test_exactness.py). 0: chunks by tokens only.
+
 Speculation adds one rule (as vLLM v1's scheduler has it): a sequence's computed tokens catch up to its tokens plus
 its speculative tokens. Drafts only get the token budget and the blocks left over once every sequence's own work is
 planned, so they never displace a prefill or preempt anyone; which draft tokens each decoding sequence verifies is
@@ -36,6 +49,7 @@ Works on token counts and block ids only; never touches a tensor.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -66,6 +80,8 @@ class SchedulerConfig:
                                                      # budget; 0: no prompt is long, no chunk capped
     max_num_partial_prefills: int | None = None  # prompts prefilling at once; None: max_num_seqs
     max_long_partial_prefills: int = 1           # long prompts prefilling at once (<= max_num_partial_prefills)
+    attention_cost_context: int = 0  # context (tokens) at which a prompt token's attention costs as much as its
+                                     # projections: prefill chunks are sized by work, not tokens; 0: by tokens only
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_model_len < 1:
@@ -80,11 +96,42 @@ class SchedulerConfig:
             raise ValueError("long_prefill_token_threshold must be >= 0 (0: no prompt is long)")
         if self.max_num_partial_prefills < 1:
             raise ValueError("max_num_partial_prefills must be >= 1")
+        if self.attention_cost_context < 0:
+            raise ValueError("attention_cost_context must be >= 0 (0: chunks are sized by tokens only)")
         if not 1 <= self.max_long_partial_prefills <= self.max_num_partial_prefills:
             raise ValueError(f"max_long_partial_prefills must be in 1..max_num_partial_prefills "
                              f"({self.max_num_partial_prefills})")
         self.policy, self.scheduling = Policy(self.policy), SchedulingPolicy(self.scheduling)
         check_policies(self.policy, self.scheduling)
+
+
+# A step's work with one sequence live, in steps' work with more: a lone long prompt's chunks take fewer, larger
+# steps (each step has a fixed overhead: at 1 a lone 4,096-token prompt took 21 steps instead of 8 and its TTFT grew
+# past the few percent allowed; at 2, 11), and a request arriving during such a step waits for it, then shares a
+# step of the usual work (the lone TTFT and step times: `loadtest peers --prefill` with and without
+# --attention-cost-context 0).
+LONE_STEP_WORK = 2
+
+
+def chunk_work(start: int, tokens: int, context: int) -> int:
+    """The work of computing ``tokens`` tokens at positions ``start``, ``start + 1``, ... of a sequence, in units of
+    ``1 / (2 * context)`` of one token's projections: ``tokens * (2 * (context + start) + tokens)``, i.e.
+    ``tokens * (1 + (start + tokens / 2) / context)`` token-equivalents. Each token's projections cost one; its
+    attention over the ``position`` keys before it costs ``position / context`` (``context``: the context length at
+    which attention costs as much as the projections, ``SchedulerConfig.attention_cost_context``, > 0). Additive:
+    ``chunk_work(p, a) + chunk_work(p + a, b) == chunk_work(p, a + b)``, so a chunk's work does not depend on how
+    the tokens before it were chunked. Integers, so planning is exact."""
+    return tokens * (2 * (context + start) + tokens)
+
+
+def affordable_tokens(start: int, work: int, context: int) -> int:
+    """The most tokens a chunk starting at position ``start`` may compute for at most ``work`` (``chunk_work``'s
+    units; <= 0: none): the largest n with ``chunk_work(start, n, context) <= work``, from ``(a + n)^2 <= a^2 +
+    work`` with ``a = context + start``."""
+    if work <= 0:
+        return 0
+    a = context + start
+    return math.isqrt(a * a + work) - a
 
 
 class Speculation(Protocol):
@@ -124,6 +171,10 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_queries = 0                # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0                   # of which found cached
+        # the step being planned: its work left (chunk_work's units; None: chunks are sized by tokens only), and
+        # whether a prefill has a chunk in it yet
+        self._work_left: int | None = None
+        self._prefilled = False
 
     # -- queue ---------------------------------------------------------------------------------------
     def add(self, request: EngineRequest) -> None:
@@ -157,6 +208,11 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """Choose the next step's work (possibly empty when nothing fits)."""
         budget = self.config.max_num_batched_tokens
+        context = self.config.attention_cost_context
+        # a whole budget's chunk from position 0; LONE_STEP_WORK times that for a sequence alone
+        self._work_left = (chunk_work(0, budget, context) * (LONE_STEP_WORK if len(self.live) == 1 else 1)
+                           if context else None)
+        self._prefilled = False
         self.waiting.begin(self.running, budget)
         self._displace()
         work: list[SeqWork] = []
@@ -164,20 +220,27 @@ class Scheduler:
         order = self.waiting.order(self.running)
         decoding = [seq.num_uncomputed == 1 for seq in order]
         decodes_after = sum(decoding)  # decodes later in the claim order: a prefill leaves each its token
-        for seq, is_decode in zip(order, decoding):
+        decode_work = [chunk_work(seq.num_computed, 1, context) if d and context else 0
+                       for seq, d in zip(order, decoding)]
+        decode_work_after = sum(decode_work)  # ... and the work of it
+        for seq, is_decode, own_work in zip(order, decoding, decode_work):
             decodes_after -= is_decode
+            decode_work_after -= own_work
             if budget == 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            need = seq.num_uncomputed
-            num_new = min(need, budget - decodes_after, self.waiting.cap(seq), self._chunk_cap(need))
+            need, start = seq.num_uncomputed, seq.num_computed
+            num_new = min(need, budget - decodes_after, self.waiting.cap(seq), self._chunk_cap(start, need))
+            if not is_decode:  # a decode keeps its token whatever the work left
+                num_new = self._affordable(start, num_new, decode_work_after)
             if num_new <= 0 or not self._reserve(seq, num_new, order):
                 continue
             if num_new < need:
                 short_of.append(len(work))
             work.append(self._work(seq, num_new))
             self.waiting.charge(seq, num_new)
+            self._spend(start, num_new, prefill=not is_decode)
             budget -= num_new
         budget = self._top_up(work, self._admit(work, budget, short_of), short_of)
         if budget:  # every prefill got all it needs: what is left may start a long prompt beyond the limit
@@ -275,7 +338,8 @@ class Scheduler:
             first_time = seq.num_cached_tokens is None
             num_cached = len(cached) * self.blocks.block_size
             need = seq.num_tokens - num_cached
-            num_new = min(need, budget, self.waiting.cap(seq), self._chunk_cap(need))
+            num_new = min(need, budget, self.waiting.cap(seq), self._chunk_cap(num_cached, need))
+            num_new = self._affordable(num_cached, num_new)
             if num_new <= 0 or not self.blocks.allocate(seq.block_table, num_cached + num_new, cached):
                 break  # no room: wait for blocks to free (no overtaking)
             self.waiting.pop(seq)
@@ -292,6 +356,7 @@ class Scheduler:
                 short_of.append(len(work))
             work.append(self._work(seq, num_new))
             self.waiting.charge(seq, num_new, admitted=True)
+            self._spend(num_cached, num_new, prefill=need > 1)
             budget -= num_new
         return budget
 
@@ -336,9 +401,32 @@ class Scheduler:
         threshold = self.config.long_prefill_token_threshold
         return 0 < threshold < tokens_left
 
-    def _chunk_cap(self, tokens_left: int) -> int:
-        """The most tokens a prefill with ``tokens_left`` may take in the first pass of a step."""
-        return self.config.long_prefill_token_threshold if self._is_long(tokens_left) else tokens_left
+    def _chunk_cap(self, start: int, tokens_left: int) -> int:
+        """The most tokens a prefill at position ``start`` with ``tokens_left`` may take in the first pass of a
+        step: a long one's chunk takes at most ``long_prefill_token_threshold`` tokens, and with
+        ``attention_cost_context`` at most the work of that many from position 0 (but one token at least)."""
+        if not self._is_long(tokens_left):
+            return tokens_left
+        threshold, context = self.config.long_prefill_token_threshold, self.config.attention_cost_context
+        if not context:
+            return threshold
+        return max(1, min(threshold, affordable_tokens(start, chunk_work(0, threshold, context), context)))
+
+    def _affordable(self, start: int, tokens: int, reserved: int = 0) -> int:
+        """The most of ``tokens`` a prefill's chunk from position ``start`` may take within the step's work left,
+        less ``reserved`` (the decodes' after it in the claim order). The step's first prefill chunk gets at least
+        one token, so a prompt deeper than one step's work still progresses."""
+        if self._work_left is None:
+            return tokens
+        num_new = min(tokens, affordable_tokens(start, self._work_left - reserved,
+                                                self.config.attention_cost_context))
+        return num_new if num_new > 0 or self._prefilled else min(tokens, 1)
+
+    def _spend(self, start: int, tokens: int, prefill: bool) -> None:
+        """Charge the step's work left for ``tokens`` tokens computed from position ``start``."""
+        if self._work_left is not None:
+            self._work_left -= chunk_work(start, tokens, self.config.attention_cost_context)
+        self._prefilled |= prefill
 
     def _top_up(self, work: list[SeqWork], budget: int, short_of: list[int]) -> int:
         """Give the budget nobody else claimed to the prefills in ``short_of`` (indices in ``work``), in claim
@@ -350,11 +438,14 @@ class Scheduler:
             w = work[index]
             seq = self.live[w.seq_id]
             planned = len(w.token_ids)
+            start = seq.num_computed + planned
             extra = min(seq.num_uncomputed - planned, budget, self.waiting.cap(seq))
-            if extra <= 0 or not self.blocks.allocate(seq.block_table, seq.num_computed + planned + extra):
+            extra = self._affordable(start, extra)
+            if extra <= 0 or not self.blocks.allocate(seq.block_table, start + extra):
                 continue
             work[index] = self._work(seq, planned + extra)
             self.waiting.charge(seq, extra)
+            self._spend(start, extra, prefill=True)
             budget -= extra
         return budget
 

@@ -43,6 +43,8 @@ class ServeConfig:
                                         # at this while others wait (tokens); None: half the budget; 0: never
     max_num_partial_prefills: int | None = None  # prompts prefilling at once; None: max_num_seqs
     max_long_partial_prefills: int = 1  # long prompts prefilling at once; a short prompt may pass a waiting long one
+    attention_cost_context: int | None = None  # context (tokens) at which a token's attention costs its projections'
+                                        # work: prefill chunks are sized by work; None: from the model; 0: by tokens
     max_queue: int = 256                # sequences waiting beyond the free slots before 429
     max_prompts_per_request: int = 128  # prompts in one /v1/completions body (each x n choices is a sequence)
     max_model_len: int | None = None    # context limit (tokens); default: the model's
@@ -102,7 +104,8 @@ class ServeConfig:
         SchedulerConfig(max_num_seqs=self.max_num_seqs, max_num_batched_tokens=self.max_num_batched_tokens,
                         long_prefill_token_threshold=self.long_prefill_token_threshold,
                         max_num_partial_prefills=self.max_num_partial_prefills,
-                        max_long_partial_prefills=self.max_long_partial_prefills)
+                        max_long_partial_prefills=self.max_long_partial_prefills,
+                        attention_cost_context=self.attention_cost_context or 0)
         if self.max_queue < 0:
             raise ValueError("max_queue must be >= 0")
         if self.max_prompts_per_request < 1:

@@ -130,6 +130,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(g, "--max-long-partial-prefills", type=int, default=d.max_long_partial_prefills, metavar="N",
             help="long prompts (see --long-prefill-token-threshold) prefilled at once; a long prompt beyond this "
                  "waits, and shorter prompts behind it in the queue go first")
+    _option(g, "--attention-cost-context", type=int, default=None, metavar="TOKENS",
+            default_text="from the model's shape and the kernels' measured speeds",
+            help="the context length at which a prompt token's attention costs as much as its projections: a "
+                 "prefill chunk deep in a long prompt then takes fewer tokens, so each step costs about what a "
+                 "--max-num-batched-tokens chunk from the prompt's start costs, and requests sharing the step are "
+                 "not held by attention over thousands of keys; 0: chunks are sized by tokens only")
     _option(g, "--scheduling-policy", choices=[p.value for p in SchedulingPolicy], default=d.scheduling_policy.value,
             help="who runs first: fcfs, arrival order; priority, a request's lower 'priority' first (vLLM's field; "
                  "the other policies refuse a request with a priority), preempting lower priorities to admit "
@@ -229,6 +235,7 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        long_prefill_token_threshold=args.long_prefill_token_threshold,
                        max_num_partial_prefills=args.max_num_partial_prefills,
                        max_long_partial_prefills=args.max_long_partial_prefills,
+                       attention_cost_context=args.attention_cost_context,
                        max_queue=args.max_queue, max_prompts_per_request=args.max_prompts_per_request,
                        max_model_len=args.max_model_len,
                        max_request_bytes=args.max_request_bytes, policy=Policy(args.scheduler),

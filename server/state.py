@@ -14,7 +14,7 @@ from kvserve.engine.compile_worker import CompileSandbox
 from kvserve.engine.constraints import GrammarCompiler
 from kvserve.engine.draft_model import ModelDrafter
 from kvserve.engine.drafters import Drafter, NgramDrafter
-from kvserve.engine.loader import LoadedModel
+from kvserve.engine.loader import LoadedModel, attention_cost_context
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager, make_hasher
 from kvserve.kvcache.pool import KVPool, storage_dtype
@@ -181,7 +181,11 @@ class ServerState:
                                               scheduling=config.scheduling_policy,
                                               long_prefill_token_threshold=config.long_prefill_token_threshold,
                                               max_num_partial_prefills=config.max_num_partial_prefills,
-                                              max_long_partial_prefills=config.max_long_partial_prefills),
+                                              max_long_partial_prefills=config.max_long_partial_prefills,
+                                              attention_cost_context=(
+                                                  attention_cost_context(loaded.model.config)
+                                                  if config.attention_cost_context is None
+                                                  else config.attention_cost_context)),
                               blocks, self.spec)
         self.step_log = StepLog(config.step_log) if config.step_log else None
         execute = self.runner.execute if self.spec is None else self.spec.execute

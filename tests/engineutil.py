@@ -100,16 +100,19 @@ def greedy_references(loaded, prompt_ids: list[list[int]], new_tokens: int) -> l
 def engine_greedy(loaded, prompts: list[list[int]], new_tokens: int, num_blocks: int = 512, block_size: int = 16,
                   max_num_seqs: int = 32, budget: int = 512, arrivals_at: list[int] | None = None,
                   prefix_caching: bool = True, draft=None, drafter=None, params: SamplingParams = GREEDY,
-                  min_tokens: int | None = None, kv_cache_dtype: str = "auto") -> tuple[list[list[int]], Scheduler]:
+                  min_tokens: int | None = None, kv_cache_dtype: str = "auto",
+                  attention_cost_context: int = 0) -> tuple[list[list[int]], Scheduler]:
     """Our engine end to end (the engine core's step: scheduler + paged runner), greedy unless ``params`` say
     otherwise, EOS suppressed until ``min_tokens`` (default: all ``new_tokens``); with ``draft`` (a DraftPolicy) and
-    ``drafter``, speculative decoding; ``kv_cache_dtype`` as ``--kv-cache-dtype``."""
+    ``drafter``, speculative decoding; ``kv_cache_dtype`` as ``--kv-cache-dtype``; ``attention_cost_context`` as
+    ``--attention-cost-context`` (0: chunks sized by tokens)."""
     shape = loaded.kv_shape(KVCacheDType(kv_cache_dtype))
     pool = KVPool(shape, num_blocks, block_size, storage_dtype(shape, loaded.dtype), loaded.device)
     runner = ModelRunner(loaded, pool)
     spec = None if draft is None else SpecDecoder(draft, drafter, runner)
     scheduler = Scheduler(SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                          max_model_len=4096), BlockManager(num_blocks, block_size, prefix_caching),
+                                          max_model_len=4096, attention_cost_context=attention_cost_context),
+                          BlockManager(num_blocks, block_size, prefix_caching),
                           spec)
     requests = [EngineRequest(request_id=i, prompt_ids=p, params=params, max_tokens=new_tokens,
                               stop_token_ids=frozenset({EOS}), min_tokens=new_tokens if min_tokens is None else min_tokens)

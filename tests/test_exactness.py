@@ -65,12 +65,15 @@ def test_each_prompt_alone_matches_generate(served, prompt_ids, references):
         assert ours[0] == ref
 
 
-def test_batched_with_others_admitted_at_different_steps(served, prompt_ids, references):
+@pytest.mark.parametrize("attention_cost_context", [0, 16])
+def test_batched_with_others_admitted_at_different_steps(served, prompt_ids, references, attention_cost_context):
+    # 16: chunks sized by work, so they shrink with their position and depend on who shares the step
     tok = served.tokenizer
     others = [tok(f"Story number {i}: " + "the wind and the rain " * (i % 5 + 1))["input_ids"] for i in range(15)]
     batch = prompt_ids + others
     arrivals = [0, 3, 0, 7, 1, 12, 5, 2] + [i % 9 for i in range(15)]
-    ours, _ = engine_greedy(served, batch, NEW_TOKENS, arrivals_at=arrivals, budget=64)
+    ours, _ = engine_greedy(served, batch, NEW_TOKENS, arrivals_at=arrivals, budget=64,
+                            attention_cost_context=attention_cost_context)
     assert ours[:len(prompt_ids)] == references
 
 

@@ -437,6 +437,15 @@ def test_prefill_peers_count_the_short_requests_sent_during_the_long_prefill():
     assert prefillpeers.delayed(shorts, long) == [0.3, 7.5]
 
 
+def test_prefill_peers_read_the_steps_that_ended_during_the_long_prefill():
+    log = "\n".join(f'{{"prefills": 1, "decodes": 0, "seconds": {s}, "end_s": {e}}}'
+                     for s, e in [(0.5, 9.0), (0.25, 10.5), (2.0, 12.0), (0.75, 13.0)])
+    assert prefillpeers.step_seconds(log + "\n", 10.0, 12.0) == [0.25, 2.0]
+    figures = prefillpeers.as_dict(prefillpeers.PrefillFigures("kvserve-gguf", {"16": 1.0}, step_p50_s=0.25,
+                                                               step_max_s=2.0, steps=2))
+    assert "| 0.250 / 2.000 s (2) |" in prefillpeers.render({"kvserve-gguf": figures}, [16], "x")
+
+
 def test_prefill_peers_measure_a_server_and_render_ratios_to_kvserve(fake_url):
     figures = prefillpeers.measure_server("kvserve-gguf", fake_url, [16, 64])
     assert set(figures.ttft_s) == {"16", "64"} and all(v > 0 for v in figures.ttft_s.values())

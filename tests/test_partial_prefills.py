@@ -1,7 +1,8 @@
 """Short requests beside a long prompt's chunked prefill, with a fake model through the engine core: the long prompt's
 chunk is capped (``long_prefill_token_threshold``) so waiting requests get part of each step's budget, long prompts
 prefill a few at a time (``max_long_partial_prefills``) so a short prompt is not queued behind one, decodes keep
-their token, and what the short ones leave goes back to the long prompt. Steps are counted, never timed."""
+their token, and what the short ones leave goes back to the long prompt; with ``attention_cost_context`` chunks are
+sized by their work, attention over the keys before them included. Steps are counted, never timed."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from kvserve.kvcache.block_manager import BlockManager
 from kvserve.scheduler.contract import EngineRequest
 from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.offline import OfflineRun, run_offline
-from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
+from kvserve.scheduler.scheduler import (LONE_STEP_WORK, Scheduler, SchedulerConfig, affordable_tokens,
+                                         chunk_work)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -127,6 +129,7 @@ def test_a_long_prompt_whose_prefix_is_cached_is_short_and_goes_beside_a_long_pr
     ({"long_prefill_token_threshold": -1}, "long_prefill_token_threshold"),
     ({"max_num_partial_prefills": 0}, "max_num_partial_prefills"),
     ({"max_long_partial_prefills": 3, "max_num_partial_prefills": 2}, "max_long_partial_prefills"),
+    ({"attention_cost_context": -1}, "attention_cost_context"),
 ])
 def test_inconsistent_prefill_limits_are_refused(limits, message):
     with pytest.raises(ValueError, match=message):
@@ -157,3 +160,71 @@ def test_prompts_a_little_over_the_threshold_arriving_together_fill_every_step()
     uncapped = run(arrivals, budget=32, long_prefill_token_threshold=0)
     assert [plan.num_tokens for plan in plans[:3]] == [32, 32, 32]
     assert capped.first_token_step == uncapped.first_token_step == {0: 0, 1: 1, 2: 2, 3: 2}
+
+
+# -- chunks sized by work (attention_cost_context) ---------------------------------------------------------------
+COST_CONTEXT = 922  # SmolLM2-135M's: 106.2 M multiply-adds of projections per token / 34,560 per pair x 0.3
+STEP_WORK = chunk_work(0, 512, COST_CONTEXT)  # a whole budget's chunk from position 0
+
+
+def positions_and_sizes(plans: list[StepPlan], seq_id: int) -> list[tuple[int, int]]:
+    return [(w.start_pos, len(w.token_ids)) for plan in plans for w in plan.work if w.seq_id == seq_id]
+
+
+def step_work(plan: StepPlan) -> int:
+    return sum(chunk_work(w.start_pos, len(w.token_ids), COST_CONTEXT) for w in plan.work)
+
+
+def test_a_chunks_work_counts_attention_over_the_keys_before_it():
+    assert STEP_WORK == 512 * (2 * 922 + 512)  # 512 * (1 + 256 / 922) token-equivalents, in 1 / (2 * 922) units
+    assert [affordable_tokens(p, STEP_WORK, COST_CONTEXT) for p in (0, 512, 2048, 7936)] == [512, 372, 196, 67]
+    assert chunk_work(100, 30, 922) + chunk_work(130, 70, 922) == chunk_work(100, 100, 922)  # chunking-invariant
+    assert affordable_tokens(5000, 0, COST_CONTEXT) == affordable_tokens(0, -5, COST_CONTEXT) == 0
+
+
+def test_the_context_where_attention_costs_the_projections_comes_from_the_models_shape():
+    from types import SimpleNamespace
+
+    from kvserve.engine.loader import attention_cost_context
+
+    smollm2 = SimpleNamespace(num_hidden_layers=30, hidden_size=576, num_attention_heads=9, num_key_value_heads=3,
+                              intermediate_size=1536)
+    assert attention_cost_context(smollm2) == COST_CONTEXT
+
+
+def test_a_lone_long_prompts_chunks_shrink_with_depth_within_the_lone_steps_work():
+    plans: list[StepPlan] = []
+    alone = run({0: [request(0, LONG)]}, plans=plans, attention_cost_context=COST_CONTEXT)
+    sizes = chunks(plans, 0)
+    assert sizes[:6] == [512, 512, 512, 449, 388, 347]  # by tokens: [512] * 15 + [320]
+    assert sizes[-3:] == [139, 137, 79] and len(sizes) == 34 and alone.first_token_step[0] == 33
+    assert all(step_work(plan) <= LONE_STEP_WORK * STEP_WORK for plan in plans)
+
+
+def test_a_short_request_beside_a_deep_prefill_shares_a_step_of_bounded_work():
+    plans: list[StepPlan] = []
+    run({0: [request(0, LONG)], 20: [request(1, 32, first=10_000)]}, plans=plans,
+        attention_cost_context=COST_CONTEXT)
+    # alone: 178 tokens at 5753 (twice a step's work); beside the short prompt, the long chunk's first pass gets the
+    # work of 256 tokens from 0 (39 at 5931), the short one its 32, and what is left tops the long chunk up by 44
+    # (by tokens: 256 + 32, then 224 more)
+    assert positions_and_sizes(plans[19:22], 0) == [(5753, 178), (5931, 83), (6014, 171)]
+    assert positions_and_sizes(plans, 1) == [(0, 32)]
+    assert step_work(plans[20]) <= STEP_WORK < step_work(plans[20]) + chunk_work(6014, 1, COST_CONTEXT)
+
+
+def test_a_decode_keeps_its_token_and_its_attention_counts_in_the_steps_work():
+    plans: list[StepPlan] = []
+    run({0: [request(1, 20, max_tokens=200, first=50_000)], 2: [request(0, LONG)]}, plans=plans,
+        attention_cost_context=COST_CONTEXT)
+    assert [(w.seq_id, w.start_pos, len(w.token_ids)) for w in plans[10].work] == [(1, 29, 1), (0, 2312, 181)]
+    assert step_work(plans[10]) <= STEP_WORK
+
+
+def test_a_prompt_deeper_than_a_steps_work_still_gets_a_token_a_step():
+    plans: list[StepPlan] = []
+    deep = run({0: [request(0, 1200)]}, budget=32, plans=plans, attention_cost_context=1)
+    sizes = chunks(plans, 0)
+    # past position 1086 one token costs more than a lone step's work (2 x 32 x 34): the step's first chunk gets one
+    assert sizes[:3] == [32, 24, 16] and sizes[-113:] == [1] * 113
+    assert sum(sizes) == 1200 and deep.first_token_step[0] == 814

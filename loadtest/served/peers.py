@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 from datetime import datetime, timezone
 import json
+import shlex
 import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -210,6 +211,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "bfloat16", "int8", "int4"],
                         help="with --prefill: kvserve's --kv-cache-dtype; its row is named after it, beside the "
                              "default's")
+    parser.add_argument("--kvserve-flags", action="append", default=None, metavar="FLAGS",
+                        help="with --prefill: `kvserve serve` flags for a kvserve row of their own, named after them "
+                             "(repeat for more rows, side by side in one run; '' is the default's row), e.g. "
+                             "--kvserve-flags '' --kvserve-flags '--attention-cost-context 0'")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -269,17 +274,19 @@ def _median(figures: list[PeerFigures]) -> dict:
 PREFILL_SYSTEMS = ("llama.cpp", "kvserve-gguf", "vllm")
 
 
-def measure_prefill(system: str, model: Path | None, lengths: list[int],
-                    kv_cache_dtype: str = "auto") -> prefillpeers.PrefillFigures:
+def measure_prefill(system: str, model: Path | None, lengths: list[int], kv_cache_dtype: str = "auto",
+                    kvserve_flags: str = "") -> prefillpeers.PrefillFigures:
     """One system's prefill figures on ``model`` (None: the embedded GGUF), kvserve's with a ``kv_cache_dtype``
-    KV cache (its --kv-cache-dtype); a failure is recorded, not raised."""
+    KV cache (its --kv-cache-dtype) and ``kvserve_flags`` (more serve flags, shell words); a failure is recorded,
+    not raised."""
     from kvserve.engine.loader import default_gguf_path
     from kvserve.loadtest.peer_systems import vllmcpu
 
     gguf = model or default_gguf_path()
     context = prefillpeers.context_tokens(lengths)
     slots = prefillpeers.SLOTS
-    print(f"{system} (prefill):")
+    print(f"{system} (prefill{', ' + kvserve_flags if kvserve_flags else ''}):")
+    step_log = None
     try:
         if system == "llama.cpp":
             binary = find_server()
@@ -290,13 +297,18 @@ def measure_prefill(system: str, model: Path | None, lengths: list[int],
         elif system == "kvserve-gguf":
             chosen = ["--model", str(model)] if model is not None else []
             cache = [] if kv_cache_dtype == "auto" else ["--kv-cache-dtype", kv_cache_dtype]
-            command, env = kvserve_command([*chosen, *cache, "--max-num-seqs", str(slots)]), None
+            step_log = report.OUT_DIR / "peers-prefill-steps.jsonl"
+            step_log.parent.mkdir(parents=True, exist_ok=True)
+            step_log.write_text("")
+            command = kvserve_command([*chosen, *cache, "--max-num-seqs", str(slots), "--step-log", str(step_log),
+                                       *shlex.split(kvserve_flags)])
+            env = None
         elif system == "vllm":
             command, env = vllmcpu.serve_command(gguf, slots, context)
         else:
             raise ValueError(f"unknown prefill system {system!r}")
         with launch(command, name=f"peers-prefill-{system}", env=env, start_timeout_s=900) as server:
-            return prefillpeers.measure_server(system, server.url, lengths)
+            return prefillpeers.measure_server(system, server.url, lengths, step_log)
     except (ServerStartError, RuntimeError, FileNotFoundError, OSError, ValueError) as exc:
         figures = prefillpeers.PrefillFigures(system, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
         print(f"  failed: {figures.error}")
@@ -316,11 +328,15 @@ def run_prefill(args: argparse.Namespace, model: Path | None, stem: str, title: 
     path = args.results or prefillpeers.results_path(report.OUT_DIR, stem)
     results = json.loads(path.read_text()) if path.exists() else {}  # merged across runs, as the decode table
     stamp = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M")
-    for system in chosen if not args.render_only else []:
-        passes = [measure_prefill(system, model, lengths, args.kv_cache_dtype) for _ in range(args.repeats)]
-        # a kvserve row with another cache dtype stands beside the default one (ratios stay to the default's)
-        name = (system if args.kv_cache_dtype == "auto" or not system.startswith("kvserve")
-                else f"{system} (--kv-cache-dtype {args.kv_cache_dtype})")
+    runs = [(system, flags) for system in chosen
+            for flags in (args.kvserve_flags or [""] if system.startswith("kvserve") else [""])]
+    for system, flags in runs if not args.render_only else []:
+        passes = [measure_prefill(system, model, lengths, args.kv_cache_dtype, flags) for _ in range(args.repeats)]
+        # a kvserve row with another cache dtype or more flags stands beside the default one (ratios stay to the
+        # default's)
+        named = " ".join(([f"--kv-cache-dtype {args.kv_cache_dtype}"] if args.kv_cache_dtype != "auto" else [])
+                         + ([flags.strip()] if flags.strip() else []))
+        name = system if not named or not system.startswith("kvserve") else f"{system} ({named})"
         results[name] = prefillpeers.median(passes) | {"measured_utc": stamp}
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(results, indent=1))

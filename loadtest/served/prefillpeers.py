@@ -6,7 +6,10 @@ Per system, one server with a few slots and room for the longest prompt:
 - the chunked-prefill stall: TTFT of short requests (32-token prompts, one token out, two at a time) alone, then
   while one prompt of the longest length is being prefilled: those sent after the long one and before its first
   token count, however long they waited. A server that gives them room beside the long prompt's chunks answers
-  them within a step or two; one whose chunks take the whole step makes them wait for the whole prompt.
+  them within a step or two; one whose chunks take the whole step makes them wait for the whole prompt;
+- kvserve's step times while the long prompt is prefilled (from its ``--step-log``: the median and longest wall
+  time inside the runner of the steps that ended between the long prompt's send and its first token), so a short
+  request's wait can be set against the steps it shared or sat behind.
 
 The systems: llama.cpp's server (``python -m kvserve.loadtest llamacpp`` builds it), kvserve serving the file's
 own blocks, and vLLM's CPU backend when ``python -m kvserve.loadtest vllm`` has installed it (outside the repo).
@@ -16,7 +19,9 @@ Figures are medians and percentiles in seconds; ratios are to kvserve (> 1: kvse
 from __future__ import annotations
 
 import asyncio
+import json
 import statistics
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -48,6 +53,9 @@ class PrefillFigures:
     short_during_p99_s: float | None = None
     short_during_count: int = 0
     long_ttft_s: float | None = None
+    step_p50_s: float | None = None  # the server's steps during the long prefill (None: no step log)
+    step_max_s: float | None = None
+    steps: int = 0
     error: str | None = None
 
 
@@ -69,9 +77,7 @@ async def _send(client: httpx.AsyncClient, spec: workloads.RequestSpec, model: s
     return record
 
 
-async def _measure(url: str, lengths: list[int]) -> PrefillFigures:
-    import time
-
+async def _measure(url: str, lengths: list[int], step_log: Path | None) -> PrefillFigures:
     figures = PrefillFigures("")
     model = server_model(url)
     async with httpx.AsyncClient(base_url=url, timeout=None) as client:
@@ -113,6 +119,15 @@ async def _measure(url: str, lengths: list[int]) -> PrefillFigures:
     figures.short_alone_p50_s, figures.short_alone_p99_s = _p50_p99(alone)
     figures.short_during_p50_s, figures.short_during_p99_s = _p50_p99(during)
     figures.short_during_count, figures.long_ttft_s = len(during), long_record.ttft_s
+    if step_log is not None:
+        await asyncio.sleep(0.5)  # the server writes a step's line once its event loop takes the step
+        sent = start + long_record.start_s
+        durations = step_seconds(step_log.read_text(), sent, sent + long_record.ttft_s)
+        figures.steps = len(durations)
+        if durations:
+            figures.step_p50_s, figures.step_max_s = statistics.median(durations), max(durations)
+            print(f"  steps during the long prefill: {len(durations)}, p50/max {figures.step_p50_s:.3f}/"
+                  f"{figures.step_max_s:.3f} s")
     print(f"  short TTFT alone p50/p99 {figures.short_alone_p50_s:.3f}/{figures.short_alone_p99_s:.3f} s; during a "
           f"{max(lengths)}-token prefill ({long_record.ttft_s:.1f} s): {len(during)} requests, p50/p99 "
           + (f"{figures.short_during_p50_s:.3f}/{figures.short_during_p99_s:.3f} s" if during else "-"))
@@ -126,15 +141,23 @@ def delayed(shorts: list[RequestRecord], long: RequestRecord) -> list[float]:
     return [r.ttft_s for r in shorts if long.start_s < r.start_s < end]
 
 
+def step_seconds(step_log: str, after: float, until: float) -> list[float]:
+    """Runner seconds of the steps in ``step_log`` (``kvserve serve --step-log`` text: one JSON line per step, its
+    ``end_s`` on this machine's perf_counter() clock) that ended in (``after``, ``until``]."""
+    steps = (json.loads(line) for line in step_log.splitlines() if line.strip())
+    return [step["seconds"] for step in steps if after < step["end_s"] <= until]
+
+
 def _p50_p99(values: list[float]) -> tuple[float | None, float | None]:
     if not values:
         return None, None
     return float(np.median(values)), float(np.percentile(values, 99))
 
 
-def measure_server(system: str, url: str, lengths: list[int]) -> PrefillFigures:
-    """The prefill figures of the server at ``url`` (already started, with room for ``max(lengths)`` tokens)."""
-    figures = asyncio.run(_measure(url, lengths))
+def measure_server(system: str, url: str, lengths: list[int], step_log: Path | None = None) -> PrefillFigures:
+    """The prefill figures of the server at ``url`` (already started, with room for ``max(lengths)`` tokens);
+    ``step_log``: the file its ``--step-log`` writes (kvserve), for the step times during the long prefill."""
+    figures = asyncio.run(_measure(url, lengths, step_log))
     figures.system = system
     return figures
 
@@ -150,18 +173,22 @@ def render(results: dict[str, dict], lengths: list[int], served: str) -> str:
         return f"{value:.2f} s{ratio}"
 
     head = ("| system | " + " | ".join(f"TTFT {n} tokens" for n in lengths)
-            + f" | short p50 / p99 alone | short p50 / p99 during a {max(lengths)}-token prefill (n) | measured (UTC) |")
-    rows = [head, "|---" * (len(lengths) + 4) + "|"]
+            + f" | short p50 / p99 alone | short p50 / p99 during a {max(lengths)}-token prefill (n) "
+            + "| step p50 / max during it (steps) | measured (UTC) |")
+    rows = [head, "|---" * (len(lengths) + 5) + "|"]
     for name, r in results.items():
         if r.get("error"):
-            rows.append(f"| {name} | failed: {r['error']} |" + " |" * (len(lengths) + 2))
+            rows.append(f"| {name} | failed: {r['error']} |" + " |" * (len(lengths) + 3))
             continue
         ttfts = [cell(r, r["ttft_s"].get(str(n)), (base or {}).get("ttft_s", {}).get(str(n))) for n in lengths]
         alone = (f"{r['short_alone_p50_s']:.3f} / {r['short_alone_p99_s']:.3f} s"
                  if r["short_alone_p50_s"] is not None else "-")
         during = (f"{r['short_during_p50_s']:.3f} / {r['short_during_p99_s']:.3f} s ({r['short_during_count']})"
                   if r["short_during_p50_s"] is not None else "none sent")
-        rows.append(f"| {name} | " + " | ".join(ttfts) + f" | {alone} | {during} | {r.get('measured_utc', '?')} |")
+        steps = (f"{r['step_p50_s']:.3f} / {r['step_max_s']:.3f} s ({r['steps']})"
+                 if r.get("step_p50_s") is not None else "-")
+        rows.append(f"| {name} | " + " | ".join(ttfts) + f" | {alone} | {during} | {steps} "
+                    f"| {r.get('measured_utc', '?')} |")
     return "\n".join(rows) + (
         f"\n\nEach system serves {served} with {SLOTS} slots and 2 threads. TTFT: the median of "
         f"{PROMPTS_PER_LENGTH} one-token completions whose prompts differ from the first token (in brackets, this "
@@ -169,7 +196,10 @@ def render(results: dict[str, dict], lengths: list[int], served: str) -> str:
         f"one token out, {SHORT_USERS} at a time, first alone ({SHORT_REQUESTS} requests), then while one "
         f"{max(lengths)}-token prompt is prefilled (those sent after it and before its first token, n of them, "
         "however long they waited): a server whose prefill chunks leave room for them answers within a step or "
-        "two; one whose chunks take the whole step answers them only after the long prompt's prefill.")
+        "two; one whose chunks take the whole step answers them only after the long prompt's prefill. Steps "
+        "(kvserve's --step-log): wall time inside the runner of the steps that ended while the long prompt was "
+        "prefilled, so a short request's wait reads in steps. A row named with flags ran `kvserve serve` with "
+        "them.")
 
 
 def as_dict(figures: PrefillFigures) -> dict:
@@ -179,10 +209,12 @@ def as_dict(figures: PrefillFigures) -> dict:
 def median(figures: list[PrefillFigures]) -> dict:
     """Per-figure medians over repeats that succeeded (the last error if none did); the fewest short requests
     seen during the long prefill."""
-    keys = ("short_alone_p50_s", "short_alone_p99_s", "short_during_p50_s", "short_during_p99_s", "long_ttft_s")
+    keys = ("short_alone_p50_s", "short_alone_p99_s", "short_during_p50_s", "short_during_p99_s", "long_ttft_s",
+            "step_p50_s", "step_max_s")
     out = median_over_repeats(figures, keys, ("ttft_s",))
     if out["error"] is None:
         out["short_during_count"] = min(f.short_during_count for f in figures if f.error is None)
+        out["steps"] = min(f.steps for f in figures if f.error is None)
     return out
 
 
