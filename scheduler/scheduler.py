@@ -134,6 +134,22 @@ def affordable_tokens(start: int, work: int, context: int) -> int:
     return math.isqrt(a * a + work) - a
 
 
+def lone_prefill_chunks(length: int, budget: int, context: int) -> list[int]:
+    """The chunk sizes (tokens) the scheduler gives a ``length``-token prompt prefilled alone, with
+    ``max_num_batched_tokens`` = ``budget`` and ``attention_cost_context`` = ``context`` (0: by tokens only): each
+    step the most tokens within the budget and a lone step's work (``LONE_STEP_WORK`` budgets' work from position
+    0), one at least. For benchmarks that replay a prefill as the server runs it (``loadtest profile --prefill``)."""
+    sizes, start = [], 0
+    work = chunk_work(0, budget, context) * LONE_STEP_WORK if context else None
+    while start < length:
+        n = min(budget, length - start)
+        if work is not None:
+            n = max(1, min(n, affordable_tokens(start, work, context)))
+        sizes.append(n)
+        start += n
+    return sizes
+
+
 class Speculation(Protocol):
     """What the scheduler asks of speculative decoding (``speculation.decoder.SpecDecoder`` answers)."""
 

@@ -14,7 +14,7 @@ from kvserve.scheduler.contract import EngineRequest
 from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.offline import OfflineRun, run_offline
 from kvserve.scheduler.scheduler import (LONE_STEP_WORK, Scheduler, SchedulerConfig, affordable_tokens,
-                                         chunk_work)
+                                         chunk_work, lone_prefill_chunks)
 
 GREEDY = SamplingParams(temperature=0.0)
 
@@ -199,6 +199,9 @@ def test_a_lone_long_prompts_chunks_shrink_with_depth_within_the_lone_steps_work
     assert sizes[:6] == [512, 512, 512, 449, 388, 347]  # by tokens: [512] * 15 + [320]
     assert sizes[-3:] == [139, 137, 79] and len(sizes) == 34 and alone.first_token_step[0] == 33
     assert all(step_work(plan) <= LONE_STEP_WORK * STEP_WORK for plan in plans)
+    # what loadtest profile --prefill replays: the same chunks, by tokens too
+    assert lone_prefill_chunks(LONG, 512, COST_CONTEXT) == sizes
+    assert lone_prefill_chunks(LONG, 512, 0) == [512] * 15 + [320]
 
 
 def test_a_short_request_beside_a_deep_prefill_shares_a_step_of_bounded_work():

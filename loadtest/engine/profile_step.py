@@ -139,22 +139,29 @@ _PREFILL_PARTS = (("projections", ("projections (linear/matmul)",)), ("attention
 
 def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
                     cache_dtype: str = "auto") -> tuple[float, dict[str, float]]:
-    """One ``length``-token prompt prefilled in ``chunk``-token steps (token ids of a fixed pattern), over a
-    ``cache_dtype`` KV cache (as --kv-cache-dtype).
+    """One ``length``-token prompt prefilled in the steps the server plans for it alone (token ids of a fixed
+    pattern): ``chunk`` tokens a step (--max-num-batched-tokens), fewer deep in a long prompt where the scheduler
+    sizes chunks by work (``scheduler.scheduler.lone_prefill_chunks``, with the model's attention_cost_context),
+    over a ``cache_dtype`` KV cache (as --kv-cache-dtype).
 
     Returns:
         (wall seconds of the whole prefill without the profiler, the median over ``reps`` runs; seconds per part
         under the profiler, keyed by the ``_CATEGORIES`` labels plus "other ops" and "Python/dispatch overhead",
         scaled so the parts sum to the profiled prefill's wall time).
     """
+    from kvserve.engine.loader import attention_cost_context
     from kvserve.engine.plan import StepPlan
     from kvserve.loadtest.engine.enginebench import EngineBench, dummy_ids
+    from kvserve.scheduler.scheduler import lone_prefill_chunks
 
     bench = EngineBench(loaded, 1, length + 1, cache_dtype=cache_dtype)
     ids = dummy_ids(length)
     # as the scheduler plans it: only the chunk that reaches the prompt's end samples a token
-    plans = [StepPlan([dataclasses.replace(bench.work(0, ids[start:start + chunk], start),
-                                           sample=start + chunk >= length)]) for start in range(0, length, chunk)]
+    plans, start = [], 0
+    for size in lone_prefill_chunks(length, chunk, attention_cost_context(loaded.model.config)):
+        plans.append(StepPlan([dataclasses.replace(bench.work(0, ids[start:start + size], start),
+                                                   sample=start + size >= length)]))
+        start += size
 
     def prefill() -> float:
         started = time.perf_counter()
@@ -245,7 +252,9 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
                       "chains on registers)") + f", x {threads} threads"
     else:
         peak_text += "; attention's peak not measured (no probe for its path)"
-    return ("\n".join(rows) + f"\n\nChunks of {chunk} tokens (the server's --max-num-batched-tokens), kernels "
+    return ("\n".join(rows) + f"\n\nSteps as the server plans a prompt alone: chunks of {chunk} tokens (its "
+            "--max-num-batched-tokens), fewer deep in a long prompt (chunks sized by work, attention counted: "
+            "--attention-cost-context, the model's default), kernels "
             f"{native.isa()}, {threads} threads; {peak_text}. Shares are of the profiled prefill (self CPU time per "
             "op); seconds are those shares of the prefill without the profiler"
             + ("; at the peaks: the prefill with its projections and attention at 100% of their peaks and the rest "
