@@ -37,6 +37,7 @@ VALUE_FLAGS=(
   long-prefill-token-threshold
   max-num-partial-prefills
   max-long-partial-prefills
+  attention-cost-context
 )
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
 SWITCH_FLAGS=(no-prefix-caching vllm-metric-names allow-pickle no-ui share-cache-across-keys metrics-require-key)
