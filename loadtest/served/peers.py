@@ -347,7 +347,8 @@ def run_prefill(args: argparse.Namespace, model: Path | None, stem: str, title: 
         command = ("python -m kvserve.loadtest peers --prefill" + ("" if model is None else f" --model {model.name}")
                    + ("" if lengths == list(prefillpeers.LENGTHS) else " --prefill-lengths "
                       + ",".join(map(str, lengths)))
-                   + ("" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"))
+                   + ("" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}")
+                   + "".join(f" --kvserve-flags {shlex.quote(flags)}" for flags in args.kvserve_flags or []))
         update_section(f"{stem}-prefill", f"Prefill side by side: TTFT by prompt length and the stall ({title})",
                        command, text, args.benchmarks)
     return 0
