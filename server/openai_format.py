@@ -104,6 +104,13 @@ class Formatter:
         return {"content": [entry(t.token_id, t.logprob) | {"top_logprobs": [entry(i, lp) for i, lp in t.top]}
                             for t in tokens]}
 
+    def _top_with_own(self, t: TokenLogprob) -> dict[str, float]:
+        """A completions token's ``top_logprobs``: the ``logprobs`` most likely tokens and the token itself, so up
+        to ``logprobs`` + 1 entries (OpenAI's legacy API and vLLM; ``logprobs: 0`` gives the token alone)."""
+        top = {self._token_str(i): lp for i, lp in t.top}
+        top.setdefault(self._token_str(t.token_id), t.logprob)
+        return top
+
     def _completion_logprobs(self, index: int, tokens: list[TokenLogprob], offsets: list[int] | None = None) -> dict:
         """Completions logprobs of ``tokens``.
 
@@ -118,8 +125,7 @@ class Formatter:
         for position, t in enumerate(tokens):
             out["tokens"].append(self._token_str(t.token_id))
             out["token_logprobs"].append(None if echoed_prompt and position == 0 else t.logprob)
-            out["top_logprobs"].append(None if echoed_prompt and position == 0
-                                       else {self._token_str(i): lp for i, lp in t.top})
+            out["top_logprobs"].append(None if echoed_prompt and position == 0 else self._top_with_own(t))
             if not echoed_prompt:
                 out["text_offset"].append(base + offsets[position])
                 continue

@@ -243,3 +243,17 @@ def test_min_tokens_holds_back_stop_strings_too(server_url):
     assert held["usage"]["completion_tokens"] >= 5
     text = held["choices"][0]["text"]
     assert "," in text and text.startswith(early["choices"][0]["text"])
+
+
+def test_completions_top_logprobs_list_the_sampled_token_too(server_url):
+    """OpenAI's legacy API and vLLM: up to logprobs + 1 entries, the sampled token always among them; logprobs: 0
+    gives it alone (it gave empty objects)."""
+    alone = completion(server_url, prompt="The capital of France is", max_tokens=4, temperature=0, logprobs=0)
+    logprobs = alone["choices"][0]["logprobs"]
+    assert [list(top) for top in logprobs["top_logprobs"]] == [[token] for token in logprobs["tokens"]]
+    assert [top[token] for top, token in zip(logprobs["top_logprobs"], logprobs["tokens"])] == \
+        logprobs["token_logprobs"]
+    sampled = completion(server_url, prompt="Once upon a time", max_tokens=24, temperature=2.0, seed=3, logprobs=1)
+    lp = sampled["choices"][0]["logprobs"]
+    assert all(token in top and 1 <= len(top) <= 2 for top, token in zip(lp["top_logprobs"], lp["tokens"]))
+    assert any(len(top) == 2 for top in lp["top_logprobs"])  # at temperature 2 some pick is not the most likely
