@@ -231,9 +231,13 @@ def test_streams_end_with_an_error_when_the_engine_loop_dies(state_factory, path
         return update(plan, results)
 
     state.core.scheduler.update = dying_update
-    body = {"stream": True, **({"input": "Count to 100", "max_output_tokens": 50} if path == "/v1/responses" else
-                              {"prompt": "Count to 100", "max_tokens": 50} if path == "/v1/completions" else
-                              {"messages": [{"role": "user", "content": "Count to 100"}], "max_tokens": 50})}
+    # the reply must outlive step 4: a sampled reply could end on EOS before it (seen: a [DONE] with no error)
+    body = {"stream": True, "temperature": 0,
+            **({"input": "Count to 100", "max_output_tokens": 50} if path == "/v1/responses" else
+               {"prompt": "Count to 100", "max_tokens": 50} if path == "/v1/completions" else
+               {"messages": [{"role": "user", "content": "Count to 100"}], "max_tokens": 50})}
+    if path != "/v1/responses":
+        body["ignore_eos"] = True
     with serving(state) as url:
         with httpx.stream("POST", url + path, json=body, timeout=30) as response:
             assert response.status_code == 200
