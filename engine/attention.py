@@ -1,8 +1,10 @@
 """Paged attention plugged into transformers through its attention interface.
 
-transformers' model classes compute Q, K, V (RoPE applied) and call ``ALL_ATTENTION_FUNCTIONS[impl]``.
-We register ``"kvserve"`` there: it writes the step's K/V into the pool at the slot mapping, then
-attends each query token to its own sequence's cached context. The model code stays transformers'.
+``paged_attention`` writes the step's K/V into the pool at the slot mapping, then attends each query token to its
+own sequence's cached context; engine.fastpath calls it. transformers' model classes compute Q, K, V (RoPE
+applied) and call ``ALL_ATTENTION_FUNCTIONS[impl]``: ``register`` puts it there as ``"kvserve"`` where such a
+model is built (a Hugging Face directory, ``engine.lean_model.transformers_model``), importing transformers'
+modeling code only then.
 
 Every step is flattened to batch 1 (``[1, num_tokens]``), so the batch is ragged, never padded:
 
@@ -19,9 +21,6 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
-
 from kvserve.kvcache.pool import KVPool
 from kvserve import native
 
@@ -267,6 +266,10 @@ def _no_mask(*args, **kwargs) -> None:
 
 
 def register() -> None:
-    """Register ``"kvserve"`` with transformers' attention and mask interfaces (idempotent)."""
+    """Register ``"kvserve"`` with transformers' attention and mask interfaces (idempotent). Imports transformers'
+    modeling code (about 120 MiB resident): call it only where a transformers model is built."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)

@@ -1,8 +1,8 @@
 """A GGUF file loaded directly: its config and tokenizer from its metadata, its weights from the mapped file.
 
     read_gguf (checked header) -> family (engine.architectures) -> config -> every tensor's name, shape and
-    type checked -> tokenizer (engine.gguf_tokenizer, cached) -> an empty transformers model of the family
-    (no weights allocated) -> each weight installed from the file:
+    type checked -> tokenizer (engine.gguf_tokenizer, cached) -> the family's lean modules (engine.lean_model,
+    no weights allocated) -> each weight installed from the file:
 
     quantized tensor, ``--quantization gguf``  GGMLLinear / GGMLEmbedding over the file's own blocks
                                               (quant.ggml: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, each
@@ -12,6 +12,11 @@
     quantized tensor, any other scheme        dequantized (gguf.quants, bit for bit) into a float layer, which
                                               the scheme then rounds its own way
     F32 / F16 / BF16 tensor                   a float layer (the float kernels), in the model's dtype
+
+Served with its own blocks, the model stays in the lean modules, which only engine.fastpath runs (transformers'
+modeling code is never imported); dequantized (kvserve's own rounding schemes follow, whose calibration runs
+transformers' forward) or with ``KVSERVE_FASTPATH=0``, the same tensors are put into transformers' model of the
+family (``engine.lean_model.transformers_model``).
 
 Nothing is converted to a float file: the blocks are read from the mapping (engine.gguf_file) and, where the
 kernels keep them in their own order, packed once, after which the file's pages are given back. Unknown
@@ -217,7 +222,8 @@ def _size(nbytes: int) -> str:
 
 
 class _Installer:
-    """Puts a GGUF file's tensors into a transformers model of its family, in place (see the module docstring).
+    """Puts a GGUF file's tensors into a model of its family (engine.lean_model's modules, or transformers' of the
+    same names), in place (see the module docstring).
 
     Args:
         file, arch, config: the checked file, its family and config.
@@ -335,7 +341,7 @@ class _Installer:
 class GGUFModel:
     """A model built from a GGUF file (``load_gguf``)."""
 
-    model: nn.Module
+    model: nn.Module  # engine.lean_model.LeanCausalLM, or transformers' model of the family
     tokenizer: object
     summary: GGUFSummary | None  # None: dequantized throughout (no blocks kept)
     general_name: str | None  # ``general.name``
@@ -363,7 +369,8 @@ def load_gguf(path: str | Path, blocks: bool, dtype: torch.dtype = torch.float32
 
     Args:
         path: the file.
-        blocks: keep quantized tensors as their own blocks (``--quantization gguf``); else dequantize them.
+        blocks: keep quantized tensors as their own blocks (``--quantization gguf``), in the lean modules (unless
+            ``KVSERVE_FASTPATH=0``); else dequantize them, in transformers' model.
         dtype: float layers' dtype (and the embedding rows').
 
     Raises:
@@ -371,23 +378,20 @@ def load_gguf(path: str | Path, blocks: bool, dtype: torch.dtype = torch.float32
             not serve; the message names what it serves.
         OSError: the file cannot be read.
     """
-    from accelerate import init_empty_weights
-    from transformers import AutoModelForCausalLM
-
-    from kvserve.engine import attention
+    from kvserve import environment
     from kvserve.engine.gguf_tokenizer import cached_tokenizer
+    from kvserve.engine.lean_model import LeanCausalLM, transformers_model
 
-    attention.register()  # the paged attention the model is built with
     file = read_gguf(path)
     arch = for_gguf(file)
     config = config_from_gguf(file, arch)
     check_tensors(file, arch, config)
     tokenizer, derived = cached_tokenizer(file, config)
-    with init_empty_weights():  # parameters on the meta device: nothing allocated until installed
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype,
-                                                 attn_implementation=attention.ATTN_IMPLEMENTATION)
-    summary = _Installer(file, arch, config, blocks, dtype).install(model)
+    model = LeanCausalLM(config)  # parameters on the meta device: nothing allocated until installed
     model.generation_config.eos_token_id = stop_token_ids(file, config.vocab_size)
+    summary = _Installer(file, arch, config, blocks, dtype).install(model)
+    if not blocks or not environment.fastpath_on():
+        model = transformers_model(model)  # the same tensors in transformers' modules, for its forward
     model.eval()
     name = file.get("general.name", str)
     return GGUFModel(model, tokenizer, summary if blocks else None, name or None, derived, file.identity)

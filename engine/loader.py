@@ -11,18 +11,21 @@ import importlib.util
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvserve import environment
 
 environment.stay_offline()  # before transformers is imported, which reads it once
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase  # noqa: E402
 
 from kvserve.engine import attention  # noqa: E402
 from kvserve.engine.options import Device, DType  # noqa: E402,F401  (re-exported: callers name them with the loader)
 from kvserve.kvcache.sizing import KVCacheDType, KVShape, cache_shape  # noqa: E402
 from kvserve import native  # noqa: E402
+
+if TYPE_CHECKING:  # transformers' modeling code is imported only where a transformers model is built
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 log = logging.getLogger("kvserve.engine")
 
@@ -160,9 +163,10 @@ def resolve_model_dir(model: str | None) -> Path:
 
 @dataclass(slots=True)
 class LoadedModel:
-    """A transformers causal LM wired to the paged attention, with its tokenizer and served name."""
+    """A causal LM with its tokenizer and served name: a GGUF file's own blocks in engine.lean_model's modules (run
+    by engine.fastpath only), or a transformers model wired to the paged attention."""
 
-    model: PreTrainedModel
+    model: PreTrainedModel  # or engine.lean_model.LeanCausalLM
     tokenizer: PreTrainedTokenizerBase
     name: str
     device: torch.device
@@ -282,7 +286,6 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
             malformed or not one kvserve serves (``engine.gguf_file.GGUFError``); also any failure to read the
             weights, in one line.
     """
-    attention.register()
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, quantized)
     bf16_weights = serves_bf16_kernel(dtype, torch_device, quantized)
@@ -301,6 +304,8 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
     else:
         path = resolve_model_dir(model)
         hf_model = _from_pretrained(path, torch.bfloat16 if bf16_weights else torch_dtype, allow_pickle)
+        from transformers import AutoTokenizer
+
         tokenizer, summary, name = AutoTokenizer.from_pretrained(path), None, path.name
     hf_model.to(torch_device).eval()
     if bf16_weights:
@@ -317,6 +322,9 @@ def _from_pretrained(path: Path, dtype: torch.dtype, allow_pickle: bool) -> PreT
     Raises:
         ValueError: as ``checkpoint_format`` and ``check_loading_info``, or the reader's failure in one line.
     """
+    from transformers import AutoModelForCausalLM
+
+    attention.register()
     use_safetensors = checkpoint_format(path, allow_pickle)
     try:
         hf_model, info = AutoModelForCausalLM.from_pretrained(
