@@ -15,8 +15,10 @@ the new field).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvserve.engine.gguf_file import GGUFError, GGUFFile
 
@@ -54,6 +56,59 @@ SUPPORTED = "llama (Llama 2/3.x, SmolLM), mistral, qwen2, qwen3"
 ROPE_SCALINGS = ("none", "linear", "yarn")
 
 
+class ModelConfig:
+    """A decoder's configuration under transformers' attribute names (``model_type``, ``hidden_size``,
+    ``num_key_value_heads``, ``rope_parameters``, ...), as plain attributes.
+
+    Why not transformers' config class: importing one (``LlamaConfig``...) imports transformers' weight-loading
+    code with it (torch.distributed.tensor, sympy: about 65 MiB resident), which a server of a GGUF file's own
+    blocks never runs. ``to_transformers`` gives that class where a transformers model is built.
+
+    Args:
+        model_type: transformers' model type (engine.architectures' key).
+        source: where the values come from (the GGUF file), for error messages.
+        values: the config's keys (those ``config_from_gguf`` sets), as attributes.
+    """
+
+    def __init__(self, model_type: str, source: object = None, **values) -> None:
+        self.model_type = model_type
+        self._source = source
+        self._values = values
+        self.__dict__.update(values)
+
+    def to_dict(self) -> dict:
+        """config.json's content: ``architectures`` (transformers' ``...ForCausalLM`` class), ``model_type`` and
+        the values; transformers' ``AutoConfig`` reads it, defaulting what it does not name."""
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+        return {"architectures": [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[self.model_type]], "model_type": self.model_type,
+                **self._values}
+
+    def save_pretrained(self, directory: str | Path) -> None:
+        """Write ``directory/config.json`` (``to_dict``)."""
+        (Path(directory) / "config.json").write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+
+    def to_transformers(self):
+        """transformers' config of the family with these values (imports its config class).
+
+        Raises:
+            GGUFError: transformers' own validation refuses a value (its first line named).
+        """
+        from transformers import AutoConfig
+
+        values = self.to_dict()
+        values.pop("model_type")
+        try:
+            made = AutoConfig.for_model(self.model_type, **values)
+        except Exception as exc:  # noqa: BLE001 - transformers' own validation (its error types vary by version)
+            first_line = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
+            raise GGUFError(f"{self._source}: its {self.model_type} config is refused: {first_line}") from None
+        return made
+
+    def __repr__(self) -> str:
+        return f"ModelConfig({self.model_type!r}, {self._values!r})"
+
+
 def for_model_type(model_type: str) -> Architecture | None:
     """The family of a transformers model type, or None when kvserve's lean forward does not take it."""
     return ARCHITECTURES.get(model_type)
@@ -76,8 +131,8 @@ def for_gguf(file: GGUFFile) -> Architecture:
     raise GGUFError(f"{file.path}: architecture {name!r} is not served by kvserve (it serves {SUPPORTED})")
 
 
-def config_from_gguf(file: GGUFFile, arch: Architecture):
-    """The transformers config of ``file``: llama.cpp's metadata keys (``{arch}.block_count``, ...) mapped to
+def config_from_gguf(file: GGUFFile, arch: Architecture) -> ModelConfig:
+    """The config of ``file`` (``ModelConfig``, transformers' names): llama.cpp's metadata keys (``{arch}.block_count``, ...) mapped to
     transformers' names, the special token ids, and ``tie_word_embeddings`` when the file has no
     ``output.weight``. Values llama.cpp defaults when absent are defaulted the same way (head_count_kv to
     head_count, key_length to embedding_length / head_count, rope.freq_base to 10000).
@@ -86,9 +141,6 @@ def config_from_gguf(file: GGUFFile, arch: Architecture):
         GGUFError: a required key is missing or of the wrong type, a value out of range, key and value head
             sizes that differ, a partial rotary dimension, or a RoPE scaling kvserve does not compute.
     """
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
     prefix = f"{arch.gguf_name}."
     path = file.path
 
@@ -141,19 +193,15 @@ def config_from_gguf(file: GGUFFile, arch: Architecture):
     if arch is LLAMA or arch is MISTRAL:
         config["attention_bias"] = "blk.0.attn_q.bias" in file.tensors
     if arch.sliding_window:
-        config["sliding_window"] = file.get(prefix + "attention.sliding_window", int)
+        window = config["sliding_window"] = file.get(prefix + "attention.sliding_window", int)
+        if window is not None and not 0 < window < 1 << 31:
+            raise GGUFError(f"{path}: metadata {prefix}attention.sliding_window = {window} is out of range")
     if arch is QWEN2 or arch is QWEN3:
         config["use_sliding_window"] = False
     if config["num_hidden_layers"] > len(file.tensors):  # each layer has tensors: more is a lie (and long loops)
         raise GGUFError(f"{path}: {prefix}block_count {config['num_hidden_layers']} is more than the file's "
                         f"{len(file.tensors)} tensors")
-    try:
-        made = AutoConfig.for_model(arch.model_type, **config)
-    except Exception as exc:  # noqa: BLE001 - transformers' own validation (its error types vary by version)
-        first_line = str(exc).strip().splitlines()[-1].strip() if str(exc).strip() else type(exc).__name__
-        raise GGUFError(f"{path}: its {arch.model_type} config is refused: {first_line}") from None
-    made.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[arch.model_type]]  # config.json's, for tools
-    return made
+    return ModelConfig(arch.model_type, path, **config)
 
 
 def _rope(file: GGUFFile, prefix: str, theta: float) -> dict:

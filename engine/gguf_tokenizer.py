@@ -130,11 +130,13 @@ def cached_tokenizer(file: GGUFFile, config):
     Raises:
         GGUFError: as ``convert``.
     """
-    from transformers import AutoTokenizer
+    # the class ``convert`` builds, by name: AutoTokenizer would read config.json and import transformers' config
+    # class of the family, and with it its weight-loading code (about 65 MiB resident; engine.architectures)
+    from transformers import TokenizersBackend
 
     target = derived_dir(file)
     if (target / "tokenizer.json").exists() and (target / "config.json").exists():
-        return AutoTokenizer.from_pretrained(target), target
+        return TokenizersBackend.from_pretrained(target), target
     tokenizer = convert(file)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -152,4 +154,4 @@ def cached_tokenizer(file: GGUFFile, config):
                     target.parent, exc.strerror or exc)
         return tokenizer, None
     log.info("tokenizer of %s converted once into %s", file.path.name, target)
-    return AutoTokenizer.from_pretrained(target), target
+    return TokenizersBackend.from_pretrained(target), target

@@ -1,7 +1,7 @@
 """The modules a GGUF file's own blocks are served in: plain torch modules, built from the file's config for each
 family of engine.architectures, without transformers' model classes.
 
-    LeanCausalLM                  .config: the family's transformers config (engine.architectures.config_from_gguf)
+    LeanCausalLM                  .config: engine.architectures.ModelConfig (transformers' names, config_from_gguf)
                                   .generation_config.eos_token_id: the ids that end a reply
       .model.embed_tokens         nn.Embedding or GGMLEmbedding   [vocab, hidden]
       .model.layers[i]            .input_layernorm, .post_attention_layernorm: RMSNorm
@@ -60,10 +60,11 @@ class Rotary(nn.Module):
             dim = config.head_dim
             inv_freq = 1.0 / (params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
             self.attention_scaling = 1.0
-        else:  # transformers' own formulas (a light module: no modeling code)
+        else:  # transformers' own formulas, which read transformers' config class
             from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](config)
+            made = config.to_transformers() if hasattr(config, "to_transformers") else config
+            inv_freq, self.attention_scaling = ROPE_INIT_FUNCTIONS[self.rope_type](made)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,7 +76,16 @@ class Rotary(nn.Module):
 
 
 def _linear(in_features: int, out_features: int, bias: bool) -> nn.Linear:
-    return nn.Linear(in_features, out_features, bias=bias, device="meta")
+    """An ``nn.Linear`` whose weight ``[out, in]`` (and bias) lie on the meta device, never initialized: its
+    ``reset_parameters`` on meta tensors goes through torch's reference ops, which import torch._dynamo (and
+    sympy: tens of MiB resident)."""
+    layer = nn.Linear.__new__(nn.Linear)
+    nn.Module.__init__(layer)
+    layer.in_features, layer.out_features = in_features, out_features
+    layer.weight = nn.Parameter(torch.empty(out_features, in_features, device="meta"), requires_grad=False)
+    layer.register_parameter("bias", nn.Parameter(torch.empty(out_features, device="meta"), requires_grad=False)
+                             if bias else None)
+    return layer
 
 
 class Attention(nn.Module):
@@ -121,7 +131,8 @@ class Decoder(nn.Module):
 
     def __init__(self, config, bias: bool, qk_norm: bool) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, device="meta")
+        shape = (config.vocab_size, config.hidden_size)  # a given weight: not initialized (see _linear)
+        self.embed_tokens = nn.Embedding(*shape, _weight=torch.empty(shape, device="meta"), _freeze=True)
         self.layers = nn.ModuleList(DecoderLayer(config, i, bias, qk_norm) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = Rotary(config)
@@ -139,7 +150,7 @@ class LeanCausalLM(nn.Module):
     engine.gguf_model installs them.
 
     Args:
-        config: the family's transformers config (``model_type``, widths, heads, ``rope_parameters``, ...).
+        config: the model's config (engine.architectures.ModelConfig, or transformers' config of the family).
 
     Raises:
         ValueError: a model type engine.architectures does not list.
@@ -179,6 +190,7 @@ def transformers_model(lean: LeanCausalLM) -> nn.Module:
 
     Raises:
         ValueError: a parameter of the transformers model that ``lean`` does not provide.
+        engine.gguf_file.GGUFError: transformers refuses the config (``ModelConfig.to_transformers``).
     """
     from accelerate import init_empty_weights
     from transformers import AutoModelForCausalLM
@@ -187,8 +199,9 @@ def transformers_model(lean: LeanCausalLM) -> nn.Module:
 
     attention.register()
     inner = lean.model
+    config = lean.config.to_transformers() if hasattr(lean.config, "to_transformers") else lean.config
     with init_empty_weights():  # parameters on the meta device: every one is then ``lean``'s
-        model = AutoModelForCausalLM.from_config(lean.config, dtype=inner.norm.weight.dtype,
+        model = AutoModelForCausalLM.from_config(config, dtype=inner.norm.weight.dtype,
                                                  attn_implementation=attention.ATTN_IMPLEMENTATION)
     model.lm_head, model.model.embed_tokens = lean.lm_head, inner.embed_tokens
     model.model.norm.weight = inner.norm.weight

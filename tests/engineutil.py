@@ -57,8 +57,13 @@ def chat_ids(tokenizer, content: str) -> list[int]:
 
 
 def reference_model(model):
-    """A copy of ``model`` on transformers' own SDPA attention and DynamicCache."""
+    """A copy of ``model`` on transformers' own SDPA attention and DynamicCache (a GGUF file's lean modules put into
+    transformers' model of their family: ``engine.lean_model.transformers_model``)."""
+    from kvserve.engine.lean_model import LeanCausalLM, transformers_model
+
     ref = copy.deepcopy(model)
+    if isinstance(ref, LeanCausalLM):
+        ref = transformers_model(ref)
     ref.set_attn_implementation("sdpa")
     return ref
 

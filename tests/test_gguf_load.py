@@ -265,3 +265,61 @@ def test_a_k_quant_file_is_exact_with_speculation_on_and_off(kquant):
     drafted, scheduler = engine_greedy(kquant, [ids], 32, draft=DraftPolicy(max_draft=4, adaptive=False),
                                        drafter=NgramDrafter())
     assert drafted == plain and scheduler.spec.policy.drafted > 0
+
+
+SERVE_WITHOUT_MODELING_CODE = """
+import sys
+import kvserve.server.app  # what `kvserve serve` imports
+from kvserve.engine.plan import SamplingParams, SeqWork, StepPlan
+from kvserve.server.config import ServeConfig
+from kvserve.server.serve import build_state
+state = build_state(ServeConfig(kv_cache_memory="64MiB"))
+ids = state.tokenizer("The capital of France is")["input_ids"]
+work = SeqWork(seq_id=0, token_ids=ids, start_pos=0, block_table=[0, 1], slot_mapping=list(range(len(ids))),
+               sample=True, params=SamplingParams(temperature=0.0), prompt_ids=ids, output_ids=[])
+token = state.runner.execute(StepPlan([work]))[0].token.token_id
+heavy = sorted(m for m in sys.modules if m in ("transformers.modeling_utils", "accelerate", "sympy"))
+print(type(state.runner.loaded.model).__name__, state.runner.fast is not None, token, heavy)
+"""
+
+
+def test_serving_the_default_gguf_never_imports_transformers_modeling_code():
+    """The server's own loading (build_state) and one prefill on the embedded GGUF: the lean modules and the lean
+    forward only; transformers' modeling code (~120 MiB resident) stays out of the process."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", SERVE_WITHOUT_MODELING_CODE], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kind, fast, token, heavy = done.stdout.strip().splitlines()[-1].split(" ", 3)
+    assert (kind, fast, heavy) == ("LeanCausalLM", "True", "[]")
+    assert 0 <= int(token) < 49152
+
+
+@pytest.mark.parametrize("shape", sorted(FAMILIES))
+def test_each_familys_lean_modules_serve_what_transformers_modules_compute_on_the_same_blocks(tiny_gguf, shape):
+    """The file's own blocks in the lean modules (engine.lean_model) and the same tensors in transformers' model of
+    the family: the same RoPE bits, and the engine's greedy tokens are the ones transformers' forward scores best
+    (up to near-ties: activations are quantized per block)."""
+    from kvserve.engine.lean_model import LeanCausalLM
+
+    path = tiny_gguf(shape, "Q4_K_M")
+    loaded = load_model(str(path), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    model = loaded.model
+    assert isinstance(model, LeanCausalLM) and model.config.model_type == FAMILIES[shape]
+    with pytest.raises(TypeError, match="FastDecoder only"):
+        model(input_ids=torch.tensor([[1, 2]]))
+    ref = reference_model(model)
+    assert type(ref).__name__.lower().startswith(FAMILIES[shape])
+    positions = torch.arange(300)[None]
+    x = torch.empty(1, 0, 0)
+    for ours, theirs in zip(model.model.rotary_emb(x, positions), ref.model.rotary_emb(x, positions)):
+        assert torch.equal(ours, theirs)
+    assert ref.model.layers[1].mlp.down_proj is model.model.layers[1].mlp.down_proj  # the same tensors, shared
+    for module in ref.modules():
+        if isinstance(module, GGMLLinear):
+            module.use_kernel = False
+    ids = loaded.tokenizer(TEXT)["input_ids"]
+    tokens, _ = engine_greedy(loaded, [ids], 12)
+    assert reference_shortfall(ref, ids, tokens[0]) <= NEAR_TIE_LOGITS
