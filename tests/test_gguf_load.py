@@ -302,7 +302,7 @@ def test_each_familys_lean_modules_serve_what_transformers_modules_compute_on_th
     """The file's own blocks in the lean modules (engine.lean_model) and the same tensors in transformers' model of
     the family: the same RoPE bits, and the engine's greedy tokens are the ones transformers' forward scores best
     (up to near-ties: activations are quantized per block)."""
-    from kvserve.engine.lean_model import LeanCausalLM
+    from kvserve.engine.lean_model import LeanCausalLM, transformers_model
 
     path = tiny_gguf(shape, "Q4_K_M")
     loaded = load_model(str(path), DType.AUTO, Device.CPU, quantized=True, blocks=True)
@@ -310,13 +310,15 @@ def test_each_familys_lean_modules_serve_what_transformers_modules_compute_on_th
     assert isinstance(model, LeanCausalLM) and model.config.model_type == FAMILIES[shape]
     with pytest.raises(TypeError, match="FastDecoder only"):
         model(input_ids=torch.tensor([[1, 2]]))
-    ref = reference_model(model)
+    twin = copy.deepcopy(model)
+    ref = transformers_model(twin)
+    ref.set_attn_implementation("sdpa")
     assert type(ref).__name__.lower().startswith(FAMILIES[shape])
+    assert ref.model.layers[1].mlp.down_proj is twin.model.layers[1].mlp.down_proj  # the same modules, shared
     positions = torch.arange(300)[None]
     x = torch.empty(1, 0, 0)
     for ours, theirs in zip(model.model.rotary_emb(x, positions), ref.model.rotary_emb(x, positions)):
         assert torch.equal(ours, theirs)
-    assert ref.model.layers[1].mlp.down_proj is model.model.layers[1].mlp.down_proj  # the same tensors, shared
     for module in ref.modules():
         if isinstance(module, GGMLLinear):
             module.use_kernel = False
