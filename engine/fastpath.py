@@ -31,10 +31,12 @@ The layers run one of two ways, chosen once per step (``FastDecoder.forward``):
 Under torch.profiler every C++ call carries a ``kvserve::...`` label (they are not aten ops), the layer stack's
 parts included.
 
-RoPE's cos/sin and rotation are engine.rope's. Weights are shared with the transformers model, not copied
-(engine.kernelbind.fuse). The transformers path stays the reference; tests check that both give the same
-greedy tokens, and ``KVSERVE_FASTPATH=0`` (read by ``fast_decoder``, when the runner is built) turns this path
-off.
+RoPE's cos/sin and rotation are engine.rope's. The model is a GGUF file's own blocks in engine.lean_model's modules,
+for which this is the only forward, or a transformers model of the same names (a Hugging Face directory; a GGUF
+file dequantized); weights are shared with the model, not copied (engine.kernelbind.fuse). transformers' forward
+stays the reference; tests check that both give the same greedy tokens, and ``KVSERVE_FASTPATH=0`` (read by
+``fast_decoder``, when the runner is built, and by engine.gguf_model, which then builds transformers' modules
+for a GGUF file's blocks) turns this path off.
 """
 
 from __future__ import annotations
@@ -100,10 +102,11 @@ class _LayerCalls:
 
 
 class FastDecoder:
-    """The lean forward over a transformers Llama-family model's own weights.
+    """The lean forward over a Llama-family model's own weights.
 
     Args:
-        model: a ``LlamaForCausalLM``-like model (checked with ``unsupported_reason``), possibly quantized.
+        model: an engine.lean_model ``LeanCausalLM`` or a ``LlamaForCausalLM``-like transformers model (checked
+            with ``unsupported_reason``), possibly quantized.
 
     Raises:
         ValueError: the model is not supported.

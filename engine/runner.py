@@ -45,10 +45,11 @@ def _rows_alone(loaded: LoadedModel, pool: KVPool) -> bool:
 
 
 class ModelRunner:
-    """Runs steps of a transformers model over a paged KV pool.
+    """Runs steps of a model over a paged KV pool.
 
-    Llama-family models run the lean forward of ``engine.fastpath`` (same weights, fewer ops); any other
-    architecture runs transformers' own modules with the ``kvserve`` attention function.
+    Llama-family models run the lean forward of ``engine.fastpath`` (same weights, fewer ops; a GGUF file's own
+    blocks, in engine.lean_model's modules, only that); any other architecture runs transformers' own modules with
+    the ``kvserve`` attention function.
 
     Args:
         loaded: the model (already wired to the ``kvserve`` attention, quantized if it is to be).
