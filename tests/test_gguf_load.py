@@ -325,3 +325,19 @@ def test_each_familys_lean_modules_serve_what_transformers_modules_compute_on_th
     ids = loaded.tokenizer(TEXT)["input_ids"]
     tokens, _ = engine_greedy(loaded, [ids], 12)
     assert reference_shortfall(ref, ids, tokens[0]) <= NEAR_TIE_LOGITS
+
+
+def test_without_the_lean_forward_a_gguf_files_blocks_run_in_transformers_modules(tiny_gguf, monkeypatch):
+    """``KVSERVE_FASTPATH=0`` on a GGUF file: its own blocks, in transformers' model (the lean modules have no
+    forward of their own), and the engine serves it on that forward."""
+    from kvserve.engine.lean_model import LeanCausalLM
+
+    path = tiny_gguf("tiny-qwen2", "Q8_0")
+    monkeypatch.setenv("KVSERVE_FASTPATH", "0")
+    loaded = load_model(str(path), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    assert not isinstance(loaded.model, LeanCausalLM) and type(loaded.model).__name__ == "Qwen2ForCausalLM"
+    assert isinstance(loaded.model.model.layers[0].mlp.up_proj, GGMLLinear) and loaded.gguf.kinds == {"q8_0": 14}
+    assert ModelRunner(loaded, KVPool(loaded.kv_shape(), 8, 16, loaded.dtype)).fast is None
+    ids = loaded.tokenizer(TEXT)["input_ids"]
+    tokens, _ = engine_greedy(loaded, [ids], 6)
+    assert reference_shortfall(reference_model(loaded.model), ids, tokens[0]) <= NEAR_TIE_LOGITS
