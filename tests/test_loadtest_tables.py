@@ -133,15 +133,18 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
     assert "KV cache bfloat16" in capsys.readouterr().out
 
 
-def test_fma_peak_probes_give_a_rate_on_each_native_path():
-    """The float32 FMA roofline probes (leaves.cpp) the prefill profile sets attention against: a positive rate on
-    every vector path this CPU runs, none for the scalar path (no probe)."""
+def test_peak_probes_give_a_rate_on_each_native_path():
+    """The float32 FMA and int8 roofline probes (leaves.cpp) the prefill profile sets attention and the projections
+    against: a positive rate on every vector path this CPU runs (the AVX2 path's int8 peak its own `vpmaddubsw`,
+    not AVX-512's `vpdpbusd`), none for the scalar path (no probe)."""
     from kvserve import native
     from kvserve.loadtest.engine import roofline
 
     for path in set(native.native_isas()) & {"avx2", "avx512"}:
         assert roofline.fma_peak_gmacs(path, iterations=200_000) > 0
-    assert roofline.fma_peak_gmacs("scalar") is None
+        assert roofline.int8_peak_gmacs(path, iterations=200_000) > 0
+    assert roofline.fma_peak_gmacs("scalar") is None and roofline.int8_peak_gmacs("scalar") is None
+    assert roofline.INT8_PROBES["avx2"][0] == "vpmaddubsw"
 
 
 def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_stack(monkeypatch, capsys):

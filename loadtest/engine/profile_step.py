@@ -11,8 +11,9 @@ calls are labelled with ``torch.profiler.record_function`` (``kvserve::...``) so
 A prefill is profiled as the server runs it: one sequence, its prompt in chunks of ``--chunk`` tokens (the
 server's ``--max-num-batched-tokens``), each chunk a step attending to the chunks before it. Each part's time is
 set against its work: the projections' multiply-adds (``macs.Geometry.per_token`` per prompt token, the LM head
-once) as GMAC/s and a share of the ISA's measured int8 peak (``kv_vnni_peak``: 16 independent ``vpdpbusd``
-chains on registers, times the threads the kernels use), and attention's causal (query, key) pairs as GMAC/s and a
+once) as GMAC/s and a share of the measured int8 peak of the path the kernels run (``int8_peak``: independent
+``vpdpbusd`` chains on registers on the AVX-512 path, ``vpmaddubsw`` ones on the AVX2 path, times the threads the
+kernels use), and attention's causal (query, key) pairs as GMAC/s and a
 share of its own measured peak (``attention_peak``: float32 FMA chains on the path the kernels run, or
 ``vdpbf16ps`` for a bfloat16 cache on the AVX-512 BF16 path).
 """
@@ -202,15 +203,28 @@ def attention_peak(cache_dtype: str, head_dim: int) -> tuple[str, float] | None:
     return (f"{path} float32 FMA", gmacs) if gmacs else None
 
 
+def int8_peak() -> tuple[str, float] | None:
+    """The measured int8 peak per core that the projections' kernels are set against, as (instruction, GMAC/s):
+    the instruction the path they run multiplies with (``vpdpbusd`` on AVX-512 VNNI, ``vpmaddubsw`` on AVX2);
+    None for the scalar path or without a kernel build."""
+    from kvserve import native
+    from kvserve.loadtest.engine.roofline import INT8_PROBES, int8_peak_gmacs
+
+    module = native.load()
+    path = module.isa() if module is not None else "scalar"
+    gmacs = int8_peak_gmacs(path)
+    return (INT8_PROBES[path][0], gmacs) if gmacs else None
+
+
 def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "auto") -> str:
     """The prefill profile as markdown: per prompt length, wall time (median of 3 runs up to 2,048 tokens, one
     run past that) and per part its seconds, share and rate, over a ``cache_dtype`` KV cache."""
     from kvserve import native
     from kvserve.loadtest.engine.macs import Geometry
-    from kvserve.loadtest.engine.roofline import int8_peak_gmacs
 
     geometry = Geometry.of(loaded.model.config)
-    peak = int8_peak_gmacs()
+    int8 = int8_peak()
+    peak = int8[1] if int8 else None
     attn_peak = attention_peak(cache_dtype, geometry.head_dim)
     threads = torch.get_num_threads()
     rows = ["| prompt tokens | prefill s (no profiler) | tokens/s | " + " | ".join(
@@ -242,8 +256,8 @@ def prefill_table(lengths: list[int], chunk: int, loaded, cache_dtype: str = "au
         if attn_peak:  # attention at the peak, the rest as measured
             floor = geometry.per_pair * pairs / (attn_peak[1] * threads * 1e9)
             bound = (length, floor, floor / (floor + wall - scaled["attention"]))
-    peak_text = (f"int8 peak measured in the same run: {peak:.0f} GMAC/s per core (`vpdpbusd`, 16 chains on "
-                 f"registers), x {threads} threads" if peak else "int8 peak not measured (its probe needs AVX-512 VNNI)")
+    peak_text = (f"int8 peak measured in the same run: {peak:.0f} GMAC/s per core (`{int8[0]}`, independent chains on "
+                 f"registers), x {threads} threads" if int8 else "int8 peak not measured (no probe for this path)")
     if attn_peak:
         name, gmacs = attn_peak
         peak_text += (f"; attention's peak likewise: {gmacs:.0f} GMAC/s per core (`vdpbf16ps`, 16 chains)"

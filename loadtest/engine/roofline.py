@@ -4,7 +4,8 @@ and ukernel_bf16.h, built by ``native.ggml_leaves.build``), for the benchmarks t
 - ``read_bandwidth``: GB/s of ``kv_read_bytes`` (32-byte loads into 8 independent chains, as a kernel streams its
   weights) over buffers larger than the L3;
 - ``peak_gmacs``: one core's multiply-adds per CPU second of a probe whose independent chains stay on registers:
-  ``kv_vnni_peak`` (``vpdpbusd``, 16 chains of 64 a round), ``kv_bf16_peak`` (``vdpbf16ps``, 16 of 32),
+  ``kv_vnni_peak`` (``vpdpbusd``, 16 chains of 64 a round), ``kv_int8_peak_avx2`` (``vpmaddubsw`` added in int16,
+  the AVX2 path's int8 dot, 8 chains of 32), ``kv_bf16_peak`` (``vdpbf16ps``, 16 of 32),
   ``kv_fma_peak_avx512`` / ``kv_fma_peak_avx2`` (float32 FMA, 16 zmm or 12 ymm chains); ``int8_peak_gmacs``,
   ``bf16_peak_gmacs`` and ``fma_peak_gmacs`` name them.
 
@@ -24,6 +25,8 @@ import numpy as np
 STREAM_BYTES = 256 << 20  # more than the L3: the bytes come from memory, as a decode step reads its weights
 # Per ISA path, the float32 FMA probe and its multiply-adds a round (16 zmm chains, or 12 ymm chains)
 FMA_PROBES = {"avx512": ("kv_fma_peak_avx512", 16 * 16), "avx2": ("kv_fma_peak_avx2", 12 * 8)}
+# Per ISA path, the int8 probe of the instruction its GGUF dots multiply with, and its multiply-adds a round
+INT8_PROBES = {"avx512": ("vpdpbusd", "kv_vnni_peak", 16 * 64), "avx2": ("vpmaddubsw", "kv_int8_peak_avx2", 8 * 32)}
 
 
 @cache
@@ -71,13 +74,14 @@ def peak_gmacs(symbol: str, macs_per_round: int, iterations: int = 20_000_000) -
     return iterations * macs_per_round / (time.thread_time() - started) / 1e9
 
 
-def int8_peak_gmacs(iterations: int = 20_000_000) -> float | None:
-    """``vpdpbusd`` (``kv_vnni_peak``); None where the CPU has no AVX-512 VNNI."""
+def int8_peak_gmacs(path: str = "avx512", iterations: int = 20_000_000) -> float | None:
+    """The int8 multiply-adds per core of ISA path ``path``'s dots: ``vpdpbusd`` on "avx512" (``kv_vnni_peak``),
+    ``vpmaddubsw`` on "avx2" (``kv_int8_peak_avx2``); None for another path or where this CPU lacks it."""
     from kvserve import native
 
-    if "avx512" not in native.native_isas():
+    if path not in INT8_PROBES or path not in native.native_isas():
         return None
-    return peak_gmacs("kv_vnni_peak", 16 * 64, iterations)
+    return peak_gmacs(*INT8_PROBES[path][1:], iterations)
 
 
 def bf16_peak_gmacs(iterations: int = 20_000_000) -> float | None:

@@ -66,5 +66,25 @@ __attribute__((target("avx2,fma"))) float kv_fma_peak_avx2(int64_t iterations) {
   return _mm256_cvtss_f32(acc[0]);
 }
 
+/* `iterations` rounds of 8 independent chains of vpmaddubsw (u8 x s8 pairs into int16) added in int16, as the
+ * AVX2 path's GGUF dots sum their pairs (ukernel_gguf.h; the vpmaddwd that widens them comes once per several
+ * blocks), 8 * 32 int8 multiply-adds a round: one core's int8 peak on the AVX2 path. Each chain multiplies its
+ * own sum's bytes (acc += maddubs(acc, b)), so no round can be hoisted or shared between chains; 8 chains cover
+ * the pair's latency times its issue rate on current cores and, with the temporaries, fit the 16 ymm registers
+ * (more made the compiler spill them to the stack inside the loop). */
+__attribute__((target("avx2"))) int32_t kv_int8_peak_avx2(int64_t iterations) {
+  __m256i acc[8];
+  __m256i b = _mm256_set1_epi8(-5);
+  __asm__("" : "+x"(b));
+  KV_UNROLL for (int c = 0; c < 8; ++c) {
+    acc[c] = _mm256_set1_epi16((short)(c + 1));
+    __asm__("" : "+x"(acc[c]));
+  }
+  for (int64_t i = 0; i < iterations; ++i)
+    KV_UNROLL for (int c = 0; c < 8; ++c) acc[c] = _mm256_add_epi16(acc[c], _mm256_maddubs_epi16(acc[c], b));
+  KV_UNROLL for (int c = 1; c < 8; ++c) acc[0] = _mm256_add_epi16(acc[0], acc[c]);
+  return _mm256_extract_epi32(acc[0], 0);
+}
+
 }  // extern "C"
 #endif
