@@ -424,6 +424,30 @@ def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides, emb
     assert fast.stack_embeds and fast.stack_head == (head is not None)
 
 
+def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_its_mlp_runs():
+    # A lone prompt's chunk runs in the stack as decode rows; its MLP goes kMlpRows (64) rows at a time
+    # (decode_layers.cpp), so a 150-token chunk takes three runs, the last one partial: the logits and every K/V
+    # written are the per-layer loop's, bit for bit, which runs all 150 rows at once.
+    loaded = _gguf_tiny("llama", {}, "q8_0", "q8_0")
+    prompt = [(7 * i) % 200 + 3 for i in range(150)]
+    table = list(range(-(-len(prompt) // BLOCK)))
+    outputs = []
+    for stack in (True, False):
+        runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), len(table) + 1, BLOCK, loaded.dtype))
+        assert runner.rows_alone and runner.fast.layer_stack is not None
+        calls: list[int] = []
+        runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
+                              for k in runner.fast.direct]
+        plan = StepPlan([SeqWork(0, prompt, 0, table, [t // BLOCK * BLOCK + t % BLOCK for t in range(len(prompt))],
+                                 True, GREEDY, prompt, [])])
+        with contextlib.nullcontext() if stack else runner.fast.layer_loop_only():
+            logits = runner.logits(plan)
+        # the loop's direct calls show the step met the stack's conditions (all decode rows, few enough rows)
+        assert len(calls) == (0 if stack else len(loaded.model.model.layers))
+        outputs.append((logits, runner.pool.data.clone()))
+    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+
+
 def test_fused_layer_stack_runs_layers_whose_projections_mix_block_kinds():
     # llama.cpp's Q4_K_M mixture gives some layers a Q6_K attn_v beside Q4_K q and k: q/k/v cannot be fused into
     # one kernel there, and such a model ran every decode step through the per-layer loop from Python. The stack
