@@ -29,7 +29,7 @@
 // points, reached through ProjectionHandle (projection_handle.h) without Python or torch's dispatcher; the
 // norms, RoPE, KV write and attention are decode_ops.cpp's loops (decode_rows.h); SwiGLU is torch's silu
 // kernel, as silu_mul computes it (see swiglu). Intermediate rows live in a workspace kept across steps (grown
-// to the largest batch).
+// to the largest batch; the MLP's, the widest rows, to kMlpRows: a prefill chunk's MLP runs that many at a time).
 // Under torch.profiler each part carries the label the per-layer loop's calls carry.
 #include <ATen/record_function.h>
 #include <c10/util/Half.h>
