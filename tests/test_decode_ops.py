@@ -424,16 +424,18 @@ def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides, emb
     assert fast.stack_embeds and fast.stack_head == (head is not None)
 
 
-def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_its_mlp_runs():
+@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_its_mlp_runs(pool_dtype):
     # A lone prompt's chunk runs in the stack as decode rows; its MLP goes kMlpRows (64) rows at a time
     # (decode_layers.cpp), so a 150-token chunk takes three runs, the last one partial: the logits and every K/V
-    # written are the per-layer loop's, bit for bit, which runs all 150 rows at once.
+    # written (float32 or bfloat16) are the per-layer loop's, bit for bit, which runs all 150 rows at once.
     loaded = _gguf_tiny("llama", {}, "q8_0", "q8_0")
     prompt = [(7 * i) % 200 + 3 for i in range(150)]
     table = list(range(-(-len(prompt) // BLOCK)))
     outputs = []
     for stack in (True, False):
-        runner = ModelRunner(loaded, KVPool(loaded.kv_shape(), len(table) + 1, BLOCK, loaded.dtype))
+        shape = loaded.kv_shape(KVCacheDType.BFLOAT16 if pool_dtype is torch.bfloat16 else KVCacheDType.AUTO)
+        runner = ModelRunner(loaded, KVPool(shape, len(table) + 1, BLOCK, pool_dtype))
         assert runner.rows_alone and runner.fast.layer_stack is not None
         calls: list[int] = []
         runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
@@ -445,7 +447,9 @@ def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_it
         # the loop's direct calls show the step met the stack's conditions (all decode rows, few enough rows)
         assert len(calls) == (0 if stack else len(loaded.model.model.layers))
         outputs.append((logits, runner.pool.data.clone()))
-    assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
+    bits = torch.int16 if pool_dtype is torch.bfloat16 else torch.int32  # compared as bits: NaN-proof
+    assert outputs[0][1].dtype is pool_dtype and torch.equal(outputs[0][0], outputs[1][0])
+    assert torch.equal(outputs[0][1].view(bits), outputs[1][1].view(bits))
 
 
 def test_fused_layer_stack_runs_layers_whose_projections_mix_block_kinds():
