@@ -376,6 +376,13 @@ def _gguf_tiny(arch: str, overrides: dict, embedding: str | None = None, head: s
     return wrap_model(model, tokenizer=None, name=f"{arch}-gguf")
 
 
+def _pool(loaded, blocks: int, pool_dtype: torch.dtype | None = None) -> KVPool:
+    """A KV pool of ``blocks`` blocks for ``loaded``, in ``pool_dtype`` (default the model's; bfloat16 takes the
+    bfloat16 cache's shape)."""
+    shape = loaded.kv_shape(KVCacheDType.BFLOAT16 if pool_dtype is torch.bfloat16 else KVCacheDType.AUTO)
+    return KVPool(shape, blocks, BLOCK, pool_dtype or loaded.dtype)
+
+
 def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None,
                     pool_dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Logits and the pool after an all-decode step of ``rows`` sequences (contexts of 10-12 tokens), with the
@@ -387,8 +394,7 @@ def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None,
         return [tables[s][p // BLOCK] * BLOCK + p % BLOCK for p in positions]
     outputs = []
     for stack in (True, False):
-        shape = loaded.kv_shape(KVCacheDType.BFLOAT16 if pool_dtype is torch.bfloat16 else KVCacheDType.AUTO)
-        runner = ModelRunner(loaded, KVPool(shape, 32, BLOCK, pool_dtype or loaded.dtype))
+        runner = ModelRunner(loaded, _pool(loaded, 32, pool_dtype))
         assert runner.fast.layer_stack is not None
         prepare(runner.fast)
         calls: list[int] = []
@@ -434,8 +440,7 @@ def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_it
     table = list(range(-(-len(prompt) // BLOCK)))
     outputs = []
     for stack in (True, False):
-        shape = loaded.kv_shape(KVCacheDType.BFLOAT16 if pool_dtype is torch.bfloat16 else KVCacheDType.AUTO)
-        runner = ModelRunner(loaded, KVPool(shape, len(table) + 1, BLOCK, pool_dtype))
+        runner = ModelRunner(loaded, _pool(loaded, len(table) + 1, pool_dtype))
         assert runner.rows_alone and runner.fast.layer_stack is not None
         calls: list[int] = []
         runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
