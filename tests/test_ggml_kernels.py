@@ -119,6 +119,30 @@ def test_bound_kernel_gives_the_bits_of_the_call():
             module.bind_ggml(packed, kind, 40, K)(torch.randn(2, 32))
 
 
+def test_the_one_row_prefetch_changes_no_bits_and_its_setting_is_checked():
+    """set_gguf_prefetch (the bytes a K-quant call of one row prefetches ahead; on by default on Intel's AVX-512
+    path) returns the previous value, refuses a distance outside 0..1 MiB, and a row's bits are the same with it
+    off, at 1 KB, and ahead past the call's panels."""
+    module = native.load()
+    before = module.set_gguf_prefetch(0)
+    try:
+        assert module.set_gguf_prefetch(0) == 0
+        for kind in ("q4_k", "q5_k", "q6_k", "q4_1"):
+            N, K = 40, 2048
+            packed = module.ggml_pack(blocks(kind, N, K), kind)
+            x = activations(1, K)
+            off = module.ggml_linear(x, packed, kind, N, K)
+            for ahead in (1024, 1 << 20):
+                module.set_gguf_prefetch(ahead)
+                assert torch.equal(module.ggml_linear(x, packed, kind, N, K), off), (kind, ahead)
+            module.set_gguf_prefetch(0)
+        with pytest.raises(RuntimeError, match="prefetch distance must be 0..1048576 bytes, got -1"):
+            module.set_gguf_prefetch(-1)
+        assert module.set_gguf_prefetch(0) == 0  # the refused value was not taken
+    finally:
+        module.set_gguf_prefetch(before)
+
+
 def test_a_chunks_activations_quantized_by_several_threads_give_the_bits_of_one():
     """A call of more than 32 rows quantizes its activations on the kernels' threads, a run of rows each: the same
     bits as one thread, split evenly or not (130 rows over 3 threads; 33, just past one thread's share), and as

@@ -195,6 +195,8 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
              "includes other work's turns). Read bound: the step's bytes over the read bandwidth.", "",
              "| rows | step ms | steps/s | GB/s of weights | % of the read bound | wall ms |",
              "|---:|---:|---:|---:|---:|---:|"]
+    prefetch = module.set_gguf_prefetch(0)  # this CPU's default (cpu.h): restored below
+    module.set_gguf_prefetch(prefetch)
     for rows in rows_list:
         xs = {K: torch.randn(rows, K) for K in (2048, 8192)}
 
@@ -202,18 +204,35 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
             for fn, K in step_fns:
                 fn(xs[K])
 
-        step()
-        n, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
-        while time.process_time() - cpu0 < 2.0 * threads or n < 3:
+        def timed(budget_s: float) -> tuple[float, float]:
+            """(CPU seconds per thread, wall seconds) per step over ``budget_s`` CPU seconds per thread."""
             step()
-            n += 1
-        busy = (time.process_time() - cpu0) / threads / n
-        wall = (time.perf_counter() - wall0) / n
-        gbs = step_bytes / busy / 1e9
-        print(f"rows={rows}: {1e3 * busy:.1f} ms/step ({1e3 * wall:.1f} wall), {gbs:.1f} GB/s, "
-              f"{100 * gbs / read:.0f}% of the read bound", flush=True)
-        lines.append(f"| {rows} | {1e3 * busy:.1f} | {1 / busy:.1f} | {gbs:.1f} | {100 * gbs / read:.0f}% | "
-                     f"{1e3 * wall:.1f} |")
+            n, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
+            while time.process_time() - cpu0 < budget_s * threads or n < 3:
+                step()
+                n += 1
+            return (time.process_time() - cpu0) / threads / n, (time.perf_counter() - wall0) / n
+
+        # one row with the prefetch on: side by side with it off, in alternating rounds (the best of each)
+        settings = [("", prefetch)] + ([(", no prefetch", 0)] if rows == 1 and prefetch else [])
+        best: dict[str, tuple[float, float]] = {}
+        for _ in range(3 if len(settings) > 1 else 1):
+            for label, ahead in settings:
+                module.set_gguf_prefetch(ahead)
+                got = timed(2.0 / 3 if len(settings) > 1 else 2.0)
+                best[label] = min(best.get(label, got), got)
+        module.set_gguf_prefetch(prefetch)
+        for label, _ in settings:
+            busy, wall = best[label]
+            gbs = step_bytes / busy / 1e9
+            print(f"rows={rows}{label}: {1e3 * busy:.1f} ms/step ({1e3 * wall:.1f} wall), {gbs:.1f} GB/s, "
+                  f"{100 * gbs / read:.0f}% of the read bound", flush=True)
+            lines.append(f"| {rows}{label} | {1e3 * busy:.1f} | {1 / busy:.1f} | {gbs:.1f} | {100 * gbs / read:.0f}% | "
+                         f"{1e3 * wall:.1f} |")
+    if prefetch:
+        lines += ["", f"At 1 row the K-quant kernels prefetch {prefetch} bytes ahead of the group they read towards "
+                  "L1 (this CPU's default, native/csrc/cpu.h); \"no prefetch\" is the same step with it off, the two "
+                  "timed in three alternating rounds (the best of each)."]
     print("\n".join(lines), flush=True)
     if write:
         update_section("ggml-model", "A Q4_K_M Llama-3.2-1B decode step's projections against the read bound",

@@ -107,6 +107,10 @@ std::function<torch::Tensor(const torch::Tensor&)> bind_ggml(const torch::Tensor
                                                              int64_t N, int64_t K);
 // ggml_linear bound to its weights as a ProjectionHandle (projection_handle.h) in a capsule, for the decode ops.
 py::capsule ggml_handle(const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K);
+// Sets the bytes ahead that a GGUF call of one row prefetches towards L1 (kv_ggml_args.ahead; 0: none) for every
+// call from now on, and returns the previous value (at start cpu.h's gguf_prefetch_default). Raises c10::Error
+// outside 0..1 MiB.
+int64_t set_gguf_prefetch(int64_t bytes);
 // bfloat16 weights (linear_bf16.cpp): w [N, K] <-> packed panels of 32 features.
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t N, int64_t K);

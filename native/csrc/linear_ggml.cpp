@@ -13,6 +13,7 @@
 #include "projection_handle.h"
 #include "ukernel_gguf.h"
 
+#include <atomic>
 #include <cstring>
 #include <string>
 
@@ -138,6 +139,9 @@ const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, const floa
   return out;
 }
 
+// kv_ggml_args.ahead of a call of one row (cpu.h's gguf_prefetch_default until set_gguf_prefetch changes it).
+std::atomic<int> prefetch_bytes{cpu::gguf_prefetch_default()};
+
 // y [M, N] <- x [M, K] @ W^T (x and y contiguous float32, checked by the caller).
 void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const int64_t nb = g.K / 32, panels = g.packed.size(0), panel_bytes = g.packed.size(1);
@@ -158,6 +162,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
     a.nb = static_cast<int32_t>(nb);
     a.nr = static_cast<int32_t>(g.nr);
     a.ldw = panel_bytes;
+    a.ahead = M == 1 ? prefetch_bytes.load(std::memory_order_relaxed) : 0;
     for (int64_t p = p0; p < p1; p += chunk) {
       const int64_t n = std::min(chunk, p1 - p);
       a.w = wp + p * panel_bytes;
@@ -194,6 +199,11 @@ void run_handle(const ProjectionHandle* self, const float* x, int64_t M, float* 
 }
 
 }  // namespace
+
+int64_t set_gguf_prefetch(int64_t bytes) {
+  KV_CHECK(bytes >= 0 && bytes <= (1 << 20), "prefetch distance must be 0..1048576 bytes, got ", bytes);
+  return prefetch_bytes.exchange(static_cast<int>(bytes));
+}
 
 torch::Tensor ggml_pack(const torch::Tensor& raw, const std::string& kind_name) {
   const Kind kind = parse_kind(kind_name);

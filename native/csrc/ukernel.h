@@ -44,6 +44,8 @@ typedef struct kv_ggml_args {
   const int32_t* xoff16; /* -32 * qsum per 16 codes [rows][2 * ldb]: Q6_K's offset times the codes (read by Q6_K) */
   int64_t ldw;           /* bytes from one panel to the next */
   int32_t panels;        /* panels of the call, >= 1 */
+  int32_t ahead;         /* AVX-512 K-quant tiles of one row: bytes ahead of the group being read that each group
+                          * prefetches towards L1 (within the call's panels), or 0: the hardware prefetchers alone */
 } kv_ggml_args;
 
 /* IEEE half -> float, exactly, by bit manipulation (the scalar kernels' twin of vcvtph2ps, NaNs quieted as

@@ -477,6 +477,8 @@ constexpr int kDotRegs = 4;
  * are one mask a chunk, and over the layer the unpacked tiles were no faster. */
 template <class Fmt>
 constexpr bool kUnpackGroups = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
+/* One-row tiles ignore kv_ggml_args.ahead: prefetching them towards L1 made Q4_K's slower on a Sapphire Rapids VM. */
+constexpr bool kPrefetchL1 = false;
 
 #include "ukernel_gguf_body.h"
 
@@ -587,6 +589,8 @@ constexpr int kDotRegs = 16;
  * row, and unpacked ran 0.9x; Q5_K's no faster). */
 template <class Fmt>
 constexpr bool kUnpackGroups = false;
+/* The K-quants' one-row tiles prefetch kv_ggml_args.ahead bytes ahead towards L1 (cpu.h's gguf_prefetch_default). */
+constexpr bool kPrefetchL1 = true;
 
 #include "ukernel_gguf_body.h"
 
