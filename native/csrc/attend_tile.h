@@ -44,9 +44,15 @@ constexpr int64_t kChunk = 64;
 #ifdef KV_X86
 
 // The K or V rows of keys c0 .. c1-1 (at most kChunk) of KV head g, through the block table.
+// One division for the chunk's first key, then block and offset stepped: a division per key (bs is known only at
+// run time) cost more than a decode row's arithmetic on the key.
 inline void chunk_rows(const float* base, const int64_t* table, int64_t bs, int64_t H_kv, int64_t g, int64_t D,
                        int64_t c0, int64_t c1, const float** rows) {
-  for (int64_t t = c0; t < c1; ++t) rows[t - c0] = base + ((table[t / bs] * bs + t % bs) * H_kv + g) * D;
+  int64_t block = c0 / bs, offset = c0 % bs;
+  for (int64_t t = c0; t < c1; ++t) {
+    rows[t - c0] = base + ((table[block] * bs + offset) * H_kv + g) * D;
+    if (++offset == bs) offset = 0, ++block;
+  }
 }
 
 // Asks for the K or V rows of keys c0 .. c1-1 (the next chunk) to be brought into L2 while the current chunk
@@ -54,9 +60,11 @@ inline void chunk_rows(const float* base, const int64_t* table, int64_t bs, int6
 __attribute__((target("avx2,fma"))) inline void prefetch_rows(const float* base, const int64_t* table, int64_t bs,
                                                               int64_t H_kv, int64_t g, int64_t D, int64_t c0,
                                                               int64_t c1) {
+  int64_t block = c0 / bs, offset = c0 % bs;
   for (int64_t t = c0; t < c1; ++t) {
-    const char* row = reinterpret_cast<const char*>(base + ((table[t / bs] * bs + t % bs) * H_kv + g) * D);
+    const char* row = reinterpret_cast<const char*>(base + ((table[block] * bs + offset) * H_kv + g) * D);
     for (int64_t b = 0; b < D * 4; b += 64) _mm_prefetch(row + b, _MM_HINT_T1);
+    if (++offset == bs) offset = 0, ++block;
   }
 }
 
@@ -353,7 +361,8 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(kp, table, bs, H_kv, g, D, c0, c1, rows);
-    if (transposed) prefetch_rows(kp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
+    if (c1 < hi) prefetch_rows(kp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
+    else prefetch_rows(vp, table, bs, H_kv, g, D, lo, std::min(hi, lo + kChunk));
     // a prefill tile transposes the chunk's whole groups of 16 keys once for all its query vectors
     const int64_t groups = transposed ? (c1 - c0) / 16 : 0;
     if (groups > 0) transpose_keys(rows, groups, D, kt);
@@ -401,7 +410,7 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
-    if (transposed) prefetch_rows(vp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
+    if (c1 < hi) prefetch_rows(vp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
     int64_t j0 = 0;
     for (; j0 + kQout <= n; j0 += kQout) {
       int64_t s0, s1;
