@@ -126,7 +126,7 @@ def test_the_one_row_prefetch_changes_no_bits_and_its_setting_is_checked():
     module = native.load()
     before = module.set_gguf_prefetch(0)
     try:
-        assert module.set_gguf_prefetch(0) == 0
+        assert module.set_gguf_prefetch(0) == 0 and module.gguf_prefetch() == 0
         for kind in ("q4_k", "q5_k", "q6_k", "q4_1"):
             N, K = 40, 2048
             packed = module.ggml_pack(blocks(kind, N, K), kind)
@@ -138,7 +138,7 @@ def test_the_one_row_prefetch_changes_no_bits_and_its_setting_is_checked():
             module.set_gguf_prefetch(0)
         with pytest.raises(RuntimeError, match="prefetch distance must be 0..1048576 bytes, got -1"):
             module.set_gguf_prefetch(-1)
-        assert module.set_gguf_prefetch(0) == 0  # the refused value was not taken
+        assert module.gguf_prefetch() == 0  # the refused value was not taken
     finally:
         module.set_gguf_prefetch(before)
 

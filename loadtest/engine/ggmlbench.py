@@ -195,8 +195,7 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
              "includes other work's turns). Read bound: the step's bytes over the read bandwidth.", "",
              "| rows | step ms | steps/s | GB/s of weights | % of the read bound | wall ms |",
              "|---:|---:|---:|---:|---:|---:|"]
-    prefetch = module.set_gguf_prefetch(0)  # this CPU's default (cpu.h): restored below
-    module.set_gguf_prefetch(prefetch)
+    prefetch = module.gguf_prefetch()  # this CPU's default (cpu.h): restored after each comparison
     for rows in rows_list:
         xs = {K: torch.randn(rows, K) for K in (2048, 8192)}
 

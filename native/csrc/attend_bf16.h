@@ -59,15 +59,6 @@ struct Tile {
   int64_t c0 = 0;
 
   int64_t at(int64_t t) const { return ((table[t / bs] * bs + t % bs) * H_kv + g) * D; }
-  // The rows at base (kp or vp) of keys c0 .. c1-1 into rows[0 ..]: one division, then block and offset stepped
-  // (a division per key cost more than a decode row's arithmetic on the key).
-  void rows_of(const uint16_t* base, int64_t c0, int64_t c1, const uint16_t** rows) const {
-    int64_t block = c0 / bs, offset = c0 % bs;
-    for (int64_t t = c0; t < c1; ++t) {
-      rows[t - c0] = base + ((table[block] * bs + offset) * H_kv + g) * D;
-      if (++offset == bs) offset = 0, ++block;
-    }
-  }
   const uint16_t* k_row(int64_t t) const { return krows != nullptr ? krows[t - c0] : kp + at(t); }
   const uint16_t* v_row(int64_t t) const { return vrows != nullptr ? vrows[t - c0] : vp + at(t); }
 };
@@ -521,13 +512,12 @@ KV_BF16_512 void outputs_group(const TileQuery* qs, const Tile& chunk, int64_t c
     if (std::max(p0[j], f1) < p1[j]) outputs_range<kD>(qs[j], chunk, std::max(p0[j], f1), p1[j], vi, pb, qs[j].out);
 }
 
-// Asks for the rows at base of keys c0 .. c1-1 (the next chunk) to be brought into L2 while the current chunk runs:
-// a decode row's keys are 2 D bytes every H_kv 2 D bytes, which the hardware prefetchers do not follow.
+// attend_tile.h's row lookups and prefetches, on the tile's pool (base: its kp or vp) from key c0 (the chunk's).
+KV_BF16_512 void chunk_rows(const Tile& tile, const uint16_t* base, int64_t c0, int64_t c1, const uint16_t** rows) {
+  kvserve::decode::chunk_rows(base, tile.table, tile.bs, tile.H_kv, tile.g, tile.D, c0, c1, rows);
+}
 KV_BF16_512 void prefetch_rows(const Tile& tile, const uint16_t* base, int64_t c0, int64_t c1) {
-  const uint16_t* rows[kChunk];
-  tile.rows_of(base, c0, c1, rows);
-  for (int64_t t = c0; t < c1; ++t)
-    for (int64_t b = 0; b < 2 * tile.D; b += 64) _mm_prefetch(reinterpret_cast<const char*>(rows[t - c0]) + b, _MM_HINT_T1);
+  kvserve::decode::prefetch_rows(base, tile.table, tile.bs, tile.H_kv, tile.g, tile.D, c0, c1);
 }
 
 template <int64_t kD>
@@ -551,7 +541,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void at
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores, a chunk's K rows for every query vector
     const int64_t c1 = std::min(c0 + kChunk, hi);
     Tile chunk = tile;
-    tile.rows_of(tile.kp, c0, c1, krows);
+    chunk_rows(tile, tile.kp, c0, c1, krows);
     if (c1 < hi) prefetch_rows(tile, tile.kp, c1, std::min(c1 + kChunk, hi));
     else if (!scores_only) prefetch_rows(tile, tile.vp, lo, std::min(lo + kChunk, hi));
     chunk.krows = krows;
@@ -581,7 +571,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void at
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
     const int64_t pb = c0 / 2, pe = (std::min(c0 + kChunk, hi) + 1) / 2;
     Tile chunk = tile;
-    tile.rows_of(tile.vp, c0, std::min(c0 + kChunk, hi), vrows);
+    chunk_rows(tile, tile.vp, c0, std::min(c0 + kChunk, hi), vrows);
     if (c0 + kChunk < hi) prefetch_rows(tile, tile.vp, c0 + kChunk, std::min(c0 + 2 * kChunk, hi));
     chunk.vrows = vrows;
     chunk.c0 = c0;

@@ -111,6 +111,8 @@ py::capsule ggml_handle(const torch::Tensor& packed, const std::string& kind, in
 // call from now on, and returns the previous value (at start cpu.h's gguf_prefetch_default). Raises c10::Error
 // outside 0..1 MiB.
 int64_t set_gguf_prefetch(int64_t bytes);
+// The bytes a GGUF call of one row prefetches ahead now (set_gguf_prefetch's last value or cpu.h's default).
+int64_t gguf_prefetch();
 // bfloat16 weights (linear_bf16.cpp): w [N, K] <-> packed panels of 32 features.
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t N, int64_t K);

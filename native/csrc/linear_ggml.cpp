@@ -200,6 +200,8 @@ void run_handle(const ProjectionHandle* self, const float* x, int64_t M, float* 
 
 }  // namespace
 
+int64_t gguf_prefetch() { return prefetch_bytes.load(); }
+
 int64_t set_gguf_prefetch(int64_t bytes) {
   KV_CHECK(bytes >= 0 && bytes <= (1 << 20), "prefetch distance must be 0..1048576 bytes, got ", bytes);
   return prefetch_bytes.exchange(static_cast<int>(bytes));

@@ -64,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "ggml_linear bound to (packed, kind, N, K), checked once");
   m.def("ggml_handle", &ggml_handle,
         "ggml_linear bound to (packed, kind, N, K) as a capsule the decode ops' layer stack calls without Python");
+  m.def("gguf_prefetch", &gguf_prefetch, "how far ahead a GGUF K-quant call of one row prefetches (bytes; 0: none)");
   m.def("set_gguf_prefetch", &set_gguf_prefetch,
         "bytes -> the previous value: how far ahead a GGUF K-quant call of one row prefetches (AVX-512; 0: none)");
   m.def("bf16_pack", &bf16_pack, "w bf16 [N,K] -> bf16 [panels, kp * 64] (ukernel_bf16.h's panel order)");
