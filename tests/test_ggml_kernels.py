@@ -143,6 +143,27 @@ def test_the_one_row_prefetch_changes_no_bits_and_its_setting_is_checked():
         module.set_gguf_prefetch(before)
 
 
+def test_unpacked_groups_change_no_bits_and_the_setting_round_trips():
+    """set_gguf_unpack (whether calls of many rows take Q5_K's and Q6_K's groups unpacked once; on by default on
+    Intel's AVX-512 path) returns the previous value, and the rows' bits are the same either way: 9 (one tile of
+    8 and one row), 37 and 150 rows (the driver's slices of 64 rows) of every K-quant and a 32-weight format."""
+    module = native.load()
+    before = module.set_gguf_unpack(False)
+    try:
+        assert module.set_gguf_unpack(False) is False and module.gguf_unpack() is False
+        for kind in ("q4_k", "q5_k", "q6_k", "q4_1"):
+            N, K = 40, 2048
+            packed = module.ggml_pack(blocks(kind, N, K), kind)
+            for rows in (9, 37, 150):
+                x = activations(rows, K)
+                module.set_gguf_unpack(False)
+                direct = module.ggml_linear(x, packed, kind, N, K)
+                assert module.set_gguf_unpack(True) is False and module.gguf_unpack() is True
+                assert torch.equal(module.ggml_linear(x, packed, kind, N, K), direct), (kind, rows)
+    finally:
+        module.set_gguf_unpack(before)
+
+
 def test_a_chunks_activations_quantized_by_several_threads_give_the_bits_of_one():
     """A call of more than 32 rows quantizes its activations on the kernels' threads, a run of rows each: the same
     bits as one thread, split evenly or not (130 rows over 3 threads; 33, just past one thread's share), and as

@@ -195,7 +195,8 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
              "includes other work's turns). Read bound: the step's bytes over the read bandwidth.", "",
              "| rows | step ms | steps/s | GB/s of weights | % of the read bound | wall ms |",
              "|---:|---:|---:|---:|---:|---:|"]
-    prefetch = module.gguf_prefetch()  # this CPU's default (cpu.h): restored after each comparison
+    prefetch = module.gguf_prefetch()  # this CPU's defaults (cpu.h): restored after each comparison
+    unpack = module.gguf_unpack()
     for rows in rows_list:
         xs = {K: torch.randn(rows, K) for K in (2048, 8192)}
 
@@ -212,16 +213,23 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
                 n += 1
             return (time.process_time() - cpu0) / threads / n, (time.perf_counter() - wall0) / n
 
-        # one row with the prefetch on: side by side with it off, in alternating rounds (the best of each)
-        settings = [("", prefetch)] + ([(", no prefetch", 0)] if rows == 1 and prefetch else [])
+        # this CPU's settings side by side with the one that differs at these rows off, in alternating rounds (the
+        # best of each): one row's prefetch; past a register tile (8 rows), Q5_K / Q6_K groups unpacked once
+        settings = [("", prefetch, unpack)]
+        if rows == 1 and prefetch:
+            settings.append((", no prefetch", 0, unpack))
+        if rows > 8 and unpack:
+            settings.append((", codes per tile", prefetch, False))
         best: dict[str, tuple[float, float]] = {}
         for _ in range(3 if len(settings) > 1 else 1):
-            for label, ahead in settings:
+            for label, ahead, groups in settings:
                 module.set_gguf_prefetch(ahead)
+                module.set_gguf_unpack(groups)
                 got = timed(2.0 / 3 if len(settings) > 1 else 2.0)
                 best[label] = min(best.get(label, got), got)
         module.set_gguf_prefetch(prefetch)
-        for label, _ in settings:
+        module.set_gguf_unpack(unpack)
+        for label, _, _ in settings:
             busy, wall = best[label]
             gbs = step_bytes / busy / 1e9
             print(f"rows={rows}{label}: {1e3 * busy:.1f} ms/step ({1e3 * wall:.1f} wall), {gbs:.1f} GB/s, "
@@ -232,6 +240,10 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
         lines += ["", f"At 1 row the K-quant kernels prefetch {prefetch} bytes ahead of the group they read towards "
                   "L1 (this CPU's default, native/csrc/cpu.h); \"no prefetch\" is the same step with it off, the two "
                   "timed in three alternating rounds (the best of each)."]
+    if unpack:
+        lines += ["", "Past 8 rows (a register tile) the Q5_K and Q6_K kernels unpack each group of a panel once for "
+                  "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
+                  "with each tile making its codes from the panel, the two timed in three alternating rounds."]
     print("\n".join(lines), flush=True)
     if write:
         update_section("ggml-model", "A Q4_K_M Llama-3.2-1B decode step's projections against the read bound",

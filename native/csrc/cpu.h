@@ -74,6 +74,21 @@ inline int gguf_prefetch_default() {
 #endif
 }
 
+// Whether the GGUF kernels' calls of many rows (prefill chunks, decode batches past a register tile) take Q5_K's and
+// Q6_K's groups unpacked once for every tile of rows on the AVX-512 path (kv_ggml_args.unpack): on Intel CPUs, where
+// the bitwise operations that make the codes share ports 0 and 5 with vpdpbusd and the float steps (measured on a
+// Sapphire Rapids VM: Q6_K 1.16-1.17x, Q5_K 1.05-1.17x at 32 and 64 rows); not on an AMD EPYC (Zen 4), where they
+// go to other pipes and the tiles that make their codes ran 1.25x the unpacked ones (docs/kernels.md).
+// linear_ggml.cpp starts from this value (set_gguf_unpack changes it).
+inline bool gguf_unpack_default() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  static const bool unpack = chosen() == Isa::kAvx512 && __builtin_cpu_is("intel");
+  return unpack;
+#else
+  return false;
+#endif
+}
+
 inline const char* name(Isa isa) {
   return isa == Isa::kAvx512 ? "avx512" : isa == Isa::kAvx2 ? "avx2" : "scalar";
 }

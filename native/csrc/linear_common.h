@@ -113,6 +113,12 @@ py::capsule ggml_handle(const torch::Tensor& packed, const std::string& kind, in
 int64_t set_gguf_prefetch(int64_t bytes);
 // The bytes a GGUF call of one row prefetches ahead now (set_gguf_prefetch's last value or cpu.h's default).
 int64_t gguf_prefetch();
+// Sets whether the GGUF calls of many rows take Q5_K's and Q6_K's groups unpacked once for every tile of rows
+// (kv_ggml_args.unpack; the AVX-512 path) from now on, and returns the previous value (at start cpu.h's
+// gguf_unpack_default). The bits are the same either way.
+bool set_gguf_unpack(bool unpack);
+// Whether they do now.
+bool gguf_unpack();
 // bfloat16 weights (linear_bf16.cpp): w [N, K] <-> packed panels of 32 features.
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t N, int64_t K);

@@ -141,6 +141,8 @@ const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, const floa
 
 // kv_ggml_args.ahead of a call of one row (cpu.h's gguf_prefetch_default until set_gguf_prefetch changes it).
 std::atomic<int> prefetch_bytes{cpu::gguf_prefetch_default()};
+// kv_ggml_args.unpack of a call of many rows (cpu.h's gguf_unpack_default until set_gguf_unpack changes it).
+std::atomic<bool> unpack_groups{cpu::gguf_unpack_default()};
 
 // y [M, N] <- x [M, K] @ W^T (x and y contiguous float32, checked by the caller).
 void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
@@ -163,6 +165,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
     a.nr = static_cast<int32_t>(g.nr);
     a.ldw = panel_bytes;
     a.ahead = M == 1 ? prefetch_bytes.load(std::memory_order_relaxed) : 0;
+    a.unpack = unpack_groups.load(std::memory_order_relaxed) ? 1 : 0;
     for (int64_t p = p0; p < p1; p += chunk) {
       const int64_t n = std::min(chunk, p1 - p);
       a.w = wp + p * panel_bytes;
@@ -206,6 +209,10 @@ int64_t set_gguf_prefetch(int64_t bytes) {
   KV_CHECK(bytes >= 0 && bytes <= (1 << 20), "prefetch distance must be 0..1048576 bytes, got ", bytes);
   return prefetch_bytes.exchange(static_cast<int>(bytes));
 }
+
+bool gguf_unpack() { return unpack_groups.load(); }
+
+bool set_gguf_unpack(bool unpack) { return unpack_groups.exchange(unpack); }
 
 torch::Tensor ggml_pack(const torch::Tensor& raw, const std::string& kind_name) {
   const Kind kind = parse_kind(kind_name);

@@ -67,6 +67,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_prefetch", &gguf_prefetch, "how far ahead a GGUF K-quant call of one row prefetches (bytes; 0: none)");
   m.def("set_gguf_prefetch", &set_gguf_prefetch,
         "bytes -> the previous value: how far ahead a GGUF K-quant call of one row prefetches (AVX-512; 0: none)");
+  m.def("gguf_unpack", &gguf_unpack, "whether GGUF Q5_K / Q6_K calls of many rows unpack each group once (AVX-512)");
+  m.def("set_gguf_unpack", &set_gguf_unpack,
+        "unpack -> the previous value: whether GGUF Q5_K / Q6_K calls of many rows unpack each group once (AVX-512)");
   m.def("bf16_pack", &bf16_pack, "w bf16 [N,K] -> bf16 [panels, kp * 64] (ukernel_bf16.h's panel order)");
   m.def("bf16_unpack", &bf16_unpack, "packed, N, K -> w bf16 [N,K] (bf16_pack's inverse)");
   m.def("bf16_linear", &bf16_linear, NoGil(),

@@ -46,6 +46,8 @@ typedef struct kv_ggml_args {
   int32_t panels;        /* panels of the call, >= 1 */
   int32_t ahead;         /* AVX-512 K-quant tiles of one row: bytes ahead of the group being read that each group
                           * prefetches towards L1 (within the call's panels), or 0: the hardware prefetchers alone */
+  int32_t unpack;        /* AVX-512, calls of more than KV_MR_AVX512 rows: 1 takes Q5_K's and Q6_K's groups unpacked
+                          * once for every tile of rows (Q6_K's scales in float), 0 makes the codes per tile */
 } kv_ggml_args;
 
 /* IEEE half -> float, exactly, by bit manipulation (the scalar kernels' twin of vcvtph2ps, NaNs quieted as

@@ -477,6 +477,9 @@ constexpr int kDotRegs = 4;
  * are one mask a chunk, and over the layer the unpacked tiles were no faster. */
 template <class Fmt>
 constexpr bool kUnpackGroups = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
+template <class Fmt>
+constexpr bool kUnpackable = false;  // kv_ggml_args.unpack changes nothing here
+constexpr bool kFloatScales = false;
 /* One-row tiles ignore kv_ggml_args.ahead: prefetching them towards L1 made Q4_K's slower on a Sapphire Rapids VM. */
 constexpr bool kPrefetchL1 = false;
 
@@ -589,6 +592,17 @@ constexpr int kDotRegs = 16;
  * row, and unpacked ran 0.9x; Q5_K's no faster). */
 template <class Fmt>
 constexpr bool kUnpackGroups = false;
+/* ... unless the call says so (kv_ggml_args.unpack: cpu.h's gguf_unpack_default, on Intel CPUs). There vpdpbusd,
+ * the float steps and every bitwise operation share two ports (0 and 5), so the codes made per tile cost what
+ * they save elsewhere: measured on a Sapphire Rapids VM, one thread, a 2048 x 2048 layer at 32 and 64 rows, Q6_K
+ * unpacked 1.16-1.17x its direct tiles (its per-16 scales applied in float, below; in integer 1.09-1.11x), Q5_K
+ * 1.05-1.17x, Q4_K 0.99-1.04x (its codes are one mask a chunk: not taken). */
+template <class Fmt>
+constexpr bool kUnpackable = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
+/* Unpacked Q6_K groups keep their per-16 scales as floats: sc' dot' + sc'' dot'' as a float multiply and a fused
+ * multiply-add instead of two vpmulld (two operations each on port 0 of an Intel core) and an add; the same value
+ * (each product and the sum below 2^24: exact in float32). */
+constexpr bool kFloatScales = true;
 /* The K-quants' one-row tiles prefetch kv_ggml_args.ahead bytes ahead towards L1 (cpu.h's gguf_prefetch_default). */
 constexpr bool kPrefetchL1 = true;
 

@@ -135,6 +135,8 @@ struct Codes {
     if constexpr (Fmt::kFold == Fold::kScale16) return U::sc(w, j);
     return zero_i();
   }
+  static constexpr bool kScalesInFloat = false;
+  KV_INLINE F scf(int) const { return zero_f(); }
 };
 
 /* ---- A K-quant panel's group unpacked once into memory for every tile of rows of a call that takes it (more rows
@@ -146,11 +148,14 @@ struct Unpacked {
   using U = typename UnitOf<Fmt>::T;
   I codes[8][8];  // [block][chunk]
   F D[8], Mn[8];  // per block: d sc and -(dmin m) (scale-min); D[0] = d (Q6_K)
-  I scales[16];   // Q6_K's scale per 16 weights, sign-extended
+  I scales[16];   // Q6_K's scale per 16 weights, sign-extended (or as floats, kFloatScales: in scalesf)
+  F scalesf[16];
+  static constexpr bool kScalesInFloat = kFloatScales;
   KV_INLINE I code(int i, int c) const { return codes[i][c]; }
   KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScale16 ? D[0] : D[i]; }
   KV_INLINE F m(int i) const { return Mn[i]; }
   KV_INLINE I sc(int j) const { return scales[j]; }
+  KV_INLINE F scf(int j) const { return scalesf[j]; }
   KV_INLINE static int shift_of(int) { return 0; }
   /* From the group at w (8 blocks: K-quant groups are whole). */
   KV_INLINE void unpack(const uint8_t* w) {
@@ -160,7 +165,10 @@ struct Unpacked {
     }
     if constexpr (Fmt::kFold == Fold::kScale16) {
       D[0] = U::d(w, 0);
-      KV_UNROLL for (int j = 0; j < 16; ++j) scales[j] = U::sc(w, j);
+      KV_UNROLL for (int j = 0; j < 16; ++j) {
+        if constexpr (kFloatScales) scalesf[j] = cvt(U::sc(w, j));
+        else scales[j] = U::sc(w, j);
+      }
     } else {
       KV_UNROLL for (int i = 0; i < 8; ++i) {
         D[i] = U::d(w, i);
@@ -192,6 +200,7 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
   I dot[B][P][R];
   if constexpr (Fmt::kFold == Fold::kScale16) {
     I t[B][P][R];
+    F tf[B][P][R];
     KV_UNROLL for (int h = 0; h < 2; ++h) {
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
         const I offset = b32(a->xoff16[2 * (at + b + r * a->ldb) + h]);
@@ -199,13 +208,21 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
       }
       dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, dot);
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) KV_UNROLL for (int p = 0; p < P; ++p) {
-        const I v = mullo(src[p].sc(2 * (i0 + b) + h), dot[b][p][r]);
-        t[b][p][r] = h == 0 ? v : add(t[b][p][r], v);
+        if constexpr (Src::kScalesInFloat) {  // T in float: exact, as in integer (Unpacked)
+          const F sc = src[p].scf(2 * (i0 + b) + h);
+          tf[b][p][r] = h == 0 ? mul(sc, cvt(dot[b][p][r])) : fma(sc, cvt(dot[b][p][r]), tf[b][p][r]);
+        } else {
+          const I v = mullo(src[p].sc(2 * (i0 + b) + h), dot[b][p][r]);
+          t[b][p][r] = h == 0 ? v : add(t[b][p][r], v);
+        }
       }
     }
     KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
       const F xd = bset(a->xd[at + b + r * a->ldb]);
-      KV_UNROLL for (int p = 0; p < P; ++p) acc[p][r] = fma(src[p].d(i0 + b), mul(cvt(t[b][p][r]), xd), acc[p][r]);
+      KV_UNROLL for (int p = 0; p < P; ++p) {
+        const F T = Src::kScalesInFloat ? tf[b][p][r] : cvt(t[b][p][r]);
+        acc[p][r] = fma(src[p].d(i0 + b), mul(T, xd), acc[p][r]);
+      }
     }
   } else {
     KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
@@ -364,26 +381,29 @@ struct GroupRows {
 
 /* a->panels panels (a->nr == kW) x a->rows rows. Up to kMR rows (a decode batch): one tile of rows over several
  * panels at once. More: per panel, every tile of kMR rows (the panel's weights stay in L1 or L2 meanwhile); the
- * K-quants' panels group by group, each group unpacked once for all the tiles. */
+ * K-quants kUnpackGroups names (or kUnpackable ones where a->unpack says so) group by group, each group unpacked
+ * once for all the tiles. */
 template <class Fmt>
 inline void kernel(const kv_ggml_args* a) {
   if (a->rows <= kMR) {
     with_count<kMR>(a->rows, DecodeRows<Fmt>{a});
     return;
   }
-  if constexpr (kUnpackGroups<Fmt>) {
-    const int group_bytes = kLayouts[Fmt::kKind].bytes * kW;
-    Unpacked<Fmt> u;
-    for (int p = 0; p < a->panels; ++p)
-      for (int b0 = 0; b0 < a->nb; b0 += 8) {
-        /* the group after next, or past the panel's end the next panel's first ones (as tile's) */
-        const int ahead = b0 + 16 < a->nb ? p : p + 1;
-        if (ahead < a->panels) prefetch(group_at(a, Fmt::kKind, ahead, (b0 + 16) % a->nb), group_bytes);
-        u.unpack(group_at(a, Fmt::kKind, p, b0));
-        for (int64_t m = 0; m < a->rows; m += kMR)
-          with_count<kMR>(a->rows - m < kMR ? (int)(a->rows - m) : kMR, GroupRows<Fmt>{a, &u, p, b0, m});
-      }
-    return;
+  if constexpr (kUnpackGroups<Fmt> || kUnpackable<Fmt>) {
+    if (kUnpackGroups<Fmt> || a->unpack) {
+      const int group_bytes = kLayouts[Fmt::kKind].bytes * kW;
+      Unpacked<Fmt> u;
+      for (int p = 0; p < a->panels; ++p)
+        for (int b0 = 0; b0 < a->nb; b0 += 8) {
+          /* the group after next, or past the panel's end the next panel's first ones (as tile's) */
+          const int ahead = b0 + 16 < a->nb ? p : p + 1;
+          if (ahead < a->panels) prefetch(group_at(a, Fmt::kKind, ahead, (b0 + 16) % a->nb), group_bytes);
+          u.unpack(group_at(a, Fmt::kKind, p, b0));
+          for (int64_t m = 0; m < a->rows; m += kMR)
+            with_count<kMR>(a->rows - m < kMR ? (int)(a->rows - m) : kMR, GroupRows<Fmt>{a, &u, p, b0, m});
+        }
+      return;
+    }
   }
   for (int p = 0; p < a->panels; ++p)
     for (int64_t m = 0; m < a->rows; m += kMR)
