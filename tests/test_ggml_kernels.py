@@ -164,6 +164,33 @@ def test_unpacked_groups_change_no_bits_and_the_setting_round_trips():
         module.set_gguf_unpack(before)
 
 
+def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
+    """set_gguf_amx (whether calls of 64 rows or more take AMX-INT8 tiles where the CPU runs them; the emulator runs
+    no AMX, so the tiles are tested on a CPU that has them, skipped elsewhere) returns whether they did, and every
+    kind's rows have the AVX-512 kernel's bits either way: 64 rows (4 tiles of 16), 100 and 150 (tiles and the
+    AVX-512 kernel for the rest; 150 in the driver's slices of 64), 512; K of one block group, 18 blocks (SmolLM2's
+    576, a short last group) and 2048."""
+    module = native.load()
+    before = module.set_gguf_amx(False)
+    try:
+        assert module.gguf_amx() is False
+        assert module.set_gguf_amx(True) is False
+        if not module.gguf_amx():
+            pytest.skip("this CPU (or its virtual machine, or Linux) runs no AMX tiles")
+        for kind in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"):
+            for K in ((256, 2048) if kind.endswith("_k") else (256, 576, 2048)):
+                N = 40
+                packed = module.ggml_pack(blocks(kind, N, K), kind)
+                for rows in (64, 100, 150, 512):
+                    x = activations(rows, K)
+                    module.set_gguf_amx(False)
+                    vector = module.ggml_linear(x, packed, kind, N, K)
+                    assert module.set_gguf_amx(True) is False and module.gguf_amx() is True
+                    assert torch.equal(module.ggml_linear(x, packed, kind, N, K), vector), (kind, K, rows)
+    finally:
+        module.set_gguf_amx(before)
+
+
 def test_a_chunks_activations_quantized_by_several_threads_give_the_bits_of_one():
     """A call of more than 32 rows quantizes its activations on the kernels' threads, a run of rows each: the same
     bits as one thread, split evenly or not (130 rows over 3 threads; 33, just past one thread's share), and as

@@ -169,9 +169,14 @@ def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
             ("q4_k", 2048, 8192, LAYERS - q6), ("q6_k", VOCAB, WIDTH, 1)]
 
 
+PREFILL_ROWS = 64  # ggml_model's rows from which a step is a prefill chunk (linear_ggml.cpp's kAmxRows)
+
+
 @torch.inference_mode()
-def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> None:
-    """A Q4_K_M decode step's projections with the server's threads against the read bound; writes "ggml-model"
+def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True) -> None:
+    """A Q4_K_M Llama-3.2-1B step's projections with the server's threads on ``rows_list`` rows (decode batches
+    against the read bound; 512: a prefill chunk), each of this CPU's kernel settings that matter at those rows
+    side by side with it off (one row's prefetch, Q5_K / Q6_K groups unpacked, AMX tiles); writes "ggml-model"
     unless ``write`` is False."""
     from kvserve import native
     from kvserve.loadtest.publish.benchmarks_md import update_section
@@ -197,12 +202,15 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
              "|---:|---:|---:|---:|---:|---:|"]
     prefetch = module.gguf_prefetch()  # this CPU's defaults (cpu.h): restored after each comparison
     unpack = module.gguf_unpack()
+    amx = module.gguf_amx()
     for rows in rows_list:
         xs = {K: torch.randn(rows, K) for K in (2048, 8192)}
 
+        chunk = rows >= PREFILL_ROWS  # a prefill chunk: the LM head (the last call) on its last row only
+
         def step():
-            for fn, K in step_fns:
-                fn(xs[K])
+            for i, (fn, K) in enumerate(step_fns):
+                fn(xs[K][-1:] if chunk and i == len(step_fns) - 1 else xs[K])
 
         def timed(budget_s: float) -> tuple[float, float]:
             """(CPU seconds per thread, wall seconds) per step over ``budget_s`` CPU seconds per thread."""
@@ -215,27 +223,35 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
 
         # this CPU's settings side by side with the one that differs at these rows off, in alternating rounds (the
         # best of each): one row's prefetch; past a register tile (8 rows), Q5_K / Q6_K groups unpacked once
-        settings = [("", prefetch, unpack)]
+        # 64 rows or more (a prefill chunk), AMX tiles where they run
+        settings = [("", prefetch, unpack, amx)]
         if rows == 1 and prefetch:
-            settings.append((", no prefetch", 0, unpack))
-        if rows > 8 and unpack:
-            settings.append((", codes per tile", prefetch, False))
+            settings.append((", no prefetch", 0, unpack, amx))
+        if 8 < rows < 64 and unpack:
+            settings.append((", codes per tile", prefetch, False, amx))
+        if rows >= 64 and amx:
+            settings.append((", no AMX", prefetch, unpack, False))
         best: dict[str, tuple[float, float]] = {}
         for _ in range(3 if len(settings) > 1 else 1):
-            for label, ahead, groups in settings:
+            for label, ahead, groups, tiles in settings:
                 module.set_gguf_prefetch(ahead)
                 module.set_gguf_unpack(groups)
+                module.set_gguf_amx(tiles)
                 got = timed(2.0 / 3 if len(settings) > 1 else 2.0)
                 best[label] = min(best.get(label, got), got)
         module.set_gguf_prefetch(prefetch)
         module.set_gguf_unpack(unpack)
-        for label, _, _ in settings:
+        module.set_gguf_amx(amx)
+        for label, _, _, _ in settings:
             busy, wall = best[label]
             gbs = step_bytes / busy / 1e9
             print(f"rows={rows}{label}: {1e3 * busy:.1f} ms/step ({1e3 * wall:.1f} wall), {gbs:.1f} GB/s, "
                   f"{100 * gbs / read:.0f}% of the read bound", flush=True)
-            lines.append(f"| {rows}{label} | {1e3 * busy:.1f} | {1 / busy:.1f} | {gbs:.1f} | {100 * gbs / read:.0f}% | "
-                         f"{1e3 * wall:.1f} |")
+            bound = ("- | -" if chunk else f"{gbs:.1f} | {100 * gbs / read:.0f}%")  # a chunk is bound by arithmetic
+            lines.append(f"| {rows}{label} | {1e3 * busy:.1f} | {1 / busy:.1f} | {bound} | {1e3 * wall:.1f} |")
+    if any(rows >= PREFILL_ROWS for rows in rows_list):
+        lines += ["", f"{PREFILL_ROWS}+ rows: a prefill chunk, the LM head on its last row only (as a prefill runs it); "
+                  "its time is its arithmetic's, not the read's."]
     if prefetch:
         lines += ["", f"At 1 row the K-quant kernels prefetch {prefetch} bytes ahead of the group they read towards "
                   "L1 (this CPU's default, native/csrc/cpu.h); \"no prefetch\" is the same step with it off, the two "
@@ -244,9 +260,14 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32), write: bool = True) -> N
         lines += ["", "Past 8 rows (a register tile) the Q5_K and Q6_K kernels unpack each group of a panel once for "
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
                   "with each tile making its codes from the panel, the two timed in three alternating rounds."]
+    if amx:
+        lines += ["", "From 64 rows (a prefill chunk) the Q4_K and Q5_K projections run on AMX-INT8 tiles, this CPU "
+                  "having them (native/csrc/ukernel_gguf_amx.h; Q6_K stays on the AVX-512 kernel); \"no AMX\" is the "
+                  "same step on the AVX-512 kernel alone, the two timed in three alternating rounds."]
     print("\n".join(lines), flush=True)
     if write:
-        update_section("ggml-model", "A Q4_K_M Llama-3.2-1B decode step's projections against the read bound",
+        update_section("ggml-model", "A Q4_K_M Llama-3.2-1B step's projections against the read bound (decode batches) "
+                       "and on a prefill chunk",
                        "python -m kvserve.loadtest kernelbench --ggml-model", "\n".join(lines))
 
 

@@ -11,6 +11,14 @@
 #include <cstdlib>
 #include <cstring>
 
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#endif
+
 namespace kvserve::cpu {
 
 // Ordered: a path may use every lesser one's instructions (the AVX-512 path runs the AVX2 kernels of the
@@ -84,6 +92,33 @@ inline bool gguf_unpack_default() {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
   static const bool unpack = chosen() == Isa::kAvx512 && __builtin_cpu_is("intel");
   return unpack;
+#else
+  return false;
+#endif
+}
+
+// Whether the GGUF kernels' calls of many rows (prefill chunks) may run on AMX-INT8 tiles (ukernel_gguf_amx.h, the
+// AVX-512 kernels' bits): the AVX-512 path is chosen, KVSERVE_AMX is not 0, the CPU has
+// AMX-TILE and AMX-INT8 (cpuid leaf 7: EDX bits 24, 25; Sapphire Rapids and later), the OS saves the tile state
+// (XCR0 bits 17, 18) and Linux grants this process its use (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA,
+// Linux 5.16+). A virtual machine may list the flags without the state: the first tile instruction would then
+// fault, so each condition is checked before any runs. Read once per process.
+inline bool amx() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && defined(__linux__)
+  static const bool on = [] {
+    if (chosen() != Isa::kAvx512) return false;
+    const char* env = std::getenv("KVSERVE_AMX");
+    if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || ((d >> 24) & 3u) != 3u) return false;
+    if (((c >> 27) & 1u) == 0) return false;  // OSXSAVE: xgetbv may run
+    unsigned lo = 0, hi = 0;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if (((lo >> 17) & 3u) != 3u) return false;
+    constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+    return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+  }();
+  return on;
 #else
   return false;
 #endif

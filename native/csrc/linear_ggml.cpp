@@ -12,6 +12,7 @@
 #include "act_quant.h"
 #include "projection_handle.h"
 #include "ukernel_gguf.h"
+#include "ukernel_gguf_amx.h"
 
 #include <atomic>
 #include <cstring>
@@ -28,19 +29,27 @@ using Ukernel = void (*)(const kv_ggml_args*);
 constexpr int64_t kRowSlice = 64;
 constexpr int64_t kPanelChunkBytes = 256 << 10;
 
+// Calls of at least this many rows (prefill chunks) may take AMX tiles (cpu::amx()): at 64 rows a panel's codes
+// made ready for the tiles serve 4 tiles of 16 rows; at 32, 2, and the tiles lost to the AVX-512 kernel.
+constexpr int64_t kAmxRows = 64;
+
 struct KindInfo {
   const char* name;
   Ukernel scalar, avx2, avx512;
+  Ukernel amx;  // calls of kAmxRows or more on a CPU with AMX; nullptr: the AVX-512 kernel is as fast or faster
 };
 
 #ifdef KV_UK_X86
-#define KV_KIND(name) {#name, kv_##name##_scalar, kv_##name##_avx2, kv_##name##_avx512}
+#define KV_KIND(name, amx) {#name, kv_##name##_scalar, kv_##name##_avx2, kv_##name##_avx512, amx ? kv_##name##_amx : nullptr}
 #else
-#define KV_KIND(name) {#name, kv_##name##_scalar, kv_##name##_scalar, kv_##name##_scalar}
+#define KV_KIND(name, amx) {#name, kv_##name##_scalar, kv_##name##_scalar, kv_##name##_scalar, nullptr}
 #endif
 // Indexed by gguf::Kind.
-const KindInfo kKinds[gguf::kKinds] = {KV_KIND(q4_0), KV_KIND(q4_1), KV_KIND(q5_0), KV_KIND(q5_1),
-                                       KV_KIND(q8_0), KV_KIND(q4_k), KV_KIND(q5_k), KV_KIND(q6_k)};
+// AMX where it measured faster than the AVX-512 kernel (a Sapphire Rapids VM, 2 threads, 512 rows, the two
+// alternating in one process, docs/kernels.md): not Q4_1 (0.95-1.11x at SmolLM2's shapes) nor Q6_K (its float
+// steps per half block, 0.85-0.9x).
+const KindInfo kKinds[gguf::kKinds] = {KV_KIND(q4_0, 1), KV_KIND(q4_1, 0), KV_KIND(q5_0, 1), KV_KIND(q5_1, 1),
+                                       KV_KIND(q8_0, 1), KV_KIND(q4_k, 1), KV_KIND(q5_k, 1), KV_KIND(q6_k, 0)};
 #undef KV_KIND
 
 Kind parse_kind(const std::string& name) {
@@ -68,12 +77,17 @@ Ukernel ukernel_for(Kind kind) {
   return kKinds[kind].scalar;
 }
 
+// The micro-kernel of the calls of kAmxRows rows or more: AMX tiles where cpu::amx() says they run and the kind has
+// them, else nullptr (ukernel_for's).
+Ukernel amx_for(Kind kind) { return cpu::amx() ? kKinds[kind].amx : nullptr; }
+
 // A weight matrix in the layout of the chosen ISA, checked once.
 struct GgmlWeights {
   torch::Tensor packed;
   Kind kind;
   int64_t N, K, nr;
   Ukernel ukernel;
+  Ukernel amx;  // calls of kAmxRows or more (nullptr: ukernel)
 };
 
 GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, int64_t N, int64_t K) {
@@ -87,7 +101,7 @@ GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, i
   KV_CHECK(packed.size(0) == panels && packed.size(1) == row, "packed ", kind_name, " weights for N = ", N,
            ", K = ", K, " on the ", cpu::name(cpu::chosen()), " path must be [", panels, ", ", row, "], got [",
            packed.size(0), ", ", packed.size(1), "] (packed for another shape or ISA?)");
-  return {packed, kind, N, K, nr, ukernel_for(kind)};
+  return {packed, kind, N, K, nr, ukernel_for(kind), amx_for(kind)};
 }
 
 // Q6_K's offset on the activation side, -32 qsum per 16 activation codes [M, K / 16] (its scales cover 16
@@ -143,6 +157,8 @@ const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, const floa
 std::atomic<int> prefetch_bytes{cpu::gguf_prefetch_default()};
 // kv_ggml_args.unpack of a call of many rows (cpu.h's gguf_unpack_default until set_gguf_unpack changes it).
 std::atomic<bool> unpack_groups{cpu::gguf_unpack_default()};
+// Whether calls of kAmxRows or more take AMX tiles where they run (set_gguf_amx; on from the start).
+std::atomic<bool> amx_tiles{true};
 
 // y [M, N] <- x [M, K] @ W^T (x and y contiguous float32, checked by the caller).
 void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
@@ -154,6 +170,8 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const int32_t* xoff16 = g.kind == gguf::kQ6_K ? offsets16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
   const bool decode = M <= tile_rows();
+  const Ukernel ukernel = M >= kAmxRows && g.amx != nullptr && amx_tiles.load(std::memory_order_relaxed) ? g.amx
+                                                                                                          : g.ukernel;
   const int64_t rows_per_call = decode ? M : kRowSlice;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t chunk = decode ? p1 - p0 : std::max<int64_t>(1, kPanelChunkBytes / panel_bytes);
@@ -179,7 +197,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
         a.xsum = qx.qsum.data() + m * nb;
         a.xoff16 = xoff16 == nullptr ? nullptr : xoff16 + 2 * m * nb;
         a.y = yp + m * g.N + p * g.nr;
-        g.ukernel(&a);
+        ukernel(&a);
       }
     }
   });
@@ -213,6 +231,14 @@ int64_t set_gguf_prefetch(int64_t bytes) {
 bool gguf_unpack() { return unpack_groups.load(); }
 
 bool set_gguf_unpack(bool unpack) { return unpack_groups.exchange(unpack); }
+
+bool gguf_amx() { return cpu::amx() && amx_tiles.load(); }
+
+bool set_gguf_amx(bool on) {
+  const bool before = gguf_amx();
+  amx_tiles.store(on);
+  return before;
+}
 
 torch::Tensor ggml_pack(const torch::Tensor& raw, const std::string& kind_name) {
   const Kind kind = parse_kind(kind_name);

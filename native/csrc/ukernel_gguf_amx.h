@@ -1,0 +1,225 @@
+/* GGUF's blocks through AMX-INT8 tiles (Sapphire Rapids and later Xeons): the calls of many rows (prefill
+ * chunks), with the bits of the AVX-512 micro-kernels of ukernel_gguf.h.
+ *
+ * A tile multiply TDPBSUD takes 16 rows of signed bytes (A: 16 activation rows x one block's 32 codes) and a
+ * matrix of unsigned bytes in groups of 4 along K (B: the panel's 16 features, 4 codes a 32-bit lane: the lanes
+ * ukernel_gguf_body.h's code(i, c) makes), and adds their exact int32 dots into C (16 rows x 16 features). So per
+ * block of 32 one multiply gives the integer dots of 16 rows x 16 features, stored to memory, and only the
+ * block's float steps remain for the vector units, in ukernel_gguf.h's order per output: the same bits as the
+ * AVX-512 kernel (the dots are exact however they are formed), which takes the rows a call has beyond a multiple
+ * of 16.
+ *
+ * Per call (linear_ggml.cpp: up to kRowSlice rows x a chunk of panels) and panel: the panel's codes are made once
+ * into a thread's buffer (a block's B tile: 8 rows of 64 bytes; Q6_K's halves of 16 as 4 rows each; the K-quants'
+ * codes as they are, 0..MaxCode, so no dot is shifted back) with its scales as vectors, then every 16 rows take
+ * them a block at a time: load A and B, multiply, store C, the float steps of 16 rows x 16 features from C, the
+ * accumulators in registers over the whole row. Intel's AMX (Intel 64 and IA-32 Architectures Optimization
+ * Reference Manual, chapter 20; the instruction set reference for TDPBSUD and LDTILECFG) describes the tiles and
+ * their configuration; Linux hands out the tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM) (cpu.h's amx()).
+ *
+ * Include after ukernel_gguf.h, in the extension only (the emulator runs no AMX: these leaves run where the CPU
+ * has the tiles, and tests compare them with the AVX-512 kernel there).
+ */
+#ifndef KVSERVE_UKERNEL_GGUF_AMX_H
+#define KVSERVE_UKERNEL_GGUF_AMX_H
+
+#include "ukernel_gguf.h"
+
+#ifdef KV_UK_X86
+#include <vector>
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
+namespace kvserve::gguf::avx512 {
+
+/* Tile registers: C0, C1 the dots (Q6_K: of the block's two halves), A0, A1 the activations, B0, B1 the codes. Macros:
+ * the intrinsics paste the register's number into their assembly. */
+#define KV_TC0 0
+#define KV_TC1 1
+#define KV_TA0 4
+#define KV_TA1 5
+#define KV_TB0 6
+#define KV_TB1 7
+
+/* LDTILECFG's 64-byte operand (palette 1). */
+struct alignas(64) AmxConfig {
+  uint8_t palette, start_row, reserved[14];
+  uint16_t colsb[16];
+  uint8_t rows[16];
+};
+
+/* Codes along K per tile multiply: a block of 32, or Q6_K's half block of 16 (its scales cover 16). */
+template <class Fmt>
+constexpr int kAmxK = Fmt::kFold == Fold::kScale16 ? 16 : 32;
+
+template <class Fmt>
+inline void amx_configure() {
+  AmxConfig c = {};
+  c.palette = 1;
+  constexpr int k = kAmxK<Fmt>;
+  for (int t : {KV_TC0, KV_TC1}) c.colsb[t] = 64, c.rows[t] = 16;
+  for (int t : {KV_TA0, KV_TA1}) c.colsb[t] = k, c.rows[t] = 16;
+  for (int t : {KV_TB0, KV_TB1}) c.colsb[t] = 64, c.rows[t] = k / 4;
+  __asm__ volatile("" : : "m"(c) : "memory");  // GCC may drop the stores to c that only LDTILECFG reads
+  _tile_loadconfig(&c);
+}
+
+/* A panel made ready for the tiles: per block, its 8 chunks of codes (64 bytes each: 16 features x 4 codes) and
+ * its scales as the float steps take them. A thread's, reused across calls; plain bytes (a std::vector of vector
+ * types loses their alignment), read and written with unaligned loads and stores. */
+struct AmxPanel {
+  std::vector<uint8_t> bytes;
+  int cap = 0;
+  uint8_t* codes;  // [nb][8][64]
+  float* D;        // [nb][16] (Q6_K: d per super-block, at its first block)
+  float* Mn;       // [nb][16]
+  int32_t* sc;     // Q6_K: [nb][2][16], the scales of the block's halves, sign-extended
+  void resize(int nb) {
+    if (nb <= cap) return;
+    cap = nb;
+    bytes.assign((size_t)nb * (512 + 64 + 64 + 128), 0);
+    codes = bytes.data();
+    D = (float*)(codes + (size_t)nb * 512);
+    Mn = D + 16 * (size_t)nb;
+    sc = (int32_t*)(Mn + 16 * (size_t)nb);
+  }
+};
+
+/* Panel p's codes and scales, group by group (the 32-weight formats' last group may be short). */
+template <class Fmt>
+inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
+  using U = typename UnitOf<Fmt>::T;
+  for (int b0 = 0; b0 < a->nb; b0 += 8) {
+    const uint8_t* w = group_at(a, Fmt::kKind, p, b0);
+    const int nblk = a->nb - b0 < 8 ? a->nb - b0 : 8;
+    KV_UNROLL for (int i = 0; i < 8; ++i) {
+      if (i >= nblk) break;
+      const int64_t b = b0 + i;
+      KV_UNROLL for (int c = 0; c < 8; ++c) {
+        if constexpr (Fmt::kKind == kQ4_K || Fmt::kKind == kQ5_K) st(out.codes + 512 * b + 64 * c, U::template code<false>(w, i, c));
+        else st(out.codes + 512 * b + 64 * c, U::code(w, i, c));
+      }
+      if constexpr (Fmt::kFold == Fold::kScale16) {
+        st(out.sc + 32 * b, U::sc(w, 2 * i));
+        st(out.sc + 32 * b + 16, U::sc(w, 2 * i + 1));
+        if (i == 0) stf(out.D + 16 * b, U::d(w, 0));
+      } else {
+        stf(out.D + 16 * b, U::d(w, i));
+        if constexpr (Fmt::kFold == Fold::kScaleMin) stf(out.Mn + 16 * b, U::m(w, i));
+      }
+    }
+  }
+}
+
+/* Block b's float steps for rows m..m+15 (ukernel_gguf_body.h's blocks(), per row in block order), its dots in
+ * dots (16 rows x 16 int32; Q6_K: the two halves', 256 apart). */
+template <class Fmt>
+inline __attribute__((always_inline)) void amx_fold(const kv_ggml_args* a, const AmxPanel& u, int64_t m, int b, const int32_t* dots, F* acc) {
+  using U = typename UnitOf<Fmt>::T;
+  const int64_t at = m * a->ldb + b;  // row m's block b
+  if constexpr (Fmt::kFold == Fold::kScale16) {
+    const F d = ldf(u.D + 16 * (b & ~7));
+    const I sc0 = ld(u.sc + 32 * b), sc1 = ld(u.sc + 32 * b + 16);
+    KV_UNROLL for (int r = 0; r < 16; ++r) {
+      const int64_t row = at + r * a->ldb;
+      const I dot0 = add(b32(a->xoff16[2 * row]), ld(dots + 16 * r));
+      const I dot1 = add(b32(a->xoff16[2 * row + 1]), ld(dots + 256 + 16 * r));
+      const I t = add(mullo(sc0, dot0), mullo(sc1, dot1));
+      acc[r] = fma(d, mul(cvt(t), bset(a->xd[row])), acc[r]);
+    }
+  } else {
+    const F D = ldf(u.D + 16 * b);
+    const F Mn = Fmt::kFold == Fold::kScaleMin ? ldf(u.Mn + 16 * b) : zero_f();
+    KV_UNROLL for (int r = 0; r < 16; ++r) {
+      const int64_t row = at + r * a->ldb;
+      I v = ld(dots + 16 * r);  // codes as they are: no dot to shift back
+      if constexpr (U::kOffset != 0) v = sub(v, b32(U::kOffset * a->xsum[row]));
+      acc[r] = fma(D, mul(cvt(v), bset(a->xd[row])), acc[r]);
+      if constexpr (Fmt::kFold == Fold::kScaleMin) acc[r] = fma(Mn, bset(a->xs[row]), acc[r]);
+    }
+  }
+}
+
+/* Rows m..m+15 of panel p over the whole row, a block at a time: its tile multiply, its dots stored, its float
+ * steps. (Measured on a Sapphire Rapids VM: issuing a pair of blocks' multiplies ahead of the previous pair's float
+ * steps, into two alternating sets of result tiles, overlapped nothing: the stores and loads of the dots order
+ * them.) */
+template <class Fmt>
+inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m) {
+  alignas(64) int32_t buf[2 * 256];
+  F acc[16];
+  KV_UNROLL for (int r = 0; r < 16; ++r) acc[r] = zero_f();
+  const int8_t* x = a->xq + m * a->ldq;
+  for (int b = 0; b < a->nb; ++b) {
+    _tile_loadd(KV_TA0, x + 32 * b, a->ldq);
+    _tile_loadd(KV_TB0, u.codes + 512 * b, 64);
+    _tile_zero(KV_TC0);
+    _tile_dpbsud(KV_TC0, KV_TA0, KV_TB0);
+    _tile_stored(KV_TC0, buf, 64);
+    if constexpr (Fmt::kFold == Fold::kScale16) {  // the block's second half of 16
+      _tile_loadd(KV_TA1, x + 32 * b + 16, a->ldq);
+      _tile_loadd(KV_TB1, u.codes + 512 * b + 256, 64);
+      _tile_zero(KV_TC1);
+      _tile_dpbsud(KV_TC1, KV_TA1, KV_TB1);
+      _tile_stored(KV_TC1, buf + 256, 64);
+    }
+    amx_fold<Fmt>(a, u, m, b, buf, acc);
+  }
+  const int cols = panel_cols(a, p);
+  KV_UNROLL for (int r = 0; r < 16; ++r) store_y(panel_y(a, p, m + r), acc[r], cols);
+}
+
+/* a->panels panels x a->rows rows: every 16 rows through the tiles, the rest (and calls of fewer than 16 rows)
+ * through the AVX-512 kernel. */
+template <class Fmt>
+inline void amx_kernel(const kv_ggml_args* a) {
+  const int64_t tiled = a->rows / 16 * 16;
+  if (tiled > 0) {
+    thread_local AmxPanel panel;
+    panel.resize(a->nb);
+    amx_configure<Fmt>();
+    for (int p = 0; p < a->panels; ++p) {
+      amx_unpack<Fmt>(a, p, panel);
+      for (int64_t m = 0; m < tiled; m += 16) amx_rows<Fmt>(a, panel, p, m);
+    }
+    _tile_release();
+  }
+  if (tiled < a->rows) {
+    kv_ggml_args rest = *a;
+    rest.rows = (int32_t)(a->rows - tiled);
+    rest.xq += tiled * a->ldq;
+    rest.xd += tiled * a->ldb;
+    rest.xs += tiled * a->ldb;
+    rest.xsum += tiled * a->ldb;
+    if (rest.xoff16 != nullptr) rest.xoff16 += 2 * tiled * a->ldb;
+    rest.y += tiled * a->ldy;
+    kernel<Fmt>(&rest);
+  }
+}
+
+}  // namespace kvserve::gguf::avx512
+#pragma GCC pop_options
+#undef KV_TC0
+#undef KV_TC1
+#undef KV_TA0
+#undef KV_TA1
+#undef KV_TB0
+#undef KV_TB1
+
+#define KV_GGUF_AMX_LEAF(name, Fmt)                                                                             \
+  extern "C" __attribute__((target(KV_AVX512_TARGET ",amx-tile,amx-int8"))) void kv_##name##_amx(              \
+      const kv_ggml_args* a) {                                                                                  \
+    kvserve::gguf::avx512::amx_kernel<kvserve::gguf::Fmt>(a);                                                   \
+  }
+KV_GGUF_AMX_LEAF(q4_0, Q4_0)
+KV_GGUF_AMX_LEAF(q4_1, Q4_1)
+KV_GGUF_AMX_LEAF(q5_0, Q5_0)
+KV_GGUF_AMX_LEAF(q5_1, Q5_1)
+KV_GGUF_AMX_LEAF(q8_0, Q8_0)
+KV_GGUF_AMX_LEAF(q4_k, Q4_K)
+KV_GGUF_AMX_LEAF(q5_k, Q5_K)
+KV_GGUF_AMX_LEAF(q6_k, Q6_K)
+#undef KV_GGUF_AMX_LEAF
+
+#endif /* KV_UK_X86 */
+#endif /* KVSERVE_UKERNEL_GGUF_AMX_H */
