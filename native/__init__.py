@@ -246,7 +246,9 @@ def main(argv: list[str] | None = None) -> int:
         print("linear kernels: not built (the pure-PyTorch reference will be used)", file=sys.stderr)
         return 0  # the install must not fail over an optional speed-up
     print(f"linear kernels: built, {isa()}; bfloat16-weight kernel (AVX512-BF16): "
-          + ("runs" if module.bf16_native() else "off (needs AVX512-BF16 on the avx512 path)"))
+          + ("runs" if module.bf16_native() else "off (needs AVX512-BF16 on the avx512 path)")
+          + "; GGUF prefill chunks on AMX-INT8 tiles: "
+          + ("yes" if module.gguf_amx() else "no (needs AMX on the avx512 path; KVSERVE_AMX=0 refuses it)"))
     ops = load_ops(build=True)
     print("engine decode ops: " + ("built" if ops is not None else "not built (torch ops will be used)"))
     return 0
