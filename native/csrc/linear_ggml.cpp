@@ -36,21 +36,24 @@ constexpr int64_t kAmxRows = 64;
 struct KindInfo {
   const char* name;
   Ukernel scalar, avx2, avx512;
-  Ukernel amx;  // calls of kAmxRows or more on a CPU with AMX; nullptr: the AVX-512 kernel is as fast or faster
+  Ukernel amx;  // calls of kAmxRows or more on a CPU with AMX; nullptr: none (the AVX-512 kernel was as fast)
 };
 
 #ifdef KV_UK_X86
-#define KV_KIND(name, amx) {#name, kv_##name##_scalar, kv_##name##_avx2, kv_##name##_avx512, amx ? kv_##name##_amx : nullptr}
+#define KV_KIND(name) {#name, kv_##name##_scalar, kv_##name##_avx2, kv_##name##_avx512, nullptr}
+#define KV_KIND_AMX(name) {#name, kv_##name##_scalar, kv_##name##_avx2, kv_##name##_avx512, kv_##name##_amx}
 #else
-#define KV_KIND(name, amx) {#name, kv_##name##_scalar, kv_##name##_scalar, kv_##name##_scalar, nullptr}
+#define KV_KIND(name) {#name, kv_##name##_scalar, kv_##name##_scalar, kv_##name##_scalar, nullptr}
+#define KV_KIND_AMX(name) KV_KIND(name)
 #endif
 // Indexed by gguf::Kind.
-// AMX where it measured faster than the AVX-512 kernel (a Sapphire Rapids VM, 2 threads, 512 rows, the two
-// alternating in one process, docs/kernels.md): not Q4_1 (0.95-1.11x at SmolLM2's shapes) nor Q6_K (its float
-// steps per half block, 0.85-0.9x).
-const KindInfo kKinds[gguf::kKinds] = {KV_KIND(q4_0, 1), KV_KIND(q4_1, 0), KV_KIND(q5_0, 1), KV_KIND(q5_1, 1),
-                                       KV_KIND(q8_0, 1), KV_KIND(q4_k, 1), KV_KIND(q5_k, 1), KV_KIND(q6_k, 0)};
+// AMX leaves where they measured faster than the AVX-512 kernel (a Sapphire Rapids VM, 2 threads, 512 rows, the
+// two alternating in one process, docs/kernels.md): not Q4_1 (0.95-1.11x at SmolLM2's shapes) nor Q6_K (two tile
+// multiplies and float steps per half block, 0.85-0.99x).
+const KindInfo kKinds[gguf::kKinds] = {KV_KIND_AMX(q4_0), KV_KIND(q4_1),     KV_KIND_AMX(q5_0), KV_KIND_AMX(q5_1),
+                                       KV_KIND_AMX(q8_0), KV_KIND_AMX(q4_k), KV_KIND_AMX(q5_k), KV_KIND(q6_k)};
 #undef KV_KIND
+#undef KV_KIND_AMX
 
 Kind parse_kind(const std::string& name) {
   std::string names;

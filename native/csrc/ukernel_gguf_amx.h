@@ -10,7 +10,7 @@
  * of 16.
  *
  * Per call (linear_ggml.cpp: up to kRowSlice rows x a chunk of panels) and panel: the panel's codes are made once
- * into a thread's buffer (a block's B tile: 8 rows of 64 bytes; Q6_K's halves of 16 as 4 rows each; the K-quants'
+ * into a thread's buffer (a block's B tile: 8 rows of 64 bytes; the K-quants'
  * codes as they are, 0..MaxCode, so no dot is shifted back) with its scales as vectors, then every 16 rows take
  * them a block at a time: load A and B, multiply, store C, the float steps of 16 rows x 16 features from C, the
  * accumulators in registers over the whole row. Intel's AMX (Intel 64 and IA-32 Architectures Optimization
@@ -32,14 +32,11 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
 namespace kvserve::gguf::avx512 {
 
-/* Tile registers: C0, C1 the dots (Q6_K: of the block's two halves), A0, A1 the activations, B0, B1 the codes. Macros:
- * the intrinsics paste the register's number into their assembly. */
+/* Tile registers: C0 the dots, A0 the activations, B0 the codes. Macros: the intrinsics paste the register's
+ * number into their assembly. */
 #define KV_TC0 0
-#define KV_TC1 1
 #define KV_TA0 4
-#define KV_TA1 5
 #define KV_TB0 6
-#define KV_TB1 7
 
 /* LDTILECFG's 64-byte operand (palette 1). */
 struct alignas(64) AmxConfig {
@@ -48,18 +45,13 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16];
 };
 
-/* Codes along K per tile multiply: a block of 32, or Q6_K's half block of 16 (its scales cover 16). */
-template <class Fmt>
-constexpr int kAmxK = Fmt::kFold == Fold::kScale16 ? 16 : 32;
-
-template <class Fmt>
+/* C: 16 rows x 16 int32; A: 16 rows x a block's 32 codes; B: 8 rows (32 codes / 4) x 16 features' 4 codes. */
 inline void amx_configure() {
   AmxConfig c = {};
   c.palette = 1;
-  constexpr int k = kAmxK<Fmt>;
-  for (int t : {KV_TC0, KV_TC1}) c.colsb[t] = 64, c.rows[t] = 16;
-  for (int t : {KV_TA0, KV_TA1}) c.colsb[t] = k, c.rows[t] = 16;
-  for (int t : {KV_TB0, KV_TB1}) c.colsb[t] = 64, c.rows[t] = k / 4;
+  c.colsb[KV_TC0] = 64, c.rows[KV_TC0] = 16;
+  c.colsb[KV_TA0] = 32, c.rows[KV_TA0] = 16;
+  c.colsb[KV_TB0] = 64, c.rows[KV_TB0] = 8;
   __asm__ volatile("" : : "m"(c) : "memory");  // GCC may drop the stores to c that only LDTILECFG reads
   _tile_loadconfig(&c);
 }
@@ -71,17 +63,15 @@ struct AmxPanel {
   std::vector<uint8_t> bytes;
   int cap = 0;
   uint8_t* codes;  // [nb][8][64]
-  float* D;        // [nb][16] (Q6_K: d per super-block, at its first block)
+  float* D;        // [nb][16]
   float* Mn;       // [nb][16]
-  int32_t* sc;     // Q6_K: [nb][2][16], the scales of the block's halves, sign-extended
   void resize(int nb) {
     if (nb <= cap) return;
     cap = nb;
-    bytes.assign((size_t)nb * (512 + 64 + 64 + 128), 0);
+    bytes.assign((size_t)nb * (512 + 64 + 64), 0);
     codes = bytes.data();
     D = (float*)(codes + (size_t)nb * 512);
     Mn = D + 16 * (size_t)nb;
-    sc = (int32_t*)(Mn + 16 * (size_t)nb);
   }
 };
 
@@ -99,44 +89,27 @@ inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
         if constexpr (Fmt::kKind == kQ4_K || Fmt::kKind == kQ5_K) st(out.codes + 512 * b + 64 * c, U::template code<false>(w, i, c));
         else st(out.codes + 512 * b + 64 * c, U::code(w, i, c));
       }
-      if constexpr (Fmt::kFold == Fold::kScale16) {
-        st(out.sc + 32 * b, U::sc(w, 2 * i));
-        st(out.sc + 32 * b + 16, U::sc(w, 2 * i + 1));
-        if (i == 0) stf(out.D + 16 * b, U::d(w, 0));
-      } else {
-        stf(out.D + 16 * b, U::d(w, i));
-        if constexpr (Fmt::kFold == Fold::kScaleMin) stf(out.Mn + 16 * b, U::m(w, i));
-      }
+      stf(out.D + 16 * b, U::d(w, i));
+      if constexpr (Fmt::kFold == Fold::kScaleMin) stf(out.Mn + 16 * b, U::m(w, i));
     }
   }
 }
 
 /* Block b's float steps for rows m..m+15 (ukernel_gguf_body.h's blocks(), per row in block order), its dots in
- * dots (16 rows x 16 int32; Q6_K: the two halves', 256 apart). */
+ * dots (16 rows x 16 int32). */
 template <class Fmt>
 inline __attribute__((always_inline)) void amx_fold(const kv_ggml_args* a, const AmxPanel& u, int64_t m, int b, const int32_t* dots, F* acc) {
   using U = typename UnitOf<Fmt>::T;
+  static_assert(Fmt::kFold != Fold::kScale16, "Q6_K has no AMX leaf");
   const int64_t at = m * a->ldb + b;  // row m's block b
-  if constexpr (Fmt::kFold == Fold::kScale16) {
-    const F d = ldf(u.D + 16 * (b & ~7));
-    const I sc0 = ld(u.sc + 32 * b), sc1 = ld(u.sc + 32 * b + 16);
-    KV_UNROLL for (int r = 0; r < 16; ++r) {
-      const int64_t row = at + r * a->ldb;
-      const I dot0 = add(b32(a->xoff16[2 * row]), ld(dots + 16 * r));
-      const I dot1 = add(b32(a->xoff16[2 * row + 1]), ld(dots + 256 + 16 * r));
-      const I t = add(mullo(sc0, dot0), mullo(sc1, dot1));
-      acc[r] = fma(d, mul(cvt(t), bset(a->xd[row])), acc[r]);
-    }
-  } else {
-    const F D = ldf(u.D + 16 * b);
-    const F Mn = Fmt::kFold == Fold::kScaleMin ? ldf(u.Mn + 16 * b) : zero_f();
-    KV_UNROLL for (int r = 0; r < 16; ++r) {
-      const int64_t row = at + r * a->ldb;
-      I v = ld(dots + 16 * r);  // codes as they are: no dot to shift back
-      if constexpr (U::kOffset != 0) v = sub(v, b32(U::kOffset * a->xsum[row]));
-      acc[r] = fma(D, mul(cvt(v), bset(a->xd[row])), acc[r]);
-      if constexpr (Fmt::kFold == Fold::kScaleMin) acc[r] = fma(Mn, bset(a->xs[row]), acc[r]);
-    }
+  const F D = ldf(u.D + 16 * b);
+  const F Mn = Fmt::kFold == Fold::kScaleMin ? ldf(u.Mn + 16 * b) : zero_f();
+  KV_UNROLL for (int r = 0; r < 16; ++r) {
+    const int64_t row = at + r * a->ldb;
+    I v = ld(dots + 16 * r);  // codes as they are: no dot to shift back
+    if constexpr (U::kOffset != 0) v = sub(v, b32(U::kOffset * a->xsum[row]));
+    acc[r] = fma(D, mul(cvt(v), bset(a->xd[row])), acc[r]);
+    if constexpr (Fmt::kFold == Fold::kScaleMin) acc[r] = fma(Mn, bset(a->xs[row]), acc[r]);
   }
 }
 
@@ -146,7 +119,7 @@ inline __attribute__((always_inline)) void amx_fold(const kv_ggml_args* a, const
  * them.) */
 template <class Fmt>
 inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m) {
-  alignas(64) int32_t buf[2 * 256];
+  alignas(64) int32_t buf[256];
   F acc[16];
   KV_UNROLL for (int r = 0; r < 16; ++r) acc[r] = zero_f();
   const int8_t* x = a->xq + m * a->ldq;
@@ -156,13 +129,6 @@ inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m)
     _tile_zero(KV_TC0);
     _tile_dpbsud(KV_TC0, KV_TA0, KV_TB0);
     _tile_stored(KV_TC0, buf, 64);
-    if constexpr (Fmt::kFold == Fold::kScale16) {  // the block's second half of 16
-      _tile_loadd(KV_TA1, x + 32 * b + 16, a->ldq);
-      _tile_loadd(KV_TB1, u.codes + 512 * b + 256, 64);
-      _tile_zero(KV_TC1);
-      _tile_dpbsud(KV_TC1, KV_TA1, KV_TB1);
-      _tile_stored(KV_TC1, buf + 256, 64);
-    }
     amx_fold<Fmt>(a, u, m, b, buf, acc);
   }
   const int cols = panel_cols(a, p);
@@ -177,7 +143,7 @@ inline void amx_kernel(const kv_ggml_args* a) {
   if (tiled > 0) {
     thread_local AmxPanel panel;
     panel.resize(a->nb);
-    amx_configure<Fmt>();
+    amx_configure();
     for (int p = 0; p < a->panels; ++p) {
       amx_unpack<Fmt>(a, p, panel);
       for (int64_t m = 0; m < tiled; m += 16) amx_rows<Fmt>(a, panel, p, m);
@@ -200,11 +166,8 @@ inline void amx_kernel(const kv_ggml_args* a) {
 }  // namespace kvserve::gguf::avx512
 #pragma GCC pop_options
 #undef KV_TC0
-#undef KV_TC1
 #undef KV_TA0
-#undef KV_TA1
 #undef KV_TB0
-#undef KV_TB1
 
 #define KV_GGUF_AMX_LEAF(name, Fmt)                                                                             \
   extern "C" __attribute__((target(KV_AVX512_TARGET ",amx-tile,amx-int8"))) void kv_##name##_amx(              \
@@ -212,13 +175,11 @@ inline void amx_kernel(const kv_ggml_args* a) {
     kvserve::gguf::avx512::amx_kernel<kvserve::gguf::Fmt>(a);                                                   \
   }
 KV_GGUF_AMX_LEAF(q4_0, Q4_0)
-KV_GGUF_AMX_LEAF(q4_1, Q4_1)
 KV_GGUF_AMX_LEAF(q5_0, Q5_0)
 KV_GGUF_AMX_LEAF(q5_1, Q5_1)
 KV_GGUF_AMX_LEAF(q8_0, Q8_0)
 KV_GGUF_AMX_LEAF(q4_k, Q4_K)
 KV_GGUF_AMX_LEAF(q5_k, Q5_K)
-KV_GGUF_AMX_LEAF(q6_k, Q6_K)
 #undef KV_GGUF_AMX_LEAF
 
 #endif /* KV_UK_X86 */
