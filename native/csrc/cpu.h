@@ -67,20 +67,23 @@ inline bool bf16() {
 #endif
 }
 
+// Whether the AVX-512 path runs on an Intel CPU: the GGUF kernels' settings below differ by vendor.
+inline bool intel_avx512() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  static const bool intel = chosen() == Isa::kAvx512 && __builtin_cpu_is("intel");
+  return intel;
+#else
+  return false;
+#endif
+}
+
 // The GGUF K-quant kernels' prefetch for a decode step of one row on the AVX-512 path (kv_ggml_args.ahead): bytes
 // ahead in the panel stream, 1024 on Intel CPUs, 0 (the hardware prefetchers alone) elsewhere. Measured on a
 // Sapphire Rapids VM (`python -m kvserve.loadtest kernelbench --ggml-model`, which times both side by side): a Q4_K_M
 // Llama-3.2-1B step's projections 1.08-1.12x at 1 row with it; 2048 bytes or more ahead no faster, Q4_1 and the
 // AVX2 path no faster or slower; on an AMD EPYC (Zen 4) prefetching a one-row tile's groups lost. linear_ggml.cpp
 // starts from this value (set_gguf_prefetch changes it).
-inline int gguf_prefetch_default() {
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
-  static const int bytes = chosen() == Isa::kAvx512 && __builtin_cpu_is("intel") ? 1024 : 0;
-  return bytes;
-#else
-  return 0;
-#endif
-}
+inline int gguf_prefetch_default() { return intel_avx512() ? 1024 : 0; }
 
 // Whether the GGUF kernels' calls of many rows (prefill chunks, decode batches past a register tile) take Q5_K's and
 // Q6_K's groups unpacked once for every tile of rows on the AVX-512 path (kv_ggml_args.unpack): on Intel CPUs, where
@@ -88,14 +91,7 @@ inline int gguf_prefetch_default() {
 // Sapphire Rapids VM: Q6_K 1.16-1.17x, Q5_K 1.05-1.17x at 32 and 64 rows); not on an AMD EPYC (Zen 4), where they
 // go to other pipes and the tiles that make their codes ran 1.25x the unpacked ones (docs/kernels.md).
 // linear_ggml.cpp starts from this value (set_gguf_unpack changes it).
-inline bool gguf_unpack_default() {
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
-  static const bool unpack = chosen() == Isa::kAvx512 && __builtin_cpu_is("intel");
-  return unpack;
-#else
-  return false;
-#endif
-}
+inline bool gguf_unpack_default() { return intel_avx512(); }
 
 // Whether the GGUF kernels' calls of many rows (prefill chunks) may run on AMX-INT8 tiles (ukernel_gguf_amx.h, the
 // AVX-512 kernels' bits): the AVX-512 path is chosen, KVSERVE_AMX is not 0, the CPU has
