@@ -493,3 +493,27 @@ def test_overhead_splits_a_single_streams_token_against_the_read_bound(monkeypat
     assert lines[3] == "| % of the read bound | 64% | 67% | 73% | 80% | 100% |"
     assert "800 MB" in lines[5] and "50.0 GB/s" in lines[5]
     assert split_text([replace(one, streams=8)], "m.gguf") == ""
+
+
+def test_attention_bench_times_a_prompts_last_chunk_and_counts_its_pairs(monkeypatch, capsys):
+    """kernelbench --attention: the call is a prompt's last 512-row chunk (row i of a T-token prompt attends to
+    T - 512 + i + 1 keys through one block table), its multiply-adds are 2 H d per (query, key) pair, and a
+    small run prints one row per shape and cache dtype with a time for every prompt length."""
+    import torch
+
+    from kvserve import native
+    from kvserve.loadtest.engine import attnbench
+
+    q, rows, tables, lens, k_blocks, v_blocks, scale, window, out = attnbench.chunk_call(4, 2, 16, 600, torch.float32)
+    assert q.shape == out.shape == (512, 4, 16) and rows.tolist() == list(range(512))
+    assert lens[0] == 89 and lens[-1] == 600 and tables.shape == (512, 38) and k_blocks.shape == (38, 16, 2, 16)
+    assert attnbench.macs(4, 16, lens) == 2 * 4 * 16 * sum(range(89, 601))
+    assert attnbench.chunk_call(4, 2, 16, 100, torch.bfloat16)[4].dtype == torch.bfloat16
+    if native.load_ops() is None:
+        pytest.skip("no kernel build: nothing to time")
+    monkeypatch.setattr(attnbench, "SHAPES", (("tiny", 4, 2, 16),))
+    monkeypatch.setattr(attnbench, "CONTEXTS", (40, 80))
+    lines = attnbench.measure(write=False)
+    assert len(lines) == 4 and lines[2].startswith("| tiny (4 / 2 heads, d = 16) | float32 |")
+    assert all(line.count(" ms, ") == 2 for line in lines[2:])
+    assert "attention tiny bfloat16 T=80:" in capsys.readouterr().out

@@ -14,6 +14,8 @@
    8, 32 and 512 rows, one thread, against the core's measured ``vdpbf16ps`` peak (16 independent chains on
    registers, ``kv_bf16_peak``) and torch's bfloat16 GEMM on the same weights; written into BENCHMARKS.md's "bf16"
    section.
+7. ``--attention``: the paged attention kernels alone on a prefill chunk, float32 and bfloat16 caches, against
+   their measured peak (loadtest/engine/attnbench.py); written into BENCHMARKS.md's "attention-op" section.
 """
 
 from __future__ import annotations
@@ -190,23 +192,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ggml-model", action="store_true",
                         help="only a Q4_K_M Llama-3.2-1B decode step's projections against the read bound")
     parser.add_argument("--bf16", action="store_true", help="only the bfloat16-weight kernel against its peak")
+    parser.add_argument("--attention", action="store_true",
+                        help="only the paged attention kernels on a prefill chunk against their peak")
     parser.add_argument("--kinds", default=",".join(ggmlbench.KINDS),
                         help="--ggml: the formats to measure, comma-separated (default: all)")
     parser.add_argument("--stream-mb", type=int, default=ggmlbench.STREAM_BYTES >> 20,
                         help="--ggml: MB of weights cycled at 1 row (past the L3)")
     parser.add_argument("--budget-s", type=float, default=0.3, help="--ggml: CPU seconds per measurement")
-    parser.add_argument("--no-write", action="store_true", help="--ggml, --ggml-model: print only, leave BENCHMARKS.md alone")
+    parser.add_argument("--no-write", action="store_true",
+                        help="--ggml, --ggml-model, --attention: print only, leave BENCHMARKS.md alone")
     parser.add_argument("--mode", choices=["one-thread", "split", "ggml"], help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    """The measurements ``args`` asks for (all but ``--ggml``, ``--ggml-model`` and ``--bf16`` by default), printed.
+    """The measurements ``args`` asks for (all but ``--ggml``, ``--ggml-model``, ``--bf16`` and ``--attention`` by
+    default), printed.
 
     Raises:
         UsageError: ``--kinds`` names a format without a kernel.
     """
     if args.bf16:
         bf16_kernel()
+        return 0
+    if args.attention:
+        from kvserve.loadtest.engine import attnbench
+
+        attnbench.measure(write=not args.no_write)
         return 0
     kinds = tuple(k for k in args.kinds.split(",") if k)
     unknown = sorted(set(kinds) - set(ggmlbench.KINDS))

@@ -559,8 +559,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,avx2,fma"))) void at
     if (n - j == 1) scores_group<1>(qs + j, qb + j * D, chunk, c0, c1);
   }
   if (scores_only) return;
+  kvserve::decode::softmax_queries_avx512(qs, n);
   for (int64_t j = 0; j < n; ++j) {
-    kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     pack_pairs(qs[j]);
     std::fill_n(qs[j].out, D, 0.f);
   }

@@ -17,7 +17,8 @@
 // neighbours, on being a prefill or a decode row, or on the ISA path chosen, AVX2 or AVX-512):
 //   score(t)   = hsum8(a0 + a1) * scale, a0 (a1) the FMA chain over the even (odd) 8-float blocks of q * k_t
 //                in block order from zero, hsum8's order ((0+4) + (2+6)) + ((1+5) + (3+7));
-//   weights    = softmax_avx2 over the query's own keys (decode_core.h);
+//   weights    = softmax_avx2 over the query's own keys (decode_core.h; the AVX-512 path runs softmax_avx512,
+//                the same operations on each float, exponentials 16 lanes wide and four queries interleaved);
 //   out        = one FMA per key, fma(weight_t, v_t, acc) over t in order from zero, lanes over d.
 // The quantized cache's kernels (kv_quant_body.h) reproduce this order over dequantized codes.
 #pragma once
@@ -87,6 +88,21 @@ __attribute__((target("avx2,fma"))) inline void softmax_tile(const TileQuery* qs
   for (int64_t j = 0; j < n; ++j) {
     softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     std::fill_n(qs[j].out, D, 0.f);
+  }
+}
+
+// softmax_avx2 over each of qs[0 .. n)'s scores, with its bits (softmax_avx512): four query vectors at a time.
+__attribute__((target("avx512f,avx2,fma"))) inline void softmax_queries_avx512(const TileQuery* qs, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float* const s[4] = {qs[j].scores, qs[j + 1].scores, qs[j + 2].scores, qs[j + 3].scores};
+    const int64_t span[4] = {qs[j].len - qs[j].first, qs[j + 1].len - qs[j + 1].first,
+                             qs[j + 2].len - qs[j + 2].first, qs[j + 3].len - qs[j + 3].first};
+    softmax_avx512<4>(s, span);
+  }
+  for (; j < n; ++j) {
+    const int64_t span = qs[j].len - qs[j].first;
+    softmax_avx512<1>(&qs[j].scores, &span);
   }
 }
 
@@ -332,9 +348,10 @@ KV_AVX512_TILE void outputs_block(const TileQuery* qs, const float* const* rows,
 }
 
 // The AVX-512 path, for D a multiple of 16 (D = 64 and 128 compiled with D known). Chunks of kChunk keys as the
-// AVX2 path; within a chunk the query vectors go kQ at a time (kQ = 3: a row's three query heads for 9 query
-// and 3 KV heads; fewer registers for D = 128's outputs). A block runs blocked over the keys every one of its
-// vectors reads; the keys only some read (the causal edge of a prompt's last rows, a sliding window's start)
+// AVX2 path; within a chunk the query vectors go kQ at a time for the scores (kQ = 3: a row's three query heads
+// for 9 query and 3 KV heads) and kQout at a time for the outputs (6 for D = 64, 3 for D = 128: 24 accumulators,
+// each taking one FMA per key, so that enough independent FMAs cover their latency; docs/kernels.md). A block
+// runs blocked over the keys every one of its vectors reads; the keys only some read (the causal edge of a prompt's last rows, a sliding window's start)
 // each vector runs alone, before (scores: anywhere) or after the shared ones, so every output still takes its
 // keys in order.
 template <int64_t kD>
@@ -343,7 +360,7 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
                                                                     const float* vp, int64_t bs, int64_t H_kv,
                                                                     int64_t g, int64_t D_, float scale) {
   constexpr int kQ = 3;
-  constexpr int kQout = kD == 64 ? 3 : 2;
+  constexpr int kQout = kD == 64 ? 6 : 3;
   const int64_t D = kD > 0 ? kD : D_;
   int64_t lo, hi;
   tile_span(qs, n, &lo, &hi);
@@ -409,7 +426,8 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
     for (; j0 < n; ++j0)
       scores_alone<kD>(qs[j0], rows, c0, std::max(c0, qs[j0].first), std::min(c1, qs[j0].len), D, scale);
   }
-  softmax_tile(qs, n, D);
+  softmax_queries_avx512(qs, n);
+  for (int64_t j = 0; j < n; ++j) std::fill_n(qs[j].out, D, 0.f);
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);

@@ -129,6 +129,90 @@ __attribute__((target("avx2,fma"))) inline void softmax_avx2(float* s, int64_t s
   for (i = 0; i < span; ++i) s[i] *= inv;
 }
 
+// exp8's operations on 16 lanes: lane i of exp16(x) is lane i % 8 of exp8 on x's half holding it, bit for bit
+// (vrndscaleps rounds to nearest even as vroundps does; vcvtps2dq rounds as MXCSR says for both).
+__attribute__((target("avx512f,avx2,fma"))) inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+  const __m512i pow2n = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(p, _mm512_castsi512_ps(pow2n));
+}
+
+// x[0 .. n) *= inv in place, 16 at a time (each product softmax_avx2's last step).
+__attribute__((target("avx512f,avx2,fma"))) inline void scale_scores(float* x, int64_t n, float inv) {
+  const __m512 invv = _mm512_set1_ps(inv);
+  int64_t k = 0;
+  for (; k + 16 <= n; k += 16) _mm512_storeu_ps(x + k, _mm512_mul_ps(_mm512_loadu_ps(x + k), invv));
+  for (; k < n; ++k) x[k] *= inv;
+}
+
+// 16 scores x -> exp16(x - mx) in place, added to sum8 as two 8-float groups, low then high.
+__attribute__((target("avx512f,avx2,fma"), always_inline)) inline void softmax_step16(float* x, __m512 mxv,
+                                                                                     __m256& sum8) {
+  const __m512 e = exp16(_mm512_sub_ps(_mm512_loadu_ps(x), mxv));
+  _mm512_storeu_ps(x, e);
+  sum8 = _mm256_add_ps(sum8, _mm512_castps512_ps256(e));
+  sum8 = _mm256_add_ps(sum8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1)));
+}
+
+// softmax_avx2 on R score rows at once (s[r] [span[r]] in place), with its bits for each: every row takes
+// exactly softmax_avx2's operations in its order, only interleaved with the other rows', and the exponentials and
+// the final scaling 16 lanes at a time (exp16 on two of a row's 8-float groups, their sum still added to the row's
+// 8 lanes one group after the other). Why: a row's maximum and sum are chains of dependent operations (one max,
+// one add per 8 scores), whose latency bound one row alone; R rows run R chains side by side.
+template <int R>
+__attribute__((target("avx512f,avx2,fma"))) inline void softmax_avx512(float* const* s, const int64_t* span) {
+  int64_t common = span[0];
+  for (int r = 1; r < R; ++r) common = std::min(common, span[r]);
+  __m256 mx8[R];
+  for (int r = 0; r < R; ++r) mx8[r] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + 8 <= common; i += 8)
+    for (int r = 0; r < R; ++r) mx8[r] = _mm256_max_ps(mx8[r], _mm256_loadu_ps(s[r] + i));
+  float mx[R];
+  for (int r = 0; r < R; ++r) {
+    int64_t k = i;
+    for (; k + 8 <= span[r]; k += 8) mx8[r] = _mm256_max_ps(mx8[r], _mm256_loadu_ps(s[r] + k));
+    mx[r] = hmax8(mx8[r]);
+    for (; k < span[r]; ++k) mx[r] = std::max(mx[r], s[r][k]);
+  }
+  __m256 sum8[R];
+  __m512 mxv[R];
+  for (int r = 0; r < R; ++r) {
+    sum8[r] = _mm256_setzero_ps();
+    mxv[r] = _mm512_set1_ps(mx[r]);
+  }
+  for (i = 0; i + 16 <= common; i += 16)
+    for (int r = 0; r < R; ++r) softmax_step16(s[r] + i, mxv[r], sum8[r]);
+  for (int r = 0; r < R; ++r) {
+    float* const x = s[r];
+    int64_t k = i;
+    for (; k + 16 <= span[r]; k += 16) softmax_step16(x + k, mxv[r], sum8[r]);
+    if (k + 8 <= span[r]) {
+      const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + k), _mm512_castps512_ps256(mxv[r])));
+      _mm256_storeu_ps(x + k, e);
+      sum8[r] = _mm256_add_ps(sum8[r], e);
+      k += 8;
+    }
+    float sum = hsum8(sum8[r]);
+    for (; k < span[r]; ++k) {
+      x[k] = exp1(x[k] - mx[r]);
+      sum += x[k];
+    }
+    scale_scores(x, span[r], 1.f / sum);
+  }
+}
+
 #endif
 
 }  // namespace kvserve::decode
