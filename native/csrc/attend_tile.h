@@ -347,6 +347,25 @@ KV_AVX512_TILE void outputs_block(const TileQuery* qs, const float* const* rows,
   }
 }
 
+// The outputs of query vectors qs[0 .. kK) over the chunk's keys c0 .. c1-1: kK at a time (outputs_block) over the
+// keys all of them read, each alone over its others, so every output still takes its keys in order.
+template <int64_t kD, int kK>
+KV_AVX512_TILE void outputs_of(const TileQuery* qs, const float* const* rows, int64_t c0, int64_t c1, int64_t D) {
+  int64_t s0 = c0, s1 = c1;
+  for (int j = 0; j < kK; ++j) {
+    s0 = std::max(s0, qs[j].first);
+    s1 = std::min(s1, qs[j].len);
+  }
+  if (s0 >= s1) {
+    for (int j = 0; j < kK; ++j)
+      outputs_block<kD, 1>(qs + j, rows, c0, std::max(c0, qs[j].first), std::min(c1, qs[j].len), D);
+    return;
+  }
+  for (int j = 0; j < kK; ++j) outputs_block<kD, 1>(qs + j, rows, c0, std::max(c0, qs[j].first), s0, D);
+  outputs_block<kD, kK>(qs, rows, c0, s0, s1, D);
+  for (int j = 0; j < kK; ++j) outputs_block<kD, 1>(qs + j, rows, c0, s1, std::min(c1, qs[j].len), D);
+}
+
 // The AVX-512 path, for D a multiple of 16 (D = 64 and 128 compiled with D known). Chunks of kChunk keys as the
 // AVX2 path; within a chunk the query vectors go kQ at a time for the scores (kQ = 3: a row's three query heads
 // for 9 query and 3 KV heads) and kQout at a time for the outputs (6 for D = 64, 3 for D = 128: 24 accumulators,
@@ -432,19 +451,12 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
     if (c1 < hi) prefetch_rows(vp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
+    // kQout query vectors at a time, then the rest (a decode row's group heads, or a prompt tile's last vectors)
+    // 3 and 2 at a time, so a group of 3 or 4 heads still shares its V rows
     int64_t j0 = 0;
-    for (; j0 + kQout <= n; j0 += kQout) {
-      int64_t s0, s1;
-      shared(j0, kQout, c0, c1, &s0, &s1);
-      if (s0 >= s1) {
-        for (int64_t j = j0; j < j0 + kQout; ++j)
-          outputs_block<kD, 1>(qs + j, rows, c0, std::max(c0, qs[j].first), std::min(c1, qs[j].len), D);
-        continue;
-      }
-      for (int64_t j = j0; j < j0 + kQout; ++j) outputs_block<kD, 1>(qs + j, rows, c0, std::max(c0, qs[j].first), s0, D);
-      outputs_block<kD, kQout>(qs + j0, rows, c0, s0, s1, D);
-      for (int64_t j = j0; j < j0 + kQout; ++j) outputs_block<kD, 1>(qs + j, rows, c0, s1, std::min(c1, qs[j].len), D);
-    }
+    for (; j0 + kQout <= n; j0 += kQout) outputs_of<kD, kQout>(qs + j0, rows, c0, c1, D);
+    for (; j0 + 3 <= n; j0 += 3) outputs_of<kD, 3>(qs + j0, rows, c0, c1, D);
+    for (; j0 + 2 <= n; j0 += 2) outputs_of<kD, 2>(qs + j0, rows, c0, c1, D);
     for (; j0 < n; ++j0)
       outputs_block<kD, 1>(qs + j0, rows, c0, std::max(c0, qs[j0].first), std::min(c1, qs[j0].len), D);
   }
