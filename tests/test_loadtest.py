@@ -513,7 +513,29 @@ def test_attention_bench_times_a_prompts_last_chunk_and_counts_its_pairs(monkeyp
         pytest.skip("no kernel build: nothing to time")
     monkeypatch.setattr(attnbench, "SHAPES", (("tiny", 4, 2, 16),))
     monkeypatch.setattr(attnbench, "CONTEXTS", (40, 80))
-    lines = attnbench.measure(write=False)
+    lines = attnbench.measure(write=False, decode=False)
     assert len(lines) == 4 and lines[2].startswith("| tiny (4 / 2 heads, d = 16) | float32 |")
     assert all(line.count(" ms, ") == 2 for line in lines[2:])
     assert "attention tiny bfloat16 T=80:" in capsys.readouterr().out
+
+
+def test_attention_bench_compares_the_served_pool_with_one_pool_per_kv_head(monkeypatch):
+    """kernelbench --attention's decode part: the same decode rows from the pool as served and from one pool per KV
+    head (a KV head's query heads, its own blocks); both give a time, and the per-head calls attend the same shape."""
+    import torch
+
+    from kvserve import native
+    from kvserve.loadtest.engine import attnbench
+
+    monkeypatch.setattr(attnbench, "DECODE_SEQUENCES", 3)
+    monkeypatch.setattr(attnbench, "DECODE_CONTEXT", 48)
+    monkeypatch.setattr(attnbench, "DECODE_LAYERS", 2)
+    q, rows, tables, lens, k_blocks, *_ = attnbench.decode_call(8, 2, 16, torch.Generator().manual_seed(0))
+    assert q.shape == (3, 8, 16) and tables.shape == (3, 3) and lens.tolist() == [48, 48, 48]
+    assert sorted(tables.flatten().tolist()) == list(range(9)) and k_blocks.shape == (9, 16, 2, 16)
+    ops = native.load_ops()
+    if ops is None:
+        pytest.skip("no kernel build: nothing to time")
+    lines = attnbench.decode_layout(ops, heads=8, kv_heads=2, dim=16)
+    assert [line.split(" | ")[0] for line in lines[2:]] == ["| as served", "| one pool per KV head"]
+    assert all(float(line.split(" | ")[1]) >= 0 and float(line.split(" | ")[2].rstrip(" |")) > 0 for line in lines[2:])

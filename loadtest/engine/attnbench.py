@@ -13,6 +13,11 @@ times the threads. Wall time, the best of ``REPEATS`` calls: the kernels split a
 CPU seconds would count a thread's wait for the other; the best call is the one the machine's other work
 disturbed least. Written into BENCHMARKS.md's "attention-op" section (``--no-write``: printed only).
 
+Then decode rows reading the cache from memory (``decode_layout``): 32 sequences at context 1,024 with
+Llama-3.2-1B's heads, 16 layers' pools (2.1 GB) attended one after the other as a decode step does, once from the
+pool as served ([blocks, block_size, H_kv, d]: a KV head's 256 bytes of every 2 KB key row) and once from one pool
+per KV head (the same bytes and arithmetic, each head's rows contiguous in a block): what a head-major block layout
+would change.
 """
 
 from __future__ import annotations
@@ -64,8 +69,50 @@ def best_time(ops, args: tuple, repeats: int = REPEATS) -> float:
     return best
 
 
-def measure(write: bool = True) -> list[str]:
-    """Time every shape, context and cache dtype; print each row, and write the table unless ``write`` is False.
+DECODE_SEQUENCES, DECODE_CONTEXT, DECODE_LAYERS = 32, 1024, 16
+
+
+def decode_call(heads: int, kv_heads: int, dim: int, generator: torch.Generator) -> tuple:
+    """``paged_decode_attention``'s arguments for ``DECODE_SEQUENCES`` decode rows at ``DECODE_CONTEXT`` keys each,
+    their blocks scattered over the pool (as a pool's free list hands them out after a while)."""
+    per_sequence = DECODE_CONTEXT // BLOCK_SIZE
+    blocks = DECODE_SEQUENCES * per_sequence
+    k_blocks = torch.randn(blocks, BLOCK_SIZE, kv_heads, dim, generator=generator)
+    v_blocks = torch.randn(blocks, BLOCK_SIZE, kv_heads, dim, generator=generator)
+    q = torch.randn(DECODE_SEQUENCES, heads, dim, generator=generator)
+    tables = torch.randperm(blocks, generator=generator).view(DECODE_SEQUENCES, per_sequence)
+    lens = torch.full((DECODE_SEQUENCES,), DECODE_CONTEXT)
+    return (q, torch.arange(DECODE_SEQUENCES), tables, lens, k_blocks, v_blocks, dim ** -0.5, 0, torch.empty_like(q))
+
+
+def decode_layout(ops, heads: int = 32, kv_heads: int = 8, dim: int = 64) -> list[str]:
+    """A decode step's attention over ``DECODE_LAYERS`` layers' float32 pools from memory, as served and with one
+    pool per KV head; the best of 4 steps each, the two alternating. Returns the markdown lines of the table."""
+    generator = torch.Generator().manual_seed(0)
+    served = [decode_call(heads, kv_heads, dim, generator) for _ in range(DECODE_LAYERS)]
+    per_head = [[decode_call(heads // kv_heads, 1, dim, generator) for _ in range(kv_heads)]
+                for _ in range(DECODE_LAYERS)]
+    steps = {"as served": lambda: [ops.paged_decode_attention(*c) for c in served],
+             "one pool per KV head": lambda: [ops.paged_decode_attention(*c) for layer in per_head for c in layer]}
+    best = {name: float("inf") for name in steps}
+    for step in steps.values():
+        step()
+    for _ in range(4):
+        for name, step in steps.items():
+            started = time.perf_counter()
+            step()
+            best[name] = min(best[name], time.perf_counter() - started)
+    nbytes = DECODE_LAYERS * 2 * DECODE_SEQUENCES * DECODE_CONTEXT * kv_heads * dim * 4
+    lines = ["| pool layout | step's attention, ms | GB/s of K and V |", "|---|---:|---:|"]
+    for name, seconds in best.items():
+        lines.append(f"| {name} | {seconds * 1e3:.1f} | {nbytes / seconds / 1e9:.1f} |")
+        print(f"decode attention {name}: {seconds * 1e3:.1f} ms", flush=True)
+    return lines
+
+
+def measure(write: bool = True, decode: bool = True) -> list[str]:
+    """Time every shape, context and cache dtype, then (``decode``) ``decode_layout``; print each row, and write the
+    tables unless ``write`` is False.
 
     Returns:
         The markdown lines of the table.
@@ -109,6 +156,14 @@ def measure(write: bool = True) -> list[str]:
             "cache's kernels run (per core, times the threads). Each row is exact: every query's softmax over all "
             "its keys in a decode row's order (native/csrc/attend_tile.h), so the float32 rows' multiply-adds are "
             "the least work these bits take.\n\n" + "\n".join(lines))
+    layout = decode_layout(ops) if decode else []
+    body += "" if not decode else (f"\n\nDecode rows from memory: {DECODE_SEQUENCES} sequences at context {DECODE_CONTEXT:,} with "
+             f"Llama-3.2-1B's heads, {DECODE_LAYERS} layers' float32 pools "
+             f"({DECODE_LAYERS * 2 * DECODE_SEQUENCES * DECODE_CONTEXT * 8 * 64 * 4 / 1e9:.1f} GB) attended one "
+             "after the other as a decode step does, the best of 4 steps; as served, a task (one sequence, one KV "
+             "head) reads 256 bytes of every 2 KB key row of the pool's [blocks, block_size, H_kv, d]; with one pool "
+             "per KV head the same bytes and arithmetic lie contiguous in each block (a head-major block layout).\n\n"
+             + "\n".join(layout))
     if peaks.get("bfloat16", 0) and peaks["bfloat16"] < peaks.get("float32", 0):
         body += ("\n\nOn this CPU `vdpbf16ps` multiply-adds at a lower rate than float32 FMAs (the peaks above), so "
                  "the bfloat16 cache's attention, for all its halved reads, runs slower than the float32 cache's "
