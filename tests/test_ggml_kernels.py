@@ -167,9 +167,9 @@ def test_unpacked_groups_change_no_bits_and_the_setting_round_trips():
 def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
     """set_gguf_amx (whether calls of 64 rows or more take AMX-INT8 tiles where the CPU runs them; the emulator runs
     no AMX, so the tiles are tested on a CPU that has them, skipped elsewhere) returns whether they did, and every
-    kind's rows have the AVX-512 kernel's bits either way (Q4_1 and Q6_K have no tiles: unchanged): 64 rows (4 tiles of 16), 100 and 150 (tiles and the
-    AVX-512 kernel for the rest; 150 in the driver's slices of 64), 512; K of one block group, 18 blocks (SmolLM2's
-    576, a short last group) and 2048."""
+    kind's rows have the AVX-512 kernel's bits either way (Q4_1 has no tiles: unchanged; Q6_K's take a multiply per
+    half block): 64 rows (4 tiles of 16), 100 and 150 (tiles and the AVX-512 kernel for the rest; 150 in the
+    driver's slices of 64), 512; K of one block group, 18 blocks (SmolLM2's 576, a short last group) and 2048."""
     module = native.load()
     before = module.set_gguf_amx(False)
     try:

@@ -48,10 +48,9 @@ struct KindInfo {
 #endif
 // Indexed by gguf::Kind.
 // AMX leaves where they measured faster than the AVX-512 kernel (a Sapphire Rapids VM, 2 threads, 512 rows, the
-// two alternating in one process, docs/kernels.md): not Q4_1 (0.95-1.11x at SmolLM2's shapes) nor Q6_K (two tile
-// multiplies and float steps per half block, 0.85-0.99x).
+// two alternating in one process, docs/kernels.md): not Q4_1 (0.95-1.11x at SmolLM2's shapes).
 const KindInfo kKinds[gguf::kKinds] = {KV_KIND_AMX(q4_0), KV_KIND(q4_1),     KV_KIND_AMX(q5_0), KV_KIND_AMX(q5_1),
-                                       KV_KIND_AMX(q8_0), KV_KIND_AMX(q4_k), KV_KIND_AMX(q5_k), KV_KIND(q6_k)};
+                                       KV_KIND_AMX(q8_0), KV_KIND_AMX(q4_k), KV_KIND_AMX(q5_k), KV_KIND_AMX(q6_k)};
 #undef KV_KIND
 #undef KV_KIND_AMX
 

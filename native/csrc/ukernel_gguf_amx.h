@@ -7,14 +7,16 @@
  * block of 32 one multiply gives the integer dots of 16 rows x 16 features, stored to memory, and only the
  * block's float steps remain for the vector units, in ukernel_gguf.h's order per output: the same bits as the
  * AVX-512 kernel (the dots are exact however they are formed), which takes the rows a call has beyond a multiple
- * of 16.
+ * of 16. Q6_K's scales cover 16 weights, so its blocks take a multiply per half (TDPBSSD: its codes as signed
+ * q - 32, which the signed-by-signed multiply takes as they are, so no offset is added back) and their two dots'
+ * float steps (T = sc' dot' + sc'' dot'', exact in float, as the AVX-512 kernel's unpacked groups form it).
  *
  * Per call (linear_ggml.cpp: up to kRowSlice rows x a chunk of panels) and panel: the panel's codes are made once
  * into a thread's buffer (a block's B tile: 8 rows of 64 bytes; the K-quants'
  * codes as they are, 0..MaxCode, so no dot is shifted back) with its scales as vectors, then every 16 rows take
  * them a block at a time: load A and B, multiply, store C, the float steps of 16 rows x 16 features from C, the
  * accumulators in registers over the whole row. Intel's AMX (Intel 64 and IA-32 Architectures Optimization
- * Reference Manual, chapter 20; the instruction set reference for TDPBSUD and LDTILECFG) describes the tiles and
+ * Reference Manual, chapter 20; the instruction set reference for TDPBSUD, TDPBSSD and LDTILECFG) describes the tiles and
  * their configuration; Linux hands out the tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM) (cpu.h's amx()).
  *
  * Include after ukernel_gguf.h, in the extension only (the emulator runs no AMX: these leaves run where the CPU
@@ -32,11 +34,14 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
 namespace kvserve::gguf::avx512 {
 
-/* Tile registers: C0 the dots, A0 the activations, B0 the codes. Macros: the intrinsics paste the register's
- * number into their assembly. */
+/* Tile registers: C0 the dots, A0 the activations, B0 the codes (Q6_K: C1, A1, B1 its second half of each block).
+ * Macros: the intrinsics paste the register's number into their assembly. */
 #define KV_TC0 0
+#define KV_TC1 1
 #define KV_TA0 4
+#define KV_TA1 5
 #define KV_TB0 6
+#define KV_TB1 7
 
 /* LDTILECFG's 64-byte operand (palette 1). */
 struct alignas(64) AmxConfig {
@@ -45,13 +50,16 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16];
 };
 
-/* C: 16 rows x 16 int32; A: 16 rows x a block's 32 codes; B: 8 rows (32 codes / 4) x 16 features' 4 codes. */
+/* C: 16 rows x 16 int32; A: 16 rows x a block's 32 codes; B: 8 rows (32 codes / 4) x 16 features' 4 codes.
+ * Q6_K: a pair of each, per half block: A 16 rows x 16 codes, B 4 rows x 16 features' 4 codes. */
+template <class Fmt>
 inline void amx_configure() {
   AmxConfig c = {};
   c.palette = 1;
-  c.colsb[KV_TC0] = 64, c.rows[KV_TC0] = 16;
-  c.colsb[KV_TA0] = 32, c.rows[KV_TA0] = 16;
-  c.colsb[KV_TB0] = 64, c.rows[KV_TB0] = 8;
+  constexpr bool halves = Fmt::kFold == Fold::kScale16;
+  for (int t : {KV_TC0, KV_TC1}) c.colsb[t] = 64, c.rows[t] = 16;
+  for (int t : {KV_TA0, KV_TA1}) c.colsb[t] = halves ? 16 : 32, c.rows[t] = 16;
+  for (int t : {KV_TB0, KV_TB1}) c.colsb[t] = 64, c.rows[t] = halves ? 4 : 8;
   __asm__ volatile("" : : "m"(c) : "memory");  // GCC may drop the stores to c that only LDTILECFG reads
   _tile_loadconfig(&c);
 }
@@ -65,13 +73,15 @@ struct AmxPanel {
   uint8_t* codes;  // [nb][8][64]
   float* D;        // [nb][16]
   float* Mn;       // [nb][16]
+  float* S;        // [nb][2][16]: Q6_K's scales of the block's two halves, as floats
   void resize(int nb) {
     if (nb <= cap) return;
     cap = nb;
-    bytes.assign((size_t)nb * (512 + 64 + 64), 0);
+    bytes.assign((size_t)nb * (512 + 64 + 64 + 128), 0);
     codes = bytes.data();
     D = (float*)(codes + (size_t)nb * 512);
     Mn = D + 16 * (size_t)nb;
+    S = Mn + 16 * (size_t)nb;
   }
 };
 
@@ -87,10 +97,15 @@ inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
       const int64_t b = b0 + i;
       KV_UNROLL for (int c = 0; c < 8; ++c) {
         if constexpr (Fmt::kKind == kQ4_K || Fmt::kKind == kQ5_K) st(out.codes + 512 * b + 64 * c, U::template code<false>(w, i, c));
+        else if constexpr (Fmt::kFold == Fold::kScale16) st(out.codes + 512 * b + 64 * c, _mm512_sub_epi8(U::code(w, i, c), b8(U::kOffset)));
         else st(out.codes + 512 * b + 64 * c, U::code(w, i, c));
       }
       stf(out.D + 16 * b, U::d(w, i));
       if constexpr (Fmt::kFold == Fold::kScaleMin) stf(out.Mn + 16 * b, U::m(w, i));
+      if constexpr (Fmt::kFold == Fold::kScale16) {
+        stf(out.S + 32 * b, cvt(U::sc(w, 2 * i)));
+        stf(out.S + 32 * b + 16, cvt(U::sc(w, 2 * i + 1)));
+      }
     }
   }
 }
@@ -100,7 +115,7 @@ inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
 template <class Fmt>
 inline __attribute__((always_inline)) void amx_fold(const kv_ggml_args* a, const AmxPanel& u, int64_t m, int b, const int32_t* dots, F* acc) {
   using U = typename UnitOf<Fmt>::T;
-  static_assert(Fmt::kFold != Fold::kScale16, "Q6_K has no AMX leaf");
+  static_assert(Fmt::kFold != Fold::kScale16, "Q6_K folds in amx_fold_q6k");
   const int64_t at = m * a->ldb + b;  // row m's block b
   const F D = ldf(u.D + 16 * b);
   const F Mn = Fmt::kFold == Fold::kScaleMin ? ldf(u.Mn + 16 * b) : zero_f();
@@ -113,23 +128,50 @@ inline __attribute__((always_inline)) void amx_fold(const kv_ggml_args* a, const
   }
 }
 
+/* Q6_K's block b for rows m..m+15: its halves' dots in dots[0] and dots[1] (each 16 rows x 16 int32, the codes
+ * taken as q - 32, so a dot is the AVX-512 kernel's sum (q - 32) x), T = sc' dot' + sc'' dot'' in float (exact:
+ * ukernel_gguf.h's bound), then s = T d_x and acc = fma(d, s, acc), as ukernel_gguf_body.h's blocks() does. */
+inline __attribute__((always_inline)) void amx_fold_q6k(const kv_ggml_args* a, const AmxPanel& u, int64_t m, int b,
+                                                        const int32_t (*dots)[256], F* acc) {
+  const int64_t at = m * a->ldb + b;
+  const F D = ldf(u.D + 16 * b), S0 = ldf(u.S + 32 * b), S1 = ldf(u.S + 32 * b + 16);
+  KV_UNROLL for (int r = 0; r < 16; ++r) {
+    const F T = fma(S1, cvt(ld(dots[1] + 16 * r)), mul(S0, cvt(ld(dots[0] + 16 * r))));
+    acc[r] = fma(D, mul(T, bset(a->xd[at + r * a->ldb])), acc[r]);
+  }
+}
+
 /* Rows m..m+15 of panel p over the whole row, a block at a time: its tile multiply, its dots stored, its float
- * steps. (Measured on a Sapphire Rapids VM: issuing a pair of blocks' multiplies ahead of the previous pair's float
- * steps, into two alternating sets of result tiles, overlapped nothing: the stores and loads of the dots order
- * them.) */
+ * steps (Q6_K: a multiply per half block, TDPBSSD on its codes as signed q - 32). (Measured on a Sapphire Rapids
+ * VM: issuing a pair of blocks' multiplies ahead of the previous pair's float steps, into two alternating sets of
+ * result tiles, overlapped nothing: the stores and loads of the dots order them.) */
 template <class Fmt>
 inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m) {
-  alignas(64) int32_t buf[256];
+  alignas(64) int32_t buf[2][256];
   F acc[16];
   KV_UNROLL for (int r = 0; r < 16; ++r) acc[r] = zero_f();
   const int8_t* x = a->xq + m * a->ldq;
   for (int b = 0; b < a->nb; ++b) {
-    _tile_loadd(KV_TA0, x + 32 * b, a->ldq);
-    _tile_loadd(KV_TB0, u.codes + 512 * b, 64);
-    _tile_zero(KV_TC0);
-    _tile_dpbsud(KV_TC0, KV_TA0, KV_TB0);
-    _tile_stored(KV_TC0, buf, 64);
-    amx_fold<Fmt>(a, u, m, b, buf, acc);
+    if constexpr (Fmt::kFold == Fold::kScale16) {
+      _tile_loadd(KV_TA0, x + 32 * b, a->ldq);
+      _tile_loadd(KV_TA1, x + 32 * b + 16, a->ldq);
+      _tile_loadd(KV_TB0, u.codes + 512 * b, 64);
+      _tile_loadd(KV_TB1, u.codes + 512 * b + 256, 64);
+      _tile_zero(KV_TC0);
+      _tile_zero(KV_TC1);
+      _tile_dpbssd(KV_TC0, KV_TA0, KV_TB0);
+      _tile_dpbssd(KV_TC1, KV_TA1, KV_TB1);
+      _tile_stored(KV_TC0, buf[0], 64);
+      _tile_stored(KV_TC1, buf[1], 64);
+      amx_fold_q6k(a, u, m, b, buf, acc);
+    } else {
+      _tile_loadd(KV_TA0, x + 32 * b, a->ldq);
+      _tile_loadd(KV_TB0, u.codes + 512 * b, 64);
+      _tile_zero(KV_TC0);
+      _tile_dpbsud(KV_TC0, KV_TA0, KV_TB0);
+      _tile_stored(KV_TC0, buf[0], 64);
+      amx_fold<Fmt>(a, u, m, b, buf[0], acc);
+    }
   }
   const int cols = panel_cols(a, p);
   KV_UNROLL for (int r = 0; r < 16; ++r) store_y(panel_y(a, p, m + r), acc[r], cols);
@@ -143,7 +185,7 @@ inline void amx_kernel(const kv_ggml_args* a) {
   if (tiled > 0) {
     thread_local AmxPanel panel;
     panel.resize(a->nb);
-    amx_configure();
+    amx_configure<Fmt>();
     for (int p = 0; p < a->panels; ++p) {
       amx_unpack<Fmt>(a, p, panel);
       for (int64_t m = 0; m < tiled; m += 16) amx_rows<Fmt>(a, panel, p, m);
@@ -166,8 +208,11 @@ inline void amx_kernel(const kv_ggml_args* a) {
 }  // namespace kvserve::gguf::avx512
 #pragma GCC pop_options
 #undef KV_TC0
+#undef KV_TC1
 #undef KV_TA0
+#undef KV_TA1
 #undef KV_TB0
+#undef KV_TB1
 
 #define KV_GGUF_AMX_LEAF(name, Fmt)                                                                             \
   extern "C" __attribute__((target(KV_AVX512_TARGET ",amx-tile,amx-int8"))) void kv_##name##_amx(              \
@@ -180,6 +225,7 @@ KV_GGUF_AMX_LEAF(q5_1, Q5_1)
 KV_GGUF_AMX_LEAF(q8_0, Q8_0)
 KV_GGUF_AMX_LEAF(q4_k, Q4_K)
 KV_GGUF_AMX_LEAF(q5_k, Q5_K)
+KV_GGUF_AMX_LEAF(q6_k, Q6_K)
 #undef KV_GGUF_AMX_LEAF
 
 #endif /* KV_UK_X86 */
