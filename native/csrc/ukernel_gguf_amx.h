@@ -16,8 +16,9 @@
  * codes as they are, 0..MaxCode, so no dot is shifted back) with its scales as vectors, then every 16 rows take
  * them a block at a time: load A and B, multiply, store C, the float steps of 16 rows x 16 features from C, the
  * accumulators in registers over the whole row. Intel's AMX (Intel 64 and IA-32 Architectures Optimization
- * Reference Manual, chapter 20; the instruction set reference for TDPBSUD, TDPBSSD and LDTILECFG) describes the tiles and
- * their configuration; Linux hands out the tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM) (cpu.h's amx()).
+ * Reference Manual, chapter 20; the instruction set reference for TDPBSUD, TDPBSSD and LDTILECFG) describes the
+ * tiles and their configuration; Linux hands out the tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM) (cpu.h's
+ * amx()).
  *
  * Include after ukernel_gguf.h, in the extension only (the emulator runs no AMX: these leaves run where the CPU
  * has the tiles, and tests compare them with the AVX-512 kernel there).
@@ -97,7 +98,8 @@ inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
       const int64_t b = b0 + i;
       KV_UNROLL for (int c = 0; c < 8; ++c) {
         if constexpr (Fmt::kKind == kQ4_K || Fmt::kKind == kQ5_K) st(out.codes + 512 * b + 64 * c, U::template code<false>(w, i, c));
-        else if constexpr (Fmt::kFold == Fold::kScale16) st(out.codes + 512 * b + 64 * c, _mm512_sub_epi8(U::code(w, i, c), b8(U::kOffset)));
+        else if constexpr (Fmt::kFold == Fold::kScale16)  // Q6_K: q - 32, signed
+          st(out.codes + 512 * b + 64 * c, _mm512_sub_epi8(U::code(w, i, c), b8(U::kOffset)));
         else st(out.codes + 512 * b + 64 * c, U::code(w, i, c));
       }
       stf(out.D + 16 * b, U::d(w, i));
