@@ -168,8 +168,9 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
     """set_gguf_amx (whether calls of 64 rows or more take AMX-INT8 tiles where the CPU runs them; the emulator runs
     no AMX, so the tiles are tested on a CPU that has them, skipped elsewhere) returns whether they did, and every
     kind's rows have the AVX-512 kernel's bits either way (Q4_1 has no tiles: unchanged; Q6_K's take a multiply per
-    half block): 64 rows (4 tiles of 16), 100 and 150 (tiles and the AVX-512 kernel for the rest; 150 in the
-    driver's slices of 64), 512; K of one block group, 18 blocks (SmolLM2's 576, a short last group) and 2048."""
+    half block, from rows of 4096 weights): 64 rows (4 tiles of 16), 100 and 150 (tiles and the AVX-512 kernel for
+    the rest; 150 in the driver's slices of 64), 512; K of one block group, 18 blocks (SmolLM2's 576, a short last
+    group), 2048 and (Q6_K) 4096."""
     module = native.load()
     before = module.set_gguf_amx(False)
     try:
@@ -178,7 +179,8 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
         if not module.gguf_amx():
             pytest.skip("this CPU (or its virtual machine, or Linux) runs no AMX tiles")
         for kind in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"):
-            for K in ((256, 2048) if kind.endswith("_k") else (256, 576, 2048)):
+            widths = (256, 2048, 4096) if kind == "q6_k" else (256, 2048) if kind.endswith("_k") else (256, 576, 2048)
+            for K in widths:
                 N = 40
                 packed = module.ggml_pack(blocks(kind, N, K), kind)
                 for rows in (64, 100, 150, 512):

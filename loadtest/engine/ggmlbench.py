@@ -261,9 +261,10 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
                   "with each tile making its codes from the panel, the two timed in three alternating rounds."]
     if amx:
-        lines += ["", "From 64 rows (a prefill chunk) the Q4_K, Q5_K and Q6_K projections run on AMX-INT8 tiles, "
-                  "this CPU having them (native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same step on the "
-                  "AVX-512 kernel alone, the two timed in three alternating rounds."]
+        lines += ["", "From 64 rows (a prefill chunk) the Q4_K and Q5_K projections, and the Q6_K ones of 4,096 "
+                  "weights a row or more (here ffn_down), run on AMX-INT8 tiles, this CPU having them "
+                  "(native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same step on the AVX-512 kernel alone, the "
+                  "two timed in three alternating rounds."]
     print("\n".join(lines), flush=True)
     if write:
         update_section("ggml-model", "A Q4_K_M Llama-3.2-1B step's projections against the read bound (decode batches) "

@@ -79,9 +79,18 @@ Ukernel ukernel_for(Kind kind) {
   return kKinds[kind].scalar;
 }
 
-// The micro-kernel of the calls of kAmxRows rows or more: AMX tiles where cpu::amx() says they run and the kind has
-// them, else nullptr (ukernel_for's).
-Ukernel amx_for(Kind kind) { return cpu::amx() ? kKinds[kind].amx : nullptr; }
+// Q6_K's rows of fewer weights stay on the AVX-512 kernel: its unpacked groups keep up with the tiles while a row's
+// activations are short, and fall behind as they grow (a Sapphire Rapids VM, 2 threads, 512 rows, the two
+// alternating in one process: the tiles 0.92-0.96x at K = 2048, 1.02x at 4096, 1.11-1.12x at 4864 and 5632,
+// 1.19-1.25x at 8192, 1.33x at 14336; the tiles ran 240-250 GMAC/s at every K, the AVX-512 kernel 263 down to 185).
+constexpr int64_t kQ6kAmxMinK = 4096;
+
+// The micro-kernel of the calls of kAmxRows rows or more of a K-wide layer: AMX tiles where cpu::amx() says they
+// run and the kind has them (Q6_K: from kQ6kAmxMinK), else nullptr (ukernel_for's).
+Ukernel amx_for(Kind kind, int64_t K) {
+  if (kind == gguf::kQ6_K && K < kQ6kAmxMinK) return nullptr;
+  return cpu::amx() ? kKinds[kind].amx : nullptr;
+}
 
 // A weight matrix in the layout of the chosen ISA, checked once.
 struct GgmlWeights {
@@ -103,7 +112,7 @@ GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, i
   KV_CHECK(packed.size(0) == panels && packed.size(1) == row, "packed ", kind_name, " weights for N = ", N,
            ", K = ", K, " on the ", cpu::name(cpu::chosen()), " path must be [", panels, ", ", row, "], got [",
            packed.size(0), ", ", packed.size(1), "] (packed for another shape or ISA?)");
-  return {packed, kind, N, K, nr, ukernel_for(kind), amx_for(kind)};
+  return {packed, kind, N, K, nr, ukernel_for(kind), amx_for(kind, K)};
 }
 
 // Q6_K's offset on the activation side, -32 qsum per 16 activation codes [M, K / 16] (its scales cover 16
