@@ -133,6 +133,34 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
     assert "KV cache bfloat16" in capsys.readouterr().out
 
 
+def test_profile_step_thread_runs_the_prefill_on_the_calling_thread_and_on_a_step_thread(monkeypatch, capsys):
+    """`profile --step-thread --prefill`: each round runs the prompt's steps on this thread and then on a thread of
+    its own, as the server runs steps, and the table gives each thread's median and their ratio."""
+    import threading
+
+    from kvserve.loadtest.__main__ import main as loadtest_main
+    from kvserve.loadtest.engine import enginebench
+
+    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    loaded = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")
+    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    threads = []
+    execute = enginebench.ModelRunner.execute
+    monkeypatch.setattr(enginebench.ModelRunner, "execute",
+                        lambda self, plan: threads.append(threading.get_ident()) or execute(self, plan))
+    assert loadtest_main(["profile", "--step-thread", "--prefill", "40", "--chunk", "16", "--rounds", "2",
+                          "--quantization", "int8", "--no-write"]) == 0
+    here = threading.get_ident()
+    # 3 steps a prefill; a warm-up and 2 rounds on each thread, alternating after the warm-ups
+    assert len(threads) == 3 * 6 and set(threads[:3]) == {here} and here not in threads[3:6]
+    assert [t == here for t in threads[6::3]] == [True, False, True, False]
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 40 |"))
+    here_s, there_s, ratio = (float(c) for c in row.strip("|").split("|")[1:])
+    assert here_s > 0 and there_s > 0 and ratio > 0
+
+
 def test_peak_probes_give_a_rate_on_each_native_path():
     """The float32 FMA and int8 roofline probes (leaves.cpp) the prefill profile sets attention and the projections
     against: a positive rate on every vector path this CPU runs (the AVX2 path's int8 peak its own `vpmaddubsw`,

@@ -138,17 +138,14 @@ _PREFILL_PARTS = (("projections", ("projections (linear/matmul)",)), ("attention
                                                        "Python/dispatch overhead")))
 
 
-def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
-                    cache_dtype: str = "auto") -> tuple[float, dict[str, float]]:
-    """One ``length``-token prompt prefilled in the steps the server plans for it alone (token ids of a fixed
-    pattern): ``chunk`` tokens a step (--max-num-batched-tokens), fewer deep in a long prompt where the scheduler
-    sizes chunks by work (``scheduler.scheduler.lone_prefill_chunks``, with the model's attention_cost_context),
-    over a ``cache_dtype`` KV cache (as --kv-cache-dtype).
+def _prefill_plans(length: int, chunk: int, loaded, cache_dtype: str = "auto"):
+    """The steps the server plans for one ``length``-token prompt alone (token ids of a fixed pattern): ``chunk``
+    tokens a step (--max-num-batched-tokens), fewer deep in a long prompt where the scheduler sizes chunks by work
+    (``scheduler.scheduler.lone_prefill_chunks``, with the model's attention_cost_context), over a ``cache_dtype``
+    KV cache (as --kv-cache-dtype).
 
     Returns:
-        (wall seconds of the whole prefill without the profiler, the median over ``reps`` runs; seconds per part
-        under the profiler, keyed by the ``_CATEGORIES`` labels plus "other ops" and "Python/dispatch overhead",
-        scaled so the parts sum to the profiled prefill's wall time).
+        a function running every step of the prefill in order and returning its wall seconds.
     """
     from kvserve.engine.loader import attention_cost_context
     from kvserve.engine.plan import StepPlan
@@ -170,6 +167,19 @@ def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
             bench.runner.execute(plan)
         return time.perf_counter() - started
 
+    return prefill
+
+
+def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
+                    cache_dtype: str = "auto") -> tuple[float, dict[str, float]]:
+    """One ``length``-token prompt prefilled in the steps the server plans for it alone (``_prefill_plans``).
+
+    Returns:
+        (wall seconds of the whole prefill without the profiler, the median over ``reps`` runs; seconds per part
+        under the profiler, keyed by the ``_CATEGORIES`` labels plus "other ops" and "Python/dispatch overhead",
+        scaled so the parts sum to the profiled prefill's wall time).
+    """
+    prefill = _prefill_plans(length, chunk, loaded, cache_dtype)
     prefill()  # warm-up: first calls allocate and probe
     wall = sorted(prefill() for _ in range(reps))[reps // 2]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -180,6 +190,37 @@ def profile_prefill(length: int, chunk: int, loaded, reps: int = 1,
         seconds[label] = seconds.get(label, 0.0) + event.self_cpu_time_total / 1e6
     seconds["Python/dispatch overhead"] = max(0.0, profiled - sum(seconds.values()))
     return wall, seconds
+
+
+def step_thread_table(lengths: list[int], chunk: int, loaded, rounds: int, cache_dtype: str = "auto") -> str:
+    """A prefill on the calling thread against the same prefill on a thread of its own, as the server runs every
+    step (its one-thread step executor, scheduler/service.py), alternating for ``rounds`` rounds per prompt length.
+
+    The kernels' speed must not depend on the thread that calls them: buffers a thread allocates come from its own
+    malloc arena, and a buffer that lands off a cache line once made the server's steps ~10% slower than
+    ``profile --prefill`` measured them (native/csrc/aligned_vector.h).
+
+    Returns:
+        a Markdown table: per length the median wall seconds on each thread and the median of the rounds' ratios
+        (step thread / calling thread; 1.00 = no difference).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    rows = ["| prompt tokens | calling thread, s | step thread, s | step / calling (median of rounds) |",
+            "|---:|---:|---:|---:|"]
+    with ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvserve-step") as step_thread:
+        for length in lengths:
+            prefill = _prefill_plans(length, chunk, loaded, cache_dtype)
+            prefill()
+            step_thread.submit(prefill).result()  # each thread's first calls allocate its buffers
+            here, there = [], []
+            for _ in range(rounds):
+                here.append(prefill())
+                there.append(step_thread.submit(prefill).result())
+            ratio = statistics.median(b / a for a, b in zip(here, there))
+            rows.append(f"| {length} | {statistics.median(here):.3f} | {statistics.median(there):.3f} | "
+                        f"{ratio:.2f} |")
+    return "\n".join(rows)
 
 
 def attention_peak(cache_dtype: str, head_dim: int) -> tuple[str, float] | None:
@@ -303,6 +344,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="with --layers both: rounds, each running the loop then the stack per batch size")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=[d.value for d in KVCacheDType],
                         help="as kvserve serve --kv-cache-dtype (default auto: the model's dtype)")
+    parser.add_argument("--step-thread", action="store_true",
+                        help="with --prefill: time each prefill on this thread and on a step thread as the server "
+                             "runs it, alternating for --rounds rounds, instead of profiling it")
     parser.add_argument("--no-write", action="store_true")
 
 
@@ -417,6 +461,8 @@ def _median_of_finite(values: list[float]) -> float:
 
 
 def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:
+    if args.step_thread:
+        return _run_step_thread(args, loaded, served)
     text = prefill_table(args.prefill, args.chunk, loaded, args.kv_cache_dtype)
     print(text)
     print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served}), "
@@ -434,3 +480,23 @@ def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:
                        + "python -m kvserve.loadtest profile --prefill " + ",".join(map(str, args.prefill))
                        + (f" --chunk {args.chunk}" if args.chunk != 512 else "") + scheme + cache, text)
     return 0
+
+
+def _run_step_thread(args: argparse.Namespace, loaded, served: str) -> int:
+    text = step_thread_table(args.prefill, args.chunk, loaded, args.rounds, args.kv_cache_dtype)
+    text += (f"\n\n{args.rounds} rounds per length, each the prefill on the calling thread then on the step thread "
+             f"(the same steps, the same bits); kernels {_kernel_path()}, {torch.get_num_threads()} threads.")
+    print(text)
+    print(f"{loaded.name}, {loaded.dtype}, {loaded.device}, quantization {args.quantization} ({served})")
+    if not args.no_write:
+        update_section("profile-step-thread", f"A step on the server's thread ({loaded.name}, {served} weights)",
+                       "python -m kvserve.loadtest profile --step-thread --prefill " + ",".join(map(str, args.prefill))
+                       + f" --rounds {args.rounds}" + (f" --model {args.model}" if args.model else ""), text)
+    return 0
+
+
+def _kernel_path() -> str:
+    from kvserve import native
+
+    module = native.load()
+    return module.isa() if module is not None else "scalar (no kernel build)"

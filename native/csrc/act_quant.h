@@ -155,11 +155,12 @@ void quantize16_blocks_scalar(const float* x, int64_t M, int64_t K, int64_t qb, 
 }
 
 // Q8 activations of one call: q int8 [M, K], d float32 [M, K / 32], qsum int32 [M, K / 32]. The buffers are
-// reused across calls (per thread): three torch::empty calls cost about as much as a small layer's product.
+// reused across calls (per thread): three torch::empty calls cost about as much as a small layer's product. They
+// start on cache lines (aligned_vector.h): the kernels load activation rows 32 or 64 bytes at a time.
 struct QuantizedX {
-  std::vector<int8_t> q;
-  std::vector<float> d;
-  std::vector<int32_t> qsum;
+  AlignedVector<int8_t> q;
+  AlignedVector<float> d;
+  AlignedVector<int32_t> qsum;
 };
 
 const QuantizedX& quantize_x(const float* xp, int64_t M, int64_t K) {
@@ -181,8 +182,8 @@ const QuantizedX& quantize_x(const torch::Tensor& x) { return quantize_x(x.data_
 
 // Q16 activations of one call: q int16 [M, K], d float32 [M, K / qb], reused across calls (per thread).
 struct QuantizedX16 {
-  std::vector<int16_t> q;
-  std::vector<float> d;
+  AlignedVector<int16_t> q;
+  AlignedVector<float> d;
 };
 
 const QuantizedX16& quantize_x16(const torch::Tensor& x, int64_t qb) {
@@ -204,7 +205,7 @@ const QuantizedX16& quantize_x16(const torch::Tensor& x, int64_t qb) {
 // xs [M, K / G]: per activation row and weight group, sum over the group's blocks of d_b * qsum_b (the int4
 // offset's share, see q8_int4_tile_avx2), accumulated in block order with fma.
 const float* group_shifts(const QuantizedX& qx, int64_t M, int64_t K, int64_t G) {
-  thread_local std::vector<float> xs;
+  thread_local AlignedVector<float> xs;
   const int64_t nb = K / 32, per_group = G / 32, ng = K / G;
   xs.assign(M * ng, 0.f);
   for (int64_t m = 0; m < M; ++m)

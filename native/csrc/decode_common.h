@@ -7,6 +7,7 @@
 #include <torch/extension.h>
 
 #include "check.h"
+#include "aligned_vector.h"
 #include "cpu.h"
 #include "decode_core.h"
 

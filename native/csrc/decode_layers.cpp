@@ -103,7 +103,7 @@ Parts parts_of(const py::object& parts, int64_t N, int64_t K, const char* what) 
 
 // y [T, parts.N] <- the parts' outputs side by side (the bits of each part's kernel, as torch.cat of their calls
 // gives them). One row, or one part, writes y directly; more rows go through scratch, a part at a time.
-void project_parts(const Parts& parts, const float* x, int64_t T, float* y, std::vector<float>& scratch) {
+void project_parts(const Parts& parts, const float* x, int64_t T, float* y, kvserve::AlignedVector<float>& scratch) {
   if (parts.handles.size() == 1 || T == 1) {
     int64_t offset = 0;
     for (const ProjectionHandle* p : parts.handles) {
@@ -587,7 +587,7 @@ class DecodeLayers {
   py::capsule head_owner_;  // keeps head_ alive
   const ProjectionHandle* head_ = nullptr;
   torch::Tensor x_, cos_, sin_, h_, qkv_, attn_, out_, gate_up_, act_;  // [rows, ...] workspace
-  std::vector<float> scratch_;  // one part's rows of a projection made of parts (project_parts)
+  kvserve::AlignedVector<float> scratch_;  // one part's rows of a projection made of parts (project_parts)
   Views views_;
   std::mutex mutex_;
 };

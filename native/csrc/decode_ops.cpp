@@ -360,7 +360,7 @@ std::string bf16_attention_path(int64_t D) { return kvserve::cpu::name(kvserve::
 // The query vectors of rows b0 .. b1-1 of a call for KV head g (each row's `group` query heads), each with its
 // share of `scores` (resized to hold them all).
 void tile_queries(const kvserve::decode::DecodeCall& call, int64_t b0, int64_t b1, int64_t g,
-                  std::vector<float>& scores, std::vector<TileQuery>& queries) {
+                  kvserve::AlignedVector<float>& scores, std::vector<TileQuery>& queries) {
   int64_t total = 0;
   for (int64_t b = b0; b < b1; ++b) total += call.group * (call.lens[b] - call.first_of(b));
   scores.resize(total);
@@ -382,7 +382,7 @@ void run_tiles(const kvserve::decode::DecodeCall& call, const std::vector<int64_
   const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * H_kv;
   if (num_tiles == call.B) {  // decode rows only: tasks of about one size, split evenly
     at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
+      kvserve::AlignedVector<float> scores;
       std::vector<TileQuery> queries;
       for (int64_t task = begin; task < end; ++task) attend_task(task, scores, queries);
     });
@@ -400,7 +400,7 @@ void run_tiles(const kvserve::decode::DecodeCall& call, const std::vector<int64_
                    [&](int64_t a, int64_t b) { return work[a / H_kv] > work[b / H_kv]; });
   std::atomic<int64_t> next_task{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores;
+    kvserve::AlignedVector<float> scores;
     std::vector<TileQuery> queries;
     for (int64_t i = next_task++; i < num_tasks; i = next_task++) attend_task(order[i], scores, queries);
   });
@@ -421,7 +421,7 @@ void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, con
 #else
   const std::vector<int64_t> tiles = prompt_tiles(call, 1);
 #endif
-  auto attend_task = [&](int64_t task, std::vector<float>& scores, std::vector<TileQuery>& queries) {
+  auto attend_task = [&](int64_t task, kvserve::AlignedVector<float>& scores, std::vector<TileQuery>& queries) {
     const int64_t tile = task / H_kv, g = task % H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
 #ifdef KV_X86
     if (avx2) {
@@ -446,7 +446,7 @@ void kvserve::decode::attend_decode_bf16(const DecodeCall& call, const uint16_t*
   const int64_t D = call.D;
   const kvserve::cpu::Isa isa = kvserve::bf16_attend::path(D);
   const std::vector<int64_t> tiles = prompt_tiles(call, kTileRows);
-  run_tiles(call, tiles, [&](int64_t task, std::vector<float>& scores, std::vector<TileQuery>& queries) {
+  run_tiles(call, tiles, [&](int64_t task, kvserve::AlignedVector<float>& scores, std::vector<TileQuery>& queries) {
     const int64_t tile = task / call.H_kv, g = task % call.H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
     tile_queries(call, b0, b1, g, scores, queries);
     const kvserve::bf16_attend::Tile view{call.table_of(b1 - 1), kp, vp, call.block_size, call.H_kv, g, D, call.scale};

@@ -154,7 +154,7 @@ void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& r
   const kvserve::cpu::Isa isa = attention_path(bits, G);
   // one task per (sequence, KV head), as paged_decode_attention
   at::parallel_for(0, a.call.B * a.call.H_kv, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
+    kvserve::AlignedVector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
       const int64_t b = task / a.call.H_kv, g = task % a.call.H_kv;
       scores.resize(a.call.group * (a.call.lens[b] - a.call.first_of(b)));

@@ -7,6 +7,7 @@
 #include <c10/util/Half.h>
 
 #include "check.h"
+#include "aligned_vector.h"
 #include "cpu.h"
 
 #include <algorithm>

@@ -119,7 +119,7 @@ GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, i
 // weights): where the micro-kernel's dots start, so they end as the sums of (q - 32) x. Reused across calls (per
 // thread).
 const int32_t* offsets16(const QuantizedX& qx, int64_t M, int64_t K) {
-  thread_local std::vector<int32_t> out;
+  thread_local AlignedVector<int32_t> out;
   out.resize(M * K / 16);
   const int8_t* q = qx.q.data();
   for (int64_t i = 0; i < M * K / 16; ++i) {
@@ -140,7 +140,7 @@ constexpr int64_t kQuantizeRows = 32;
 // quantize_x and group_shifts, which serve the calls of few rows). Reused across calls (per calling thread).
 const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, const float*& xs) {
   thread_local QuantizedX out;
-  thread_local std::vector<float> shifts;
+  thread_local AlignedVector<float> shifts;
   const int64_t nb = K / 32;
   out.q.resize(M * K);
   out.d.resize(M * nb);

@@ -31,6 +31,8 @@
 #ifdef KV_UK_X86
 #include <vector>
 
+#include "aligned_vector.h"
+
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
 namespace kvserve::gguf::avx512 {
@@ -66,10 +68,10 @@ inline void amx_configure() {
 }
 
 /* A panel made ready for the tiles: per block, its 8 chunks of codes (64 bytes each: 16 features x 4 codes) and
- * its scales as the float steps take them. A thread's, reused across calls; plain bytes (a std::vector of vector
- * types loses their alignment), read and written with unaligned loads and stores. */
+ * its scales as the float steps take them. A thread's, reused across calls; bytes on cache lines
+ * (aligned_vector.h), so each 64-byte row a tile loads is one line. */
 struct AmxPanel {
-  std::vector<uint8_t> bytes;
+  AlignedVector<uint8_t> bytes;
   int cap = 0;
   uint8_t* codes;  // [nb][8][64]
   float* D;        // [nb][16]
