@@ -169,7 +169,8 @@ def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
             ("q4_k", 2048, 8192, LAYERS - q6), ("q6_k", VOCAB, WIDTH, 1)]
 
 
-PREFILL_ROWS = 64  # ggml_model's rows from which a step is a prefill chunk (linear_ggml.cpp's kAmxRows)
+PREFILL_ROWS = 64  # ggml_model's rows from which a step is a prefill chunk (the LM head on its last row only)
+AMX_ROWS = 32  # rows from which the kernels take AMX tiles where they run (linear_ggml.cpp's kAmxRows)
 
 
 @torch.inference_mode()
@@ -223,13 +224,13 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
 
         # this CPU's settings side by side with the one that differs at these rows off, in alternating rounds (the
         # best of each): one row's prefetch; past a register tile (8 rows), Q5_K / Q6_K groups unpacked once
-        # 64 rows or more (a prefill chunk), AMX tiles where they run
+        # from 32 rows, AMX tiles where they run
         settings = [("", prefetch, unpack, amx)]
         if rows == 1 and prefetch:
             settings.append((", no prefetch", 0, unpack, amx))
         if 8 < rows < 64 and unpack:
             settings.append((", codes per tile", prefetch, False, amx))
-        if rows >= 64 and amx:
+        if rows >= AMX_ROWS and amx:
             settings.append((", no AMX", prefetch, unpack, False))
         best: dict[str, tuple[float, float]] = {}
         for _ in range(3 if len(settings) > 1 else 1):
@@ -261,7 +262,7 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
                   "with each tile making its codes from the panel, the two timed in three alternating rounds."]
     if amx:
-        lines += ["", "From 64 rows (a prefill chunk) the Q4_K and Q5_K projections, and the Q6_K ones of 4,096 "
+        lines += ["", f"From {AMX_ROWS} rows (a decode batch of 32, a prefill chunk) the Q4_K and Q5_K projections, and the Q6_K ones of 4,096 "
                   "weights a row or more (here ffn_down), run on AMX-INT8 tiles, this CPU having them "
                   "(native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same step on the AVX-512 kernel alone, the "
                   "two timed in three alternating rounds."]

@@ -120,7 +120,7 @@ int64_t gguf_prefetch();
 bool set_gguf_unpack(bool unpack);
 // Whether they do now.
 bool gguf_unpack();
-// Sets whether the GGUF calls of 64 rows or more (prefill chunks) take AMX-INT8 tiles where the CPU runs them (cpu.h's
+// Sets whether the GGUF calls of 32 rows or more (decode batches of 32, prefill chunks) take AMX-INT8 tiles where the CPU runs them (cpu.h's
 // amx(); the kinds linear_ggml.cpp's table names) from now on, and returns whether they did. The bits are the same
 // either way.
 bool set_gguf_amx(bool on);

@@ -29,9 +29,10 @@ using Ukernel = void (*)(const kv_ggml_args*);
 constexpr int64_t kRowSlice = 64;
 constexpr int64_t kPanelChunkBytes = 256 << 10;
 
-// Calls of at least this many rows (prefill chunks) may take AMX tiles (cpu::amx()): at 64 rows a panel's codes
-// made ready for the tiles serve 4 tiles of 16 rows; at 32, 2, and the tiles lost to the AVX-512 kernel.
-constexpr int64_t kAmxRows = 64;
+// Calls of at least this many rows (decode batches of 32, prefill chunks) may take AMX tiles (cpu::amx()): a panel's
+// codes made ready for the tiles serve every tile of 16 rows, two at 32 rows (the tiles won there once the panel
+// sat on cache lines, aligned_vector.h); at 16 or 24 rows they were no faster than the AVX-512 kernel.
+constexpr int64_t kAmxRows = 32;
 
 struct KindInfo {
   const char* name;
