@@ -19,6 +19,23 @@ def tiny():
     return wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")
 
 
+def _serve_tiny(monkeypatch, max_positions: int = 128, gguf: bool = False, name: str = "tiny"):
+    """A 2-layer Llama (vocabulary 6144: the benches feed ids up to 6000) that the loadtest commands load in place of
+    the served model; ``gguf``: its projections as GGUF blocks (tests/ggmlutil.py)."""
+    from kvserve.loadtest.engine import enginebench
+    from tests.ggmlutil import with_gguf_blocks
+
+    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    if gguf:
+        with_gguf_blocks(model)
+    loaded = wrap_model(model, tokenizer=None, name=name)
+    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    return loaded
+
+
 @pytest.mark.parametrize("tokens", [1, 3, 6])
 def test_mac_closed_form_equals_the_count_on_the_model(tiny, tokens):
     counted = tables.count_macs(tiny, tokens)
@@ -74,17 +91,12 @@ def test_profile_quantization_flag_profiles_the_quantized_kernels(scheme, monkey
     """`python -m kvserve.loadtest profile --quantization X` quantizes as serve does, and the C++ kernels' time lands
     in the projections row (labelled, not lost in the Python/dispatch remainder)."""
     from kvserve.loadtest.__main__ import main as loadtest_main
-    from kvserve.loadtest.engine import enginebench
     from kvserve import native
     from kvserve.quant.linear import QuantLinear
 
     if native.load() is None:
         pytest.skip("no C++ kernels here")
-    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    torch.manual_seed(0)
-    loaded = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")  # the bench feeds ids up to 6000
-    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    loaded = _serve_tiny(monkeypatch, max_positions=64)
     assert loadtest_main(["profile", "--quantization", scheme, "--batch", "1", "--context", "8", "--steps", "2",
                           "--no-write"]) == 0
     out = capsys.readouterr().out
@@ -100,11 +112,7 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
     from kvserve.loadtest.__main__ import main as loadtest_main
     from kvserve.loadtest.engine import enginebench, profile_step
 
-    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    loaded = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")
-    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    _serve_tiny(monkeypatch)
     steps = []
     execute = enginebench.ModelRunner.execute
     monkeypatch.setattr(enginebench.ModelRunner, "execute",
@@ -122,9 +130,7 @@ def test_profile_prefill_splits_a_chunked_prefill_into_parts(monkeypatch, capsys
     assert profile_step._category("kvserve::paged_attention") == "attention (SDPA)"
     # --kv-cache-dtype: the prefill over that cache (its pool's dtype), named in the output
     pools = []
-    torch.manual_seed(0)
-    fresh = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")  # the first run quantized `loaded`
-    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: fresh)
+    _serve_tiny(monkeypatch)  # a fresh one: the first run quantized its model
     monkeypatch.setattr(enginebench.ModelRunner, "execute",
                         lambda self, plan: pools.append(self.pool.data.dtype) or execute(self, plan))
     assert loadtest_main(["profile", "--prefill", "40", "--chunk", "16", "--quantization", "int8",
@@ -141,11 +147,7 @@ def test_profile_step_thread_runs_the_prefill_on_the_calling_thread_and_on_a_ste
     from kvserve.loadtest.__main__ import main as loadtest_main
     from kvserve.loadtest.engine import enginebench
 
-    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    loaded = wrap_model(LlamaForCausalLM(config), tokenizer=None, name="tiny")
-    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    _serve_tiny(monkeypatch)
     threads = []
     execute = enginebench.ModelRunner.execute
     monkeypatch.setattr(enginebench.ModelRunner, "execute",
@@ -179,16 +181,8 @@ def test_profile_layers_both_shows_the_rest_of_the_layer_loop_and_of_the_layer_s
     """`python -m kvserve.loadtest profile --layers both`: per batch size the per-layer loop and the layer stack side
     by side, each with its step, its projections and LM head replayed alone, and the rest (the step less them)."""
     from kvserve.loadtest.__main__ import main as loadtest_main
-    from kvserve.loadtest.engine import enginebench
-    from tests.ggmlutil import with_gguf_blocks
 
-    config = LlamaConfig(vocab_size=6144, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)
-    with_gguf_blocks(model)
-    loaded = wrap_model(model, tokenizer=None, name="tiny-gguf")
-    monkeypatch.setattr(enginebench, "load", lambda *args, **kwargs: loaded)
+    _serve_tiny(monkeypatch, gguf=True, name="tiny-gguf")
     assert loadtest_main(["profile", "--batch", "1,2", "--layers", "both", "--rounds", "1", "--steps", "2",
                           "--context", "8", "--quantization", "none", "--no-write"]) == 0
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
