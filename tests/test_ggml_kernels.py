@@ -178,12 +178,14 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
         assert module.set_gguf_amx(True) is False
         if not module.gguf_amx():
             pytest.skip("this CPU (or its virtual machine, or Linux) runs no AMX tiles")
+        amx_rows = module.gguf_amx_rows()
+        assert amx_rows == 32
         for kind in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"):
             widths = (256, 2048, 4096) if kind == "q6_k" else (256, 2048) if kind.endswith("_k") else (256, 576, 2048)
             for K in widths:
                 N = 40
                 packed = module.ggml_pack(blocks(kind, N, K), kind)
-                for rows in (32, 40, 64, 100, 150, 512):
+                for rows in (amx_rows, amx_rows + 8, 64, 100, 150, 512):
                     x = activations(rows, K)
                     module.set_gguf_amx(False)
                     vector = module.ggml_linear(x, packed, kind, N, K)

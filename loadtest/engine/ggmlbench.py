@@ -170,7 +170,6 @@ def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
 
 
 PREFILL_ROWS = 64  # ggml_model's rows from which a step is a prefill chunk (the LM head on its last row only)
-AMX_ROWS = 32  # rows from which the kernels take AMX tiles where they run (linear_ggml.cpp's kAmxRows)
 
 
 @torch.inference_mode()
@@ -230,7 +229,7 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
             settings.append((", no prefetch", 0, unpack, amx))
         if 8 < rows < 64 and unpack:
             settings.append((", codes per tile", prefetch, False, amx))
-        if rows >= AMX_ROWS and amx:
+        if rows >= module.gguf_amx_rows() and amx:
             settings.append((", no AMX", prefetch, unpack, False))
         best: dict[str, tuple[float, float]] = {}
         for _ in range(3 if len(settings) > 1 else 1):
@@ -262,8 +261,8 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
                   "with each tile making its codes from the panel, the two timed in three alternating rounds."]
     if amx:
-        lines += ["", f"From {AMX_ROWS} rows (a decode batch of 32, a prefill chunk) the Q4_K and Q5_K projections, and the Q6_K ones of 4,096 "
-                  "weights a row or more (here ffn_down), run on AMX-INT8 tiles, this CPU having them "
+        lines += ["", f"From {module.gguf_amx_rows()} rows (a decode batch of 32, a prefill chunk) the Q4_K and Q5_K "
+                  "projections, and the Q6_K ones of 4,096 weights a row or more (here ffn_down), run on AMX-INT8 tiles, this CPU having them "
                   "(native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same step on the AVX-512 kernel alone, the "
                   "two timed in three alternating rounds."]
     print("\n".join(lines), flush=True)

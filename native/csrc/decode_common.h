@@ -6,8 +6,8 @@
 
 #include <torch/extension.h>
 
-#include "check.h"
 #include "aligned_vector.h"
+#include "check.h"
 #include "cpu.h"
 #include "decode_core.h"
 

@@ -6,8 +6,8 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
-#include "check.h"
 #include "aligned_vector.h"
+#include "check.h"
 #include "cpu.h"
 
 #include <algorithm>
@@ -120,12 +120,14 @@ int64_t gguf_prefetch();
 bool set_gguf_unpack(bool unpack);
 // Whether they do now.
 bool gguf_unpack();
-// Sets whether the GGUF calls of 32 rows or more (decode batches of 32, prefill chunks) take AMX-INT8 tiles where the CPU runs them (cpu.h's
-// amx(); the kinds linear_ggml.cpp's table names) from now on, and returns whether they did. The bits are the same
-// either way.
+// Sets whether the GGUF calls of gguf_amx_rows() rows or more (decode batches of 32, prefill chunks) take AMX-INT8
+// tiles where the CPU runs them (cpu.h's amx(); the kinds linear_ggml.cpp's table names) from now on, and returns
+// whether they did. The bits are the same either way.
 bool set_gguf_amx(bool on);
 // Whether they do now: the CPU runs AMX tiles (cpu::amx()) and set_gguf_amx has not turned them off.
 bool gguf_amx();
+// The fewest rows of a GGUF call that takes the AMX tiles (linear_ggml.cpp's kAmxRows).
+int64_t gguf_amx_rows();
 // bfloat16 weights (linear_bf16.cpp): w [N, K] <-> packed panels of 32 features.
 torch::Tensor bf16_pack(const torch::Tensor& w);
 torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t N, int64_t K);

@@ -246,6 +246,8 @@ bool set_gguf_unpack(bool unpack) { return unpack_groups.exchange(unpack); }
 
 bool gguf_amx() { return cpu::amx() && amx_tiles.load(); }
 
+int64_t gguf_amx_rows() { return kAmxRows; }
+
 bool set_gguf_amx(bool on) {
   const bool before = gguf_amx();
   amx_tiles.store(on);

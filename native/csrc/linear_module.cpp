@@ -67,9 +67,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_prefetch", &gguf_prefetch, "how far ahead a GGUF K-quant call of one row prefetches (bytes; 0: none)");
   m.def("set_gguf_prefetch", &set_gguf_prefetch,
         "bytes -> the previous value: how far ahead a GGUF K-quant call of one row prefetches (AVX-512; 0: none)");
-  m.def("gguf_amx", &gguf_amx, "whether GGUF calls of 64 rows or more take AMX-INT8 tiles (where the CPU runs them)");
+  m.def("gguf_amx", &gguf_amx,
+        "whether GGUF calls of gguf_amx_rows() rows or more take AMX-INT8 tiles (where the CPU runs them)");
   m.def("set_gguf_amx", &set_gguf_amx,
-        "on -> whether they did: GGUF calls of 64 rows or more take AMX-INT8 tiles where the CPU runs them");
+        "on -> whether they did: GGUF calls of gguf_amx_rows() rows or more take AMX-INT8 tiles where the CPU runs them");
+  m.def("gguf_amx_rows", &gguf_amx_rows, "the fewest rows of a GGUF call that takes the AMX-INT8 tiles");
   m.def("gguf_unpack", &gguf_unpack, "whether GGUF Q5_K / Q6_K calls of many rows unpack each group once (AVX-512)");
   m.def("set_gguf_unpack", &set_gguf_unpack,
         "unpack -> the previous value: whether GGUF Q5_K / Q6_K calls of many rows unpack each group once (AVX-512)");
