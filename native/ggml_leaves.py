@@ -41,6 +41,8 @@ LAYOUTS = {
                 for offset in (64 * h, 64 * h + 32, 128 + 32 * h)]),
 }
 KINDS = tuple(LAYOUTS)
+# activation values per scale (ukernel_gguf.h): one per 256 for Q4_K and Q5_K, per block of 32 for the others
+ACT_GROUP = {kind: 256 if kind in ("q4_k", "q5_k") else 32 for kind in LAYOUTS}
 BLOCK_BYTES = {kind: unit for kind, (unit, _, _) in LAYOUTS.items()}  # bytes per unit, as in a GGUF file
 BLOCK_WEIGHTS = {kind: weights for kind, (_, weights, _) in LAYOUTS.items()}
 # kv_qh_pack: bit k of Q5_0 / Q5_1's qh word goes to bit QH_ORDER[k] (bit t of byte i: weight 4t + i's fifth bit,
@@ -57,7 +59,7 @@ class Args(ctypes.Structure):
                 ("ldb", ctypes.c_int64), ("ldy", ctypes.c_int64), ("nb", ctypes.c_int32),
                 ("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("nr", ctypes.c_int32),
                 ("xoff16", ctypes.c_uint64), ("ldw", ctypes.c_int64), ("panels", ctypes.c_int32),
-                ("ahead", ctypes.c_int32), ("unpack", ctypes.c_int32)]
+                ("ahead", ctypes.c_int32), ("unpack", ctypes.c_int32), ("xsum16", ctypes.c_uint64)]
 
 
 def build(native: bool = False) -> Path:

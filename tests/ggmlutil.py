@@ -66,17 +66,19 @@ def magnitudes(raw: np.ndarray, kind: str) -> np.ndarray:
     return dequantize(units.reshape(raw.shape), kind)
 
 
-def quantized_activations(M: int, K: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def quantized_activations(M: int, K: int, rng: np.random.Generator, group: int = 32) -> dict[str, np.ndarray]:
     """Activations as the driver hands them to a micro-kernel: codes xq int8 [M, K] in -127..127, scales xd and
-    xs = xd * qsum float32 [M, K/32], qsum int32 [M, K/32] and -32 qsum per 16 codes [M, K/16] (Q6_K's offset on the
+    xs = xd * qsum float32 [M, K/32] (``group`` 256: one scale per 256, repeated over its 8 blocks, as Q4_K and Q5_K
+    take them), qsum int32 [M, K/32] (and as int16, xsum16), -32 qsum per 16 codes [M, K/16] (Q6_K's offset on the
     activation side); row 0's first block at -127 (the extreme dot with ``random_blocks``'s extreme unit)."""
     nb = K // 32
     q = rng.integers(-127, 128, (M, K), dtype=np.int8)
     q[0, :32] = -127
-    d = rng.uniform(0.0, 0.1, (M, nb)).astype(np.float32)
+    d = np.repeat(rng.uniform(0.0, 0.1, (M, K // group)).astype(np.float32), group // 32, axis=1)
     qsum = q.reshape(M, nb, 32).astype(np.int32).sum(-1, dtype=np.int32)
     qsum16 = q.reshape(M, 2 * nb, 16).astype(np.int32).sum(-1, dtype=np.int32)
-    return {"xq": q, "xd": d, "xs": d * qsum.astype(np.float32), "xsum": qsum, "xoff16": -32 * qsum16}
+    return {"xq": q, "xd": d, "xs": d * qsum.astype(np.float32), "xsum": qsum, "xoff16": -32 * qsum16,
+            "xsum16": qsum.astype(np.int16)}
 
 
 def with_gguf_blocks(model) -> None:

@@ -60,7 +60,7 @@ def test_vector_micro_kernels_give_the_scalar_bits_on_every_remainder(runner, ki
         raw = random_blocks(kind, N, K, rng)
         packed = leaves.pack_panels(raw, kind, nr)
         for M in (*range(1, mr + 2), 2 * mr + 3):
-            x = quantized_activations(M, K, rng)
+            x = quantized_activations(M, K, rng, leaves.ACT_GROUP[kind])
             scalar = run(runner, f"kv_{kind}_scalar", packed, nr, x, N, K, together=False)
             for together in (False, True):  # a panel a call, or every panel in one (tiles over several)
                 # one row: also with the prefetch ahead (a group's bytes and past the call's last panel); more
@@ -81,7 +81,7 @@ def test_scalar_micro_kernel_matches_a_float64_reference(runner):
     for kind in leaves.KINDS:
         N, K = (21, 576) if leaves.BLOCK_WEIGHTS[kind] == 32 else (21, 512)
         raw = random_blocks(kind, N, K, rng)
-        x = quantized_activations(M, K, rng)
+        x = quantized_activations(M, K, rng, leaves.ACT_GROUP[kind])
         y = run(runner, f"kv_{kind}_scalar", leaves.pack_panels(raw, kind, 8), 8, x, N, K, together=True)
         x_hat = (x["xq"].reshape(M, -1, 32) * x["xd"][..., None].astype(np.float64)).reshape(M, K)
         ref = x_hat @ dequantize(raw, kind).T

@@ -21,6 +21,7 @@ from kvserve import native
 from kvserve.native import ggml_leaves as leaves
 from kvserve.quant.ggml import GGMLEmbedding, GGMLKind, GGMLLinear, dequantize_blocks
 from kvserve.quant.schemes import quantize_activations
+from kvserve.native.ggml_leaves import ACT_GROUP
 from tests.ggmlutil import QTYPES, dequantize, magnitudes, quantized_blocks, random_blocks
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +54,7 @@ def blocks(kind: str, N: int, K: int, seed: int = 0) -> torch.Tensor:
 def assert_near_the_float64_product(y: torch.Tensor, x: torch.Tensor, raw: np.ndarray, kind: str, label) -> None:
     """y [M, N] against Q8(x) @ W^T in float64, W gguf's dequantization of raw, within float32 rounding of each
     block's terms."""
-    x_hat = quantize_activations(x, 32, 127).double().numpy()
+    x_hat = quantize_activations(x, ACT_GROUP[kind], 127).double().numpy()
     ref = x_hat @ dequantize(raw, kind).T
     bound = 1e-5 * (np.abs(x_hat) @ magnitudes(raw, kind).T) + 1e-30
     error = np.abs(y.double().numpy() - ref)
@@ -257,7 +258,7 @@ def test_layers_are_built_by_the_gguf_type_name_and_dequantize_as_gguf(kind):
     x = torch.randn(3, K)
     assert_near_the_float64_product(layer(x), x, raw, kind, "kernel")
     layer.use_kernel = False
-    assert torch.equal(layer(x), torch.nn.functional.linear(quantize_activations(x, 32, 127), expected))
+    assert torch.equal(layer(x), torch.nn.functional.linear(quantize_activations(x, ACT_GROUP[kind], 127), expected))
     embedding = GGMLEmbedding(torch.from_numpy(raw), layer_kind, torch.bfloat16)
     ids = torch.tensor([[5, 0], [23, 5]])
     assert embedding.embedding_dim == K

@@ -76,6 +76,47 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
   }
 }
 
+// Quantize x [M, K] per super-block of 256 (K a multiple of 256; the GGUF Q4_K / Q5_K kernels', as llama.cpp's
+// Q8_K): one d = max|x| / 127 per 256 values, the codes as above (the reference is quantize_activations(x, 256,
+// 127)); d and qsum per block of 32 as above, d repeated over the super-block's 8 blocks.
+__attribute__((target("avx2,fma"))) void quantize_supers_avx2(const float* x, int64_t M, int64_t K, int8_t* q,
+                                                              float* d, int32_t* qsum) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t s = 0; s < M * (K / 256); ++s) {
+    const float* xs = x + s * 256;
+    __m256 v[32];
+    bool bad = false;
+    const float scale = load_block_absmax(xs, 32, v, bad) / 127.f;
+    for (int b = 0; b < 8; ++b) {
+      const int64_t i = 8 * s + b;
+      int8_t* qb = q + i * 32;
+      if (bad || scale == 0.f) {  // as the reference: a NaN or infinity makes the super-block's products NaN
+        d[i] = bad ? std::numeric_limits<float>::quiet_NaN() : scale;
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
+        qsum[i] = 0;
+        continue;
+      }
+      d[i] = scale;
+      const __m256 sv = _mm256_set1_ps(scale);
+      const __m256 limit = _mm256_set1_ps(127.f);
+      __m256i iv[4];
+      for (int j = 0; j < 4; ++j)
+        iv[j] = _mm256_cvtps_epi32(_mm256_max_ps(
+            _mm256_min_ps(
+                _mm256_round_ps(_mm256_div_ps(v[4 * b + j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                limit),
+            -limit));
+      __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+      packed = _mm256_permutevar8x32_epi32(packed, order);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), packed);
+      const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed), _mm256_set1_epi16(1));
+      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+      s4 = _mm_hadd_epi32(s4, s4);
+      qsum[i] = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+    }
+  }
+}
+
 // ---------------------------------------------------------------- int16 activations (int8 weights)
 // x [M, K] per block of QB = 64 values (32 where K is not a multiple of 64) to int16: q = round(x / d) clamped
 // to +-32767, d = max|x| / 32767 (a zero block: d = 0, q = 0; a block with NaN or infinity: d = NaN), the same
@@ -136,6 +177,46 @@ void quantize_blocks_scalar(const float* x, int64_t M, int64_t K, int8_t* q, flo
   }
 }
 
+void quantize_supers_scalar(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* qsum) {
+  for (int64_t s = 0; s < M * (K / 256); ++s) {
+    const float* xs = x + s * 256;
+    float amax = 0.f;
+    bool bad = false;
+    for (int k = 0; k < 256; ++k) {
+      amax = std::max(amax, std::fabs(xs[k]));
+      bad = bad || !std::isfinite(xs[k]);
+    }
+    const float scale = bad ? std::numeric_limits<float>::quiet_NaN() : amax / 127.f;
+    for (int b = 0; b < 8; ++b) {
+      const int64_t i = 8 * s + b;
+      d[i] = scale;
+      int32_t sum = 0;
+      for (int k = 0; k < 32; ++k) {
+        const float xv = xs[32 * b + k];
+        const float r = (bad || scale == 0.f) ? 0.f : std::clamp(std::nearbyint(xv / scale), -127.f, 127.f);
+        const int v = static_cast<int>(r);
+        q[i * 32 + k] = static_cast<int8_t>(v);
+        sum += v;
+      }
+      qsum[i] = sum;
+    }
+  }
+}
+
+// x [M, K] per block of 32 (group 32) or per super-block of 256 (group 256) into q, d, qsum (per block of 32):
+// AVX2 where the CPU has it, else the scalar twin (the same bits).
+void quantize_groups(const float* x, int64_t M, int64_t K, int64_t group, int8_t* q, float* d, int32_t* qsum) {
+#ifdef QL_X86
+  if (cpu::avx2()) {
+    if (group == 256) quantize_supers_avx2(x, M, K, q, d, qsum);
+    else quantize_blocks_avx2(x, M, K, q, d, qsum);
+    return;
+  }
+#endif
+  if (group == 256) quantize_supers_scalar(x, M, K, q, d, qsum);
+  else quantize_blocks_scalar(x, M, K, q, d, qsum);
+}
+
 void quantize16_blocks_scalar(const float* x, int64_t M, int64_t K, int64_t qb, int16_t* q, float* d) {
   for (int64_t i = 0; i < M * (K / qb); ++i) {
     const float* xb = x + i * qb;
@@ -163,18 +244,13 @@ struct QuantizedX {
   AlignedVector<int32_t> qsum;
 };
 
-const QuantizedX& quantize_x(const float* xp, int64_t M, int64_t K) {
+// group: 32, or 256 (quantize_groups).
+const QuantizedX& quantize_x(const float* xp, int64_t M, int64_t K, int64_t group = 32) {
   thread_local QuantizedX out;
   out.q.resize(M * K);
   out.d.resize(M * K / 32);
   out.qsum.resize(M * K / 32);
-#ifdef QL_X86
-  if (cpu::avx2()) {
-    quantize_blocks_avx2(xp, M, K, out.q.data(), out.d.data(), out.qsum.data());
-    return out;
-  }
-#endif
-  quantize_blocks_scalar(xp, M, K, out.q.data(), out.d.data(), out.qsum.data());
+  quantize_groups(xp, M, K, group, out.q.data(), out.d.data(), out.qsum.data());
   return out;
 }
 

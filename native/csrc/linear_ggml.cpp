@@ -1,12 +1,15 @@
 // GGUF's own blocks served as they are (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K): packing (once, at load
 // time) and the driver around the micro-kernels of ukernel_gguf.h (formats, layouts and the exact arithmetic).
 //
-// The driver quantizes the activations once per call (act_quant.h's Q8 blocks of 32, plus xs = d_x * qsum per
-// block, and -32 qsum per 16 for Q6_K; a prefill chunk's rows split over the threads) and threads over panels of
+// The driver quantizes the activations once per call (act_quant.h's Q8 blocks of 32, for Q4_K and Q5_K one scale
+// per 256, plus xs = d_x * qsum per block, -32 qsum per 16 for Q6_K, and the sums as int16 for Q4_K and Q5_K; a
+// prefill chunk's rows split over the threads) and threads over panels of
 // output features (at::parallel_for: each thread a run of consecutive panels). A decode batch (up to MR rows) is
 // one micro-kernel call per thread, its tiles covering several panels at once. More rows are blocked so that both
 // operands stay in cache: chunks of panels (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call
-// reusing its panels for every tile of rows and its rows for every panel. Every output is computed in
+// reusing its panels for every tile of rows and its rows for every panel (Q4_K and Q5_K's calls on AMX tiles take
+// all the rows).
+// Every output is computed in
 // ukernel_gguf.h's fixed order, so a row's bits depend neither on the batch, nor on the tile, slice or chunk it
 // falls in, nor on the threads.
 #include "act_quant.h"
@@ -131,6 +134,15 @@ const int32_t* offsets16(const QuantizedX& qx, int64_t M, int64_t K) {
   return out.data();
 }
 
+// Q4_K and Q5_K's code sums per block of 32 as int16 [M, K / 32] (|qsum| <= 32 * 127), read in pairs against their
+// minimums' pairs (vpdpwssd). Reused across calls (per thread).
+const int16_t* sums16(const QuantizedX& qx, int64_t M, int64_t K) {
+  thread_local AlignedVector<int16_t> out;
+  out.resize(M * K / 32);
+  for (int64_t i = 0; i < M * K / 32; ++i) out[i] = static_cast<int16_t>(qx.qsum[i]);
+  return out.data();
+}
+
 // Rows per thread, at least, of a chunk's activation quantization: fewer are quantized by the calling thread
 // alone (waking the others would cost about what they save).
 constexpr int64_t kQuantizeRows = 32;
@@ -139,7 +151,7 @@ constexpr int64_t kQuantizeRows = 32;
 // kernels' threads, a run of rows each, rather than by the calling thread while the others wait: each block
 // through act_quant.h's block quantizer and xs as group_shifts(.., 32) forms it (fma(d, qsum, 0): the bits of
 // quantize_x and group_shifts, which serve the calls of few rows). Reused across calls (per calling thread).
-const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, const float*& xs) {
+const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, int64_t group, const float*& xs) {
   thread_local QuantizedX out;
   thread_local AlignedVector<float> shifts;
   const int64_t nb = K / 32;
@@ -153,12 +165,7 @@ const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, const floa
   int32_t* const qsum = out.qsum.data();
   float* const s = shifts.data();
   at::parallel_for(0, M, kQuantizeRows, [=](int64_t m0, int64_t m1) {
-#ifdef QL_X86
-    if (cpu::avx2())
-      quantize_blocks_avx2(x + m0 * K, m1 - m0, K, q + m0 * K, d + m0 * nb, qsum + m0 * nb);
-    else
-#endif
-      quantize_blocks_scalar(x + m0 * K, m1 - m0, K, q + m0 * K, d + m0 * nb, qsum + m0 * nb);
+    quantize_groups(x + m0 * K, m1 - m0, K, group, q + m0 * K, d + m0 * nb, qsum + m0 * nb);
     for (int64_t i = m0 * nb; i < m1 * nb; ++i) s[i] = std::fma(d[i], static_cast<float>(qsum[i]), 0.f);
   });
   xs = s;
@@ -177,14 +184,21 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const int64_t nb = g.K / 32, panels = g.packed.size(0), panel_bytes = g.packed.size(1);
   if (M == 0) return;
   const float* xs = nullptr;
-  const QuantizedX& qx = M > kQuantizeRows ? quantize_rows(x, M, g.K, xs) : quantize_x(x, M, g.K);
+  // Q4_K and Q5_K: activations per super-block of 256 (ukernel_gguf.h: their sub-blocks' scales and minimums then
+  // fold in integer, one float step per super-block)
+  const bool super = g.kind == gguf::kQ4_K || g.kind == gguf::kQ5_K;
+  const int64_t group = super ? 256 : 32;
+  const QuantizedX& qx = M > kQuantizeRows ? quantize_rows(x, M, g.K, group, xs) : quantize_x(x, M, g.K, group);
   if (xs == nullptr) xs = group_shifts(qx, M, g.K, 32);  // groups of one block: xs = d_x * qsum
   const int32_t* xoff16 = g.kind == gguf::kQ6_K ? offsets16(qx, M, g.K) : nullptr;
+  const int16_t* xsum16 = super ? sums16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
   const bool decode = M <= tile_rows();
   const Ukernel ukernel = M >= kAmxRows && g.amx != nullptr && amx_tiles.load(std::memory_order_relaxed) ? g.amx
                                                                                                           : g.ukernel;
-  const int64_t rows_per_call = decode ? M : kRowSlice;
+  // Q4_K and Q5_K's AMX calls take all the rows: a panel made ready for the tiles once serves them all (its pieces
+  // cost about two tiles' work per super-block to make)
+  const int64_t rows_per_call = decode || (super && ukernel == g.amx) ? M : kRowSlice;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t chunk = decode ? p1 - p0 : std::max<int64_t>(1, kPanelChunkBytes / panel_bytes);
     kv_ggml_args a;
@@ -208,6 +222,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
         a.xs = xs + m * nb;
         a.xsum = qx.qsum.data() + m * nb;
         a.xoff16 = xoff16 == nullptr ? nullptr : xoff16 + 2 * m * nb;
+        a.xsum16 = xsum16 == nullptr ? nullptr : xsum16 + m * nb;
         a.y = yp + m * g.N + p * g.nr;
         ukernel(&a);
       }

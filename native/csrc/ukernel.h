@@ -28,7 +28,8 @@ extern "C" {
 #define KV_MR_AVX512 8
 
 /* One GGUF micro-kernel call: `rows` activation rows x `panels` panels of `nr` features (ukernel_gguf.h's packed
- * layout), the activations quantized per block of 32 (act_quant.h). */
+ * layout), the activations quantized per block of 32 (act_quant.h), or for Q4_K and Q5_K per super-block of 256
+ * (their d_x in each of its blocks' xd). */
 typedef struct kv_ggml_args {
   const uint8_t* w;     /* the first panel: nb / blocks-per-unit units of nr * unit bytes */
   const int8_t* xq;     /* activation codes [rows][ldq] (the first nb * 32 of each row are read) */
@@ -48,6 +49,7 @@ typedef struct kv_ggml_args {
                           * prefetches towards L1 (within the call's panels), or 0: the hardware prefetchers alone */
   int32_t unpack;        /* AVX-512, calls of more than KV_MR_AVX512 rows: 1 takes Q5_K's and Q6_K's groups unpacked
                           * once for every tile of rows (Q6_K's scales in float), 0 makes the codes per tile */
+  const int16_t* xsum16; /* qsum [rows][ldb] as int16 (read by Q4_K and Q5_K: their minimums' sums, in pairs) */
 } kv_ggml_args;
 
 /* IEEE half -> float, exactly, by bit manipulation (the scalar kernels' twin of vcvtph2ps, NaNs quieted as

@@ -28,19 +28,25 @@
  *   4t + i's fifth bit and bit 4 + t weight 16 + 4t + i's, for the lanes of chunk t of qs. Features past N in the
  *   last panel are zero bytes (computed, not stored).
  *
- * ---- Activations (linear_ggml.cpp; the same for every format, act_quant.h, llama.cpp's Q8_0 blocks): per row
- *   and block of 32, int8 codes x = round(x / d_x) within +-127, d_x = max|x| / 127, their sum qsum (xsum),
- *   xs = d_x * (float)qsum, and -32 qsum per 16 codes (xoff16, read by Q6_K: its offset on the activation side).
+ * ---- Activations (linear_ggml.cpp, act_quant.h): per row and block of 32 (llama.cpp's Q8_0 blocks), or for Q4_K
+ *   and Q5_K per super-block of 256 (as llama.cpp's Q8_K: one scale per 256), int8 codes x = round(x / d_x) within
+ *   +-127, d_x = max|x| / 127 (a super-block's d_x in each of its 8 blocks' xd); per block of 32 the codes' sum
+ *   qsum (xsum; as int16 in xsum16, read by Q4_K and Q5_K), xs = d_x * (float)qsum, and -32 qsum per 16 codes
+ *   (xoff16, read by Q6_K: its offset on the activation side).
  *
  * ---- The arithmetic, the same bits on every path, tile position, number of rows and panels of a call, and
  *   batch: per output, acc = 0.0f, then per block b of 32 weights in K order, with exact integer dots of the codes
  *   q (as stored) and the activation codes x:
- *     scale-min (Q4_1, Q5_1, Q4_K, Q5_K): s = (float)dot * d_x; acc = fmaf(D, s, acc); acc = fmaf(Mn, xs, acc)
- *                                    D, Mn = d, m (Q4_1, Q5_1) or d sc, -(dmin m) (K-quants): exact floats
+ *     scale-min (Q4_1, Q5_1): s = (float)dot * d_x; acc = fmaf(d, s, acc); acc = fmaf(m, xs, acc)
  *     offset (Q4_0 o = 8, Q5_0 o = 16, Q8_0 o = 0): s = (float)(dot - o qsum) * d_x; acc = fmaf(d, s, acc)
  *     scale16 (Q6_K): T = sc[2b] (dot' - 32 qsum16') + sc[2b + 1] (dot'' - 32 qsum16''), dot' and dot'' over
  *                     the block's two halves of 16 (|T| <= 2 * 128 * 16 * 32 * 127 < 2^24: exact in float);
  *                     s = (float)T * d_x; acc = fmaf(d, s, acc)
+ *   and per super-block of 256 (Q4_K, Q5_K), its 8 blocks' dots dot_j, 6-bit scales sc_j and minimums m_j in
+ *   integer, I = sum_j sc_j dot_j and Im = sum_j m_j qsum_j (|I| <= 63 * 31 * 127 * 256 < 2^31), then
+ *     super (Q4_K, Q5_K): acc = fmaf(d, (float)I * d_x, acc); acc = fmaf(-dmin, (float)Im * d_x, acc)
+ *   (two float steps a super-block rather than two a block: what lets AMX tiles sum a super-block's dots inside
+ *   the tile, ukernel_gguf_amx.h).
  *   y = acc. The integer parts are exact however they are formed, so the float sequence alone fixes the bits:
  *   vpdpbusd (u8 codes x s8 activations; Q8_0's codes as q + 128, 128 qsum taken off; Q4_K's high nibbles in
  *   place as 16 q, the dot shifted back), or vpmaddubsw pairs summed in int16 only as far as they cannot
@@ -201,8 +207,9 @@ inline void move_unit(const UnitLayout& layout, uint8_t* raw, uint8_t* panel, in
 
 /* ---- Formats: the unit, the largest code (how far the AVX2 path may sum vpmaddubsw pairs in int16), the fold,
  * and the scalar decoding of one unit as ggml defines it: q[weights] the codes as stored, per block b D[b] and
- * Mn[b] (scale-min), d = D[0] (offset, scale16) and sc[16] (scale16). */
-enum class Fold { kScaleMin, kOffset, kScale16 };
+ * Mn[b] (scale-min), d = D[0] (offset, scale16) and sc[16] (scale16); super: d = D[0], -dmin = Mn[0], sc[b] and
+ * sc[8 + b] block b's scale and minimum. */
+enum class Fold { kScaleMin, kOffset, kScale16, kSuper };
 
 inline float half_at(const uint8_t* p) { return kv_half_to_float(kv_load_u16(p)); }
 
@@ -285,21 +292,20 @@ struct Q5_1 {
   }
 };
 
-/* Q4_K and Q5_K (Bits 4 or 5): D = d sc, Mn = -(dmin m) per sub-block, codes from qs (and qh). */
+/* Q4_K and Q5_K (Bits 4 or 5): D[0] = d, Mn[0] = -dmin, scm[b] and scm[8 + b] sub-block b's scale and minimum,
+ * codes from qs (and qh). */
 template <int Bits>
 struct QK45 {
   static constexpr Kind kKind = Bits == 4 ? kQ4_K : kQ5_K;
-  static constexpr Fold kFold = Fold::kScaleMin;
+  static constexpr Fold kFold = Fold::kSuper;
   static constexpr int kMaxCode = (1 << Bits) - 1, kOffset = 0;
-  static void decode(const uint8_t* raw, int32_t* q, float* D, float* Mn, int32_t*) {
-    const float d = half_at(raw), dmin = half_at(raw + 2);
+  static void decode(const uint8_t* raw, int32_t* q, float* D, float* Mn, int32_t* scm) {
+    D[0] = half_at(raw);
+    Mn[0] = -half_at(raw + 2);
     const uint8_t* qh = raw + 16;
     const uint8_t* qs = raw + (Bits == 5 ? 48 : 16);
     for (int b = 0; b < 8; ++b) {
-      int32_t sc, m;
-      scale_min_k4(raw + 4, b, sc, m);
-      D[b] = d * (float)sc;
-      Mn[b] = -(dmin * (float)m);
+      scale_min_k4(raw + 4, b, scm[b], scm[8 + b]);
       for (int l = 0; l < 32; ++l) {
         const int byte = qs[32 * (b / 2) + l];
         q[32 * b + l] = (b & 1 ? byte >> 4 : byte & 15) | (Bits == 5 ? ((qh[l] >> b) & 1) << 4 : 0);
@@ -345,6 +351,21 @@ void reference(const kv_ggml_args* a) {
       for (int r = 0; r < a->rows; ++r) {
         float* y = a->y + r * a->ldy + (int64_t)p * a->nr + n;
         float acc = u == 0 ? 0.0f : *y;
+        if (Fmt::kFold == Fold::kSuper) {
+          const int64_t at = r * a->ldb + 8 * u;  // row r's first block of the super-block
+          int32_t I = 0, Im = 0;
+          for (int i = 0; i < 8; ++i) {
+            const int8_t* x = a->xq + r * a->ldq + 32 * (8 * u + i);
+            int32_t dot = 0;
+            for (int k = 0; k < 32; ++k) dot += q[32 * i + k] * x[k];
+            I += sc[i] * dot;
+            Im += sc[8 + i] * a->xsum[at + i];
+          }
+          acc = __builtin_fmaf(D[0], (float)I * a->xd[at], acc);
+          acc = __builtin_fmaf(Mn[0], (float)Im * a->xd[at], acc);
+          *y = acc;
+          continue;
+        }
         for (int i = 0; i < blocks; ++i) {
           const int64_t b = (int64_t)u * blocks + i, at = r * a->ldb + b;
           const int8_t* x = a->xq + r * a->ldq + 32 * b;
@@ -393,6 +414,7 @@ inline I xor_(I a, I b) { return _mm256_xor_si256(a, b); }
 inline I add(I a, I b) { return _mm256_add_epi32(a, b); }
 inline I sub(I a, I b) { return _mm256_sub_epi32(a, b); }
 inline I mullo(I a, I b) { return _mm256_mullo_epi32(a, b); }
+inline I madd16(I acc, I a, I b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
 /* 32-bit lanes shifted left by s (right by -s), logically */
 inline I shift(I v, int s) { return s >= 0 ? _mm256_slli_epi32(v, s) : _mm256_srli_epi32(v, -s); }
 inline I srl(I v, int s) { return _mm256_srli_epi32(v, s); }
@@ -508,6 +530,7 @@ inline I xor_(I a, I b) { return _mm512_xor_si512(a, b); }
 inline I add(I a, I b) { return _mm512_add_epi32(a, b); }
 inline I sub(I a, I b) { return _mm512_sub_epi32(a, b); }
 inline I mullo(I a, I b) { return _mm512_mullo_epi32(a, b); }
+inline I madd16(I acc, I a, I b) { return _mm512_dpwssd_epi32(acc, a, b); }
 inline I shift(I v, int s) { return s >= 0 ? _mm512_slli_epi32(v, s) : _mm512_srli_epi32(v, -s); }
 inline I srl(I v, int s) { return _mm512_srli_epi32(v, s); }
 inline I sra(I v, int s) { return _mm512_srai_epi32(v, s); }

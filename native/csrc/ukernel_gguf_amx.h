@@ -12,13 +12,13 @@
  * float steps (T = sc' dot' + sc'' dot'', exact in float, as the AVX-512 kernel's unpacked groups form it).
  *
  * Per call (linear_ggml.cpp: up to kRowSlice rows x a chunk of panels) and panel: the panel's codes are made once
- * into a thread's buffer (a block's B tile: 8 rows of 64 bytes; the K-quants'
- * codes as they are, 0..MaxCode, so no dot is shifted back) with its scales as vectors, then every 16 rows take
+ * into a thread's buffer (a block's B tile: 8 rows of 64 bytes) with its scales as vectors, then every 16 rows take
  * them a block at a time: load A and B, multiply, store C, the float steps of 16 rows x 16 features from C, the
- * accumulators in registers over the whole row. Intel's AMX (Intel 64 and IA-32 Architectures Optimization
- * Reference Manual, chapter 20; the instruction set reference for TDPBSUD, TDPBSSD and LDTILECFG) describes the
- * tiles and their configuration; Linux hands out the tile state only after arch_prctl(ARCH_REQ_XCOMP_PERM) (cpu.h's
- * amx()).
+ * accumulators in registers over the whole row. Q4_K and Q5_K differ (below): their activations' one scale per
+ * super-block lets a tile sum all 256 codes of one before its dots leave it. Intel's AMX (Intel 64 and IA-32
+ * Architectures Optimization Reference Manual, chapter 20; the instruction set reference for TDPBSUD, TDPBSSD and
+ * LDTILECFG) describes the tiles and their configuration; Linux hands out the tile state only after
+ * arch_prctl(ARCH_REQ_XCOMP_PERM) (cpu.h's amx()).
  *
  * Include after ukernel_gguf.h, in the extension only (the emulator runs no AMX: these leaves run where the CPU
  * has the tiles, and tests compare them with the AVX-512 kernel there).
@@ -99,8 +99,7 @@ inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
       if (i >= nblk) break;
       const int64_t b = b0 + i;
       KV_UNROLL for (int c = 0; c < 8; ++c) {
-        if constexpr (Fmt::kKind == kQ4_K || Fmt::kKind == kQ5_K) st(out.codes + 512 * b + 64 * c, U::template code<false>(w, i, c));
-        else if constexpr (Fmt::kFold == Fold::kScale16)  // Q6_K: q - 32, signed
+        if constexpr (Fmt::kFold == Fold::kScale16)  // Q6_K: q - 32, signed
           st(out.codes + 512 * b + 64 * c, _mm512_sub_epi8(U::code(w, i, c), b8(U::kOffset)));
         else st(out.codes + 512 * b + 64 * c, U::code(w, i, c));
       }
@@ -181,18 +180,156 @@ inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m)
   KV_UNROLL for (int r = 0; r < 16; ++r) store_y(panel_y(a, p, m + r), acc[r], cols);
 }
 
+/* ---- Q4_K and Q5_K (Fold::kSuper): a super-block's dots summed inside the tiles. Their integer part per
+ * super-block and output, I = sum_j sc_j dot_j, is a dot of the activations with the codes times their sub-block's
+ * scale, q sc (up to 31 x 63: more than a byte), so the panel holds it in two pieces of unsigned bytes, q lo and
+ * q hi with sc = lo + 2^s hi (s = 4 for Q4_K, 3 for Q5_K: each product at most 255), and I = C_lo + 2^s C_hi, each
+ * C a tile summed over the super-block's 256 codes (4 multiplies of 64). Then per super-block and row one store
+ * of the dots and ukernel_gguf.h's two float steps (its minimums' integer sum from 16-bit pairs, as the AVX-512
+ * kernel forms it), not two per block: the same bits as the AVX-512 kernel. Rows two tiles of 16 at a time (C:
+ * 4 tiles, A: 2, B: the two pieces), so each piece's tile serves 32 rows; per panel, a super-block at a time for
+ * all the call's rows (its 8 KB of pieces stay in L1; the accumulators wait in memory), the call taking all the
+ * rows (linear_ggml.cpp), so the pieces are made once (docs/kernels.md has the measurements). */
+constexpr int kSuperShift4 = 4, kSuperShift5 = 3;
+
+/* Tiles: C lo and hi for rows 0-15 (0, 1) and 16-31 (2, 3), A rows 0-15 and 16-31 (4, 5), B lo and hi (6, 7);
+ * every one 16 rows x 64 bytes. */
+inline void amx_configure_super() {
+  AmxConfig c = {};
+  c.palette = 1;
+  for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  __asm__ volatile("" : : "m"(c) : "memory");
+  _tile_loadconfig(&c);
+}
+
+/* A panel's super-blocks made ready: per super-block, the two pieces' 4 B tiles each (tile t: blocks 2t, 2t + 1,
+ * 8 chunks of 64 bytes each) and d, -dmin and the minimums' pairs as vectors. A thread's, reused across calls. */
+struct AmxSuperPanel {
+  AlignedVector<uint8_t> bytes;
+  int cap = 0;
+  static constexpr int kBytes = 2 * 4096 + 6 * 64;  // per super-block
+  uint8_t* at(int u) { return bytes.data() + (size_t)u * kBytes; }
+  const uint8_t* at(int u) const { return bytes.data() + (size_t)u * kBytes; }
+  void resize(int units) {
+    if (units <= cap) return;
+    cap = units;
+    bytes.assign((size_t)units * kBytes, 0);
+  }
+};
+
+template <class Fmt>
+inline void amx_unpack_super(const kv_ggml_args* a, int p, AmxSuperPanel& out) {
+  using U = typename UnitOf<Fmt>::T;
+  constexpr int s = Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
+  for (int u = 0; u < a->nb / 8; ++u) {
+    const uint8_t* w = group_at(a, Fmt::kKind, p, 8 * u);
+    uint8_t* o = out.at(u);
+    KV_UNROLL for (int i = 0; i < 8; ++i) {
+      const I sc = U::sc(w, i);
+      const I lo = and_(sc, b32((1 << s) - 1)), hi = srl(sc, s);
+      const I lo16 = or_(lo, shift(lo, 16)), hi16 = or_(hi, shift(hi, 16));  // the scale in both 16-bit halves
+      /* one 16-bit multiply makes both bytes' products: the low byte's (at most 255) cannot carry into the high
+       * one's, and the high one's (at most 255, times 256) stays within 16 bits */
+      KV_UNROLL for (int c = 0; c < 8; ++c) {
+        const I q = U::template code<false>(w, i, c);
+        uint8_t* row = o + 1024 * (i / 2) + 64 * (8 * (i & 1) + c);
+        st(row, _mm512_mullo_epi16(q, lo16));
+        st(row + 4096, _mm512_mullo_epi16(q, hi16));
+      }
+    }
+    KV_UNROLL for (int k = 0; k < 4; ++k) st(o + 8192 + 64 * k, U::mpair(w, k));
+    stf((float*)(o + 8192 + 256), U::d(w, 0));
+    stf((float*)(o + 8192 + 320), U::m(w, 0));
+  }
+}
+
+/* Super-block v of a panel (its pieces at `panel`) for rows m..m+16 T - 1 (T = 1 or 2 tiles of 16): the tiles'
+ * dots, stored, then each row's float steps into its accumulator acc[r] (memory: every row's of the call, since a
+ * panel's super-block is taken for all of them before the next, its B tiles staying in L1). */
+template <class Fmt, int T>
+inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, int64_t m, float (*acc)[16]) {
+  constexpr int s = Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
+  alignas(64) int32_t c[4][256];  // C lo, hi of rows 0-15, lo, hi of rows 16-31
+  const int8_t* x = a->xq + m * a->ldq + 256 * v;
+  _tile_zero(0);
+  _tile_zero(1);
+  if (T == 2) {
+    _tile_zero(2);
+    _tile_zero(3);
+  }
+  KV_UNROLL for (int t = 0; t < 4; ++t) {
+    _tile_loadd(4, x + 64 * t, a->ldq);
+    if (T == 2) _tile_loadd(5, x + 16 * a->ldq + 64 * t, a->ldq);
+    _tile_loadd(6, panel + 1024 * t, 64);
+    _tile_loadd(7, panel + 4096 + 1024 * t, 64);
+    _tile_dpbsud(0, 4, 6);
+    _tile_dpbsud(1, 4, 7);
+    if (T == 2) {
+      _tile_dpbsud(2, 5, 6);
+      _tile_dpbsud(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c[0], 64);
+  _tile_stored(1, c[1], 64);
+  if (T == 2) {
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+  }
+  I mp[4];
+  KV_UNROLL for (int k = 0; k < 4; ++k) mp[k] = ld(panel + 8192 + 64 * k);
+  const F D = ldf((const float*)(panel + 8192 + 256)), ND = ldf((const float*)(panel + 8192 + 320));
+  /* the rows' scales and code sums by pointers held in registers (through `a`, GCC reloads them after each store) */
+  const int64_t ldb = a->ldb;
+  const float* xd = a->xd + m * ldb + 8 * v;
+  const int16_t* pairs = a->xsum16 + m * ldb + 8 * v;
+  const bool first = v == 0;
+  for (int r = 0; r < 16 * T; ++r, xd += ldb, pairs += ldb) {
+    const int32_t* lo = c[2 * (r / 16)] + 16 * (r % 16);
+    const I sum = add(ld(lo), shift(ld(lo + 256), s));
+    /* the minimums' sum in two chains */
+    I im0 = madd16(zero_i(), mp[0], b32(kv_load_i32((const int8_t*)pairs)));
+    I im1 = madd16(zero_i(), mp[2], b32(kv_load_i32((const int8_t*)(pairs + 4))));
+    im0 = madd16(im0, mp[1], b32(kv_load_i32((const int8_t*)(pairs + 2))));
+    im1 = madd16(im1, mp[3], b32(kv_load_i32((const int8_t*)(pairs + 6))));
+    const F scale = bset(*xd);
+    F y = first ? zero_f() : ldf(acc[r]);
+    y = fma(D, mul(cvt(sum), scale), y);
+    y = fma(ND, mul(cvt(add(im0, im1)), scale), y);
+    stf(acc[r], y);
+  }
+}
+
 /* a->panels panels x a->rows rows: every 16 rows through the tiles, the rest (and calls of fewer than 16 rows)
  * through the AVX-512 kernel. */
 template <class Fmt>
 inline void amx_kernel(const kv_ggml_args* a) {
   const int64_t tiled = a->rows / 16 * 16;
   if (tiled > 0) {
-    thread_local AmxPanel panel;
-    panel.resize(a->nb);
-    amx_configure<Fmt>();
-    for (int p = 0; p < a->panels; ++p) {
-      amx_unpack<Fmt>(a, p, panel);
-      for (int64_t m = 0; m < tiled; m += 16) amx_rows<Fmt>(a, panel, p, m);
+    if constexpr (Fmt::kFold == Fold::kSuper) {
+      thread_local AmxSuperPanel panel;
+      thread_local AlignedVector<float> accs;
+      panel.resize(a->nb / 8);
+      accs.resize(tiled * 16);
+      float (*acc)[16] = (float (*)[16])accs.data();
+      amx_configure_super();
+      for (int p = 0; p < a->panels; ++p) {
+        amx_unpack_super<Fmt>(a, p, panel);
+        for (int v = 0; v < a->nb / 8; ++v) {
+          int64_t m = 0;
+          for (; m + 32 <= tiled; m += 32) amx_super_block<Fmt, 2>(a, panel.at(v), v, m, acc + m);
+          if (m < tiled) amx_super_block<Fmt, 1>(a, panel.at(v), v, m, acc + m);
+        }
+        const int cols = panel_cols(a, p);
+        for (int64_t r = 0; r < tiled; ++r) store_y(panel_y(a, p, r), ldf(acc[r]), cols);
+      }
+    } else {
+      thread_local AmxPanel panel;
+      panel.resize(a->nb);
+      amx_configure<Fmt>();
+      for (int p = 0; p < a->panels; ++p) {
+        amx_unpack<Fmt>(a, p, panel);
+        for (int64_t m = 0; m < tiled; m += 16) amx_rows<Fmt>(a, panel, p, m);
+      }
     }
     _tile_release();
   }
@@ -203,6 +340,7 @@ inline void amx_kernel(const kv_ggml_args* a) {
     rest.xd += tiled * a->ldb;
     rest.xs += tiled * a->ldb;
     rest.xsum += tiled * a->ldb;
+    if (rest.xsum16 != nullptr) rest.xsum16 += tiled * a->ldb;
     if (rest.xoff16 != nullptr) rest.xoff16 += 2 * tiled * a->ldb;
     rest.y += tiled * a->ldy;
     kernel<Fmt>(&rest);

@@ -7,6 +7,7 @@
  *   right by -s), srl, sra, merge(low, high, mask) = low | (high & mask)
  *   cvt(I), half(p) (kW fp16), ldf, stf, bset, zero_f, mul, fma, neg, load_y / store_y (the first `cols` lanes)
  *   dots<R, MaxCode>(src, i, x, ldq, c0, c1, out)   out[r] += exact int32 dots of block i's chunks c0..c1-1
+ *   madd16(acc, a, b)       acc + the int32 sums of a's and b's 16-bit lane pairs' products (vpdpwssd's)
  *
  * Layouts and the arithmetic: ukernel_gguf.h. */
 
@@ -48,8 +49,10 @@ struct Unit32 {
 /* Q4_K / Q5_K: qs chunk 8j + t holds sub-block 2j's codes 4t..4t+3 (low nibbles) and 2j + 1's (high); Q5_K's fifth
  * bit of sub-block u is bit u of qh chunk t's bytes. The 12 scale bytes are 3 chunks S0, S1, S2 (bytes 0-3, 4-7,
  * 8-11 of every lane), read as scale_min_k4 does: the scales of sub-blocks 0-3 are the low 6 bits of S0's bytes,
- * 4-7 the low nibbles of S2's with S0's top 2 bits above them (S1 and S2's high nibbles for the minimums). D = d sc,
- * Mn = (-dmin) m. Q4_K's high nibbles may stay in place (kHighInPlace: codes 16 q, the dot shifted back). */
+ * 4-7 the low nibbles of S2's with S0's top 2 bits above them (S1 and S2's high nibbles for the minimums). d and
+ * -dmin as floats, sub-block i's scale sc(i) and the minimums of sub-blocks 2k, 2k + 1 as a 16-bit pair
+ * mpair(k), in integer lanes. Q4_K's high nibbles may stay in place (kHighInPlace: codes 16 q, the dot shifted
+ * back). */
 template <int Bits>
 struct UnitK45 {
   static constexpr int kMaxCode = (1 << Bits) - 1, kOffset = 0;
@@ -74,8 +77,12 @@ struct UnitK45 {
     if (i < 4) return byte_of(and_(lo, b8(63)), i);
     return byte_of(merge(and_(srl(ld(s + 2 * kChunk), nibble), b8(15)), srl(lo, 2), b8(0x30)), i - 4);
   }
-  KV_INLINE static F d(const uint8_t* w, int i) { return mul(half(w), cvt(six_bits(w, i, 0, 0))); }
-  KV_INLINE static F m(const uint8_t* w, int i) { return mul(neg(half(w + 2 * kW)), cvt(six_bits(w, i, 1, 4))); }
+  KV_INLINE static F d(const uint8_t* w, int) { return half(w); }
+  KV_INLINE static F m(const uint8_t* w, int) { return neg(half(w + 2 * kW)); }
+  KV_INLINE static I sc(const uint8_t* w, int i) { return six_bits(w, i, 0, 0); }
+  KV_INLINE static I mpair(const uint8_t* w, int k) {
+    return or_(six_bits(w, 2 * k, 1, 4), shift(six_bits(w, 2 * k + 1, 1, 4), 16));
+  }
 };
 
 /* Q6_K (q6_k_layout: d, scales, then per half h and chunk c three chunks): block i = 4h + s's chunk c: the
@@ -128,11 +135,16 @@ struct Codes {
   KV_INLINE static int shift_of(int i) { return U::shift_of(i); }
   KV_INLINE F d(int i) const { return U::d(w, i); }
   KV_INLINE F m(int i) const {
-    if constexpr (Fmt::kFold == Fold::kScaleMin) return U::m(w, i);
+    if constexpr (Fmt::kFold == Fold::kScaleMin || Fmt::kFold == Fold::kSuper) return U::m(w, i);
     return zero_f();
   }
+  /* Q6_K's scale j (of 16 weights); a K-quant super-block's scale of sub-block j */
   KV_INLINE I sc(int j) const {
-    if constexpr (Fmt::kFold == Fold::kScale16) return U::sc(w, j);
+    if constexpr (Fmt::kFold == Fold::kScale16 || Fmt::kFold == Fold::kSuper) return U::sc(w, j);
+    return zero_i();
+  }
+  KV_INLINE I mpair(int k) const {
+    if constexpr (Fmt::kFold == Fold::kSuper) return U::mpair(w, k);
     return zero_i();
   }
   static constexpr bool kScalesInFloat = false;
@@ -147,14 +159,17 @@ template <class Fmt>
 struct Unpacked {
   using U = typename UnitOf<Fmt>::T;
   I codes[8][8];  // [block][chunk]
-  F D[8], Mn[8];  // per block: d sc and -(dmin m) (scale-min); D[0] = d (Q6_K)
-  I scales[16];   // Q6_K's scale per 16 weights, sign-extended (or as floats, kFloatScales: in scalesf)
+  F D[8], Mn[8];  // D[0] = d (Q6_K); D[0] = d, Mn[0] = -dmin (Q4_K, Q5_K)
+  I scales[16];   // Q6_K's scale per 16 weights, sign-extended (or as floats, kFloatScales: in scalesf); Q4_K and
+                  // Q5_K's 8 sub-block scales in the first 8
+  I mpairs[4];    // Q4_K and Q5_K: the minimums of sub-blocks 2k, 2k + 1 as 16-bit pairs
   F scalesf[16];
   static constexpr bool kScalesInFloat = kFloatScales;
   KV_INLINE I code(int i, int c) const { return codes[i][c]; }
-  KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScale16 ? D[0] : D[i]; }
-  KV_INLINE F m(int i) const { return Mn[i]; }
+  KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScaleMin ? D[i] : D[0]; }
+  KV_INLINE F m(int i) const { return Fmt::kFold == Fold::kScaleMin ? Mn[i] : Mn[0]; }
   KV_INLINE I sc(int j) const { return scales[j]; }
+  KV_INLINE I mpair(int k) const { return mpairs[k]; }
   KV_INLINE F scf(int j) const { return scalesf[j]; }
   KV_INLINE static int shift_of(int) { return 0; }
   /* From the group at w (8 blocks: K-quant groups are whole). */
@@ -170,10 +185,10 @@ struct Unpacked {
         else scales[j] = U::sc(w, j);
       }
     } else {
-      KV_UNROLL for (int i = 0; i < 8; ++i) {
-        D[i] = U::d(w, i);
-        Mn[i] = U::m(w, i);
-      }
+      D[0] = U::d(w, 0);
+      Mn[0] = U::m(w, 0);
+      KV_UNROLL for (int i = 0; i < 8; ++i) scales[i] = U::sc(w, i);
+      KV_UNROLL for (int k = 0; k < 4; ++k) mpairs[k] = U::mpair(w, k);
     }
   }
 };
@@ -193,7 +208,8 @@ constexpr int kBlocksAtOnce = [] {
  * the activation values are read once for all panels. Q6_K's offset is on the activation side: each half's dot
  * starts from -32 qsum16 (xoff16), so it ends as sum (q - 32) x with no operation of its own. */
 template <class Fmt, int R, int P, int B, class Src>
-KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0, int64_t m, F (*acc)[R]) {
+KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0, int64_t m, F (*acc)[R],
+                      I (*isum)[R]) {
   using U = typename UnitOf<Fmt>::T;
   const int64_t at = m * a->ldb + b0 + i0;  // row m's first block
   const int8_t* x = a->xq + m * a->ldq + 32 * (b0 + i0);
@@ -222,6 +238,22 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
       KV_UNROLL for (int p = 0; p < P; ++p) {
         const F T = Src::kScalesInFloat ? tf[b][p][r] : cvt(t[b][p][r]);
         acc[p][r] = fma(src[p].d(i0 + b), mul(T, xd), acc[p][r]);
+      }
+    }
+  } else if constexpr (Fmt::kFold == Fold::kSuper) {
+    /* the super-block's integer sum: isum += sc dot (fold_super takes it) */
+    KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
+      dot[b][p][r] = zero_i();
+    dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 0, 8, dot);
+    KV_UNROLL for (int b = 0; b < B; ++b) {
+      const int down = Src::shift_of(i0 + b);
+      KV_UNROLL for (int p = 0; p < P; ++p) {
+        const I sc = src[p].sc(i0 + b);
+        KV_UNROLL for (int r = 0; r < R; ++r) {
+          I v = dot[b][p][r];
+          if (down) v = sra(v, down);
+          isum[p][r] = add(isum[p][r], mullo(sc, v));
+        }
       }
     }
   } else {
@@ -271,16 +303,41 @@ KV_INLINE const uint8_t* group_at(const kv_ggml_args* a, int kind, int p, int b0
 KV_INLINE float* panel_y(const kv_ggml_args* a, int p, int64_t m) { return a->y + m * a->ldy + (int64_t)p * kW; }
 KV_INLINE int panel_cols(const kv_ggml_args* a, int p) { return p == a->panels - 1 ? a->cols : kW; }
 
-/* One group's blocks (nblk, from global block b0) for rows m..m+R-1 of P panels, B blocks at once. */
+/* A Q4_K / Q5_K super-block's float steps for rows m..m+R-1 of P panels (ukernel_gguf.h's order): its integer
+ * sums isum (sum_j sc_j dot_j), the minimums' sum_j m_j qsum_j from 16-bit pairs (vpdpwssd: xsum16's pairs
+ * against mpair's), then two fused multiply-adds. */
+template <class Fmt, int R, int P, class Src>
+KV_INLINE void fold_super(const kv_ggml_args* a, const Src* src, int64_t b0, int64_t m, I (*isum)[R], F (*acc)[R]) {
+  I mp[P][4];
+  KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int k = 0; k < 4; ++k) mp[p][k] = src[p].mpair(k);
+  KV_UNROLL for (int r = 0; r < R; ++r) {
+    const int64_t row = (m + r) * a->ldb + b0;
+    const F xd = bset(a->xd[row]);
+    KV_UNROLL for (int p = 0; p < P; ++p) {
+      I im = zero_i();
+      KV_UNROLL for (int k = 0; k < 4; ++k)
+        im = madd16(im, mp[p][k], b32(kv_load_i32((const int8_t*)(a->xsum16 + row + 2 * k))));
+      acc[p][r] = fma(src[p].d(0), mul(cvt(isum[p][r]), xd), acc[p][r]);
+      acc[p][r] = fma(src[p].m(0), mul(cvt(im), xd), acc[p][r]);
+    }
+  }
+}
+
+/* One group's blocks (nblk, from global block b0) for rows m..m+R-1 of P panels, B blocks at once (a K-quant
+ * super-block's float steps after its last). */
 template <class Fmt, int R, int P, int B, class Src>
 KV_INLINE void group(const kv_ggml_args* a, const Src* src, int64_t b0, int nblk, int64_t m, F (*acc)[R]) {
+  I isum[P][R];
+  if constexpr (Fmt::kFold == Fold::kSuper)
+    KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) isum[p][r] = zero_i();
   KV_UNROLL for (int i = 0; i < 8; i += B) {
     if (i >= nblk) break;  // a K-quant group is whole: B divides 8
-    blocks<Fmt, R, P, B>(a, src, i, b0, m, acc);
+    blocks<Fmt, R, P, B>(a, src, i, b0, m, acc, isum);
     /* the next blocks load their own codes: codes kept from these ones (the loads two of them share) would not
      * fit the registers */
     __asm__ volatile("" ::: "memory");
   }
+  if constexpr (Fmt::kFold == Fold::kSuper) fold_super<Fmt, R, P>(a, src, b0, m, isum, acc);
 }
 
 /* Rows m..m+R-1 of panels p0..p0+P-1 over the whole row, codes straight from the panels: the accumulators stay
