@@ -39,6 +39,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "vllm": ("kvserve.loadtest.peer_systems.vllmcpu", "install vLLM's CPU backend outside the repo (peers --prefill uses it)"),
     "randmodel": ("kvserve.loadtest.fixtures.randmodel", "a model directory with a real model's shapes and random weights"),
     "agree": ("kvserve.loadtest.served.agree", "greedy output of kvserve and llama.cpp's server on the same GGUF file"),
+    "actblocks": ("kvserve.loadtest.engine.actblocks", "what one activation scale per 256 costs a Q4_K / Q5_K file's distributions (KL)"),
     "ready": ("kvserve.loadtest.served.readybench", "time to ready and peak resident memory of kvserve serve on a GGUF file"),
     "randgguf": ("kvserve.loadtest.fixtures.randgguf", "a GGUF file with a real model's shapes and random blocks, in llama.cpp's mixtures"),
     "requant": ("kvserve.loadtest.fixtures.requant", "the embedded model requantized by llama.cpp's llama-quantize (real weights in K-quant mixtures)"),
