@@ -237,26 +237,26 @@ def test_ready_table_takes_the_peak_over_starts_and_judges_it_against_the_budget
     assert table(rows).splitlines()[3].endswith("| +400 | yes |")
 
 
-def test_actblocks_kernel_takes_one_activation_scale_per_256_for_q4_k(tiny_gguf, monkeypatch, tmp_path, capsys):
+def test_actblocks_kernel_takes_one_activation_scale_per_256_for_q4_k(tiny_gguf, monkeypatch, capsys):
     """`python -m kvserve.loadtest actblocks`: per file, the Q4_K / Q5_K projections' inputs in float, per 32, per
     256 and through the kernel; the kernel's distributions are those of per 256 (up to float order), not per 32's,
     and its layers are left as found."""
-    from kvserve.engine.gguf_model import load_gguf
+    from kvserve.loadtest.__main__ import main as loadtest_main
     from kvserve.loadtest.engine import actblocks
     from kvserve.quant.ggml import GGMLKind, GGMLLinear
 
-    monkeypatch.setenv("KVSERVE_FASTPATH", "0")
     path = tiny_gguf("tiny-llama", "Q4_K_M")
-    loaded = load_gguf(path, blocks=True)
-    loaded.model.set_attn_implementation("sdpa")
-    rows = actblocks.measure(loaded.model, loaded.tokenizer, path.name, tokens=64)
+    seen = []  # (model, rows) of each file measured
+    measure = actblocks.measure
+    monkeypatch.setattr(actblocks, "measure", lambda *a, **k: seen.append((a[0], measure(*a, **k))) or seen[-1][1])
+    assert loadtest_main(["actblocks", "--model", str(path), "--tokens", "64"]) == 0
+    (model, rows), = seen
     assert [r.variant for r in rows] == [v[0] for v in actblocks.VARIANTS]
     by = {r.variant: r for r in rows}
     assert by["float inputs (the reference)"].kl == 0.0 and by["float inputs (the reference)"].top1 == 1.0
     assert by["per 32"].kl > 0 and by["per 256"].kl > 0
     # the kernel sits on per 256's distributions: far nearer to them than per 32 is
     assert abs(by["the kernel"].kl - by["per 256"].kl) < 0.1 * abs(by["per 256"].kl - by["per 32"].kl)
-    layers = [m for m in loaded.model.modules() if isinstance(m, GGMLLinear) and m.kind is GGMLKind.Q4_K]
+    layers = [m for m in model.modules() if isinstance(m, GGMLLinear) and m.kind is GGMLKind.Q4_K]
     assert layers and all(m.use_kernel and m.act_block == 256 for m in layers)
-    table = actblocks.render(rows, 64)
-    assert table.count(f"| {path.name} |") == 4
+    assert capsys.readouterr().out.count(f"| {path.name} |") == 4

@@ -15,7 +15,6 @@ projections run their kernels throughout.
 from __future__ import annotations
 
 import argparse
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,16 +103,18 @@ def run(args: argparse.Namespace) -> int:
     Raises:
         UsageError: a file is not a .gguf file or has no Q4_K / Q5_K projection.
     """
-    os.environ["KVSERVE_FASTPATH"] = "0"  # transformers' forward over the GGUF layers: the reference path per layer
     from kvserve.engine.gguf_model import load_gguf
+    from kvserve.engine.lean_model import LeanCausalLM, transformers_model
 
     rows: list[Row] = []
     for path in args.model:
         if path.suffix != ".gguf" or not path.is_file():
             raise UsageError(f"--model {str(path)!r} is not a .gguf file")
         loaded = load_gguf(path, blocks=True)
-        loaded.model.set_attn_implementation("sdpa")
-        rows += measure(loaded.model, loaded.tokenizer, Path(path).name, args.tokens)
+        # transformers' forward over the file's modules, so each projection runs its own GGMLLinear.forward
+        model = transformers_model(loaded.model) if isinstance(loaded.model, LeanCausalLM) else loaded.model
+        model.set_attn_implementation("sdpa")
+        rows += measure(model, loaded.tokenizer, Path(path).name, args.tokens)
     text = render(rows, args.tokens)
     print(text)
     if args.write:
