@@ -3,15 +3,13 @@
 //
 // The driver quantizes the activations once per call (act_quant.h's Q8 blocks of 32, for Q4_K and Q5_K one scale
 // per 256, plus xs = d_x * qsum per block, -32 qsum per 16 for Q6_K, and the sums as int16 for Q4_K and Q5_K; a
-// prefill chunk's rows split over the threads) and threads over panels of
-// output features (at::parallel_for: each thread a run of consecutive panels). A decode batch (up to MR rows) is
-// one micro-kernel call per thread, its tiles covering several panels at once. More rows are blocked so that both
-// operands stay in cache: chunks of panels (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call
-// reusing its panels for every tile of rows and its rows for every panel (Q4_K and Q5_K's calls on AMX tiles take
-// all the rows).
-// Every output is computed in
-// ukernel_gguf.h's fixed order, so a row's bits depend neither on the batch, nor on the tile, slice or chunk it
-// falls in, nor on the threads.
+// prefill chunk's rows split over the threads) and threads over panels of output features (at::parallel_for: each
+// thread a run of consecutive panels). A decode batch (up to MR rows) is one micro-kernel call per thread, its
+// tiles covering several panels at once. More rows are blocked so that both operands stay in cache: chunks of
+// panels (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call reusing its panels for every tile of
+// rows and its rows for every panel (Q4_K and Q5_K's calls on AMX tiles take all the rows). Every output is
+// computed in ukernel_gguf.h's fixed order, so a row's bits depend neither on the batch, nor on the tile, slice or
+// chunk it falls in, nor on the threads.
 #include "act_quant.h"
 #include "projection_handle.h"
 #include "ukernel_gguf.h"
