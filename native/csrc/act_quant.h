@@ -32,47 +32,45 @@ __attribute__((target("avx2,fma"))) inline float load_block_absmax(const float* 
   return _mm_cvtss_f32(m4);
 }
 
+// One block of 32 values, loaded in v[0..3], to codes qb with scale d (finite, nonzero): q = round(x / d) clamped
+// to +-127; returns the codes' sum.
+__attribute__((target("avx2,fma"))) inline int32_t quantize_block_avx2(const __m256* v, float d, int8_t* qb) {
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  const __m256 sv = _mm256_set1_ps(d);
+  __m256i iv[4];
+  const __m256 limit = _mm256_set1_ps(127.f);  // reached past 127 only where d is subnormal (the reference clamps)
+  for (int j = 0; j < 4; ++j)
+    iv[j] = _mm256_cvtps_epi32(_mm256_max_ps(
+        _mm256_min_ps(_mm256_round_ps(_mm256_div_ps(v[j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                      limit), -limit));
+  // pack 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane; the permute restores k order)
+  __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
+  packed = _mm256_permutevar8x32_epi32(packed, order);
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), packed);
+  const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
+                                         _mm256_set1_epi16(1));  // 8 partial sums of q
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
+  s4 = _mm_hadd_epi32(s4, s4);
+  return _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+}
+
 // Quantize x [M, K] per block of 32: q = round(x / d) clamped to +-127, d = max|x| / 127 (a zero block gives
 // d = 0, q = 0), with the same division, round-half-even and clamp as the PyTorch reference, so q matches it.
 // qsum[m, b] = sum of q.
 __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, int64_t M, int64_t K, int8_t* q,
                                                               float* d, int32_t* qsum) {
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
-  const int64_t nb = K / 32;
-  for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * 32;
+  for (int64_t i = 0; i < M * (K / 32); ++i) {
     __m256 v[4];
     bool bad = false;
-    const float scale = load_block_absmax(xb, 4, v, bad) / 127.f;
+    const float scale = load_block_absmax(x + i * 32, 4, v, bad) / 127.f;
     int8_t* qb = q + i * 32;
-    if (bad) {  // as the reference: the block's products become NaN
-      d[i] = std::numeric_limits<float>::quiet_NaN();
+    d[i] = bad ? std::numeric_limits<float>::quiet_NaN() : scale;  // NaN: as the reference, the products become NaN
+    if (bad || scale == 0.f) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
       qsum[i] = 0;
       continue;
     }
-    d[i] = scale;
-    if (scale == 0.f) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
-      qsum[i] = 0;
-      continue;
-    }
-    const __m256 sv = _mm256_set1_ps(scale);
-    __m256i iv[4];
-    const __m256 limit = _mm256_set1_ps(127.f);  // reached past 127 only where d is subnormal (the reference clamps)
-    for (int j = 0; j < 4; ++j)
-      iv[j] = _mm256_cvtps_epi32(_mm256_max_ps(
-          _mm256_min_ps(_mm256_round_ps(_mm256_div_ps(v[j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                        limit), -limit));
-    // pack 4 x 8 int32 -> 32 int8 (packs work per 128-bit lane; the permute restores k order)
-    __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-    packed = _mm256_permutevar8x32_epi32(packed, order);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), packed);
-    const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed),
-                                           _mm256_set1_epi16(1));  // 8 partial sums of q
-    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
-    s4 = _mm_hadd_epi32(s4, s4);
-    qsum[i] = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+    qsum[i] = quantize_block_avx2(v, scale, qb);
   }
 }
 
@@ -81,38 +79,20 @@ __attribute__((target("avx2,fma"))) void quantize_blocks_avx2(const float* x, in
 // 127)); d and qsum per block of 32 as above, d repeated over the super-block's 8 blocks.
 __attribute__((target("avx2,fma"))) void quantize_supers_avx2(const float* x, int64_t M, int64_t K, int8_t* q,
                                                               float* d, int32_t* qsum) {
-  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
   for (int64_t s = 0; s < M * (K / 256); ++s) {
-    const float* xs = x + s * 256;
     __m256 v[32];
     bool bad = false;
-    const float scale = load_block_absmax(xs, 32, v, bad) / 127.f;
+    const float scale = load_block_absmax(x + s * 256, 32, v, bad) / 127.f;
     for (int b = 0; b < 8; ++b) {
       const int64_t i = 8 * s + b;
       int8_t* qb = q + i * 32;
-      if (bad || scale == 0.f) {  // as the reference: a NaN or infinity makes the super-block's products NaN
-        d[i] = bad ? std::numeric_limits<float>::quiet_NaN() : scale;
+      d[i] = bad ? std::numeric_limits<float>::quiet_NaN() : scale;
+      if (bad || scale == 0.f) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), _mm256_setzero_si256());
         qsum[i] = 0;
         continue;
       }
-      d[i] = scale;
-      const __m256 sv = _mm256_set1_ps(scale);
-      const __m256 limit = _mm256_set1_ps(127.f);
-      __m256i iv[4];
-      for (int j = 0; j < 4; ++j)
-        iv[j] = _mm256_cvtps_epi32(_mm256_max_ps(
-            _mm256_min_ps(
-                _mm256_round_ps(_mm256_div_ps(v[4 * b + j], sv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                limit),
-            -limit));
-      __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(iv[0], iv[1]), _mm256_packs_epi32(iv[2], iv[3]));
-      packed = _mm256_permutevar8x32_epi32(packed, order);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(qb), packed);
-      const __m256i wide = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(1), packed), _mm256_set1_epi16(1));
-      __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(wide), _mm256_extracti128_si256(wide, 1));
-      s4 = _mm_hadd_epi32(s4, s4);
-      qsum[i] = _mm_cvtsi128_si32(_mm_hadd_epi32(s4, s4));
+      qsum[i] = quantize_block_avx2(v + 4 * b, scale, qb);
     }
   }
 }
