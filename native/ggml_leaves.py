@@ -41,8 +41,8 @@ LAYOUTS = {
                 for offset in (64 * h, 64 * h + 32, 128 + 32 * h)]),
 }
 KINDS = tuple(LAYOUTS)
-# activation values per scale (ukernel_gguf.h): one per 256 for Q4_K and Q5_K, per block of 32 for the others
-ACT_GROUP = {kind: 256 if kind in ("q4_k", "q5_k") else 32 for kind in LAYOUTS}
+# activation values per scale (ukernel_gguf.h): one per 256 for the K-quants, per block of 32 for the others
+ACT_GROUP = {kind: 256 if kind.endswith("_k") else 32 for kind in LAYOUTS}
 BLOCK_BYTES = {kind: unit for kind, (unit, _, _) in LAYOUTS.items()}  # bytes per unit, as in a GGUF file
 BLOCK_WEIGHTS = {kind: weights for kind, (_, weights, _) in LAYOUTS.items()}
 # kv_qh_pack: bit k of Q5_0 / Q5_1's qh word goes to bit QH_ORDER[k] (bit t of byte i: weight 4t + i's fifth bit,

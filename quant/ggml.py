@@ -35,7 +35,7 @@ from kvserve.quant.linear import Layout, QuantLinear
 from kvserve.quant.schemes import ACT_BLOCK, Scheme
 
 BLOCK = 32  # weights per block, and per activation block of the kernels
-SUPER_BLOCK = 256  # activation values per scale of the Q4_K and Q5_K kernels (llama.cpp's Q8_K)
+SUPER_BLOCK = 256  # activation values per scale of the K-quant kernels (llama.cpp's Q8_K)
 
 
 class GGMLKind(enum.Enum):
@@ -187,7 +187,7 @@ class GGMLLinear(QuantLinear):
         bias: optional float ``[out]``.
 
     The kernel (``ggml_linear``) quantizes the activations to int8 per block of 32 (llama.cpp's Q8_0 blocks), or
-    for Q4_K and Q5_K per super-block of 256 (llama.cpp's Q8_K: their sub-block scales then fold in integer,
+    for the K-quants per super-block of 256 (llama.cpp's Q8_K: their sub-block scales then fold in integer,
     docs/kernels.md); the reference applies the same ``quantize_activations(x, kernel_act_block, 127)`` before
     ``F.linear`` on the dequantized weights, which it keeps (float32,
     four to seven times the blocks' bytes: made at load where there is no kernel, else at the first reference
@@ -220,7 +220,7 @@ class GGMLLinear(QuantLinear):
 
     @property
     def kernel_act_block(self) -> int | None:
-        return SUPER_BLOCK if self.kind in (GGMLKind.Q4_K, GGMLKind.Q5_K) else ACT_BLOCK
+        return SUPER_BLOCK if self.kind in (GGMLKind.Q4_K, GGMLKind.Q5_K, GGMLKind.Q6_K) else ACT_BLOCK
 
     def _packed(self, blocks: torch.Tensor) -> torch.Tensor:
         """The file's bytes in this layer's layout."""

@@ -68,7 +68,7 @@ def magnitudes(raw: np.ndarray, kind: str) -> np.ndarray:
 
 def quantized_activations(M: int, K: int, rng: np.random.Generator, group: int = 32) -> dict[str, np.ndarray]:
     """Activations as the driver hands them to a micro-kernel: codes xq int8 [M, K] in -127..127, scales xd and
-    xs = xd * qsum float32 [M, K/32] (``group`` 256: one scale per 256, repeated over its 8 blocks, as Q4_K and Q5_K
+    xs = xd * qsum float32 [M, K/32] (``group`` 256: one scale per 256, repeated over its 8 blocks, as the K-quants
     take them), qsum int32 [M, K/32] (and as int16, xsum16), -32 qsum per 16 codes [M, K/16] (Q6_K's offset on the
     activation side); row 0's first block at -127 (the extreme dot with ``random_blocks``'s extreme unit)."""
     nb = K // 32

@@ -166,12 +166,13 @@ def test_unpacked_groups_change_no_bits_and_the_setting_round_trips():
 
 
 def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
-    """set_gguf_amx (whether calls of 32 rows or more take AMX-INT8 tiles where the CPU runs them; the emulator runs
-    no AMX, so the tiles are tested on a CPU that has them, skipped elsewhere) returns whether they did, and every
-    kind's rows have the AVX-512 kernel's bits either way (Q4_1 has no tiles: unchanged; Q6_K's take a multiply per
-    half block, from rows of 4096 weights): 32 rows (a decode batch: 2 tiles of 16), 40 (tiles and the AVX-512
-    kernel for the rest), 64 (4 tiles), 100 and 150 (150 in the driver's slices of 64), 512; K of one block group,
-    18 blocks (SmolLM2's 576, a short last group), 2048 and (Q6_K) 4096."""
+    """set_gguf_amx (whether calls of 32 rows or more, Q6_K's of 16 or more, take AMX-INT8 tiles where the CPU runs
+    them; the emulator runs no AMX, so the tiles are tested on a CPU that has them, skipped elsewhere) returns
+    whether they did, and every kind's rows have the AVX-512 kernel's bits either way (Q4_1 has no tiles:
+    unchanged; the K-quants' tiles sum a super-block, Q6_K's codes times their scales in a signed high piece): 16
+    and 24 rows (Q6_K: one tile, and the AVX-512 kernel for the rest), 32 rows (a decode batch: 2 tiles of 16), 40
+    (tiles and the AVX-512 kernel for the rest), 64 (4 tiles), 100 and 150 (150 in the driver's slices of 64), 512;
+    K of one block group, 18 blocks (SmolLM2's 576, a short last group), 2048 and (Q6_K) 4096."""
     module = native.load()
     before = module.set_gguf_amx(False)
     try:
@@ -186,7 +187,7 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
             for K in widths:
                 N = 40
                 packed = module.ggml_pack(blocks(kind, N, K), kind)
-                for rows in (amx_rows, amx_rows + 8, 64, 100, 150, 512):
+                for rows in ((16, 24) if kind == "q6_k" else ()) + (amx_rows, amx_rows + 8, 64, 100, 150, 512):
                     x = activations(rows, K)
                     module.set_gguf_amx(False)
                     vector = module.ggml_linear(x, packed, kind, N, K)

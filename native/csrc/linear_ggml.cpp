@@ -34,6 +34,10 @@ constexpr int64_t kPanelChunkBytes = 256 << 10;
 // codes made ready for the tiles serve every tile of 16 rows, two at 32 rows (the tiles won there once the panel
 // sat on cache lines, aligned_vector.h); at 16 or 24 rows they were no faster than the AVX-512 kernel.
 constexpr int64_t kAmxRows = 32;
+// Q6_K's from 16: its AVX-512 kernel spends more operations per code than the others' (measured on a Sapphire
+// Rapids VM, one thread, its tiles against that kernel alternating in one process: 1.4-1.55x at 16 rows, 1.0-1.2x at
+// 24, 1.9-2.1x at 32).
+constexpr int64_t kQ6kAmxRows = 16;
 
 struct KindInfo {
   const char* name;
@@ -81,18 +85,9 @@ Ukernel ukernel_for(Kind kind) {
   return kKinds[kind].scalar;
 }
 
-// Q6_K's rows of fewer weights stay on the AVX-512 kernel: its unpacked groups keep up with the tiles while a row's
-// activations are short, and fall behind as they grow (a Sapphire Rapids VM, 2 threads, 512 rows, the two
-// alternating in one process: the tiles 0.92-0.96x at K = 2048, 1.02x at 4096, 1.11-1.12x at 4864 and 5632,
-// 1.19-1.25x at 8192, 1.33x at 14336; the tiles ran 240-250 GMAC/s at every K, the AVX-512 kernel 263 down to 185).
-constexpr int64_t kQ6kAmxMinK = 4096;
-
-// The micro-kernel of the calls of kAmxRows rows or more of a K-wide layer: AMX tiles where cpu::amx() says they
-// run and the kind has them (Q6_K: from kQ6kAmxMinK), else nullptr (ukernel_for's).
-Ukernel amx_for(Kind kind, int64_t K) {
-  if (kind == gguf::kQ6_K && K < kQ6kAmxMinK) return nullptr;
-  return cpu::amx() ? kKinds[kind].amx : nullptr;
-}
+// The micro-kernel of the calls of kAmxRows rows or more (Q6_K: kQ6kAmxRows): AMX tiles where cpu::amx() says they run and the kind has
+// them, else nullptr (ukernel_for's).
+Ukernel amx_for(Kind kind) { return cpu::amx() ? kKinds[kind].amx : nullptr; }
 
 // A weight matrix in the layout of the chosen ISA, checked once.
 struct GgmlWeights {
@@ -114,7 +109,7 @@ GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, i
   KV_CHECK(packed.size(0) == panels && packed.size(1) == row, "packed ", kind_name, " weights for N = ", N,
            ", K = ", K, " on the ", cpu::name(cpu::chosen()), " path must be [", panels, ", ", row, "], got [",
            packed.size(0), ", ", packed.size(1), "] (packed for another shape or ISA?)");
-  return {packed, kind, N, K, nr, ukernel_for(kind), amx_for(kind, K)};
+  return {packed, kind, N, K, nr, ukernel_for(kind), amx_for(kind)};
 }
 
 // Q6_K's offset on the activation side, -32 qsum per 16 activation codes [M, K / 16] (its scales cover 16
@@ -182,20 +177,21 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const int64_t nb = g.K / 32, panels = g.packed.size(0), panel_bytes = g.packed.size(1);
   if (M == 0) return;
   const float* xs = nullptr;
-  // Q4_K and Q5_K: activations per super-block of 256 (ukernel_gguf.h: their sub-blocks' scales and minimums then
-  // fold in integer, one float step per super-block)
-  const bool super = g.kind == gguf::kQ4_K || g.kind == gguf::kQ5_K;
+  // The K-quants: activations per super-block of 256 (ukernel_gguf.h: their sub-blocks' scales (and minimums)
+  // then fold in integer, one or two float steps per super-block)
+  const bool super = layout(g.kind).weights == 256, minimums = g.kind == gguf::kQ4_K || g.kind == gguf::kQ5_K;
   const int64_t group = super ? 256 : 32;
   const QuantizedX& qx = M > kQuantizeRows ? quantize_rows(x, M, g.K, group, xs) : quantize_x(x, M, g.K, group);
   if (xs == nullptr) xs = group_shifts(qx, M, g.K, 32);  // groups of one block: xs = d_x * qsum
   const int32_t* xoff16 = g.kind == gguf::kQ6_K ? offsets16(qx, M, g.K) : nullptr;
-  const int16_t* xsum16 = super ? sums16(qx, M, g.K) : nullptr;
+  const int16_t* xsum16 = minimums ? sums16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
   const bool decode = M <= tile_rows();
-  const Ukernel ukernel = M >= kAmxRows && g.amx != nullptr && amx_tiles.load(std::memory_order_relaxed) ? g.amx
-                                                                                                          : g.ukernel;
-  // Q4_K and Q5_K's AMX calls take all the rows: a panel made ready for the tiles once serves them all (its pieces
-  // cost about two tiles' work per super-block to make)
+  const bool tiles = M >= (g.kind == gguf::kQ6_K ? kQ6kAmxRows : kAmxRows) && g.amx != nullptr &&
+                     amx_tiles.load(std::memory_order_relaxed);
+  const Ukernel ukernel = tiles ? g.amx : g.ukernel;
+  // The K-quants' AMX calls take all the rows: a panel made ready for the tiles once serves them all (its pieces
+  // cost about two tiles' work per super-block to make, Q6_K's more)
   const int64_t rows_per_call = decode || (super && ukernel == g.amx) ? M : kRowSlice;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
     const int64_t chunk = decode ? p1 - p0 : std::max<int64_t>(1, kPanelChunkBytes / panel_bytes);

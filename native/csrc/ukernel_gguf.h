@@ -28,8 +28,8 @@
  *   4t + i's fifth bit and bit 4 + t weight 16 + 4t + i's, for the lanes of chunk t of qs. Features past N in the
  *   last panel are zero bytes (computed, not stored).
  *
- * ---- Activations (linear_ggml.cpp, act_quant.h): per row and block of 32 (llama.cpp's Q8_0 blocks), or for Q4_K
- *   and Q5_K per super-block of 256 (as llama.cpp's Q8_K: one scale per 256), int8 codes x = round(x / d_x) within
+ * ---- Activations (linear_ggml.cpp, act_quant.h): per row and block of 32 (llama.cpp's Q8_0 blocks), or for the
+ *   K-quants per super-block of 256 (as llama.cpp's Q8_K: one scale per 256), int8 codes x = round(x / d_x) within
  *   +-127, d_x = max|x| / 127 (a super-block's d_x in each of its 8 blocks' xd); per block of 32 the codes' sum
  *   qsum (xsum; as int16 in xsum16, read by Q4_K and Q5_K), xs = d_x * (float)qsum, and -32 qsum per 16 codes
  *   (xoff16, read by Q6_K: its offset on the activation side).
@@ -39,14 +39,14 @@
  *   q (as stored) and the activation codes x:
  *     scale-min (Q4_1, Q5_1): s = (float)dot * d_x; acc = fmaf(d, s, acc); acc = fmaf(m, xs, acc)
  *     offset (Q4_0 o = 8, Q5_0 o = 16, Q8_0 o = 0): s = (float)(dot - o qsum) * d_x; acc = fmaf(d, s, acc)
- *     scale16 (Q6_K): T = sc[2b] (dot' - 32 qsum16') + sc[2b + 1] (dot'' - 32 qsum16''), dot' and dot'' over
- *                     the block's two halves of 16 (|T| <= 2 * 128 * 16 * 32 * 127 < 2^24: exact in float);
- *                     s = (float)T * d_x; acc = fmaf(d, s, acc)
- *   and per super-block of 256 (Q4_K, Q5_K), its 8 blocks' dots dot_j, 6-bit scales sc_j and minimums m_j in
- *   integer, I = sum_j sc_j dot_j and Im = sum_j m_j qsum_j (|I| <= 63 * 31 * 127 * 256 < 2^31), then
+ *   and per super-block of 256 (the K-quants) in integer: for Q4_K and Q5_K its 8 blocks' dots dot_j, 6-bit scales
+ *   sc_j and minimums m_j, I = sum_j sc_j dot_j and Im = sum_j m_j qsum_j (|I| <= 63 * 31 * 127 * 256 < 2^31);
+ *   for Q6_K its 16 int8 scales sc_j of 16 weights each, I = sum_j sc_j (dot_j - 32 qsum16_j), dot_j over those
+ *   16 (|I| <= 128 * 32 * 127 * 256 < 2^31), then
  *     super (Q4_K, Q5_K): acc = fmaf(d, (float)I * d_x, acc); acc = fmaf(-dmin, (float)Im * d_x, acc)
- *   (two float steps a super-block rather than two a block: what lets AMX tiles sum a super-block's dots inside
- *   the tile, ukernel_gguf_amx.h).
+ *     scale16 (Q6_K):     acc = fmaf(d, (float)I * d_x, acc)
+ *   (one or two float steps a super-block rather than one or two a block: what lets AMX tiles sum a super-block's
+ *   dots inside the tile, ukernel_gguf_amx.h).
  *   y = acc. The integer parts are exact however they are formed, so the float sequence alone fixes the bits:
  *   vpdpbusd (u8 codes x s8 activations; Q8_0's codes as q + 128, 128 qsum taken off; Q4_K's high nibbles in
  *   place as 16 q, the dot shifted back), or vpmaddubsw pairs summed in int16 only as far as they cannot
@@ -366,24 +366,26 @@ void reference(const kv_ggml_args* a) {
           *y = acc;
           continue;
         }
+        if (Fmt::kFold == Fold::kScale16) {
+          const int64_t at = r * a->ldb + 8 * u;
+          const int8_t* x = a->xq + r * a->ldq + 256 * u;
+          int32_t I = 0;
+          for (int j = 0; j < 16; ++j) {
+            int32_t dot = 0;
+            for (int k = 16 * j; k < 16 * j + 16; ++k) dot += (q[k] - Fmt::kOffset) * x[k];
+            I += sc[j] * dot;
+          }
+          *y = __builtin_fmaf(D[0], (float)I * a->xd[at], acc);
+          continue;
+        }
         for (int i = 0; i < blocks; ++i) {
           const int64_t b = (int64_t)u * blocks + i, at = r * a->ldb + b;
           const int8_t* x = a->xq + r * a->ldq + 32 * b;
           const int32_t* code = q + 32 * i;
-          if (Fmt::kFold == Fold::kScale16) {
-            int32_t t = 0;
-            for (int h = 0; h < 2; ++h) {
-              int32_t dot = 0;
-              for (int k = 16 * h; k < 16 * h + 16; ++k) dot += (code[k] - Fmt::kOffset) * x[k];
-              t += sc[2 * i + h] * dot;
-            }
-            acc = __builtin_fmaf(D[0], (float)t * a->xd[at], acc);
-          } else {
-            int32_t dot = 0;
-            for (int k = 0; k < 32; ++k) dot += (code[k] - Fmt::kOffset) * x[k];
-            acc = __builtin_fmaf(D[i], (float)dot * a->xd[at], acc);
-            if (Fmt::kFold == Fold::kScaleMin) acc = __builtin_fmaf(Mn[i], a->xs[at], acc);
-          }
+          int32_t dot = 0;
+          for (int k = 0; k < 32; ++k) dot += (code[k] - Fmt::kOffset) * x[k];
+          acc = __builtin_fmaf(D[i], (float)dot * a->xd[at], acc);
+          if (Fmt::kFold == Fold::kScaleMin) acc = __builtin_fmaf(Mn[i], a->xs[at], acc);
         }
         *y = acc;
       }
@@ -501,7 +503,6 @@ template <class Fmt>
 constexpr bool kUnpackGroups = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
 template <class Fmt>
 constexpr bool kUnpackable = false;  // kv_ggml_args.unpack changes nothing here
-constexpr bool kFloatScales = false;
 /* One-row tiles ignore kv_ggml_args.ahead: prefetching them towards L1 made Q4_K's slower on a Sapphire Rapids VM. */
 constexpr bool kPrefetchL1 = false;
 
@@ -618,14 +619,10 @@ constexpr bool kUnpackGroups = false;
 /* ... unless the call says so (kv_ggml_args.unpack: cpu.h's gguf_unpack_default, on Intel CPUs). There vpdpbusd,
  * the float steps and every bitwise operation share two ports (0 and 5), so the codes made per tile cost what
  * they save elsewhere: measured on a Sapphire Rapids VM, one thread, a 2048 x 2048 layer at 32 and 64 rows, Q6_K
- * unpacked 1.16-1.17x its direct tiles (its per-16 scales applied in float, below; in integer 1.09-1.11x), Q5_K
- * 1.05-1.17x, Q4_K 0.99-1.04x (its codes are one mask a chunk: not taken). */
+ * unpacked 1.09-1.11x its direct tiles (its per-16 scales applied in integer), Q5_K 1.05-1.17x, Q4_K 0.99-1.04x
+ * (its codes are one mask a chunk: not taken). */
 template <class Fmt>
 constexpr bool kUnpackable = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
-/* Unpacked Q6_K groups keep their per-16 scales as floats: sc' dot' + sc'' dot'' as a float multiply and a fused
- * multiply-add instead of two vpmulld (two operations each on port 0 of an Intel core) and an add; the same value
- * (each product and the sum below 2^24: exact in float32). */
-constexpr bool kFloatScales = true;
 /* The K-quants' one-row tiles prefetch kv_ggml_args.ahead bytes ahead towards L1 (cpu.h's gguf_prefetch_default). */
 constexpr bool kPrefetchL1 = true;
 

@@ -7,14 +7,12 @@
  * block of 32 one multiply gives the integer dots of 16 rows x 16 features, stored to memory, and only the
  * block's float steps remain for the vector units, in ukernel_gguf.h's order per output: the same bits as the
  * AVX-512 kernel (the dots are exact however they are formed), which takes the rows a call has beyond a multiple
- * of 16. Q6_K's scales cover 16 weights, so its blocks take a multiply per half (TDPBSSD: its codes as signed
- * q - 32, which the signed-by-signed multiply takes as they are, so no offset is added back) and their two dots'
- * float steps (T = sc' dot' + sc'' dot'', exact in float, as the AVX-512 kernel's unpacked groups form it).
+ * of 16.
  *
  * Per call (linear_ggml.cpp: up to kRowSlice rows x a chunk of panels) and panel: the panel's codes are made once
  * into a thread's buffer (a block's B tile: 8 rows of 64 bytes) with its scales as vectors, then every 16 rows take
  * them a block at a time: load A and B, multiply, store C, the float steps of 16 rows x 16 features from C, the
- * accumulators in registers over the whole row. Q4_K and Q5_K differ (below): their activations' one scale per
+ * accumulators in registers over the whole row. The K-quants differ (below): their activations' one scale per
  * super-block lets a tile sum all 256 codes of one before its dots leave it. Intel's AMX (Intel 64 and IA-32
  * Architectures Optimization Reference Manual, chapter 20; the instruction set reference for TDPBSUD, TDPBSSD and
  * LDTILECFG) describes the tiles and their configuration; Linux hands out the tile state only after
@@ -37,14 +35,11 @@
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c,amx-tile,amx-int8")
 namespace kvserve::gguf::avx512 {
 
-/* Tile registers: C0 the dots, A0 the activations, B0 the codes (Q6_K: C1, A1, B1 its second half of each block).
- * Macros: the intrinsics paste the register's number into their assembly. */
+/* Tile registers of the 32-weight formats: C0 the dots, A0 the activations, B0 the codes. Macros: the intrinsics
+ * paste the register's number into their assembly. */
 #define KV_TC0 0
-#define KV_TC1 1
 #define KV_TA0 4
-#define KV_TA1 5
 #define KV_TB0 6
-#define KV_TB1 7
 
 /* LDTILECFG's 64-byte operand (palette 1). */
 struct alignas(64) AmxConfig {
@@ -53,16 +48,13 @@ struct alignas(64) AmxConfig {
   uint8_t rows[16];
 };
 
-/* C: 16 rows x 16 int32; A: 16 rows x a block's 32 codes; B: 8 rows (32 codes / 4) x 16 features' 4 codes.
- * Q6_K: a pair of each, per half block: A 16 rows x 16 codes, B 4 rows x 16 features' 4 codes. */
-template <class Fmt>
+/* C: 16 rows x 16 int32; A: 16 rows x a block's 32 codes; B: 8 rows (32 codes / 4) x 16 features' 4 codes. */
 inline void amx_configure() {
   AmxConfig c = {};
   c.palette = 1;
-  constexpr bool halves = Fmt::kFold == Fold::kScale16;
-  for (int t : {KV_TC0, KV_TC1}) c.colsb[t] = 64, c.rows[t] = 16;
-  for (int t : {KV_TA0, KV_TA1}) c.colsb[t] = halves ? 16 : 32, c.rows[t] = 16;
-  for (int t : {KV_TB0, KV_TB1}) c.colsb[t] = 64, c.rows[t] = halves ? 4 : 8;
+  c.colsb[KV_TC0] = 64, c.rows[KV_TC0] = 16;
+  c.colsb[KV_TA0] = 32, c.rows[KV_TA0] = 16;
+  c.colsb[KV_TB0] = 64, c.rows[KV_TB0] = 8;
   __asm__ volatile("" : : "m"(c) : "memory");  // GCC may drop the stores to c that only LDTILECFG reads
   _tile_loadconfig(&c);
 }
@@ -76,15 +68,13 @@ struct AmxPanel {
   uint8_t* codes;  // [nb][8][64]
   float* D;        // [nb][16]
   float* Mn;       // [nb][16]
-  float* S;        // [nb][2][16]: Q6_K's scales of the block's two halves, as floats
   void resize(int nb) {
     if (nb <= cap) return;
     cap = nb;
-    bytes.assign((size_t)nb * (512 + 64 + 64 + 128), 0);
+    bytes.assign((size_t)nb * (512 + 64 + 64), 0);
     codes = bytes.data();
     D = (float*)(codes + (size_t)nb * 512);
     Mn = D + 16 * (size_t)nb;
-    S = Mn + 16 * (size_t)nb;
   }
 };
 
@@ -98,17 +88,9 @@ inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
     KV_UNROLL for (int i = 0; i < 8; ++i) {
       if (i >= nblk) break;
       const int64_t b = b0 + i;
-      KV_UNROLL for (int c = 0; c < 8; ++c) {
-        if constexpr (Fmt::kFold == Fold::kScale16)  // Q6_K: q - 32, signed
-          st(out.codes + 512 * b + 64 * c, _mm512_sub_epi8(U::code(w, i, c), b8(U::kOffset)));
-        else st(out.codes + 512 * b + 64 * c, U::code(w, i, c));
-      }
+      KV_UNROLL for (int c = 0; c < 8; ++c) st(out.codes + 512 * b + 64 * c, U::code(w, i, c));
       stf(out.D + 16 * b, U::d(w, i));
       if constexpr (Fmt::kFold == Fold::kScaleMin) stf(out.Mn + 16 * b, U::m(w, i));
-      if constexpr (Fmt::kFold == Fold::kScale16) {
-        stf(out.S + 32 * b, cvt(U::sc(w, 2 * i)));
-        stf(out.S + 32 * b + 16, cvt(U::sc(w, 2 * i + 1)));
-      }
     }
   }
 }
@@ -118,7 +100,6 @@ inline void amx_unpack(const kv_ggml_args* a, int p, AmxPanel& out) {
 template <class Fmt>
 inline __attribute__((always_inline)) void amx_fold(const kv_ggml_args* a, const AmxPanel& u, int64_t m, int b, const int32_t* dots, F* acc) {
   using U = typename UnitOf<Fmt>::T;
-  static_assert(Fmt::kFold != Fold::kScale16, "Q6_K folds in amx_fold_q6k");
   const int64_t at = m * a->ldb + b;  // row m's block b
   const F D = ldf(u.D + 16 * b);
   const F Mn = Fmt::kFold == Fold::kScaleMin ? ldf(u.Mn + 16 * b) : zero_f();
@@ -131,50 +112,23 @@ inline __attribute__((always_inline)) void amx_fold(const kv_ggml_args* a, const
   }
 }
 
-/* Q6_K's block b for rows m..m+15: its halves' dots in dots[0] and dots[1] (each 16 rows x 16 int32, the codes
- * taken as q - 32, so a dot is the AVX-512 kernel's sum (q - 32) x), T = sc' dot' + sc'' dot'' in float (exact:
- * ukernel_gguf.h's bound), then s = T d_x and acc = fma(d, s, acc), as ukernel_gguf_body.h's blocks() does. */
-inline __attribute__((always_inline)) void amx_fold_q6k(const kv_ggml_args* a, const AmxPanel& u, int64_t m, int b,
-                                                        const int32_t (*dots)[256], F* acc) {
-  const int64_t at = m * a->ldb + b;
-  const F D = ldf(u.D + 16 * b), S0 = ldf(u.S + 32 * b), S1 = ldf(u.S + 32 * b + 16);
-  KV_UNROLL for (int r = 0; r < 16; ++r) {
-    const F T = fma(S1, cvt(ld(dots[1] + 16 * r)), mul(S0, cvt(ld(dots[0] + 16 * r))));
-    acc[r] = fma(D, mul(T, bset(a->xd[at + r * a->ldb])), acc[r]);
-  }
-}
-
 /* Rows m..m+15 of panel p over the whole row, a block at a time: its tile multiply, its dots stored, its float
- * steps (Q6_K: a multiply per half block, TDPBSSD on its codes as signed q - 32). (Measured on a Sapphire Rapids
+ * steps. (Measured on a Sapphire Rapids
  * VM: issuing a pair of blocks' multiplies ahead of the previous pair's float steps, into two alternating sets of
  * result tiles, overlapped nothing: the stores and loads of the dots order them.) */
 template <class Fmt>
 inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m) {
-  alignas(64) int32_t buf[2][256];
+  alignas(64) int32_t buf[256];
   F acc[16];
   KV_UNROLL for (int r = 0; r < 16; ++r) acc[r] = zero_f();
   const int8_t* x = a->xq + m * a->ldq;
   for (int b = 0; b < a->nb; ++b) {
-    if constexpr (Fmt::kFold == Fold::kScale16) {
-      _tile_loadd(KV_TA0, x + 32 * b, a->ldq);
-      _tile_loadd(KV_TA1, x + 32 * b + 16, a->ldq);
-      _tile_loadd(KV_TB0, u.codes + 512 * b, 64);
-      _tile_loadd(KV_TB1, u.codes + 512 * b + 256, 64);
-      _tile_zero(KV_TC0);
-      _tile_zero(KV_TC1);
-      _tile_dpbssd(KV_TC0, KV_TA0, KV_TB0);
-      _tile_dpbssd(KV_TC1, KV_TA1, KV_TB1);
-      _tile_stored(KV_TC0, buf[0], 64);
-      _tile_stored(KV_TC1, buf[1], 64);
-      amx_fold_q6k(a, u, m, b, buf, acc);
-    } else {
-      _tile_loadd(KV_TA0, x + 32 * b, a->ldq);
-      _tile_loadd(KV_TB0, u.codes + 512 * b, 64);
-      _tile_zero(KV_TC0);
-      _tile_dpbsud(KV_TC0, KV_TA0, KV_TB0);
-      _tile_stored(KV_TC0, buf[0], 64);
-      amx_fold<Fmt>(a, u, m, b, buf[0], acc);
-    }
+    _tile_loadd(KV_TA0, x + 32 * b, a->ldq);
+    _tile_loadd(KV_TB0, u.codes + 512 * b, 64);
+    _tile_zero(KV_TC0);
+    _tile_dpbsud(KV_TC0, KV_TA0, KV_TB0);
+    _tile_stored(KV_TC0, buf, 64);
+    amx_fold<Fmt>(a, u, m, b, buf, acc);
   }
   const int cols = panel_cols(a, p);
   KV_UNROLL for (int r = 0; r < 16; ++r) store_y(panel_y(a, p, m + r), acc[r], cols);
@@ -189,7 +143,10 @@ inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m)
  * kernel forms it), not two per block: the same bits as the AVX-512 kernel. Rows two tiles of 16 at a time (C:
  * 4 tiles, A: 2, B: the two pieces), so each piece's tile serves 32 rows; per panel, a super-block at a time for
  * all the call's rows (its 8 KB of pieces stay in L1; the accumulators wait in memory), the call taking all the
- * rows (linear_ggml.cpp), so the pieces are made once (docs/kernels.md has the measurements). */
+ * rows (linear_ggml.cpp), so the pieces are made once (docs/kernels.md has the measurements).
+ *   Q6_K (Fold::kScale16) likewise, its integer part I = sum_j sc_j (dot_j - 32 qsum16_j) being a dot of the
+ * activations with sc (q - 32) (int8 scales of 16 weights: |sc (q - 32)| <= 128 * 32, 14 bits), held as its low
+ * byte, unsigned (TDPBSUD), and its high byte, signed (TDPBSSD), 2^8 apart; one float step per super-block. */
 constexpr int kSuperShift4 = 4, kSuperShift5 = 3;
 
 /* Tiles: C lo and hi for rows 0-15 (0, 1) and 16-31 (2, 3), A rows 0-15 and 16-31 (4, 5), B lo and hi (6, 7);
@@ -203,7 +160,7 @@ inline void amx_configure_super() {
 }
 
 /* A panel's super-blocks made ready: per super-block, the two pieces' 4 B tiles each (tile t: blocks 2t, 2t + 1,
- * 8 chunks of 64 bytes each) and d, -dmin and the minimums' pairs as vectors. A thread's, reused across calls. */
+ * 8 chunks of 64 bytes each) and d, -dmin and the minimums' pairs as vectors (Q6_K: d). A thread's, reused across calls. */
 struct AmxSuperPanel {
   AlignedVector<uint8_t> bytes;
   int cap = 0;
@@ -217,29 +174,49 @@ struct AmxSuperPanel {
   }
 };
 
+/* Q6_K's chunk c of block i as its two pieces (the low bytes and the signed high bytes of sc (q - 32), 16 bits
+ * each: |sc (q - 32)| <= 128 * 32), its codes' bytes widened to 16 bits, even and odd apart, and multiplied by the
+ * scale of their 16 weights. */
+inline __attribute__((always_inline)) void q6k_pieces(const uint8_t* w, int i, int c, uint8_t* lo, uint8_t* hi) {
+  const I sc = UnitQ6K::sc(w, 2 * i + c / 4);  // sign-extended 32-bit lanes
+  const I sc16 = or_(and_(sc, b32(0xFFFF)), shift(sc, 16));
+  const I q = _mm512_sub_epi8(UnitQ6K::code(w, i, c), b8(32));
+  const I even = _mm512_mullo_epi16(_mm512_srai_epi16(_mm512_slli_epi16(q, 8), 8), sc16);
+  const I odd = _mm512_mullo_epi16(_mm512_srai_epi16(q, 8), sc16);
+  st(lo, or_(and_(even, _mm512_set1_epi16(0x00FF)), _mm512_slli_epi16(odd, 8)));
+  st(hi, or_(_mm512_srli_epi16(even, 8), and_(odd, _mm512_set1_epi16((short)0xFF00))));
+}
+
 template <class Fmt>
 inline void amx_unpack_super(const kv_ggml_args* a, int p, AmxSuperPanel& out) {
   using U = typename UnitOf<Fmt>::T;
-  constexpr int s = Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
   for (int u = 0; u < a->nb / 8; ++u) {
     const uint8_t* w = group_at(a, Fmt::kKind, p, 8 * u);
     uint8_t* o = out.at(u);
-    KV_UNROLL for (int i = 0; i < 8; ++i) {
-      const I sc = U::sc(w, i);
-      const I lo = and_(sc, b32((1 << s) - 1)), hi = srl(sc, s);
-      const I lo16 = or_(lo, shift(lo, 16)), hi16 = or_(hi, shift(hi, 16));  // the scale in both 16-bit halves
-      /* one 16-bit multiply makes both bytes' products: the low byte's (at most 255) cannot carry into the high
-       * one's, and the high one's (at most 255, times 256) stays within 16 bits */
-      KV_UNROLL for (int c = 0; c < 8; ++c) {
-        const I q = U::template code<false>(w, i, c);
+    if constexpr (Fmt::kFold == Fold::kScale16) {
+      KV_UNROLL for (int i = 0; i < 8; ++i) KV_UNROLL for (int c = 0; c < 8; ++c) {
         uint8_t* row = o + 1024 * (i / 2) + 64 * (8 * (i & 1) + c);
-        st(row, _mm512_mullo_epi16(q, lo16));
-        st(row + 4096, _mm512_mullo_epi16(q, hi16));
+        q6k_pieces(w, i, c, row, row + 4096);
       }
+    } else {
+      constexpr int s = Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
+      KV_UNROLL for (int i = 0; i < 8; ++i) {
+        const I sc = U::sc(w, i);
+        const I lo = and_(sc, b32((1 << s) - 1)), hi = srl(sc, s);
+        const I lo16 = or_(lo, shift(lo, 16)), hi16 = or_(hi, shift(hi, 16));  // the scale in both 16-bit halves
+        /* one 16-bit multiply makes both bytes' products: the low byte's (at most 255) cannot carry into the high
+         * one's, and the high one's (at most 255, times 256) stays within 16 bits */
+        KV_UNROLL for (int c = 0; c < 8; ++c) {
+          const I q = U::template code<false>(w, i, c);
+          uint8_t* row = o + 1024 * (i / 2) + 64 * (8 * (i & 1) + c);
+          st(row, _mm512_mullo_epi16(q, lo16));
+          st(row + 4096, _mm512_mullo_epi16(q, hi16));
+        }
+      }
+      KV_UNROLL for (int k = 0; k < 4; ++k) st(o + 8192 + 64 * k, U::mpair(w, k));
+      stf((float*)(o + 8192 + 320), U::m(w, 0));
     }
-    KV_UNROLL for (int k = 0; k < 4; ++k) st(o + 8192 + 64 * k, U::mpair(w, k));
     stf((float*)(o + 8192 + 256), U::d(w, 0));
-    stf((float*)(o + 8192 + 320), U::m(w, 0));
   }
 }
 
@@ -248,7 +225,8 @@ inline void amx_unpack_super(const kv_ggml_args* a, int p, AmxSuperPanel& out) {
  * panel's super-block is taken for all of them before the next, its B tiles staying in L1). */
 template <class Fmt, int T>
 inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, int64_t m, float (*acc)[16]) {
-  constexpr int s = Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
+  constexpr bool q6k = Fmt::kFold == Fold::kScale16;  // its high piece signed, 2^8 apart; no minimums
+  constexpr int s = q6k ? 8 : Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
   alignas(64) int32_t c[4][256];  // C lo, hi of rows 0-15, lo, hi of rows 16-31
   const int8_t* x = a->xq + m * a->ldq + 256 * v;
   _tile_zero(0);
@@ -263,10 +241,12 @@ inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, 
     _tile_loadd(6, panel + 1024 * t, 64);
     _tile_loadd(7, panel + 4096 + 1024 * t, 64);
     _tile_dpbsud(0, 4, 6);
-    _tile_dpbsud(1, 4, 7);
+    if (q6k) _tile_dpbssd(1, 4, 7);
+    else _tile_dpbsud(1, 4, 7);
     if (T == 2) {
       _tile_dpbsud(2, 5, 6);
-      _tile_dpbsud(3, 5, 7);
+      if (q6k) _tile_dpbssd(3, 5, 7);
+      else _tile_dpbsud(3, 5, 7);
     }
   }
   _tile_stored(0, c[0], 64);
@@ -283,6 +263,15 @@ inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, 
   const float* xd = a->xd + m * ldb + 8 * v;
   const int16_t* pairs = a->xsum16 + m * ldb + 8 * v;
   const bool first = v == 0;
+  if constexpr (q6k) {
+    for (int r = 0; r < 16 * T; ++r, xd += ldb) {
+      const int32_t* lo = c[2 * (r / 16)] + 16 * (r % 16);
+      const I sum = add(ld(lo), shift(ld(lo + 256), s));
+      const F y = first ? zero_f() : ldf(acc[r]);
+      stf(acc[r], fma(D, mul(cvt(sum), bset(*xd)), y));
+    }
+    return;
+  }
   for (int r = 0; r < 16 * T; ++r, xd += ldb, pairs += ldb) {
     const int32_t* lo = c[2 * (r / 16)] + 16 * (r % 16);
     const I sum = add(ld(lo), shift(ld(lo + 256), s));
@@ -305,7 +294,7 @@ template <class Fmt>
 inline void amx_kernel(const kv_ggml_args* a) {
   const int64_t tiled = a->rows / 16 * 16;
   if (tiled > 0) {
-    if constexpr (Fmt::kFold == Fold::kSuper) {
+    if constexpr (Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16) {
       thread_local AmxSuperPanel panel;
       thread_local AlignedVector<float> accs;
       panel.resize(a->nb / 8);
@@ -325,7 +314,7 @@ inline void amx_kernel(const kv_ggml_args* a) {
     } else {
       thread_local AmxPanel panel;
       panel.resize(a->nb);
-      amx_configure<Fmt>();
+      amx_configure();
       for (int p = 0; p < a->panels; ++p) {
         amx_unpack<Fmt>(a, p, panel);
         for (int64_t m = 0; m < tiled; m += 16) amx_rows<Fmt>(a, panel, p, m);
@@ -350,11 +339,8 @@ inline void amx_kernel(const kv_ggml_args* a) {
 }  // namespace kvserve::gguf::avx512
 #pragma GCC pop_options
 #undef KV_TC0
-#undef KV_TC1
 #undef KV_TA0
-#undef KV_TA1
 #undef KV_TB0
-#undef KV_TB1
 
 #define KV_GGUF_AMX_LEAF(name, Fmt)                                                                             \
   extern "C" __attribute__((target(KV_AVX512_TARGET ",amx-tile,amx-int8"))) void kv_##name##_amx(              \

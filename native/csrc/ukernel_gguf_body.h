@@ -18,6 +18,10 @@ constexpr int kChunk = 4 * kW;  // bytes per chunk of a panel field
 #define KV_INLINE inline __attribute__((always_inline))
 
 KV_INLINE I low4(I v) { return and_(v, b8(15)); }
+
+/* v as it is, in a register (an empty asm, no instruction): a super-block's integer sum stays one chain, where GCC
+ * would otherwise reassociate it into a tree that keeps every block's products live at once (spilled: measured) */
+KV_INLINE void chain(I& v) { __asm__("" : "+v"(v)); }
 KV_INLINE I high4(I v) { return and_(srl(v, 4), b8(15)); }
 
 /* ---- Each format's codes and scales straight from its panel: w is a group's first unit (8 blocks of 32, or
@@ -147,8 +151,6 @@ struct Codes {
     if constexpr (Fmt::kFold == Fold::kSuper) return U::mpair(w, k);
     return zero_i();
   }
-  static constexpr bool kScalesInFloat = false;
-  KV_INLINE F scf(int) const { return zero_f(); }
 };
 
 /* ---- A K-quant panel's group unpacked once into memory for every tile of rows of a call that takes it (more rows
@@ -160,17 +162,13 @@ struct Unpacked {
   using U = typename UnitOf<Fmt>::T;
   I codes[8][8];  // [block][chunk]
   F D[8], Mn[8];  // D[0] = d (Q6_K); D[0] = d, Mn[0] = -dmin (Q4_K, Q5_K)
-  I scales[16];   // Q6_K's scale per 16 weights, sign-extended (or as floats, kFloatScales: in scalesf); Q4_K and
-                  // Q5_K's 8 sub-block scales in the first 8
+  I scales[16];   // Q6_K's scale per 16 weights, sign-extended; Q4_K and Q5_K's 8 sub-block scales in the first 8
   I mpairs[4];    // Q4_K and Q5_K: the minimums of sub-blocks 2k, 2k + 1 as 16-bit pairs
-  F scalesf[16];
-  static constexpr bool kScalesInFloat = kFloatScales;
   KV_INLINE I code(int i, int c) const { return codes[i][c]; }
   KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScaleMin ? D[i] : D[0]; }
   KV_INLINE F m(int i) const { return Fmt::kFold == Fold::kScaleMin ? Mn[i] : Mn[0]; }
   KV_INLINE I sc(int j) const { return scales[j]; }
   KV_INLINE I mpair(int k) const { return mpairs[k]; }
-  KV_INLINE F scf(int j) const { return scalesf[j]; }
   KV_INLINE static int shift_of(int) { return 0; }
   /* From the group at w (8 blocks: K-quant groups are whole). */
   KV_INLINE void unpack(const uint8_t* w) {
@@ -180,10 +178,7 @@ struct Unpacked {
     }
     if constexpr (Fmt::kFold == Fold::kScale16) {
       D[0] = U::d(w, 0);
-      KV_UNROLL for (int j = 0; j < 16; ++j) {
-        if constexpr (kFloatScales) scalesf[j] = cvt(U::sc(w, j));
-        else scales[j] = U::sc(w, j);
-      }
+      KV_UNROLL for (int j = 0; j < 16; ++j) scales[j] = U::sc(w, j);
     } else {
       D[0] = U::d(w, 0);
       Mn[0] = U::m(w, 0);
@@ -204,9 +199,10 @@ constexpr int kBlocksAtOnce = [] {
 }();
 
 /* ---- Blocks i0..i0+B-1 of a group (global block b0 + i0 ...) for rows m..m+R-1 of P panels (src[p]: Codes or
- * Unpacked): their integer dots, then each block's float steps in block order (ukernel_gguf.h's order per output);
- * the activation values are read once for all panels. Q6_K's offset is on the activation side: each half's dot
- * starts from -32 qsum16 (xoff16), so it ends as sum (q - 32) x with no operation of its own. */
+ * Unpacked): their integer dots, then each block's float steps in block order (ukernel_gguf.h's order per output),
+ * or for the K-quants their part of the super-block's integer sum isum (fold_super's); the activation values are
+ * read once for all panels. Q6_K's offset is on the activation side: each half's dot starts from -32 qsum16
+ * (xoff16), so it ends as sum (q - 32) x with no operation of its own. */
 template <class Fmt, int R, int P, int B, class Src>
 KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0, int64_t m, F (*acc)[R],
                       I (*isum)[R]) {
@@ -215,29 +211,17 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
   const int8_t* x = a->xq + m * a->ldq + 32 * (b0 + i0);
   I dot[B][P][R];
   if constexpr (Fmt::kFold == Fold::kScale16) {
-    I t[B][P][R];
-    F tf[B][P][R];
+    /* each half's dot times its scale into the super-block's integer sum */
     KV_UNROLL for (int h = 0; h < 2; ++h) {
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
         const I offset = b32(a->xoff16[2 * (at + b + r * a->ldb) + h]);
         KV_UNROLL for (int p = 0; p < P; ++p) dot[b][p][r] = offset;
       }
       dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, dot);
-      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) KV_UNROLL for (int p = 0; p < P; ++p) {
-        if constexpr (Src::kScalesInFloat) {  // T in float: exact, as in integer (Unpacked)
-          const F sc = src[p].scf(2 * (i0 + b) + h);
-          tf[b][p][r] = h == 0 ? mul(sc, cvt(dot[b][p][r])) : fma(sc, cvt(dot[b][p][r]), tf[b][p][r]);
-        } else {
-          const I v = mullo(src[p].sc(2 * (i0 + b) + h), dot[b][p][r]);
-          t[b][p][r] = h == 0 ? v : add(t[b][p][r], v);
-        }
-      }
-    }
-    KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
-      const F xd = bset(a->xd[at + b + r * a->ldb]);
-      KV_UNROLL for (int p = 0; p < P; ++p) {
-        const F T = Src::kScalesInFloat ? tf[b][p][r] : cvt(t[b][p][r]);
-        acc[p][r] = fma(src[p].d(i0 + b), mul(T, xd), acc[p][r]);
+      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) KV_UNROLL for (int p = 0; p < P; ++p)
+      {
+        isum[p][r] = add(isum[p][r], mullo(src[p].sc(2 * (i0 + b) + h), dot[b][p][r]));
+        chain(isum[p][r]);
       }
     }
   } else if constexpr (Fmt::kFold == Fold::kSuper) {
@@ -253,6 +237,7 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
           I v = dot[b][p][r];
           if (down) v = sra(v, down);
           isum[p][r] = add(isum[p][r], mullo(sc, v));
+          chain(isum[p][r]);
         }
       }
     }
@@ -303,11 +288,18 @@ KV_INLINE const uint8_t* group_at(const kv_ggml_args* a, int kind, int p, int b0
 KV_INLINE float* panel_y(const kv_ggml_args* a, int p, int64_t m) { return a->y + m * a->ldy + (int64_t)p * kW; }
 KV_INLINE int panel_cols(const kv_ggml_args* a, int p) { return p == a->panels - 1 ? a->cols : kW; }
 
-/* A Q4_K / Q5_K super-block's float steps for rows m..m+R-1 of P panels (ukernel_gguf.h's order): its integer
- * sums isum (sum_j sc_j dot_j), the minimums' sum_j m_j qsum_j from 16-bit pairs (vpdpwssd: xsum16's pairs
- * against mpair's), then two fused multiply-adds. */
+/* A K-quant super-block's float steps for rows m..m+R-1 of P panels (ukernel_gguf.h's order): its integer sums
+ * isum (sum_j sc_j dot_j), for Q4_K / Q5_K the minimums' sum_j m_j qsum_j from 16-bit pairs (vpdpwssd: xsum16's
+ * pairs against mpair's), then two fused multiply-adds (Q6_K: one). */
 template <class Fmt, int R, int P, class Src>
 KV_INLINE void fold_super(const kv_ggml_args* a, const Src* src, int64_t b0, int64_t m, I (*isum)[R], F (*acc)[R]) {
+  if constexpr (Fmt::kFold == Fold::kScale16) {
+    KV_UNROLL for (int r = 0; r < R; ++r) {
+      const F xd = bset(a->xd[(m + r) * a->ldb + b0]);
+      KV_UNROLL for (int p = 0; p < P; ++p) acc[p][r] = fma(src[p].d(0), mul(cvt(isum[p][r]), xd), acc[p][r]);
+    }
+    return;
+  }
   I mp[P][4];
   KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int k = 0; k < 4; ++k) mp[p][k] = src[p].mpair(k);
   KV_UNROLL for (int r = 0; r < R; ++r) {
@@ -327,8 +319,9 @@ KV_INLINE void fold_super(const kv_ggml_args* a, const Src* src, int64_t b0, int
  * super-block's float steps after its last). */
 template <class Fmt, int R, int P, int B, class Src>
 KV_INLINE void group(const kv_ggml_args* a, const Src* src, int64_t b0, int nblk, int64_t m, F (*acc)[R]) {
+  constexpr bool super = Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16;
   I isum[P][R];
-  if constexpr (Fmt::kFold == Fold::kSuper)
+  if constexpr (super)
     KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) isum[p][r] = zero_i();
   KV_UNROLL for (int i = 0; i < 8; i += B) {
     if (i >= nblk) break;  // a K-quant group is whole: B divides 8
@@ -337,7 +330,7 @@ KV_INLINE void group(const kv_ggml_args* a, const Src* src, int64_t b0, int nblk
      * fit the registers */
     __asm__ volatile("" ::: "memory");
   }
-  if constexpr (Fmt::kFold == Fold::kSuper) fold_super<Fmt, R, P>(a, src, b0, m, isum, acc);
+  if constexpr (super) fold_super<Fmt, R, P>(a, src, b0, m, isum, acc);
 }
 
 /* Rows m..m+R-1 of panels p0..p0+P-1 over the whole row, codes straight from the panels: the accumulators stay
@@ -421,8 +414,21 @@ template <class Fmt, int R>
 __attribute__((noinline)) void group_tile(const kv_ggml_args* a, const Unpacked<Fmt>* u, int p, int b0, int64_t m) {
   F acc[1][R];
   const int cols = panel_cols(a, p);
-  KV_UNROLL for (int r = 0; r < R; ++r) acc[0][r] = b0 == 0 ? zero_f() : load_y(panel_y(a, p, m + r), cols);
-  group<Fmt, R, 1, 1>(a, u, b0, 8, m, acc);
+  if constexpr (Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16) {
+    /* the super-block's integer sums first, the accumulators only for its float steps (held over the dots, they
+     * pushed the dots' registers to the stack: measured) */
+    I isum[1][R];
+    KV_UNROLL for (int r = 0; r < R; ++r) isum[0][r] = zero_i();
+    KV_UNROLL for (int i = 0; i < 8; ++i) {
+      blocks<Fmt, R, 1, 1>(a, u, i, b0, m, acc, isum);
+      __asm__ volatile("" ::: "memory");
+    }
+    KV_UNROLL for (int r = 0; r < R; ++r) acc[0][r] = b0 == 0 ? zero_f() : load_y(panel_y(a, p, m + r), cols);
+    fold_super<Fmt, R, 1>(a, u, b0, m, isum, acc);
+  } else {
+    KV_UNROLL for (int r = 0; r < R; ++r) acc[0][r] = b0 == 0 ? zero_f() : load_y(panel_y(a, p, m + r), cols);
+    group<Fmt, R, 1, 1>(a, u, b0, 8, m, acc);
+  }
   KV_UNROLL for (int r = 0; r < R; ++r) store_y(panel_y(a, p, m + r), acc[0][r], cols);
 }
 
