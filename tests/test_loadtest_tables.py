@@ -237,8 +237,8 @@ def test_ready_table_takes_the_peak_over_starts_and_judges_it_against_the_budget
     assert table(rows).splitlines()[3].endswith("| +400 | yes |")
 
 
-def test_actblocks_kernel_takes_one_activation_scale_per_256_for_q4_k(tiny_gguf, monkeypatch, capsys):
-    """`python -m kvserve.loadtest actblocks`: per file, the Q4_K / Q5_K projections' inputs in float, per 32, per
+def test_actblocks_kernel_takes_one_activation_scale_per_256_for_the_k_quants(tiny_gguf, monkeypatch, capsys):
+    """`python -m kvserve.loadtest actblocks`: per file, the K-quant projections' inputs in float, per 32, per
     256 and through the kernel; the kernel's distributions are those of per 256 (up to float order), not per 32's,
     and its layers are left as found."""
     from kvserve.loadtest.__main__ import main as loadtest_main
@@ -257,6 +257,7 @@ def test_actblocks_kernel_takes_one_activation_scale_per_256_for_q4_k(tiny_gguf,
     assert by["per 32"].kl > 0 and by["per 256"].kl > 0
     # the kernel sits on per 256's distributions: far nearer to them than per 32 is
     assert abs(by["the kernel"].kl - by["per 256"].kl) < 0.1 * abs(by["per 256"].kl - by["per 32"].kl)
-    layers = [m for m in model.modules() if isinstance(m, GGMLLinear) and m.kind is GGMLKind.Q4_K]
-    assert layers and all(m.use_kernel and m.act_block == 256 for m in layers)
+    layers = [m for m in model.modules() if isinstance(m, GGMLLinear) and m.kind in actblocks.K_QUANTS]
+    assert {m.kind for m in layers} == {GGMLKind.Q4_K, GGMLKind.Q6_K}  # a Q4_K_M file's mixture
+    assert all(m.use_kernel and m.act_block == 256 for m in layers)
     assert capsys.readouterr().out.count(f"| {path.name} |") == 4

@@ -1,9 +1,9 @@
 """What the activations' block size costs a GGUF model's next-token distributions.
 
 The GGUF kernels quantize a projection's input to int8 per block of 32 values, but per super-block of 256 for
-Q4_K and Q5_K (as llama.cpp's Q8_K does; ukernel_gguf.h): coarser beside an outlier, and what lets those
-formats fold their sub-block scales in integer (docs/kernels.md). This measures the cost on a file's own
-weights: every Q4_K / Q5_K projection of the model run on the reference path (dequantized weights, ``F.linear``)
+the K-quants (Q4_K, Q5_K, Q6_K, as llama.cpp's Q8_K does; ukernel_gguf.h): coarser beside an outlier, and what
+lets those formats fold their sub-block scales in integer (docs/kernels.md). This measures the cost on a file's
+own weights: every K-quant projection of the model run on the reference path (dequantized weights, ``F.linear``)
 with its inputs in float, quantized per 32, or per 256, and then through the kernel; each against the float run
 over the held-out text of ``kvserve.quant.quality``: mean KL (nats), top-1 agreement and perplexity. The other
 projections run their kernels throughout.
@@ -23,8 +23,10 @@ import torch
 from kvserve.loadtest.argtypes import absolute_path
 from kvserve.loadtest.errors import UsageError
 from kvserve.loadtest.publish.benchmarks_md import update_section
+from kvserve.quant.ggml import GGMLKind
 
 TOKENS = 1024
+K_QUANTS = (GGMLKind.Q4_K, GGMLKind.Q5_K, GGMLKind.Q6_K)  # the kinds whose kernels take one scale per 256
 # (label, act block on the reference path or None for float, through the kernel)
 VARIANTS = (("float inputs (the reference)", None, False), ("per 32", 32, False), ("per 256", 256, False),
             ("the kernel", None, True))
@@ -47,14 +49,14 @@ def measure(model: torch.nn.Module, tokenizer, name: str, tokens: int = TOKENS) 
     ``tokens`` held-out tokens. Leaves every layer as it found it.
 
     Raises:
-        UsageError: the model has no Q4_K or Q5_K projection.
+        UsageError: the model has no K-quant projection.
     """
     from kvserve.quant import quality
-    from kvserve.quant.ggml import GGMLKind, GGMLLinear
+    from kvserve.quant.ggml import GGMLLinear
 
-    layers = [m for m in model.modules() if isinstance(m, GGMLLinear) and m.kind in (GGMLKind.Q4_K, GGMLKind.Q5_K)]
+    layers = [m for m in model.modules() if isinstance(m, GGMLLinear) and m.kind in K_QUANTS]
     if not layers:
-        raise UsageError(f"{name} has no Q4_K or Q5_K projection: nothing to compare")
+        raise UsageError(f"{name} has no Q4_K, Q5_K or Q6_K projection: nothing to compare")
     saved = [(m.act_block, m.use_kernel) for m in layers]
     ids = quality.heldout_ids(tokenizer, tokens)
     rows, reference, reference_top = [], None, None
@@ -75,12 +77,12 @@ def measure(model: torch.nn.Module, tokenizer, name: str, tokens: int = TOKENS) 
 
 def render(rows: list[Row], tokens: int) -> str:
     """The BENCHMARKS.md table of ``rows``."""
-    lines = ["| file | Q4_K / Q5_K projections' inputs | projections | perplexity | KL from float inputs (nats) | "
+    lines = ["| file | K-quant projections' inputs | projections | perplexity | KL from float inputs (nats) | "
              "top-1 agreement |", "|---|---|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r.file} | {r.variant} | {r.layers} | {r.perplexity:.3f} | {r.kl:.5f} | {r.top1:.4f} |")
     return "\n".join(lines) + (
-        f"\n\nThe held-out text's first {tokens} tokens in one causal window; only the file's Q4_K and Q5_K "
+        f"\n\nThe held-out text's first {tokens} tokens in one causal window; only the file's Q4_K, Q5_K and Q6_K "
         "projections change between rows (the reference path: the file's blocks dequantized, `F.linear`, their "
         "inputs in float or quantized to int8 per 32 or per 256 values; then the kernel, which takes one scale per "
         "256 for these formats); every other projection runs its kernel throughout. The kernel differs from the "
@@ -91,7 +93,7 @@ def render(rows: list[Row], tokens: int) -> str:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", type=absolute_path, required=True, action="append",
-                        help="a GGUF file with Q4_K or Q5_K projections (repeat for several)")
+                        help="a GGUF file with Q4_K, Q5_K or Q6_K projections (repeat for several)")
     parser.add_argument("--tokens", type=int, default=TOKENS, help="held-out tokens")
     parser.add_argument("--write", action="store_true",
                         help="also write the table into BENCHMARKS.md (section act-blocks)")
@@ -101,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     """Measure each file, print the table and (``--write``) publish it.
 
     Raises:
-        UsageError: a file is not a .gguf file or has no Q4_K / Q5_K projection.
+        UsageError: a file is not a .gguf file or has no K-quant projection.
     """
     from kvserve.engine.gguf_model import load_gguf
     from kvserve.engine.lean_model import LeanCausalLM, transformers_model
@@ -120,6 +122,6 @@ def run(args: argparse.Namespace) -> int:
     if args.write:
         command = "python -m kvserve.loadtest actblocks " + " ".join(f"--model {Path(m).name}" for m in args.model) \
             + (f" --tokens {args.tokens}" if args.tokens != TOKENS else "") + " --write"
-        update_section("act-blocks", "What one activation scale per 256 costs Q4_K and Q5_K files (real weights)",
+        update_section("act-blocks", "What one activation scale per 256 costs K-quant files (real weights)",
                        command, text)
     return 0

@@ -262,9 +262,9 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
                   "with each tile making its codes from the panel, the two timed in three alternating rounds."]
     if amx:
         lines += ["", f"From {module.gguf_amx_rows()} rows (a decode batch of 32, a prefill chunk) the Q4_K and Q5_K "
-                  "projections, and the Q6_K ones of 4,096 weights a row or more (here ffn_down), run on AMX-INT8 tiles, this CPU having them "
-                  "(native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same step on the AVX-512 kernel alone, the "
-                  "two timed in three alternating rounds."]
+                  "projections, and from 16 the Q6_K ones (here the LM head, some attn_v and ffn_down), run on "
+                  "AMX-INT8 tiles, this CPU having them (native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same "
+                  "step on the AVX-512 kernel alone, the two timed in three alternating rounds."]
     print("\n".join(lines), flush=True)
     if write:
         update_section("ggml-model", "A Q4_K_M Llama-3.2-1B step's projections against the read bound (decode batches) "

@@ -172,8 +172,8 @@ def render(rows: list[Agreement], tokens: int) -> str:
         f"file's own blocks), one after the other; {len(PROMPTS)} prompts, {tokens} greedy tokens each, end-of-"
         "generation tokens banned on both. Where two replies part, each server's gap is how far below its own pick "
         f"it ranks the other's token (logprobs, nats); a near-tie is a parting where both gaps are <= {NEAR_TIE}: "
-        "activations quantized in other blocks (both: 8 bits per 256 for Q4_K and Q5_K, per 32 for Q4_0 to Q8_0; "
-        "Q6_K per 256 in llama.cpp, per 32 in kvserve) move logits by about that much. Random-weight files "
+        "activations quantized in other blocks (both: 8 bits per 256 for the K-quants, per 32 for Q4_0 to Q8_0; "
+        "their rounding and sums differ in detail) move logits by about that much. Random-weight files "
         "(`loadtest randgguf`) are all near-ties and say little; real weights (the embedded model requantized by "
         "llama.cpp's `llama-quantize`) are the test.")
 
