@@ -18,11 +18,12 @@ constexpr int kChunk = 4 * kW;  // bytes per chunk of a panel field
 #define KV_INLINE inline __attribute__((always_inline))
 
 KV_INLINE I low4(I v) { return and_(v, b8(15)); }
+KV_INLINE I high4(I v) { return and_(srl(v, 4), b8(15)); }
 
 /* v as it is, in a register (an empty asm, no instruction): a super-block's integer sum stays one chain, where GCC
- * would otherwise reassociate it into a tree that keeps every block's products live at once (spilled: measured) */
+ * would otherwise reassociate it into a tree that keeps every block's products live at once (the unpacked tiles
+ * spilled them: counted in the assembly) */
 KV_INLINE void chain(I& v) { __asm__("" : "+v"(v)); }
-KV_INLINE I high4(I v) { return and_(srl(v, 4), b8(15)); }
 
 /* ---- Each format's codes and scales straight from its panel: w is a group's first unit (8 blocks of 32, or
  * fewer at the end of a 32-weight row), i a block of the group (a constant once inlined), c a chunk: kW lanes of
@@ -218,10 +219,12 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
         KV_UNROLL for (int p = 0; p < P; ++p) dot[b][p][r] = offset;
       }
       dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, dot);
-      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) KV_UNROLL for (int p = 0; p < P; ++p)
-      {
-        isum[p][r] = add(isum[p][r], mullo(src[p].sc(2 * (i0 + b) + h), dot[b][p][r]));
-        chain(isum[p][r]);
+      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) {
+        const I sc = src[p].sc(2 * (i0 + b) + h);
+        KV_UNROLL for (int r = 0; r < R; ++r) {
+          isum[p][r] = add(isum[p][r], mullo(sc, dot[b][p][r]));
+          chain(isum[p][r]);
+        }
       }
     }
   } else if constexpr (Fmt::kFold == Fold::kSuper) {
@@ -416,7 +419,7 @@ __attribute__((noinline)) void group_tile(const kv_ggml_args* a, const Unpacked<
   const int cols = panel_cols(a, p);
   if constexpr (Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16) {
     /* the super-block's integer sums first, the accumulators only for its float steps (held over the dots, they
-     * pushed the dots' registers to the stack: measured) */
+     * took registers the dots need) */
     I isum[1][R];
     KV_UNROLL for (int r = 0; r < R; ++r) isum[0][r] = zero_i();
     KV_UNROLL for (int i = 0; i < 8; ++i) {
