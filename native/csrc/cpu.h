@@ -107,7 +107,7 @@ inline bool amx() {
     if (env != nullptr && std::strcmp(env, "0") == 0) return false;
     unsigned a = 0, b = 0, c = 0, d = 0;
     if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || ((d >> 24) & 3u) != 3u) return false;
-    if (((c >> 27) & 1u) == 0) return false;  // OSXSAVE: xgetbv may run
+    if (!__get_cpuid(1, &a, &b, &c, &d) || ((c >> 27) & 1u) == 0) return false;  // OSXSAVE: xgetbv may run
     unsigned lo = 0, hi = 0;
     __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
     if (((lo >> 17) & 3u) != 3u) return false;
