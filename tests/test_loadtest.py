@@ -146,7 +146,40 @@ def test_compare_against_fake_servers(tmp_path):
     assert [run["summary"]["output_tokens"] for run in doc["runs"]] == [1874, 1874]
     assert [run["summary"]["ok"] for run in doc["runs"]] == [64, 64]
     text = bench.read_text()
-    assert "<!-- BEGIN compare -->" in text and "| static |" in text and "| continuous |" in text
+    from kvserve.loadtest.publish.benchmarks_md import kernel_class
+    assert f"<!-- BEGIN compare{kernel_class()[0]} -->" in text and "| static |" in text and "| continuous |" in text
+
+
+def test_a_cpu_section_is_one_per_kernel_path(tmp_path, monkeypatch):
+    """An AVX2-only machine, or one with AMX tiles, writes its own section beside the AVX-512 machine's (the
+    reference) instead of replacing it; a forced lesser path is that path's section, its command naming the
+    variable; a GPU's section is one whatever its host CPU."""
+    from kvserve.loadtest.publish import benchmarks_md
+    from kvserve.loadtest.publish.benchmarks_md import kernel_class, update_section
+
+    monkeypatch.delenv("KVSERVE_ISA", raising=False)
+    monkeypatch.delenv("KVSERVE_AMX", raising=False)
+    avx2, avx512 = {"avx2", "fma", "f16c"}, {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni"}
+    assert kernel_class(avx512) == ("", "", "")
+    assert kernel_class(avx2)[0] == "-avx2" and kernel_class(set())[0] == "-scalar"
+    assert kernel_class(avx512 | {"amx_int8"})[0] == "-amx"
+    monkeypatch.setenv("KVSERVE_AMX", "0")
+    assert kernel_class(avx512 | {"amx_int8"})[2] == "KVSERVE_AMX=0 "
+    monkeypatch.setenv("KVSERVE_ISA", "avx2")
+    assert kernel_class(avx512)[::2] == ("-avx2", "KVSERVE_ISA=avx2 ")
+    bench = tmp_path / "BENCHMARKS.md"
+    for flags in (avx512, avx2):
+        monkeypatch.setattr(benchmarks_md, "_cpu", lambda flags=flags: ("a CPU", flags))
+        monkeypatch.delenv("KVSERVE_ISA")
+        update_section("bench", "A bench", "python -m kvserve.loadtest bench", f"figures on {len(flags)} flags", bench)
+        monkeypatch.setenv("KVSERVE_ISA", "scalar")
+        update_section("bench", "A bench", "python -m kvserve.loadtest bench", "scalar figures", bench)
+        update_section("gpu", "On a GPU", "python -m kvserve.loadtest gpu", "gpu figures", bench, per_kernel_path=False)
+    text = bench.read_text()
+    assert [line for line in text.splitlines() if line.startswith("<!-- BEGIN")] == [
+        "<!-- BEGIN bench -->", "<!-- BEGIN bench-scalar -->", "<!-- BEGIN gpu -->", "<!-- BEGIN bench-avx2 -->"]
+    assert "figures on 7 flags" in text and "figures on 3 flags" in text and text.count("scalar figures") == 1
+    assert "## A bench — AVX2 path (no AVX-512)" in text and "`KVSERVE_ISA=scalar python -m kvserve.loadtest bench`" in text
 
 
 def test_compare_gives_each_weight_scheme_its_flags_and_section():

@@ -30,7 +30,6 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from kvserve import environment
 from kvserve.kvcache.sizing import KVCacheDType
 from kvserve.loadtest.argtypes import QUANTIZATIONS, positive_int, positive_ints
 from kvserve.loadtest.publish.benchmarks_md import update_section
@@ -408,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         update_section(key, f"Where a decode step's time goes ({what})",
                        "python -m kvserve.loadtest profile" + ("" if on_cpu else f" --device {loaded.device.type}")
                        + ("" if scheme == "auto" else f" --quantization {scheme}")
-                       + ("" if cache == "auto" else f" --kv-cache-dtype {cache}"), text)
+                       + ("" if cache == "auto" else f" --kv-cache-dtype {cache}"), text, per_kernel_path=on_cpu)
     return 0
 
 
@@ -470,14 +469,11 @@ def _run_prefill(args: argparse.Namespace, loaded, served: str) -> int:
     if not args.no_write:
         scheme = "" if args.quantization == "auto" else f" --quantization {args.quantization}"
         cache = "" if args.kv_cache_dtype == "auto" else f" --kv-cache-dtype {args.kv_cache_dtype}"
-        forced = environment.forced_isa()  # a lesser path forced: its own section beside the best path's
         update_section("profile-prefill" + scheme.replace(" --quantization ", "-")
-                       + cache.replace(" --kv-cache-dtype ", "-kv-") + (f"-{forced}" if forced else ""),
+                       + cache.replace(" --kv-cache-dtype ", "-kv-"),
                        f"Where a prefill's time goes (our engine, {loaded.name}, {served} weights"
-                       + (f", {args.kv_cache_dtype} KV cache" if cache else "")
-                       + (f", {forced} path)" if forced else ")"),
-                       (f"KVSERVE_ISA={forced} " if forced else "")
-                       + "python -m kvserve.loadtest profile --prefill " + ",".join(map(str, args.prefill))
+                       + (f", {args.kv_cache_dtype} KV cache" if cache else "") + ")",
+                       "python -m kvserve.loadtest profile --prefill " + ",".join(map(str, args.prefill))
                        + (f" --chunk {args.chunk}" if args.chunk != 512 else "") + scheme + cache, text)
     return 0
 

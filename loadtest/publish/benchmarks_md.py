@@ -1,7 +1,9 @@
 """Write one section of BENCHMARKS.md, leaving the other benchmarks' sections as they are.
 
 Each benchmark owns the text between ``<!-- BEGIN name -->`` and ``<!-- END name -->``; a section is
-stamped with the command that produced it, the machine and the date.
+stamped with the command that produced it, the machine and the date. A CPU benchmark's section is one per kernel
+path (``kernel_class``): a run on an AVX2-only machine, or on one with AMX tiles, writes its own section beside
+the AVX-512 machine's instead of replacing it.
 """
 
 from __future__ import annotations
@@ -13,16 +15,14 @@ import re
 import sys
 from pathlib import Path
 
+from kvserve import environment
+
 BENCHMARKS = Path(__file__).resolve().parents[2] / "BENCHMARKS.md"
 _HEADER = "# kvserve benchmarks\n\nEvery figure below comes from the command printed with it; rerun it to refresh its section.\n"
 
 
-def machine() -> str:
-    """A one-line description of this machine (CPU model and its widest vector ISA, cores, memory).
-
-    The ISA is named because one CPU model string ("AMD EPYC") covers machines whose kernels and bfloat16
-    support differ (AVX2 only, or AVX-512 with BF16).
-    """
+def _cpu() -> tuple[str, set[str]]:
+    """The CPU's model name and its /proc/cpuinfo flags (empty where there is no such file)."""
     cpu, flags = platform.processor() or platform.machine(), set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -33,6 +33,47 @@ def machine() -> str:
                 break
     except OSError:
         pass
+    return cpu, flags
+
+
+def kernel_class(flags: set[str] | None = None) -> tuple[str, str, str]:
+    """Which kernel path a CPU benchmark on this machine measures, as (key suffix, title suffix, command prefix).
+
+    The AVX-512 VNNI path without AMX tiles is the reference the issues' figures are set on: ``("", "", "")``.
+    A CPU with AMX-INT8 adds tiles to that path (``-amx``); an AVX2-only CPU runs the AVX2 path (``-avx2``); a
+    lesser path forced with ``KVSERVE_ISA`` is that path's section, its command prefixed with the variable so
+    the line reruns what was measured. The tests of csrc/cpu.h's choice are native/__init__.py's; this only reads
+    the same flags.
+
+    Args:
+        flags: /proc/cpuinfo flags (this machine's when None).
+
+    Raises:
+        ValueError: ``KVSERVE_ISA`` names no path kvserve has.
+    """
+    if flags is None:
+        flags = _cpu()[1]
+    forced = environment.forced_isa()
+    if forced is not None:
+        return f"-{forced}", f" — {forced} path (forced)", f"KVSERVE_ISA={forced} "
+    if not {"avx2", "fma", "f16c"} <= flags:
+        return "-scalar", " — scalar path", ""
+    if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+        return "-avx2", " — AVX2 path (no AVX-512)", ""
+    if "amx_int8" in flags:
+        amx_off = environment.value(environment.AMX) == "0"
+        return "-amx", " — AVX-512 with AMX-INT8 tiles" + (" off" if amx_off else ""), \
+            "KVSERVE_AMX=0 " if amx_off else ""
+    return "", "", ""
+
+
+def machine() -> str:
+    """A one-line description of this machine (CPU model and its widest vector ISA, cores, memory).
+
+    The ISA is named because one CPU model string ("AMD EPYC") covers machines whose kernels and bfloat16
+    support differ (AVX2 only, or AVX-512 with BF16).
+    """
+    cpu, flags = _cpu()
     isa = next((label for flag, label in (("amx_bf16", "AMX"), ("avx512_bf16", "AVX-512 BF16"),
                                           ("avx512f", "AVX-512"), ("avx2", "AVX2")) if flag in flags), None)
     mem_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -43,7 +84,8 @@ def machine() -> str:
     return text
 
 
-def update_section(name: str, title: str, command: str, body_markdown: str, path: Path = BENCHMARKS) -> None:
+def update_section(name: str, title: str, command: str, body_markdown: str, path: Path = BENCHMARKS,
+                   per_kernel_path: bool = True) -> None:
     """Replace (or append) the section ``name`` of BENCHMARKS.md.
 
     Args:
@@ -51,7 +93,13 @@ def update_section(name: str, title: str, command: str, body_markdown: str, path
         title: the section heading.
         command: the exact command that produced the figures.
         body_markdown: tables and prose.
+        per_kernel_path: the figures depend on the CPU's kernel path: key, title and command take
+            ``kernel_class()``'s suffixes (False for a GPU's figures).
     """
+    if per_kernel_path:
+        key, label, prefix = kernel_class()
+        name, title = name + key, title + label
+        command = command if command.startswith(prefix) else prefix + command
     stamp = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     section = (f"<!-- BEGIN {name} -->\n## {title}\n\n`{command}`  \n{machine()}, {stamp}\n\n"
                f"{body_markdown.strip()}\n<!-- END {name} -->")

@@ -207,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
         update_section(section, title, " ".join(["python -m kvserve.loadtest compare", *engine_flags(args)])
                        + (f" --server-args '{args.server_args}'" if args.server_args else ""),
                        _markdown(static, continuous, measured, simulated, errors, ok, how, args.img, steps),
-                       args.benchmarks)
+                       args.benchmarks, per_kernel_path=device == "cpu")
     return 0 if ok else 2
 
 
