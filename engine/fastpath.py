@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -435,14 +436,16 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
 
 def kernels_off_reason(model: nn.Module) -> str:
     """Why no projection of ``model`` runs a C++ kernel, and what would turn them on (for the start log)."""
-    weight = model.get_input_embeddings().weight
+    embed = model.get_input_embeddings()
+    # a GGUF model's table is GGMLEmbedding's blocks (a buffer, no .weight)
+    weight = next(itertools.chain(embed.parameters(), embed.buffers()))
     if weight.device.type != "cpu":
         return f"the model runs on {weight.device.type} (the kernels are CPU code; --device cpu runs them)"
     if native.load(build=False) is None:
         if not environment.native_kernels_on():
             return "KVSERVE_NATIVE_KERNELS=0 turns them off (unset it to use them)"
         return "they could not be built (the warning above says why; `python -m kvserve.native --build` retries)"
-    if weight.dtype is not torch.float32:
+    if isinstance(embed, nn.Embedding) and weight.dtype is not torch.float32:
         return (f"the weights are {str(weight.dtype).removeprefix('torch.')} (the kernels take float32 or quantized "
                 "weights: --dtype float32 or --quantization int8/int4/nf4)")
     return "no projection is an nn.Linear or a quantized layer they know"

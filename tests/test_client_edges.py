@@ -96,6 +96,15 @@ def test_start_log_says_why_each_forward_path_was_chosen(smollm2, caplog, monkey
     assert "KVSERVE_NATIVE_KERNELS=0 turns them off" in kernels_off_reason(smollm2.model)
     monkeypatch.setenv("KVSERVE_NATIVE_KERNELS", "1")
     assert "could not be built" in kernels_off_reason(smollm2.model)
+    # a GGUF model's table is blocks (no .weight): a failed build is said, not an AttributeError at start
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from kvserve.quant.ggml import GGMLEmbedding, GGMLKind
+    tiny = LlamaForCausalLM(LlamaConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1))
+    tiny.set_input_embeddings(GGMLEmbedding(torch.zeros(8, 34, dtype=torch.uint8), GGMLKind.Q8_0))
+    assert "could not be built" in kernels_off_reason(tiny)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="kvserve.engine"):
         fast_decoder(smollm2.model)
