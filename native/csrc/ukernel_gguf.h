@@ -50,7 +50,8 @@
  *   y = acc. The integer parts are exact however they are formed, so the float sequence alone fixes the bits:
  *   vpdpbusd (u8 codes x s8 activations; Q8_0's codes as q + 128, 128 qsum taken off; Q4_K's high nibbles in
  *   place as 16 q, the dot shifted back), or vpmaddubsw pairs summed in int16 only as far as they cannot
- *   overflow (Q8_0's sign moved onto x: |q| x sign(x, q)).
+ *   overflow (Q8_0's sign moved onto x: |q| x sign(x, q)), the K-quants' pairs widened by vpmaddwd against their
+ *   scale (sc dot with no int32 dot of its own).
  *
  * ---- Loop order (vector paths): a call takes `panels` panels and any number of rows. A tile is R rows x P
  *   panels (R <= MR; P > 1 only for Q6_K's decode of 2 rows on AVX-512, so one activation broadcast feeds
@@ -426,6 +427,17 @@ inline I byte_of(I v, int k) {
   const int32_t b = (int32_t)(0x80808000u | (uint32_t)k);
   return _mm256_shuffle_epi8(v, _mm256_setr_epi32(b, b + 4, b + 8, b + 12, b, b + 4, b + 8, b + 12));
 }
+/* byte k of each 32-bit lane in both of its 16-bit halves: zero-extended (byte_pair_of), or sign-extended
+ * (sbyte_pair_of): a scale as vpmaddwd's pair of multipliers */
+inline I byte_pair_of(I v, int k) {
+  const int32_t b = (int32_t)(0x80008000u | (uint32_t)k | ((uint32_t)k << 16)), n = 0x40004;
+  return _mm256_shuffle_epi8(v, _mm256_setr_epi32(b, b + n, b + 2 * n, b + 3 * n, b, b + n, b + 2 * n, b + 3 * n));
+}
+inline I sbyte_pair_of(I v, int k) {
+  const int32_t b = (int32_t)(0x00800080u | ((uint32_t)k << 8) | ((uint32_t)k << 24)), n = 0x04000400;
+  return _mm256_srai_epi16(
+      _mm256_shuffle_epi8(v, _mm256_setr_epi32(b, b + n, b + 2 * n, b + 3 * n, b, b + n, b + 2 * n, b + 3 * n)), 8);
+}
 /* Q4_K's high nibbles are shifted down to codes 0..15 (vpmaddubsw pairs of codes up to 240 could saturate) */
 constexpr bool kHighInPlace = false;
 /* Q8_0's codes stay signed: the dots move their signs onto the activations (vpmaddubsw pairs <= 2 * 128 * 127) */
@@ -457,9 +469,9 @@ inline __attribute__((always_inline)) void pin(I& v) { __asm__("" : "+x"(v)); }
  * lanes of 4 codes) with row r's activation codes of the block (x + 32 b + r * ldq). vpmaddubsw (u8 codes x s8
  * activations) pairs are summed in int16 for as many chunks as cannot overflow (2 * 127 * MaxCode each), then
  * widened by vpmaddwd. */
-template <int R, int P, int B, int MaxCode, bool Signed, class Src>
-inline __attribute__((always_inline)) void dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0, int c1,
-                                                I (*out)[P][R]) {
+template <int R, int P, int B, int MaxCode, bool Signed, bool Scaled, class Src>
+inline __attribute__((always_inline)) void pair_dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0,
+                                                     int c1, const I (*sc16)[P], I* out) {
   constexpr int flush = 32767 / (2 * 127 * MaxCode);
   const I ones = _mm256_set1_epi16(1);
   static_assert(flush >= 1, "vpmaddubsw pairs of these codes would saturate");
@@ -482,12 +494,31 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
     }
     if ((c - c0 + 1) % flush == 0 || c + 1 == c1) {
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) {
-        out[b][p][r] = add(out[b][p][r], _mm256_madd_epi16(pairs[b][p][r], ones));
-        pin(out[b][p][r]);
+        I& o = out[Scaled ? p * R + r : (b * P + p) * R + r];
+        o = add(o, _mm256_madd_epi16(pairs[b][p][r], Scaled ? sc16[b][p] : ones));
+        pin(o);
         pairs[b][p][r] = zero_i();
       }
     }
   }
+}
+
+template <int R, int P, int B, int MaxCode, bool Signed, class Src>
+inline __attribute__((always_inline)) void dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0, int c1,
+                                                I (*out)[P][R]) {
+  pair_dots<R, P, B, MaxCode, Signed, false>(src, i0, x, ldq, c0, c1, nullptr, &out[0][0][0]);
+}
+
+/* The K-quants' dots of blocks i0.. each times its scale, into the super-block's sums: out[p][r] += sum_b
+ * sc_b dot_b, the scale in vpmaddwd's multipliers (sc16[b][p]: byte_pair_of's form) where the pairs widen anyway,
+ * so no int32 dot, vpmulld or sum of its own (as llama.cpp's AVX2 K-quant dots weight their pairs). Exact: a pair
+ * sum times a scale is below 2^31, and so is the super-block's sum (ukernel_gguf.h). */
+constexpr bool kScaledPairs = true;
+static_assert(!kHighInPlace, "scaled pairs take codes as they are (no dot shifted down)");
+template <int R, int P, int B, int MaxCode, bool Signed, class Src>
+inline __attribute__((always_inline)) void scaled_dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0,
+                                                       int c1, const I (*sc16)[P], I (*out)[R]) {
+  pair_dots<R, P, B, MaxCode, Signed, true>(src, i0, x, ldq, c0, c1, sc16, &out[0][0]);
 }
 
 /* Panels per direct tile of R rows, and the int32 accumulators a tile's dots may keep (each has an int16 twin).
@@ -539,6 +570,14 @@ inline I byte_of(I v, int k) {
   const int32_t b = (int32_t)(0x80808000u | (uint32_t)k);
   return _mm512_shuffle_epi8(v, _mm512_set4_epi32(b + 12, b + 8, b + 4, b));
 }
+/* vpdpbusd sums its products in int32 lanes: the scales multiply int32 dots (no scaled pairs; byte_pair_of and
+ * sbyte_pair_of are declared for the shared body, never used here) */
+constexpr bool kScaledPairs = false;
+I byte_pair_of(I v, int k);
+I sbyte_pair_of(I v, int k);
+template <int R, int P, int B, int MaxCode, bool Signed, class Src>
+void scaled_dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0, int c1, const I (*sc16)[P],
+                 I (*out)[R]);
 /* Q4_K's high nibbles go into vpdpbusd in place (q & 0xF0 = 16 q: 240 * 127 * 4 per lane and instruction, < 2^20
  * a block), the block's dot shifted down by 4 after: exact, and one operation fewer per chunk */
 constexpr bool kHighInPlace = true;

@@ -8,6 +8,8 @@
  *   cvt(I), half(p) (kW fp16), ldf, stf, bset, zero_f, mul, fma, neg, load_y / store_y (the first `cols` lanes)
  *   dots<R, MaxCode>(src, i, x, ldq, c0, c1, out)   out[r] += exact int32 dots of block i's chunks c0..c1-1
  *   madd16(acc, a, b)       acc + the int32 sums of a's and b's 16-bit lane pairs' products (vpdpwssd's)
+ *   kScaledPairs, scaled_dots<R, P, B, MaxCode>(src, i0, x, ldq, c0, c1, sc16, isum), byte_pair_of, sbyte_pair_of
+ *                           (AVX2) the K-quants' dots times their scales straight into the super-block's sums
  *
  * Layouts and the arithmetic: ukernel_gguf.h. */
 
@@ -76,15 +78,18 @@ struct UnitK45 {
   }
   /* sub-block i's 6-bit field, zero-extended: from chunk `low` (S0 for scales, S1 for minimums) and the nibbles
    * at bit `nibble` of S2 */
+  template <bool Pair = false>
   KV_INLINE static I six_bits(const uint8_t* w, int i, int low, int nibble) {
     const uint8_t* s = w + 4 * kW;
     const I lo = ld(s + low * kChunk);
-    if (i < 4) return byte_of(and_(lo, b8(63)), i);
-    return byte_of(merge(and_(srl(ld(s + 2 * kChunk), nibble), b8(15)), srl(lo, 2), b8(0x30)), i - 4);
+    const I bytes = i < 4 ? and_(lo, b8(63)) : merge(and_(srl(ld(s + 2 * kChunk), nibble), b8(15)), srl(lo, 2), b8(0x30));
+    return Pair ? byte_pair_of(bytes, i & 3) : byte_of(bytes, i & 3);
   }
   KV_INLINE static F d(const uint8_t* w, int) { return half(w); }
   KV_INLINE static F m(const uint8_t* w, int) { return neg(half(w + 2 * kW)); }
   KV_INLINE static I sc(const uint8_t* w, int i) { return six_bits(w, i, 0, 0); }
+  /* sc(i) in both 16-bit halves of a lane (kScaledPairs) */
+  KV_INLINE static I sc16(const uint8_t* w, int i) { return six_bits<true>(w, i, 0, 0); }
   KV_INLINE static I mpair(const uint8_t* w, int k) {
     return or_(six_bits(w, 2 * k, 1, 4), shift(six_bits(w, 2 * k + 1, 1, 4), 16));
   }
@@ -105,6 +110,7 @@ struct UnitQ6K {
   KV_INLINE static F d(const uint8_t* w, int) { return half(w); }
   KV_INLINE static int shift_of(int) { return 0; }
   KV_INLINE static I sc(const uint8_t* w, int j) { return sra(shift(ld(w + 2 * kW + (j / 4) * kChunk), 24 - 8 * (j % 4)), 24); }
+  KV_INLINE static I sc16(const uint8_t* w, int j) { return sbyte_pair_of(ld(w + 2 * kW + (j / 4) * kChunk), j % 4); }
 };
 
 /* Q8_0: d, then 8 chunks of signed codes (0..7 in order): as they are (kSignedDots), or + 128. */
@@ -148,6 +154,10 @@ struct Codes {
     if constexpr (Fmt::kFold == Fold::kScale16 || Fmt::kFold == Fold::kSuper) return U::sc(w, j);
     return zero_i();
   }
+  KV_INLINE I sc16(int j) const {
+    if constexpr (Fmt::kFold == Fold::kScale16 || Fmt::kFold == Fold::kSuper) return U::sc16(w, j);
+    return zero_i();
+  }
   KV_INLINE I mpair(int k) const {
     if constexpr (Fmt::kFold == Fold::kSuper) return U::mpair(w, k);
     return zero_i();
@@ -164,11 +174,13 @@ struct Unpacked {
   I codes[8][8];  // [block][chunk]
   F D[8], Mn[8];  // D[0] = d (Q6_K); D[0] = d, Mn[0] = -dmin (Q4_K, Q5_K)
   I scales[16];   // Q6_K's scale per 16 weights, sign-extended; Q4_K and Q5_K's 8 sub-block scales in the first 8
+  I scales16[16]; // kScaledPairs: the same in both 16-bit halves of a lane
   I mpairs[4];    // Q4_K and Q5_K: the minimums of sub-blocks 2k, 2k + 1 as 16-bit pairs
   KV_INLINE I code(int i, int c) const { return codes[i][c]; }
   KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScaleMin ? D[i] : D[0]; }
   KV_INLINE F m(int i) const { return Fmt::kFold == Fold::kScaleMin ? Mn[i] : Mn[0]; }
   KV_INLINE I sc(int j) const { return scales[j]; }
+  KV_INLINE I sc16(int j) const { return scales16[j]; }
   KV_INLINE I mpair(int k) const { return mpairs[k]; }
   KV_INLINE static int shift_of(int) { return 0; }
   /* From the group at w (8 blocks: K-quant groups are whole). */
@@ -179,11 +191,17 @@ struct Unpacked {
     }
     if constexpr (Fmt::kFold == Fold::kScale16) {
       D[0] = U::d(w, 0);
-      KV_UNROLL for (int j = 0; j < 16; ++j) scales[j] = U::sc(w, j);
+      KV_UNROLL for (int j = 0; j < 16; ++j) {
+        scales[j] = U::sc(w, j);
+        if constexpr (kScaledPairs) scales16[j] = U::sc16(w, j);
+      }
     } else {
       D[0] = U::d(w, 0);
       Mn[0] = U::m(w, 0);
-      KV_UNROLL for (int i = 0; i < 8; ++i) scales[i] = U::sc(w, i);
+      KV_UNROLL for (int i = 0; i < 8; ++i) {
+        scales[i] = U::sc(w, i);
+        if constexpr (kScaledPairs) scales16[i] = U::sc16(w, i);
+      }
       KV_UNROLL for (int k = 0; k < 4; ++k) mpairs[k] = U::mpair(w, k);
     }
   }
@@ -214,6 +232,20 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
   if constexpr (Fmt::kFold == Fold::kScale16) {
     /* each half's dot times its scale into the super-block's integer sum */
     KV_UNROLL for (int h = 0; h < 2; ++h) {
+      if constexpr (kScaledPairs) {
+        /* the offset's part, sc (-32 qsum16), then the scaled pairs */
+        I sc16[B][P];
+        KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) {
+          const I sc = src[p].sc(2 * (i0 + b) + h);
+          sc16[b][p] = src[p].sc16(2 * (i0 + b) + h);
+          KV_UNROLL for (int r = 0; r < R; ++r) {
+            isum[p][r] = add(isum[p][r], mullo(sc, b32(a->xoff16[2 * (at + b + r * a->ldb) + h])));
+            chain(isum[p][r]);
+          }
+        }
+        scaled_dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, sc16, isum);
+        continue;
+      }
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
         const I offset = b32(a->xoff16[2 * (at + b + r * a->ldb) + h]);
         KV_UNROLL for (int p = 0; p < P; ++p) dot[b][p][r] = offset;
@@ -229,6 +261,12 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
     }
   } else if constexpr (Fmt::kFold == Fold::kSuper) {
     /* the super-block's integer sum: isum += sc dot (fold_super takes it) */
+    if constexpr (kScaledPairs) {
+      I sc16[B][P];
+      KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) sc16[b][p] = src[p].sc16(i0 + b);
+      scaled_dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 0, 8, sc16, isum);
+      return;
+    }
     KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r)
       dot[b][p][r] = zero_i();
     dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 0, 8, dot);
