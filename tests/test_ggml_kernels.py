@@ -28,7 +28,9 @@ ROOT = Path(__file__).resolve().parent.parent
 KINDS = tuple(QTYPES)
 # (N, K) per unit size: features below, at and past a 16-wide panel; K of 1, 2 and 18 blocks (SmolLM2's 576) or 1
 # and 3 super-blocks, and 2048 (Llama-3.2-1B's width)
-SHAPES = {32: [(3, 32), (16, 64), (40, 576), (24, 2048)], 256: [(3, 256), (16, 768), (40, 2048), (24, 256)]}
+# (13, 512): two panels, the second partial (a tile of two panels storing 5 features of its second)
+SHAPES = {32: [(3, 32), (16, 64), (40, 576), (24, 2048)],
+          256: [(3, 256), (16, 768), (40, 2048), (24, 256), (13, 512)]}
 # the batch-invariance shape: several groups of 8 blocks (and a remainder of 2 for the 32-weight formats)
 BATCH_SHAPE = {32: (40, 576), 256: (40, 768)}
 

@@ -527,6 +527,12 @@ inline __attribute__((always_inline)) void scaled_dots(const Src* src, int i0, c
 template <class Fmt, int R>
 constexpr int kPanelsOf = 1;
 constexpr int kDotRegs = 4;
+/* Panels per tile of kMR rows in calls of more than kMR rows: Q4_K's tiles take two, so one broadcast of a row's
+ * activation codes feeds two vpmaddubsw (measured on an AVX2-only AMD EPYC, one thread, a Llama-3.2-1B layer:
+ * 1.02-1.09x at 8, 32 and 512 rows; a bare loop of the same operations 1.25x, the rest lost to the registers the
+ * eight accumulators take). Q5_K and Q6_K take their groups unpacked (below). */
+template <class Fmt>
+constexpr int kPrefillPanels = Fmt::kKind == kQ4_K ? 2 : 1;
 /* Tiles of many rows take Q5_K's and Q6_K's groups unpacked once (Unpacked; measured on an AMD EPYC, a
  * Llama-3.2-1B layer at 32 and 512 rows: 1.1-1.2x the tiles that make the codes per tile). Not Q4_K: its codes
  * are one mask a chunk, and over the layer the unpacked tiles were no faster. */
@@ -647,6 +653,8 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
  * four chains of dots per row (measured). */
 template <class Fmt, int R>
 constexpr int kPanelsOf = Fmt::kKind == kQ6_K ? (R == 2 ? 2 : 1) : 1;
+template <class Fmt>
+constexpr int kPrefillPanels = 1;  // the tiles of many rows read one panel each
 constexpr int kDotRegs = 16;
 /* No format's tiles of many rows take their groups unpacked: the codes made per tile cost bitwise operations
  * (merge as vpandd and vpord), which run beside vpdpbusd, and the accumulators stay in registers over the whole

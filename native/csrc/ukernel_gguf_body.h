@@ -364,6 +364,9 @@ KV_INLINE void group(const kv_ggml_args* a, const Src* src, int64_t b0, int nblk
   I isum[P][R];
   if constexpr (super)
     KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int r = 0; r < R; ++r) isum[p][r] = zero_i();
+  /* many accumulators (kPrefillPanels' tiles): the super-block's sums live in memory, taken once a block where the
+   * scaled pairs are widened, so the registers hold the pairs (kept in registers, GCC spilled the pairs instead) */
+  if constexpr (super && kScaledPairs && P * R > 4) __asm__ volatile("" : : "r"(&isum[0][0]) : "memory");
   KV_UNROLL for (int i = 0; i < 8; i += B) {
     if (i >= nblk) break;  // a K-quant group is whole: B divides 8
     blocks<Fmt, R, P, B>(a, src, i, b0, m, acc, isum);
@@ -439,12 +442,12 @@ struct DecodeRows {
   }
 };
 
-template <class Fmt>
+template <class Fmt, int P = 1>
 struct PrefillRows {
   const kv_ggml_args* a;
   int p;
   int64_t m;
-  template <int R> void run() const { tile<Fmt, R, 1, kAhead<Fmt, kMR>>(a, p, m); }  // every tile of a panel: kMR's
+  template <int R> void run() const { tile<Fmt, R, P, kAhead<Fmt, kMR>>(a, p, m); }  // every tile of a panel: kMR's
 };
 
 /* Rows m..m+R-1 of panel p over the group at block b0, from its unpacked form: the accumulators come from y (but
@@ -486,7 +489,7 @@ struct GroupRows {
 /* a->panels panels (a->nr == kW) x a->rows rows. Up to kMR rows (a decode batch): one tile of rows over several
  * panels at once. More: per panel, every tile of kMR rows (the panel's weights stay in L1 or L2 meanwhile); the
  * K-quants kUnpackGroups names (or kUnpackable ones where a->unpack says so) group by group, each group unpacked
- * once for all the tiles. */
+ * once for all the tiles; Q4_K on AVX2 two panels a tile (kPrefillPanels), the last odd panel alone. */
 template <class Fmt>
 inline void kernel(const kv_ggml_args* a) {
   if (a->rows <= kMR) {
@@ -509,7 +512,12 @@ inline void kernel(const kv_ggml_args* a) {
       return;
     }
   }
-  for (int p = 0; p < a->panels; ++p)
+  int p = 0;
+  if constexpr (kPrefillPanels<Fmt> == 2)
+    for (; p + 2 <= a->panels; p += 2)
+      for (int64_t m = 0; m < a->rows; m += kMR)
+        with_count<kMR>(a->rows - m < kMR ? (int)(a->rows - m) : kMR, PrefillRows<Fmt, 2>{a, p, m});
+  for (; p < a->panels; ++p)
     for (int64_t m = 0; m < a->rows; m += kMR)
       with_count<kMR>(a->rows - m < kMR ? (int)(a->rows - m) : kMR, PrefillRows<Fmt>{a, p, m});
 }
