@@ -61,13 +61,17 @@ def forced_isa() -> str | None:
     return environment.forced_isa()
 
 
-def native_isas() -> tuple[str, ...]:
+def native_isas(flags: set[str] | None = None) -> tuple[str, ...]:
     """The paths of ``ISAS`` this CPU runs natively (its /proc/cpuinfo flags, as csrc/cpu.h tests them), lesser
     first: AVX2 needs AVX2 + FMA + F16C, AVX-512 needs F + BW + VL + VNNI as well. Tests and benchmarks force each
-    with ``KVSERVE_ISA``; the AVX-512 micro-kernels also run emulated where the CPU lacks them."""
-    from kvserve.native.emulate import host_cpu_flags
+    with ``KVSERVE_ISA``; the AVX-512 micro-kernels also run emulated where the CPU lacks them.
 
-    flags = host_cpu_flags()
+    Args:
+        flags: /proc/cpuinfo flag names to judge instead of this CPU's."""
+    if flags is None:
+        from kvserve.native.emulate import host_cpu_flags
+
+        flags = host_cpu_flags()
     if not {"avx2", "fma", "f16c"} <= flags:
         return ("scalar",)
     if {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:

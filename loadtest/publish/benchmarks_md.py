@@ -15,7 +15,7 @@ import re
 import sys
 from pathlib import Path
 
-from kvserve import environment
+from kvserve import environment, native
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "BENCHMARKS.md"
 _HEADER = "# kvserve benchmarks\n\nEvery figure below comes from the command printed with it; rerun it to refresh its section.\n"
@@ -42,8 +42,7 @@ def kernel_class(flags: set[str] | None = None) -> tuple[str, str, str]:
     The AVX-512 VNNI path without AMX tiles is the reference the issues' figures are set on: ``("", "", "")``.
     A CPU with AMX-INT8 adds tiles to that path (``-amx``); an AVX2-only CPU runs the AVX2 path (``-avx2``); a
     lesser path forced with ``KVSERVE_ISA`` is that path's section, its command prefixed with the variable so
-    the line reruns what was measured. The tests of csrc/cpu.h's choice are native/__init__.py's; this only reads
-    the same flags.
+    the line reruns what was measured. The paths a CPU runs are ``native.native_isas``'s (csrc/cpu.h's rule).
 
     Args:
         flags: /proc/cpuinfo flags (this machine's when None).
@@ -56,9 +55,10 @@ def kernel_class(flags: set[str] | None = None) -> tuple[str, str, str]:
     forced = environment.forced_isa()
     if forced is not None:
         return f"-{forced}", f" — {forced} path (forced)", f"KVSERVE_ISA={forced} "
-    if not {"avx2", "fma", "f16c"} <= flags:
+    best = native.native_isas(flags)[-1]
+    if best == "scalar":
         return "-scalar", " — scalar path", ""
-    if not {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"} <= flags:
+    if best == "avx2":
         return "-avx2", " — AVX2 path (no AVX-512)", ""
     if "amx_int8" in flags:
         amx_off = environment.value(environment.AMX) == "0"

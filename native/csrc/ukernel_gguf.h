@@ -54,9 +54,9 @@
  *   scale (sc dot with no int32 dot of its own).
  *
  * ---- Loop order (vector paths): a call takes `panels` panels and any number of rows. A tile is R rows x P
- *   panels (R <= MR; P > 1 only for Q6_K's decode of 2 rows on AVX-512, so one activation broadcast feeds
- *   R * P products: kPanelsOf); its accumulators stay in registers over the whole row, and per group of 8 blocks
- *   the codes are made from the panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting
+ *   panels (R <= MR; P > 1 only for Q6_K's decode of 2 rows on AVX-512 (kPanelsOf) and Q4_K's tiles of many
+ *   rows on AVX2 (kPrefillPanels), so one activation broadcast feeds R * P products); its accumulators stay
+ *   in registers over the whole row, and per group of 8 blocks the codes are made from the panel's bytes where they are used (a 32-bit lane = 4 codes of one feature meeting
  *   4 activation codes broadcast as one int32), B blocks at once when they share loads. More rows than MR: per
  *   panel, every tile of MR rows, the K-quants' prefetching the groups to come towards L2 (kAhead: their decode
  *   tiles of 3 rows or more too); or, for the K-quants

@@ -174,7 +174,7 @@ struct Unpacked {
   I codes[8][8];  // [block][chunk]
   F D[8], Mn[8];  // D[0] = d (Q6_K); D[0] = d, Mn[0] = -dmin (Q4_K, Q5_K)
   I scales[16];   // Q6_K's scale per 16 weights, sign-extended; Q4_K and Q5_K's 8 sub-block scales in the first 8
-  I scales16[16]; // kScaledPairs: the same in both 16-bit halves of a lane
+  I scales16[16]; // kScaledPairs: the same in both 16-bit halves of a lane (Q4_K and Q5_K: instead of scales)
   I mpairs[4];    // Q4_K and Q5_K: the minimums of sub-blocks 2k, 2k + 1 as 16-bit pairs
   KV_INLINE I code(int i, int c) const { return codes[i][c]; }
   KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScaleMin ? D[i] : D[0]; }
@@ -199,8 +199,8 @@ struct Unpacked {
       D[0] = U::d(w, 0);
       Mn[0] = U::m(w, 0);
       KV_UNROLL for (int i = 0; i < 8; ++i) {
-        scales[i] = U::sc(w, i);
-        if constexpr (kScaledPairs) scales16[i] = U::sc16(w, i);
+        if constexpr (kScaledPairs) scales16[i] = U::sc16(w, i);  // their only form the scaled dots read
+        else scales[i] = U::sc(w, i);
       }
       KV_UNROLL for (int k = 0; k < 4; ++k) mpairs[k] = U::mpair(w, k);
     }
