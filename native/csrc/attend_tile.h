@@ -5,7 +5,10 @@
 // Two vector paths, one order of operations, so one set of bits:
 //
 //   attend_tile_avx2<kD>     AVX2 + FMA: per (query, key) a dot product in two 8-lane FMA chains (even and odd
-//                            8-float blocks of d), hsum8, times scale; one query vector at a time over a chunk.
+//                            8-float blocks of d), hsum8, times scale, 8 keys' hsum8 done together by shuffles
+//                            across registers; one query vector at a time over a chunk for the scores, 3 for
+//                            the outputs (so a V vector loaded feeds 3); a prefill tile reads a chunk's K and V
+//                            rows from a contiguous copy.
 //   attend_tile_avx512<kD>   AVX-512 F: the same two chains as the two halves of one zmm register (lanes 8-15
 //                            are the odd blocks), register-blocked: 3 query vectors x 8 keys per pass over d,
 //                            so a K row loaded feeds 3 FMAs and a q vector 8, and the 8 keys' lane sums reduced
@@ -106,22 +109,122 @@ __attribute__((target("avx512f,avx2,fma"))) inline void softmax_queries_avx512(c
   }
 }
 
-// The AVX2 path, for D a multiple of 8 (D = 64 and 128 compiled with D known, so a query row and the output
-// row stay in registers). The keys are taken in chunks of kChunk: each chunk's K rows are read for every query
-// vector of the tile while they are in L1 (a prefill tile of R rows reads the context from memory R times less
-// often than R decode rows would), then, after each vector's softmax, the V rows likewise.
+// The rows of keys c0 .. c1-1 (at most kChunk) copied one after the other into buf (D floats each), rows[]
+// pointed at the copies. A chunk's K rows lie H_kv D floats apart: with Llama-3.2-1B's 8 KV heads that is 2 KB, so
+// the 64 rows of a chunk fall into an eighth of L1's sets and evict each other before the tile's next query
+// vector reads them again; copied they stay in L1 (16 KB for D = 64).
+__attribute__((target("avx2,fma"))) inline void copy_rows(const float** rows, int64_t m, int64_t D, float* buf) {
+  for (int64_t i = 0; i < m; ++i) {
+    for (int64_t d = 0; d < D; d += 8) _mm256_store_ps(buf + i * D + d, _mm256_loadu_ps(rows[i] + d));
+    rows[i] = buf + i * D;
+  }
+}
+
+// Eight keys' a0 + a1 (v[t], t = 0..7) reduced to their 8 scores in key order, each hsum8(v[t]) * scale with
+// hsum8's additions for the 8 keys at once: (1) lanes j + (j + 4) of two keys per register, (2) j + (j + 2),
+// (3) lane 0 + lane 1, then the keys put back in order.
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 scores8(const __m256* v, float scale) {
+  __m256 u[4];
+  for (int p = 0; p < 4; ++p)  // [u of key 2p | u of key 2p + 1], u_j = v_j + v_{j+4}
+    u[p] = _mm256_add_ps(_mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x20),
+                         _mm256_permute2f128_ps(v[2 * p], v[2 * p + 1], 0x31));
+  __m256 w[2];
+  for (int p = 0; p < 2; ++p)  // 128-bit half h: [y0, y1 of key 4p + h, y0, y1 of key 4p + 2 + h], y_i = u_i + u_{i+2}
+    w[p] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // y0 + y1 of keys [0, 2, 4, 6 | 1, 3, 5, 7]
+  const __m256 s = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_mul_ps(_mm256_permutevar8x32_ps(s, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)),
+                       _mm256_set1_ps(scale));
+}
+
+// a0 + a1 of one key k (kRegs 8-float vectors) against the query vector q held in registers: a0 (a1) the FMA chain
+// over the even (odd) vectors from zero.
+template <int64_t kRegs>
+__attribute__((target("avx2,fma"), always_inline)) inline __m256 key_sum(const __m256* q, const float* k) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t r = 0; r + 1 < kRegs; r += 2) {
+    a0 = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(k + 8 * r), a0);
+    a1 = _mm256_fmadd_ps(q[r + 1], _mm256_loadu_ps(k + 8 * r + 8), a1);
+  }
+  if (kRegs % 2) a0 = _mm256_fmadd_ps(q[kRegs - 1], _mm256_loadu_ps(k + 8 * (kRegs - 1)), a0);
+  return _mm256_add_ps(a0, a1);
+}
+
+// out_j += w_j[t] v_t over keys t0 .. t1-1 in order for kQ query vectors at once, kH of each output's 8-float
+// vectors at a time (kRegs / kH passes over the keys), so that a V vector loaded feeds kQ FMAs and kQ x kH
+// accumulators, each taking one FMA a key, cover the FMA's latency.
+template <int64_t kRegs, int kQ, int kH>
+__attribute__((target("avx2,fma"), always_inline)) inline void outputs_avx2(const TileQuery* qs, const float* const* rows,
+                                                                          int64_t c0, int64_t t0, int64_t t1) {
+  const float* w[kQ];
+  for (int j = 0; j < kQ; ++j) w[j] = qs[j].scores - qs[j].first;
+  for (int64_t h = 0; h < kRegs; h += kH) {
+    __m256 o[kQ][kH];
+    for (int j = 0; j < kQ; ++j)
+      for (int r = 0; r < kH; ++r) o[j][r] = _mm256_loadu_ps(qs[j].out + 8 * (h + r));
+    for (int64_t t = t0; t < t1; ++t) {
+      const float* v = rows[t - c0] + 8 * h;
+      __m256 wt[kQ];
+      for (int j = 0; j < kQ; ++j) wt[j] = _mm256_set1_ps(w[j][t]);
+      for (int r = 0; r < kH; ++r) {
+        const __m256 vv = _mm256_loadu_ps(v + 8 * r);
+        for (int j = 0; j < kQ; ++j) o[j][r] = _mm256_fmadd_ps(wt[j], vv, o[j][r]);
+      }
+    }
+    for (int j = 0; j < kQ; ++j)
+      for (int r = 0; r < kH; ++r) _mm256_storeu_ps(qs[j].out + 8 * (h + r), o[j][r]);
+  }
+}
+
+// The outputs of query vectors qs[0 .. kQ) over the chunk's keys c0 .. c1-1: together over the keys all of them
+// read, each alone over its others (before or after those), so every output still takes its keys in order.
+template <int64_t kRegs, int kQ, int kH>
+__attribute__((target("avx2,fma"), always_inline)) inline void outputs_of_avx2(const TileQuery* qs, const float* const* rows,
+                                                                             int64_t c0, int64_t c1) {
+  int64_t s0 = c0, s1 = c1;
+  for (int j = 0; j < kQ; ++j) {
+    s0 = std::max(s0, qs[j].first);
+    s1 = std::min(s1, qs[j].len);
+  }
+  if (s0 >= s1) {
+    for (int j = 0; j < kQ; ++j)
+      outputs_avx2<kRegs, 1, kRegs>(qs + j, rows, c0, std::max(c0, qs[j].first), std::min(c1, qs[j].len));
+    return;
+  }
+  for (int j = 0; j < kQ; ++j) outputs_avx2<kRegs, 1, kRegs>(qs + j, rows, c0, std::max(c0, qs[j].first), s0);
+  outputs_avx2<kRegs, kQ, kH>(qs, rows, c0, s0, s1);
+  for (int j = 0; j < kQ; ++j) outputs_avx2<kRegs, 1, kRegs>(qs + j, rows, c0, s1, std::min(c1, qs[j].len));
+}
+
+// The AVX2 path, for D a multiple of 8 (D = 64 and 128 compiled with D known, so a query row stays in registers).
+// The keys are taken in chunks of kChunk: each chunk's K rows are read for every query vector of the tile while
+// they are in L1 (a prefill tile of R rows reads the context from memory R times less often than R decode rows
+// would), then, after each vector's softmax, the V rows likewise. A prefill tile reads the chunk's rows from a
+// copy (copy_rows); a query vector's scores are reduced 8 keys at a time (scores8), and with D known its outputs
+// are formed 3 query vectors at a time (outputs_of_avx2).
 template <int64_t kD>
 __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, int64_t n, const int64_t* table,
                                                           const float* kp, const float* vp, int64_t bs,
                                                           int64_t H_kv, int64_t g, int64_t D_, float scale) {
   const int64_t D = kD > 0 ? kD : D_;
   constexpr int64_t kRegs = kD > 0 ? kD / 8 : 1;  // 8-float lanes of a row kept in registers
+  // the outputs: 3 query vectors x 4 of their 8-float vectors at a time (12 accumulators; 8 left the FMAs
+  // waiting on each other, 2 x 4 and 4 x 2 were slower)
+  constexpr int kQout = 3, kOutRegs = 4;
+  static_assert(kD % 32 == 0, "kOutRegs vectors at a time");
   int64_t lo, hi;
   tile_span(qs, n, &lo, &hi);
   const float* rows[kChunk];
+  // a prefill tile reads the chunk's rows from a copy (a decode row's few query vectors would not repay it);
+  // D <= 256 for the buffer
+  const bool copied = n >= 8 && D <= 256;
+  alignas(32) float buf[kChunk * 256];
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(kp, table, bs, H_kv, g, D, c0, c1, rows);
+    if (copied) copy_rows(rows, c1 - c0, D, buf);
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
       const int64_t t0 = std::max(c0, query.first), t1 = std::min(c1, query.len);
@@ -129,16 +232,13 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, i
       if constexpr (kD > 0) {
         __m256 q[kRegs];
         for (int64_t r = 0; r < kRegs; ++r) q[r] = _mm256_loadu_ps(query.q + 8 * r);
-        for (int64_t t = t0; t < t1; ++t) {
-          const float* k = rows[t - c0];
-          __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-          for (int64_t r = 0; r + 1 < kRegs; r += 2) {
-            a0 = _mm256_fmadd_ps(q[r], _mm256_loadu_ps(k + 8 * r), a0);
-            a1 = _mm256_fmadd_ps(q[r + 1], _mm256_loadu_ps(k + 8 * r + 8), a1);
-          }
-          if (kRegs % 2) a0 = _mm256_fmadd_ps(q[kRegs - 1], _mm256_loadu_ps(k + 8 * (kRegs - 1)), a0);
-          out[t] = hsum8(_mm256_add_ps(a0, a1)) * scale;
+        int64_t t = t0;
+        for (; t + 8 <= t1; t += 8) {
+          __m256 v[8];
+          for (int u = 0; u < 8; ++u) v[u] = key_sum<kRegs>(q, rows[t + u - c0]);
+          _mm256_storeu_ps(out + t, scores8(v, scale));
         }
+        for (; t < t1; ++t) out[t] = hsum8(key_sum<kRegs>(q, rows[t - c0])) * scale;
       } else {
         const float* qh = query.q;
         for (int64_t t = t0; t < t1; ++t) {
@@ -159,20 +259,17 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, i
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
-    for (int64_t j = 0; j < n; ++j) {
+    if (copied) copy_rows(rows, c1 - c0, D, buf);
+    int64_t j = 0;
+    if constexpr (kD > 0)  // kQout query vectors at a time sharing each V vector read, then the rest alone
+      for (; j + kQout <= n; j += kQout) outputs_of_avx2<kRegs, kQout, kOutRegs>(qs + j, rows, c0, c1);
+    for (; j < n; ++j) {
       const TileQuery& query = qs[j];
       const int64_t t0 = std::max(c0, query.first), t1 = std::min(c1, query.len);
-      const float* w = query.scores - query.first;
       if constexpr (kD > 0) {
-        __m256 o[kRegs];
-        for (int64_t r = 0; r < kRegs; ++r) o[r] = _mm256_loadu_ps(query.out + 8 * r);
-        for (int64_t t = t0; t < t1; ++t) {
-          const __m256 wt = _mm256_set1_ps(w[t]);
-          const float* v = rows[t - c0];
-          for (int64_t r = 0; r < kRegs; ++r) o[r] = _mm256_fmadd_ps(wt, _mm256_loadu_ps(v + 8 * r), o[r]);
-        }
-        for (int64_t r = 0; r < kRegs; ++r) _mm256_storeu_ps(query.out + 8 * r, o[r]);
+        outputs_avx2<kRegs, 1, kRegs>(&query, rows, c0, t0, t1);
       } else {
+        const float* w = query.scores - query.first;
         for (int64_t t = t0; t < t1; ++t) {
           const __m256 wt = _mm256_set1_ps(w[t]);
           const float* v = rows[t - c0];
