@@ -351,6 +351,7 @@ class Emulator:
         state.cr3 = _PML4
         state.xcr0 = 0xE7     # x87 | SSE | AVX | opmask | ZMM_Hi256 | Hi16_ZMM: AVX-512 state enabled
         state.mxcsr = 0x1F80  # all SIMD exceptions masked, round to nearest, no DAZ/FTZ: Linux's default
+        state.mxcsr_mask = 0xFFFF  # every MXCSR bit writable, DAZ included, as on any AVX CPU (0: ldmxcsr faults)
         state.fpcw = 0x37F
         state.rflags = 0x2
         state.cs = _segment(bochscpu, 0x10, 0x209B)  # present, DPL 0, code, 64-bit (L)

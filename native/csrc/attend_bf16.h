@@ -26,11 +26,11 @@
 // differ from the scalar and AVX2 paths'.
 //
 // Three paths: base (scalar, any even D), avx2 (AVX2 + FMA, D a multiple of 32: the pair steps in 8 float lanes
-// with explicit flushes), avx512 (AVX-512 F + BF16, D a multiple of 32: vdpbf16ps; the scores three query vectors
-// at a time over 8 keys, or in a prefill tile with D known over 16 keys transposed by pairs, a key a lane, which
-// needs no shuffles to reduce a score's lanes; keys' V rows interleaved two by two with vpunpck{l,h}wd once per
-// chunk, then three query vectors at a time over them, so an output register's lanes are a fixed permutation of
-// d, undone once per query).
+// with MXCSR's DAZ and FTZ doing the flushes), avx512 (AVX-512 F + BF16, D a multiple of 32: vdpbf16ps; the
+// scores three query vectors at a time over 8 keys, or in a prefill tile with D known over 16 keys transposed by
+// pairs, a key a lane, which needs no shuffles to reduce a score's lanes; keys' V rows interleaved two by two with
+// vpunpck{l,h}wd once per chunk, then three query vectors at a time over them, so an output register's lanes are a
+// fixed permutation of d, undone once per query).
 #pragma once
 
 #include "attend_tile.h"
@@ -136,35 +136,116 @@ inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile, uint16
 
 #ifdef KV_X86
 
-// ---- avx2: the pair steps in 8 float lanes, denormals flushed explicitly ----
+// ---- avx2: the pair steps in 8 float lanes, denormals flushed by MXCSR ----
 namespace avx2 {
 
 #define KV_BF16_AVX2 __attribute__((target("avx2,fma"), always_inline)) inline
 
-KV_BF16_AVX2 __m256 flush(__m256 x) {  // kv_flush_denormal per lane
-  const __m256i u = _mm256_castps_si256(x);
-  const __m256i tiny = _mm256_cmpeq_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7F800000)), _mm256_setzero_si256());
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(u, _mm256_and_si256(u, _mm256_set1_epi32(INT32_MIN)), tiny));
+// MXCSR's denormals-are-zero (DAZ, bit 6) and flush-to-zero (FTZ, bit 15) set from construction to destruction,
+// so every multiply and add in between does the reference's flushes itself: kv_flush_denormal on each input
+// (DAZ), product and sum (FTZ), where spelled out they took four operations each. The same bits: x86 detects a
+// tiny result after rounding (as SoftFloat's 8086 model has it), and the reference flushes the rounded result
+// whose exponent field is zero; the two part only for an exact value within half a float32 ulp below 2^-126,
+// which neither a product of two bfloat16 values (16 significant bits) nor a sum of two float32 values that are
+// normal or zero (both multiples of 2^-149, so the sum is exact there) can be. The pair steps run in noinline
+// functions between the two MXCSR writes (with memory barriers), so the compiler moves none of them across,
+// nor anything else in: the reductions after the scores' lanes, the softmax and the weights' rounding do not
+// flush.
+struct FlushDenormals {
+  unsigned saved;
+  FlushDenormals() : saved(_mm_getcsr()) {
+    _mm_setcsr(saved | 0x8040u);
+    __asm__ volatile("" ::: "memory");
+  }
+  ~FlushDenormals() {
+    __asm__ volatile("" ::: "memory");
+    _mm_setcsr(saved);
+  }
+};
+
+// 8 bfloat16 pairs (as uint32) -> their odd (high) and even (low) halves as floats (denormals as they are: DAZ
+// reads them as zero).
+KV_BF16_AVX2 __m256 odd_of(__m256i pairs) {
+  return _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
 }
-KV_BF16_AVX2 __m256 step(__m256 acc, __m256 x, __m256 y) { return flush(_mm256_add_ps(acc, flush(_mm256_mul_ps(x, y)))); }
-// 8 bfloat16 pairs (as uint32) -> their odd (high) and even (low) halves as floats, denormals read as zero.
-KV_BF16_AVX2 __m256 odd_of(__m256i pairs) { return flush(_mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)))); }
-KV_BF16_AVX2 __m256 even_of(__m256i pairs) { return flush(_mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16))); }
+KV_BF16_AVX2 __m256 even_of(__m256i pairs) { return _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16)); }
 KV_BF16_AVX2 __m256i load8(const uint16_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-// 8 bfloat16 values -> floats, denormals read as zero.
+// 8 bfloat16 values -> floats.
 KV_BF16_AVX2 __m256 widen(const uint16_t* p) {
   const __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  return flush(_mm256_castsi256_ps(_mm256_slli_epi32(u, 16)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+}
+// One pair step of 8 lanes (under FlushDenormals): not an FMA, whose product is neither rounded nor flushed.
+KV_BF16_AVX2 __m256 step(__m256 acc, __m256 x, __m256 y) { return _mm256_add_ps(acc, _mm256_mul_ps(x, y)); }
+
+// Under FlushDenormals: the lanes (a0, a1: lanes 0-7, 8-15) of query qb's score with each of m keys (krows),
+// into lanes[2 i], lanes[2 i + 1]; kD = D known at compile time (the query's halves then stay in registers), or 0.
+template <int64_t kD>
+__attribute__((target("avx2,fma"), noinline)) void score_lanes(const uint16_t* qb, const uint16_t* const* krows,
+                                                               int64_t m, int64_t D_, __m256* lanes) {
+  const int64_t D = kD > 0 ? kD : D_;
+  constexpr int64_t kSteps = kD > 0 ? kD / 32 : 1;
+  __m256 qo[kSteps][2], qe[kSteps][2];  // the query's odd and even halves of each 32-value step, with D known
+  if constexpr (kD > 0)
+    for (int64_t s = 0; s < kSteps; ++s)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i q = load8(qb + 32 * s + 16 * h);
+        qo[s][h] = odd_of(q);
+        qe[s][h] = even_of(q);
+      }
+  for (int64_t t = 0; t < m; ++t) {
+    const uint16_t* k = krows[t];
+    __m256 a[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < D; i += 32)
+      for (int h = 0; h < 2; ++h) {
+        const __m256i kv = load8(k + i + 16 * h);
+        if constexpr (kD > 0) {
+          a[h] = step(step(a[h], qo[i / 32][h], odd_of(kv)), qe[i / 32][h], even_of(kv));
+        } else {
+          const __m256i q = load8(qb + i + 16 * h);
+          a[h] = step(step(a[h], odd_of(q), odd_of(kv)), even_of(q), even_of(kv));
+        }
+      }
+    lanes[2 * t] = a[0];
+    lanes[2 * t + 1] = a[1];
+  }
 }
 
-__attribute__((target("avx2,fma"))) inline float score(const uint16_t* qb, const uint16_t* k, int64_t D, float scale) {
-  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();  // lanes 0-7, 8-15
-  for (int64_t i = 0; i < D; i += 32) {
-    const __m256i q0 = load8(qb + i), k0 = load8(k + i), q1 = load8(qb + i + 16), k1 = load8(k + i + 16);
-    a0 = step(step(a0, odd_of(q0), odd_of(k0)), even_of(q0), even_of(k0));
-    a1 = step(step(a1, odd_of(q1), odd_of(k1)), even_of(q1), even_of(k1));
+// Under FlushDenormals: out[8 kV floats] over key pairs p0 .. p1-1 of query (vrows: the chunk's V rows from key
+// c0, offset to this block of the output), kV accumulators held over the keys.
+template <int kV>
+__attribute__((target("avx2,fma"), always_inline)) inline void output_block(const TileQuery& query,
+                                                                          const uint16_t* const* vrows, int64_t c0,
+                                                                          int64_t d0, int64_t p0, int64_t p1) {
+  __m256 acc[kV];
+  for (int r = 0; r < kV; ++r) acc[r] = _mm256_loadu_ps(query.out + d0 + 8 * r);
+  for (int64_t p = p0; p < p1; ++p) {
+    const uint32_t w = weight_pair(query, p);
+    const __m256 wo = _mm256_set1_ps(kv_bits_f32(w & 0xFFFF0000u)), we = _mm256_set1_ps(kv_bits_f32(w << 16));
+    const uint16_t* ve = 2 * p >= query.first ? vrows[2 * p - c0] + d0 : kZeroRow;
+    const uint16_t* vo = 2 * p + 1 < query.len ? vrows[2 * p + 1 - c0] + d0 : kZeroRow;
+    for (int r = 0; r < kV; ++r) acc[r] = step(step(acc[r], wo, widen(vo + 8 * r)), we, widen(ve + 8 * r));
   }
-  return kvserve::decode::hsum8(_mm256_add_ps(a0, a1)) * scale;
+  for (int r = 0; r < kV; ++r) _mm256_storeu_ps(query.out + d0 + 8 * r, acc[r]);
+}
+
+// Under FlushDenormals: every query vector's output over the tile's keys lo .. hi-1 (lo even; weights rounded), a
+// chunk of V rows at a time, 64 of a row's values (or 32) at a time in registers over the chunk's key pairs.
+__attribute__((target("avx2,fma"), noinline)) inline void outputs(const TileQuery* qs, int64_t n, const Tile& tile,
+                                                                  int64_t lo, int64_t hi) {
+  const int64_t D = tile.D;
+  const uint16_t* vrows[kChunk];
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {
+    const int64_t c1 = std::min(c0 + kChunk, hi);
+    for (int64_t t = c0; t < c1; ++t) vrows[t - c0] = tile.vp + tile.at(t);
+    for (int64_t j = 0; j < n; ++j) {
+      const TileQuery& query = qs[j];
+      const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
+      int64_t d0 = 0;
+      for (; d0 + 64 <= D; d0 += 64) output_block<8>(query, vrows, c0, d0, p0, p1);
+      for (; d0 < D; d0 += 32) output_block<4>(query, vrows, c0, d0, p0, p1);
+    }
+  }
 }
 
 __attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs, int64_t n, const Tile& tile,
@@ -175,34 +256,40 @@ __attribute__((target("avx2,fma"))) inline void attend_tile(const TileQuery* qs,
   int64_t lo, hi;
   kvserve::decode::tile_span(qs, n, &lo, &hi);
   lo &= ~int64_t{1};
-  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // scores, a chunk's K rows for every query vector
+  const uint16_t* krows[kChunk];
+  __m256 lanes[2 * kChunk];
+  for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores, a chunk's K rows for every query vector
+    const int64_t c1 = std::min(c0 + kChunk, hi);
+    for (int64_t t = c0; t < c1; ++t) krows[t - c0] = tile.kp + tile.at(t);
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
-      for (int64_t t = std::max(c0, query.first); t < std::min(c0 + kChunk, query.len); ++t)
-        query.scores[t - query.first] = score(qb + j * D, tile.kp + tile.at(t), D, tile.scale);
+      const int64_t t0 = std::max(c0, query.first), t1 = std::min(c1, query.len);
+      if (t0 >= t1) continue;
+      {
+        FlushDenormals flushed;
+        if (D == 64) score_lanes<64>(qb + j * D, krows + (t0 - c0), t1 - t0, D, lanes);
+        else if (D == 128) score_lanes<128>(qb + j * D, krows + (t0 - c0), t1 - t0, D, lanes);
+        else score_lanes<0>(qb + j * D, krows + (t0 - c0), t1 - t0, D, lanes);
+      }
+      float* out = query.scores - query.first;
+      int64_t t = t0;
+      for (; t + 8 <= t1; t += 8) {  // hsum8(a0 + a1) * scale, 8 keys at once
+        __m256 v[8];
+        for (int u = 0; u < 8; ++u) v[u] = _mm256_add_ps(lanes[2 * (t + u - t0)], lanes[2 * (t + u - t0) + 1]);
+        _mm256_storeu_ps(out + t, kvserve::decode::scores8(v, tile.scale));
+      }
+      for (; t < t1; ++t)
+        out[t] = kvserve::decode::hsum8(_mm256_add_ps(lanes[2 * (t - t0)], lanes[2 * (t - t0) + 1])) * tile.scale;
     }
+  }
   if (scores_only) return;
   for (int64_t j = 0; j < n; ++j) {
     kvserve::decode::softmax_avx2(qs[j].scores, qs[j].len - qs[j].first);
     round_weights(qs[j].scores, qs[j].len - qs[j].first);
     std::fill_n(qs[j].out, D, 0.f);
   }
-  for (int64_t c0 = lo; c0 < hi; c0 += kChunk)  // outputs, a chunk's V rows for every query vector
-    for (int64_t j = 0; j < n; ++j) {
-      const TileQuery& query = qs[j];
-      const int64_t p0 = std::max(c0, query.first & ~int64_t{1}) / 2, p1 = std::min(c0 + kChunk, query.len + 1) / 2;
-      for (int64_t d = 0; d < D; d += 8) {
-        __m256 acc = _mm256_loadu_ps(query.out + d);
-        for (int64_t p = p0; p < p1; ++p) {
-          const uint32_t w = weight_pair(query, p);
-          const uint16_t* ve = 2 * p >= query.first ? tile.vp + tile.at(2 * p) : kZeroRow;
-          const uint16_t* vo = 2 * p + 1 < query.len ? tile.vp + tile.at(2 * p + 1) : kZeroRow;
-          acc = step(acc, _mm256_set1_ps(kv_bits_f32(w & 0xFFFF0000u)), widen(vo + d));
-          acc = step(acc, _mm256_set1_ps(kv_bits_f32(w << 16)), widen(ve + d));
-        }
-        _mm256_storeu_ps(query.out + d, acc);
-      }
-    }
+  FlushDenormals flushed;
+  outputs(qs, n, tile, lo, hi);
 }
 
 #undef KV_BF16_AVX2

@@ -156,8 +156,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m256 key_sum(const _
 // vectors at a time (kRegs / kH passes over the keys), so that a V vector loaded feeds kQ FMAs and kQ x kH
 // accumulators, each taking one FMA a key, cover the FMA's latency.
 template <int64_t kRegs, int kQ, int kH>
-__attribute__((target("avx2,fma"), always_inline)) inline void outputs_avx2(const TileQuery* qs, const float* const* rows,
-                                                                          int64_t c0, int64_t t0, int64_t t1) {
+__attribute__((target("avx2,fma"), always_inline)) inline void outputs_avx2(const TileQuery* qs,
+                                                                          const float* const* rows, int64_t c0,
+                                                                          int64_t t0, int64_t t1) {
   const float* w[kQ];
   for (int j = 0; j < kQ; ++j) w[j] = qs[j].scores - qs[j].first;
   for (int64_t h = 0; h < kRegs; h += kH) {
@@ -181,8 +182,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline void outputs_avx2(cons
 // The outputs of query vectors qs[0 .. kQ) over the chunk's keys c0 .. c1-1: together over the keys all of them
 // read, each alone over its others (before or after those), so every output still takes its keys in order.
 template <int64_t kRegs, int kQ, int kH>
-__attribute__((target("avx2,fma"), always_inline)) inline void outputs_of_avx2(const TileQuery* qs, const float* const* rows,
-                                                                             int64_t c0, int64_t c1) {
+__attribute__((target("avx2,fma"), always_inline)) inline void outputs_of_avx2(const TileQuery* qs,
+                                                                             const float* const* rows, int64_t c0,
+                                                                             int64_t c1) {
   int64_t s0 = c0, s1 = c1;
   for (int j = 0; j < kQ; ++j) {
     s0 = std::max(s0, qs[j].first);
