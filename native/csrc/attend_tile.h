@@ -6,9 +6,9 @@
 //
 //   attend_tile_avx2<kD>     AVX2 + FMA: per (query, key) a dot product in two 8-lane FMA chains (even and odd
 //                            8-float blocks of d), hsum8, times scale, 8 keys' hsum8 done together by shuffles
-//                            across registers; one query vector at a time over a chunk for the scores, 3 for
-//                            the outputs (so a V vector loaded feeds 3); a prefill tile reads a chunk's K and V
-//                            rows from a contiguous copy.
+//                            across registers; one query vector at a time over a chunk for the scores; a
+//                            prefill tile reads a chunk's K and V rows from a contiguous copy and forms the
+//                            outputs 3 query vectors at a time (so a V vector loaded feeds 3).
 //   attend_tile_avx512<kD>   AVX-512 F: the same two chains as the two halves of one zmm register (lanes 8-15
 //                            are the odd blocks), register-blocked: 3 query vectors x 8 keys per pass over d,
 //                            so a K row loaded feeds 3 FMAs and a q vector 8, and the 8 keys' lane sums reduced
@@ -204,8 +204,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline void outputs_of_avx2(c
 // The keys are taken in chunks of kChunk: each chunk's K rows are read for every query vector of the tile while
 // they are in L1 (a prefill tile of R rows reads the context from memory R times less often than R decode rows
 // would), then, after each vector's softmax, the V rows likewise. A prefill tile reads the chunk's rows from a
-// copy (copy_rows); a query vector's scores are reduced 8 keys at a time (scores8), and with D known its outputs
-// are formed 3 query vectors at a time (outputs_of_avx2).
+// copy (copy_rows) and, with D known, forms its outputs 3 query vectors at a time (outputs_of_avx2); a query
+// vector's scores are reduced 8 keys at a time (scores8). The next chunk's rows are prefetched as the AVX-512
+// path does.
 template <int64_t kD>
 __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, int64_t n, const int64_t* table,
                                                           const float* kp, const float* vp, int64_t bs,
@@ -226,6 +227,8 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, i
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(kp, table, bs, H_kv, g, D, c0, c1, rows);
+    if (c1 < hi) prefetch_rows(kp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
+    else prefetch_rows(vp, table, bs, H_kv, g, D, lo, std::min(hi, lo + kChunk));
     if (copied) copy_rows(rows, c1 - c0, D, buf);
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
@@ -261,10 +264,14 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, i
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
+    if (c1 < hi) prefetch_rows(vp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
     if (copied) copy_rows(rows, c1 - c0, D, buf);
     int64_t j = 0;
-    if constexpr (kD > 0)  // kQout query vectors at a time sharing each V vector read, then the rest alone
-      for (; j + kQout <= n; j += kQout) outputs_of_avx2<kRegs, kQout, kOutRegs>(qs + j, rows, c0, c1);
+    // a prefill tile's query vectors kQout at a time sharing each V vector read, then the rest alone (a decode
+    // row's V rows come from memory: one pass over each, kRegs accumulators, as fast)
+    if constexpr (kD > 0)
+      if (copied)
+        for (; j + kQout <= n; j += kQout) outputs_of_avx2<kRegs, kQout, kOutRegs>(qs + j, rows, c0, c1);
     for (; j < n; ++j) {
       const TileQuery& query = qs[j];
       const int64_t t0 = std::max(c0, query.first), t1 = std::min(c1, query.len);
