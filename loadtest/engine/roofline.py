@@ -5,9 +5,9 @@ and ukernel_bf16.h, built by ``native.ggml_leaves.build``), for the benchmarks t
   weights) over buffers larger than the L3;
 - ``peak_gmacs``: one core's multiply-adds per CPU second of a probe whose independent chains stay on registers:
   ``kv_vnni_peak`` (``vpdpbusd``, 16 chains of 64 a round), ``kv_int8_peak_avx2`` (``vpmaddubsw`` added in int16,
-  the AVX2 path's int8 dot, 8 chains of 32), ``kv_bf16_peak`` (``vdpbf16ps``, 16 of 32),
-  ``kv_fma_peak_avx512`` / ``kv_fma_peak_avx2`` (float32 FMA, 16 zmm or 12 ymm chains); ``int8_peak_gmacs``,
-  ``bf16_peak_gmacs`` and ``fma_peak_gmacs`` name them.
+  the AVX2 path's int8 dot, 8 of 32 a round, only the int16 sums chained), ``kv_bf16_peak`` (``vdpbf16ps``, 16
+  of 32), ``kv_fma_peak_avx512`` / ``kv_fma_peak_avx2`` (float32 FMA, 16 zmm or 12 ymm chains);
+  ``int8_peak_gmacs``, ``bf16_peak_gmacs`` and ``fma_peak_gmacs`` name them.
 
 Rates are per CPU second of the measuring thread (``time.thread_time``), so another process's turns on the core do
 not count: on a shared machine they are the core's, not the wall clock's.
