@@ -85,6 +85,16 @@ inline void tile_span(const TileQuery* qs, int64_t n, int64_t* lo, int64_t* hi) 
   }
 }
 
+// The keys of chunk [c0, c1) that every one of qs[0 .. m) reads: [*s0, *s1), empty where *s0 >= *s1.
+inline void shared_keys(const TileQuery* qs, int64_t m, int64_t c0, int64_t c1, int64_t* s0, int64_t* s1) {
+  *s0 = c0;
+  *s1 = c1;
+  for (int64_t j = 0; j < m; ++j) {
+    *s0 = std::max(*s0, qs[j].first);
+    *s1 = std::min(*s1, qs[j].len);
+  }
+}
+
 // Between a tile's two passes: each query vector's scores to their softmax (softmax_avx2, decode_core.h), its
 // output row to zero for the FMAs over the keys.
 __attribute__((target("avx2,fma"))) inline void softmax_tile(const TileQuery* qs, int64_t n, int64_t D) {
@@ -185,11 +195,8 @@ template <int64_t kRegs, int kQ, int kH>
 __attribute__((target("avx2,fma"), always_inline)) inline void outputs_of_avx2(const TileQuery* qs,
                                                                              const float* const* rows, int64_t c0,
                                                                              int64_t c1) {
-  int64_t s0 = c0, s1 = c1;
-  for (int j = 0; j < kQ; ++j) {
-    s0 = std::max(s0, qs[j].first);
-    s1 = std::min(s1, qs[j].len);
-  }
+  int64_t s0, s1;
+  shared_keys(qs, kQ, c0, c1, &s0, &s1);
   if (s0 >= s1) {
     for (int j = 0; j < kQ; ++j)
       outputs_avx2<kRegs, 1, kRegs>(qs + j, rows, c0, std::max(c0, qs[j].first), std::min(c1, qs[j].len));
@@ -457,11 +464,8 @@ KV_AVX512_TILE void outputs_block(const TileQuery* qs, const float* const* rows,
 // keys all of them read, each alone over its others, so every output still takes its keys in order.
 template <int64_t kD, int kK>
 KV_AVX512_TILE void outputs_of(const TileQuery* qs, const float* const* rows, int64_t c0, int64_t c1, int64_t D) {
-  int64_t s0 = c0, s1 = c1;
-  for (int j = 0; j < kK; ++j) {
-    s0 = std::max(s0, qs[j].first);
-    s1 = std::min(s1, qs[j].len);
-  }
+  int64_t s0, s1;
+  shared_keys(qs, kK, c0, c1, &s0, &s1);
   if (s0 >= s1) {
     for (int j = 0; j < kK; ++j)
       outputs_block<kD, 1>(qs + j, rows, c0, std::max(c0, qs[j].first), std::min(c1, qs[j].len), D);
@@ -494,15 +498,6 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
   // not repay the transposition); D <= 256 for the buffer
   const bool transposed = n >= 4 * kQ && D <= 256;
   alignas(64) float kt[kChunk * 256];
-  // the keys of chunk [c0, c1) that all of qs[j0 .. j0 + m) read: [*t0, *t1), possibly empty
-  auto shared = [&](int64_t j0, int64_t m, int64_t c0, int64_t c1, int64_t* t0, int64_t* t1) {
-    *t0 = c0;
-    *t1 = c1;
-    for (int64_t j = j0; j < j0 + m; ++j) {
-      *t0 = std::max(*t0, qs[j].first);
-      *t1 = std::min(*t1, qs[j].len);
-    }
-  };
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores
     const int64_t c1 = std::min(hi, c0 + kChunk);
     chunk_rows(kp, table, bs, H_kv, g, D, c0, c1, rows);
@@ -514,7 +509,7 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
     int64_t j0 = 0;
     for (; j0 + kQ <= n; j0 += kQ) {
       int64_t s0, s1, b0, b1;  // shared keys [s0, s1); run blocked: [b0, b1)
-      shared(j0, kQ, c0, c1, &s0, &s1);
+      shared_keys(qs + j0, kQ, c0, c1, &s0, &s1);
       const float* q[kQ];
       float* s[kQ];
       for (int j = 0; j < kQ; ++j) {
