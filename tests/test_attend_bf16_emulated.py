@@ -18,10 +18,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kvserve.native import attend_bf16_leaves as leaves
 from kvserve.native import emulate
-from tests.leafutil import leaf_runner
+from tests import attendutil
+from tests.attendutil import runner, same_bits  # noqa: F401 (runner: the leaves fixture)
 
+ISAS = ("scalar", "avx2", "avx512")
 # prompt rows, cached prefix, heads, kv heads, head size, window, block size
 TILES = [
     (4, 70, 6, 2, 64, 0, 16),
@@ -34,14 +35,8 @@ TILES = [
 ]
 
 
-@pytest.fixture(scope="module", params=["emulated", "native"])
-def runner(request):
-    """The leaves in the emulator, or on this CPU (ctypes)."""
-    yield from leaf_runner(request.param, leaves.build)
-
-
 def runs(runner, isa: str) -> bool:
-    return not isinstance(runner, emulate.Native) or leaves.NEEDS[isa] <= emulate.host_cpu_flags()
+    return attendutil.runs(runner, f"bf16_{isa}")
 
 
 def to_bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -51,40 +46,21 @@ def to_bf16_bits(x: np.ndarray) -> np.ndarray:
 
 
 def tile_case(shape, seed: int, q_k_v_exponents=((-8, 3), (-8, 3), (-8, 3))) -> dict:
-    """One prompt's rows (context lengths start + 1 .. start + prompt, one scattered block table) over a seeded
-    bfloat16 pool: the arrays of a leaf call for the last KV head (its query vectors row by row, each row's group
-    heads in order, as the extension's tiles take them) and of the extension's call. q_k_v_exponents: the range of
-    powers of two each of q, k and v's elements are scaled by (ends excluded)."""
-    prompt, start, heads, kv_heads, dim, window, block_size = shape
-    rng = np.random.default_rng(seed)
-    width = -(-(start + prompt) // block_size)
-    pool = 2 * width + 1
-    # by default each element's magnitude spread over 2^-8 .. 2^2, so that float32 sums of bfloat16 products round
-    # (sums of products of like magnitude are mostly exact and would hide a change of order), while scores stay a
-    # few units (no weight near float32's underflow)
-    def spread(shape, exponents):
-        return rng.standard_normal(shape) * np.exp2(rng.integers(*exponents, shape).astype(np.float64))
+    """attendutil.tile_case over a bfloat16 pool. q_k_v_exponents: the range of powers of two each of q, k and v's
+    elements are scaled by (ends excluded). By default each element's magnitude spread over 2^-8 .. 2^2, so that
+    float32 sums of bfloat16 products round (sums of products of like magnitude are mostly exact and would hide a
+    change of order), while scores stay a few units (no weight near float32's underflow)."""
+    exponents = dict(zip("qkv", q_k_v_exponents))
 
-    (q_exp, k_exp, v_exp) = q_k_v_exponents
-    k = to_bf16_bits(spread((pool, block_size, kv_heads, dim), k_exp))
-    v = to_bf16_bits(spread((pool, block_size, kv_heads, dim), v_exp))
-    table = rng.permutation(pool)[:width].astype(np.int64)
-    q = spread((prompt, heads, dim), q_exp).astype(np.float32)
-    lens = np.arange(start + 1, start + prompt + 1, dtype=np.int64)
-    firsts = np.maximum(0, lens - window) if window > 0 else np.zeros_like(lens)
-    group, g = heads // kv_heads, kv_heads - 1
-    return dict(q=q, lens=lens, table=table, k=k, v=v, window=window, scale=float(np.float32(dim ** -0.5)),
-                g=g, tile_q=q[:, g * group:(g + 1) * group].reshape(-1, dim),
-                first=np.repeat(firsts, group), length=np.repeat(lens, group))
+    def values(rng, name, shape):
+        x = rng.standard_normal(shape) * np.exp2(rng.integers(*exponents[name], shape).astype(np.float64))
+        return x if name == "q" else to_bf16_bits(x)
+
+    return attendutil.tile_case(shape, seed, values)
 
 
 def run_leaf(runner, isa: str, case: dict, scores_only: bool = False) -> tuple[int, np.ndarray]:
-    return leaves.attend_tile(runner, isa, case["tile_q"], case["first"], case["length"], case["table"], case["k"],
-                              case["v"], case["g"], case["scale"], scores_only)
-
-
-def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    return np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    return attendutil.run_leaf(runner, f"bf16_{isa}", case, scores_only)
 
 
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
@@ -134,17 +110,11 @@ def test_the_leaves_are_the_extensions_tile(runner):
     ops = native.load_ops()
     if ops is None:
         pytest.skip("the native extension is not built here")
+    as_bf16 = lambda bits: torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)  # noqa: E731
     for index, shape in enumerate(TILES):
         case = tile_case(shape, 10 + index)
-        prompt, heads, dim = case["q"].shape
-        out = torch.full((prompt, heads, dim), float("nan"))
-        as_bf16 = lambda bits: torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)  # noqa: E731
-        ops.paged_decode_attention(torch.from_numpy(case["q"]), torch.arange(prompt),
-                                   torch.from_numpy(np.tile(case["table"], (prompt, 1))), torch.from_numpy(case["lens"]),
-                                   as_bf16(case["k"]), as_bf16(case["v"]), case["scale"], case["window"], out)
-        group = heads // case["k"].shape[2]
-        theirs = out[:, case["g"] * group:(case["g"] + 1) * group].reshape(-1, dim).numpy()
-        for isa in leaves.ISAS:
+        theirs = attendutil.extension_tile(ops, case, as_bf16(case["k"]), as_bf16(case["v"]))
+        for isa in ISAS:
             if runs(runner, isa):
                 done, ours = run_leaf(runner, isa, case)
                 assert done == 0 and same_bits(ours, theirs), (isa, shape)
@@ -152,7 +122,7 @@ def test_the_leaves_are_the_extensions_tile(runner):
 
 def test_each_leaf_refuses_a_shape_its_path_does_not_take(runner):
     case = tile_case(TILES[0], 0)
-    for isa in leaves.ISAS:
+    for isa in ISAS:
         if not runs(runner, isa):
             continue
         odd = dict(case, length=case["first"])  # a vector with no keys

@@ -709,7 +709,7 @@ inline kvserve::cpu::Isa path(int64_t D) {
 
 // One tile on path isa (path()'s choice, or a lesser one), with the caller's scratch qb: n * D bfloat16 values,
 // overwritten (the query vectors rounded). No allocation, no thread-local state: the emulator's leaves
-// (attend_bf16_leaves.cpp) run this. scores_only: stop after the scores (each query's scores, times scale, in
+// (attend_leaves.cpp) run this. scores_only: stop after the scores (each query's scores, times scale, in
 // key order; out untouched), so a test can compare every score's bits, which the weights' rounding to bfloat16
 // would mostly hide in the outputs.
 inline void attend_tile(kvserve::cpu::Isa isa, const TileQuery* qs, int64_t n, const Tile& tile, uint16_t* qb,
