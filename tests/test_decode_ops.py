@@ -302,6 +302,40 @@ def test_quantized_attention_has_the_float32_kernels_bits_over_the_dequantized_c
     assert torch.equal(out, expected)
 
 
+@pytest.mark.parametrize("bits,prompt,start,heads,kv_heads,dim,window", [
+    (bits, *shape) for bits in (8, 4) for shape in [*PROMPT_TILE_SHAPES[:4], (40, 9, 4, 2, 320, 0)]
+    if bits == 8 or shape[4] % 32 == 0])  # int4: a scale per 32
+def test_a_prompts_rows_over_a_quantized_cache_have_the_bits_of_each_row_alone(bits, prompt, start, heads, kv_heads,
+                                                                                dim, window):
+    """The int8 / int4 cache attends a prompt's consecutive rows in tiles (each chunk of code rows dequantized once
+    for the tile: kv_attend.h's QuantPool, read by the float32 cache's tiles; D = 320 is past its buffer and runs
+    row by row): each row has the bits it has alone (the per-row kernel), and, on the vector paths, the float32
+    kernel's bits over the dequantized cache."""
+    q, rows, tables, lens, k_blocks, v_blocks, _ = prompt_tile_case(prompt, start, heads, kv_heads, dim, window)
+    group = dim if bits == 8 else 32
+    codes = torch.zeros(2, *k_blocks.shape[:3], dim * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8)
+    scales = torch.zeros(2, *k_blocks.shape[:3], dim // group, dtype=torch.float16)
+    ops.write_kv_quant(codes[0].flatten(0, 1), scales[0].flatten(0, 1), codes[1].flatten(0, 1),
+                       scales[1].flatten(0, 1), torch.arange(k_blocks.shape[0] * k_blocks.shape[1]),
+                       k_blocks.flatten(0, 1), v_blocks.flatten(0, 1), bits)
+    cache = (codes[0], scales[0], codes[1], scales[1], bits)
+
+    def attend(b0, b1, out):
+        ops.paged_decode_attention_quant(q, rows[b0:b1], tables[b0:b1], lens[b0:b1], *cache, dim ** -0.5, window,
+                                         out)
+
+    together, alone = torch.zeros(q.shape), torch.zeros(q.shape)
+    attend(0, len(rows), together)
+    for b in range(len(rows)):
+        attend(b, b + 1, alone)
+    assert torch.equal(together, alone)
+    if not native.isa().startswith("scalar"):
+        expected = torch.zeros(q.shape)
+        ops.paged_decode_attention(q, rows, tables, lens, dequantize(codes[0], scales[0], bits, torch.float32),
+                                   dequantize(codes[1], scales[1], bits, torch.float32), dim ** -0.5, window, expected)
+        assert torch.equal(together, expected)
+
+
 def test_the_quantized_attention_runs_the_avx512_path_on_the_pools_groupings():
     best = native.native_isas()[-1]
     forced = native.forced_isa()

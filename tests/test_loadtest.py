@@ -547,9 +547,12 @@ def test_attention_bench_times_a_prompts_last_chunk_and_counts_its_pairs(monkeyp
     monkeypatch.setattr(attnbench, "SHAPES", (("tiny", 4, 2, 16),))
     monkeypatch.setattr(attnbench, "CONTEXTS", (40, 80))
     lines = attnbench.measure(write=False, decode=False)
-    assert len(lines) == 4 and lines[2].startswith("| tiny (4 / 2 heads, d = 16) | float32 |")
+    # float32, bfloat16 and int8 caches (int4 needs d a multiple of 32: no row)
+    assert len(lines) == 5 and lines[2].startswith("| tiny (4 / 2 heads, d = 16) | float32 |")
+    assert lines[4].startswith("| tiny (4 / 2 heads, d = 16) | int8 |")
     assert all(line.count(" ms, ") == 2 for line in lines[2:])
-    assert "attention tiny bfloat16 T=80:" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "attention tiny bfloat16 T=80:" in printed and "attention tiny int8 T=80:" in printed
 
 
 def test_attention_bench_compares_the_served_pool_with_one_pool_per_kv_head(monkeypatch):

@@ -1,7 +1,8 @@
 """``python -m kvserve.loadtest kernelbench --attention``: the paged attention kernels alone on a prefill chunk.
 
 One call of ``paged_decode_attention`` (native/csrc/decode_ops.cpp: attend_tile.h's tiles for a float32 cache,
-attend_bf16.h's for a bfloat16 one) as a prefill step makes it: the last chunk of 512 rows of a prompt of T tokens,
+attend_bf16.h's for a bfloat16 one), or of ``paged_decode_attention_quant`` for an int8 or int4 cache (kv_quant.cpp:
+attend_tile.h's tiles over each chunk's code rows dequantized once per tile) as a prefill step makes it: the last chunk of 512 rows of a prompt of T tokens,
 every row a query attending to its own prefix through the block table (rows_alone prefill), on the threads the
 server runs. Head shapes of SmolLM2-135M (9 query / 3 KV heads, d = 64), Llama-3.2-1B (32 / 8, d = 64) and
 Llama-3.1-8B (32 / 8, d = 128); T = 512, 2,048 and 8,192; random queries, keys and values.
@@ -23,11 +24,13 @@ would change.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 SHAPES = (("SmolLM2-135M", 9, 3, 64), ("Llama-3.2-1B", 32, 8, 64), ("Llama-3.1-8B", 32, 8, 128))
 CONTEXTS = (512, 2048, 8192)
+CACHES = ("float32", "bfloat16", "int8", "int4")  # --kv-cache-dtype's
 CHUNK = 512
 BLOCK_SIZE = 16
 REPEATS = 5
@@ -52,19 +55,45 @@ def chunk_call(heads: int, kv_heads: int, dim: int, context: int, dtype: torch.d
     return (q, torch.arange(rows), tables, lens, k_blocks, v_blocks, dim ** -0.5, 0, torch.empty_like(q))
 
 
+def cache_call(ops, cache: str, heads: int, kv_heads: int, dim: int,
+               context: int) -> tuple[Callable[[], None], torch.Tensor] | None:
+    """``chunk_call``'s rows over a ``cache`` pool (one of ``CACHES``): a call of its attention op with no
+    arguments, and the rows' context lengths; None where the server would refuse the cache for this head size
+    (int4 needs a multiple of ``INT4_GROUP``). int8 and int4 pools hold chunk_call's K and V written by
+    ``write_kv_quant`` (a scale per head vector for int8, per ``INT4_GROUP`` elements for int4: kvcache/pool.py's)."""
+    from kvserve.kvcache.sizing import INT4_GROUP
+
+    if cache in ("float32", "bfloat16"):
+        args = chunk_call(heads, kv_heads, dim, context, getattr(torch, cache))
+        return lambda: ops.paged_decode_attention(*args), args[3]
+    bits = {"int8": 8, "int4": 4}[cache]
+    if bits == 4 and dim % INT4_GROUP:
+        return None
+    q, rows, tables, lens, k, v, scale, window, out = chunk_call(heads, kv_heads, dim, context, torch.float32)
+    group = dim if bits == 8 else INT4_GROUP
+    codes = [torch.zeros(*k.shape[:3], dim * bits // 8, dtype=torch.int8 if bits == 8 else torch.uint8)
+             for _ in range(2)]
+    scales = [torch.zeros(*k.shape[:3], dim // group, dtype=torch.float16) for _ in range(2)]
+    ops.write_kv_quant(codes[0].flatten(0, 1), scales[0].flatten(0, 1), codes[1].flatten(0, 1),
+                       scales[1].flatten(0, 1), torch.arange(k.shape[0] * k.shape[1]), k.flatten(0, 1),
+                       v.flatten(0, 1), bits)
+    return (lambda: ops.paged_decode_attention_quant(q, rows, tables, lens, codes[0], scales[0], codes[1], scales[1],
+                                                     bits, scale, window, out)), lens
+
+
 def macs(heads: int, dim: int, lens: torch.Tensor) -> int:
     """Multiply-adds of one call: 2 heads dim per (query, key) pair, each row attending to its ``lens`` keys."""
     return 2 * heads * dim * int(lens.sum())
 
 
-def best_time(ops, args: tuple, repeats: int = REPEATS) -> float:
-    """The best wall time (s) of ``repeats`` calls of ``ops.paged_decode_attention`` on ``args``, after one warm
-    call (the scores buffers and the pages)."""
-    ops.paged_decode_attention(*args)
+def best_time(call: Callable[[], None], repeats: int = REPEATS) -> float:
+    """The best wall time (s) of ``repeats`` calls of ``call``, after one warm call (the scores buffers and the
+    pages)."""
+    call()
     best = float("inf")
     for _ in range(repeats):
         started = time.perf_counter()
-        ops.paged_decode_attention(*args)
+        call()
         best = min(best, time.perf_counter() - started)
     return best
 
@@ -134,22 +163,26 @@ def measure(write: bool = True, decode: bool = True) -> list[str]:
     lines = ["| model's heads | cache | peak (per core) | " + " | ".join(f"T = {t:,}" for t in CONTEXTS) + " |",
              "|---|---|---|" + "---:|" * len(CONTEXTS)]
     for name, heads, kv_heads, dim in SHAPES:
-        for dtype, label in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        for label in CACHES:
             peak = attention_peak(label, dim)
             if peak:
                 peaks[label] = peak[1]
+            if cache_call(ops, label, heads, kv_heads, dim, 1) is None:
+                continue
             cells = []
             for context in CONTEXTS:
-                args = chunk_call(heads, kv_heads, dim, context, dtype)
-                best = best_time(ops, args)
-                gmacs = macs(heads, dim, args[3]) / best / 1e9
+                call, lens = cache_call(ops, label, heads, kv_heads, dim, context)
+                best = best_time(call)
+                gmacs = macs(heads, dim, lens) / best / 1e9
                 share = f" ({100 * gmacs / (peak[1] * threads):.0f}%)" if peak else ""
                 cells.append(f"{best * 1e3:.1f} ms, {gmacs:.0f} GMAC/s{share}")
                 print(f"attention {name} {label} T={context}: {cells[-1]}", flush=True)
             peak_text = f"{peak[0]}, {peak[1]:.0f} GMAC/s" if peak else "-"
             lines.append(f"| {name} ({heads} / {kv_heads} heads, d = {dim}) | {label} | {peak_text} | "
                          + " | ".join(cells) + " |")
-    body = (f"{path} path, {threads} threads (the server's). One `paged_decode_attention` call: the last chunk of "
+    body = (f"{path} path, {threads} threads (the server's). One `paged_decode_attention` call (for an int8 or int4 "
+            "cache `paged_decode_attention_quant`: the float32 tiles over each chunk's code rows dequantized once "
+            "per tile, the bits of each row alone): the last chunk of "
             f"{CHUNK} rows of a T-token prompt, each row attending to its own prefix through the block table "
             f"(blocks of {BLOCK_SIZE}), as a prefill step calls it; the best wall time of {REPEATS} calls. GMAC/s: "
             "2 H d multiply-adds per (query, key) pair; in brackets, % of the measured peak of the arithmetic the "

@@ -75,6 +75,26 @@ __attribute__((target("avx2,fma"), always_inline)) inline void prefetch_rows(con
       _mm_prefetch(reinterpret_cast<const char*>(rows[t - c0]) + b, _MM_HINT_T1);
 }
 
+// Where a tile's K and V rows come from (the tiles' Pool): the float32 cache's pool, read in place through the block
+// table. A Pool gives a chunk's rows (rows(rows, buf, v, c0, c1): K, or V where v, of keys c0 .. c1-1, at most
+// kChunk, as row pointers; kInBuffer: always written into buf, kChunk rows of D floats, else pointers into the
+// pool) and brings a chunk's rows towards L2 (prefetch). kv_attend.h's QuantPool dequantizes an int8 / int4
+// cache's rows into buf.
+struct F32Pool {
+  static constexpr bool kInBuffer = false;
+  const int64_t* table;
+  const float* kp;
+  const float* vp;
+  int64_t bs, H_kv, g, D;
+
+  void rows(const float** rows, float*, bool v, int64_t c0, int64_t c1) const {
+    chunk_rows(v ? vp : kp, table, bs, H_kv, g, D, c0, c1, rows);
+  }
+  __attribute__((target("avx2,fma"), always_inline)) void prefetch(bool v, int64_t c0, int64_t c1) const {
+    prefetch_rows(v ? vp : kp, table, bs, H_kv, g, D, c0, c1);
+  }
+};
+
 // The keys lo .. hi-1 that any query vector of the tile reads.
 inline void tile_span(const TileQuery* qs, int64_t n, int64_t* lo, int64_t* hi) {
   *lo = qs[0].first;
@@ -214,10 +234,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline void outputs_of_avx2(c
 // copy (copy_rows) and, with D known, forms its outputs 3 query vectors at a time (outputs_of_avx2); a query
 // vector's scores are reduced 8 keys at a time (scores8). The next chunk's rows are prefetched as the AVX-512
 // path does.
-template <int64_t kD>
-__attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, int64_t n, const int64_t* table,
-                                                          const float* kp, const float* vp, int64_t bs,
-                                                          int64_t H_kv, int64_t g, int64_t D_, float scale) {
+template <int64_t kD, class Pool>
+__attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, int64_t n, const Pool& pool,
+                                                          int64_t D_, float scale) {
   const int64_t D = kD > 0 ? kD : D_;
   constexpr int64_t kRegs = kD > 0 ? kD / 8 : 1;  // 8-float lanes of a row kept in registers
   // the outputs: 3 query vectors x 4 of their 8-float vectors at a time (12 accumulators; 8 left the FMAs
@@ -228,15 +247,15 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, i
   tile_span(qs, n, &lo, &hi);
   const float* rows[kChunk];
   // a prefill tile reads the chunk's rows from a copy (a decode row's few query vectors would not repay it);
-  // D <= 256 for the buffer
-  const bool copied = n >= 8 && D <= 256;
+  // D <= 256 for the buffer; a pool that writes its rows into the buffer anyway (kInBuffer) is read from it
+  const bool copied = Pool::kInBuffer || (n >= 8 && D <= 256);
   alignas(32) float buf[kChunk * 256];
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores
     const int64_t c1 = std::min(hi, c0 + kChunk);
-    chunk_rows(kp, table, bs, H_kv, g, D, c0, c1, rows);
-    if (c1 < hi) prefetch_rows(kp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
-    else prefetch_rows(vp, table, bs, H_kv, g, D, lo, std::min(hi, lo + kChunk));
-    if (copied) copy_rows(rows, c1 - c0, D, buf);
+    pool.rows(rows, buf, false, c0, c1);
+    if (c1 < hi) pool.prefetch(false, c1, std::min(hi, c1 + kChunk));
+    else pool.prefetch(true, lo, std::min(hi, lo + kChunk));
+    if (copied && !Pool::kInBuffer) copy_rows(rows, c1 - c0, D, buf);
     for (int64_t j = 0; j < n; ++j) {
       const TileQuery& query = qs[j];
       const int64_t t0 = std::max(c0, query.first), t1 = std::min(c1, query.len);
@@ -270,9 +289,9 @@ __attribute__((target("avx2,fma"))) void attend_tile_avx2(const TileQuery* qs, i
   softmax_tile(qs, n, D);
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
-    chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
-    if (c1 < hi) prefetch_rows(vp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
-    if (copied) copy_rows(rows, c1 - c0, D, buf);
+    pool.rows(rows, buf, true, c0, c1);
+    if (c1 < hi) pool.prefetch(true, c1, std::min(hi, c1 + kChunk));
+    if (copied && !Pool::kInBuffer) copy_rows(rows, c1 - c0, D, buf);
     int64_t j = 0;
     // a prefill tile's query vectors kQout at a time sharing each V vector read, then the rest alone (a decode
     // row's V rows come from memory: one pass over each, kRegs accumulators, as fast)
@@ -483,11 +502,9 @@ KV_AVX512_TILE void outputs_of(const TileQuery* qs, const float* const* rows, in
 // runs blocked over the keys every one of its vectors reads; the keys only some read (the causal edge of a prompt's last rows, a sliding window's start)
 // each vector runs alone, before (scores: anywhere) or after the shared ones, so every output still takes its
 // keys in order.
-template <int64_t kD>
-__attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQuery* qs, int64_t n,
-                                                                    const int64_t* table, const float* kp,
-                                                                    const float* vp, int64_t bs, int64_t H_kv,
-                                                                    int64_t g, int64_t D_, float scale) {
+template <int64_t kD, class Pool>
+__attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQuery* qs, int64_t n, const Pool& pool,
+                                                                    int64_t D_, float scale) {
   constexpr int kQ = 3;
   constexpr int kQout = kD == 64 ? 6 : 3;
   const int64_t D = kD > 0 ? kD : D_;
@@ -498,11 +515,12 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
   // not repay the transposition); D <= 256 for the buffer
   const bool transposed = n >= 4 * kQ && D <= 256;
   alignas(64) float kt[kChunk * 256];
+  alignas(64) float buf[Pool::kInBuffer ? kChunk * 256 : 1];  // a kInBuffer pool's rows (D <= 256)
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // scores
     const int64_t c1 = std::min(hi, c0 + kChunk);
-    chunk_rows(kp, table, bs, H_kv, g, D, c0, c1, rows);
-    if (c1 < hi) prefetch_rows(kp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
-    else prefetch_rows(vp, table, bs, H_kv, g, D, lo, std::min(hi, lo + kChunk));
+    pool.rows(rows, buf, false, c0, c1);
+    if (c1 < hi) pool.prefetch(false, c1, std::min(hi, c1 + kChunk));
+    else pool.prefetch(true, lo, std::min(hi, lo + kChunk));
     // a prefill tile transposes the chunk's whole groups of 16 keys once for all its query vectors
     const int64_t groups = transposed ? (c1 - c0) / 16 : 0;
     if (groups > 0) transpose_keys(rows, groups, D, kt);
@@ -550,8 +568,8 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
   for (int64_t j = 0; j < n; ++j) std::fill_n(qs[j].out, D, 0.f);
   for (int64_t c0 = lo; c0 < hi; c0 += kChunk) {  // outputs
     const int64_t c1 = std::min(hi, c0 + kChunk);
-    chunk_rows(vp, table, bs, H_kv, g, D, c0, c1, rows);
-    if (c1 < hi) prefetch_rows(vp, table, bs, H_kv, g, D, c1, std::min(hi, c1 + kChunk));
+    pool.rows(rows, buf, true, c0, c1);
+    if (c1 < hi) pool.prefetch(true, c1, std::min(hi, c1 + kChunk));
     // kQout query vectors at a time, then the rest (a decode row's group heads, or a prompt tile's last vectors)
     // 3 and 2 at a time, so a group of 3 or 4 heads still shares its V rows
     int64_t j0 = 0;
@@ -564,18 +582,24 @@ __attribute__((target("avx512f,avx2,fma"))) void attend_tile_avx512(const TileQu
 }
 #undef KV_AVX512_TILE
 
-// The tile on the path cpu.h chose for this D: AVX-512 for D a multiple of 16, else AVX2 (D a multiple of 8; the
-// same bits either way); each compiled for D = 64 and 128 with D known, looped over D otherwise.
+// The tile over `pool`'s rows on the path cpu.h chose for this D: AVX-512 for D a multiple of 16, else AVX2 (D a
+// multiple of 8; the same bits either way); each compiled for D = 64 and 128 with D known, looped over D otherwise.
+template <class Pool>
+inline void attend_tile(bool avx512, const TileQuery* qs, int64_t n, const Pool& pool, int64_t D, float scale) {
+  if (avx512 && D % 16 == 0) {
+    if (D == 64) return attend_tile_avx512<64>(qs, n, pool, D, scale);
+    if (D == 128) return attend_tile_avx512<128>(qs, n, pool, D, scale);
+    return attend_tile_avx512<0>(qs, n, pool, D, scale);
+  }
+  if (D == 64) return attend_tile_avx2<64>(qs, n, pool, D, scale);
+  if (D == 128) return attend_tile_avx2<128>(qs, n, pool, D, scale);
+  attend_tile_avx2<0>(qs, n, pool, D, scale);
+}
+
+// The float32 cache's tile (F32Pool: kp, vp [blocks, bs, H_kv, D] through `table`, KV head g).
 inline void attend_tile(bool avx512, const TileQuery* qs, int64_t n, const int64_t* table, const float* kp,
                         const float* vp, int64_t bs, int64_t H_kv, int64_t g, int64_t D, float scale) {
-  if (avx512 && D % 16 == 0) {
-    if (D == 64) return attend_tile_avx512<64>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-    if (D == 128) return attend_tile_avx512<128>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-    return attend_tile_avx512<0>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-  }
-  if (D == 64) return attend_tile_avx2<64>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-  if (D == 128) return attend_tile_avx2<128>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
-  attend_tile_avx2<0>(qs, n, table, kp, vp, bs, H_kv, g, D, scale);
+  attend_tile(avx512, qs, n, F32Pool{table, kp, vp, bs, H_kv, g, D}, D, scale);
 }
 
 #endif

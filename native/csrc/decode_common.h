@@ -1,15 +1,22 @@
-// What decode_ops.cpp (the float32 cache's ops) and kv_quant.cpp (the int8 / int4 cache's ops) share: the
-// argument checks of paged decode attention, on top of decode_core.h (torch-free, so the emulator's leaves compile
-// it too): the call's raw arguments and the AVX2 softmax both attention kernels run (exp8 and the lane sums whose
-// order the quantized cache's kernels reproduce on every path).
+// What decode_ops.cpp (the float32 and bfloat16 caches' ops) and kv_quant.cpp (the int8 / int4 cache's ops) share:
+// the argument checks of paged decode attention and the cutting of a call into tiles run on the threads, on top
+// of decode_core.h (torch-free, so the emulator's leaves compile it too): the call's raw arguments and the AVX2
+// softmax every attention kernel runs (exp8 and the lane sums whose order the quantized cache's kernels reproduce
+// on every path), and attend_tile.h's TileQuery.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "aligned_vector.h"
+#include "attend_tile.h"
 #include "check.h"
 #include "cpu.h"
 #include "decode_core.h"
+
+#include <algorithm>
+#include <atomic>
+#include <vector>
 
 namespace kvserve::decode {
 
@@ -46,6 +53,95 @@ inline DecodeCall check_decode_call(const torch::Tensor& q, const torch::Tensor&
       KV_CHECK(call.table_of(b)[i] >= 0 && call.table_of(b)[i] < num_blocks, "block id out of range");
   }
   return call;
+}
+
+// Rows of one prompt attended together in a tile (rows_alone prefill); each reads the context once per tile. A
+// long context's K and V rows come from L3 or memory once per tile, so larger tiles run faster (the scores
+// buffer, rows x heads x context floats, grows with them); a 512-token chunk still gives 16 tiles per KV head.
+constexpr int64_t kTileRows = 32;
+// The AVX-512 tile also transposes each chunk of K rows once per tile for all its rows, so it takes twice the rows
+// (the transposition and the K and V reads shared by twice as many query vectors) where that still leaves every
+// thread 4 tasks of the call to balance; the AVX2 tile gains nothing from more (measured on an AVX2-only AMD
+// EPYC: 64 rows as fast as 32).
+constexpr int64_t kTileRowsTransposed = 64;
+
+// How many rows a prompt tile of this call takes on the AVX-512 path: kTileRowsTransposed where its prompt rows
+// still make 4 tasks a thread (rows / tile x KV heads), else kTileRows.
+inline int64_t tile_rows_avx512(const DecodeCall& call) {
+  const int64_t tasks = call.B / kTileRowsTransposed * call.H_kv;
+  return tasks >= 4 * at::get_num_threads() ? kTileRowsTransposed : kTileRows;
+}
+
+// The call's rows cut into tiles: starts of consecutive runs of at most `most` rows that belong to one prompt
+// (q rows one after the other, context lengths growing by one, the same blocks up to the shorter context; the
+// window, if any, is the call's), and the end B last. A decode step's rows are tiles of one row each.
+inline std::vector<int64_t> prompt_tiles(const DecodeCall& call, int64_t most) {
+  std::vector<int64_t> starts{0};
+  int64_t run = 1;
+  for (int64_t b = 1; b < call.B; ++b) {
+    bool same = run < most && call.rows[b] == call.rows[b - 1] + 1 && call.lens[b] == call.lens[b - 1] + 1;
+    const int64_t* prev = call.table_of(b - 1);
+    const int64_t* cur = call.table_of(b);
+    for (int64_t i = 0; same && i < (call.lens[b - 1] + call.block_size - 1) / call.block_size; ++i)
+      same = prev[i] == cur[i];
+    if (same) {
+      ++run;
+    } else {
+      starts.push_back(b);
+      run = 1;
+    }
+  }
+  starts.push_back(call.B);
+  return starts;
+}
+
+// The query vectors of rows b0 .. b1-1 of a call for KV head g (each row's `group` query heads), each with its
+// share of `scores` (resized to hold them all).
+inline void tile_queries(const DecodeCall& call, int64_t b0, int64_t b1, int64_t g,
+                         kvserve::AlignedVector<float>& scores, std::vector<TileQuery>& queries) {
+  int64_t total = 0;
+  for (int64_t b = b0; b < b1; ++b) total += call.group * (call.lens[b] - call.first_of(b));
+  scores.resize(total);
+  queries.clear();
+  float* next = scores.data();
+  for (int64_t b = b0; b < b1; ++b)
+    for (int64_t j = 0; j < call.group; ++j) {
+      const int64_t first = call.first_of(b);
+      queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * call.D, first, call.lens[b], next});
+      next += call.lens[b] - first;
+    }
+}
+
+// The (tile, KV head) tasks of a call cut into tiles (prompt_tiles' starts), on the threads: attend_task(task,
+// scores, queries) with a scores buffer and a query list per thread.
+template <class Task>
+void run_tiles(const DecodeCall& call, const std::vector<int64_t>& tiles, Task&& attend_task) {
+  const int64_t H_kv = call.H_kv;
+  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * H_kv;
+  if (num_tiles == call.B) {  // decode rows only: tasks of about one size, split evenly
+    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
+      kvserve::AlignedVector<float> scores;
+      std::vector<TileQuery> queries;
+      for (int64_t task = begin; task < end; ++task) attend_task(task, scores, queries);
+    });
+    return;
+  }
+  // Prompt tiles differ in work (a tile's keys grow with its rows: the first tiles of a prompt's first chunk see a
+  // few keys, its last ones the whole chunk), so an even split of the task range leaves one thread with most of
+  // it. The tasks go largest first, each to whichever thread is free next (the order of tasks changes no bits:
+  // every row is computed alone).
+  std::vector<int64_t> work(num_tiles, 0), order(num_tasks);
+  for (int64_t tile = 0; tile < num_tiles; ++tile)
+    for (int64_t b = tiles[tile]; b < tiles[tile + 1]; ++b) work[tile] += call.lens[b] - call.first_of(b);
+  for (int64_t task = 0; task < num_tasks; ++task) order[task] = task;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return work[a / H_kv] > work[b / H_kv]; });
+  std::atomic<int64_t> next_task{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    kvserve::AlignedVector<float> scores;
+    std::vector<TileQuery> queries;
+    for (int64_t i = next_task++; i < num_tasks; i = next_task++) attend_task(order[i], scores, queries);
+  });
 }
 
 }  // namespace kvserve::decode

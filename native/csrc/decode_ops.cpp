@@ -135,46 +135,6 @@ KV_TWO_PATHS(attend_loops,
               float scale, float* scores, float* out),
              (q, q_head_stride, table, first, len, kp, vp, bs, H_kv, g, D, group, scale, scores, out))
 
-// Rows of one prompt attended together in a tile (rows_alone prefill); each reads the context once per tile. A
-// long context's K and V rows come from L3 or memory once per tile, so larger tiles run faster (the scores
-// buffer, rows x heads x context floats, grows with them); a 512-token chunk still gives 16 tiles per KV head.
-constexpr int64_t kTileRows = 32;
-// The AVX-512 tile also transposes each chunk of K rows once per tile for all its rows, so it takes twice the rows
-// (the transposition and the K and V reads shared by twice as many query vectors) where that still leaves every
-// thread 4 tasks of the call to balance; the AVX2 tile gains nothing from more (measured on an AVX2-only AMD
-// EPYC: 64 rows as fast as 32).
-constexpr int64_t kTileRowsTransposed = 64;
-
-// How many rows a prompt tile of this call takes on the AVX-512 path: kTileRowsTransposed where its prompt rows
-// still make 4 tasks a thread (rows / tile x KV heads), else kTileRows.
-int64_t tile_rows_avx512(const kvserve::decode::DecodeCall& call) {
-  const int64_t tasks = call.B / kTileRowsTransposed * call.H_kv;
-  return tasks >= 4 * at::get_num_threads() ? kTileRowsTransposed : kTileRows;
-}
-
-// The call's rows cut into tiles: starts of consecutive runs of at most `most` rows that belong to one prompt
-// (q rows one after the other, context lengths growing by one, the same blocks up to the shorter context; the
-// window, if any, is the call's), and the end B last. A decode step's rows are tiles of one row each.
-std::vector<int64_t> prompt_tiles(const kvserve::decode::DecodeCall& call, int64_t most) {
-  std::vector<int64_t> starts{0};
-  int64_t run = 1;
-  for (int64_t b = 1; b < call.B; ++b) {
-    bool same = run < most && call.rows[b] == call.rows[b - 1] + 1 && call.lens[b] == call.lens[b - 1] + 1;
-    const int64_t* prev = call.table_of(b - 1);
-    const int64_t* cur = call.table_of(b);
-    for (int64_t i = 0; same && i < (call.lens[b - 1] + call.block_size - 1) / call.block_size; ++i)
-      same = prev[i] == cur[i];
-    if (same) {
-      ++run;
-    } else {
-      starts.push_back(b);
-      run = 1;
-    }
-  }
-  starts.push_back(call.B);
-  return starts;
-}
-
 #ifdef KV_X86
 
 // max of x[0 .. 8k) (k as large as fits in n), whether any was NaN, *done = 8k.
@@ -357,55 +317,6 @@ void paged_decode_attention(const torch::Tensor& q, const torch::Tensor& rows, c
 
 // The path the bfloat16 cache's attention runs for head size D (attend_bf16.h's path): avx512, avx2 or scalar.
 std::string bf16_attention_path(int64_t D) { return kvserve::cpu::name(kvserve::bf16_attend::path(D)); }
-
-// The query vectors of rows b0 .. b1-1 of a call for KV head g (each row's `group` query heads), each with its
-// share of `scores` (resized to hold them all).
-void tile_queries(const kvserve::decode::DecodeCall& call, int64_t b0, int64_t b1, int64_t g,
-                  kvserve::AlignedVector<float>& scores, std::vector<TileQuery>& queries) {
-  int64_t total = 0;
-  for (int64_t b = b0; b < b1; ++b) total += call.group * (call.lens[b] - call.first_of(b));
-  scores.resize(total);
-  queries.clear();
-  float* next = scores.data();
-  for (int64_t b = b0; b < b1; ++b)
-    for (int64_t j = 0; j < call.group; ++j) {
-      const int64_t first = call.first_of(b);
-      queries.push_back({call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * call.D, first, call.lens[b], next});
-      next += call.lens[b] - first;
-    }
-}
-
-// The (tile, KV head) tasks of a call cut into tiles (prompt_tiles' starts), on the threads: attend_task(task,
-// scores, queries) with a scores buffer and a query list per thread.
-template <class Task>
-void run_tiles(const kvserve::decode::DecodeCall& call, const std::vector<int64_t>& tiles, Task&& attend_task) {
-  const int64_t H_kv = call.H_kv;
-  const int64_t num_tiles = static_cast<int64_t>(tiles.size()) - 1, num_tasks = num_tiles * H_kv;
-  if (num_tiles == call.B) {  // decode rows only: tasks of about one size, split evenly
-    at::parallel_for(0, num_tasks, 1, [&](int64_t begin, int64_t end) {
-      kvserve::AlignedVector<float> scores;
-      std::vector<TileQuery> queries;
-      for (int64_t task = begin; task < end; ++task) attend_task(task, scores, queries);
-    });
-    return;
-  }
-  // Prompt tiles differ in work (a tile's keys grow with its rows: the first tiles of a prompt's first chunk see a
-  // few keys, its last ones the whole chunk), so an even split of the task range leaves one thread with most of
-  // it. The tasks go largest first, each to whichever thread is free next (the order of tasks changes no bits:
-  // every row is computed alone).
-  std::vector<int64_t> work(num_tiles, 0), order(num_tasks);
-  for (int64_t tile = 0; tile < num_tiles; ++tile)
-    for (int64_t b = tiles[tile]; b < tiles[tile + 1]; ++b) work[tile] += call.lens[b] - call.first_of(b);
-  for (int64_t task = 0; task < num_tasks; ++task) order[task] = task;
-  std::stable_sort(order.begin(), order.end(),
-                   [&](int64_t a, int64_t b) { return work[a / H_kv] > work[b / H_kv]; });
-  std::atomic<int64_t> next_task{0};
-  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    kvserve::AlignedVector<float> scores;
-    std::vector<TileQuery> queries;
-    for (int64_t i = next_task++; i < num_tasks; i = next_task++) attend_task(order[i], scores, queries);
-  });
-}
 
 void kvserve::decode::attend_decode(const DecodeCall& call, const float* kp, const float* vp) {
   const int64_t D = call.D, H_kv = call.H_kv, group = call.group, bs = call.block_size;

@@ -12,6 +12,7 @@
 // call in the leaf build (decode_core.h says how), no allocation: the caller hands in the scores buffer.
 #pragma once
 
+#include "attend_tile.h"
 #include "decode_core.h"
 
 #include <cstdint>
@@ -221,6 +222,80 @@ inline void softmax(float* s, int64_t span) { kvserve::decode::softmax_avx2(s, s
 
 }  // namespace avx512
 #pragma GCC pop_options
+
+#endif
+
+#ifdef KV_X86
+
+// A prompt tile's K and V rows from a quantized pool, for the float32 cache's tiles (attend_tile.h's Pool): each
+// chunk's rows dequantized once into the tile's buffer, code times scale (exact: the values the per-row kernels
+// above form in registers), for every query vector of the tile to read. Over those values the float32 tiles run
+// exactly the per-row kernels' operations in their order (kv_quant_body.h), so a prompt row's bits are the same
+// in a tile or alone; the rows of a prompt share each code row's read and widening instead of each row making
+// its own (kv_quant.cpp takes it for tiles of several prompt rows, D <= 256 for the buffer).
+struct QuantPool {
+  static constexpr bool kInBuffer = true;
+  static constexpr int64_t kMaxD = 256;
+  const QuantAttend* a;
+  const int64_t* table;
+  int64_t g;
+  Chunk map[kMaxD / 8];  // avx2::chunk_map's: 8 codes a chunk
+
+  QuantPool(const QuantAttend& attend, const int64_t* table, int64_t g) : a(&attend), table(table), g(g), map{} {
+    avx2::chunk_map(attend.bits, attend.call.D, attend.G, map);
+  }
+
+  // The rows of keys c0 .. c1-1 dequantized into buf (D floats each), rows[] pointed at them. Not inlined into
+  // the tiles: one call a chunk of 64 keys.
+  __attribute__((target("avx2,fma,f16c"), noinline)) void rows(const float** rows, float* buf, bool v, int64_t c0,
+                                                               int64_t c1) const {
+    const uint8_t* codes = v ? a->v_codes : a->k_codes;
+    const uint16_t* scales = v ? a->v_scales : a->k_scales;
+    const int64_t D = a->call.D, S = D / a->G, row_bytes = D * a->bits / 8;
+    Rows at(*this, c0);
+    for (int64_t t = c0; t < c1; ++t, at.next()) {
+      const int64_t slot = at.slot();
+      const uint8_t* row = codes + slot * row_bytes;
+      float* out = buf + (t - c0) * D;
+      for (int64_t c = 0; c < D / 8; ++c) {
+        const Chunk& chunk = map[c];
+        const __m256 s = _mm256_set1_ps(_cvtsh_ss(scales[slot * S + chunk.group]));
+        const __m256 x = a->bits == 8 ? avx2::codes_of<8>(row, chunk) : avx2::codes_of<4>(row, chunk);
+        _mm256_storeu_ps(out + 8 * c, _mm256_mul_ps(x, s));
+      }
+      rows[t - c0] = out;
+    }
+  }
+
+  // Each code row (and its scales) of keys c0 .. c1-1 towards L2, as the float32 pool's rows (attend_tile.h).
+  __attribute__((target("avx2,fma"), always_inline)) void prefetch(bool v, int64_t c0, int64_t c1) const {
+    const uint8_t* codes = v ? a->v_codes : a->k_codes;
+    const uint16_t* scales = v ? a->v_scales : a->k_scales;
+    const int64_t S = a->call.D / a->G, row_bytes = a->call.D * a->bits / 8;
+    Rows at(*this, c0);
+    for (int64_t t = c0; t < c1; ++t, at.next()) {
+      const int64_t slot = at.slot();
+      for (int64_t b = 0; b < row_bytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(codes + slot * row_bytes + b), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(scales + slot * S), _MM_HINT_T1);
+    }
+  }
+
+ private:
+  // Keys t, t + 1, ... as (slot * H_kv + g), stepping through the block table without a division per key.
+  struct Rows {
+    const QuantPool& pool;
+    int64_t block, offset;
+    Rows(const QuantPool& pool, int64_t t)
+        : pool(pool), block(t / pool.a->call.block_size), offset(t % pool.a->call.block_size) {}
+    int64_t slot() const {
+      return (pool.table[block] * pool.a->call.block_size + offset) * pool.a->call.H_kv + pool.g;
+    }
+    void next() {
+      if (++offset == pool.a->call.block_size) offset = 0, ++block;
+    }
+  };
+};
 
 #endif
 

@@ -15,9 +15,12 @@
 // compiles the same three paths as freestanding leaves (native/kv_leaves.py: no libc, no relocations, checked),
 // and tests/test_kv_quant_emulated.py runs them under the CPU emulator (a Sapphire Rapids core, so the AVX-512
 // path runs on any x86-64 machine) and natively, each vector path against the scalar one bit for bit, and the
-// native leaves against this file's op. At long contexts the vector paths are bound by the bytes they read: an
-// int8 row is 64 B per head where a float32 row is 256 B, and its loads are prefetched kRowsAhead rows ahead
-// (blocks are scattered, which the hardware prefetcher does not follow).
+// native leaves against this file's op. A prompt's consecutive rows (rows_alone prefill) are attended in tiles on
+// the vector paths: each chunk of code rows dequantized once for the tile (kv_attend.h's QuantPool) and read by the
+// float32 cache's tiles (attend_tile.h), the same bits as each row alone. At long contexts the per-row kernels
+// (decode rows) are bound by the bytes they read: an int8 row is 64 B per head where a float32 row is 256 B, and
+// its loads are prefetched kRowsAhead rows ahead (blocks are scattered, which the hardware prefetcher does not
+// follow).
 #include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
@@ -152,6 +155,32 @@ void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& r
                            reinterpret_cast<const uint16_t*>(v_scales.data_ptr<c10::Half>()),
                            static_cast<int>(bits), G};
   const kvserve::cpu::Isa isa = attention_path(bits, G);
+#ifdef KV_X86
+  // A prompt's rows (rows_alone prefill) in tiles of consecutive rows, as paged_decode_attention's: each chunk of
+  // code rows dequantized once for the tile (kv_attend.h's QuantPool) and read by the float32 cache's tile, the
+  // same bits as each row alone; decode rows, one a tile, run the per-row kernels below.
+  if (isa != kvserve::cpu::Isa::kScalar && D % 8 == 0 && D <= kvq::QuantPool::kMaxD) {
+    using namespace kvserve::decode;
+    const bool avx512 = kvserve::cpu::chosen() == kvserve::cpu::Isa::kAvx512;  // attend_tile: D % 16 == 0 too
+    const std::vector<int64_t> tiles = prompt_tiles(a.call, avx512 && D % 16 == 0 ? tile_rows_avx512(a.call) : kTileRows);
+    if (static_cast<int64_t>(tiles.size()) - 1 < a.call.B) {
+      run_tiles(a.call, tiles, [&](int64_t task, kvserve::AlignedVector<float>& scores,
+                                   std::vector<TileQuery>& queries) {
+        const int64_t tile = task / a.call.H_kv, g = task % a.call.H_kv, b0 = tiles[tile], b1 = tiles[tile + 1];
+        if (b1 - b0 == 1) {
+          scores.resize(a.call.group * (a.call.lens[b0] - a.call.first_of(b0)));
+          if (isa == kvserve::cpu::Isa::kAvx512) kvq::avx512::attend_head(a, b0, g, scores.data());
+          else kvq::avx2::attend_head(a, b0, g, scores.data());
+          return;
+        }
+        tile_queries(a.call, b0, b1, g, scores, queries);
+        const kvq::QuantPool pool(a, a.call.table_of(b1 - 1), g);
+        attend_tile(avx512, queries.data(), static_cast<int64_t>(queries.size()), pool, D, a.call.scale);
+      });
+      return;
+    }
+  }
+#endif
   // one task per (sequence, KV head), as paged_decode_attention
   at::parallel_for(0, a.call.B * a.call.H_kv, 1, [&](int64_t begin, int64_t end) {
     kvserve::AlignedVector<float> scores;
