@@ -185,7 +185,8 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
     thinking = None
     if isinstance(request, ChatCompletionRequest):
         text, prompt_ids = chat_prompt(state, request.messages, request)
-        thinking = opens_thinking(text) if state.reasoning else None
+        continued = request.messages[-1].text if request.continue_final_message else None
+        thinking = opens_thinking(text, continued) if state.reasoning else None
     else:
         prompt_ids = prompt_ids_of(state, request)
     prompt_param = "messages" if isinstance(request, ChatCompletionRequest) else "prompt"

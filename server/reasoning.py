@@ -10,7 +10,8 @@ never (``none``).
 The split, as vLLM's Qwen3 and DeepSeek-R1 parsers do it:
 
 - the reasoning starts at the reply's start when the prompt ends inside a thinking block (the template opened
-  ``<think>`` in the generation prompt: DeepSeek-R1, Qwen3.5), or when the reply opens one itself (the tag is
+  ``<think>`` in the generation prompt: DeepSeek-R1, Qwen3.5; or an assistant prefill continued with
+  ``continue_final_message`` opened one and left it open), or when the reply opens one itself (the tag is
   dropped); otherwise the reply is all answer (Qwen3 with ``enable_thinking: false``, whose template writes an
   empty block into the prompt);
 - it ends at ``</think>`` (dropped, with the whitespace after it); a reply cut before that is all reasoning.
@@ -33,9 +34,14 @@ def reasoning_enabled(parser: str, templates: dict) -> bool:
     return parser == "think"
 
 
-def opens_thinking(prompt_text: str) -> bool:
-    """Whether a rendered prompt ends inside a thinking block (its generation prompt opened ``<think>``)."""
-    return prompt_text.rstrip().endswith(START)
+def opens_thinking(prompt_text: str, continued: str | None = None) -> bool:
+    """Whether a rendered prompt ends inside a thinking block: its generation prompt opened ``<think>``, or the
+    assistant message it continues (``continued``: the final message's text under ``continue_final_message``)
+    opened one and has not closed it (a prefill of the reasoning, ``<think>Let me``). Only the continued message
+    is searched, not the whole prompt: a user's own text may hold the tags."""
+    if prompt_text.rstrip().endswith(START):
+        return True
+    return continued is not None and continued.rfind(START) > continued.rfind(END)
 
 
 def _held(text: str, tag: str) -> int:

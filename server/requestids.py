@@ -2,7 +2,9 @@
 
 Request ids: a client's own ``x-request-id`` (a proxy's trace id, say) is kept, so one id follows a request
 through the proxy's logs and ours; otherwise one is made. The openai SDK exposes it as ``response._request_id``.
-The id is in ``request.state.request_id`` for handlers and in one log line per request.
+The id is in ``request.state.request_id`` for handlers and in one log line per request. A client that hangs up
+before its request body has arrived whole is logged with status 499 (nginx's "client closed request"), not as
+a server error: nothing is sent, there is no one to send it to.
 """
 
 from __future__ import annotations
@@ -12,11 +14,14 @@ import re
 import time
 import uuid
 
+from starlette.requests import ClientDisconnect
+
 from kvserve.server.errors import ApiError
 
 log = logging.getLogger("kvserve.requests")
 
 HEADER = b"x-request-id"
+CLIENT_CLOSED = 499  # the log line's status of a request whose client hung up before it was read (nginx's)
 # a client's id is echoed in a header and a log line: printable ASCII only, bounded, so neither can be forged
 _USABLE = re.compile(r"[\x21-\x7e]{1,128}")
 
@@ -55,6 +60,8 @@ class RequestIds:
 
         try:
             await self.app(scope, receive, send_with_id)
+        except ClientDisconnect:  # raised where a handler reads the body the client stopped sending
+            status = status or CLIENT_CLOSED
         except Exception as exc:
             # the last resort, here so that its 500 carries the id and the log line its status: a bug, never
             # the client's fault, still answered with an OpenAI-shaped body

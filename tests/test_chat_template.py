@@ -156,6 +156,30 @@ def test_thinking_is_returned_as_reasoning_content_whole_and_streamed(qwen3_url)
     assert all(d.get("reasoning") == d.get("reasoning_content") for d in deltas)
 
 
+def test_an_assistant_prefill_that_opens_thinking_is_continued_as_reasoning(qwen3_url):
+    """continue_final_message with an assistant message "<think>Hmm" left open: the reply continues the reasoning
+    until </think>, then answers, as when the generation prompt opens the block; a prefill without one is continued
+    as answer, a user's own "<think>" text opening nothing. (A prefill that closes its block cannot be continued
+    here: this template drops a turn's reasoning, so the final message is not shown as given: a 400.)"""
+    def reply(messages, regex):
+        body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False,
+                "max_tokens": 24, "temperature": 0, "guided_regex": regex}
+        whole = httpx.post(qwen3_url + CHAT, json=body, timeout=120)
+        assert whole.status_code == 200, whole.text
+        deltas = [chunk["choices"][0]["delta"] for chunk in _stream(qwen3_url, body)]
+        message = whole.json()["choices"][0]["message"]
+        assert "".join(d.get("reasoning_content") or "" for d in deltas) == (message["reasoning_content"] or "")
+        assert "".join(d.get("content") or "" for d in deltas) == (message["content"] or "")
+        return message
+
+    user = {"role": "user", "content": "What does <think> mean?"}
+    message = reply([user, {"role": "assistant", "content": "<think>Hmm"}], r" [a-z]{2,8}</think>\n\n[A-Z][a-z]{2,8}\.")
+    assert message["reasoning_content"].startswith(" ") and "think>" not in message["reasoning_content"]
+    assert message["content"][0].isupper() and message["content"].endswith(".")
+    message = reply([user, {"role": "assistant", "content": "It"}], r" [a-z]{2,8}\.")
+    assert message["reasoning_content"] is None and message["content"].startswith(" ")
+
+
 def test_without_thinking_the_reply_is_all_content(qwen3_url):
     body = {"messages": [{"role": "user", "content": "Name a colour."}], "max_tokens": 8, "temperature": 0,
             "chat_template_kwargs": {"enable_thinking": False}}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import socket
 import time
 
@@ -61,6 +62,26 @@ def test_stalled_bodies_are_closed_and_the_server_serves_on(smollm2):
         finally:
             for sock in stalled:
                 sock.close()
+
+
+def test_a_client_that_hangs_up_mid_body_is_logged_as_gone_not_as_a_server_error(server_url, caplog):
+    """Half a body, then the connection closed: FastAPI's body read fails, and the error handler's reread meets
+    the disconnect. That is a 499 in the request log (nginx's "client closed request"), never an ERROR and a 500
+    (a 5xx alert for a client's hang-up), and the server serves on."""
+    host, port = server_url.removeprefix("http://").split(":")
+    with caplog.at_level(logging.INFO, logger="kvserve.requests"):
+        for path in (CHAT, COMPLETIONS):
+            with socket.create_connection((host, int(port)), timeout=10) as sock:
+                sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                             "Content-Length: 100\r\n\r\n{\"mess".encode())
+                time.sleep(0.3)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and sum(f"POST {p} 499" in caplog.text for p in (CHAT, COMPLETIONS)) < 2:
+            time.sleep(0.05)
+    assert f"POST {CHAT} 499" in caplog.text and f"POST {COMPLETIONS} 499" in caplog.text, caplog.text
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    assert " 500 " not in caplog.text
+    assert httpx.post(server_url + COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}, timeout=30).status_code == 200
 
 
 def _gzip_post(url: str, payload: bytes, encoding: str = "gzip") -> httpx.Response:
