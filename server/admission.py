@@ -25,6 +25,10 @@ from kvserve.server.state import ServerState
 # Prompts longer than this (characters) are tokenized on a worker thread: megabytes take seconds to tokenize, and
 # on the event loop that would stall every other stream (the tokenizer releases the GIL while it works).
 _TOKENIZE_OFF_LOOP_CHARS = 32_768
+# A chat template's work grows with its messages (and tool definitions) as well as their characters: 29,000
+# one-character messages (870 KB, under the body limit) took ~1 s to render, stalling every stream. Each counts
+# as this many characters of work, so a chat of more than 128 messages is rendered off the loop.
+_CHARS_PER_MESSAGE = 256
 
 
 # At most this many long prompts are tokenized (or templated) at once, off the loop: a flood of them waits here
@@ -40,9 +44,15 @@ async def tokenizing(chars: int, fn: Callable, *args):
         return await asyncio.to_thread(fn, *args)
 
 
+def chat_work(messages: list, tools: list | None) -> int:
+    """Rendering and tokenizing work of chat ``messages`` (and ``tools``), in characters (``tokenizing``'s unit):
+    their text, and ``_CHARS_PER_MESSAGE`` for each message and tool definition the template loops over."""
+    return sum(len(message.text) for message in messages) + _CHARS_PER_MESSAGE * (len(messages) + len(tools or ()))
+
+
 def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:
     if isinstance(body, ChatCompletionRequest):
-        return sum(len(message.text) for message in body.messages)
+        return chat_work(body.messages, body.tools)
     return sum(len(prompt) for prompt in body.prompts if isinstance(prompt, str))
 
 

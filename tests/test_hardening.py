@@ -149,6 +149,30 @@ def test_long_prompts_are_tokenized_off_the_event_loop(bare_state, monkeypatch):
     assert worker != loop_thread  # the long one ran on a worker thread, the loop kept serving
 
 
+def test_a_chat_of_many_short_messages_is_rendered_off_the_event_loop(bare_state, monkeypatch):
+    """A template's work grows with its messages, not only their characters: 29,000 one-character messages
+    (870 KB) took ~1 s to render on the loop, stalling every stream. More than 128 are rendered on a worker."""
+    import threading
+
+    import kvserve.server.app as app_module
+
+    threads: list[str] = []
+    real = app_module.chat_prompt_ids
+
+    def recording(*args):
+        threads.append(threading.current_thread().name)
+        return real(*args)
+
+    monkeypatch.setattr(app_module, "chat_prompt_ids", recording)
+    turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
+    with TestClient(create_app(bare_state), base_url="http://127.0.0.1") as client:
+        few = client.post("/tokenize", json={"messages": turns * 2})
+        many = client.post("/tokenize", json={"messages": turns * 100})
+    assert few.status_code == many.status_code == 200 and many.json()["count"] > few.json()["count"]
+    loop_thread, worker = threads
+    assert worker != loop_thread
+
+
 def _stream_events(response: httpx.Response) -> list:
     import json
 
