@@ -364,6 +364,19 @@ def stop_token_ids(file: GGUFFile, vocab: int) -> list[int] | None:
     return ids or None
 
 
+def check_gguf(path: str | Path) -> None:
+    """Refuse a file kvserve cannot serve from its metadata and tensor table alone (a memory-mapped read, well
+    under a second): before anything heavy runs, such as a first start's kernel build.
+
+    Raises:
+        GGUFError: as ``load_gguf`` for a malformed file, an architecture, tensor or value kvserve does not serve.
+        OSError: the file cannot be read.
+    """
+    file = read_gguf(path)
+    arch = for_gguf(file)
+    check_tensors(file, arch, config_from_gguf(file, arch))
+
+
 def load_gguf(path: str | Path, blocks: bool, dtype: torch.dtype = torch.float32) -> GGUFModel:
     """Load a GGUF file on the CPU (see the module docstring).
 

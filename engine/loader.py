@@ -286,18 +286,22 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
             malformed or not one kvserve serves (``engine.gguf_file.GGUFError``); also any failure to read the
             weights, in one line.
     """
+    gguf = gguf_file(model)
+    if gguf is not None:  # a file kvserve cannot serve is refused before the kernels' build (minutes, first start)
+        if not gguf.is_file():
+            raise FileNotFoundError(f"--model {model!r}: no such GGUF file")
+        from kvserve.engine.gguf_model import check_gguf, load_gguf
+
+        check_gguf(gguf)
+    elif not (Path(model) / "config.json").exists():
+        resolve_model_dir(model)  # raises: not a model directory
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, quantized)
-    bf16_weights = serves_bf16_kernel(dtype, torch_device, quantized)
+    bf16_weights = serves_bf16_kernel(dtype, torch_device, quantized)  # loads the kernels: see below
     if torch_device.type == "cpu":  # build (or load) the C++ kernels now, at startup, never inside a request
         native.load()  # before a GGUF's layers are built: they hold their blocks in the kernels' order
         native.load_ops()
-    gguf = gguf_file(model)
     if gguf is not None:
-        if not gguf.is_file():
-            raise FileNotFoundError(f"--model {model!r}: no such GGUF file")
-        from kvserve.engine.gguf_model import load_gguf
-
         built = load_gguf(gguf, blocks=blocks, dtype=torch.bfloat16 if bf16_weights else torch_dtype)
         hf_model, tokenizer, summary = built.model, built.tokenizer, built.summary
         name = served_name(model, built.general_name, built.identity)

@@ -226,6 +226,10 @@ def _compile(name: str) -> ModuleType:
             return cpp_extension._import_module_from_library(name, str(where), True)
         except ImportError as exc:  # a build cut short: let ninja finish it
             log.info("rebuilding %s (%s)", name, exc)
+    # a build takes minutes (on a fresh checkout, or after native/csrc changed): say so, or a server's start looks
+    # hung between its first lines and "serving"
+    log.warning("compiling %s for this checkout's sources into %s: a few minutes, once (`python -m kvserve.native "
+                "--build` does it ahead)", name, where)
     return cpp_extension.load(name=name, sources=[str(p) for p in _SOURCES[name]],
                               extra_cflags=[*_CFLAGS, *_EXTRA_CFLAGS.get(name, [])],
                               extra_ldflags=["-fopenmp"], build_directory=str(where), verbose=False)

@@ -201,6 +201,23 @@ def test_unknown_architectures_and_types_are_refused_before_anything_heavy(tiny_
         load_gguf(retyped, blocks=True)
 
 
+def test_a_file_kvserve_cannot_serve_is_refused_before_the_kernels_build(tiny_gguf, tmp_path, monkeypatch):
+    """load_model checks a GGUF's architecture and tensors (its metadata, read memory-mapped) before it builds or
+    loads the native kernels: on a first start that build takes minutes, and a wrong --model must not wait for it.
+    A directory without a config is refused before it too."""
+    from kvserve import native
+    from kvserve.engine.loader import load_model
+
+    monkeypatch.setattr(native, "load", lambda *a, **k: pytest.fail("built the kernels before checking the file"))
+    source = tiny_gguf("tiny-llama", "Q8_0")
+    with pytest.raises(GGUFError, match=r"architecture 'gemma' is not served by kvserve"):
+        load_model(str(_rewritten(source, tmp_path / "gemma.gguf", architecture="gemma")), blocks=True)
+    with pytest.raises(GGUFError, match=r"1 missing \(blk.1.ffn_up.weight\)"):
+        load_model(str(_rewritten(source, tmp_path / "short.gguf", drop="blk.1.ffn_up.weight")), blocks=True)
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        load_model(str(tmp_path), blocks=True)
+
+
 def _lacks_dequantizer(name: str) -> bool:
     try:
         gguf.quants.dequantize(np.zeros((1, gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]), np.uint8),
