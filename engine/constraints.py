@@ -14,6 +14,11 @@ for the allowed tokens of the constrained rows of a step and ``apply_masks`` the
 follows the sequence's accepted tokens (``SeqWork.output_ids``, the scheduler's truth): before each mask it
 consumes what was appended since and rolls back what was dropped, so preemption by recompute, aborts and
 rejected draft tokens need no separate bookkeeping.
+
+A thinking model whose prompt opened its thinking block (server.reasoning) thinks first, unconstrained, as vLLM
+does with a reasoning parser: its constraint starts after the block's end (``after``, the bytes of ``</think>``),
+at the first token boundary past it; until then every token but EOS is allowed (a reply may not end inside its
+thinking with its constraint unmet), and the budget that forces a closing path counts the tokens left after it.
 """
 
 from __future__ import annotations
@@ -81,18 +86,21 @@ class Grammar:
         self.table = table
         self.is_json = is_json
 
-    def constraint(self, budget: int | None = None) -> Constraint:
-        """A matcher for one sequence that may generate at most ``budget`` tokens (None: no closing path)."""
-        return Constraint(self._pristine.deep_copy(), self, budget)
+    def constraint(self, budget: int | None = None, after: bytes | None = None) -> Constraint:
+        """A matcher for one sequence that may generate at most ``budget`` tokens (None: no closing path), from the
+        start of its output or, with ``after``, from the first token boundary past those bytes of it (the end of
+        a thinking block the prompt opened)."""
+        return Constraint(self._pristine.deep_copy(), self, budget, after)
 
 
 class Constraint:
     """One sequence's matcher. Opaque to the scheduler; only the engine calls its methods."""
 
     __slots__ = ("matcher", "vocab_size", "eos_ids", "consumed", "table", "budget", "lex", "path_len", "walked_at",
-                 "slack", "forced", "forced_at")
+                 "slack", "forced", "forced_at", "after", "start", "thought", "tail")
 
-    def __init__(self, matcher: llguidance.LLMatcher, grammar: Grammar, budget: int | None = None) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, grammar: Grammar, budget: int | None = None,
+                 after: bytes | None = None) -> None:
         self.matcher = matcher
         self.vocab_size = grammar.vocab_size
         self.eos_ids = grammar.eos_ids  # allowed when the matcher allows nothing (an error, or EOS ignored)
@@ -106,6 +114,23 @@ class Constraint:
         self.slack = CLOSING_SLACK        # room kept beyond the path at the last walk (engine.closing.opener_slack)
         self.forced: list[int] | None = None  # the closing path being forced, from token ``forced_at`` on
         self.forced_at = 0
+        self.after = after                # the grammar starts past these output bytes (a thinking block's end)
+        self.start: int | None = None if after else 0  # the output index it starts at; None: still thinking
+        self.thought: list[int] = []      # output tokens scanned for ``after``, up to ``start``
+        self.tail = b""                   # their last bytes, where ``after`` may begin
+
+    @property
+    def thinking(self) -> bool:
+        """Whether the sequence is still inside its thinking block: unconstrained but for EOS."""
+        return self.start is None
+
+    def allow_thinking(self, bits: np.ndarray) -> None:
+        """Set ``bits`` (``[words]`` uint32, in place) to every token of the vocabulary but EOS."""
+        bits[:] = np.uint32(0xFFFFFFFF)
+        if self.vocab_size % 32:
+            bits[-1] = np.uint32((1 << (self.vocab_size % 32)) - 1)
+        for eos in self.eos_ids:
+            bits[eos // 32] &= ~np.uint32(1 << (eos % 32))
 
     def allowed_now(self, bits: np.ndarray) -> None:
         """Narrow this sequence's allowed tokens ``bits`` (``[words]`` uint32, in place) by the bounds on JSON
@@ -121,7 +146,7 @@ class Constraint:
         if self.forced is not None:  # the path's walk is deterministic: once forced, it is followed to its end
             bits[:] = only(self.forced[min(len(self.consumed) - self.forced_at, len(self.forced) - 1)], bits.size)
             return
-        left = self.budget - len(self.consumed)
+        left = self.budget - self.start - len(self.consumed)
         if self.path_len is not None and not self._walk_due(left):
             return
         path = closing_path(self.matcher, state, self.table, left)
@@ -147,25 +172,55 @@ class Constraint:
     def sync(self, output_ids: list[int]) -> None:
         """Bring the matcher to the state after ``output_ids``: roll back tokens no longer there (preemption,
         rejected drafts), then consume the new ones. A token the grammar refuses puts the matcher in its error
-        state, whose mask allows only EOS."""
+        state, whose mask allows only EOS. With ``after``, only the tokens past the thinking block's end count."""
+        if self.after is not None:
+            if self.start is not None and output_ids[:self.start] != self.thought:  # its end was rolled back
+                self._roll_back_to(0)
+                self.start = None
+            if self.start is None:
+                self._find_start(output_ids)
+                if self.start is None:
+                    return
+            output_ids = output_ids[self.start:]
         common = len(self.consumed)
         if output_ids[:common] != self.consumed:  # tokens dropped (one C-level compare in the usual step)
             common = next((i for i, (mine, theirs) in enumerate(zip(self.consumed, output_ids)) if mine != theirs),
                           min(len(self.consumed), len(output_ids)))
         if common < len(self.consumed):
-            if not self.matcher.rollback(len(self.consumed) - common):
-                self.matcher.reset()
-                common = 0
-            del self.consumed[common:]
-            # walk again from the state rolled back to
-            self.path_len, self.slack, self.forced = None, CLOSING_SLACK, None
-            if self.lex is not None:
-                del self.lex[common + 1:]
+            common = self._roll_back_to(common)
         for token in output_ids[common:]:
             self.matcher.consume_token(token)
             self.consumed.append(token)
             if self.lex is not None:
                 self.lex.append(advance(self.lex[-1], self.table.token_bytes[token]))
+
+    def _roll_back_to(self, common: int) -> int:
+        """The matcher back to its state after ``consumed[:common]`` (to its start where it cannot roll back that
+        far); returns how many tokens it keeps."""
+        if not self.matcher.rollback(len(self.consumed) - common):
+            self.matcher.reset()
+            common = 0
+        del self.consumed[common:]
+        # walk again from the state rolled back to
+        self.path_len, self.slack, self.forced = None, CLOSING_SLACK, None
+        if self.lex is not None:
+            del self.lex[common + 1:]
+        return common
+
+    def _find_start(self, output_ids: list[int]) -> None:
+        """Scan ``output_ids`` (from where the last scan stopped, or again where they were rolled back) for the
+        bytes ``after``; ``start`` is set just past the token that completes them."""
+        if output_ids[:len(self.thought)] != self.thought:
+            self.thought.clear()
+            self.tail = b""
+        keep = len(self.after) - 1
+        for token in output_ids[len(self.thought):]:
+            self.thought.append(token)
+            self.tail += self.table.token_bytes[token]
+            if self.after in self.tail:
+                self.start = len(self.thought)
+                return
+            self.tail = self.tail[-keep:] if keep else b""
 
 
 class Constraints:
@@ -332,6 +387,8 @@ def unsatisfied(constraint: Constraint) -> str | None:
     It happens where the grammar left no token to sample (a mask that was an error, such as a work limit hit
     mid-reply): ``fill_masks`` then allows EOS so that the sequence ends.
     """
+    if constraint.thinking:
+        return "the reply stops inside its thinking block, before its constraint began"
     matcher = constraint.matcher
     if matcher.is_accepting():
         return None

@@ -46,7 +46,9 @@ def fill_masks(constraints: list[Constraint], output_ids: list[list[int]]) -> to
                                       bitmask.ctypes.data, words * 4, len(constraints))
     bits = bitmask.view(np.uint32)  # [rows, words]; unsigned, so bit 31 can be set without overflow
     for constraint, row_bits in zip(constraints, bits):
-        if not constraint.matcher.is_error():
+        if constraint.thinking:  # its grammar starts after the thinking block (engine.constraints)
+            constraint.allow_thinking(row_bits)
+        elif not constraint.matcher.is_error():
             constraint.allowed_now(row_bits)
     for row in np.flatnonzero(~bits.any(axis=1)).tolist():
         for eos in constraints[row].eos_ids:

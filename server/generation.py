@@ -30,6 +30,7 @@ from kvserve.scheduler.contract import EngineRequest
 from kvserve.scheduler.service import Delivery
 from kvserve.server.choice import Choice, ChoiceUpdate
 from kvserve.server.prepare import Prepared
+from kvserve.server.reasoning import END
 from kvserve.server.state import ServerState
 
 
@@ -61,7 +62,10 @@ class Generation:
                                     priority=prepared.priority, tenant=prepared.tenant,
                                     prefix_source=self.requests[0].request_id if self.requests else None)
             self.requests.append(request)
-            constraint = prepared.grammar.constraint(prepared.max_tokens) if prepared.grammar is not None else None
+            # a prompt that opened a thinking block: the grammar starts after it (engine.constraints)
+            after = END.encode() if prepared.thinking else None
+            constraint = (prepared.grammar.constraint(prepared.max_tokens, after) if prepared.grammar is not None
+                          else None)
             self.choices[request.request_id] = Choice(index, state.tokenizer, prepared.prompt_ids,
                                                       prepared.stop_strings, constraint, arrival,
                                                       prepared.min_tokens)

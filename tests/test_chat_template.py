@@ -158,12 +158,13 @@ def test_thinking_is_returned_as_reasoning_content_whole_and_streamed(qwen3_url)
 
 def test_an_assistant_prefill_that_opens_thinking_is_continued_as_reasoning(qwen3_url):
     """continue_final_message with an assistant message "<think>Hmm" left open: the reply continues the reasoning
-    until </think>, then answers, as when the generation prompt opens the block; a prefill without one is continued
-    as answer, a user's own "<think>" text opening nothing. (A prefill that closes its block cannot be continued
-    here: this template drops a turn's reasoning, so the final message is not shown as given: a 400.)"""
-    def reply(messages, regex):
+    (cut here before any </think>: all reasoning), as when the generation prompt opens the block; a prefill without
+    one is continued as answer, a user's own "<think>" text opening nothing. (A prefill that closes its block
+    cannot be continued here: this template drops a turn's reasoning, so the final message is not shown as given:
+    a 400.)"""
+    def reply(messages):
         body = {"messages": messages, "continue_final_message": True, "add_generation_prompt": False,
-                "max_tokens": 24, "temperature": 0, "guided_regex": regex}
+                "max_tokens": 6, "temperature": 0}
         whole = httpx.post(qwen3_url + CHAT, json=body, timeout=120)
         assert whole.status_code == 200, whole.text
         deltas = [chunk["choices"][0]["delta"] for chunk in _stream(qwen3_url, body)]
@@ -173,11 +174,33 @@ def test_an_assistant_prefill_that_opens_thinking_is_continued_as_reasoning(qwen
         return message
 
     user = {"role": "user", "content": "What does <think> mean?"}
-    message = reply([user, {"role": "assistant", "content": "<think>Hmm"}], r" [a-z]{2,8}</think>\n\n[A-Z][a-z]{2,8}\.")
-    assert message["reasoning_content"].startswith(" ") and "think>" not in message["reasoning_content"]
-    assert message["content"][0].isupper() and message["content"].endswith(".")
-    message = reply([user, {"role": "assistant", "content": "It"}], r" [a-z]{2,8}\.")
-    assert message["reasoning_content"] is None and message["content"].startswith(" ")
+    message = reply([user, {"role": "assistant", "content": "<think>Hmm"}])
+    assert message["reasoning_content"] and message["content"] is None
+    message = reply([user, {"role": "assistant", "content": "It"}])
+    assert message["reasoning_content"] is None and message["content"]
+
+
+def test_a_constraint_starts_after_the_thinking_the_prompt_opened(qwen3_url, smollm2):
+    """A forced choice, JSON or tool call on a prompt that opened <think> (here an assistant prefill): the model
+    thinks unconstrained and the grammar starts past its "</think>" (vLLM's rule with a reasoning parser), so the
+    constrained text is the content, not the reasoning. The bias makes this model write "</think>" at once; cut
+    before it, the reply is all reasoning and ends for its length (the grammar never began), not in an error."""
+    end = smollm2.tokenizer("</think>", add_special_tokens=False)["input_ids"]
+    prefill = [{"role": "user", "content": "Yes or no?"}, {"role": "assistant", "content": "<think>Hmm"}]
+    body = {"messages": prefill, "continue_final_message": True, "add_generation_prompt": False, "temperature": 0,
+            "guided_choice": ["yes", "no"]}
+    whole = httpx.post(qwen3_url + CHAT, json=body | {"max_tokens": 12, "logit_bias": {t: 40 for t in end}},
+                       timeout=120).json()["choices"][0]
+    assert whole["message"]["content"] in ("yes", "no") and whole["finish_reason"] == "stop", whole
+    assert whole["message"]["reasoning_content"] in (None, "") or "</think>" not in whole["message"]["reasoning_content"]
+    forced = {key: value for key, value in body.items() if key != "guided_choice"} | {
+        "tools": [WEATHER], "tool_choice": "required", "max_tokens": 60, "logit_bias": {t: 40 for t in end}}
+    called = httpx.post(qwen3_url + CHAT, json=forced, timeout=120).json()["choices"][0]
+    assert called["finish_reason"] == "tool_calls", called
+    assert called["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    cut = httpx.post(qwen3_url + CHAT, json=body | {"max_tokens": 4}, timeout=120).json()["choices"][0]
+    assert cut["finish_reason"] == "length" and cut["message"]["content"] is None, cut
+    assert cut["message"]["reasoning_content"] not in ("yes", "no")
 
 
 def test_without_thinking_the_reply_is_all_content(qwen3_url):

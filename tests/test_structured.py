@@ -302,6 +302,46 @@ def test_matcher_follows_rollback_as_after_preemption(smollm2):
     assert banned[smollm2.tokenizer.eos_token_id] and not banned[ids[2]]
 
 
+def test_a_constraint_after_a_thinking_block_starts_past_its_end(smollm2):
+    """A prompt that opened <think> (DeepSeek-R1's, QwQ's templates): the grammar applies from the first token past
+    the bytes of "</think>", whichever tokens spell them; before that every token but EOS is allowed. A rollback
+    past the end (rejected drafts, preemption) thinks again; the budget that forces the closing path counts the
+    tokens left after the thinking."""
+    from kvserve.engine.constraints import unsatisfied
+    from kvserve.engine.masks import disallowed, fill_masks
+
+    tokenizer = smollm2.tokenizer
+    eos = tokenizer.eos_token_id
+    grammar = GrammarCompiler(tokenizer, [eos]).compile(GrammarSpec("regex", "[0-9]{2}"))
+
+    def ids(text: str) -> list[int]:
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    thought = ids("Hmm, two digits.</think>")
+    assert tokenizer.decode(thought[-1:]) != "</think>"  # the end spelled over several tokens
+    gated, plain = grammar.constraint(40, after=b"</think>"), grammar.constraint(40)
+    banned = disallowed(fill_masks([gated], [thought[:3]]))[0]
+    assert banned.nonzero().flatten().tolist()[:1] == [eos] and not banned[:len(tokenizer)][~(torch.arange(
+        len(tokenizer)) == eos)].any()  # everything but EOS
+    assert gated.thinking and unsatisfied(gated) is not None
+    digits = ids("4")
+    assert torch.equal(fill_masks([gated], [thought + digits]), fill_masks([plain], [digits]))
+    assert not gated.thinking and gated.start == len(thought) and gated.consumed == digits
+    banned = disallowed(fill_masks([gated], [thought[:-2]]))[0]  # rolled back into the thinking
+    assert gated.thinking and gated.consumed == [] and not banned[ids("x")[0]]
+    assert torch.equal(fill_masks([gated], [thought]), fill_masks([grammar.constraint(40)], [[]]))
+    # a JSON object begun after T tokens of thinking, in a budget of B + T: the mask of one begun with a budget of
+    # B, where B is small enough that its closing path is forced (a budget of 60 forces nothing yet)
+    json_grammar = GrammarCompiler(tokenizer, [eos]).compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"])))
+    begun = ids('{"name": "Al')
+    free = fill_masks([json_grammar.constraint(60)], [begun])
+    budget = next(b for b in range(len(begun) + 1, 60)
+                  if not torch.equal(fill_masks([json_grammar.constraint(b)], [begun]), free))
+    filler = ids(" word" * 60)[:30 - len(thought)] + thought
+    after_thinking = fill_masks([json_grammar.constraint(budget + 30, after=b"</think>")], [filler + begun])
+    assert torch.equal(after_thinking, fill_masks([json_grammar.constraint(budget)], [begun]))
+
+
 def packed(allowed: list[list[bool]]) -> torch.Tensor:
     """``fill_masks``'s layout of ``allowed`` ``[rows, vocab]``: bit j of int32 word w is token 32 * w + j."""
     rows = np.packbits(np.array(allowed, dtype=bool), axis=1, bitorder="little")  # [rows, ceil(vocab / 8)]
