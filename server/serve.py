@@ -75,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(g, "--model", default=None, metavar="DIR|FILE.gguf", default_text="the embedded SmolLM2-135M-Instruct",
             help="a local Hugging Face model directory (config.json and safetensors) or a Llama, Mistral, Qwen2 or "
                  "Qwen3 GGUF file (loaded directly, docs/gguf.md); nothing is downloaded")
-    _option(g, "--served-model-name", default=None, metavar="NAME", default_text="the model's own name",
+    _option(g, "--served-model-name", type=_model_name, default=None, metavar="NAME",
+            default_text="the model's own name",
             help="the model's id in /v1/models and the `model` field requests give (the model's own name: a GGUF "
                  "file's general.name, else its file name; docs/api.md)")
     _option(g, "--device", choices=[v.value for v in Device], default=d.device.value,
@@ -280,6 +281,13 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         return parse_kv_events_config(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _model_name(text: str) -> str:
+    """``--served-model-name``: a name clients can send as ``model``: not empty, one printable line."""
+    if not text.strip() or not text.isprintable():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a model name: give one printable line of text")
+    return text
 
 
 def _host_list(text: str) -> tuple[str, ...]:

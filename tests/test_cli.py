@@ -65,6 +65,15 @@ def test_every_config_field_has_its_flag_and_errors_name_flags_as_typed():
     assert preflight.in_flags(words) == words
 
 
+def test_a_served_model_name_must_be_a_name(capsys):
+    parser = options_table.serve_parser()
+    assert parser.parse_args(["--served-model-name", "my model"]).served_model_name == "my model"
+    for bad in ("", "  ", "two\nlines"):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--served-model-name", bad])
+        assert "is not a model name" in capsys.readouterr().err
+
+
 def test_the_embedded_models_name_is_the_loaders():
     from kvserve.engine.loader import DEFAULT_MODEL
 
