@@ -124,7 +124,8 @@ class Case:
 
 def attend(runner, isa: str, case: Case) -> tuple[int, np.ndarray]:
     """One call of ``kv_attend_quant_{isa}`` through ``runner`` (an Emulator with ``build()`` loaded, or a
-    Native over ``build(native=True)``), after ``runner.reset_heap()``.
+    Native over ``build(native=True)``), after ``runner.reset_heap()``. ``isa`` "tile_avx2" or "tile_avx512": the
+    prompt-tile leaves (the call's rows one prompt's, attended as one tile per KV head; NEEDS as avx2 / avx512).
 
     Returns:
         (the leaf's return value: 0 ran, 1 refused the shape), out float32 ``[T, H, D]`` (rows no sequence writes,
@@ -140,7 +141,7 @@ def attend(runner, isa: str, case: Case) -> tuple[int, np.ndarray]:
     buffer = np.full((T - 1) * q_row + (H - 1) * q_head + D, np.nan, np.float32)
     np.lib.stride_tricks.as_strided(buffer, q.shape, q.strides)[...] = q
     num_blocks, block_size, H_kv, _ = case.k_codes.shape
-    scores = int(H // H_kv * max(1, case.spans.max()))
+    scores = int(H // H_kv * max(1, case.spans.sum()))  # a tile leaf's rows all at once (a row's: the largest)
     out = runner.put(np.full((T, H, D), np.nan, np.float32))
     args = Args(q=runner.put(buffer), out=out, rows=runner.put(case.rows.astype(np.int64)),
                 tables=runner.put(case.tables.astype(np.int64)), lens=runner.put(case.lens.astype(np.int64)),

@@ -123,6 +123,46 @@ def test_each_leaf_refuses_a_shape_the_body_does_not_take(runner):
             assert done == 1 and np.isnan(out).all(), (isa, bits, group)
 
 
+# bits, heads, kv_heads, dim, group, prompt rows, cached prefix, block size, window
+PROMPT_SHAPES = [
+    (8, 9, 3, 64, 64, 7, 60, 16, 0),     # SmolLM2's int8 pool: 21 query vectors a tile, two chunks of 64 keys
+    (4, 8, 2, 128, 32, 4, 30, 16, 0),    # int4, D = 128: 16 vectors (the AVX-512 tile transposes K)
+    (8, 4, 2, 96, 32, 5, 70, 8, 37),     # D = 96 (looped), a sliding window
+    (4, 2, 2, 64, 16, 3, 20, 16, 0),     # int4 per 16 (the per-row AVX-512 path refuses it; the tile does not)
+    (8, 4, 4, 40, 40, 6, 9, 16, 0),      # D = 40: AVX-512's branch hands it to the AVX2 tile
+]
+
+
+def prompt_case(shape, seed: int) -> leaves.Case:
+    """One prompt's rows over a seeded quantized pool: context lengths start + 1 .. start + prompt over one
+    scattered block table (the rows the extension attends as a tile)."""
+    bits, heads, kv_heads, dim, group, prompt, start, block_size, window = shape
+    rng = np.random.default_rng(seed)
+    width = -(-(start + prompt) // block_size)
+    pool = 2 * width + 1
+    k_codes, k_scales = leaves.quantize(rng.standard_normal((pool, block_size, kv_heads, dim)), bits, group)
+    v_codes, v_scales = leaves.quantize(rng.standard_normal((pool, block_size, kv_heads, dim)), bits, group)
+    table = rng.permutation(pool)[:width]
+    return leaves.Case(q=rng.standard_normal((prompt, heads, dim)).astype(np.float32), rows=np.arange(prompt),
+                       tables=np.tile(table, (prompt, 1)), lens=np.arange(start + 1, start + prompt + 1),
+                       k_codes=k_codes, k_scales=k_scales, v_codes=v_codes, v_scales=v_scales, bits=bits,
+                       group=group, scale=float(np.float32(dim ** -0.5)), window=window)
+
+
+@pytest.mark.parametrize("tile", ["tile_avx2", "tile_avx512"])
+def test_a_prompts_rows_in_a_tile_have_the_bits_of_each_row_alone(runner, tile):
+    """The extension's prompt tiles over a quantized pool (each chunk of code rows dequantized once, the float32
+    cache's tile over them; AVX-512's under the emulator on any CPU) against the per-row AVX2 kernel, bit for bit."""
+    if not runs(runner, tile.removeprefix("tile_")):
+        pytest.skip(f"this CPU has no {tile.removeprefix('tile_')} (the emulated run covers it)")
+    for index, shape in enumerate(PROMPT_SHAPES):
+        case = prompt_case(shape, index)
+        done, alone = leaves.attend(runner, "avx2", case)
+        assert done == 0 and np.isfinite(alone).all(), shape
+        done, tiled = leaves.attend(runner, tile, case)
+        assert done == 0 and same_bits(tiled, alone), shape
+
+
 def test_every_float16_scale_converts_to_the_same_float_on_both_conversions(runner):
     # the baseline's integer conversion against vcvtph2ps (the AVX2 and AVX-512 paths'), all 65536 values, NaNs
     # included (quieted, payload kept); finite ones are also numpy's

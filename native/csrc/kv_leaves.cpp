@@ -1,5 +1,6 @@
 // The int8 / int4 KV cache's paged decode attention (kv_attend.h: the body the extension's kv_quant.cpp runs) as
-// three leaves, one per ISA path, for the CPU emulator and ctypes (native/kv_leaves.py builds this file
+// three leaves, one per ISA path, and the prompt tiles over it as two (kv_attend_quant_tile_avx2 / _avx512), for
+// the CPU emulator and ctypes (native/kv_leaves.py builds this file
 // freestanding: no libc, no relocations, one pointer argument; tests/test_kv_quant_emulated.py runs it).
 //
 // Each leaf runs every (sequence, KV head) task of one call serially, in the extension's task order (the order
@@ -92,5 +93,41 @@ extern "C" int kv_attend_quant_avx512(const kv_attend_args* args) {
   if (!kvq::avx512_takes(args->bits, args->G)) return 1;
   return attend_all(args, kvq::avx512::attend_head);
 }
+
+namespace {
+
+// The extension's prompt tiles (kv_quant.cpp): every row of the call, which the caller makes one prompt's
+// consecutive rows (context lengths growing by one over one block table), as one tile per KV head, each chunk of
+// code rows dequantized once (kv_attend.h's QuantPool) for the float32 cache's tile on attend_tile's AVX-512
+// branch or its AVX2 one. scores: group * the sum over b of (lens[b] - first) floats. 1, writing nothing, where
+// the extension does not tile (D not a multiple of 8 or over QuantPool::kMaxD) or over kMaxQueries vectors.
+constexpr int64_t kMaxQueries = 256;
+
+int attend_tiled(const kv_attend_args* p, bool avx512) {
+  kvq::QuantAttend a;
+  if (!unpack(*p, &a) || p->D % 8 != 0 || p->D > kvq::QuantPool::kMaxD || p->B * a.call.group > kMaxQueries)
+    return 1;
+  const kvserve::decode::DecodeCall& call = a.call;
+  kvserve::decode::TileQuery qs[kMaxQueries];
+  for (int64_t g = 0; g < call.H_kv; ++g) {
+    int64_t n = 0;
+    float* next = p->scores;
+    for (int64_t b = 0; b < call.B; ++b)
+      for (int64_t j = 0; j < call.group; ++j) {
+        const int64_t first = call.first_of(b);
+        qs[n++] = {call.q_of(b, g) + j * call.q_head, call.out_of(b, g) + j * call.D, first, call.lens[b], next};
+        next += call.lens[b] - first;
+      }
+    const kvq::QuantPool pool(a, call.table_of(call.B - 1), g);
+    kvserve::decode::attend_tile(avx512, qs, n, pool, call.D, call.scale);
+  }
+  return 0;
+}
+
+}  // namespace
+
+extern "C" int kv_attend_quant_tile_avx2(const kv_attend_args* args) { return attend_tiled(args, false); }
+
+extern "C" int kv_attend_quant_tile_avx512(const kv_attend_args* args) { return attend_tiled(args, true); }
 
 #endif
