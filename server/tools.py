@@ -133,10 +133,10 @@ def template_inputs(messages: list, body, template: str) -> tuple[list[dict], li
     takes_tools = template_takes_tools(template)
     fns = functions(body) if body is not None and active(body) else []
     turns = []
-    for m in messages:
+    for number, m in enumerate(messages):
         turn: dict = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
         if m.role == "assistant" and m.tool_calls:
-            calls = [_history_call(c, i) for i, c in enumerate(m.tool_calls)]
+            calls = [_history_call(c, f"messages.{number}.tool_calls.{i}") for i, c in enumerate(m.tool_calls)]
             if takes_tools:
                 turn["tool_calls"] = [{"type": "function", "function": c} for c in calls]
             else:
@@ -157,17 +157,18 @@ def template_inputs(messages: list, body, template: str) -> tuple[list[dict], li
     return turns, None
 
 
-def _history_call(call, index: int) -> dict:
+def _history_call(call, param: str) -> dict:
+    """An earlier assistant turn's tool call (``param``: where it is in the request, for the errors) as the chat
+    template takes it: its name and its arguments parsed."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("name"), str):
         raise ApiError(400, "an assistant message's tool_calls must be [{\"id\", \"type\": \"function\", "
-                            "\"function\": {\"name\", \"arguments\"}}]", param=f"tool_calls.{index}")
+                            "\"function\": {\"name\", \"arguments\"}}]", param=param)
     arguments = function.get("arguments") or "{}"
     try:
         arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
     except (json.JSONDecodeError, RecursionError) as exc:  # RecursionError: nested thousands deep
-        raise ApiError(400, f"tool_calls.{index}.function.arguments is not JSON: {exc}",
-                       param=f"tool_calls.{index}") from exc
+        raise ApiError(400, f"{param}.function.arguments is not JSON: {exc}", param=param) from exc
     return {"name": function["name"], "arguments": arguments}
 
 

@@ -286,6 +286,23 @@ def test_tool_history_and_auto_and_none_are_served(client):
             assert not choice.message.tool_calls
 
 
+def test_a_bad_tool_call_in_the_history_is_named_by_its_place(server_url):
+    """A 400 whose param says which message and which call: messages.1.tool_calls.1 (an SDK or a proxy that
+    mangled one call of one turn can find it)."""
+    good = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}
+    for bad, says in (({"id": "call_2", "type": "function", "function": {"name": "get_weather", "arguments": "{x"}},
+                       "messages.1.tool_calls.1.function.arguments is not JSON"),
+                      ({"id": "call_2", "type": "function"}, "an assistant message's tool_calls must be")):
+        history = [{"role": "user", "content": "Weather?"},
+                   {"role": "assistant", "content": None, "tool_calls": [good, bad]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        response = httpx.post(server_url + "/v1/chat/completions", timeout=60, json={
+            "messages": history, "tools": [WEATHER], "max_tokens": 4})
+        error = response.json()["error"]
+        assert response.status_code == 400 and error["param"] == "messages.1.tool_calls.1", error
+        assert error["message"].startswith(says), error
+
+
 def test_matcher_follows_rollback_as_after_preemption(smollm2):
     """A matcher synced to fewer tokens (recompute after preemption, rejected drafts) allows what a fresh one does."""
     compiler = GrammarCompiler(smollm2.tokenizer, [smollm2.tokenizer.eos_token_id])
