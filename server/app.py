@@ -210,7 +210,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def tokenize(body: TokenizeRequest):
         tools.functions(body)  # tools and tool_choice checked as a chat request checks them, used or not
         if body.messages is not None:
-            ids = await tokenizing(chat_work(body.messages, body.tools), chat_prompt_ids, state, body.messages, body, body.add_generation_prompt)
+            ids = await tokenizing(chat_work(body.messages, body.tools), chat_prompt_ids, state, body.messages, body,
+                                   body.add_generation_prompt)
         else:
             ids = await tokenizing(len(body.prompt), text_prompt_ids, state, body.prompt, body.add_special_tokens)
         return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}

@@ -209,6 +209,7 @@ class ServerState:
         self.grammars = GrammarCompiler(self.tokenizer, sorted(self.eos_ids),
                                         sandbox=CompileSandbox(self.tokenizer, sorted(self.eos_ids)))
         self.log_capacity()
+        self.log_chat()
         # KV cache events for KV-aware routers (server/kv_events.py): sockets bound last, once nothing else can fail
         self.kv_events = EventPublisher(config.kv_events) if publishing else None
         self._resync_queued = False  # a resync of the KV events waits for the gap between two steps
@@ -312,6 +313,17 @@ class ServerState:
         """The most tokens (prompt + completion) one request may ask for: the context, or the whole KV pool where
         that is smaller (``prepare`` refuses more). /v1/models reports it as ``max_model_len``."""
         return min(self.max_model_len, self.pool_tokens)
+
+    def log_chat(self) -> None:
+        """Log what a request meets beyond the weights: the context a request may use, the stop tokens, and
+        whether replies are split into reasoning and content (``--reasoning-parser``)."""
+        stops = ", ".join(f"{self.tokenizer.convert_ids_to_tokens(i)!s} ({i})" for i in sorted(self.eos_ids))
+        reasoning = ("on: <think>...</think> comes back as reasoning_content" if self.reasoning else "off")
+        log.info("requests: at most %d tokens each (prompt + completion; max_model_len %d); stop tokens %s; "
+                 "reasoning parser %s (--reasoning-parser %s); chat template%s %s", self.max_request_tokens,
+                 self.max_model_len, stops or "none", reasoning, self.config.reasoning_parser,
+                 "s" if len(self.chat_templates) > 1 else "",
+                 ", ".join(self.chat_templates) or "none (completions only)")
 
     def log_capacity(self) -> None:
         """Log the KV formula, allocated bytes per token (must equal it), blocks and sequences that fit."""

@@ -107,7 +107,8 @@ def test_the_leaves_are_the_extensions_tile(runner):
 
 def test_each_leaf_refuses_a_shape_the_extension_does_not_give_it(runner):
     case = tile_case(TILES[0], 0)
-    narrow = dict(case, tile_q=case["tile_q"][:, :60].copy(), k=case["k"][..., :60].copy(), v=case["v"][..., :60].copy())
+    narrow = dict(case, tile_q=case["tile_q"][:, :60].copy(), k=case["k"][..., :60].copy(),
+                  v=case["v"][..., :60].copy())
     for isa in ISAS:
         if not runs(runner, isa):
             continue

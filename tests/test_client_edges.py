@@ -75,6 +75,19 @@ def test_start_log_names_the_tokenizer(smollm2, caplog, monkeypatch):
     assert "--dtype auto: float32 weights" in caplog.text and "--dtype bfloat16 runs" in caplog.text  # says how to change it
 
 
+def test_start_log_says_what_a_request_meets(smollm2, caplog):
+    """The context a request may use, the stop tokens and whether the reasoning parser is on, in one line."""
+    from kvserve.server.config import ServeConfig
+    from kvserve.server.state import ServerState
+
+    with caplog.at_level(logging.INFO, logger="kvserve"):
+        state = ServerState(smollm2, ServeConfig(num_kv_blocks=8, block_size=16))
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("requests: "))
+    assert f"at most {state.max_request_tokens} tokens each" in line and f"max_model_len {state.max_model_len}" in line
+    assert "<|im_end|> (2)" in line and "reasoning parser off (--reasoning-parser auto)" in line, line
+    assert "chat template default" in line, line
+
+
 def test_start_log_says_why_each_forward_path_was_chosen(smollm2, caplog, monkeypatch):
     """The lean forward and its kernels: on, off by a flag, off by the weights' dtype, off by the build; each
     line says why and what changes it."""

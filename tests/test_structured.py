@@ -349,7 +349,8 @@ def test_a_constraint_after_a_thinking_block_starts_past_its_end(smollm2):
     assert torch.equal(fill_masks([gated], [thought]), fill_masks([grammar.constraint(40)], [[]]))
     # a JSON object begun after T tokens of thinking, in a budget of B + T: the mask of one begun with a budget of
     # B, where B is small enough that its closing path is forced (a budget of 60 forces nothing yet)
-    json_grammar = GrammarCompiler(tokenizer, [eos]).compile(GrammarSpec("json_schema", json.dumps(SCHEMAS[0]["schema"])))
+    json_grammar = GrammarCompiler(tokenizer, [eos]).compile(GrammarSpec("json_schema",
+                                                                          json.dumps(SCHEMAS[0]["schema"])))
     begun = ids('{"name": "Al')
     free = fill_masks([json_grammar.constraint(60)], [begun])
     budget = next(b for b in range(len(begun) + 1, 60)

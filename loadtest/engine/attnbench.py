@@ -2,10 +2,11 @@
 
 One call of ``paged_decode_attention`` (native/csrc/decode_ops.cpp: attend_tile.h's tiles for a float32 cache,
 attend_bf16.h's for a bfloat16 one), or of ``paged_decode_attention_quant`` for an int8 or int4 cache (kv_quant.cpp:
-attend_tile.h's tiles over each chunk's code rows dequantized once per tile) as a prefill step makes it: the last chunk of 512 rows of a prompt of T tokens,
-every row a query attending to its own prefix through the block table (rows_alone prefill), on the threads the
-server runs. Head shapes of SmolLM2-135M (9 query / 3 KV heads, d = 64), Llama-3.2-1B (32 / 8, d = 64) and
-Llama-3.1-8B (32 / 8, d = 128); T = 512, 2,048 and 8,192; random queries, keys and values.
+attend_tile.h's tiles over each chunk's code rows dequantized once per tile) as a prefill step makes it: the last
+chunk of 512 rows of a prompt of T tokens, every row a query attending to its own prefix through the block table
+(rows_alone prefill), on the threads the server runs. Head shapes of SmolLM2-135M (9 query / 3 KV heads, d = 64),
+Llama-3.2-1B (32 / 8, d = 64) and Llama-3.1-8B (32 / 8, d = 128); T = 512, 2,048 and 8,192; random queries, keys
+and values.
 
 Multiply-adds: 2 H d per (query, key) pair (q.k and the weight times v), as ``loadtest profile`` counts them; the
 rate is set against the measured peak of the arithmetic the cache's kernels run (loadtest/engine/profile_step.py

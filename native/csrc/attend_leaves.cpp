@@ -76,7 +76,9 @@ int attend_f32(const kv_attend_args* p, bool avx512) {
 
 }  // namespace
 
-extern "C" int kv_attend_bf16_scalar(const kv_attend_args* args) { return attend_bf16(args, kvserve::cpu::Isa::kScalar); }
+extern "C" int kv_attend_bf16_scalar(const kv_attend_args* args) {
+  return attend_bf16(args, kvserve::cpu::Isa::kScalar);
+}
 
 #ifdef KV_X86
 

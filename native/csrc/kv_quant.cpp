@@ -162,7 +162,8 @@ void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& r
   if (isa != kvserve::cpu::Isa::kScalar && D % 8 == 0 && D <= kvq::QuantPool::kMaxD) {
     using namespace kvserve::decode;
     const bool avx512 = kvserve::cpu::chosen() == kvserve::cpu::Isa::kAvx512;  // attend_tile: D % 16 == 0 too
-    const std::vector<int64_t> tiles = prompt_tiles(a.call, avx512 && D % 16 == 0 ? tile_rows_avx512(a.call) : kTileRows);
+    const std::vector<int64_t> tiles =
+        prompt_tiles(a.call, avx512 && D % 16 == 0 ? tile_rows_avx512(a.call) : kTileRows);
     if (static_cast<int64_t>(tiles.size()) - 1 < a.call.B) {
       run_tiles(a.call, tiles, [&](int64_t task, kvserve::AlignedVector<float>& scores,
                                    std::vector<TileQuery>& queries) {
