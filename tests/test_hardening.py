@@ -128,19 +128,25 @@ def test_a_large_body_is_not_counted_as_headers(server_url):
     assert response.status_code == 200 and response.json()["count"] > 50_000
 
 
-def test_long_prompts_are_tokenized_off_the_event_loop(bare_state, monkeypatch):
+def _threads_running(monkeypatch, name: str) -> list[str]:
+    """The threads ``kvserve.server.app.<name>`` runs on, call by call (wrapped here to record them)."""
     import threading
 
     import kvserve.server.app as app_module
 
     threads: list[str] = []
-    real = app_module.text_prompt_ids
+    real = getattr(app_module, name)
 
     def recording(*args):
         threads.append(threading.current_thread().name)
         return real(*args)
 
-    monkeypatch.setattr(app_module, "text_prompt_ids", recording)
+    monkeypatch.setattr(app_module, name, recording)
+    return threads
+
+
+def test_long_prompts_are_tokenized_off_the_event_loop(bare_state, monkeypatch):
+    threads = _threads_running(monkeypatch, "text_prompt_ids")
     with TestClient(create_app(bare_state), base_url="http://127.0.0.1") as client:
         short = client.post("/tokenize", json={"prompt": "Hi"})
         long = client.post("/tokenize", json={"prompt": "word " * 10_000})
@@ -152,18 +158,7 @@ def test_long_prompts_are_tokenized_off_the_event_loop(bare_state, monkeypatch):
 def test_a_chat_of_many_short_messages_is_rendered_off_the_event_loop(bare_state, monkeypatch):
     """A template's work grows with its messages, not only their characters: 29,000 one-character messages
     (870 KB) took ~1 s to render on the loop, stalling every stream. More than 128 are rendered on a worker."""
-    import threading
-
-    import kvserve.server.app as app_module
-
-    threads: list[str] = []
-    real = app_module.chat_prompt_ids
-
-    def recording(*args):
-        threads.append(threading.current_thread().name)
-        return real(*args)
-
-    monkeypatch.setattr(app_module, "chat_prompt_ids", recording)
+    threads = _threads_running(monkeypatch, "chat_prompt_ids")
     turns = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
     with TestClient(create_app(bare_state), base_url="http://127.0.0.1") as client:
         few = client.post("/tokenize", json={"messages": turns * 2})
