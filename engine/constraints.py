@@ -130,7 +130,8 @@ class Constraint:
         if self.vocab_size % 32:
             bits[-1] = np.uint32((1 << (self.vocab_size % 32)) - 1)
         for eos in self.eos_ids:
-            bits[eos // 32] &= ~np.uint32(1 << (eos % 32))
+            if eos < self.vocab_size:  # a generation config's id past the tokenizer's vocabulary has no bit
+                bits[eos // 32] &= ~np.uint32(1 << (eos % 32))
 
     def allowed_now(self, bits: np.ndarray) -> None:
         """Narrow this sequence's allowed tokens ``bits`` (``[words]`` uint32, in place) by the bounds on JSON
@@ -387,8 +388,8 @@ def unsatisfied(constraint: Constraint) -> str | None:
     It happens where the grammar left no token to sample (a mask that was an error, such as a work limit hit
     mid-reply): ``fill_masks`` then allows EOS so that the sequence ends.
     """
-    if constraint.thinking:
-        return "the reply stops inside its thinking block, before its constraint began"
+    if constraint.thinking:  # a client's own stop token while thinking (EOS is not allowed there): nothing began
+        return None
     matcher = constraint.matcher
     if matcher.is_accepting():
         return None

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import Callable
 
 from fastapi import Request
@@ -46,8 +47,10 @@ async def tokenizing(chars: int, fn: Callable, *args):
 
 def chat_work(messages: list, tools: list | None) -> int:
     """Rendering and tokenizing work of chat ``messages`` (and ``tools``), in characters (``tokenizing``'s unit):
-    their text, and ``_CHARS_PER_MESSAGE`` for each message and tool definition the template loops over."""
-    return sum(len(message.text) for message in messages) + _CHARS_PER_MESSAGE * (len(messages) + len(tools or ()))
+    their text and tool definitions' JSON, and ``_CHARS_PER_MESSAGE`` for each message and tool the template loops
+    over."""
+    return (sum(len(message.text) for message in messages) + _CHARS_PER_MESSAGE * (len(messages) + len(tools or ()))
+            + sum(len(json.dumps(tool)) for tool in tools or ()))  # a tool's schema is rendered whole
 
 
 def _prompt_chars(body: ChatCompletionRequest | CompletionRequest) -> int:

@@ -340,7 +340,7 @@ def test_a_constraint_after_a_thinking_block_starts_past_its_end(smollm2):
     banned = disallowed(fill_masks([gated], [thought[:3]]))[0]
     assert banned.nonzero().flatten().tolist()[:1] == [eos] and not banned[:len(tokenizer)][~(torch.arange(
         len(tokenizer)) == eos)].any()  # everything but EOS
-    assert gated.thinking and unsatisfied(gated) is not None
+    assert gated.thinking and unsatisfied(gated) is None  # stopped while thinking (a client's stop id): no verdict
     digits = ids("4")
     assert torch.equal(fill_masks([gated], [thought + digits]), fill_masks([plain], [digits]))
     assert not gated.thinking and gated.start == len(thought) and gated.consumed == digits
