@@ -247,6 +247,32 @@ def checkpoint_format(path: Path, allow_pickle: bool) -> bool:
     return not pickled
 
 
+def check_model_dir(path: Path, allow_pickle: bool) -> None:
+    """Refuse the HF directory ``path`` before anything heavy runs (the kernels' first build takes minutes):
+    its config.json must be a JSON object whose ``model_type`` transformers loads as a causal LM, and its
+    weights in a format ``checkpoint_format`` accepts.
+
+    Raises:
+        ValueError: config.json unreadable or not an object, no ``model_type``, a type with no causal-LM class in
+            transformers (the message names the type), or as ``checkpoint_format``.
+    """
+    import json
+
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = json.loads((path / "config.json").read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path / 'config.json'} is not readable JSON: {exc}") from None
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not isinstance(model_type, str) or not model_type:
+        raise ValueError(f"{path / 'config.json'} names no model_type")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ValueError(f"{path}: model_type {model_type!r} is not a causal language model transformers can load "
+                         "(kvserve serves decoder-only causal LMs)")
+    checkpoint_format(path, allow_pickle)
+
+
 def check_loading_info(info: dict, path: Path) -> None:
     """Refuse a checkpoint whose parameters do not match the model: missing ones would be random, so the server
     would serve noise. ``info`` is transformers' ``output_loading_info`` (tied weights, e.g. an lm_head tied to
@@ -282,7 +308,7 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
 
     Raises:
         FileNotFoundError: see ``resolve_model_dir``.
-        ValueError: see ``resolve_device``, ``checkpoint_format`` and ``check_loading_info``; a GGUF file that is
+        ValueError: see ``resolve_device``, ``check_model_dir`` and ``check_loading_info``; a GGUF file that is
             malformed or not one kvserve serves (``engine.gguf_file.GGUFError``); also any failure to read the
             weights, in one line.
     """
@@ -293,8 +319,8 @@ def load_model(model: str | None = None, dtype: DType = DType.AUTO, device: Devi
         from kvserve.engine.gguf_model import check_gguf, load_gguf
 
         check_gguf(gguf)
-    elif not (Path(model) / "config.json").exists():
-        resolve_model_dir(model)  # raises: not a model directory
+    else:
+        check_model_dir(resolve_model_dir(model), allow_pickle)  # raises: not a model directory, or not one served
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device, quantized)
     bf16_weights = serves_bf16_kernel(dtype, torch_device, quantized)  # loads the kernels: see below

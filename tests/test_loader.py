@@ -56,6 +56,33 @@ def test_an_empty_pickled_checkpoint_is_refused_twice(tmp_path):
     assert "missing (" in str(empty.value) and "\n" not in str(empty.value)
 
 
+@pytest.mark.parametrize("config, named", [
+    ('{"model_type": "no-such-model"}', "model_type 'no-such-model' is not a causal language model"),
+    ('{"architectures": ["LlamaForCausalLM"]}', "names no model_type"),
+    ('{"model_type": ', "is not readable JSON"),
+    ('["llama"]', "names no model_type"),
+])
+def test_a_directory_kvserve_cannot_serve_is_refused_before_the_kernels_build(tmp_path, monkeypatch, config, named):
+    # the first start's kernel build takes minutes; a directory it would refuse anyway must not wait for it
+    from kvserve import native
+
+    (tmp_path / "config.json").write_text(config)
+    save_file({"w": torch.zeros(1)}, tmp_path / "model.safetensors")
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("the kernels were built before the refusal"))
+    with pytest.raises(ValueError, match=named):
+        load(tmp_path)
+
+
+def test_pickled_weights_are_refused_before_the_kernels_build(tmp_path, monkeypatch):
+    from kvserve import native
+
+    tiny_config(tied=True).save_pretrained(tmp_path)
+    torch.save({}, tmp_path / "pytorch_model.bin")
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("the kernels were built before the refusal"))
+    with pytest.raises(ValueError, match="--allow-pickle"):
+        load(tmp_path)
+
+
 def test_tied_weights_are_not_missing(tmp_path, smollm2):
     model = LlamaForCausalLM(tiny_config(tied=True))
     model.save_pretrained(tmp_path)  # no lm_head.weight in the file: it is the embedding
