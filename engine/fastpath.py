@@ -353,20 +353,21 @@ def _activation_dtype(embed: nn.Module) -> torch.dtype | None:
     return weight.dtype if type(embed) is nn.Embedding and weight is not None else None
 
 
-def _embedding_table(embed: nn.Module) -> tuple[torch.Tensor, str] | None:
-    """``embed``'s table as ``DecodeLayers.set_embedding`` takes it (the table, its kind), or None where the
-    stack cannot look rows up in it the way ``embed`` does (a max_norm, another device). It looks rows up in every
-    GGMLKind: the tied Q6_K table of a Q4_K_M file (128,256 rows of Llama 3's vocabulary) would otherwise be
-    dequantized from Python, a dozen tensor ops each step."""
+def _embedding_table(embed: nn.Module) -> tuple[torch.Tensor, str, int, int] | None:
+    """``embed``'s table as ``DecodeLayers.set_embedding`` takes it (the table, its kind, its panels' rows or 0,
+    its rows), or None where the stack cannot look rows up in it the way ``embed`` does (a max_norm, another
+    device). It looks rows up in every GGMLKind, in rows or in a tied head's panels: the tied Q6_K table of a
+    Q4_K_M file (128,256 rows of Llama 3's vocabulary) would otherwise be dequantized from Python, a dozen tensor
+    ops each step."""
     if isinstance(embed, GGMLEmbedding):
-        blocks = embed.weight_blocks
+        blocks = embed.table()
         if embed.dtype is torch.float32 and blocks.is_cpu and blocks.is_contiguous():
-            return blocks, embed.kind.value
+            return blocks, embed.kind.value, embed.panel_rows, embed.num_embeddings
         return None
     weight = getattr(embed, "weight", None)
     if (type(embed) is nn.Embedding and embed.max_norm is None and weight.dtype is torch.float32 and weight.is_cpu
             and weight.is_contiguous()):
-        return weight, "f32"
+        return weight, "f32", 0, weight.shape[0]
     return None
 
 
@@ -437,8 +438,9 @@ def fast_decoder(model: nn.Module) -> FastDecoder | None:
 def kernels_off_reason(model: nn.Module) -> str:
     """Why no projection of ``model`` runs a C++ kernel, and what would turn them on (for the start log)."""
     embed = model.get_input_embeddings()
-    # a GGUF model's table is GGMLEmbedding's blocks (a buffer, no .weight)
-    weight = next(itertools.chain(embed.parameters(), embed.buffers()))
+    # a GGUF model's table is GGMLEmbedding's blocks (a buffer, or a tied head's: no .weight)
+    weight = embed.table() if isinstance(embed, GGMLEmbedding) else next(itertools.chain(embed.parameters(),
+                                                                                        embed.buffers()))
     if weight.device.type != "cpu":
         return f"the model runs on {weight.device.type} (the kernels are CPU code; --device cpu runs them)"
     if native.load(build=False) is None:

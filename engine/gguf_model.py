@@ -296,12 +296,12 @@ class _Installer:
             embedding.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight,
                                                                                              requires_grad=False)
         else:
-            if tied and isinstance(head, GGMLLinear) and head.layout is Layout.ROWS:
-                rows = head.weight  # the head's own rows: one copy of the table
+            if tied and isinstance(head, GGMLLinear):
+                embedding = GGMLEmbedding.tied_to(head, self.dtype)  # the head's own blocks: one copy of the table
             else:
                 rows = torch.from_numpy(table.data())
                 self.summary.bytes_after += rows.numel()
-            embedding = GGMLEmbedding(rows, kind, self.dtype)
+                embedding = GGMLEmbedding(rows, kind, self.dtype)
         model.model.embed_tokens = embedding
         still_mapped = [t.data_ptr() for m in (head, embedding) for t in (*m.parameters(), *m.buffers())]
         if not any(self.file.maps(address) for address in still_mapped):

@@ -310,6 +310,8 @@ class GGMLEmbedding(nn.Module):
             tensor).
         kind: their format.
         dtype: the dtype of the rows returned (the model's activations).
+
+    ``tied_to`` makes one that reads a tied LM head's blocks in the kernels' panels instead.
     """
 
     def __init__(self, blocks: torch.Tensor, kind: GGMLKind, dtype: torch.dtype = torch.float32) -> None:
@@ -317,10 +319,44 @@ class GGMLEmbedding(nn.Module):
         self.kind, self.dtype = kind, dtype
         self.num_embeddings = blocks.shape[0]
         self.embedding_dim = blocks.shape[1] // kind.block_bytes * kind.block_weights
+        self.__dict__["head"] = None  # tied_to's
         self.register_buffer("weight_blocks", blocks)
 
+    @classmethod
+    def tied_to(cls, head: GGMLLinear, dtype: torch.dtype = torch.float32) -> GGMLEmbedding:
+        """The embedding of a model whose LM head is tied to it: rows looked up in ``head``'s own buffer, in
+        whichever layout it has (``ggml_rows`` takes a row's units out of the kernels' panels), so the table is
+        held once: a tied Q6_K table of Llama 3's vocabulary is 205 MiB, which a second copy (or the file's pages
+        of it, resident as tokens are looked up) would add to the resident set.
+
+        Args:
+            head: the LM head ``[vocab, dim]`` (GGMLLinear, any layout).
+            dtype: as the constructor's.
+        """
+        if head.layout is Layout.ROWS:
+            return cls(head.weight, head.kind, dtype)
+        embedding = cls(head.weight[:0], head.kind, dtype)
+        embedding.num_embeddings, embedding.embedding_dim = head.out_features, head.in_features
+        embedding.weight_blocks = None  # the table is the head's buffer: one owner, one entry in a state dict
+        embedding.__dict__["head"] = head  # not a submodule: the model's walks meet the head once, as lm_head
+        return embedding
+
+    @property
+    def panel_rows(self) -> int:
+        """Rows per panel of the table ``table()`` returns: 0 for rows in the file's order."""
+        return 0 if self.head is None else panel_width()
+
+    def table(self) -> torch.Tensor:
+        """The blocks rows are looked up in: ``weight_blocks``, or the tied head's panels (``panel_rows``)."""
+        return self.weight_blocks if self.head is None else self.head.weight
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        rows = self.weight_blocks.index_select(0, input_ids.reshape(-1))  # [n, bytes]
+        ids = input_ids.reshape(-1)
+        if self.head is None:
+            rows = self.weight_blocks.index_select(0, ids)  # [n, bytes]
+        else:
+            rows = native_ops().ggml_rows(self.head.weight, self.kind.value, ids.to(torch.long), self.num_embeddings,
+                                          self.embedding_dim)
         return dequantize_blocks(rows, self.kind).view(*input_ids.shape, self.embedding_dim).to(self.dtype)
 
     def extra_repr(self) -> str:

@@ -523,6 +523,8 @@ def test_a_k_quant_file_runs_its_whole_decode_step_in_the_stack(tiny_gguf, shape
     fast = ModelRunner(loaded, KVPool(loaded.kv_shape(), 32, BLOCK, loaded.dtype)).fast
     assert fast.projections[0].qkv is not None and fast.projections[1].qkv is None
     assert fast.layer_stack is not None and fast.stack_head and fast.stack_embeds
+    tied = embedding is GGMLKind.Q6_K  # tiny-llama's table is its LM head's: looked up in the head's panels
+    assert (loaded.model.model.embed_tokens.head is loaded.model.lm_head) is tied
     outputs = _stack_and_loop(loaded, 2)
     assert torch.equal(outputs[0][0], outputs[1][0]) and torch.equal(outputs[0][1], outputs[1][1])
 

@@ -266,6 +266,14 @@ def test_layers_are_built_by_the_gguf_type_name_and_dequantize_as_gguf(kind):
     ids = torch.tensor([[5, 0], [23, 5]])
     assert embedding.embedding_dim == K
     assert torch.equal(embedding(ids), expected[ids].bfloat16())
+    tied = GGMLEmbedding.tied_to(layer, torch.bfloat16)  # rows out of the layer's panels (8 a panel, or 16)
+    assert (tied.num_embeddings, tied.embedding_dim, tied.head) == (24, K, layer)
+    assert torch.equal(tied(ids), expected[ids].bfloat16())
+    assert np.array_equal(native.load().ggml_rows(layer.weight, kind, torch.tensor([23, 0, 9, 9]), 24, K).numpy(),
+                          raw[[23, 0, 9, 9]])
+    for bad in ([24], [-1]):
+        with pytest.raises(RuntimeError, match="out of range for 24 rows"):
+            native.load().ggml_rows(layer.weight, kind, torch.tensor(bad), 24, K)
 
 
 def worker(out: str) -> None:

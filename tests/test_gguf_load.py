@@ -25,7 +25,7 @@ from kvserve.engine.loader import SERVED_NAME, Device, DType, default_gguf_path,
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.pool import KVPool
 from kvserve.loadtest.fixtures.randgguf import SHAPES, tensor_type, use_more_bits
-from kvserve.quant.ggml import GGMLEmbedding, GGMLLinear
+from kvserve.quant.ggml import GGMLEmbedding, GGMLLinear, dequantize_blocks
 from tests.engineutil import NEAR_TIE_LOGITS, engine_greedy, reference_model, reference_shortfall
 
 FAMILIES = {"tiny-llama": "llama", "tiny-mistral": "mistral", "tiny-qwen2": "qwen2", "tiny-qwen3": "qwen3"}
@@ -118,6 +118,32 @@ def test_blocks_are_served_from_the_file_without_a_float_copy(tiny_gguf, tmp_pat
             module.use_kernel = False
     tokens, _ = engine_greedy(loaded, [ids], 12)
     assert reference_shortfall(ref, ids, tokens[0]) <= NEAR_TIE_LOGITS
+
+
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q8_0"])
+def test_a_tied_embedding_is_looked_up_in_its_heads_blocks_held_once(tiny_gguf, mix):
+    # Llama 3.2, Qwen2.5 and Qwen3 tie the embedding to the LM head: the head's blocks (in the kernels' panels)
+    # serve both, so neither a second copy nor the file's pages of the table (resident as tokens are looked up)
+    # add to the resident set; each row still has the file's bits
+    path = tiny_gguf("tiny-llama", mix)
+    file = read_gguf(path)
+    assert "output.weight" not in file.tensors  # tied
+    loaded = load_model(str(path), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    head, embedding = loaded.model.lm_head, loaded.model.model.embed_tokens
+    table = file.tensors["token_embd.weight"]
+    kind = block_kind(table.ggml_type)
+    expected = dequantize_blocks(torch.from_numpy(np.array(table.data())), kind)  # [vocab, hidden]
+    ids = torch.tensor([[0, 5, expected.shape[0] - 1], [17, 17, expected.shape[0] - 9]])
+    assert torch.equal(embedding(ids).view(torch.int32), expected[ids].view(torch.int32))
+    assert embedding.table().data_ptr() == head.weight.data_ptr()
+    if native.load() is not None:  # the head in panels: the embedding has no table of its own
+        assert embedding.head is head and list(embedding.buffers()) == [] and embedding.panel_rows > 0
+        held = {t.data_ptr(): t.numel() * t.element_size()
+                for t in (*loaded.model.parameters(), *loaded.model.buffers())}
+        assert sum(held.values()) < path.stat().st_size + table.nbytes // 2  # the table once
+        assert loaded.gguf.bytes_after < path.stat().st_size + table.nbytes // 2
+        with pytest.raises(RuntimeError, match="out of range"):
+            embedding(torch.tensor([expected.shape[0]]))
 
 
 def test_served_name_is_the_files_general_name_or_its_stem_and_the_default_keeps_its_own(tmp_path):

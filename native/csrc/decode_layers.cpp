@@ -38,6 +38,7 @@
 
 #include "decode_common.h"
 #include "decode_rows.h"
+#include "gguf_layout.h"
 #include "projection_handle.h"
 
 #include <algorithm>
@@ -144,12 +145,19 @@ struct TableFormat {
   Table table;
   int64_t unit_bytes;    // bytes per unit (0: float32 rows)
   int64_t unit_weights;  // weights per unit: 32, or 256 for the K-quants
+  int layout;            // its gguf::Kind (the kernels' panel layout, gguf_layout.h); -1 for float32
 };
 
 constexpr TableFormat kTableFormats[] = {
-    {"f32", Table::kF32, 0, 1},         {"q4_0", Table::kQ4_0, 18, 32},   {"q4_1", Table::kQ4_1, 20, 32},
-    {"q5_0", Table::kQ5_0, 22, 32},     {"q5_1", Table::kQ5_1, 24, 32},   {"q8_0", Table::kQ8_0, 34, 32},
-    {"q4_k", Table::kQ4_K, 144, 256},   {"q5_k", Table::kQ5_K, 176, 256}, {"q6_k", Table::kQ6_K, 210, 256}};
+    {"f32", Table::kF32, 0, 1, -1},
+    {"q4_0", Table::kQ4_0, 18, 32, kvserve::gguf::kQ4_0},
+    {"q4_1", Table::kQ4_1, 20, 32, kvserve::gguf::kQ4_1},
+    {"q5_0", Table::kQ5_0, 22, 32, kvserve::gguf::kQ5_0},
+    {"q5_1", Table::kQ5_1, 24, 32, kvserve::gguf::kQ5_1},
+    {"q8_0", Table::kQ8_0, 34, 32, kvserve::gguf::kQ8_0},
+    {"q4_k", Table::kQ4_K, 144, 256, kvserve::gguf::kQ4_K},
+    {"q5_k", Table::kQ5_K, 176, 256, kvserve::gguf::kQ5_K},
+    {"q6_k", Table::kQ6_K, 210, 256, kvserve::gguf::kQ6_K}};
 
 inline float half_at(const uint8_t* p) {
   uint16_t bits;
@@ -269,8 +277,11 @@ class DecodeLayers {
 
   // decode()'s token embedding: a float32 table [vocab, hidden] ("f32", contiguous) or GGUF units uint8 [vocab,
   // hidden / unit weights * unit bytes] of kind "q4_0", "q4_1", "q5_0", "q5_1", "q8_0" (units of 32 weights),
-  // "q4_k", "q5_k" or "q6_k" (super-blocks of 256) (GGMLEmbedding's weight_blocks).
-  void set_embedding(const torch::Tensor& table, const std::string& kind) {
+  // "q4_k", "q5_k" or "q6_k" (super-blocks of 256) (GGMLEmbedding's weight_blocks). panel_rows > 0: the table is
+  // a tied LM head's units in the kernels' panels of panel_rows features (linear_ggml.cpp's ggml_pack: uint8
+  // [ceil(vocab / panel_rows), units * panel_rows * unit bytes]) and vocab its rows; each row's units are taken
+  // out of its panel (gguf::move_unit) before they are dequantized, so one copy of the table serves both.
+  void set_embedding(const torch::Tensor& table, const std::string& kind, int64_t panel_rows, int64_t vocab) {
     const TableFormat* format = nullptr;
     for (const TableFormat& f : kTableFormats)
       if (kind == f.name) format = &f;
@@ -278,19 +289,25 @@ class DecodeLayers {
              " (the stack looks up f32, q4_0, q4_1, q5_0, q5_1, q8_0, q4_k, q5_k, q6_k)");
     KV_CHECK(table.is_cpu() && table.is_contiguous() && table.dim() == 2 && table.size(0) > 0,
              "the embedding must be a contiguous CPU table [vocab, row]");
+    KV_CHECK(panel_rows >= 0 && (panel_rows == 0 || format->table != Table::kF32),
+             "panel_rows must be 0, or > 0 for GGUF units, got ", panel_rows, " for ", kind);
     if (format->table == Table::kF32) {
       check_f32(table, "an f32 embedding");
       KV_CHECK(table.size(1) == hidden_, "an f32 embedding must be [vocab, ", hidden_, "]");
     } else {
-      const int64_t units = hidden_ / format->unit_weights;
+      const int64_t units = hidden_ / format->unit_weights, width = panel_rows > 0 ? panel_rows : 1;
       KV_CHECK(table.scalar_type() == torch::kUInt8 && hidden_ % format->unit_weights == 0 &&
-                   table.size(1) == units * format->unit_bytes,
-               kind, " embedding rows must be uint8 [vocab, ", units * format->unit_bytes, "] of whole units of ",
-               format->unit_weights, " weights");
+                   table.size(1) == units * format->unit_bytes * width,
+               kind, " embedding rows must be uint8 [", panel_rows > 0 ? "panels" : "vocab", ", ",
+               units * format->unit_bytes * width, "] of whole units of ", format->unit_weights, " weights");
+      KV_CHECK(panel_rows == 0 || (vocab > (table.size(0) - 1) * panel_rows && vocab <= table.size(0) * panel_rows),
+               "a table of ", table.size(0), " panels of ", panel_rows, " holds more or fewer rows than ", vocab);
     }
     std::lock_guard<std::mutex> lock(mutex_);
     embedding_ = table;
     embedding_format_ = *format;
+    embedding_panel_rows_ = panel_rows;
+    embedding_vocab_ = panel_rows > 0 ? vocab : table.size(0);
   }
 
   // decode()'s RoPE: cos and sin [P, D] per position 0..P-1 (contiguous float32).
@@ -444,21 +461,29 @@ class DecodeLayers {
   void embed(const torch::Tensor& ids, float* x) const {
     RECORD_FUNCTION("kvserve::embedding", c10::ArrayRef<const c10::IValue>{});
     KV_CHECK(embedding_.defined(), "decode without x needs set_embedding");
-    const int64_t T = ids.numel(), vocab = embedding_.size(0), row_bytes = embedding_.size(1) *
-                                                                  embedding_.element_size();
+    const int64_t T = ids.numel(), vocab = embedding_vocab_, row_bytes = embedding_.size(1) *
+                                                                embedding_.element_size();
     const int64_t* id = ids.data_ptr<int64_t>();
-    const auto* table = static_cast<const uint8_t*>(embedding_.data_ptr());
+    auto* table = static_cast<uint8_t*>(embedding_.data_ptr());
+    const TableFormat& f = embedding_format_;
+    const int64_t nr = embedding_panel_rows_, units = f.table == Table::kF32 ? 0 : hidden_ / f.unit_weights;
+    uint8_t unit[256];  // one unit out of its panel (the largest, Q6_K's, is 210 bytes)
     for (int64_t t = 0; t < T; ++t) {
       KV_CHECK(id[t] >= 0 && id[t] < vocab, "token id ", id[t], " out of range for a vocabulary of ", vocab);
-      const uint8_t* row = table + id[t] * row_bytes;
       float* out = x + t * hidden_;
-      const TableFormat& f = embedding_format_;
       if (f.table == Table::kF32) {
-        std::memcpy(out, row, sizeof(float) * hidden_);
+        std::memcpy(out, table + id[t] * row_bytes, sizeof(float) * hidden_);
         continue;
       }
-      for (int64_t u = 0; u < hidden_ / f.unit_weights; ++u)
-        dequantize_any(f.table, row + u * f.unit_bytes, out + f.unit_weights * u);
+      for (int64_t u = 0; u < units; ++u) {
+        if (nr > 0) {  // panel id / nr holds unit u of its nr rows side by side, field by field
+          uint8_t* panel = table + (id[t] / nr) * row_bytes + u * nr * f.unit_bytes;
+          kvserve::gguf::move_unit(kvserve::gguf::kLayouts[f.layout], unit, panel, nr, id[t] % nr, false);
+          dequantize_any(f.table, unit, out + f.unit_weights * u);
+        } else {
+          dequantize_any(f.table, table + id[t] * row_bytes + u * f.unit_bytes, out + f.unit_weights * u);
+        }
+      }
     }
   }
 
@@ -583,6 +608,7 @@ class DecodeLayers {
   std::vector<Layer> layers_;
   torch::Tensor embedding_, cos_table_, sin_table_, final_norm_;  // decode()'s per-model inputs
   TableFormat embedding_format_ = kTableFormats[0];
+  int64_t embedding_panel_rows_ = 0, embedding_vocab_ = 0;  // set_embedding's
   float final_eps_ = 0.f;
   py::capsule head_owner_;  // keeps head_ alive
   const ProjectionHandle* head_ = nullptr;
@@ -603,9 +629,11 @@ void bind_decode_layers(py::module& m) {
            "in_norm [hidden], in_eps, post_norm [hidden], post_eps, qkv, o_proj, gate_up, down (projection handles; "
            "qkv and gate_up: one, or a list of their parts' handles side by side), scale, window (<= 0: none)")
       .def("num_layers", &DecodeLayers::num_layers)
-      .def("set_embedding", &DecodeLayers::set_embedding,
+      .def("set_embedding", &DecodeLayers::set_embedding, py::arg("table"), py::arg("kind"),
+           py::arg("panel_rows") = 0, py::arg("vocab") = 0,
            "table (float32 [vocab, hidden], or GGUF units uint8 [vocab, bytes]), kind (f32, q4_0, q4_1, q5_0, q5_1, "
-           "q8_0, q4_k, q5_k, q6_k): decode's token embedding")
+           "q8_0, q4_k, q5_k, q6_k), panel_rows (> 0: the units in the kernels' panels of that many rows, ggml_pack's) "
+           "and vocab (the rows then): decode's token embedding")
       .def("set_rope", &DecodeLayers::set_rope, "cos, sin [positions, D]: decode's RoPE tables")
       .def("set_head", &DecodeLayers::set_head, py::arg("norm"), py::arg("eps"), py::arg("head").none(true),
            "final norm [hidden], eps, the LM head's projection handle or None: decode's last part")

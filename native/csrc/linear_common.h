@@ -102,6 +102,8 @@ torch::Tensor f32_linear(const torch::Tensor& x, const torch::Tensor& w);
 // [N, K / weights-per-unit * bytes] <-> packed panels.
 torch::Tensor ggml_pack(const torch::Tensor& raw, const std::string& kind);
 torch::Tensor ggml_unpack(const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K);
+torch::Tensor ggml_rows(const torch::Tensor& packed, const std::string& kind, const torch::Tensor& ids, int64_t N,
+                        int64_t K);
 torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& packed, const std::string& kind, int64_t N,
                           int64_t K);
 std::function<torch::Tensor(const torch::Tensor&)> bind_ggml(const torch::Tensor& packed, const std::string& kind,

@@ -300,6 +300,27 @@ torch::Tensor ggml_unpack(const torch::Tensor& packed, const std::string& kind_n
   return raw;
 }
 
+torch::Tensor ggml_rows(const torch::Tensor& packed, const std::string& kind_name, const torch::Tensor& ids,
+                        int64_t N, int64_t K) {
+  const GgmlWeights g = checked(packed, kind_name, N, K);
+  KV_CHECK(ids.scalar_type() == torch::kLong && ids.dim() == 1 && ids.is_cpu(), "ids must be a CPU int64 [n], got ",
+           ids.dim(), " dimensions");
+  const gguf::UnitLayout& unit = layout(g.kind);
+  const int64_t nu = K / unit.weights, n_ids = ids.size(0);
+  const torch::Tensor idc = ids.contiguous();
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n_ids; ++i)
+    KV_CHECK(id[i] >= 0 && id[i] < N, "row ", id[i], " out of range for ", N, " rows");
+  auto raw = torch::empty({n_ids, nu * unit.bytes}, packed.options());
+  uint8_t* in = g.packed.data_ptr<uint8_t>();
+  uint8_t* out = raw.data_ptr<uint8_t>();
+  for (int64_t i = 0; i < n_ids; ++i)
+    for (int64_t u = 0; u < nu; ++u)
+      gguf::move_unit(unit, out + (i * nu + u) * unit.bytes, in + ((id[i] / g.nr) * nu + u) * g.nr * unit.bytes,
+                      g.nr, id[i] % g.nr, false);
+  return raw;
+}
+
 torch::Tensor ggml_linear(const torch::Tensor& x, const torch::Tensor& packed, const std::string& kind, int64_t N,
                           int64_t K) {
   return run(checked(packed, kind, N, K), x);

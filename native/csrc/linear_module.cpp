@@ -57,6 +57,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ggml_pack", &ggml_pack,
         "raw u8 [N, K/32 * bytes] (GGUF blocks), kind 'q4_1'|'q8_0' -> u8 [panels, bytes] (the chosen ISA's layout)");
   m.def("ggml_unpack", &ggml_unpack, "packed, kind, N, K -> the raw u8 [N, K/32 * bytes] (ggml_pack's inverse)");
+  m.def("ggml_rows", &ggml_rows,
+        "packed, kind, ids int64 [n], N, K -> the raw u8 [n, K/32 * bytes] of rows ids (ggml_unpack's, those only)");
   m.def("ggml_linear", &ggml_linear, NoGil(),
         "x [M,K] f32, packed, kind, N, K -> [M,N] f32 (x as Q8 blocks of 32; no bias)");
   m.def("bind_ggml", [](const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K) {
