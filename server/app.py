@@ -262,7 +262,8 @@ async def _complete(state: ServerState, body, request: Request, chat: bool):
     # vLLM's form: the response id is the request id (x-request-id when the client sent one)
     fmt = Formatter(generation, chat, prefix + request.state.request_id, state.model_name, state.tokenizer,
                     tool_calls=chat and tools.active(body), thinking=generation.prepared.thinking if chat else None,
-                    tool_names=frozenset(f["name"] for f in tools.functions(body)) if chat else frozenset())
+                    tool_names=frozenset(f["name"] for f in tools.functions(body)) if chat else frozenset(),
+                    tools_constrained=chat and tools.active(body) and body.tool_choice not in (None, "auto"))
     want_logprobs = body.num_logprobs is not None
     echo = (not chat) and body.echo
     prompt_text = generation.prompt_text if echo else None  # index -> the prompt, for echo

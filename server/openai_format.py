@@ -48,13 +48,16 @@ class Formatter:
         tokenizer: for token strings in logprobs.
         tool_calls: parse replies for tool calls (chat with tools; server.tools): they come out as
             ``tool_calls`` with finish_reason ``tool_calls`` instead of content.
+        tool_names: the request's functions (a call naming another is content).
+        tools_constrained: ``tool_choice`` required or a named function (a grammar holds the calls): streamed as
+            they form; otherwise held to the reply's end (server.tools.ToolCallStream).
         thinking: chat with a reasoning parser (server.reasoning): whether the prompt opened ``<think>``; None
             when replies are not split.
     """
 
     def __init__(self, generation: Generation, chat: bool, request_id: str, model: str, tokenizer,
                  tool_calls: bool = False, thinking: bool | None = None,
-                 tool_names: frozenset[str] = frozenset()) -> None:
+                 tool_names: frozenset[str] = frozenset(), tools_constrained: bool = False) -> None:
         self.generation = generation
         self.chat = chat
         self.id = request_id
@@ -66,7 +69,8 @@ class Formatter:
         self.sent_role: set[int] = set()
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self.tool_streams: dict[int, ToolCallStream] | None = {} if tool_calls else None
-        self.tool_names = tool_names  # the request's functions: a whole reply's calls must name one of them
+        self.tool_names = tool_names  # the request's functions: a reply's calls must name one of them
+        self.tools_constrained = tools_constrained  # tool_choice required or a function: the grammar holds them
         self.thinking = thinking
         self.reasoning_splits: dict[int, ReasoningSplit] = {}
 
@@ -85,10 +89,12 @@ class Formatter:
         """Content, ``tool_calls`` deltas and finish_reason of a choice's new text (tools off: as given)."""
         if self.tool_streams is None:
             return text, [], reason
-        stream = self.tool_streams.setdefault(index, ToolCallStream())
+        stream = self.tool_streams.get(index)
+        if stream is None:
+            stream = self.tool_streams[index] = ToolCallStream(self.tool_names, self.tools_constrained)
         content, deltas = stream.feed(text)
         if reason is not None:
-            tail, more = stream.finish()
+            tail, more = stream.finish(reason)
             content, deltas = content + tail, deltas + more
             if stream.calls and reason == "stop":
                 reason = "tool_calls"
@@ -201,9 +207,6 @@ class Formatter:
                 content, _, reason = self._split_tools(index, text, reasons[index])
                 message = {"role": "assistant", "content": content}
                 calls = self.tool_streams[index].calls if self.tool_streams is not None else []
-                if calls and not self.tool_streams[index].well_formed(self.tool_names):
-                    calls, content = [], text  # not a call kvserve can hand over: the model's text, as vLLM does
-                    message["content"], reason = content, "stop" if reason == "tool_calls" else reason
                 if calls:
                     message = {"role": "assistant", "content": content or None, "tool_calls": calls}
                 if self.thinking is not None:  # a reasoning parser: the fields are there, null without reasoning

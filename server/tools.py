@@ -215,9 +215,20 @@ class ToolCallStream:
     ``feed`` takes new text and returns ``(content, tool_call_deltas)`` in the shape of a chat chunk's
     ``delta.tool_calls`` (the first delta of a call carries its id and name, later ones argument fragments);
     ``finish`` flushes. ``calls`` holds the whole calls so far (for a non-streamed message).
+
+    A streamed reply hands over the same calls as the whole one (``verdict``), so what it sends before the end
+    must not be taken back. A constrained reply (``tool_choice`` required or a named function: its grammar
+    admits only calls of the request's functions) streams its calls as they form. An unconstrained one (``auto``)
+    may name a function the request does not have, or cut its arguments short with a stop: its calls are held
+    until the reply ends, then sent whole, or the whole reply sent as content.
+
+    Args:
+        names: the request's functions (a call must name one of them).
+        constrained: the reply is constrained to calls of ``names`` (stream them as they form).
     """
 
-    def __init__(self) -> None:
+    def __init__(self, names: frozenset[str] = frozenset(), constrained: bool = False) -> None:
+        self.names, self.constrained = names, constrained
         self.buffer = ""
         self.mode = "undecided"   # then "content" (plain text) or "tools"
         self.pos = 0               # tools mode: parsed up to here
@@ -240,7 +251,8 @@ class ToolCallStream:
                 self.mode = "content"
                 content, self.buffer = self.buffer, ""
                 return content, []
-        return "", _one_per_call(self._parse())
+        deltas = _one_per_call(self._parse())
+        return "", deltas if self.constrained else []
 
     def _parse(self) -> list[dict]:
         deltas: list[dict] = []
@@ -269,13 +281,21 @@ class ToolCallStream:
                 return deltas
             self.pos, self.args_start = close.end(), None
 
-    def well_formed(self, names: frozenset[str]) -> bool:
-        """Whether every call so far names one of ``names`` and its arguments are a JSON object. A reply in
-        ``auto`` mode is not constrained, so a model may write a call that is neither; the whole (non-streamed)
-        reply then returns it as content, as vLLM's Hermes parser does."""
-        for call in self.calls:
-            if call["function"]["name"] not in names:
+    def verdict(self, reason: str | None) -> bool:
+        """Whether the calls parsed are handed over as ``tool_calls`` (else the reply is content): each names one
+        of the request's functions and its arguments are a JSON object, except that the last call's arguments
+        may be cut short where the reply was (finish_reason ``length``, as OpenAI returns such a call; or any end
+        of a constrained reply, whose grammar admits only a call's beginning). A reply in ``auto`` mode is not
+        constrained, so a model may write a call that is neither; it is then returned as content, as vLLM's
+        Hermes parser does."""
+        if not self.calls:
+            return False
+        cut = reason == "length" or self.constrained
+        for position, call in enumerate(self.calls):
+            if call["function"]["name"] not in self.names:
                 return False
+            if cut and position == len(self.calls) - 1:
+                continue
             try:
                 if not isinstance(json.loads(call["function"]["arguments"]), dict):
                     return False
@@ -283,9 +303,12 @@ class ToolCallStream:
                 return False
         return True
 
-    def finish(self) -> tuple[str, list[dict]]:
-        """Flush at the end: undecided text is content; a tools-mode reply that yielded no call is content."""
-        if self.mode == "undecided" or (self.mode == "tools" and not self.calls):
-            content, self.buffer, self.mode = self.buffer, "", "content"
+    def finish(self, reason: str | None = None) -> tuple[str, list[dict]]:
+        """Flush at the end (``reason``: the finish_reason): undecided text is content; a tools-mode reply whose
+        calls ``verdict`` does not hand over is content, all of it; held calls are sent, one delta each."""
+        if self.mode == "undecided" or (self.mode == "tools" and not self.verdict(reason)):
+            content, self.buffer, self.mode, self.calls = self.buffer, "", "content", []
             return content, []
+        if self.mode == "tools" and not self.constrained:
+            return "", [{"index": i, **call, "function": dict(call["function"])} for i, call in enumerate(self.calls)]
         return "", []

@@ -419,7 +419,7 @@ def test_cpu_masks_equal_the_torch_path():
 def test_tool_call_stream_splits_any_chunking_into_the_same_call(pieces):
     from kvserve.server.tools import ToolCallStream
 
-    stream = ToolCallStream()
+    stream = ToolCallStream(frozenset({"f"}), constrained=True)
     content, deltas = "", []
     for piece in pieces:
         text, more = stream.feed(piece)
@@ -437,13 +437,50 @@ def test_tool_call_stream_sends_one_entry_per_call_in_a_delta():
     read ``delta.tool_calls`` by position); two calls in one piece are two entries, in order."""
     from kvserve.server.tools import ToolCallStream
 
-    stream = ToolCallStream()
+    stream = ToolCallStream(frozenset({"f", "g"}), constrained=True)
     _, deltas = stream.feed('<tool_call>{"name": "f", "arguments": {"city": "')
     assert [(d["index"], d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [(0, "f", '{"city": "')]
     _, deltas = stream.feed('P"}}</tool_call><tool_call>{"name": "g", "arguments": {}}</tool_call>')
     assert [(d["index"], d["function"].get("name"), d["function"]["arguments"]) for d in deltas] == [
         (0, None, 'P"}'), (1, "g", "{}")]
     assert [c["function"]["arguments"] for c in stream.calls] == ['{"city": "P"}', "{}"]
+
+
+CALL_F = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+
+
+@pytest.mark.parametrize("text, reason, handed_over", [
+    (CALL_F, "stop", True),
+    (CALL_F + CALL_F.replace('"f"', '"h"'), "stop", False),            # a function the request does not have
+    (CALL_F.replace('{"a": 1}', '{"a": 1, }'), "stop", False),          # arguments that are not JSON
+    ('<tool_call>{"name": "f", "arguments": {"a": "', "length", True),   # cut by max_tokens: OpenAI's partial call
+    ('<tool_call>{"name": "f", "arguments": {"a": "', "stop", False),    # cut by a client's stop
+    ('<tool_call>{"name": "f", "argu', "length", False),                # no call's name yet: the text is content
+])
+def test_an_unconstrained_replys_calls_are_held_to_its_end_and_handed_over_as_a_whole_reply_would_be(
+        text, reason, handed_over):
+    # tool_choice auto: the stream sends nothing it may have to take back; at the end the calls the whole reply
+    # would hand over, each in one delta, or the whole text as content
+    from kvserve.server.tools import ToolCallStream
+
+    stream = ToolCallStream(frozenset({"f"}))
+    sent = [stream.feed(text[i:i + 7]) for i in range(0, len(text), 7)]
+    assert all(piece == ("", []) for piece in sent)
+    content, deltas = stream.finish(reason)
+    if handed_over:
+        assert content == "" and [d["index"] for d in deltas] == list(range(len(stream.calls)))
+        assert [(d["function"]["name"], d["function"]["arguments"]) for d in deltas] == [
+            (c["function"]["name"], c["function"]["arguments"]) for c in stream.calls]
+    else:
+        assert (content, deltas, stream.calls) == (text, [], [])
+
+
+def test_a_constrained_reply_cut_short_keeps_the_call_it_streamed():
+    from kvserve.server.tools import ToolCallStream
+
+    stream = ToolCallStream(frozenset({"f"}), constrained=True)
+    _, deltas = stream.feed('<tool_call>{"name": "f", "arguments": {"a": "x')
+    assert deltas and stream.finish("length") == ("", []) and stream.calls[0]["function"]["arguments"] == '{"a": "x'
 
 
 def test_plain_reply_with_tools_stays_content():
@@ -633,6 +670,57 @@ def test_streamed_and_whole_tool_calls_are_byte_identical(client, tool_choice):
             name_and_args[1] += delta.function.arguments or ""
     assert [[c.function.name, c.function.arguments] for c in whole] == [streamed[i] for i in sorted(streamed)]
     assert whole[0].function.arguments.startswith("{")
+
+
+def _reply(server_url: str, body: dict, stream: bool) -> tuple[str | None, list[list[str]], str]:
+    """(content, [[name, arguments] per call], finish_reason) of one chat reply, streamed or whole."""
+    if not stream:
+        choice = httpx.post(server_url + CHAT, json=body, timeout=300).json()["choices"][0]
+        calls = choice["message"].get("tool_calls") or []
+        return (choice["message"]["content"], [[c["function"]["name"], c["function"]["arguments"]] for c in calls],
+                choice["finish_reason"])
+    content, calls, reason = "", {}, None
+    with httpx.stream("POST", server_url + CHAT, json=body | {"stream": True}, timeout=300) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            choice = json.loads(line[len("data: "):])["choices"][0]
+            content += choice["delta"].get("content") or ""
+            for delta in choice["delta"].get("tool_calls") or []:
+                call = calls.setdefault(delta["index"], ["", ""])
+                call[0] += delta["function"].get("name") or ""
+                call[1] += delta["function"].get("arguments") or ""
+            reason = choice["finish_reason"] or reason
+    return content or None, [calls[i] for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("case", ["unknown function", "known function", "required, cut", "auto, cut"])
+def test_a_streamed_reply_hands_over_the_calls_the_whole_reply_does(server_url, case):
+    # the regexes stand in for what a model may write in auto mode: a call of a function the request does not
+    # have is content in both modes (a client must never receive a call it did not offer); a reply cut by
+    # max_tokens hands over its partial call in both modes, finish_reason length (as OpenAI's API does)
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "temperature": 0,
+            "max_tokens": 64, "tools": [WEATHER]}
+    call = '<tool_call>{"name": "NAME", "arguments": {"city": "Paris", "unit": "celsius"}}</tool_call>'
+    if case == "unknown function":
+        body["guided_regex"] = re.escape(call.replace("NAME", "get_time"))
+        expected = (call.replace("NAME", "get_time"), [], "stop")
+    elif case == "known function":
+        body["guided_regex"] = re.escape(call.replace("NAME", "get_weather"))
+        expected = (None, [["get_weather", '{"city": "Paris", "unit": "celsius"}']], "tool_calls")
+    elif case == "required, cut":
+        body |= {"tool_choice": "required", "max_tokens": 20}
+        expected = None
+    else:
+        body |= {"guided_regex": re.escape(call.replace("NAME", "get_weather")), "max_tokens": 20}
+        expected = None
+    whole, streamed = _reply(server_url, body, stream=False), _reply(server_url, body, stream=True)
+    assert whole == streamed
+    if expected is not None:
+        assert whole == expected
+    else:  # the call's name, then part of its arguments
+        assert whole[0] is None and whole[2] == "length" and len(whole[1]) == 1, whole
+        assert whole[1][0][0] == "get_weather" and whole[1][0][1].startswith("{") and not whole[1][0][1].endswith("}")
 
 
 # integer bounds at the ends of 64 bits: each of these ended the server with a segmentation fault in llguidance
