@@ -44,7 +44,8 @@ def functions(body) -> list[dict]:
     """The request's functions (``{"name", "description", "parameters"}``), checked.
 
     Raises:
-        ApiError: 400 for a tool that is not a function, a bad name, or a named ``tool_choice`` not among them.
+        ApiError: 400 for a tool that is not a function, a bad or repeated name, or a named ``tool_choice`` not
+            among them.
     """
     result = []
     for index, tool in enumerate(body.tools or []):
@@ -57,6 +58,9 @@ def functions(body) -> list[dict]:
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ApiError(400, f"{param}.function.name must be 1-64 letters, digits, _ or - and nothing else",
                            param=f"{param}.function.name")
+        if any(f["name"] == name for f in result):  # a call of it could follow either schema
+            raise ApiError(400, f"{param}.function.name {name!r} names a function an earlier tool names too; "
+                           "function names must be unique", param=f"{param}.function.name")
         parameters = function.get("parameters") or _EMPTY_PARAMETERS
         if not isinstance(parameters, dict):
             raise ApiError(400, f"{param}.function.parameters must be a JSON Schema object", param=param)

@@ -303,6 +303,15 @@ def test_a_bad_tool_call_in_the_history_is_named_by_its_place(server_url):
         assert error["message"].startswith(says), error
 
 
+def test_two_tools_of_one_name_are_a_400_naming_the_second(server_url):
+    # a call of that name could follow either one's parameters: ambiguous, so refused, not served as one of them
+    response = chat(server_url, "Weather?", tools=[WEATHER, TIME, WEATHER | {"function": WEATHER["function"] | {
+        "parameters": {"type": "object", "properties": {}}}}])
+    error = response.json()["error"]
+    assert response.status_code == 400 and error["param"] == "tools.2.function.name", error
+    assert "'get_weather'" in error["message"] and "unique" in error["message"]
+
+
 def test_matcher_follows_rollback_as_after_preemption(smollm2):
     """A matcher synced to fewer tokens (recompute after preemption, rejected drafts) allows what a fresh one does."""
     compiler = GrammarCompiler(smollm2.tokenizer, [smollm2.tokenizer.eos_token_id])
