@@ -6,11 +6,66 @@ the tests also compare with ``tokenizer.decode`` of all the output ids.
 
 from __future__ import annotations
 
+import codecs
+import functools
+import re
+
 from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 _CONTEXT_TOKENS = 5  # prompt tokens decoded alongside the output so a first word keeps its leading space
 _INCOMPLETE = "\ufffd"
 _MAX_CHAR_TOKENS = 3  # a UTF-8 character has at most 4 bytes: at most 3 of its tokens can end a text unfinished
+
+
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback: one byte a piece
+_SPACE = "\u2581"  # SentencePiece's word boundary, a space in the text
+
+
+@functools.cache
+def _byte_of() -> dict[str, int]:
+    """Byte-level BPE (GPT-2, Llama 3, SmolLM2) spells each byte as one printable character; this inverts it."""
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+@functools.lru_cache(maxsize=8)
+def _sentencepiece(tokenizer) -> bool:
+    """Whether ``tokenizer`` spells bytes SentencePiece's way (``<0xF0>`` pieces, Llama 2 and Mistral) rather than
+    byte-level BPE's."""
+    try:
+        return "<0x00>" in tokenizer.get_vocab()
+    except (AttributeError, NotImplementedError):
+        return False
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The raw bytes of one token, also when it holds only part of a UTF-8 character: a byte-level BPE piece
+    mapped back to its bytes, a SentencePiece byte piece (``<0xF0>``) its byte and a word piece with its
+    boundary as a space; otherwise (a special or added token) its decoded text."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if piece and _sentencepiece(tokenizer):
+        byte = _BYTE_PIECE.fullmatch(piece)
+        if byte is not None:
+            return bytes([int(byte.group(1), 16)])
+        if token_id not in tokenizer.all_special_ids:
+            return piece.replace(_SPACE, " ").encode()
+    byte_of = _byte_of()
+    if piece and all(char in byte_of for char in piece):
+        return bytes(byte_of[char] for char in piece)
+    return tokenizer.decode([token_id]).encode()
+
+
+def char_starts(pieces: list[bytes], limit: int) -> list[int]:
+    """Where each of consecutive tokens' texts starts (``pieces``: their bytes), in characters from the first's
+    start: the characters the bytes before it complete as UTF-8 is decoded (an invalid sequence is one U+FFFD,
+    as the tokenizers' and Python's decoders replace it), at most ``limit`` (the text they released). A token
+    holding part of a character starts where that character starts."""
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    starts, done = [], 0
+    for piece in pieces:
+        starts.append(min(done, limit))
+        done += len(decoder.decode(piece))
+    return starts
 
 
 def complete_prefix(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> int:

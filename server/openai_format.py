@@ -3,30 +3,13 @@
 from __future__ import annotations
 
 import codecs
-from functools import cache
-
-from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from kvserve.engine.plan import TokenLogprob
 from kvserve.server.choice import ChoiceUpdate
+from kvserve.server.detok import token_bytes
 from kvserve.server.generation import Generation
 from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.tools import ToolCallStream
-
-
-@cache
-def _byte_of() -> dict[str, int]:
-    """Byte-level BPE (GPT-2, Llama 3, SmolLM2) spells each byte as one printable character; this inverts it."""
-    return {char: byte for byte, char in bytes_to_unicode().items()}
-
-
-def token_bytes(tokenizer, token_id: int) -> bytes:
-    """The raw bytes of one token, also when it holds only part of a UTF-8 character."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    byte_of = _byte_of()
-    if piece and all(char in byte_of for char in piece):
-        return bytes(byte_of[char] for char in piece)
-    return tokenizer.decode([token_id]).encode()
 
 
 def token_text(raw: bytes) -> str:

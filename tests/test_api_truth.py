@@ -161,6 +161,47 @@ def test_text_offset_of_a_reply_that_ends_a_prompts_character(server_url):
         assert echoed["logprobs"]["text_offset"][4:] == [prompt_len + o for o in offsets]
 
 
+BYTE_TOKENS = {10813: b"\xf0\x9f", 242: b"\x98", 218: b"\x80"}  # SmolLM2's: parts of characters, or invalid
+
+
+def test_text_offset_after_an_invalid_byte_is_where_the_next_character_starts(server_url):
+    # tokens released together (an invalid byte, then the bytes of an emoji): each starts where its character
+    # does, the U+FFFD of the invalid byte counted, as the echoed prompt of the same ids counts them
+    named = {"bytes:" + "".join(f"\\x{b:02x}" for b in raw): token for token, raw in BYTE_TOKENS.items()}
+    body = {"prompt": "Hi", "max_tokens": 8, "temperature": 1.0, "logprobs": 0,
+            "logit_bias": {str(token): 30 for token in BYTE_TOKENS}}
+    spread = False
+    for seed in (1, 2, 3):
+        for streamed in (False, True):
+            text, logprobs, _ = completion_logprobs(server_url, body | {"seed": seed}, streamed)
+            ids = [named[token] for token in logprobs["tokens"]]
+            echoed = post(server_url, COMPLETIONS, {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 1})
+            assert logprobs["text_offset"] == echoed.json()["choices"][0]["logprobs"]["text_offset"][:len(ids)], (
+                ids, text)
+            assert all(offset <= len(text) for offset in logprobs["text_offset"])
+            spread |= len(set(logprobs["text_offset"])) > 1 and "\ufffd" in text
+    assert spread  # the case this test is about: text after an invalid byte
+
+
+def test_a_sentencepiece_tokens_bytes_are_its_byte_or_its_piece_with_spaces():
+    # Llama 2 / Mistral spell a byte "<0xF0>" and a word boundary "\u2581"; byte-level BPE's mapping reads
+    # neither (their logprobs' bytes were "<0xF0>" and a word without its space)
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from kvserve.server.detok import token_bytes
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {f"<0x{b:02X}>": 3 + b for b in range(256)}
+    vocab |= {"\u2581Hello": 259, "world": 260, "\u2581": 261}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                        eos_token="</s>")
+    assert [token_bytes(tokenizer, t) for t in (3 + 0xF0, 259, 260, 261)] == [b"\xf0", b" Hello", b"world", b" "]
+    assert token_bytes(tokenizer, 2) == b"</s>"
+
+
 # -- 5. nothing silently ignored or emptied ------------------------------------------------------------------
 
 @pytest.mark.parametrize("extra,named", [
