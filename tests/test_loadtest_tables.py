@@ -235,6 +235,12 @@ def test_ready_table_takes_the_peak_over_starts_and_judges_it_against_the_budget
     assert lines[3] == "| b.gguf | 800 | 1,024 | 3.0 | - | 2,200 | 2,225 | +401 | no |"
     rows[1]["starts"][0]["peak_rss"] = 2224 * mib
     assert table(rows).splitlines()[3].endswith("| +400 | yes |")
+    # the peak after prompts across the vocabulary (the last start's) is judged too
+    rows[1]["starts"][0]["vocab_peak_rss"] = 2230 * mib
+    lines = table(rows, vocab_tokens=16384).splitlines()
+    assert "| peak resident MiB after 16,384 prompt tokens across the vocabulary |" in lines[0]
+    assert lines[2] == "| a.gguf | 800 | 1,024 | 9.1 | 4.0 | 2,000 | 2,300 | - | +476 | no |"
+    assert lines[3] == "| b.gguf | 800 | 1,024 | 3.0 | - | 2,200 | 2,224 | 2,230 | +406 | no |"
 
 
 def test_actblocks_kernel_takes_one_activation_scale_per_256_for_the_k_quants(tiny_gguf, monkeypatch, capsys):
