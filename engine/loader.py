@@ -234,17 +234,19 @@ def checkpoint_format(path: Path, allow_pickle: bool) -> bool:
     crash at start), so a directory with only pickled weights is refused unless ``allow_pickle``.
 
     Raises:
-        ValueError: only pickled weights (``*.bin``, ``*.pt``, ...) and ``allow_pickle`` is False.
+        ValueError: no weights, or only pickled weights (``*.bin``, ``*.pt``, ...) and ``allow_pickle`` is False.
     """
     files = [f.name for f in path.iterdir() if f.is_file()]
     if any(name.endswith(".safetensors") for name in files):
         return True
     pickled = sorted(name for name in files if name.endswith(PICKLED_SUFFIXES))
-    if pickled and not allow_pickle:
+    if not pickled:
+        raise ValueError(f"{path} holds no weights (no *.safetensors, nor pickled {', '.join(PICKLED_SUFFIXES)})")
+    if not allow_pickle:
         raise ValueError(f"{path} holds only pickled weights ({', '.join(pickled[:_NAMES_SHOWN])}); unpickling can "
                          "run code, so kvserve loads safetensors only (convert them, or start with --allow-pickle "
                          "if you trust the files)")
-    return not pickled
+    return False
 
 
 def check_model_dir(path: Path, allow_pickle: bool) -> None:

@@ -79,7 +79,7 @@ class Formatter:
         if reason is not None:
             tail, more = stream.finish(reason)
             content, deltas = content + tail, deltas + more
-            if stream.calls and reason == "stop":
+            if stream.calls and reason == "stop" and not stream.open_call():  # a stop string inside a call: "stop"
                 reason = "tool_calls"
         return content, deltas, reason
 

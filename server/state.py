@@ -319,10 +319,10 @@ class ServerState:
         whether replies are split into reasoning and content (``--reasoning-parser``)."""
         stops = ", ".join(f"{self.tokenizer.convert_ids_to_tokens(i)!s} ({i})" for i in sorted(self.eos_ids))
         reasoning = ("on: <think>...</think> comes back as reasoning_content" if self.reasoning else "off")
-        if self.max_request_tokens < self.max_model_len:
-            limit = f"the KV pool's {self.pool_tokens} tokens, under the model's context of {self.max_model_len}"
+        if self.max_request_tokens < self.max_model_len:  # max_model_len: the model's context or --max-model-len
+            limit = f"the KV pool's {self.pool_tokens} tokens, under a context of {self.max_model_len}"
         else:
-            limit = "the model's context"
+            limit = "the context (the model's, or --max-model-len)"
         log.info("requests: at most %d tokens each (prompt + completion; %s; /v1/models' max_model_len); stop "
                  "tokens %s; reasoning parser %s (--reasoning-parser %s); chat template%s %s", self.max_request_tokens,
                  limit, stops or "none", reasoning, self.config.reasoning_parser,

@@ -285,16 +285,20 @@ class ToolCallStream:
                 return deltas
             self.pos, self.args_start = close.end(), None
 
+    def open_call(self) -> bool:
+        """Whether the last call's arguments are still open (its JSON object not closed: the reply ended in it)."""
+        return self.args_start is not None and _object_end(self.buffer, self.args_start) is None
+
     def verdict(self, reason: str | None) -> bool:
         """Whether the calls parsed are handed over as ``tool_calls`` (else the reply is content): each names one
         of the request's functions and its arguments are a JSON object, except that the last call's arguments
-        may be cut short where the reply was (finish_reason ``length``, as OpenAI returns such a call; or any end
-        of a constrained reply, whose grammar admits only a call's beginning). A reply in ``auto`` mode is not
+        may be cut short where the reply ended inside them (finish_reason ``length``, as OpenAI returns such a
+        call; or any end of a constrained reply, whose grammar admits only a call's beginning). A reply in ``auto`` mode is not
         constrained, so a model may write a call that is neither; it is then returned as content, as vLLM's
         Hermes parser does."""
         if not self.calls:
             return False
-        cut = reason == "length" or self.constrained
+        cut = (reason == "length" or self.constrained) and self.open_call()
         for position, call in enumerate(self.calls):
             if call["function"]["name"] not in self.names:
                 return False

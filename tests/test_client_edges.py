@@ -85,7 +85,7 @@ def test_start_log_says_what_a_request_meets(smollm2, caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("requests: "))
     # the pool (128 tokens) is smaller than the context: the line names both, and which /v1/models reports
     assert state.max_request_tokens == 128 < state.max_model_len
-    assert (f"at most 128 tokens each (prompt + completion; the KV pool's 128 tokens, under the model's context of "
+    assert (f"at most 128 tokens each (prompt + completion; the KV pool's 128 tokens, under a context of "
             f"{state.max_model_len}; /v1/models' max_model_len)") in line, line
     assert "<|im_end|> (2)" in line and "reasoning parser off (--reasoning-parser auto)" in line, line
     assert "chat template default" in line, line

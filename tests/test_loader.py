@@ -73,6 +73,15 @@ def test_a_directory_kvserve_cannot_serve_is_refused_before_the_kernels_build(tm
         load(tmp_path)
 
 
+def test_a_directory_without_weights_is_refused_before_the_kernels_build(tmp_path, monkeypatch):
+    from kvserve import native
+
+    tiny_config(tied=True).save_pretrained(tmp_path)
+    monkeypatch.setattr(native, "load", lambda: pytest.fail("the kernels were built before the refusal"))
+    with pytest.raises(ValueError, match="holds no weights"):
+        load(tmp_path)
+
+
 def test_pickled_weights_are_refused_before_the_kernels_build(tmp_path, monkeypatch):
     from kvserve import native
 

@@ -465,6 +465,7 @@ CALL_F = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
     ('<tool_call>{"name": "f", "arguments": {"a": "', "length", True),   # cut by max_tokens: OpenAI's partial call
     ('<tool_call>{"name": "f", "arguments": {"a": "', "stop", False),    # cut by a client's stop
     ('<tool_call>{"name": "f", "argu', "length", False),                # no call's name yet: the text is content
+    ('<tool_call>{"name": "f", "arguments": {"a": b}}</tool_call>', "length", False),  # closed, not JSON
 ])
 def test_an_unconstrained_replys_calls_are_held_to_its_end_and_handed_over_as_a_whole_reply_would_be(
         text, reason, handed_over):
@@ -490,6 +491,13 @@ def test_a_constrained_reply_cut_short_keeps_the_call_it_streamed():
     stream = ToolCallStream(frozenset({"f"}), constrained=True)
     _, deltas = stream.feed('<tool_call>{"name": "f", "arguments": {"a": "x')
     assert deltas and stream.finish("length") == ("", []) and stream.calls[0]["function"]["arguments"] == '{"a": "x'
+
+
+def test_a_stop_string_inside_a_constrained_call_is_not_finish_reason_tool_calls(server_url):
+    body = {"messages": [{"role": "user", "content": "What is the weather in Paris?"}], "temperature": 0,
+            "max_tokens": 64, "tools": [WEATHER], "tool_choice": "required", "stop": ['"city']}
+    whole, streamed = _reply(server_url, body, stream=False), _reply(server_url, body, stream=True)
+    assert whole == streamed and whole[2] == "stop" and whole[1] and whole[1][0][0] == "get_weather", whole
 
 
 def test_plain_reply_with_tools_stays_content():
