@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from kvserve.engine.constraints import Constraint, unsatisfied
 from kvserve.engine.plan import TokenLogprob
 from kvserve.scheduler.contract import FinishReason, RequestOutput
-from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher, char_starts, token_bytes
+from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher
 from kvserve.server.errors import ApiError
 
 
@@ -92,7 +92,6 @@ class Choice:
         # stop string are dropped with it. Entries: (token, character offset where its text starts).
         self.pending: collections.deque[tuple[TokenLogprob, int]] = collections.deque()
         self.unsettled = 0      # the last pending tokens, added since the detokenizer last released text
-        self._special_ids: frozenset[int] | None = None  # skipped by the detokenizer: no characters of theirs
         self.fed_chars = 0      # characters of detokenized text given to the stop-string matcher
         self.emitted_chars = 0  # characters of it released as the choice's text
 
@@ -118,7 +117,7 @@ class Choice:
             self.unsettled += 1
             text = self.detok.add(token.token_id)
             if text:
-                self._settle(len(text))
+                self._settle()
             self.fed_chars += len(text)
             released, hit = self.matcher.feed(text) if self.completion_tokens > self.min_tokens else (text, False)
             update.text += released
@@ -139,7 +138,7 @@ class Choice:
         if finish is not None:
             tail = self.detok.flush()
             if tail:
-                self._settle(len(tail))
+                self._settle()
             self.fed_chars += len(tail)
             tail, hit = self.matcher.feed(tail)
             tail += "" if hit else self.matcher.flush()
@@ -154,22 +153,19 @@ class Choice:
             return self._finish(update, "stop" if hit else finish.value)
         return update
 
-    def _settle(self, released: int) -> None:
-        """Give the tokens whose text the detokenizer released at once (``released`` characters) their own
-        offsets: until then each was placed where the text stood before them (bytes of a character not yet
-        complete, or an invalid byte, release nothing), but the second of them starts after the characters
-        the first's bytes complete (a U+FFFD for an invalid byte), and so on (``detok.char_starts``)."""
+    def _settle(self) -> None:
+        """Give the tokens whose text the detokenizer released at once their own offsets: until then each was
+        placed where the text stood before them (bytes of a character not yet complete, or an invalid byte,
+        release nothing), but each starts where its own text does (``IncrementalDetokenizer.starts``: the second
+        after the first's U+FFFD, and so on)."""
         count, self.unsettled = self.unsettled, 0
         if count < 2:
             return
-        special = self._special_ids
-        if special is None:
-            special = self._special_ids = frozenset(self.detok.tokenizer.all_special_ids)
-        group = [self.pending[i] for i in range(len(self.pending) - count, len(self.pending))]
-        pieces = [b"" if token.token_id in special else token_bytes(self.detok.tokenizer, token.token_id)
-                  for token, _ in group]
-        for position, ((token, start), shift) in enumerate(zip(group, char_starts(pieces, released))):
-            self.pending[len(self.pending) - count + position] = (token, start + shift)
+        starts = self.detok.starts[-count:]
+        base = len(self.pending) - count
+        for position, shift in enumerate(starts):
+            token, start = self.pending[base + position]
+            self.pending[base + position] = (token, start + shift)
 
     def _release(self, update: ChoiceUpdate, everything: bool) -> None:
         """Move pending tokens whose text has begun to be released (all of them when ``everything``) to

@@ -6,8 +6,8 @@ the tests also compare with ``tokenizer.decode`` of all the output ids.
 
 from __future__ import annotations
 
-import codecs
 import functools
+import os
 import re
 
 from transformers import PreTrainedTokenizerBase
@@ -55,19 +55,6 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode()
 
 
-def char_starts(pieces: list[bytes], limit: int) -> list[int]:
-    """Where each of consecutive tokens' texts starts (``pieces``: their bytes), in characters from the first's
-    start: the characters the bytes before it complete as UTF-8 is decoded (an invalid sequence is one U+FFFD,
-    as the tokenizers' and Python's decoders replace it), at most ``limit`` (the text they released). A token
-    holding part of a character starts where that character starts."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-    starts, done = [], 0
-    for piece in pieces:
-        starts.append(min(done, limit))
-        done += len(decoder.decode(piece))
-    return starts
-
-
 def complete_prefix(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> int:
     """How many of ``ids``, from the start, decode to text that ends on a whole character: ``len(ids)`` unless
     the last tokens hold the first bytes of a character that a later token would complete (their decode ends in
@@ -91,13 +78,27 @@ class IncrementalDetokenizer:
     complete it, those bytes are dropped (never sent as U+FFFD). So the prompt's whole characters and the
     returned text join to the decode of prompt and output together.
 
+    Several tokens can release their text at once (bytes of a character, or an invalid byte, release nothing
+    until a later token ends the text on a whole character); ``starts`` then says where each one's text begins in
+    what was released: where the decode of the tokens before it stops agreeing with the decode of them all
+    (the tokenizer's own decoding, so an invalid byte's U+FFFD, a SentencePiece byte's, a dropped space count as
+    they do in the text).
+
     Args:
         tokenizer: the model's tokenizer.
         prompt_ids: the prompt (its last tokens give context).
+        skip_special_tokens: leave special tokens' text out (a reply's text), or keep it (an echoed prompt's).
+
+    Attributes:
+        starts: after ``add`` or ``flush`` released text: for each token added since the text before it was
+            released (the last ones added), the character in the released text where its text starts.
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, prompt_ids: list[int],
+                 skip_special_tokens: bool = True) -> None:
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.starts: list[int] = []
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = complete_prefix(tokenizer, self.ids)
@@ -105,7 +106,8 @@ class IncrementalDetokenizer:
         self.dangling = len(self._decode(self.ids[self.read_offset:])) if self.read_offset < len(self.ids) else 0
 
     def _decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
+                                     clean_up_tokenization_spaces=False)
 
     def add(self, token_id: int) -> str:
         """Add one token; return the text it completes (possibly empty)."""
@@ -114,8 +116,23 @@ class IncrementalDetokenizer:
         new_text = self._decode(self.ids[self.prefix_offset:])
         if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
             return ""
+        return self._release(prefix_text, new_text)
+
+    def _release(self, prefix_text: str, new_text: str) -> str:
+        """The text of the tokens after ``read_offset`` (``new_text`` past ``prefix_text``), each token's start
+        in it into ``starts``; the window moves past them."""
+        released = len(new_text) - len(prefix_text)
+        starts, floor = [0], 0
+        for end in range(self.read_offset + 1, len(self.ids)):  # one decode a token only where several release
+            before = self._decode(self.ids[self.prefix_offset:end])
+            agreed = len(os.path.commonprefix([before, new_text])) - len(prefix_text)
+            floor = min(max(agreed, floor), released)
+            starts.append(floor)
         self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-        return self._first(new_text[len(prefix_text):])
+        text = self._first(new_text[len(prefix_text):])
+        cut = released - len(text)  # a prompt's unfinished character's U+FFFD, dropped from the front
+        self.starts = [max(start - cut, 0) for start in starts]
+        return text
 
     def _first(self, text: str) -> str:
         """The first text after a prompt that ended inside a character: without that character's U+FFFD when
@@ -129,8 +146,28 @@ class IncrementalDetokenizer:
         """Text still held at the end, without a trailing incomplete character (never sent as U+FFFD)."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:]).rstrip(_INCOMPLETE)
-        self.prefix_offset = self.read_offset = len(self.ids)
-        return self._first(new_text[len(prefix_text):]) if len(new_text) > len(prefix_text) else ""
+        if len(new_text) <= len(prefix_text):
+            self.prefix_offset = self.read_offset = len(self.ids)
+            return ""
+        return self._release(prefix_text, new_text)
+
+
+def text_offsets(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int]:
+    """Where each of ``ids``' texts starts in the decode of them all, special tokens' text kept (an echoed
+    prompt's ``text_offset``): a token holding part of a character starts where that character starts, as a
+    reply's tokens do (``IncrementalDetokenizer.starts``); tokens whose text never completes start at the end."""
+    detok = IncrementalDetokenizer(tokenizer, [], skip_special_tokens=False)
+    offsets: list[int] = []
+    done = 0
+    for position, token in enumerate(ids):
+        text = detok.add(token)
+        if text:
+            offsets += [done + start for start in detok.starts[-(position + 1 - len(offsets)):]]
+            done += len(text)
+    text = detok.flush()
+    if text:
+        offsets += [done + start for start in detok.starts[-(len(ids) - len(offsets)):]]
+    return offsets + [done + len(text)] * (len(ids) - len(offsets))
 
 
 class StopStringMatcher:

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import codecs
-
 from kvserve.engine.plan import TokenLogprob
 from kvserve.server.choice import ChoiceUpdate
-from kvserve.server.detok import token_bytes
+from kvserve.server.detok import text_offsets, token_bytes
 from kvserve.server.generation import Generation
 from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.tools import ToolCallStream
@@ -46,9 +44,7 @@ class Formatter:
         self.id = request_id
         self.model = model
         self.tokenizer = tokenizer
-        self.text_offset: dict[int, int] = {}  # per choice: characters of the echoed prompt's tokens so far
         self.text_base: dict[int, int] = {}  # per choice: characters before the completion (an echoed prompt)
-        self.utf8: dict[int, codecs.IncrementalDecoder] = {}  # per choice: bytes of a character not yet complete
         self.sent_role: set[int] = set()
         self._special_ids = frozenset(tokenizer.all_special_ids)
         self.tool_streams: dict[int, ToolCallStream] | None = {} if tool_calls else None
@@ -111,19 +107,15 @@ class Formatter:
         echoed_prompt = offsets is None
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         base = self.text_base.get(index, 0)
+        if echoed_prompt:
+            # a token holding part of a character starts where that character starts, as a reply's tokens do;
+            # echoed special tokens are in the prompt text, so they count
+            offsets, base = text_offsets(self.tokenizer, [t.token_id for t in tokens]), 0
         for position, t in enumerate(tokens):
             out["tokens"].append(self._token_str(t.token_id))
             out["token_logprobs"].append(None if echoed_prompt and position == 0 else t.logprob)
             out["top_logprobs"].append(None if echoed_prompt and position == 0 else self._top_with_own(t))
-            if not echoed_prompt:
-                out["text_offset"].append(base + offsets[position])
-                continue
-            # a token holding part of a character starts where that character starts; the character's text
-            # counts once its last byte arrives. Echoed special tokens are in the prompt text, so they count.
-            out["text_offset"].append(self.text_offset.get(index, 0))
-            decoder = self.utf8.setdefault(index, codecs.getincrementaldecoder("utf-8")(errors="replace"))
-            completed = decoder.decode(token_bytes(self.tokenizer, t.token_id))
-            self.text_offset[index] = self.text_offset.get(index, 0) + len(completed)
+            out["text_offset"].append(base + offsets[position])
         return out
 
     def echo_prefix(self, index: int, prompt_text: str, want_logprobs: bool) -> tuple[str, dict | None]:

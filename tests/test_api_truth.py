@@ -183,6 +183,22 @@ def test_text_offset_after_an_invalid_byte_is_where_the_next_character_starts(se
     assert spread  # the case this test is about: text after an invalid byte
 
 
+def test_text_offset_of_a_token_after_an_abandoned_character_is_after_its_u_fffd(server_url):
+    # "Hi"-like text, then ",", the first bytes of an emoji that the next "," abandons (one U+FFFD), and so on:
+    # each "," starts after the U+FFFD before it (the echoed prompt's offsets and a reply's come from the same
+    # detokenizer: IncrementalDetokenizer.starts)
+    ids = [26843, 28, 10813, 28, 10813, 28, 10813]
+    echoed = post(server_url, COMPLETIONS, {"prompt": ids, "echo": True, "logprobs": 0, "max_tokens": 1}).json()
+    choice = echoed["choices"][0]
+    text, tokens = choice["text"], choice["logprobs"]["tokens"][:len(ids)]
+    offsets = choice["logprobs"]["text_offset"][:len(ids)]
+    head = len(tokens[0])
+    assert offsets == [0, head, head + 1, head + 2, head + 3, head + 4, head + 5], (tokens, offsets, text)
+    for token, offset in zip(tokens, offsets):
+        if not token.startswith("bytes:"):
+            assert text[offset:offset + len(token)] == token, (tokens, offsets, text)
+
+
 def test_a_sentencepiece_tokens_bytes_are_its_byte_or_its_piece_with_spaces():
     # Llama 2 / Mistral spell a byte "<0xF0>" and a word boundary "\u2581"; byte-level BPE's mapping reads
     # neither (their logprobs' bytes were "<0xF0>" and a word without its space)
@@ -200,6 +216,12 @@ def test_a_sentencepiece_tokens_bytes_are_its_byte_or_its_piece_with_spaces():
                                         eos_token="</s>")
     assert [token_bytes(tokenizer, t) for t in (3 + 0xF0, 259, 260, 261)] == [b"\xf0", b" Hello", b"world", b" "]
     assert token_bytes(tokenizer, 2) == b"</s>"
+    # its decoder makes one U+FFFD of each byte that forms no character: offsets count them as its text does
+    from kvserve.server.detok import text_offsets
+
+    ids = [3 + 0xF0, 3 + 0x9F, 259, 3 + 0xF0, 3 + 0x9F, 3 + 0x98, 3 + 0x80, 260]
+    assert tokenizer.decode(ids) == "\ufffd\ufffd Hello\U0001f600world"
+    assert text_offsets(tokenizer, ids) == [0, 1, 2, 8, 8, 8, 8, 9]
 
 
 # -- 5. nothing silently ignored or emptied ------------------------------------------------------------------
