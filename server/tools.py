@@ -239,6 +239,7 @@ class ToolCallStream:
         self.args_start: int | None = None  # tools mode: where the current call's arguments begin
         self.args_sent = 0
         self.calls: list[dict] = []
+        self.tails: list[tuple[int, bool]] = []  # per call whose arguments closed: where they end, block closed
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buffer += text
@@ -281,8 +282,11 @@ class ToolCallStream:
             if end is None:
                 return deltas
             close = re.compile(r"\s*\}\s*" + re.escape(CLOSE)).match(self.buffer, end)
+            if len(self.tails) < len(self.calls):
+                self.tails.append((end, False))
             if close is None:
                 return deltas
+            self.tails[-1] = (end, True)
             self.pos, self.args_start = close.end(), None
 
     def open_call(self) -> bool:
@@ -308,6 +312,11 @@ class ToolCallStream:
                 if not isinstance(json.loads(call["function"]["arguments"]), dict):
                     return False
             except ValueError:
+                return False
+            end, closed = self.tails[position]
+            # after the arguments, the block's "}</tool_call>", or the reply's end partway through it; anything
+            # else (`{"a": 1} xyz}`) makes the block not a call's JSON (vLLM's Hermes parser returns it as content)
+            if not closed and not ("}" + CLOSE).startswith(re.sub(r"\s+", "", self.buffer[end:])):
                 return False
         return True
 

@@ -466,6 +466,8 @@ CALL_F = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
     ('<tool_call>{"name": "f", "arguments": {"a": "', "stop", False),    # cut by a client's stop
     ('<tool_call>{"name": "f", "argu', "length", False),                # no call's name yet: the text is content
     ('<tool_call>{"name": "f", "arguments": {"a": b}}</tool_call>', "length", False),  # closed, not JSON
+    ('<tool_call>{"name": "f", "arguments": {"a": 1} xyz}</tool_call>', "stop", False),  # the block not JSON
+    ('<tool_call>{"name": "f", "arguments": {"a": 1}}</tool', "stop", True),  # a stop string at the close
 ])
 def test_an_unconstrained_replys_calls_are_held_to_its_end_and_handed_over_as_a_whole_reply_would_be(
         text, reason, handed_over):
