@@ -29,13 +29,13 @@ def _byte_of() -> dict[str, int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _sentencepiece(tokenizer) -> bool:
-    """Whether ``tokenizer`` spells bytes SentencePiece's way (``<0xF0>`` pieces, Llama 2 and Mistral) rather than
-    byte-level BPE's."""
+def _sentencepiece(tokenizer) -> frozenset[int] | None:
+    """Where ``tokenizer`` spells bytes SentencePiece's way (``<0xF0>`` pieces, Llama 2 and Mistral) rather than
+    byte-level BPE's: its special tokens' ids (their pieces are not text with spaces); else None."""
     try:
-        return "<0x00>" in tokenizer.get_vocab()
+        return frozenset(tokenizer.all_special_ids) if "<0x00>" in tokenizer.get_vocab() else None
     except (AttributeError, NotImplementedError):
-        return False
+        return None
 
 
 def token_bytes(tokenizer, token_id: int) -> bytes:
@@ -43,11 +43,12 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     mapped back to its bytes, a SentencePiece byte piece (``<0xF0>``) its byte and a word piece with its
     boundary as a space; otherwise (a special or added token) its decoded text."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
-    if piece and _sentencepiece(tokenizer):
+    special = _sentencepiece(tokenizer) if piece else None
+    if special is not None:
         byte = _BYTE_PIECE.fullmatch(piece)
         if byte is not None:
             return bytes([int(byte.group(1), 16)])
-        if token_id not in tokenizer.all_special_ids:
+        if token_id not in special:
             return piece.replace(_SPACE, " ").encode()
     byte_of = _byte_of()
     if piece and all(char in byte_of for char in piece):
