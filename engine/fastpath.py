@@ -144,7 +144,7 @@ class FastDecoder:
         self.direct_max_rows = min(p.max_rows for p in self.projections)
         self.stack_embeds = self.stack_head = False  # the stack looks the ids up / applies the LM head itself
         self.stack_rope_positions = 0  # positions below this: the stack reads cos/sin from its RoPE table
-        self.layer_stack = self._layer_stack(config) if self.direct is not None else None
+        self.layer_stack = self._layer_stack(config) if self.silu else None
         self._torch_projections = False  # aten_ops: every projection runs its module
         self._stack_off = False  # layer_loop_only: all-decode steps run the layer loop
 
@@ -199,7 +199,7 @@ class FastDecoder:
         for index, (layer, proj) in enumerate(zip(layers, calls.projections)):
             qkv = proj.qkv(h)  # [T, (H + 2 H_kv) d]
             if layer.qk_norm is not None:
-                self._norm_qk(qkv, *layer.qk_norm)
+                self._norm_qk(calls.rms_norm, qkv, *layer.qk_norm)
             attn = calls.attention(index, qkv, layer.scale, layer.window)  # [T, H, d]
             h = calls.add_rms_norm(x, proj.o_proj(attn.view(num_tokens, width)), layer.post_norm, layer.post_eps)
             if proj.gate_up is not None:
@@ -248,25 +248,29 @@ class FastDecoder:
 
     def _layer_stack(self, config) -> object | None:
         """The C++ layer stack (``DecodeLayers``) over this model's layers, or None where it does not apply: no
-        decode ops, activations other than float32, a q/k norm, or a projection without a kernel handle (float32,
-        int8, int4 or 16-bit weights: their kernels have none; the layer loop runs them). It also gets, once, what
+        decode ops, activations other than float32, or a projection without a kernel handle (float32, int8, int4
+        or 16-bit weights: their kernels have none; the layer loop runs them) or with a bias the stack does not add
+        (it adds q/k/v's, Qwen2's; it norms q and k where the layer does, Qwen3's). It also gets, once, what
         a step needs besides the layers: the RoPE table, the final norm, and where it can take them the embedding
         table (float32, or GGUF blocks) and the LM head's handle (``stack_embeds``, ``stack_head``)."""
         ops = native.load_ops()
         handles = [p.handles() for p in self.projections]
         if (ops is None or not hasattr(ops, "DecodeLayers") or any(h is None for h in handles)
-                or any(layer.qk_norm is not None for layer in self.layers)
                 or _activation_dtype(self.embed) is not torch.float32 or self.norm.dtype is not torch.float32
                 or not self.norm.is_cpu or not self.norm.is_contiguous()):
             return None
         intermediate = self.layers[0].intermediate
         stack = ops.DecodeLayers(self.num_heads, self.num_kv_heads, self.head_dim, config.hidden_size, intermediate)
-        for layer, (qkv, o_proj, gate_up, down) in zip(self.layers, handles):
-            if layer.intermediate != intermediate or any(w.dtype is not torch.float32 or not w.is_contiguous()
-                                                         for w in (layer.in_norm, layer.post_norm)):
+        for layer, projections, (qkv, o_proj, gate_up, down) in zip(self.layers, self.projections, handles):
+            bias = projections.qkv_bias()
+            q_norm, k_norm, qk_eps = layer.qk_norm if layer.qk_norm is not None else (None, None, 0.0)
+            if layer.intermediate != intermediate or any(
+                    w is not None and (w.dtype is not torch.float32 or not w.is_contiguous())
+                    for w in (layer.in_norm, layer.post_norm, bias, q_norm, k_norm)):
                 return None
             stack.add_layer(layer.in_norm, layer.in_eps, layer.post_norm, layer.post_eps, qkv, o_proj, gate_up, down,
-                            layer.scale, layer.window or 0)
+                            layer.scale, layer.window or 0, qkv_bias=bias, q_norm=q_norm, k_norm=k_norm,
+                            qk_eps=qk_eps)
         rope = self.rope.table(torch.float32)  # None: cos/sin depend on more than the position
         if rope is not None:
             stack.set_rope(*rope)
@@ -306,14 +310,18 @@ class FastDecoder:
     def _act_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
         return self.act(gate) * up
 
-    def _norm_qk(self, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor, eps: float) -> None:
+    def _norm_qk(self, rms_norm: Callable, qkv: torch.Tensor, q_weight: torch.Tensor, k_weight: torch.Tensor,
+                 eps: float) -> None:
         """RMSNorm over each head of q and of k, in place in ``qkv`` ``[T, (H + 2 H_kv) d]`` (Qwen3's q_norm and
-        k_norm, before RoPE), as transformers' RMSNorm computes it (``_rms_norm``)."""
+        k_norm, before RoPE), with the step's ``rms_norm`` (``_LayerCalls.rms_norm``: the C++ op on float32 CPU
+        rows, whose bits the layer stack's norms have, else transformers' RMSNorm, ``_rms_norm``)."""
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = qkv[:, :heads * d].view(-1, heads, d)  # [T, H, d], a view into qkv
         k = qkv[:, heads * d:(heads + kv_heads) * d].view(-1, kv_heads, d)  # [T, H_kv, d]
-        q.copy_(_rms_norm(q, q_weight, eps))
-        k.copy_(_rms_norm(k, k_weight, eps))
+        if q_weight.dtype is not torch.float32 or k_weight.dtype is not torch.float32:
+            rms_norm = _rms_norm
+        q.copy_(rms_norm(q.reshape(-1, d).contiguous(), q_weight, eps).view_as(q))  # heads as rows: [T H, d]
+        k.copy_(rms_norm(k.reshape(-1, d).contiguous(), k_weight, eps).view_as(k))
 
     @contextlib.contextmanager
     def aten_ops(self):

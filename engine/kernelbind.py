@@ -74,11 +74,12 @@ class Projection:
         if type(module) is nn.Linear and weight.is_cpu and weight.dtype in (torch.bfloat16, torch.float16):
             self.row_blocks = invariant_rows(module.out_features, module.in_features, weight.dtype)
 
-    def handle(self):
+    def handle(self, bias_apart: bool = False):
         """The kernel as a projection handle (``QuantLinear.projection_handle``), for C++ callers that run it
         without Python on contiguous float32 rows, at most ``max_rows`` of them; None where there is none (no
-        kernel, a bias, a kernel family without handles)."""
-        if self.kernel is None or self.bias is not None or not isinstance(self.module, QuantLinear):
+        kernel, a bias unless ``bias_apart``: the caller adds it, a kernel family without handles)."""
+        if (self.kernel is None or (self.bias is not None and not bias_apart)
+                or not isinstance(self.module, QuantLinear)):
             return None
         return self.module.projection_handle()
 
@@ -197,13 +198,23 @@ class LayerProjections:
         """The q/k/v, o, gate/up and down projections as projection handles (``QuantLinear.projection_handle``),
         for the decode ops' layer stack (``DecodeLayers.add_layer``): q/k/v and gate/up each a list of handles
         whose outputs go side by side (one where the layer fused them, else q, k, v and gate, up); None where one
-        has none (no kernel, a bias, a kernel family without handles)."""
+        has none (no kernel, a kernel family without handles, a bias other than q/k/v's: ``qkv_bias`` gives
+        that one, which the stack adds)."""
         qkv = [self.qkv] if self.qkv is not None else self.separate_qkv
+        if any(p.bias is None for p in qkv) and any(p.bias is not None for p in qkv):
+            return None  # a bias on some parts only: the stack adds one over the whole row
         gate_up = [self.gate_up] if self.gate_up is not None else [self.gate, self.up]
-        handles = ([p.handle() for p in qkv], self.o_proj.handle(), [p.handle() for p in gate_up],
+        handles = ([p.handle(bias_apart=True) for p in qkv], self.o_proj.handle(), [p.handle() for p in gate_up],
                    self.down.handle())
         flat = [*handles[0], handles[1], *handles[2], handles[3]]
         return None if any(h is None for h in flat) else handles
+
+    def qkv_bias(self) -> torch.Tensor | None:
+        """The q/k/v projection's bias ``[(H + 2 H_kv) d]`` (Qwen2's), the parts' side by side, or None."""
+        qkv = [self.qkv] if self.qkv is not None else self.separate_qkv
+        if any(p.bias is None for p in qkv):
+            return None
+        return torch.cat([p.bias.detach() for p in qkv]).contiguous()
 
     def torch(self) -> LayerKernels:
         """The modules: torch's own ops (or a QuantLinear's forward), never a bare kernel."""

@@ -421,7 +421,8 @@ def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None,
                     pool_dtype: torch.dtype | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Logits and the pool after an all-decode step of ``rows`` sequences (contexts of 10-12 tokens), with the
     layer stack and with the layer loop; ``prepare(decoder)`` runs on each fresh decoder; ``pool_dtype``: the KV
-    cache's (default the model's). The loop's q/k/v calls are counted: each path ran."""
+    cache's (default the model's). The loop's q/k/v calls are counted: each path ran (the bare kernels', or the
+    checked projections' where a bias keeps the bare ones off)."""
     tables = [list(range(s * 8, s * 8 + 8)) for s in range(3)]
 
     def slots(s, positions):
@@ -432,8 +433,9 @@ def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None,
         assert runner.fast.layer_stack is not None
         prepare(runner.fast)
         calls: list[int] = []
-        runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
-                              for k in runner.fast.direct]
+        kernels = "direct" if runner.fast.direct is not None else "checked"
+        setattr(runner.fast, kernels, [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
+                                       for k in getattr(runner.fast, kernels)])
         prompts = [list(range(3 + s, 12 + 2 * s)) for s in range(rows)]
         runner.execute(StepPlan([SeqWork(s, p, 0, tables[s], slots(s, range(len(p))), False, GREEDY, p, [])
                                  for s, p in enumerate(prompts)]))
@@ -464,12 +466,14 @@ def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides, emb
     assert fast.stack_embeds and fast.stack_head == (head is not None)
 
 
-@pytest.mark.parametrize("pool_dtype", [torch.float32, torch.bfloat16])
-def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_its_mlp_runs(pool_dtype):
+@pytest.mark.parametrize("arch,pool_dtype", [("llama", torch.float32), ("llama", torch.bfloat16),
+                                             ("qwen2", torch.float32), ("qwen3", torch.float32)])
+def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_its_mlp_runs(arch, pool_dtype):
     # A lone prompt's chunk runs in the stack as decode rows; its MLP goes kMlpRows (64) rows at a time
     # (decode_layers.cpp), so a 150-token chunk takes three runs, the last one partial: the logits and every K/V
-    # written (float32 or bfloat16) are the per-layer loop's, bit for bit, which runs all 150 rows at once.
-    loaded = _gguf_tiny("llama", {}, "q8_0", "q8_0")
+    # written (float32 or bfloat16) are the per-layer loop's, bit for bit, which runs all 150 rows at once (with
+    # Qwen2's q/k/v biases and Qwen3's q/k norms too).
+    loaded = _gguf_tiny(arch, {}, "q8_0", "q8_0")
     prompt = [(7 * i) % 200 + 3 for i in range(150)]
     table = list(range(-(-len(prompt) // BLOCK)))
     outputs = []
@@ -477,8 +481,9 @@ def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_it
         runner = ModelRunner(loaded, _pool(loaded, len(table) + 1, pool_dtype))
         assert runner.rows_alone and runner.fast.layer_stack is not None
         calls: list[int] = []
-        runner.fast.direct = [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
-                              for k in runner.fast.direct]
+        kernels = "direct" if runner.fast.direct is not None else "checked"
+        setattr(runner.fast, kernels, [replace(k, qkv=lambda h, qkv=k.qkv: calls.append(1) or qkv(h))
+                                       for k in getattr(runner.fast, kernels)])
         plan = StepPlan([SeqWork(0, prompt, 0, table, [t // BLOCK * BLOCK + t % BLOCK for t in range(len(prompt))],
                                  True, GREEDY, prompt, [])])
         with contextlib.nullcontext() if stack else runner.fast.layer_loop_only():
@@ -511,11 +516,14 @@ def test_fused_layer_stack_runs_layers_whose_projections_mix_block_kinds():
 
 @pytest.mark.parametrize("shape,mix,embedding", [("tiny-llama", "Q4_K_M", GGMLKind.Q6_K),
                                                   ("tiny-mistral", "Q4_K_M", GGMLKind.Q4_K),
-                                                  ("tiny-mistral", "Q5_K_M", GGMLKind.Q5_K)])
+                                                  ("tiny-mistral", "Q5_K_M", GGMLKind.Q5_K),
+                                                  ("tiny-qwen2", "Q4_K_M", GGMLKind.Q6_K),
+                                                  ("tiny-qwen3", "Q4_K_M", GGMLKind.Q6_K)])
 def test_a_k_quant_file_runs_its_whole_decode_step_in_the_stack(tiny_gguf, shape, mix, embedding):
     # the mixture as llama.cpp's quantizer writes it: layer 1's attn_v is Q6_K, layer 0's Q4_K (Q5_K); the token
     # embedding in super-blocks of 256 (the tied Q6_K table, or an untied one of the mixture's base type) is
-    # looked up in the stack, bit for bit as GGMLEmbedding dequantizes it in the loop
+    # looked up in the stack, bit for bit as GGMLEmbedding dequantizes it in the loop. Qwen2's q/k/v biases and
+    # Qwen3's q/k norms are the stack's too (added, and normed per head, as the loop does)
     from kvserve.engine.loader import Device, DType, load_model
 
     loaded = load_model(str(tiny_gguf(shape, mix)), DType.AUTO, Device.CPU, quantized=True, blocks=True)

@@ -10,6 +10,8 @@
 //   h = rms_norm(x, in_norm)                                  layer 0; later layers get h from the step below
 //   per layer:
 //     qkv = h @ W_qkv^T                                       [T, (H + 2 H_kv) D]  (ProjectionHandle)
+//     qkv += b_qkv                                            where the layer has q/k/v biases (Qwen2)
+//     q, k = rms_norm(q, q_norm), rms_norm(k, k_norm) per head   where it has q/k norms (Qwen3)
 //     RoPE on q and k; k and v written at the slots; attn = paged decode attention        [T, H, D]
 //     x += attn @ W_o^T;  h = rms_norm(x, post_norm)
 //     gate_up = h @ W_gate_up^T                               [T, 2I]
@@ -259,18 +261,35 @@ class DecodeLayers {
 
   // Appends the next layer: its RMSNorm weights [hidden] and eps, its four projections' handles (q/k/v, o,
   // gate/up, down; q/k/v and gate/up each one handle of the parts fused side by side, or a list of the parts'
-  // handles in that order), its softmax scale and sliding window (tokens; <= 0: none).
+  // handles in that order), its softmax scale and sliding window (tokens; <= 0: none); optionally the q/k/v
+  // projection's bias [(H + 2 H_kv) D] (Qwen2; its handles add none), and q and k RMSNorm weights [D] with their
+  // eps (Qwen3's q_norm and k_norm, over each head before RoPE).
   void add_layer(const torch::Tensor& in_norm, double in_eps, const torch::Tensor& post_norm, double post_eps,
                  const py::object& qkv, const py::capsule& o_proj, const py::object& gate_up,
-                 const py::capsule& down, double scale, int64_t window) {
+                 const py::capsule& down, double scale, int64_t window, const std::optional<torch::Tensor>& qkv_bias,
+                 const std::optional<torch::Tensor>& q_norm, const std::optional<torch::Tensor>& k_norm,
+                 double qk_eps) {
     for (const torch::Tensor* w : {&in_norm, &post_norm}) {
       check_f32(*w, "norm weight");
       KV_CHECK(w->is_contiguous() && w->numel() == hidden_, "norm weights must be contiguous [", hidden_, "]");
     }
+    if (qkv_bias.has_value()) {
+      check_f32(*qkv_bias, "the q/k/v bias");
+      KV_CHECK(qkv_bias->is_contiguous() && qkv_bias->numel() == (H_ + 2 * H_kv_) * D_,
+               "the q/k/v bias must be contiguous [", (H_ + 2 * H_kv_) * D_, "]");
+    }
+    KV_CHECK(q_norm.has_value() == k_norm.has_value(), "give both q_norm and k_norm, or neither");
+    for (const std::optional<torch::Tensor>* w : {&q_norm, &k_norm}) {
+      if (!w->has_value()) continue;
+      check_f32(**w, "a q/k norm weight");
+      KV_CHECK((*w)->is_contiguous() && (*w)->numel() == D_, "q/k norm weights must be contiguous [", D_, "]");
+    }
     layers_.push_back({in_norm, post_norm, static_cast<float>(in_eps), static_cast<float>(post_eps),
                        {o_proj, down}, parts_of(qkv, (H_ + 2 * H_kv_) * D_, hidden_, "qkv"),
                        handle_of(o_proj, hidden_, H_ * D_, "o_proj"), parts_of(gate_up, 2 * I_, hidden_, "gate_up"),
-                       handle_of(down, hidden_, I_, "down"), scale, window});
+                       handle_of(down, hidden_, I_, "down"), scale, window,
+                       qkv_bias.value_or(torch::Tensor()), q_norm.value_or(torch::Tensor()),
+                       k_norm.value_or(torch::Tensor()), static_cast<float>(qk_eps)});
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(layers_.size()); }
@@ -430,6 +449,8 @@ class DecodeLayers {
     const ProjectionHandle* down;
     double scale;
     int64_t window;
+    torch::Tensor qkv_bias, q_norm, k_norm;  // undefined where the layer has none
+    float qk_eps;
   };
 
   static void rms_norm(const float* x, const torch::Tensor& w, float eps, float* y, int64_t T) {
@@ -527,6 +548,19 @@ class DecodeLayers {
       void* k_blocks = kvp + l * layer_bytes;
       void* v_blocks = kvp + (layers + l) * layer_bytes;
       project_parts(layer.qkv, hp, T, qkvp, scratch_);
+      if (layer.qkv_bias.defined()) {  // the bits of the layer loop's y + bias: one rounded add per element
+        const float* b = layer.qkv_bias.data_ptr<float>();
+        for (int64_t t = 0; t < T; ++t) kvserve::decode::add_rows(qkvp + t * width, b, 1, width);
+      }
+      if (layer.q_norm.defined()) {  // each head of q, then of k, normed in place (rms_norm's rows)
+        RECORD_FUNCTION("kvserve::rms_norm", c10::ArrayRef<const c10::IValue>{});
+        for (int64_t t = 0; t < T; ++t) {
+          float* row = qkvp + t * width;
+          kvserve::decode::rms_norm_rows(row, layer.q_norm.data_ptr<float>(), layer.qk_eps, row, H_, D_);
+          kvserve::decode::rms_norm_rows(row + H_ * D_, layer.k_norm.data_ptr<float>(), layer.qk_eps, row + H_ * D_,
+                                         H_kv_, D_);
+        }
+      }
       {
         RECORD_FUNCTION("kvserve::decode_attention", c10::ArrayRef<const c10::IValue>{});
         kvserve::decode::rope_rows(qkvp, T, H_ + H_kv_, D_, width, D_, cosp, sinp);
@@ -625,9 +659,13 @@ void bind_decode_layers(py::module& m) {
                            "Every decoder layer of an all-decode float32 step in one call (decode_layers.cpp)")
       .def(py::init<int64_t, int64_t, int64_t, int64_t, int64_t>(), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("hidden"), py::arg("intermediate"))
-      .def("add_layer", &DecodeLayers::add_layer,
+      .def("add_layer", &DecodeLayers::add_layer, py::arg("in_norm"), py::arg("in_eps"), py::arg("post_norm"),
+           py::arg("post_eps"), py::arg("qkv"), py::arg("o_proj"), py::arg("gate_up"), py::arg("down"),
+           py::arg("scale"), py::arg("window"), py::arg("qkv_bias") = py::none(), py::arg("q_norm") = py::none(),
+           py::arg("k_norm") = py::none(), py::arg("qk_eps") = 0.0,
            "in_norm [hidden], in_eps, post_norm [hidden], post_eps, qkv, o_proj, gate_up, down (projection handles; "
-           "qkv and gate_up: one, or a list of their parts' handles side by side), scale, window (<= 0: none)")
+           "qkv and gate_up: one, or a list of their parts' handles side by side), scale, window (<= 0: none); "
+           "optional qkv_bias [(H + 2 H_kv) D], q_norm and k_norm [D] with qk_eps (over each head, before RoPE)")
       .def("num_layers", &DecodeLayers::num_layers)
       .def("set_embedding", &DecodeLayers::set_embedding, py::arg("table"), py::arg("kind"),
            py::arg("panel_rows") = 0, py::arg("vocab") = 0,
