@@ -452,12 +452,13 @@ def _stack_and_loop(loaded, rows: int, prepare=lambda fast: None,
 @pytest.mark.parametrize("arch,overrides,embedding,head", [
     ("llama", {}, None, None), ("mistral", {"sliding_window": 4}, None, None), ("llama", {}, "q8_0", "q8_0"),
     ("llama", {}, "q4_0", "q4_1"), ("llama", {}, "q4_1", None), ("llama", {}, "q5_0", "q8_0"),
-    ("llama", {}, "q5_1", None)])
+    ("llama", {}, "q5_1", None), ("qwen2", {}, "q8_0", "q8_0"), ("qwen3", {"head_dim": 32}, None, "q4_0")])
 def test_fused_layer_stack_gives_the_bits_of_the_layer_loop(arch, overrides, embedding, head):
     # An all-decode step of a model on GGUF blocks runs in one C++ call (DecodeLayers.decode): the embedding
     # looked up there (a float32 table, or each GGUF kind of 32-weight units), the RoPE rows, every layer, the
     # final norm and, where the head is on GGUF blocks, the LM head. The logits and every K/V it writes are the
-    # per-layer loop's, bit for bit, at 1 and 3 rows (Mistral's 4-token window reaches the attention).
+    # per-layer loop's, bit for bit, at 1 and 3 rows (Mistral's 4-token window reaches the attention; Qwen2's q/k/v
+    # biases; Qwen3's q/k norms, with heads of 32 whose H d = 128 is twice the hidden width).
     loaded = _gguf_tiny(arch, overrides, embedding, head)
     for rows in (1, 3):
         outputs = _stack_and_loop(loaded, rows)
