@@ -16,10 +16,11 @@ interface's reshapes). This module runs the same arithmetic with the same weight
 
 The layers run one of two ways, chosen once per step (``FastDecoder.forward``):
 
-- the layer stack (``DecodeLayers``, native/csrc/decode_layers.cpp): on a step of decodes only, float32 on a
-  CPU, of a model whose every projection has a kernel handle (GGUF blocks), SiLU and no q/k norm, one C++ call
-  runs the whole step: the embedding lookup (where the table is float32 or GGUF blocks), the cos/sin
-  rows of the RoPE table, every layer, the final norm of the kept rows and the LM head (where it has a handle);
+- the layer stack (``DecodeLayers``, native/csrc/decode_layers.cpp): on a step of decodes only (prompt rows
+  count as decode rows where engine.runner's ``_rows_alone`` holds), float32 on a CPU, of a model whose every
+  projection has a kernel handle (GGUF blocks), SiLU and no bias but q/k/v's (Qwen2's, which the stack adds; it
+  applies Qwen3's q/k norms too), one C++ call runs the whole step: the embedding lookup (where the table is
+  float32 or GGUF blocks), the cos/sin rows of the RoPE table, every layer, the final norm of the kept rows and the LM head (where it has a handle);
   the same ops as the loop below in the same order (the same bits), without a Python frame, a dispatch or an
   allocation between them (a SmolLM2 step at batch 1 made ~270 calls from Python);
 - otherwise the layer loop (``FastDecoder._layer_loop``), whose calls are chosen per step (``_LayerCalls``):
@@ -318,8 +319,8 @@ class FastDecoder:
         heads, kv_heads, d = self.num_heads, self.num_kv_heads, self.head_dim
         q = qkv[:, :heads * d].view(-1, heads, d)  # [T, H, d], a view into qkv
         k = qkv[:, heads * d:(heads + kv_heads) * d].view(-1, kv_heads, d)  # [T, H_kv, d]
-        if q_weight.dtype is not torch.float32 or k_weight.dtype is not torch.float32:
-            rms_norm = _rms_norm
+        if any(w.dtype is not torch.float32 or not w.is_contiguous() for w in (q_weight, k_weight)):
+            rms_norm = _rms_norm  # the C++ op takes contiguous float32 weights only
         q.copy_(rms_norm(q.reshape(-1, d).contiguous(), q_weight, eps).view_as(q))  # heads as rows: [T H, d]
         k.copy_(rms_norm(k.reshape(-1, d).contiguous(), k_weight, eps).view_as(k))
 

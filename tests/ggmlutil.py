@@ -83,11 +83,12 @@ def quantized_activations(M: int, K: int, rng: np.random.Generator, group: int =
 
 def with_gguf_blocks(model) -> None:
     """Every decoder layer's projections of ``model`` as GGUF blocks, quantized by gguf's own quantizer: Q4_1,
-    and Q8_0 for the down projection (the embedded file's mixture)."""
+    and Q8_0 for the down projection (the embedded file's mixture); a projection's bias (Qwen2's q/k/v) is kept."""
     for layer in model.model.layers:
         for parent in (layer.self_attn, layer.mlp):
             for name, linear in list(parent.named_children()):
                 if isinstance(linear, torch.nn.Linear):
                     kind = GGMLKind.Q8_0 if name == "down_proj" else GGMLKind.Q4_1
                     raw = quants.quantize(linear.weight.detach().numpy(), GGMLQuantizationType[kind.name])
-                    setattr(parent, name, GGMLLinear(torch.from_numpy(raw), kind))
+                    bias = None if linear.bias is None else linear.bias.detach().clone()
+                    setattr(parent, name, GGMLLinear(torch.from_numpy(raw), kind, bias))

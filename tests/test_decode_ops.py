@@ -398,6 +398,15 @@ def _gguf_tiny(arch: str, overrides: dict, embedding: str | None = None, head: s
     """The tiny model on GGUF blocks (``with_gguf_blocks``), its embedding and LM head too where a kind is given
     (gguf's quantizer on their float weights)."""
     model = tiny(arch, **overrides)
+    generator = torch.Generator().manual_seed(1)
+    for layer in model.model.layers:  # transformers initialises biases to 0 and norm weights to 1: make them count
+        attn = layer.self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            if proj.bias is not None:
+                proj.bias.data = torch.randn(proj.bias.shape, generator=generator)
+        for norm in (getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)):
+            if norm is not None:
+                norm.weight.data = 0.5 + torch.rand(norm.weight.shape, generator=generator)
     with_gguf_blocks(model)
 
     def blocks(weight: torch.Tensor, kind: str) -> torch.Tensor:
