@@ -249,6 +249,12 @@ def checkpoint_format(path: Path, allow_pickle: bool) -> bool:
     return False
 
 
+# config.json "architectures" of checkpoints that are not for generation: a bare encoder or decoder without its LM
+# head, a masked LM, a classifier (transformers' head classes by their suffix)
+_NOT_GENERATIVE = ("Model", "ForMaskedLM", "ForSequenceClassification", "ForTokenClassification",
+                   "ForQuestionAnswering", "ForMultipleChoice", "ForPreTraining", "ForNextSentencePrediction")
+
+
 def check_model_dir(path: Path, allow_pickle: bool) -> None:
     """Refuse the HF directory ``path`` before anything heavy runs (the kernels' first build takes minutes):
     its config.json must be a JSON object whose ``model_type`` transformers loads as a causal LM, and its
@@ -256,7 +262,8 @@ def check_model_dir(path: Path, allow_pickle: bool) -> None:
 
     Raises:
         ValueError: config.json unreadable or not an object, no ``model_type``, a type with no causal-LM class in
-            transformers (the message names the type), or as ``checkpoint_format``.
+            transformers (the message names the type), ``architectures`` that are all heads other than a causal
+            LM's (a masked LM, a classifier, a bare base model: named), or as ``checkpoint_format``.
     """
     import json
 
@@ -272,6 +279,13 @@ def check_model_dir(path: Path, allow_pickle: bool) -> None:
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         raise ValueError(f"{path}: model_type {model_type!r} is not a causal language model transformers can load "
                          "(kvserve serves decoder-only causal LMs)")
+    heads = config.get("architectures")
+    if (isinstance(heads, list) and heads and all(isinstance(h, str) for h in heads)
+            and all(h.endswith(_NOT_GENERATIVE) for h in heads)):
+        # e.g. a BERT checkpoint: its type has a causal-LM class in transformers, but these weights are an
+        # encoder's or a classifier's (vLLM likewise refuses architectures it cannot generate with)
+        raise ValueError(f"{path}: its architectures ({', '.join(heads)}) are not causal language models "
+                         "(kvserve serves decoder-only causal LMs: a *ForCausalLM or *LMHeadModel checkpoint)")
     checkpoint_format(path, allow_pickle)
 
 

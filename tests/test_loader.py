@@ -61,6 +61,8 @@ def test_an_empty_pickled_checkpoint_is_refused_twice(tmp_path):
     ('{"architectures": ["LlamaForCausalLM"]}', "names no model_type"),
     ('{"model_type": ', "is not readable JSON"),
     ('["llama"]', "names no model_type"),
+    ('{"model_type": "bert", "architectures": ["BertForMaskedLM"]}', r"architectures \(BertForMaskedLM\) are not"),
+    ('{"model_type": "llama", "architectures": ["LlamaModel"]}', r"architectures \(LlamaModel\) are not"),
 ])
 def test_a_directory_kvserve_cannot_serve_is_refused_before_the_kernels_build(tmp_path, monkeypatch, config, named):
     # the first start's kernel build takes minutes; a directory it would refuse anyway must not wait for it
