@@ -261,18 +261,26 @@ class GGMLLinear(QuantLinear):
         return module.ggml_handle(self.weight, self.kind.value, self.out_features, self.in_features)
 
     def _stack_rows(self, layers: list[QuantLinear]) -> None:
-        raw = torch.cat([m.blocks() for m in layers])  # [sum(out), bytes]: blocks run along `in`, rows stack
-        self.weight = self._packed(raw)
-        caches = [m._reference_cache for m in layers]
-        self._reference_cache = None if any(c is None for c in caches) else torch.cat(caches)  # [sum(out), in]
         # rows of the stacked weight per row of a layer's: one (the file's rows), or a panel of the kernel's
         # width, where a layer's rows are whole panels of the stack only if it starts at a panel's first feature
         width = panel_width() if self.layout is Layout.PANELS else 1
+        if all(m.out_features % width == 0 for m in layers[:-1]):
+            # each panel holds its own features' units alone (ggml_pack), so when every layer but the last fills
+            # whole panels, the layers' panels stacked are their stacked rows packed: moved as they are
+            self._move_weights(layers)
+        else:
+            raw = torch.cat([m.blocks() for m in layers])  # [sum(out), bytes]: blocks run along `in`, rows stack
+            self.weight = self._packed(raw)
+            start = 0
+            for m in layers:  # share the storage where the stack holds each layer's own bytes
+                rows = self.weight[start // width:start // width + m.weight.shape[0]]
+                if start % width == 0 and rows.shape == m.weight.shape and torch.equal(rows, m.weight):
+                    m.weight = rows
+                start += m.out_features
+        caches = [m._reference_cache for m in layers]
+        self._reference_cache = None if any(c is None for c in caches) else torch.cat(caches)  # [sum(out), in]
         start = 0
-        for m in layers:  # share the storage where the stack holds each layer's own bytes
-            rows = self.weight[start // width:start // width + m.weight.shape[0]]
-            if start % width == 0 and rows.shape == m.weight.shape and torch.equal(rows, m.weight):
-                m.weight = rows
+        for m in layers:
             if self._reference_cache is not None:
                 m._reference_cache = self._reference_cache[start:start + m.out_features]
             start += m.out_features

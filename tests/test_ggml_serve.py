@@ -98,12 +98,24 @@ def test_layer_computes_q8_activations_times_the_files_weights(kind, qtype):
         GGMLLinear(raw[:, :-1], kind)
 
 
-def test_stacked_layers_are_the_layers_side_by_side_and_formats_do_not_mix():
+@pytest.mark.parametrize("sizes", [(32, 16, 16), (20, 12, 32), (16, 48, 4)])
+def test_stacked_layers_are_the_layers_side_by_side_and_formats_do_not_mix(sizes):
+    # (32, 16, 16) and (16, 48, 4) fill whole panels (8 or 16 features) but the last: the layers' panels move
+    # into the stack; (20, 12, 32) does not: unpacked, stacked and packed again
     torch.manual_seed(2)
-    parts = [GGMLLinear(blocks_of(torch.randn(n, 64), Q.Q4_1), GGMLKind.Q4_1) for n in (32, 16, 16)]
+    parts = [GGMLLinear(blocks_of(torch.randn(n, 64), Q.Q4_1), GGMLKind.Q4_1) for n in sizes]
+    raw = torch.cat([m.blocks() for m in parts])
     fused = concat_outputs(parts)
-    assert fused.out_features == 64 and fused.layout is parts[0].layout
+    assert fused.out_features == sum(sizes) and fused.layout is parts[0].layout
+    assert torch.equal(fused.blocks(), raw)
     assert torch.equal(fused.dequantize(), torch.cat([m.dequantize() for m in parts]))
+    assert [torch.equal(m.blocks(), rows) for m, rows in zip(parts, raw.split(list(sizes)))] == [True] * len(sizes)
+    # each layer whose panels are whole panels of the stack reads the stack's bytes (memory is not doubled)
+    width = panel_width() if fused.layout is Layout.PANELS else 1
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    shared = [m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr() for m in parts]
+    assert shared == [start % width == 0 and (n % width == 0 or i == len(sizes) - 1)
+                      for i, (start, n) in enumerate(zip(starts, sizes))]
     x = torch.randn(3, 64)
     torch.testing.assert_close(fused(x), torch.cat([m(x) for m in parts], dim=-1), rtol=1e-5, atol=1e-5)
     head = GGMLLinear(blocks_of(torch.randn(32, 64), Q.Q8_0), GGMLKind.Q8_0)

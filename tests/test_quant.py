@@ -103,6 +103,8 @@ def test_stacking_row_major_layers_keeps_their_layout_even_when_the_sum_fills_pa
     fused = concat_outputs(parts)
     assert fused.layout is Layout.ROWS and fused.out_features == 2 * out_features
     assert torch.equal(fused.dequantize(), torch.cat([m.dequantize() for m in parts]))
+    # the layers' codes moved into the stack: each reads its rows there, memory is not doubled
+    assert all(m.weight.untyped_storage().data_ptr() == fused.weight.untyped_storage().data_ptr() for m in parts)
     x = torch.randn(5, 96)
     assert torch.allclose(fused(x), torch.cat([m(x) for m in parts], dim=-1), atol=1e-5, rtol=1e-5)
 
