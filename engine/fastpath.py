@@ -149,6 +149,18 @@ class FastDecoder:
         self._torch_projections = False  # aten_ops: every projection runs its module
         self._stack_off = False  # layer_loop_only: all-decode steps run the layer loop
 
+    def reserve(self, rows: int) -> None:
+        """Make the layer stack's workspace (one float32 row of each intermediate per token row: 37 KB a row on a
+        1B Llama) for steps of up to ``rows`` token rows now. Grown step by step instead (a decode row, then a
+        501-token prompt, then a 512-token chunk), each larger workspace left the freed smaller ones as holes
+        in the C heap that the resident set keeps (+26 MiB on a 1B Llama). Nothing without a stack.
+
+        Raises:
+            RuntimeError: ``rows`` < 1.
+        """
+        if self.layer_stack is not None:
+            self.layer_stack.reserve(rows)
+
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 keep: torch.Tensor) -> torch.Tensor:

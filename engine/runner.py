@@ -54,6 +54,8 @@ class ModelRunner:
     Args:
         loaded: the model (already wired to the ``kvserve`` attention, quantized if it is to be).
         pool: the KV pool; its geometry must match the model.
+        step_tokens: the most token rows a step is planned with (the scheduler's token budget), if known: the
+            layer stack's workspace is made for them once, at start (``FastDecoder.reserve``).
 
     Draft tokens in a plan are verified by ``_sample``; proposing them is speculation's
     (``speculation.decoder.SpecDecoder.execute`` runs this runner's steps and then its drafter).
@@ -63,11 +65,13 @@ class ModelRunner:
             admits a request with a grammar adds its matcher, and removes it once the request has ended).
     """
 
-    def __init__(self, loaded: LoadedModel, pool: KVPool) -> None:
+    def __init__(self, loaded: LoadedModel, pool: KVPool, step_tokens: int | None = None) -> None:
         self.loaded = loaded
         self.pool = pool
         self.device = loaded.device
         self.fast = fast_decoder(loaded.model)
+        if self.fast is not None and step_tokens:
+            self.fast.reserve(step_tokens)
         self.rows_alone = _rows_alone(loaded, pool)
         self.constraints = Constraints()
 

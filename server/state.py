@@ -171,7 +171,7 @@ class ServerState:
                                             observer=self.live.blocks if self.live is not None else None,
                                             hasher=make_hasher(config.prefix_caching_hash_algo),
                                             record_events=publishing)
-        self.runner = ModelRunner(loaded, self.pool)
+        self.runner = ModelRunner(loaded, self.pool, step_tokens=config.max_num_batched_tokens)
         self.constraints = self.runner.constraints  # structured outputs' matchers, by request id
         speculating = config.speculative is not Drafter.OFF
         self.spec = self._spec_decoder(config, draft, num_blocks, blocks) if speculating else None

@@ -506,6 +506,26 @@ def test_fused_layer_stack_gives_the_loops_bits_on_a_prefill_chunk_wider_than_it
     assert torch.equal(outputs[0][1].view(bits), outputs[1][1].view(bits))
 
 
+def test_a_stack_workspace_made_at_start_for_the_step_budget_gives_smaller_steps_the_same_bits():
+    # The server makes the stack's workspace once for its token budget (ModelRunner's step_tokens): a 150-row
+    # chunk and then a decode row run in the first rows of a 512-row workspace, with the bits of a workspace made
+    # for each step as it comes.
+    loaded = _gguf_tiny("llama", {}, "q8_0", "q8_0")
+    prompt = [(7 * i) % 200 + 3 for i in range(150)]
+    table = list(range(-(-(len(prompt) + 1) // BLOCK)))
+    outputs = []
+    for step_tokens in (512, None):
+        runner = ModelRunner(loaded, _pool(loaded, len(table) + 1), step_tokens=step_tokens)
+        assert runner.rows_alone and runner.fast.layer_stack is not None
+        slots = [t // BLOCK * BLOCK + t % BLOCK for t in range(len(prompt) + 1)]
+        first = runner.logits(StepPlan([SeqWork(0, prompt, 0, table, slots[:-1], True, GREEDY, prompt, [])]))
+        nxt = runner.logits(StepPlan([SeqWork(0, [9], len(prompt), table, slots[-1:], True, GREEDY, prompt, [9])]))
+        outputs.append((first, nxt, runner.pool.data.clone()))
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
+    with pytest.raises(RuntimeError, match="positive number of rows"):
+        runner.fast.reserve(0)
+
+
 def test_fused_layer_stack_runs_layers_whose_projections_mix_block_kinds():
     # llama.cpp's Q4_K_M mixture gives some layers a Q6_K attn_v beside Q4_K q and k: q/k/v cannot be fused into
     # one kernel there, and such a model ran every decode step through the per-layer loop from Python. The stack

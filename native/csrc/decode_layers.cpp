@@ -438,6 +438,15 @@ class DecodeLayers {
     return out;
   }
 
+  // A workspace of at least T rows now, so steps of up to T rows never make it again (the caller's largest step,
+  // the scheduler's token budget: a workspace grown step by step, 1 row, then a prompt's 501, then 512, leaves
+  // the freed smaller ones as holes in the C heap that the resident set keeps).
+  void reserve_rows(int64_t T) {
+    KV_CHECK(T > 0, "reserve takes a positive number of rows, got ", T);
+    std::lock_guard<std::mutex> lock(mutex_);
+    reserve(T);
+  }
+
  private:
   struct Layer {
     torch::Tensor in_norm, post_norm;
@@ -534,7 +543,6 @@ class DecodeLayers {
     KV_CHECK(call.B == T, "every row must be a decode row");
     float* hp = h_.data_ptr<float>();
     float* qkvp = qkv_.data_ptr<float>();
-    float* outp = out_.data_ptr<float>();
     float* gate_upp = gate_up_.data_ptr<float>();
     const float* actp = act_.data_ptr<float>();
     const int64_t* sp = slots.data_ptr<int64_t>();
@@ -578,8 +586,10 @@ class DecodeLayers {
           kvserve::decode::attend_decode(call, kb, vb);
         }
       }
-      project(layer.o_proj, call.out, T, outp);
-      kvserve::decode::add_rows(xp, outp, T, hidden_);
+      // o_proj's and down's rows go to h (the normed rows, each read before its row is written), not a buffer
+      // of their own: the workspace holds one [T, hidden] less
+      project(layer.o_proj, call.out, T, hp);
+      kvserve::decode::add_rows(xp, hp, T, hidden_);
       rms_norm(xp, layer.post_norm, layer.post_eps, hp, T);
       // the MLP kMlpRows rows at a time: its gate/up and activation rows (3 I floats a row, most of a row's
       // intermediates) need a workspace of one run, not of a whole prefill chunk; every row has its bits alone
@@ -592,9 +602,9 @@ class DecodeLayers {
           torch::Tensor act = act_.narrow(0, 0, n);
           swiglu(act, gate_up_.narrow(0, 0, n).narrow(1, 0, I_), gate_upp + I_, 2 * I_);
         }
-        project(layer.down, actp, n, outp + r0 * hidden_);
+        project(layer.down, actp, n, hp + r0 * hidden_);  // after gate_up read these rows of h
       }
-      kvserve::decode::add_rows(xp, outp, T, hidden_);
+      kvserve::decode::add_rows(xp, hp, T, hidden_);
       if (l + 1 < layers) rms_norm(xp, layers_[l + 1].in_norm, layers_[l + 1].in_eps, hp, T);
     }
   }
@@ -628,7 +638,6 @@ class DecodeLayers {
     h_ = torch::empty({T, hidden_}, f32);
     qkv_ = torch::empty({T, (H_ + 2 * H_kv_) * D_}, f32);
     attn_ = torch::empty({T, H_, D_}, f32);
-    out_ = torch::empty({T, hidden_}, f32);
     gate_up_ = torch::empty({std::min(T, kMlpRows), 2 * I_}, f32);
     act_ = torch::empty({std::min(T, kMlpRows), I_}, f32);
   }
@@ -646,7 +655,7 @@ class DecodeLayers {
   float final_eps_ = 0.f;
   py::capsule head_owner_;  // keeps head_ alive
   const ProjectionHandle* head_ = nullptr;
-  torch::Tensor x_, cos_, sin_, h_, qkv_, attn_, out_, gate_up_, act_;  // [rows, ...] workspace
+  torch::Tensor x_, cos_, sin_, h_, qkv_, attn_, gate_up_, act_;  // [rows, ...] workspace
   kvserve::AlignedVector<float> scratch_;  // one part's rows of a projection made of parts (project_parts)
   Views views_;
   std::mutex mutex_;
@@ -667,6 +676,8 @@ void bind_decode_layers(py::module& m) {
            "qkv and gate_up: one, or a list of their parts' handles side by side), scale, window (<= 0: none); "
            "optional qkv_bias [(H + 2 H_kv) D], q_norm and k_norm [D] with qk_eps (over each head, before RoPE)")
       .def("num_layers", &DecodeLayers::num_layers)
+      .def("reserve", &DecodeLayers::reserve_rows, py::arg("rows"),
+           "make the workspace for steps of up to rows rows now (the largest step's; larger steps still grow it)")
       .def("set_embedding", &DecodeLayers::set_embedding, py::arg("table"), py::arg("kind"),
            py::arg("panel_rows") = 0, py::arg("vocab") = 0,
            "table (float32 [vocab, hidden], or GGUF units uint8 [vocab, bytes]), kind (f32, q4_0, q4_1, q5_0, q5_1, "
