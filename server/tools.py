@@ -320,9 +320,41 @@ class ToolCallStream:
                 return False
         return True
 
+    def _blocks_in_any_order(self) -> list[dict] | None:
+        """The reply's calls where it is nothing but whole ``<tool_call>`` blocks, each a JSON object of exactly
+        ``name`` (one of the request's functions) and ``arguments`` (an object) in whichever order (the parse
+        as it streams reads ``name`` first, as the prompt asks; vLLM's Hermes parser reads each block with
+        ``json.loads``), the arguments re-serialized as that parser does (``json.dumps``, ``ensure_ascii`` off);
+        else None."""
+        calls, pos = [], 0
+        decoder = json.JSONDecoder()
+        while True:
+            opened = re.compile(r"\s*" + re.escape(OPEN) + r"\s*").match(self.buffer, pos)
+            if opened is None:
+                break
+            try:
+                value, end = decoder.raw_decode(self.buffer, opened.end())
+            except ValueError:
+                return None
+            closed = re.compile(r"\s*" + re.escape(CLOSE)).match(self.buffer, end)
+            if (closed is None or not isinstance(value, dict) or set(value) != {"name", "arguments"}
+                    or value["name"] not in self.names or not isinstance(value["arguments"], dict)):
+                return None
+            calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                          "function": {"name": value["name"],
+                                       "arguments": json.dumps(value["arguments"], ensure_ascii=False)}})
+            pos = closed.end()
+        return calls if calls and not self.buffer[pos:].strip() else None
+
     def finish(self, reason: str | None = None) -> tuple[str, list[dict]]:
         """Flush at the end (``reason``: the finish_reason): undecided text is content; a tools-mode reply whose
-        calls ``verdict`` does not hand over is content, all of it; held calls are sent, one delta each."""
+        calls ``verdict`` does not hand over is content, all of it, unless (``auto``) it is whole calls with
+        their keys in another order (``_blocks_in_any_order``); held calls are sent, one delta each."""
+        if self.mode == "tools" and not self.constrained and not self.verdict(reason):
+            reordered = self._blocks_in_any_order()
+            if reordered is not None:
+                self.calls = reordered
+                return "", [{"index": i, **call, "function": dict(call["function"])} for i, call in enumerate(reordered)]
         if self.mode == "undecided" or (self.mode == "tools" and not self.verdict(reason)):
             content, self.buffer, self.mode, self.calls = self.buffer, "", "content", []
             return content, []

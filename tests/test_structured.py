@@ -875,6 +875,37 @@ def test_an_auto_reply_that_is_not_a_call_to_a_given_function_comes_back_as_cont
     assert choice["finish_reason"] == "stop"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_an_auto_reply_whose_calls_put_arguments_before_name_is_handed_over_as_calls(server_url, stream):
+    """A model may write a call's keys in the other order (`{"arguments": ..., "name": ...}`); vLLM's Hermes
+    parser reads each block with json.loads, so key order does not matter there. Here such a reply was content.
+    Now its calls are handed over, streamed or not, their arguments as json.dumps writes them."""
+    reply = ('<tool_call>{"arguments": {"city": "Rome", "unit": "celsius"}, "name": "get_weather"}</tool_call>\n'
+             '<tool_call>{"name": "get_weather", "arguments": {"city":"Oslo","unit":"celsius"}}</tool_call>')
+    body = {"messages": [{"role": "user", "content": "Weather in Rome and Oslo?"}], "tools": [WEATHER],
+            "max_tokens": 80, "guided_regex": re.escape(reply)}
+    content, calls, reason = _reply(server_url, body, stream)
+    assert content is None and reason == "tool_calls", (content, calls, reason)
+    assert calls == [["get_weather", '{"city": "Rome", "unit": "celsius"}'],
+                     ["get_weather", '{"city": "Oslo", "unit": "celsius"}']]
+
+
+@pytest.mark.parametrize("text, reason", [
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "nope"}</tool_call>', "stop"),  # not a given function
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather", "id": 1}</tool_call>', "stop"),  # more keys
+    ('<tool_call>{"arguments": "Rome", "name": "get_weather"}</tool_call>', "stop"),  # arguments not an object
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call> and so', "stop"),  # text after
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}', "length"),  # cut short
+])
+def test_a_reply_with_keys_in_another_order_is_content_unless_it_is_whole_calls_of_given_functions(text, reason):
+    from kvserve.server.tools import ToolCallStream
+
+    stream = ToolCallStream(frozenset({"get_weather"}))
+    sent = [stream.feed(text[i:i + 7]) for i in range(0, len(text), 7)]
+    assert all(piece == ("", []) for piece in sent)
+    assert stream.finish(reason) == (text, []) and stream.calls == []
+
+
 ITEMS = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
     "type": "object", "properties": {"name": {"type": "string"}, "qty": {"type": "integer"}},
     "required": ["name", "qty"]}}}}
