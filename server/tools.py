@@ -37,6 +37,7 @@ _NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 # up to the arguments' opening brace, which must have arrived: a stream cut after `"arguments":` must not start
 # the arguments with the space that follows (streamed and whole replies give the same arguments, byte for byte)
 _HEADER = re.compile(r'\s*<tool_call>\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"arguments"\s*:\s*(?=\{)', re.S)
+_OPENED, _CLOSED = re.compile(r"\s*" + re.escape(OPEN) + r"\s*"), re.compile(r"\s*" + re.escape(CLOSE))
 _EMPTY_PARAMETERS = {"type": "object", "properties": {}}
 
 
@@ -311,7 +312,7 @@ class ToolCallStream:
             try:
                 if not isinstance(json.loads(call["function"]["arguments"]), dict):
                     return False
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nesting past Python's stack
                 return False
             end, closed = self.tails[position]
             # after the arguments, the block's "}</tool_call>", or the reply's end partway through it; anything
@@ -321,36 +322,41 @@ class ToolCallStream:
         return True
 
     def _blocks_in_any_order(self) -> list[dict] | None:
-        """The reply's calls where it is nothing but whole ``<tool_call>`` blocks, each a JSON object of exactly
-        ``name`` (one of the request's functions) and ``arguments`` (an object) in whichever order (the parse
-        as it streams reads ``name`` first, as the prompt asks; vLLM's Hermes parser reads each block with
-        ``json.loads``), the arguments re-serialized as that parser does (``json.dumps``, ``ensure_ascii`` off);
-        else None."""
+        """The reply's calls where it is whole ``<tool_call>`` blocks (text after the last one dropped, as the parse
+        as it streams drops it), each a JSON object of exactly ``name`` (one of the request's functions) and
+        ``arguments`` (an object) in whichever order, as vLLM's Hermes parser reads them (``json.loads``; the
+        parse as it streams reads ``name`` first, as the prompt asks); else None. A block that writes ``name``
+        first keeps its arguments' text byte for byte; one that writes them first has them re-serialized as
+        that parser does (``json.dumps``, ``ensure_ascii`` off)."""
         calls, pos = [], 0
         decoder = json.JSONDecoder()
         while True:
-            opened = re.compile(r"\s*" + re.escape(OPEN) + r"\s*").match(self.buffer, pos)
+            opened = _OPENED.match(self.buffer, pos)
             if opened is None:
                 break
             try:
                 value, end = decoder.raw_decode(self.buffer, opened.end())
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: nesting past Python's stack
                 return None
-            closed = re.compile(r"\s*" + re.escape(CLOSE)).match(self.buffer, end)
+            closed = _CLOSED.match(self.buffer, end)
             if (closed is None or not isinstance(value, dict) or set(value) != {"name", "arguments"}
                     or value["name"] not in self.names or not isinstance(value["arguments"], dict)):
                 return None
+            header = _HEADER.match(self.buffer, pos)
+            arguments = (self.buffer[header.end():_object_end(self.buffer, header.end())] if header is not None
+                         else json.dumps(value["arguments"], ensure_ascii=False))
             calls.append({"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                          "function": {"name": value["name"],
-                                       "arguments": json.dumps(value["arguments"], ensure_ascii=False)}})
+                          "function": {"name": value["name"], "arguments": arguments}})
             pos = closed.end()
-        return calls if calls and not self.buffer[pos:].strip() else None
+        return calls if calls and OPEN not in self.buffer[pos:] else None
 
     def finish(self, reason: str | None = None) -> tuple[str, list[dict]]:
         """Flush at the end (``reason``: the finish_reason): undecided text is content; a tools-mode reply whose
-        calls ``verdict`` does not hand over is content, all of it, unless (``auto``) it is whole calls with
-        their keys in another order (``_blocks_in_any_order``); held calls are sent, one delta each."""
-        if self.mode == "tools" and not self.constrained and not self.verdict(reason):
+        calls ``verdict`` does not hand over, or that has a block left after them, is read again as blocks with
+        their keys in any order (``auto``: ``_blocks_in_any_order``), else is content, all of it if ``verdict``
+        failed; held calls are sent, one delta each."""
+        if self.mode == "tools" and not self.constrained and (not self.verdict(reason)
+                                                              or OPEN in self.buffer[self.pos:]):
             reordered = self._blocks_in_any_order()
             if reordered is not None:
                 self.calls = reordered

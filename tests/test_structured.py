@@ -879,7 +879,8 @@ def test_an_auto_reply_that_is_not_a_call_to_a_given_function_comes_back_as_cont
 def test_an_auto_reply_whose_calls_put_arguments_before_name_is_handed_over_as_calls(server_url, stream):
     """A model may write a call's keys in the other order (`{"arguments": ..., "name": ...}`); vLLM's Hermes
     parser reads each block with json.loads, so key order does not matter there. Here such a reply was content.
-    Now its calls are handed over, streamed or not, their arguments as json.dumps writes them."""
+    Now its calls are handed over, streamed or not: such a block's arguments as json.dumps writes them, a
+    name-first block's as the model wrote them."""
     reply = ('<tool_call>{"arguments": {"city": "Rome", "unit": "celsius"}, "name": "get_weather"}</tool_call>\n'
              '<tool_call>{"name": "get_weather", "arguments": {"city":"Oslo","unit":"celsius"}}</tool_call>')
     body = {"messages": [{"role": "user", "content": "Weather in Rome and Oslo?"}], "tools": [WEATHER],
@@ -887,23 +888,44 @@ def test_an_auto_reply_whose_calls_put_arguments_before_name_is_handed_over_as_c
     content, calls, reason = _reply(server_url, body, stream)
     assert content is None and reason == "tool_calls", (content, calls, reason)
     assert calls == [["get_weather", '{"city": "Rome", "unit": "celsius"}'],
-                     ["get_weather", '{"city": "Oslo", "unit": "celsius"}']]
+                     ["get_weather", '{"city":"Oslo","unit":"celsius"}']]
 
 
-@pytest.mark.parametrize("text, reason", [
-    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "nope"}</tool_call>', "stop"),  # not a given function
-    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather", "id": 1}</tool_call>', "stop"),  # more keys
-    ('<tool_call>{"arguments": "Rome", "name": "get_weather"}</tool_call>', "stop"),  # arguments not an object
-    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}</tool_call> and so', "stop"),  # text after
-    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}', "length"),  # cut short
+_ROME = '<tool_call>{"arguments": {"city": "Zürich"}, "name": "get_weather"}</tool_call>'
+_OSLO = '<tool_call>{"name": "get_weather", "arguments": {"city":"Oslo"}}</tool_call>'
+_DEEP = '{"x": ' + "[" * 1000 + "]" * 1000 + "}"  # past Python's recursion limit for json
+
+
+@pytest.mark.parametrize("text, reason, calls", [
+    (_ROME, "stop", ['{"city": "Zürich"}']),  # re-serialized as json.dumps(ensure_ascii=False) writes it
+    (_OSLO + "\n" + _ROME, "stop", ['{"city":"Oslo"}', '{"city": "Zürich"}']),  # name first: its own bytes
+    (_ROME + " " + _OSLO, "stop", ['{"city": "Zürich"}', '{"city":"Oslo"}']),
+    (_ROME + " and so", "stop", ['{"city": "Zürich"}']),  # text after the calls dropped, as for name-first ones
+    (_OSLO + " and so", "stop", ['{"city":"Oslo"}']),
+    # not calls: content, all of it
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "nope"}</tool_call>', "stop", None),  # not a given function
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather", "id": 1}</tool_call>', "stop", None),
+    ('<tool_call>{"arguments": "Rome", "name": "get_weather"}</tool_call>', "stop", None),  # not an object
+    ('<tool_call>{"arguments": {"city": "Rome"}, "name": "get_weather"}', "length", None),  # cut short
+    (f'<tool_call>{{"arguments": {_DEEP}, "name": "get_weather"}}</tool_call>', "stop", None),  # too deep to read
+    (f'<tool_call>{{"name": "get_weather", "arguments": {_DEEP}}}</tool_call>', "stop", None),
 ])
-def test_a_reply_with_keys_in_another_order_is_content_unless_it_is_whole_calls_of_given_functions(text, reason):
+def test_an_auto_reply_is_calls_whatever_its_keys_order_or_else_all_content(text, reason, calls):
+    # vLLM's Hermes parser reads each block with json.loads: key order does not matter, text after the blocks is
+    # dropped; a reply that is not calls of the request's functions is content (and nesting too deep for
+    # Python's json, a 500 once, too)
     from kvserve.server.tools import ToolCallStream
 
     stream = ToolCallStream(frozenset({"get_weather"}))
     sent = [stream.feed(text[i:i + 7]) for i in range(0, len(text), 7)]
     assert all(piece == ("", []) for piece in sent)
-    assert stream.finish(reason) == (text, []) and stream.calls == []
+    content, deltas = stream.finish(reason)
+    if calls is None:
+        assert (content, deltas, stream.calls) == (text, [], [])
+    else:
+        assert content == "" and [d["function"]["arguments"] for d in deltas] == calls
+        assert [d["index"] for d in deltas] == list(range(len(calls)))
+        assert {d["function"]["name"] for d in deltas} == {"get_weather"}
 
 
 ITEMS = {"type": "object", "required": ["items"], "properties": {"items": {"type": "array", "items": {
