@@ -20,6 +20,7 @@ import asyncio
 import functools
 import json
 import re
+from collections.abc import Callable
 
 import jsonschema
 import llguidance
@@ -236,6 +237,16 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
     return GrammarSpec(kind, value)
 
 
+def _readable(param: str, build: Callable[[], GrammarSpec | None]) -> GrammarSpec | None:
+    """``build()``, whose RecursionError is a 400 naming ``param``: the body's depth limit (server.validation) does
+    not see into a string, so a schema given as JSON text, a Lark grammar's parentheses or a schema's regex
+    ``pattern`` can nest past what Python's parsers (json, re, the Lark checks here) read recursively."""
+    try:
+        return build()
+    except RecursionError:
+        raise ApiError(400, f"{param} is nested too deeply to be read", param=param) from None
+
+
 def grammar_spec(body) -> GrammarSpec | None:
     """The grammar a request asks for, or None.
 
@@ -244,21 +255,22 @@ def grammar_spec(body) -> GrammarSpec | None:
     """
     found: list[tuple[str, GrammarSpec]] = []
     if body.response_format:
-        spec = _response_format_spec(body.response_format)
+        spec = _readable("response_format", lambda: _response_format_spec(body.response_format))
         if spec is not None:
             found.append(("response_format", spec))
     for name, kind in _VLLM_FIELDS.items():
         value = getattr(body, name, None)
         if value is not None:
-            found.append((name, _text_spec(kind, value, name)))
+            found.append((name, _readable(name, lambda: _text_spec(kind, value, name))))
     if body.structured_outputs:
         keys = [k for k in _STRUCTURED_KEYS if body.structured_outputs.get(k) is not None]
         if len(keys) != 1:
             raise ApiError(400, "structured_outputs must give exactly one of json, regex, choice, grammar",
                            param="structured_outputs")
-        found.append(("structured_outputs", _text_spec(_STRUCTURED_KEYS[keys[0]], body.structured_outputs[keys[0]],
-                                                       f"structured_outputs.{keys[0]}")))
-    tool_spec = tools.forced_grammar(body, tool_parameters)
+        param = f"structured_outputs.{keys[0]}"
+        found.append(("structured_outputs", _readable(param, lambda: _text_spec(
+            _STRUCTURED_KEYS[keys[0]], body.structured_outputs[keys[0]], param))))
+    tool_spec = _readable("tools", lambda: tools.forced_grammar(body, tool_parameters))
     if tool_spec is not None:
         found.append(("tool_choice", tool_spec))
     if len(found) > 1:

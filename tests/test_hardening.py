@@ -79,6 +79,18 @@ COMPLETIONS = "/v1/completions"
                              {"id": "c", "type": "function",
                               "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]},
                          {"role": "tool", "tool_call_id": "c", "content": "1"}]}, "arguments"),
+    # a schema given as a JSON string: the body's depth limit does not see inside it
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}],
+            "guided_json": '{"type": "array", "items": ' + "[" * 5000 + "]" * 5000 + "}"}, "guided_json"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}],  # Python's re parses groups recursively
+            "guided_json": {"type": "string", "pattern": "(" * 20000 + "a" + ")" * 20000}}, "guided_json"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}],
+            "structured_outputs": {"grammar": "start: " + "(" * 20000 + '"a"' + ")" * 20000}},
+     "structured_outputs.grammar"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required", "tools": [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"a": {"type": "string", "pattern": "(" * 2000 + ")" * 2000}}}}}]},
+     "tools"),
 ])
 def test_validation_refuses_instead_of_throwing(server_url, path, body, named):
     response = _post(server_url, path, body | {"max_tokens": 1} if path != "/v1/responses" else body)
