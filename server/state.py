@@ -230,7 +230,8 @@ class ServerState:
         log.info("KV pools: the served model's %d blocks, %.1f MiB (%s) + the draft model %s's %d blocks, %.1f MiB "
                  "(%s) = %.1f MiB", num_blocks, self.pool.nbytes / 2**20, self.loaded.dtype, draft.name, num_blocks,
                  pool.nbytes / 2**20, draft.dtype, (self.pool.nbytes + pool.nbytes) / 2**20)
-        return ModelDrafter(ModelRunner(draft, pool), min(draft.max_model_len, self.max_model_len))
+        return ModelDrafter(ModelRunner(draft, pool, step_tokens=config.max_num_batched_tokens),
+                            min(draft.max_model_len, self.max_model_len))
 
     def _spec_decoder(self, config: ServeConfig, draft: LoadedModel | None, num_blocks: int,
                       blocks: BlockManager) -> SpecDecoder:

@@ -516,10 +516,12 @@ def test_a_stack_workspace_made_at_start_for_the_step_budget_gives_smaller_steps
     outputs = []
     for step_tokens in (512, None):
         runner = ModelRunner(loaded, _pool(loaded, len(table) + 1), step_tokens=step_tokens)
-        assert runner.rows_alone and runner.fast.layer_stack is not None
+        stack = runner.fast.layer_stack
+        assert runner.rows_alone and stack is not None and stack.workspace_rows() == (step_tokens or 0)
         slots = [t // BLOCK * BLOCK + t % BLOCK for t in range(len(prompt) + 1)]
         first = runner.logits(StepPlan([SeqWork(0, prompt, 0, table, slots[:-1], True, GREEDY, prompt, [])]))
         nxt = runner.logits(StepPlan([SeqWork(0, [9], len(prompt), table, slots[-1:], True, GREEDY, prompt, [9])]))
+        assert stack.workspace_rows() == (step_tokens or len(prompt))  # made once: not again for smaller steps
         outputs.append((first, nxt, runner.pool.data.clone()))
     assert all(torch.equal(a, b) for a, b in zip(*outputs))
     with pytest.raises(RuntimeError, match="positive number of rows"):
@@ -600,6 +602,12 @@ def test_fused_layer_stack_takes_rows_and_rope_from_python():
 def test_the_served_model_runs_its_whole_decode_step_in_the_stack(smollm2_gguf):
     fast = ModelRunner(smollm2_gguf, KVPool(smollm2_gguf.kv_shape(), 4, 16, smollm2_gguf.dtype)).fast
     assert fast.layer_stack is not None and fast.stack_embeds and fast.stack_head
+    # the server makes its stack's workspace at start for its token budget
+    from kvserve.server.config import ServeConfig
+    from kvserve.server.state import ServerState
+
+    state = ServerState(smollm2_gguf, ServeConfig(num_kv_blocks=16, max_num_batched_tokens=96))
+    assert state.runner.fast.layer_stack.workspace_rows() == 96
 
 
 def test_fused_layer_stack_refuses_what_it_cannot_run(smollm2_gguf):

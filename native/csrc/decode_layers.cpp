@@ -447,6 +447,12 @@ class DecodeLayers {
     reserve(T);
   }
 
+  // Rows of the workspace as it stands (0 before any step or reserve).
+  int64_t workspace_rows() {
+    std::lock_guard<std::mutex> lock(mutex_);
+    return h_.defined() ? h_.size(0) : 0;
+  }
+
  private:
   struct Layer {
     torch::Tensor in_norm, post_norm;
@@ -678,6 +684,7 @@ void bind_decode_layers(py::module& m) {
       .def("num_layers", &DecodeLayers::num_layers)
       .def("reserve", &DecodeLayers::reserve_rows, py::arg("rows"),
            "make the workspace for steps of up to rows rows now (the largest step's; larger steps still grow it)")
+      .def("workspace_rows", &DecodeLayers::workspace_rows, "rows of the workspace now (0 before any step)")
       .def("set_embedding", &DecodeLayers::set_embedding, py::arg("table"), py::arg("kind"),
            py::arg("panel_rows") = 0, py::arg("vocab") = 0,
            "table (float32 [vocab, hidden], or GGUF units uint8 [vocab, bytes]), kind (f32, q4_0, q4_1, q5_0, q5_1, "
