@@ -24,6 +24,7 @@ import threading
 import time
 
 from kvserve.engine.constraints import GrammarError, GrammarSpec, compiled, tokenizer_json
+from kvserve.engine.heap import give_back
 
 log = logging.getLogger("kvserve.grammar")
 
@@ -134,6 +135,8 @@ def main() -> int:
 
     hello = json.loads(sys.stdin.readline())
     tokenizer = llguidance.LLTokenizer(hello["tokenizer"], n_vocab=hello["vocab_size"], eos_token=hello["eos"])
+    del hello
+    give_back()  # the tokenizer's JSON text and its parse, not kept
     sys.stdout.write(json.dumps({"ready": True}) + "\n")
     sys.stdout.flush()
     for line in sys.stdin:

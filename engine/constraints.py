@@ -30,11 +30,11 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
-import llguidance.hf
 import numpy as np
 
 from kvserve.engine.closing import (CLOSING_SLACK, RECHECK_EVERY, START, LexState, TokenTable, advance,
                                     closing_path, only, opener_slack)
+from kvserve.engine.heap import give_back
 
 # Work bounds for one grammar (llguidance's units); a schema past them is refused, never served slowly.
 _LIMITS = dict(max_grammar_size=200_000,     # symbols in the grammar's productions
@@ -290,8 +290,9 @@ class GrammarCompiler:
         with self._lock:
             if self._tokenizer is None:
                 eos = self._eos_ids or self._hf_tokenizer.eos_token_id
-                self._tokenizer = llguidance.hf.from_tokenizer(self._hf_tokenizer, n_vocab=self.vocab_size,
-                                                               eos_token=eos)
+                self._tokenizer = llguidance.LLTokenizer(tokenizer_json(self._hf_tokenizer), n_vocab=self.vocab_size,
+                                                         eos_token=eos)  # llguidance.hf.from_tokenizer's, less a copy
+                give_back()  # the JSON text and its parse: ~20 MiB of a 128k vocabulary's build, not kept
                 self._table = TokenTable(self._tokenizer, self.vocab_size, self._closing_eos())
             return self._tokenizer
 
@@ -361,10 +362,14 @@ def compiled(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec) -> llguidance
 
 
 def tokenizer_json(hf_tokenizer) -> str:
-    """The fast tokenizer serialized as llguidance.hf serializes it (padding and truncation off)."""
-    backend = copy.copy(hf_tokenizer.backend_tokenizer)
-    backend.no_padding()
-    backend.no_truncation()
+    """The fast tokenizer serialized as ``llguidance.hf.from_tokenizer`` serializes it (padding and truncation
+    off). That copies the Rust tokenizer first, a second one held while it serializes (~45 MiB of a 128k
+    vocabulary): needed only where padding or truncation is on, to turn them off in the copy."""
+    backend = hf_tokenizer.backend_tokenizer
+    if backend.padding is not None or backend.truncation is not None:
+        backend = copy.copy(backend)
+        backend.no_padding()
+        backend.no_truncation()
     return backend.to_str()
 
 

@@ -52,3 +52,12 @@ def loading_heap() -> Iterator[bool]:
         if libc is not None:
             libc.mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)
             libc.malloc_trim(0)
+
+
+def give_back() -> bool:
+    """Return the C heap's free pages to the OS now (``malloc_trim``): after a one-time build whose transients
+    outweigh what it keeps (llguidance's tokenizer, engine.constraints). Returns whether the heap is glibc's."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+    return libc is not None

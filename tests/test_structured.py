@@ -511,6 +511,35 @@ def test_plain_reply_with_tools_stays_content():
     assert stream.finish() == ("", []) and stream.calls == []
 
 
+def test_the_grammar_tokenizer_is_llguidances_own_without_its_copy(smollm2):
+    # GrammarCompiler builds llguidance's tokenizer from the served tokenizer's JSON without the copy
+    # llguidance.hf.from_tokenizer makes (a second Rust tokenizer held while it serializes): the same tokenizer,
+    # so the same masks; and a tokenizer with padding or truncation on is serialized with them off, as there
+    import copy
+
+    import llguidance
+    import llguidance.hf
+
+    from kvserve.engine.constraints import compiled, tokenizer_json
+
+    tokenizer = smollm2.tokenizer
+    ours = GrammarCompiler(tokenizer, [tokenizer.eos_token_id]).tokenizer()
+    theirs = llguidance.hf.from_tokenizer(tokenizer, n_vocab=len(tokenizer), eos_token=tokenizer.eos_token_id)
+    assert (ours.vocab_size, ours.eos_tokens, ours.is_canonical) == (
+        theirs.vocab_size, theirs.eos_tokens, theirs.is_canonical)
+    text = "Ünïcode <|im_end|> {\"a\": [1, 2.5e-3]}\n\tend"
+    assert ours.tokenize_str(text) == theirs.tokenize_str(text)
+    for spec in (GrammarSpec("json_schema", json.dumps({"type": "object", "properties": {"a": {"type": "string"}}})),
+                 GrammarSpec("regex", "[a-z]+ [0-9]{2}")):
+        masks = [compiled(t, spec).compute_bitmask() for t in (ours, theirs)]
+        assert masks[0] == masks[1]
+    padded = copy.deepcopy(tokenizer)
+    padded.backend_tokenizer.enable_padding(length=8)
+    padded.backend_tokenizer.enable_truncation(16)
+    assert tokenizer_json(padded) == tokenizer_json(tokenizer)
+    assert padded.backend_tokenizer.padding is not None  # turned off in a copy, not in the tokenizer given
+
+
 def test_a_refused_token_leaves_only_eos(smollm2):
     """A matcher in its error state (a token the grammar refuses) allows only EOS, so the sequence ends."""
     from kvserve.engine.masks import disallowed, fill_masks
