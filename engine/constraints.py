@@ -292,7 +292,7 @@ class GrammarCompiler:
                 eos = self._eos_ids or self._hf_tokenizer.eos_token_id
                 self._tokenizer = llguidance.LLTokenizer(tokenizer_json(self._hf_tokenizer), n_vocab=self.vocab_size,
                                                          eos_token=eos)  # llguidance.hf.from_tokenizer's, less a copy
-                give_back()  # the JSON text and its parse: ~20 MiB of a 128k vocabulary's build, not kept
+                give_back()  # the JSON text and its parse's transients, not kept
                 self._table = TokenTable(self._tokenizer, self.vocab_size, self._closing_eos())
             return self._tokenizer
 

@@ -153,7 +153,7 @@ class FastDecoder:
         """Make the layer stack's workspace (one float32 row of each intermediate per token row: 37 KB a row on a
         1B Llama) for steps of up to ``rows`` token rows now. Grown step by step instead (a decode row, then a
         501-token prompt, then a 512-token chunk), each larger workspace left the freed smaller ones as holes
-        in the C heap that the resident set keeps (+26 MiB on a 1B Llama). Nothing without a stack.
+        in the C heap that the resident set keeps (BENCHMARKS.md, section ready-avx2). Nothing without a stack.
 
         Raises:
             RuntimeError: ``rows`` < 1.

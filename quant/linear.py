@@ -198,9 +198,9 @@ class QuantLinear(nn.Module):
         """``weight`` = ``layers``' weights stacked along dim 0, each layer's ``weight`` then a view of its rows.
 
         The layers' buffers move one at a time, each freed as soon as its rows are in the stack, so loading
-        holds at most one layer's bytes twice, not every layer's (a 1B Llama's gate and up in Q8_0: 36 MB at
-        once otherwise, the start's peak resident memory). ``torch.empty`` gives pages that become resident only
-        as they are written.
+        holds at most one layer's bytes twice, not every layer's at once (GGUF layers were unpacked, stacked and
+        packed again: the start's peak resident memory, BENCHMARKS.md section ready-avx2). ``torch.empty`` gives
+        pages that become resident only as they are written.
         """
         first = layers[0].weight
         stacked = first.new_empty((sum(m.weight.shape[0] for m in layers), *first.shape[1:]))
