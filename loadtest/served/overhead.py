@@ -235,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
     (OUT_DIR / "overhead.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     if not args.no_write:
         key = quantization or Path(args.model).stem
+        flags = scheme + ("" if args.streams == [1, 32] else f" --streams {','.join(map(str, args.streams))}") \
+            + ("" if args.tokens == 128 else f" --tokens {args.tokens}")  # the command that reruns this table
         update_section(f"overhead-{key}", f"Serving overhead: a served token beyond the model step ({key} weights)",
-                       f"python -m kvserve.loadtest overhead {scheme}", text)
+                       f"python -m kvserve.loadtest overhead {flags}", text)
     return 0
