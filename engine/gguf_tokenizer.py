@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvserve import environment
 from kvserve.engine.gguf_file import GGUFArray, GGUFError, GGUFFile
+from kvserve.engine.heap import give_back
 
 log = logging.getLogger("kvserve.engine")
 
@@ -154,4 +155,6 @@ def cached_tokenizer(file: GGUFFile, config):
                     target.parent, exc.strerror or exc)
         return tokenizer, None
     log.info("tokenizer of %s converted once into %s", file.path.name, target)
+    del tokenizer
+    give_back()  # the conversion's transients (tens of MiB for a 128k vocabulary): not kept past the first start
     return TokenizersBackend.from_pretrained(target), target
