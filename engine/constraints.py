@@ -283,17 +283,22 @@ class GrammarCompiler:
         self._cache: OrderedDict[GrammarSpec, Grammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
+        self._build_lock = threading.Lock()
         self.vocab_size = len(hf_tokenizer)
         self._sandbox = sandbox
 
     def tokenizer(self) -> llguidance.LLTokenizer:
-        with self._lock:
+        # built once, under a lock of its own: the cache's lock, which the event loop takes (cached), is held only
+        # to publish the tokenizer and its table together
+        with self._build_lock:
             if self._tokenizer is None:
                 eos = self._eos_ids or self._hf_tokenizer.eos_token_id
-                self._tokenizer = llguidance.LLTokenizer(tokenizer_json(self._hf_tokenizer), n_vocab=self.vocab_size,
-                                                         eos_token=eos)  # llguidance.hf.from_tokenizer's, less a copy
+                tokenizer = llguidance.LLTokenizer(tokenizer_json(self._hf_tokenizer), n_vocab=self.vocab_size,
+                                                   eos_token=eos)  # llguidance.hf.from_tokenizer's, less a copy
+                table = TokenTable(tokenizer, self.vocab_size, self._closing_eos())
+                with self._lock:
+                    self._tokenizer, self._table = tokenizer, table
                 give_back()  # the JSON text and its parse's transients, not kept
-                self._table = TokenTable(self._tokenizer, self.vocab_size, self._closing_eos())
             return self._tokenizer
 
 

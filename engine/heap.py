@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -16,6 +17,7 @@ _MMAP_THRESHOLD_MAX = 32 << 20
 _LOADING_MMAP_THRESHOLD = 256 << 10
 
 
+@functools.cache
 def _glibc():
     """The C library's handle where it is glibc (it has ``malloc_trim``), else None."""
     name = ctypes.util.find_library("c")

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import json
+import logging
 import re
 from collections.abc import Callable
 
@@ -31,6 +32,8 @@ from kvserve.server import tools
 from kvserve.server.grammar_limits import has_finite_value, lark_problem, patterns, repetition_problem
 from kvserve.server.schema_numbers import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_MAPS, SchemaNumberError, bounded
 from kvserve.server.errors import ApiError
+
+log = logging.getLogger("kvserve.grammar")
 
 MAX_SCHEMA_BYTES = 65_536   # a schema's JSON text; the largest real-world ones are a few kB
 MAX_SCHEMA_DEPTH = 32       # nesting of objects/arrays in the schema document
@@ -58,8 +61,8 @@ def _depth(value, level: int = 0) -> int:
     return level
 
 
-def json_schema_spec(schema, param: str) -> GrammarSpec:
-    """A checked JSON-schema spec.
+def json_schema_spec(schema, param: str, strict: bool = False) -> GrammarSpec:
+    """A checked JSON-schema spec; ``strict``: read as ``strict_schema`` reads it (also a schema given as text).
 
     Raises:
         ApiError: 400 for a schema that is not an object, not a valid JSON Schema, larger than
@@ -72,6 +75,8 @@ def json_schema_spec(schema, param: str) -> GrammarSpec:
             raise ApiError(400, f"{param} is not valid JSON: {exc}", param=param) from exc
     if not isinstance(schema, dict):
         raise ApiError(400, f"{param} must be a JSON Schema object", param=param)
+    if strict:
+        schema = strict_schema(schema)
     text = json.dumps(schema)  # key order kept: properties are generated in the schema's order
     if len(text.encode()) > MAX_SCHEMA_BYTES:
         raise ApiError(400, f"{param} is larger than the limit of {MAX_SCHEMA_BYTES} bytes", param=param)
@@ -206,10 +211,8 @@ def _response_format_spec(response_format: dict) -> GrammarSpec | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
         raise ApiError(400, "response_format.json_schema must be an object with name and schema",
                        param="response_format.json_schema")
-    schema = spec.get("schema", {})
-    if spec.get("strict") is True:
-        schema = strict_schema(schema)
-    return json_schema_spec(schema, "response_format.json_schema.schema")
+    return json_schema_spec(spec.get("schema", {}), "response_format.json_schema.schema",
+                            strict=spec.get("strict") is True)
 
 
 def _text_spec(kind: str, value, param: str) -> GrammarSpec:
@@ -243,7 +246,8 @@ def _readable(param: str, build: Callable[[], GrammarSpec | None]) -> GrammarSpe
     ``pattern`` can nest past what Python's parsers (json, re, the Lark checks here) read recursively."""
     try:
         return build()
-    except RecursionError:
+    except RecursionError as exc:  # logged: a recursion of the server's own would otherwise pass for the input's
+        log.warning("%s: RecursionError while reading it (refused as nested too deeply): %s", param, exc)
         raise ApiError(400, f"{param} is nested too deeply to be read", param=param) from None
 
 

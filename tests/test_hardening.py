@@ -87,6 +87,8 @@ COMPLETIONS = "/v1/completions"
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}],
             "structured_outputs": {"grammar": "start: " + "(" * 20000 + '"a"' + ")" * 20000}},
      "structured_outputs.grammar"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}],  # GBNF: llguidance's converter recurses (its 400)
+            "guided_grammar": "root ::= " + "(" * 900 + '"a"' + ")" * 900}, "guided_grammar"),
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "string", "pattern": "(" * 2000 + ")" * 2000}}}}}]},

@@ -669,8 +669,9 @@ def test_tool_arguments_and_strict_schemas_allow_no_unnamed_properties(smollm2):
     assert not _allows_after(smollm2, call, done, ",") and _allows_after(smollm2, call, done, "}}")
     schema = {"type": "object", "required": ["city"], "properties": {
         "city": {"type": "string"}, "where": {"type": "object", "properties": {"x": {"type": "integer"}}}}}
-    for strict, extra in ((True, False), (False, True)):
-        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": schema, "strict": strict}}
+    for strict, extra, given in ((True, False, schema), (False, True, schema), (True, False, json.dumps(schema))):
+        # a schema given as JSON text is read strictly too (it was served as if strict were false)
+        fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": given, "strict": strict}}
         spec = grammar_spec(SimpleNamespace(response_format=fmt, structured_outputs=None, tools=None,
                                             tool_choice=None, parallel_tool_calls=None))
         assert _allows_after(smollm2, spec, '{"city": "Paris", "where": {"x": 1', ",") is extra  # nested too
