@@ -120,9 +120,9 @@ def test_a_refused_pickle_ends_the_start_in_one_line_not_a_traceback(tmp_path):
 
 
 # Run in a fresh process: in this one, earlier tests' freed chunks would serve the allocations below from the heap.
-_HEAP_PROBE = """
+# resident memory and glibc's malloc/free, for the probes below
+_PROBE_PRELUDE = """
 import ctypes, ctypes.util
-from kvserve.engine.heap import loading_heap
 
 def resident_kib():
     for line in open("/proc/self/status"):
@@ -132,6 +132,9 @@ def resident_kib():
 libc = ctypes.CDLL(ctypes.util.find_library("c"))
 libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
 libc.free.argtypes = [ctypes.c_void_p]
+"""
+_HEAP_PROBE = _PROBE_PRELUDE + """
+from kvserve.engine.heap import loading_heap
 
 def touched(size, count):
     chunks = [libc.malloc(size) for _ in range(count)]
@@ -167,18 +170,8 @@ def test_loading_heap_gives_freed_copies_back_at_once_and_the_heap_s_holes_on_le
     assert int(serving) < 20 << 10  # after it, 512 KiB chunks come from the heap again, as glibc's own threshold
 
 
-_GIVE_BACK_PROBE = """
-import ctypes, ctypes.util
+_GIVE_BACK_PROBE = _PROBE_PRELUDE + """
 from kvserve.engine.heap import give_back
-
-def resident_kib():
-    for line in open("/proc/self/status"):
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-
-libc = ctypes.CDLL(ctypes.util.find_library("c"))
-libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-libc.free.argtypes = [ctypes.c_void_p]
 chunks = [libc.malloc(100 << 10) for _ in range(320)]  # under the threshold: heap chunks
 for chunk in chunks:
     ctypes.memset(chunk, 1, 100 << 10)
