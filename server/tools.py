@@ -214,6 +214,11 @@ def _one_per_call(deltas: list[dict]) -> list[dict]:
     return list(merged.values())
 
 
+def _whole_calls(calls: list[dict]) -> list[dict]:
+    """Held calls as deltas, one each (index, id, type, name and all its arguments)."""
+    return [{"index": i, **call, "function": dict(call["function"])} for i, call in enumerate(calls)]
+
+
 class ToolCallStream:
     """Splits one choice's generated text into content and tool calls, incrementally.
 
@@ -360,10 +365,10 @@ class ToolCallStream:
             reordered = self._blocks_in_any_order()
             if reordered is not None:
                 self.calls = reordered
-                return "", [{"index": i, **call, "function": dict(call["function"])} for i, call in enumerate(reordered)]
+                return "", _whole_calls(reordered)
         if self.mode == "undecided" or (self.mode == "tools" and not self.verdict(reason)):
             content, self.buffer, self.mode, self.calls = self.buffer, "", "content", []
             return content, []
         if self.mode == "tools" and not self.constrained:
-            return "", [{"index": i, **call, "function": dict(call["function"])} for i, call in enumerate(self.calls)]
+            return "", _whole_calls(self.calls)
         return "", []
