@@ -200,10 +200,14 @@ class QuantLinear(nn.Module):
         The layers' buffers move one at a time, each freed as soon as its rows are in the stack, so loading
         holds at most one layer's bytes twice, not every layer's at once (GGUF layers were unpacked, stacked and
         packed again: the start's peak resident memory, BENCHMARKS.md section ready-avx2). ``torch.empty`` gives
-        pages that become resident only as they are written.
+        pages that become resident only as they are written, advised for huge pages first where the kernels are
+        built (as their packing does: native/csrc/huge_pages.h).
         """
         first = layers[0].weight
         stacked = first.new_empty((sum(m.weight.shape[0] for m in layers), *first.shape[1:]))
+        kernels = native.load(build=False)
+        if kernels is not None and stacked.device.type == "cpu":
+            kernels.advise_huge_pages(stacked)
         self.weight = stacked  # drop the reference a copy of the first layer's buffers holds
         del first
         start = 0

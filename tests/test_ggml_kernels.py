@@ -316,3 +316,64 @@ def test_every_native_path_gives_the_scalar_bits_in_every_batch(tmp_path):
         assert got.keys() == scalar.keys()
         for key, y in scalar.items():
             assert torch.equal(got[key], y), (isa, key)
+
+
+
+# Run in a process of its own whose allocator maps every buffer of 128 KiB or more anew (a fixed threshold: no
+# dynamic one), so no buffer lands in memory another one's advice left flagged and the check can fail.
+HUGE_PAGES_PROBE = """
+import sys
+from pathlib import Path
+import numpy as np, torch
+from kvserve import native
+from kvserve.quant.ggml import GGMLKind, GGMLLinear
+from kvserve.quant.linear import concat_outputs
+from tests.ggmlutil import random_blocks
+
+def advised(t):
+    # whether the mapping holding t's first whole 2 MiB page carries MADV_HUGEPAGE's flag ("hg" in VmFlags: set by
+    # the advice whatever the system's THP mode)
+    huge = 2 << 20
+    address = (t.data_ptr() + huge - 1) // huge * huge
+    assert address + huge <= t.data_ptr() + t.nbytes, "the tensor holds no whole huge page"
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "VmFlags:":
+            return "hg" in line.split()[1:]
+    raise AssertionError(hex(address))
+
+def blocks(N, K, seed):
+    return torch.from_numpy(random_blocks("q4_k", N, K, np.random.default_rng(seed)))
+
+module = native.load()
+raw = blocks(4096, 2048, 0)  # 4.5 MiB of blocks
+packed = module.ggml_pack(raw, "q4_k")
+parts = [GGMLLinear(blocks(2048, 2048, s), GGMLKind.Q4_K) for s in (1, 2)]
+expected = torch.cat([p.blocks() for p in parts])
+fused = concat_outputs(parts)
+w = torch.randn(2048, 2048).bfloat16()
+bf16 = module.bf16_pack(w)
+assert torch.equal(module.ggml_unpack(packed, "q4_k", 4096, 2048), raw)
+assert torch.equal(fused.blocks(), expected)
+assert torch.equal(module.bf16_unpack(bf16, 2048, 2048), w)
+print(advised(torch.zeros(8 << 20, dtype=torch.uint8)), advised(packed), advised(fused.weight), advised(bf16),
+      module.advise_huge_pages(torch.empty(1 << 20, dtype=torch.uint8)))
+"""
+
+
+@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").is_dir() or sys.platform != "linux",
+                    reason="no transparent huge pages in this kernel")
+def test_packed_weights_are_advised_for_huge_pages_before_they_are_written():
+    # a plain tensor is not advised (the check can fail); ggml_pack's panels, a fused stack of layers
+    # (QuantLinear._move_weights' buffer) and bf16_pack's panels are, their bytes unchanged; 1 MiB holds no whole
+    # huge page to advise
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}  # torch's switch advises any
+    env["GLIBC_TUNABLES"] = "glibc.malloc.mmap_threshold=131072"
+    out = subprocess.run([sys.executable, "-c", HUGE_PAGES_PROBE], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.split() == ["False", "True", "True", "True", "0"], out.stdout

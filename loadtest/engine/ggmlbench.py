@@ -13,7 +13,9 @@
 2. ``--ggml-model``: a decode step's projections of a Q4_K_M file of Llama-3.2-1B's shape (llama.cpp's mixture:
    Q6_K for attn_v and ffn_down in half the layers and for the tied output/embedding table, Q4_K elsewhere; 805 MB),
    all 112 projections and the LM head in a row with the server's threads, at 1, 8 and 32 rows (a decode batch),
-   against the read bound: the step's bytes over the read bandwidth the same threads measure.
+   against the read bound: the step's bytes over the read bandwidth the same threads measure; at 1 and 8 rows side
+   by side with the same bytes on 4 KiB pages (``on_small_pages``: the packing advises huge pages,
+   native/csrc/huge_pages.h, as numpy does for the read probe's buffers).
 
 Both roofline probes are loadtest.engine.roofline's: ``read_bandwidth`` (``kv_read_bytes``) and ``int8_peak_gmacs``
 (``kv_vnni_peak``: 16 independent vpdpbusd chains on registers).
@@ -21,6 +23,7 @@ Both roofline probes are loadtest.engine.roofline's: ``read_bandwidth`` (``kv_re
 
 from __future__ import annotations
 
+import mmap
 import os
 import subprocess
 import sys
@@ -158,6 +161,17 @@ def ggml_paths(kinds: tuple[str, ...] = KINDS, stream_mb: int = STREAM_BYTES >> 
                        "python -m kvserve.loadtest kernelbench --ggml", "\n".join(lines))
 
 
+def on_small_pages(t: torch.Tensor) -> torch.Tensor:
+    """A copy of contiguous ``t`` in an anonymous mapping of its own advised against transparent huge pages
+    (MADV_NOHUGEPAGE): a packed weight as it lies without the packing's advice (native/csrc/huge_pages.h). The
+    copy's storage keeps the mapping."""
+    mapping = mmap.mmap(-1, t.nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_NOHUGEPAGE)
+    copy = torch.frombuffer(mapping, dtype=t.dtype).view(t.shape)
+    copy.copy_(t)
+    return copy
+
+
 def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
     """(kind, N, K, count) of a Llama-3.2-1B Q4_K_M file's projections and head, as llama.cpp's quantizer mixes
     them (llama-quant.cpp: attn_v and ffn_down get Q6_K in the layers ``use_more_bits`` picks, i < n/8 or
@@ -185,11 +199,15 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
     module = native.load()
     threads = torch.get_num_threads()
     rng = np.random.default_rng(0)
-    step_fns, step_bytes, weights = [], 0, 0
+    small_pages = any(rows <= 8 for rows in rows_list)
+    step_fns, small_fns, step_bytes, weights = [], [], 0, 0
     for kind, N, K, count in q4_k_m_kinds():
         for _ in range(count):
             raw = torch.from_numpy(random_units(kind, N, K, rng))
-            step_fns.append((module.bind_ggml(module.ggml_pack(raw, kind), kind, N, K), K))
+            packed = module.ggml_pack(raw, kind)
+            step_fns.append((module.bind_ggml(packed, kind, N, K), K))
+            if small_pages:  # the same bytes on 4 KiB pages, side by side at decode's rows
+                small_fns.append((module.bind_ggml(on_small_pages(packed), kind, N, K), K))
             step_bytes += raw.numel()
             weights += N * K
     read = read_bandwidth(threads)
@@ -208,41 +226,43 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
 
         chunk = rows >= PREFILL_ROWS  # a prefill chunk: the LM head (the last call) on its last row only
 
-        def step():
-            for i, (fn, K) in enumerate(step_fns):
-                fn(xs[K][-1:] if chunk and i == len(step_fns) - 1 else xs[K])
+        def step(fns=step_fns):
+            for i, (fn, K) in enumerate(fns):
+                fn(xs[K][-1:] if chunk and i == len(fns) - 1 else xs[K])
 
-        def timed(budget_s: float) -> tuple[float, float]:
+        def timed(budget_s: float, fns: list) -> tuple[float, float]:
             """(CPU seconds per thread, wall seconds) per step over ``budget_s`` CPU seconds per thread."""
-            step()
+            step(fns)
             n, cpu0, wall0 = 0, time.process_time(), time.perf_counter()
             while time.process_time() - cpu0 < budget_s * threads or n < 3:
-                step()
+                step(fns)
                 n += 1
             return (time.process_time() - cpu0) / threads / n, (time.perf_counter() - wall0) / n
 
         # this CPU's settings side by side with the one that differs at these rows off, in alternating rounds (the
         # best of each): one row's prefetch; past a register tile (8 rows), Q5_K / Q6_K groups unpacked once
-        # from 32 rows, AMX tiles where they run
-        settings = [("", prefetch, unpack, amx)]
+        # from 32 rows, AMX tiles where they run; at decode's rows the weights on 4 KiB pages
+        settings = [("", prefetch, unpack, amx, step_fns)]
         if rows == 1 and prefetch:
-            settings.append((", no prefetch", 0, unpack, amx))
+            settings.append((", no prefetch", 0, unpack, amx, step_fns))
+        if rows <= 8:
+            settings.append((", 4 KiB pages", prefetch, unpack, amx, small_fns))
         if 8 < rows < 64 and unpack:
-            settings.append((", codes per tile", prefetch, False, amx))
+            settings.append((", codes per tile", prefetch, False, amx, step_fns))
         if rows >= module.gguf_amx_rows() and amx:
-            settings.append((", no AMX", prefetch, unpack, False))
+            settings.append((", no AMX", prefetch, unpack, False, step_fns))
         best: dict[str, tuple[float, float]] = {}
         for _ in range(3 if len(settings) > 1 else 1):
-            for label, ahead, groups, tiles in settings:
+            for label, ahead, groups, tiles, fns in settings:
                 module.set_gguf_prefetch(ahead)
                 module.set_gguf_unpack(groups)
                 module.set_gguf_amx(tiles)
-                got = timed(2.0 / 3 if len(settings) > 1 else 2.0)
+                got = timed(2.0 / 3 if len(settings) > 1 else 2.0, fns)
                 best[label] = min(best.get(label, got), got)
         module.set_gguf_prefetch(prefetch)
         module.set_gguf_unpack(unpack)
         module.set_gguf_amx(amx)
-        for label, _, _, _ in settings:
+        for label, *_ in settings:
             busy, wall = best[label]
             gbs = step_bytes / busy / 1e9
             print(f"rows={rows}{label}: {1e3 * busy:.1f} ms/step ({1e3 * wall:.1f} wall), {gbs:.1f} GB/s, "
@@ -256,6 +276,11 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
         lines += ["", f"At 1 row the K-quant kernels prefetch {prefetch} bytes ahead of the group they read towards "
                   "L1 (this CPU's default, native/csrc/cpu.h); \"no prefetch\" is the same step with it off, the two "
                   "timed in three alternating rounds (the best of each)."]
+    if small_pages:
+        lines += ["", "The weights lie on transparent huge pages, as the kernels' packing advises (native/csrc/"
+                  "huge_pages.h; numpy advises the read probe's buffers alike); \"4 KiB pages\" is the same step on "
+                  "a copy of the same bytes advised against them (MADV_NOHUGEPAGE), the two timed in three "
+                  "alternating rounds (the best of each)."]
     if unpack:
         lines += ["", "Past 8 rows (a register tile) the Q5_K and Q6_K kernels unpack each group of a panel once for "
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "

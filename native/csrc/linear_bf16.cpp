@@ -8,6 +8,7 @@
 //
 // The AVX512-BF16 micro-kernel runs where cpu::bf16() says so; elsewhere these functions run the scalar reference
 // (same bits, for tests: serving then loads float32 weights instead, engine/loader.py).
+#include "huge_pages.h"
 #include "linear_common.h"
 #include "ukernel_bf16.h"
 
@@ -103,7 +104,10 @@ torch::Tensor bf16_pack(const torch::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), kp = pairs(K), np = panels(N);
   // [N, K] -> zero-padded [np * 32, 2 kp] -> [np, 32, kp, 2] -> [np, kp, 32, 2]: pair t of feature n at (t, n)
   const torch::Tensor padded = at::constant_pad_nd(w, {0, 2 * kp - K, 0, np * KV_NR_BF16 - N}, 0);
-  return padded.view({np, KV_NR_BF16, kp, 2}).permute({0, 2, 1, 3}).contiguous().view({np, kp * 2 * KV_NR_BF16});
+  auto packed = torch::empty({np, kp * 2 * KV_NR_BF16}, w.options());
+  kvserve::advise_huge_pages(packed.data_ptr(), packed.nbytes());  // before its first write (huge_pages.h)
+  packed.view({np, kp, KV_NR_BF16, 2}).copy_(padded.view({np, KV_NR_BF16, kp, 2}).permute({0, 2, 1, 3}));
+  return packed;
 }
 
 torch::Tensor bf16_unpack(const torch::Tensor& packed, int64_t N, int64_t K) {

@@ -11,6 +11,7 @@
 // computed in ukernel_gguf.h's fixed order, so a row's bits depend neither on the batch, nor on the tile, slice or
 // chunk it falls in, nor on the threads.
 #include "act_quant.h"
+#include "huge_pages.h"
 #include "projection_handle.h"
 #include "ukernel_gguf.h"
 #include "ukernel_gguf_amx.h"
@@ -272,7 +273,9 @@ torch::Tensor ggml_pack(const torch::Tensor& raw, const std::string& kind_name) 
            raw.dim(), " dimensions");
   const torch::Tensor src = raw.contiguous();
   const int64_t N = raw.size(0), nu = raw.size(1) / unit.bytes, nr = panel_width(), panels = (N + nr - 1) / nr;
-  auto packed = torch::zeros({panels, nu * nr * unit.bytes}, raw.options());  // features past N stay zero
+  auto packed = torch::empty({panels, nu * nr * unit.bytes}, raw.options());
+  kvserve::advise_huge_pages(packed.data_ptr(), packed.nbytes());  // before its first write (huge_pages.h)
+  packed.zero_();  // features past N stay zero
   uint8_t* raw_p = src.data_ptr<uint8_t>();
   uint8_t* out = packed.data_ptr<uint8_t>();
   at::parallel_for(0, N, 64, [&](int64_t n0, int64_t n1) {

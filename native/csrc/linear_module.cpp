@@ -31,6 +31,7 @@
 // Each family has its own file (linear_f32/int8/int4/lut4.cpp, activation quantizers in act_quant.h); this file
 // binds them. The AVX2+FMA paths are compiled with target attributes and chosen at run time by cpu.h, so one
 // build runs on any x86-64 CPU; elsewhere (or with KVSERVE_ISA=scalar) the scalar loops run.
+#include "huge_pages.h"
 #include "linear_common.h"
 
 using namespace kvserve::linear;
@@ -54,6 +55,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lut4_linear", &lut4_linear, NoGil(),
         "x [M,K] f32, w u8 [N,K/2], scales f16 [K/G,N], G, lut f32 [16] -> [M,N]");
   m.def("f32_linear", &f32_linear, NoGil(), "x [M,K] f32, w f32 [N,K] -> [M,N] (small M)");
+  m.def("advise_huge_pages", [](const torch::Tensor& t) {
+    KV_CHECK(t.is_cpu() && t.is_contiguous(), "advise_huge_pages takes a contiguous CPU tensor");
+    return kvserve::advise_huge_pages(t.data_ptr(), t.nbytes());
+  }, "t (contiguous, CPU, not yet written) -> bytes of it advised for transparent huge pages (huge_pages.h)");
   m.def("ggml_pack", &ggml_pack,
         "raw u8 [N, K/32 * bytes] (GGUF blocks), kind 'q4_1'|'q8_0' -> u8 [panels, bytes] (the chosen ISA's layout)");
   m.def("ggml_unpack", &ggml_unpack, "packed, kind, N, K -> the raw u8 [N, K/32 * bytes] (ggml_pack's inverse)");
