@@ -22,6 +22,7 @@ import json
 import logging
 import re
 from collections.abc import Callable
+from typing import TypeVar
 
 import jsonschema
 import llguidance
@@ -34,6 +35,7 @@ from kvserve.server.schema_numbers import SUBSCHEMA, SUBSCHEMA_LISTS, SUBSCHEMA_
 from kvserve.server.errors import ApiError
 
 log = logging.getLogger("kvserve.grammar")
+T = TypeVar("T")
 
 MAX_SCHEMA_BYTES = 65_536   # a schema's JSON text; the largest real-world ones are a few kB
 MAX_SCHEMA_DEPTH = 32       # nesting of objects/arrays in the schema document
@@ -240,7 +242,7 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
     return GrammarSpec(kind, value)
 
 
-def _readable(param: str, build: Callable[[], GrammarSpec | None]) -> GrammarSpec | None:
+def _readable(param: str, build: Callable[[], T]) -> T:
     """``build()``, whose RecursionError is a 400 naming ``param``: the body's depth limit (server.validation) does
     not see into a string, so a schema given as JSON text, a Lark grammar's parentheses or a schema's regex
     ``pattern`` can nest past what Python's parsers (json, re, the Lark checks here) read recursively."""
@@ -274,7 +276,9 @@ def grammar_spec(body) -> GrammarSpec | None:
         param = f"structured_outputs.{keys[0]}"
         found.append(("structured_outputs", _readable(param, lambda: _text_spec(
             _STRUCTURED_KEYS[keys[0]], body.structured_outputs[keys[0]], param))))
-    tool_spec = _readable("tools", lambda: tools.forced_grammar(body, tool_parameters))
+    # each function's parameters named where they nest too deeply; the tools' grammar around them as "tools"
+    tool_spec = _readable("tools", lambda: tools.forced_grammar(
+        body, lambda schema, param: _readable(param, lambda: tool_parameters(schema, param))))
     if tool_spec is not None:
         found.append(("tool_choice", tool_spec))
     if len(found) > 1:

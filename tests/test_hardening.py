@@ -92,7 +92,7 @@ COMPLETIONS = "/v1/completions"
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "tool_choice": "required", "tools": [
         {"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": {"a": {"type": "string", "pattern": "(" * 2000 + ")" * 2000}}}}}]},
-     "tools"),
+     "tools.0.function.parameters"),
 ])
 def test_validation_refuses_instead_of_throwing(server_url, path, body, named):
     response = _post(server_url, path, body | {"max_tokens": 1} if path != "/v1/responses" else body)
