@@ -1,11 +1,11 @@
 // Transparent huge pages for the weights the kernels stream: asked for where a packed weight is allocated, before
 // its pages are first written (advice on pages already resident changes nothing until khugepaged gets to them).
 //
-// Why: a decode step reads every weight once from memory, and with 4 KiB pages each 4 KiB of it is a TLB entry
-// of its own, walked for again on every step. Measured in one process on an AMD EPYC (AVX2 path, 2 threads), the
-// projections of a Q4_K_M Llama-3.2-1B decode step on the same bytes advised against huge pages and for them:
-// 1.04x at 1 row and at 8 (BENCHMARKS.md, section hugepages-avx2). The read-bandwidth probe the benchmarks set the
-// kernels against reads numpy's buffers, which numpy already advises for huge pages from 4 MiB on.
+// Why: a decode step reads every weight once from memory, and on 4 KiB pages each 4 KiB of it is a TLB entry of
+// its own, walked for again on every step. `python -m kvserve.loadtest kernelbench --ggml-model` times a decode
+// step's projections on the same bytes advised against huge pages beside it (BENCHMARKS.md, ggml-model). The
+// read-bandwidth probe the benchmarks set the kernels against reads numpy's buffers, which numpy advises for huge
+// pages from 4 MiB on: with the advice the kernels' weights lie as the probe's bytes do.
 #ifndef KVSERVE_HUGE_PAGES_H
 #define KVSERVE_HUGE_PAGES_H
 
