@@ -365,8 +365,10 @@ print(advised(torch.zeros(8 << 20, dtype=torch.uint8)), advised(packed), advised
 """
 
 
-@pytest.mark.skipif(not Path("/sys/kernel/mm/transparent_hugepage").is_dir() or sys.platform != "linux",
-                    reason="no transparent huge pages in this kernel")
+@pytest.mark.skipif(sys.platform != "linux" or "VmFlags:" not in Path("/proc/self/smaps").read_text(),
+                    reason="no mappings' flags to read (Linux's /proc/self/smaps)")
+@pytest.mark.skipif(bool(os.environ.get("LD_PRELOAD")), reason="another allocator may be preloaded (the probe "
+                    "fixes glibc's mmap threshold)")
 def test_packed_weights_are_advised_for_huge_pages_before_they_are_written():
     # a plain tensor is not advised (the check can fail); ggml_pack's panels, a fused stack of layers
     # (QuantLinear._move_weights' buffer) and bf16_pack's panels are, their bytes unchanged; 1 MiB holds no whole

@@ -528,6 +528,37 @@ def test_overhead_splits_a_single_streams_token_against_the_read_bound(monkeypat
     assert split_text([replace(one, streams=8)], "m.gguf") == ""
 
 
+@pytest.mark.skipif(sys.platform != "linux", reason="reads Linux's /proc/self/smaps")
+def test_the_small_pages_copy_holds_the_same_bytes_advised_against_huge_pages(tmp_path):
+    """kernelbench --ggml-model's "4 KiB pages" rows: the copy is the weight's bytes in a mapping advised against
+    huge pages ("nh" in its VmFlags); the count of huge-page bytes sums AnonHugePages of the mappings that hold the
+    tensors, and only theirs."""
+    from pathlib import Path
+
+    import torch
+
+    from kvserve.loadtest.engine.ggmlbench import huge_page_bytes, on_small_pages
+
+    weights = torch.randint(0, 256, (6, 1 << 20), dtype=torch.uint8)
+    copy = on_small_pages(weights)
+    assert torch.equal(copy, weights) and copy.data_ptr() != weights.data_ptr()
+    flags = None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(a, 16) for a in head.split("-"))
+            inside = start <= copy.data_ptr() < end
+        elif inside and head == "VmFlags:":
+            flags = line.split()[1:]
+    assert flags is not None and "nh" in flags
+    a, b = copy.data_ptr(), copy.data_ptr() + copy.nbytes
+    smaps = tmp_path / "smaps"
+    smaps.write_text(f"{a - 8192:x}-{a:x} rw-p 00000000 00:00 0\nAnonHugePages:    2048 kB\n"  # not the copy's
+                     f"{a:x}-{a + (4 << 20):x} rw-p 00000000 00:00 0\nRss: 4096 kB\nAnonHugePages:    4096 kB\n"
+                     f"{a + (4 << 20):x}-{b:x} rw-p 00000000 00:00 0\nAnonHugePages:       0 kB\n")
+    assert huge_page_bytes([copy], str(smaps)) == 4 << 20
+
+
 def test_attention_bench_times_a_prompts_last_chunk_and_counts_its_pairs(monkeypatch, capsys):
     """kernelbench --attention: the call is a prompt's last 512-row chunk (row i of a T-token prompt attends to
     T - 512 + i + 1 keys through one block table), its multiply-adds are 2 H d per (query, key) pair, and a

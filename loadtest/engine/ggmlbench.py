@@ -172,6 +172,21 @@ def on_small_pages(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def huge_page_bytes(tensors: list[torch.Tensor], smaps_path: str = "/proc/self/smaps") -> int:
+    """Bytes on transparent huge pages (AnonHugePages in ``smaps_path``) of the mappings that hold ``tensors``: the
+    advice splits a mapping at the whole 2 MiB pages it covers, so those of packed weights are theirs alone."""
+    spans, held, current = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors], 0, None
+    with open(smaps_path) as smaps:
+        for line in smaps:
+            head = line.split(maxsplit=1)[0]
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                start, end = (int(a, 16) for a in head.split("-"))
+                current = any(lo < end and start < hi for lo, hi in spans)
+            elif current and head == "AnonHugePages:":
+                held += int(line.split()[1]) << 10
+    return held
+
+
 def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
     """(kind, N, K, count) of a Llama-3.2-1B Q4_K_M file's projections and head, as llama.cpp's quantizer mixes
     them (llama-quant.cpp: attn_v and ffn_down get Q6_K in the layers ``use_more_bits`` picks, i < n/8 or
@@ -200,11 +215,12 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
     threads = torch.get_num_threads()
     rng = np.random.default_rng(0)
     small_pages = any(rows <= 8 for rows in rows_list)
-    step_fns, small_fns, step_bytes, weights = [], [], 0, 0
+    step_fns, small_fns, step_bytes, weights, packs = [], [], 0, 0, []
     for kind, N, K, count in q4_k_m_kinds():
         for _ in range(count):
             raw = torch.from_numpy(random_units(kind, N, K, rng))
             packed = module.ggml_pack(raw, kind)
+            packs.append(packed)
             step_fns.append((module.bind_ggml(packed, kind, N, K), K))
             if small_pages:  # the same bytes on 4 KiB pages, side by side at decode's rows
                 small_fns.append((module.bind_ggml(on_small_pages(packed), kind, N, K), K))
@@ -277,10 +293,13 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
                   "L1 (this CPU's default, native/csrc/cpu.h); \"no prefetch\" is the same step with it off, the two "
                   "timed in three alternating rounds (the best of each)."]
     if small_pages:
-        lines += ["", "The weights lie on transparent huge pages, as the kernels' packing advises (native/csrc/"
-                  "huge_pages.h; numpy advises the read probe's buffers alike); \"4 KiB pages\" is the same step on "
-                  "a copy of the same bytes advised against them (MADV_NOHUGEPAGE), the two timed in three "
-                  "alternating rounds (the best of each)."]
+        huge = huge_page_bytes(packs)
+        lines += ["", f"The kernels' packing advises the whole 2 MiB pages inside each weight's buffer for transparent "
+                  f"huge pages (native/csrc/huge_pages.h; numpy advises the read probe's buffers alike): here "
+                  f"{huge / 1e6:.0f} MB of the step's {step_bytes / 1e6:.0f} MB lie on them (AnonHugePages), the "
+                  "rest at the buffers' unaligned ends on 4 KiB pages; \"4 KiB pages\" is the same step on a copy "
+                  "of the same bytes advised against them (MADV_NOHUGEPAGE), the two timed in three alternating "
+                  "rounds (the best of each)."]
     if unpack:
         lines += ["", "Past 8 rows (a register tile) the Q5_K and Q6_K kernels unpack each group of a panel once for "
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
