@@ -198,6 +198,7 @@ def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
             ("q4_k", 2048, 8192, LAYERS - q6), ("q6_k", VOCAB, WIDTH, 1)]
 
 
+ROUNDS = 7  # ggml_model's alternating rounds where settings are compared side by side
 PREFILL_ROWS = 64  # ggml_model's rows from which a step is a prefill chunk (the LM head on its last row only)
 
 
@@ -267,13 +268,15 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
             settings.append((", codes per tile", prefetch, False, amx, step_fns))
         if rows >= module.gguf_amx_rows() and amx:
             settings.append((", no AMX", prefetch, unpack, False, step_fns))
+        # a few percent between settings needs more alternations than this machine's slower swings last: seven short
+        # rounds (the best of each) in the two seconds one setting alone takes
         best: dict[str, tuple[float, float]] = {}
-        for _ in range(3 if len(settings) > 1 else 1):
+        for _ in range(ROUNDS if len(settings) > 1 else 1):
             for label, ahead, groups, tiles, fns in settings:
                 module.set_gguf_prefetch(ahead)
                 module.set_gguf_unpack(groups)
                 module.set_gguf_amx(tiles)
-                got = timed(2.0 / 3 if len(settings) > 1 else 2.0, fns)
+                got = timed(2.0 / ROUNDS if len(settings) > 1 else 2.0, fns)
                 best[label] = min(best.get(label, got), got)
         module.set_gguf_prefetch(prefetch)
         module.set_gguf_unpack(unpack)
@@ -291,24 +294,24 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
     if prefetch:
         lines += ["", f"At 1 row the K-quant kernels prefetch {prefetch} bytes ahead of the group they read towards "
                   "L1 (this CPU's default, native/csrc/cpu.h); \"no prefetch\" is the same step with it off, the two "
-                  "timed in three alternating rounds (the best of each)."]
+                  f"timed in {ROUNDS} alternating rounds (the best of each)."]
     if small_pages:
         huge = huge_page_bytes(packs)
         lines += ["", f"The kernels' packing advises the whole 2 MiB pages inside each weight's buffer for transparent "
                   f"huge pages (native/csrc/huge_pages.h; numpy advises the read probe's buffers alike): here "
                   f"{huge / 1e6:.0f} MB of the step's {step_bytes / 1e6:.0f} MB lie on them (AnonHugePages), the "
                   "rest at the buffers' unaligned ends on 4 KiB pages; \"4 KiB pages\" is the same step on a copy "
-                  "of the same bytes advised against them (MADV_NOHUGEPAGE), the two timed in three alternating "
+                  f"of the same bytes advised against them (MADV_NOHUGEPAGE), the two timed in {ROUNDS} alternating "
                   "rounds (the best of each)."]
     if unpack:
         lines += ["", "Past 8 rows (a register tile) the Q5_K and Q6_K kernels unpack each group of a panel once for "
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
-                  "with each tile making its codes from the panel, the two timed in three alternating rounds."]
+                  f"with each tile making its codes from the panel, the two timed in {ROUNDS} alternating rounds."]
     if amx:
         lines += ["", f"From {module.gguf_amx_rows()} rows (a decode batch of 32, a prefill chunk) the Q4_K and Q5_K "
                   "projections, and from 16 the Q6_K ones (here the LM head, some attn_v and ffn_down), run on "
                   "AMX-INT8 tiles, this CPU having them (native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same "
-                  "step on the AVX-512 kernel alone, the two timed in three alternating rounds."]
+                  f"step on the AVX-512 kernel alone, the two timed in {ROUNDS} alternating rounds."]
     print("\n".join(lines), flush=True)
     if write:
         update_section("ggml-model", "A Q4_K_M Llama-3.2-1B step's projections against the read bound (decode batches) "
