@@ -322,10 +322,9 @@ def test_every_native_path_gives_the_scalar_bits_in_every_batch(tmp_path):
 # Run in a process of its own whose allocator maps every buffer of 128 KiB or more anew (a fixed threshold: no
 # dynamic one), so no buffer lands in memory another one's advice left flagged and the check can fail.
 HUGE_PAGES_PROBE = """
-import sys
-from pathlib import Path
 import numpy as np, torch
 from kvserve import native
+from kvserve.loadtest.engine.ggmlbench import mappings
 from kvserve.quant.ggml import GGMLKind, GGMLLinear
 from kvserve.quant.linear import concat_outputs
 from tests.ggmlutil import random_blocks
@@ -336,15 +335,8 @@ def advised(t):
     huge = 2 << 20
     address = (t.data_ptr() + huge - 1) // huge * huge
     assert address + huge <= t.data_ptr() + t.nbytes, "the tensor holds no whole huge page"
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and ":" not in head:  # a mapping's first line: "start-end perms ..."
-            start, end = (int(a, 16) for a in head.split("-"))
-            inside = start <= address < end
-        elif inside and head == "VmFlags:":
-            return "hg" in line.split()[1:]
-    raise AssertionError(hex(address))
+    [flags] = [fields["VmFlags"].split() for start, end, fields in mappings() if start <= address < end]
+    return "hg" in flags
 
 def blocks(N, K, seed):
     return torch.from_numpy(random_blocks("q4_k", N, K, np.random.default_rng(seed)))

@@ -533,24 +533,15 @@ def test_the_small_pages_copy_holds_the_same_bytes_advised_against_huge_pages(tm
     """kernelbench --ggml-model's "4 KiB pages" rows: the copy is the weight's bytes in a mapping advised against
     huge pages ("nh" in its VmFlags); the count of huge-page bytes sums AnonHugePages of the mappings that hold the
     tensors, and only theirs."""
-    from pathlib import Path
-
     import torch
 
-    from kvserve.loadtest.engine.ggmlbench import huge_page_bytes, on_small_pages
+    from kvserve.loadtest.engine.ggmlbench import huge_page_bytes, mappings, on_small_pages
 
     weights = torch.randint(0, 256, (6, 1 << 20), dtype=torch.uint8)
     copy = on_small_pages(weights)
     assert torch.equal(copy, weights) and copy.data_ptr() != weights.data_ptr()
-    flags = None
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split()[0]
-        if "-" in head and not head.endswith(":"):
-            start, end = (int(a, 16) for a in head.split("-"))
-            inside = start <= copy.data_ptr() < end
-        elif inside and head == "VmFlags:":
-            flags = line.split()[1:]
-    assert flags is not None and "nh" in flags
+    [flags] = [fields["VmFlags"].split() for start, end, fields in mappings() if start <= copy.data_ptr() < end]
+    assert "nh" in flags
     a, b = copy.data_ptr(), copy.data_ptr() + copy.nbytes
     smaps = tmp_path / "smaps"
     smaps.write_text(f"{a - 8192:x}-{a:x} rw-p 00000000 00:00 0\nAnonHugePages:    2048 kB\n"  # not the copy's

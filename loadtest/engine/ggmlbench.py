@@ -172,19 +172,27 @@ def on_small_pages(t: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def mappings(smaps_path: str = "/proc/self/smaps") -> list[tuple[int, int, dict[str, str]]]:
+    """The process's mappings as ``smaps_path`` lists them (Linux's /proc/PID/smaps): (start, end, fields), the
+    fields by name without their colon ("AnonHugePages": "4096 kB", "VmFlags": "rd wr mr ...")."""
+    found: list[tuple[int, int, dict[str, str]]] = []
+    with open(smaps_path) as smaps:
+        for line in smaps:
+            head, _, rest = line.partition(" ")
+            if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
+                start, end = (int(a, 16) for a in head.split("-"))
+                found.append((start, end, {}))
+            elif found and head.endswith(":"):
+                found[-1][2][head[:-1]] = rest.strip()
+    return found
+
+
 def huge_page_bytes(tensors: list[torch.Tensor], smaps_path: str = "/proc/self/smaps") -> int:
     """Bytes on transparent huge pages (AnonHugePages in ``smaps_path``) of the mappings that hold ``tensors``: the
     advice splits a mapping at the whole 2 MiB pages it covers, so those of packed weights are theirs alone."""
-    spans, held, current = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors], 0, None
-    with open(smaps_path) as smaps:
-        for line in smaps:
-            head = line.split(maxsplit=1)[0]
-            if "-" in head and not head.endswith(":"):  # a mapping's first line: "start-end perms ..."
-                start, end = (int(a, 16) for a in head.split("-"))
-                current = any(lo < end and start < hi for lo, hi in spans)
-            elif current and head == "AnonHugePages:":
-                held += int(line.split()[1]) << 10
-    return held
+    spans = [(t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors]
+    return sum(int(fields.get("AnonHugePages", "0 kB").split()[0]) << 10 for start, end, fields in mappings(smaps_path)
+               if any(lo < end and start < hi for lo, hi in spans))
 
 
 def q4_k_m_kinds() -> list[tuple[str, int, int, int]]:
