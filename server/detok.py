@@ -66,6 +66,19 @@ def complete_prefix(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> int:
     return len(ids)
 
 
+def whole_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
+    """The text of ``ids``' whole characters: their decode, less a character their last tokens only begin (its
+    U+FFFD). A last token that holds whole characters before such a character's first bytes (``" \xf0\x9f"``: a
+    space, then an emoji's first two bytes) keeps them: they are the prompt's, and an output that completes the
+    character starts with the character itself (``IncrementalDetokenizer``)."""
+    cut = complete_prefix(tokenizer, ids)
+    whole = tokenizer.decode(ids[:cut])
+    if cut == len(ids):
+        return whole
+    text = tokenizer.decode(ids)
+    return whole + text[len(whole):].rstrip(_INCOMPLETE) if text.startswith(whole) else whole
+
+
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters.
 
@@ -76,7 +89,8 @@ class IncrementalDetokenizer:
 
     A prompt whose last tokens hold the first bytes of a character (token ids cut inside an emoji) leaves them to
     the output: the completed character is the start of the first text returned; if the output does not
-    complete it, those bytes are dropped (never sent as U+FFFD). So the prompt's whole characters and the
+    complete it, those bytes are dropped (never sent as U+FFFD). Whole characters in those tokens before the
+    unfinished one (a space) stay the prompt's. So the prompt's whole characters (``whole_text``) and the
     returned text join to the decode of prompt and output together.
 
     Several tokens can release their text at once (bytes of a character, or an invalid byte, release nothing
@@ -103,8 +117,15 @@ class IncrementalDetokenizer:
         self.ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:])
         self.prefix_offset = 0
         self.read_offset = complete_prefix(tokenizer, self.ids)
-        # characters the prompt's unfinished tail decodes to alone (its U+FFFD included); 0: it ends whole
-        self.dangling = len(self._decode(self.ids[self.read_offset:])) if self.read_offset < len(self.ids) else 0
+        # the prompt's unfinished tail (the tokens after read_offset) as the first text will hold it: `lead`
+        # whole characters of the prompt's own (dropped: whole_text has them), then `dangling` characters (its
+        # U+FFFD) that the output completes or that are dropped; both 0 where the prompt ends whole
+        self.lead = self.dangling = 0
+        if self.read_offset < len(self.ids):
+            whole, text = self._decode(self.ids[:self.read_offset]), self._decode(self.ids)
+            tail = text[len(whole):] if text.startswith(whole) else self._decode(self.ids[self.read_offset:])
+            self.lead = len(tail.rstrip(_INCOMPLETE)) if text.startswith(whole) else 0
+            self.dangling = len(tail) - self.lead
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens,
@@ -136,10 +157,11 @@ class IncrementalDetokenizer:
         return text
 
     def _first(self, text: str) -> str:
-        """The first text after a prompt that ended inside a character: without that character's U+FFFD when
-        the output did not complete it."""
+        """The first text after a prompt that ended inside a character: without the prompt's whole characters
+        before it, and without that character's U+FFFD when the output did not complete it."""
         if self.dangling and text:
-            head, text, self.dangling = text[:self.dangling], text[self.dangling:], 0
+            text = text[self.lead:]
+            head, text, self.lead, self.dangling = text[:self.dangling], text[self.dangling:], 0, 0
             return head.replace(_INCOMPLETE, "") + text
         return text
 

@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator, Callable
 
 from kvserve.engine.plan import TokenLogprob
 from kvserve.server.choice import ChoiceUpdate
-from kvserve.server.detok import complete_prefix
+from kvserve.server.detok import whole_text
 from kvserve.server.generation import Generation
 from kvserve.server.prepare import Prepared, prepare
 from kvserve.server.schemas import CompletionRequest
@@ -129,12 +129,9 @@ class PromptGroups:
 
     def prompt_text(self, index: int) -> str:
         """The prompt as sent (``echo``); token ids are decoded, without a character their last tokens only begin
-        (the completion's text starts with it: ``server.detok``)."""
+        (the completion's text starts with it: ``server.detok.whole_text``)."""
         prompt = self.prompts[self._origin(index)[0]]
-        if isinstance(prompt, str):
-            return prompt
-        tokenizer = self.state.tokenizer
-        return tokenizer.decode(prompt[:complete_prefix(tokenizer, prompt)])
+        return prompt if isinstance(prompt, str) else whole_text(self.state.tokenizer, prompt)
 
     def prompt_logprobs(self, index: int) -> list[TokenLogprob]:
         prompt, candidate = self._origin(index)

@@ -7,7 +7,7 @@ import json
 import httpx
 import pytest
 
-from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher, complete_prefix
+from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher, complete_prefix, whole_text
 
 TEXTS = [
     "Joy! 😀🎉🥳 and more 👨‍👩‍👧 family",
@@ -81,36 +81,46 @@ def _cut_inside_an_emoji(tokenizer, text: str) -> tuple[list[int], list[int]]:
 def test_a_character_completed_across_the_prompt_boundary_starts_the_output(smollm2):
     tokenizer = smollm2.tokenizer
     prompt, output = _cut_inside_an_emoji(tokenizer, "Joy! 😀 and more")
-    whole = tokenizer.decode(prompt[:complete_prefix(tokenizer, prompt)])
-    assert "\ufffd" not in whole and complete_prefix(tokenizer, prompt) < len(prompt)
+    # the cut token holds the space before the emoji's first bytes: the space is the prompt's
+    assert tokenizer.decode(prompt[-1:]) == " \ufffd"
+    whole = whole_text(tokenizer, prompt)
+    assert whole == "Joy! " and complete_prefix(tokenizer, prompt) < len(prompt)
     detok = IncrementalDetokenizer(tokenizer, prompt)
     text = "".join([detok.add(t) for t in output] + [detok.flush()])
-    assert text.lstrip().startswith("😀 and more")
+    assert text == "😀 and more"
     assert whole + text == tokenizer.decode(prompt + output) == "Joy! 😀 and more"
     # an output that does not complete it: the prompt's dangling bytes are dropped, never sent as U+FFFD
     detok = IncrementalDetokenizer(tokenizer, prompt)
     other = tokenizer(" fine", add_special_tokens=False)["input_ids"]
     text = "".join([detok.add(t) for t in other] + [detok.flush()])
-    assert "\ufffd" not in text and whole + text == tokenizer.decode(prompt + other).replace("\ufffd", "")
+    assert text == " fine" and whole + text == tokenizer.decode(prompt + other).replace("\ufffd", "")
 
 
 def test_served_a_character_completed_across_the_prompt_boundary_is_the_completions_start(smollm2, server_url):
     """Prompt token ids that end inside an emoji the model then completes: streamed and not, the completion
-    starts with the whole emoji, and the echoed prompt shows its whole characters only (no U+FFFD)."""
+    starts with the whole emoji, the echoed prompt shows its whole characters only (no U+FFFD; the space its last
+    token holds before the emoji's bytes is the prompt's, not repeated in the completion), and the echoed
+    logprobs' text offsets never go back: the token completing the emoji starts where the emoji does."""
     tokenizer = smollm2.tokenizer
     prompt, _ = _cut_inside_an_emoji(tokenizer, "Repeat: 😀😀😀😀😀😀")
-    texts = []
+    assert tokenizer.decode(prompt[-1:]) == " \ufffd"  # a space, then the emoji's first bytes
+    texts, offsets = [], []
     for stream, echo in ((False, True), (True, True), (False, False)):
-        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": echo, "stream": stream}
+        body = {"prompt": prompt, "max_tokens": 6, "temperature": 0, "echo": echo, "stream": stream, "logprobs": 0}
         with httpx.stream("POST", server_url + "/v1/completions", json=body, timeout=120) as response:
             assert response.status_code == 200
             if stream:
                 chunks = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
-                texts.append("".join(c["choices"][0]["text"] for c in chunks if c["choices"]))
+                choices = [c["choices"][0] for c in chunks if c["choices"]]
             else:
-                texts.append(json.loads(response.read())["choices"][0]["text"])
-    whole = tokenizer.decode(prompt[:complete_prefix(tokenizer, prompt)])  # the prompt's whole characters
+                choices = json.loads(response.read())["choices"]
+            texts.append("".join(c["text"] for c in choices))
+            offsets.append([o for c in choices if c["logprobs"] for o in c["logprobs"]["text_offset"]])
+    whole = whole_text(tokenizer, prompt)  # the prompt's whole characters
+    assert whole == "Repeat: "
     assert texts[0] == texts[1] == whole + texts[2]
     assert "\ufffd" not in texts[0]
-    first = texts[2].lstrip()[0]  # the character the prompt's last bytes begin, completed by the model
+    assert offsets[0] == offsets[1] and offsets[0] == sorted(offsets[0])
+    assert offsets[0][len(prompt)] == len(whole)  # the first generated token: the emoji it completes
+    first = texts[2][0]  # the character the prompt's last bytes begin, completed by the model
     assert ord(first) >= 0x1F000  # an emoji (the model completes it as 😍)
