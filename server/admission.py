@@ -37,6 +37,17 @@ _CHARS_PER_MESSAGE = 256
 _TOKENIZING = asyncio.Semaphore(2)
 
 
+def check_model(state: ServerState, model: str | None) -> None:
+    """A request's ``model``: none, this server's served name or ``default``.
+
+    Raises:
+        ApiError: 404 (OpenAI's model_not_found) naming the model this server serves.
+    """
+    if model is not None and model not in (state.model_name, "default"):
+        raise ApiError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+                       param="model", code="model_not_found")
+
+
 async def tokenizing(chars: int, fn: Callable, *args):
     """``fn(*args)``: on the event loop for a short prompt, else on a worker thread, two at a time."""
     if chars <= _TOKENIZE_OFF_LOOP_CHARS:
@@ -85,9 +96,7 @@ async def prepare_request(state: ServerState, body, request: Request) -> list[Pr
         ApiError: 404 for a model this server does not serve; 400 for a request over the size limits, a prompt
             ``prepare`` refuses or a grammar that does not compile.
     """
-    if body.model is not None and body.model not in (state.model_name, "default"):
-        raise ApiError(404, f"model {body.model!r} does not exist; this server serves {state.model_name!r}",
-                       param="model", code="model_not_found")
+    check_model(state, body.model)
     completions = isinstance(body, CompletionRequest)
     _check_request_size(state, body, completions)
     prepare_all = prepare_prompts if completions else prepare

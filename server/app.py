@@ -15,6 +15,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
+from fastapi.routing import APIRoute
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sse_starlette.sse import EventSourceResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -22,13 +23,13 @@ from starlette.routing import Match
 
 from kvserve.server import tools
 from kvserve.server.auth import ApiKeys
-from kvserve.server.admission import admit, chat_work, tokenizing
+from kvserve.server.admission import admit, chat_work, check_model, tokenizing
 from kvserve.server.bodylimit import BodyLimit
 from kvserve.server.drain import Drain, DrainGate
 from kvserve.server.errors import ApiError
 from kvserve.server.choice import ChoiceUpdate
 from kvserve.server.generation import Generation, until_done_or_gone
-from kvserve.server.prepare import chat_prompt_ids, check_token_ids, text_prompt_ids
+from kvserve.server.prepare import chat_prompt_ids, check_token_ids, completion_text_ids
 from kvserve.server.hostguard import HostGuard, HostPolicy
 from kvserve.server.openai_format import Formatter
 from kvserve.server.prompts import PromptGroups
@@ -208,13 +209,17 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 
     @app.post("/tokenize", dependencies=v1)
     async def tokenize(body: TokenizeRequest):
+        check_model(state, body.model)
         tools.functions(body)  # tools and tool_choice checked as a chat request checks them, used or not
         if body.messages is not None:
             ids = await tokenizing(chat_work(body.messages, body.tools), chat_prompt_ids, state, body.messages, body,
                                    body.add_generation_prompt)
         else:
-            ids = await tokenizing(len(body.prompt), text_prompt_ids, state, body.prompt, body.add_special_tokens)
-        return {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
+            ids = await tokenizing(len(body.prompt), completion_text_ids, state, body.prompt, body.add_special_tokens)
+        reply = {"tokens": ids, "count": len(ids), "max_model_len": state.max_request_tokens}
+        if body.return_token_strs:
+            reply["token_strs"] = state.tokenizer.convert_ids_to_tokens(ids)
+        return reply
 
     @app.get("/tokenizer_info", dependencies=v1)
     async def get_tokenizer_info():
@@ -222,6 +227,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
 
     @app.post("/detokenize", dependencies=v1)
     async def detokenize(body: DetokenizeRequest):
+        check_model(state, body.model)
         check_token_ids(state, body.tokens, "tokens")
         return {"prompt": state.tokenizer.decode(body.tokens)}
 
@@ -237,7 +243,20 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     render.register(app, state, v1)
     if state.config.ui:
         livepage.register(app, state, v1)
+    _head_like_get(app)
     return app
+
+
+def _head_like_get(app: FastAPI) -> None:
+    """A HEAD route beside every GET route that has none (RFC 9110 9.3.2: a server that serves GET serves HEAD;
+    Starlette's own routes do, FastAPI's do not): the same endpoint and dependencies, its body left out by the
+    HTTP server. Not for a stream (the live page's events), whose endpoint would run until the client left."""
+    heads = {route.path for route in app.routes if isinstance(route, APIRoute) and "HEAD" in route.methods}
+    for route in list(app.routes):
+        if (isinstance(route, APIRoute) and "GET" in route.methods and route.path not in heads
+                and not route.path.endswith("/events")):
+            app.add_api_route(route.path, route.endpoint, methods=["HEAD"], dependencies=route.dependencies,
+                              response_class=route.response_class, include_in_schema=False)
 
 
 def _method_not_allowed(request: Request) -> ApiError:

@@ -61,7 +61,8 @@ _EVENT_STREAM = {"text/event-stream": {"schema": _SSE_EVENT,
 
 
 def _applies(path: str, operation: dict, keyed: set[str]) -> set[str]:
-    model = path in GENERATION_PATHS or path.endswith("/render") or "{model_id" in path
+    model = (path in GENERATION_PATHS or path.endswith("/render") or "{model_id" in path
+             or path in ("/tokenize", "/detokenize"))
     return {"all", *(("body",) if "requestBody" in operation else ()), *(("key",) if path in keyed else ()),
             *(("generate",) if path in GENERATION_PATHS else ()), *(("model",) if model else ())}
 

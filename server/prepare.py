@@ -145,6 +145,15 @@ def text_prompt_ids(state: ServerState, text: str, add_special_tokens: bool = Tr
     return state.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]
 
 
+def completion_text_ids(state: ServerState, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids of a completions text prompt as generation prefills it (``/tokenize`` counts the same): an empty
+    prompt is the start of a document (``_document_start``) where special tokens are added. Raises ApiError (400)
+    on text that is not valid Unicode."""
+    if not text and add_special_tokens:
+        return _document_start(state.tokenizer)
+    return text_prompt_ids(state, text, add_special_tokens)
+
+
 def _document_start(tokenizer) -> list[int]:
     """The prompt of an empty prompt string, which OpenAI's completions take: the start of a document, i.e. the BOS
     token, or EOS where the tokenizer has no BOS (GPT-2's and Qwen2's ``<|endoftext|>`` separates documents), as
@@ -162,9 +171,7 @@ def prompt_ids_of(state: ServerState, request: ChatCompletionRequest | Completio
         if request.suffix:
             _check_text(request.suffix, "suffix")
             return text_prompt_ids(state, fim_prompt(tokenizer, request.prompt, request.suffix))
-        if not request.prompt:
-            return _document_start(tokenizer)
-        return text_prompt_ids(state, request.prompt)
+        return completion_text_ids(state, request.prompt)
     if request.suffix:
         raise ApiError(400, "suffix needs a text prompt (the fill-in-the-middle layout is text)", param="suffix")
     check_token_ids(state, request.prompt, "prompt")

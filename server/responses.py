@@ -25,7 +25,7 @@ from typing import ClassVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import ConfigDict, Field, StrictBool, ValidationError, model_validator
+from pydantic import ConfigDict, Field, StrictBool, ValidationError, ValidationInfo, field_validator, model_validator
 from sse_starlette.sse import EventSourceResponse
 
 from kvserve.server.admission import admit
@@ -51,7 +51,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 class InputPart(RequestModel):
     model_config = ConfigDict(extra="ignore")
     type: str = Field(json_schema_extra={"enum": list(_TEXT_PARTS)})
-    text: str = ""
+    text: str | None = None  # required of a text part (the message's check says which part lacks it)
 
 
 class InputMessage(RequestModel):
@@ -60,7 +60,26 @@ class InputMessage(RequestModel):
     model_config = ConfigDict(extra="ignore")
     type: str = Field(default="message", json_schema_extra={"enum": ["message"]})
     role: str = Field(default="user", json_schema_extra={"enum": list(_ROLES)})
-    content: str | list[InputPart] = ""
+    # required, as on chat (a missing, null or empty content is a 400 naming it, never an empty turn)
+    content: str | list[InputPart] | None = Field(default=None, validate_default=True)
+
+    @field_validator("content")
+    @classmethod
+    def _content_given(cls, value, info: ValidationInfo):
+        if info.data.get("type", "message") != "message":
+            return value  # another item type: refused as such (below), content or not
+        if value is None:
+            raise ValueError("content is required: a string or a list of text parts")
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("content must not be an empty list")
+            other = sorted({p.type for p in value if p.type not in _TEXT_PARTS})
+            if other:
+                raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
+            missing = [i for i, part in enumerate(value) if part.text is None]
+            if missing:
+                raise ValueError(f"text part {missing[0]} has no text")
+        return value
 
     @model_validator(mode="after")
     def _text_messages_only(self):
@@ -68,17 +87,13 @@ class InputMessage(RequestModel):
             raise ValueError(f"input items of type {self.type!r} are not supported by kvserve (only messages)")
         if self.role not in _ROLES:
             raise ValueError(f"role {self.role!r} is not supported")
-        if isinstance(self.content, list):
-            other = sorted({p.type for p in self.content if p.type not in _TEXT_PARTS})
-            if other:
-                raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
         return self
 
     @property
     def text(self) -> str:
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content)
 
 
 class ResponsesRequest(RequestModel):
@@ -152,13 +167,13 @@ class ResponsesRequest(RequestModel):
             ("max_tool_calls", self.max_tool_calls is not None),
             ("truncation", self.truncation not in (None, "disabled")),
         ) if used]
-        if unsupported:
-            why = "kvserve stores nothing" if {"previous_response_id", "store", "conversation", "background"} & set(
-                unsupported) else "kvserve does not implement it"
-            raise ValueError(f"not supported by kvserve: {', '.join(unsupported)} ({why}; send the whole "
-                             f"conversation as input, with store false or left out)")
+        if unsupported:  # named by the first (the 400's param), all of them in the message
+            stored = {"previous_response_id", "store", "conversation", "background"} & set(unsupported)
+            why = ("kvserve stores nothing; send the whole conversation as input, with store false or left out"
+                   if stored else "kvserve does not implement it")
+            raise BodyError(f"not supported by kvserve: {', '.join(unsupported)} ({why})", unsupported[0])
         if isinstance(self.input, list) and not self.input:
-            raise ValueError("input must not be empty")
+            raise BodyError("input must not be empty", "input")
         return self
 
     def chat_request(self) -> ChatCompletionRequest:

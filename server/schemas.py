@@ -141,7 +141,7 @@ class _SamplingRequest(RequestModel):
             ("store", self.store),  # kvserve stores nothing
         ) if used]
         if unsupported:
-            raise ValueError(f"not supported by kvserve: {', '.join(unsupported)}")
+            raise BodyError(f"not supported by kvserve: {', '.join(unsupported)}", unsupported[0])
         if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM answer it
             raise BodyError("stream_options is only allowed when stream is true", "stream_options")
         return self
@@ -282,10 +282,10 @@ class ChatCompletionRequest(_SamplingRequest):
     @model_validator(mode="after")
     def _top_logprobs_needs_logprobs(self):
         if self.top_logprobs and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs: true")
+            raise BodyError("top_logprobs requires logprobs: true", "top_logprobs")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt: false (the final message is "
-                             "continued, so no new turn is opened; vLLM refuses both too)")
+            raise BodyError("continue_final_message needs add_generation_prompt: false (the final message is "
+                            "continued, so no new turn is opened; vLLM refuses both too)", "continue_final_message")
         return self
 
     @property
@@ -349,9 +349,10 @@ class CompletionRequest(_SamplingRequest):
     def _check_best_of(self):
         if self.best_of is not None and self.best_of != self.n:
             if self.best_of < self.n:
-                raise ValueError(f"best_of ({self.best_of}) must be at least n ({self.n})")
+                raise BodyError(f"best_of ({self.best_of}) must be at least n ({self.n})", "best_of")
             if self.stream:
-                raise ValueError("best_of above n cannot be streamed: the best candidates are known only at the end")
+                raise BodyError("best_of above n cannot be streamed: the best candidates are known only at the end",
+                                "best_of")
         return self
 
     @property
@@ -376,10 +377,12 @@ class CompletionRequest(_SamplingRequest):
 
 
 class TokenizeRequest(RequestModel):
-    model_config = ConfigDict(extra="ignore")
+    # an unknown field is a 400 naming it, as on the generation and render routes
+    model_config = ConfigDict(extra="forbid")
     _is_body: ClassVar[bool] = True
     model: str | None = None
     prompt: str | None = None
+    return_token_strs: bool = False  # vLLM's: each token's piece (token_strs) beside its id
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)
     add_special_tokens: bool = True  # a text prompt's; chat messages render as generation renders them
     # chat: what generation renders too (vLLM's tokenize fields), so the count is the request's prompt tokens
@@ -394,12 +397,12 @@ class TokenizeRequest(RequestModel):
         if (self.prompt is None) == (self.messages is None):
             raise ValueError("give exactly one of prompt or messages")
         if self.continue_final_message and self.add_generation_prompt:
-            raise ValueError("continue_final_message needs add_generation_prompt: false")
+            raise BodyError("continue_final_message needs add_generation_prompt: false", "continue_final_message")
         return self
 
 
 class DetokenizeRequest(RequestModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
     _is_body: ClassVar[bool] = True
     model: str | None = None
     tokens: list[int]

@@ -200,19 +200,36 @@ def strict_schema(schema):
     return out
 
 
+# the fields OpenAI's response_format takes (any other is its "Unknown parameter" 400)
+_JSON_SCHEMA_FIELDS = ("name", "description", "schema", "strict")
+
+
 def _response_format_spec(response_format: dict) -> GrammarSpec | None:
     kind = response_format.get("type", "text")
+    if kind not in ("text", "json_object", "json_schema"):
+        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
+                       param="response_format.type")
+    for key in response_format:
+        if key != "type" and not (key == "json_schema" and kind == "json_schema"):
+            raise ApiError(400, f"response_format.{key} is not a field of a response_format of type {kind}",
+                           param=f"response_format.{key}")
     if kind == "text":
         return None
     if kind == "json_object":
         return GrammarSpec("json_schema", json.dumps({"type": "object"}))
-    if kind != "json_schema":
-        raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
-                       param="response_format.type")
     spec = response_format.get("json_schema")
     if not isinstance(spec, dict) or not isinstance(spec.get("name", ""), str):
         raise ApiError(400, "response_format.json_schema must be an object with name and schema",
                        param="response_format.json_schema")
+    for key, value in spec.items():
+        param = f"response_format.json_schema.{key}"
+        if key not in _JSON_SCHEMA_FIELDS:
+            raise ApiError(400, f"{param} is not a field of json_schema (it takes {', '.join(_JSON_SCHEMA_FIELDS)})",
+                           param=param)
+        if (key == "strict" and value is not None and not isinstance(value, bool)) or (
+                key == "description" and not isinstance(value, str)):
+            kind_of = "a boolean" if key == "strict" else "a string"
+            raise ApiError(400, f"{param} must be {kind_of}, not {type(value).__name__}", param=param)
     return json_schema_spec(spec.get("schema", {}), "response_format.json_schema.schema",
                             strict=spec.get("strict") is True)
 
@@ -268,7 +285,11 @@ def grammar_spec(body) -> GrammarSpec | None:
         value = getattr(body, name, None)
         if value is not None:
             found.append((name, _readable(name, lambda: _text_spec(kind, value, name))))
-    if body.structured_outputs:
+    if body.structured_outputs is not None:  # {} too: vLLM refuses a constraint that names none
+        unknown = [k for k in body.structured_outputs if k not in _STRUCTURED_KEYS]
+        if unknown:  # vLLM's other options (disable_any_whitespace, whitespace_pattern, ...) are not served
+            raise ApiError(400, f"structured_outputs.{unknown[0]} is not supported by kvserve (it serves "
+                           f"{', '.join(_STRUCTURED_KEYS)})", param=f"structured_outputs.{unknown[0]}")
         keys = [k for k in _STRUCTURED_KEYS if body.structured_outputs.get(k) is not None]
         if len(keys) != 1:
             raise ApiError(400, "structured_outputs must give exactly one of json, regex, choice, grammar",

@@ -230,6 +230,16 @@ def test_a_sentencepiece_tokens_bytes_are_its_byte_or_its_piece_with_spaces():
     ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
     ({"function_call": "auto"}, "function_call"),
     ({"response_format": {}}, "response_format"),
+    ({"response_format": {"type": "text", "json_schema": {"name": "t", "schema": {}}}}, "response_format.json_schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {}}, "extra": 1}},
+     "response_format.extra"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {}, "strict": "yes"}}},
+     "response_format.json_schema.strict"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schemas": {}}}},
+     "response_format.json_schema.schemas"),
+    ({"structured_outputs": {}}, "structured_outputs"),
+    ({"structured_outputs": {"regex": "a", "disable_any_whitespace": True}},
+     "structured_outputs.disable_any_whitespace"),
     # null content is an assistant's with tool_calls only (those are served: tests/test_structured.py)
     ({"messages": [{"role": "user", "content": None, "tool_calls": [
         {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}, "messages.0.content"),

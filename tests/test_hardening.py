@@ -160,7 +160,7 @@ def _threads_running(monkeypatch, name: str) -> list[str]:
 
 
 def test_long_prompts_are_tokenized_off_the_event_loop(bare_state, monkeypatch):
-    threads = _threads_running(monkeypatch, "text_prompt_ids")
+    threads = _threads_running(monkeypatch, "completion_text_ids")
     with TestClient(create_app(bare_state), base_url="http://127.0.0.1") as client:
         short = client.post("/tokenize", json={"prompt": "Hi"})
         long = client.post("/tokenize", json={"prompt": "word " * 10_000})
@@ -338,8 +338,8 @@ _TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "o
                                          {"function": {"name": "f"}}])
 def test_a_tool_choice_of_the_wrong_shape_is_a_400_naming_it(server_url, path, tool_choice):
     """It was a 500 (a string or list where server.tools read a mapping or a name)."""
-    response = _post(server_url, path, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1,
-                                        "tools": [_TOOL], "tool_choice": tool_choice})
+    response = _post(server_url, path, {"messages": [{"role": "user", "content": "Hi"}], "tools": [_TOOL],
+                                        "tool_choice": tool_choice} | ({"max_tokens": 1} if path == CHAT else {}))
     assert response.status_code == 400, response.text
     assert response.json()["error"]["param"] == "tool_choice"
 

@@ -131,7 +131,7 @@ def test_duplicate_hosts_and_absolute_targets_are_checked(server_url):
 
 @pytest.mark.parametrize("method,path,allow", [
     ("OPTIONS", "/health", "GET, HEAD"), ("DELETE", "/health", "GET, HEAD"),
-    ("OPTIONS", CHAT, "POST"), ("PUT", "/v1/models/x", "GET"),
+    ("OPTIONS", CHAT, "POST"), ("PUT", "/v1/models/x", "GET, HEAD"),
 ])
 def test_a_method_not_served_is_a_405_listing_every_allowed_method(server_url, method, path, allow):
     response = httpx.request(method, server_url + path)

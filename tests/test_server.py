@@ -357,6 +357,33 @@ def test_model_card_and_head_health(server_url):
     assert httpx.head(server_url + "/health").status_code == 200
 
 
+@pytest.mark.parametrize("path", ["/v1/models", "/v1/models/SmolLM2-135M-Instruct", "/metrics", "/tokenizer_info",
+                                  "/live"])
+def test_every_get_route_answers_head_with_its_headers_and_no_body(server_url, path):
+    got, head = httpx.get(server_url + path), httpx.head(server_url + path)
+    assert head.status_code == got.status_code == 200
+    assert head.content == b"" and head.headers["content-type"] == got.headers["content-type"]
+    assert httpx.head(server_url + "/v1/models/nope").status_code == 404
+
+
+def test_tokenize_and_detokenize_check_their_fields_and_model(server_url):
+    """As the generation routes: an unknown field is a 400 naming it, another model a 404; vLLM's
+    return_token_strs is served; an empty prompt counts the token generation starts it with."""
+    for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+        unknown = post(server_url, path, body | {"foo": 1})
+        assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "foo", unknown.text
+        other = post(server_url, path, body | {"model": "nope"})
+        assert other.status_code == 404 and other.json()["error"]["param"] == "model", other.text
+        assert post(server_url, path, body | {"model": "SmolLM2-135M-Instruct"}).status_code == 200
+    strs = post(server_url, "/tokenize", {"prompt": "Hello world", "return_token_strs": True}).json()
+    assert strs["token_strs"] == ["Hello", "Ġworld"] and len(strs["tokens"]) == 2
+    assert "token_strs" not in post(server_url, "/tokenize", {"prompt": "Hello world"}).json()
+    empty = post(server_url, "/tokenize", {"prompt": ""}).json()
+    reply = post(server_url, COMPLETIONS, {"prompt": "", "max_tokens": 1, "temperature": 0}).json()
+    assert empty["count"] == reply["usage"]["prompt_tokens"] == 1
+    assert post(server_url, "/tokenize", {"prompt": "", "add_special_tokens": False}).json()["tokens"] == []
+
+
 def test_logprobs_give_the_raw_bytes_of_partial_characters(server_url):
     ids = httpx.post(server_url + "/tokenize", json={"prompt": "😀", "add_special_tokens": False}).json()["tokens"]
     body = post(server_url, COMPLETIONS, {"prompt": ids, "max_tokens": 1, "temperature": 0, "echo": True,
@@ -458,6 +485,35 @@ def test_unimplemented_openai_fields_are_refused_not_ignored(server_url, path, e
     response = post(server_url, path, body)
     assert response.status_code == 400
     assert named in response.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("path,extra,param", [
+    (CHAT, {"best_of": 2}, "best_of"),
+    (CHAT, {"top_logprobs": 3}, "top_logprobs"),
+    (CHAT, {"continue_final_message": True}, "continue_final_message"),
+    (COMPLETIONS, {"best_of": 1, "n": 2}, "best_of"),
+    (COMPLETIONS, {"best_of": 3, "n": 2, "stream": True}, "best_of"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
+     "continue_final_message"),
+    ("/v1/responses", {"store": True}, "store"),
+    ("/v1/responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
+    ("/v1/responses", {"text": {"format": {"type": "json_object"}}}, "text.format"),
+    ("/v1/responses", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/responses", {"input": []}, "input"),
+    ("/v1/responses", {"input": [{"role": "user", "content": None}]}, "input.0.content"),
+    ("/v1/responses", {"input": [{"role": "user"}]}, "input.0.content"),
+    ("/v1/responses", {"input": [{"role": "user", "content": []}]}, "input.0.content"),
+    ("/v1/responses", {"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content"),
+])
+def test_a_refusal_of_one_field_names_it_as_its_param(server_url, path, extra, param):
+    """The 400 of a check across fields (a model validator) names the field at fault, as a field's own check does,
+    and a responses input message without text is refused as chat's is (never served as an empty turn)."""
+    body = {CHAT: chat_body("Hi", max_tokens=2), COMPLETIONS: {"prompt": "Hi", "max_tokens": 2},
+            "/v1/responses": {"input": "Hi", "max_output_tokens": 2}, "/tokenize": {}}[path] | extra
+    response = post(server_url, path, {k: v for k, v in body.items() if v is not None})
+    assert response.status_code == 400, response.text
+    assert response.json()["error"]["param"] == param, response.text
+    assert "store false" not in response.json()["error"]["message"] or param in ("store", "previous_response_id")
 
 
 def test_harmless_values_of_those_fields_are_accepted(server_url):
