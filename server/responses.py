@@ -33,7 +33,7 @@ from kvserve.server.drain import Drain
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation, until_done_or_gone
 from kvserve.server.reasoning import ReasoningSplit
-from kvserve.server.schemas import ChatCompletionRequest, StreamOptions
+from kvserve.server.schemas import ChatCompletionRequest, StreamOptions, check_text_parts
 from kvserve.server.validation import BodyError, RequestModel
 from kvserve.server.state import ServerState
 
@@ -71,14 +71,7 @@ class InputMessage(RequestModel):
         if value is None:
             raise ValueError("content is required: a string or a list of text parts")
         if isinstance(value, list):
-            if not value:
-                raise ValueError("content must not be an empty list")
-            other = sorted({p.type for p in value if p.type not in _TEXT_PARTS})
-            if other:
-                raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
-            missing = [i for i, part in enumerate(value) if part.text is None]
-            if missing:
-                raise ValueError(f"text part {missing[0]} has no text")
+            check_text_parts(value, _TEXT_PARTS)
         return value
 
     @model_validator(mode="after")

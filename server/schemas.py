@@ -207,6 +207,23 @@ class ContentPart(RequestModel):
 _NULL_CONTENT_ROLES = ("assistant", "tool")  # roles whose content OpenAI's API takes as null
 
 
+def check_text_parts(parts: list, text_types: tuple[str, ...]) -> None:
+    """A message's content parts (each with ``type`` and ``text``, None where not given): at least one, each of
+    ``text_types``, each with its text (chat's and the responses route's messages alike).
+
+    Raises:
+        ValueError: what is wrong, naming the first part at fault (the 400's message).
+    """
+    if not parts:
+        raise ValueError("content must not be an empty list")
+    other = sorted({part.type for part in parts if part.type not in text_types})
+    if other:
+        raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
+    missing = [i for i, part in enumerate(parts) if part.text is None]
+    if missing:
+        raise ValueError(f"text part {missing[0]} has no text")
+
+
 class ChatMessage(RequestModel):
     """One chat turn. ``content`` is a string or a non-empty list of text parts; OpenAI allows null on an assistant
     turn (one that only calls tools, or a refusal) and on a tool turn, which then render as empty text; server.tools
@@ -239,14 +256,7 @@ class ChatMessage(RequestModel):
             raise ValueError("content is required: a string or a list of text parts (null only on an assistant "
                              "or a tool turn)")
         if isinstance(value, list):
-            if not value:
-                raise ValueError("content must not be an empty list")
-            other = sorted({part.type for part in value if part.type != "text"})
-            if other:
-                raise ValueError(f"only text content parts are supported, not {', '.join(other)}")
-            missing = [i for i, part in enumerate(value) if part.text is None]
-            if missing:
-                raise ValueError(f"text part {missing[0]} has no text")
+            check_text_parts(value, ("text",))
         return value
 
     @property
