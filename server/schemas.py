@@ -405,7 +405,7 @@ class TokenizeRequest(RequestModel):
     @model_validator(mode="after")
     def _one_input(self):
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise BodyError("give exactly one of prompt or messages", "prompt" if self.messages is None else "messages")
         if self.continue_final_message and self.add_generation_prompt:
             raise BodyError("continue_final_message needs add_generation_prompt: false", "continue_final_message")
         return self

@@ -47,6 +47,9 @@ _VLLM_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_c
 # a line that starts a GBNF rule: Lark writes rules as `name: ...`, GBNF as `name ::= ...`
 _GBNF_RULE = re.compile(r"^\s*[A-Za-z_][A-Za-z0-9_-]*\s*::=", re.M)
 _STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "lark"}
+# vLLM's StructuredOutputsParams' other fields: accepted at their defaults (None or False) only
+_VLLM_STRUCTURED_OPTIONS = ("json_object", "disable_fallback", "disable_any_whitespace",
+                            "disable_additional_properties", "whitespace_pattern", "structural_tag")
 # keywords whose numbers the output may have to write (a step shapes the number's regex); bounds are narrowed to
 # what can be written instead (server.schema_numbers)
 _NUMBER_KEYWORDS = ("const", "enum", "multipleOf")
@@ -209,8 +212,8 @@ def _response_format_spec(response_format: dict) -> GrammarSpec | None:
     if kind not in ("text", "json_object", "json_schema"):
         raise ApiError(400, f"response_format.type must be text, json_object or json_schema, not {kind!r}",
                        param="response_format.type")
-    for key in response_format:
-        if key != "type" and not (key == "json_schema" and kind == "json_schema"):
+    for key, value in response_format.items():  # null is absent, as everywhere in a request
+        if value is not None and key != "type" and not (key == "json_schema" and kind == "json_schema"):
             raise ApiError(400, f"response_format.{key} is not a field of a response_format of type {kind}",
                            param=f"response_format.{key}")
     if kind == "text":
@@ -226,8 +229,8 @@ def _response_format_spec(response_format: dict) -> GrammarSpec | None:
         if key not in _JSON_SCHEMA_FIELDS:
             raise ApiError(400, f"{param} is not a field of json_schema (it takes {', '.join(_JSON_SCHEMA_FIELDS)})",
                            param=param)
-        if (key == "strict" and value is not None and not isinstance(value, bool)) or (
-                key == "description" and not isinstance(value, str)):
+        if value is not None and ((key == "strict" and not isinstance(value, bool)) or (
+                key == "description" and not isinstance(value, str))):
             kind_of = "a boolean" if key == "strict" else "a string"
             raise ApiError(400, f"{param} must be {kind_of}, not {type(value).__name__}", param=param)
     return json_schema_spec(spec.get("schema", {}), "response_format.json_schema.schema",
@@ -286,17 +289,23 @@ def grammar_spec(body) -> GrammarSpec | None:
         if value is not None:
             found.append((name, _readable(name, lambda: _text_spec(kind, value, name))))
     if body.structured_outputs is not None:  # {} too: vLLM refuses a constraint that names none
-        unknown = [k for k in body.structured_outputs if k not in _STRUCTURED_KEYS]
-        if unknown:  # vLLM's other options (disable_any_whitespace, whitespace_pattern, ...) are not served
+        outputs = dict(body.structured_outputs)
+        if outputs.get("json_object") is True:  # vLLM's: any JSON object
+            outputs["json"] = {"type": "object"} if outputs.get("json") is None else outputs["json"]
+        # vLLM's other options at their defaults (a dump of its settings object) change nothing; set, not served
+        unknown = [k for k, v in outputs.items() if k not in _STRUCTURED_KEYS
+                   and not (k in _VLLM_STRUCTURED_OPTIONS and v in (None, False))
+                   and not (k == "json_object" and v is True)]
+        if unknown:
             raise ApiError(400, f"structured_outputs.{unknown[0]} is not supported by kvserve (it serves "
-                           f"{', '.join(_STRUCTURED_KEYS)})", param=f"structured_outputs.{unknown[0]}")
-        keys = [k for k in _STRUCTURED_KEYS if body.structured_outputs.get(k) is not None]
+                           f"{', '.join(_STRUCTURED_KEYS)} and json_object)", param=f"structured_outputs.{unknown[0]}")
+        keys = [k for k in _STRUCTURED_KEYS if outputs.get(k) is not None]
         if len(keys) != 1:
             raise ApiError(400, "structured_outputs must give exactly one of json, regex, choice, grammar",
                            param="structured_outputs")
         param = f"structured_outputs.{keys[0]}"
         found.append(("structured_outputs", _readable(param, lambda: _text_spec(
-            _STRUCTURED_KEYS[keys[0]], body.structured_outputs[keys[0]], param))))
+            _STRUCTURED_KEYS[keys[0]], outputs[keys[0]], param))))
     # each function's parameters named where they nest too deeply; the tools' grammar around them as "tools"
     tool_spec = _readable("tools", lambda: tools.forced_grammar(
         body, lambda schema, param: _readable(param, lambda: tool_parameters(schema, param))))

@@ -259,6 +259,27 @@ def test_input_that_would_be_ignored_or_emptied_is_a_400_naming_it(server_url, e
         assert "tools" in error["message"]
 
 
+@pytest.mark.parametrize("extra", [
+    {"structured_outputs": {"regex": "[ab]", "whitespace_pattern": None, "disable_fallback": False,
+                            "disable_any_whitespace": False, "json": None, "json_object": None}},
+    {"structured_outputs": {"json_object": True}},
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "t", "schema": {"type": "object"},
+                                                                 "description": None, "strict": None}}},
+    {"response_format": {"type": "text", "json_schema": None}},
+])
+def test_options_at_their_defaults_are_served(server_url, extra):
+    """A client that dumps vLLM's or OpenAI's settings objects whole sends their unset options as null or false:
+    they ask for nothing, so they are served (an option set to something else is a 400 naming it, above)."""
+    response = post(server_url, CHAT, {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 8,
+                                       "temperature": 0} | extra)
+    assert response.status_code == 200, response.text
+    text = response.json()["choices"][0]["message"]["content"]
+    if extra.get("structured_outputs", {}).get("json_object") is True:
+        assert text.startswith("{")
+    if extra.get("structured_outputs", {}).get("regex"):
+        assert text in ("a", "b")
+
+
 def test_what_openai_accepts_is_still_served(server_url):
     for message in ({"role": "user", "content": ""}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}):
         body = {"messages": [message], "max_tokens": 2, "functions": None, "response_format": {"type": "text"}}

@@ -495,6 +495,7 @@ def test_unimplemented_openai_fields_are_refused_not_ignored(server_url, path, e
     (COMPLETIONS, {"best_of": 3, "n": 2, "stream": True}, "best_of"),
     ("/tokenize", {"messages": [{"role": "user", "content": "Hi"}], "continue_final_message": True},
      "continue_final_message"),
+    ("/tokenize", {}, "prompt"),
     ("/v1/responses", {"store": True}, "store"),
     ("/v1/responses", {"previous_response_id": "resp_1"}, "previous_response_id"),
     ("/v1/responses", {"text": {"format": {"type": "json_object"}}}, "text.format"),
