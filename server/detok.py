@@ -56,12 +56,68 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     return tokenizer.decode([token_id]).encode()
 
 
+def _bytes_unfinished(data: bytes) -> bool:
+    """Whether ``data`` ends inside a UTF-8 character: a lead byte followed by fewer continuation bytes than it
+    announces (at most 3 bytes of a 4-byte character). A stray continuation byte or an invalid lead is not
+    unfinished: no later byte makes it a character (it decodes to U+FFFD whatever follows)."""
+    for back in range(1, min(3, len(data)) + 1):
+        byte = data[-back]
+        if 0x80 <= byte < 0xC0:
+            continue
+        need = 2 if 0xC2 <= byte <= 0xDF else 3 if 0xE0 <= byte <= 0xEF else 4 if 0xF0 <= byte <= 0xF4 else 1
+        return need > back
+    return False
+
+
+@functools.lru_cache(maxsize=8)
+def _special_ids(tokenizer) -> frozenset[int]:
+    return frozenset(tokenizer.all_special_ids)
+
+
+def ends_unfinished(tokenizer, ids: list[int], skip_special_tokens: bool = False) -> bool:
+    """Whether ``ids``' text ends inside a character whose last bytes a later token would bring: read on the
+    tokens' bytes (``token_bytes``), so a literal U+FFFD character, or an invalid byte that nothing completes, is
+    text like any other. Special tokens count as their text, or as nothing where ``skip_special_tokens`` (as a
+    reply's decode leaves them out). A token known only by its decode (an added token) that holds U+FFFD: its
+    bytes are unknown, and the decode ending in U+FFFD decides, as for every token before."""
+    data, specials = b"", _special_ids(tokenizer)
+    for token in reversed(ids):
+        if skip_special_tokens and token in specials:
+            continue
+        piece = _known_bytes(tokenizer, token)
+        if piece is None:
+            return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens).endswith(_INCOMPLETE)
+        data = piece + data
+        if len(data) >= 3 or (data and data[-1] < 0x80):  # an ASCII last byte ends a character
+            break
+    return _bytes_unfinished(data)
+
+
+@functools.lru_cache(maxsize=1 << 16)  # a step's tokens, every step: the lookup is most of ends_unfinished's time
+def _known_bytes(tokenizer, token_id: int) -> bytes | None:
+    """``token_bytes``, or None where they are only its decode and that holds U+FFFD (its own bytes unknown)."""
+    piece = token_bytes(tokenizer, token_id)
+    return None if b"\xef\xbf\xbd" in piece and not _exact_bytes(tokenizer, token_id) else piece
+
+
+def _exact_bytes(tokenizer, token_id: int) -> bool:
+    """Whether ``token_bytes`` gives the token's own bytes (a byte-level BPE piece, a SentencePiece piece), not its
+    decoded text (where a partial character is already U+FFFD)."""
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if not piece:
+        return False
+    if _sentencepiece(tokenizer) is not None:
+        return token_id not in _sentencepiece(tokenizer)
+    byte_of = _byte_of()
+    return all(char in byte_of for char in piece)
+
+
 def complete_prefix(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> int:
     """How many of ``ids``, from the start, decode to text that ends on a whole character: ``len(ids)`` unless
-    the last tokens hold the first bytes of a character that a later token would complete (their decode ends in
-    U+FFFD; the ids of a literal U+FFFD at the end are cut too, alike)."""
+    the last tokens hold the first bytes of a character that a later token would complete (``ends_unfinished``;
+    a literal U+FFFD at the end is a whole character)."""
     for cut in range(min(_MAX_CHAR_TOKENS, len(ids)) + 1):
-        if not tokenizer.decode(ids[:len(ids) - cut]).endswith(_INCOMPLETE):
+        if not ends_unfinished(tokenizer, ids[:len(ids) - cut]):
             return len(ids) - cut
     return len(ids)
 
@@ -82,8 +138,9 @@ def whole_text(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> str:
 class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas, holding back incomplete UTF-8 characters.
 
-    Method: decode a small window before and after the newest token and emit only the new suffix once it
-    no longer ends in U+FFFD (vLLM's ``detokenize_incrementally``, after TGI). A byte-level BPE token can
+    Method: decode a small window before and after the newest token and emit only the new suffix once the
+    tokens' bytes no longer end inside a character (``ends_unfinished``; vLLM's ``detokenize_incrementally``, after
+    TGI, reads a trailing U+FFFD instead, which also holds back a literal U+FFFD). A byte-level BPE token can
     hold part of a multi-byte character (an emoji is often split over 2-4 tokens); SentencePiece drops a
     word's leading space when a token is decoded alone, hence the prompt context.
 
@@ -93,8 +150,9 @@ class IncrementalDetokenizer:
     unfinished one (a space) stay the prompt's. So the prompt's whole characters (``whole_text``) and the
     returned text join to the decode of prompt and output together.
 
-    Several tokens can release their text at once (bytes of a character, or an invalid byte, release nothing
-    until a later token ends the text on a whole character); ``starts`` then says where each one's text begins in
+    Several tokens can release their text at once (the first bytes of a character release nothing until a later
+    token ends the text on a whole character; an invalid byte, which nothing completes, releases its U+FFFD at
+    once, as the decode of all the tokens has it); ``starts`` then says where each one's text begins in
     what was released: where the decode of the tokens before it stops agreeing with the decode of them all
     (the tokenizer's own decoding, so an invalid byte's U+FFFD, a SentencePiece byte's, a dropped space count as
     they do in the text).
@@ -136,7 +194,7 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or new_text.endswith(_INCOMPLETE):
+        if len(new_text) <= len(prefix_text) or ends_unfinished(self.tokenizer, self.ids, self.skip_special_tokens):
             return ""
         return self._release(prefix_text, new_text)
 
@@ -168,7 +226,9 @@ class IncrementalDetokenizer:
     def flush(self) -> str:
         """Text still held at the end, without a trailing incomplete character (never sent as U+FFFD)."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
-        new_text = self._decode(self.ids[self.prefix_offset:]).rstrip(_INCOMPLETE)
+        new_text = self._decode(self.ids[self.prefix_offset:])
+        if ends_unfinished(self.tokenizer, self.ids, self.skip_special_tokens):  # its U+FFFD, never sent
+            new_text = new_text.rstrip(_INCOMPLETE)
         if len(new_text) <= len(prefix_text):
             self.prefix_offset = self.read_offset = len(self.ids)
             return ""

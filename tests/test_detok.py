@@ -45,6 +45,25 @@ def test_truncated_character_is_dropped_not_sent_as_fffd(smollm2):
     assert out == "ok " or out == "ok"
 
 
+def test_a_literal_replacement_character_is_text_and_an_invalid_byte_is_not_held(smollm2):
+    """U+FFFD written by the model (or ending a prompt) is a character like any other: the detokenizer reads the
+    tokens' bytes, not a trailing U+FFFD, to tell an unfinished character (held) from whole text (sent). A stray
+    continuation byte, which no later token completes, is sent as the decode has it."""
+    tokenizer = smollm2.tokenizer
+    literal = tokenizer("\ufffd", add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(literal) == "\ufffd"
+    a, b = (tokenizer(c, add_special_tokens=False)["input_ids"] for c in ("a", "b"))
+    emoji = tokenizer(" 😀", add_special_tokens=False)["input_ids"]  # a space and the emoji's bytes
+    stray = emoji[-1:]  # the emoji's last (continuation) byte alone
+    for prompt, output in ((a, literal * 3), (a + literal, b), (a + literal * 3 + emoji[:-1], emoji[-1:] + b),
+                           (a, stray), (a, stray + b)):
+        detok = IncrementalDetokenizer(tokenizer, prompt)
+        text = "".join([detok.add(t) for t in output] + [detok.flush()])
+        assert whole_text(tokenizer, prompt) + text == tokenizer.decode(prompt + output), (prompt, output)
+    detok = IncrementalDetokenizer(tokenizer, a)
+    assert [detok.add(t) for t in literal * 2] == ["\ufffd", "\ufffd"]  # each sent when it comes, not held
+
+
 def test_stop_string_spanning_pieces_is_never_emitted():
     matcher = StopStringMatcher(["DEFGHIJ"])
     emitted = []
