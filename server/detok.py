@@ -42,6 +42,13 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     """The raw bytes of one token, also when it holds only part of a UTF-8 character: a byte-level BPE piece
     mapped back to its bytes, a SentencePiece byte piece (``<0xF0>``) its byte and a word piece with its
     boundary as a space; otherwise (a special or added token) its decoded text."""
+    own = _own_bytes(tokenizer, token_id)
+    return own if own is not None else tokenizer.decode([token_id]).encode()
+
+
+def _own_bytes(tokenizer, token_id: int) -> bytes | None:
+    """``token_bytes`` where they are the token's own (a byte-level or SentencePiece piece), None where only its
+    decoded text is at hand (a special or added token)."""
     piece = tokenizer.convert_ids_to_tokens(token_id)
     special = _sentencepiece(tokenizer) if piece else None
     if special is not None:
@@ -53,7 +60,7 @@ def token_bytes(tokenizer, token_id: int) -> bytes:
     byte_of = _byte_of()
     if piece and all(char in byte_of for char in piece):
         return bytes(byte_of[char] for char in piece)
-    return tokenizer.decode([token_id]).encode()
+    return None
 
 
 def _bytes_unfinished(data: bytes) -> bool:
@@ -96,20 +103,11 @@ def ends_unfinished(tokenizer, ids: list[int], skip_special_tokens: bool = False
 @functools.lru_cache(maxsize=1 << 16)  # a step's tokens, every step: the lookup is most of ends_unfinished's time
 def _known_bytes(tokenizer, token_id: int) -> bytes | None:
     """``token_bytes``, or None where they are only its decode and that holds U+FFFD (its own bytes unknown)."""
-    piece = token_bytes(tokenizer, token_id)
-    return None if b"\xef\xbf\xbd" in piece and not _exact_bytes(tokenizer, token_id) else piece
-
-
-def _exact_bytes(tokenizer, token_id: int) -> bool:
-    """Whether ``token_bytes`` gives the token's own bytes (a byte-level BPE piece, a SentencePiece piece), not its
-    decoded text (where a partial character is already U+FFFD)."""
-    piece = tokenizer.convert_ids_to_tokens(token_id)
-    if not piece:
-        return False
-    if _sentencepiece(tokenizer) is not None:
-        return token_id not in _sentencepiece(tokenizer)
-    byte_of = _byte_of()
-    return all(char in byte_of for char in piece)
+    own = _own_bytes(tokenizer, token_id)
+    if own is not None:
+        return own
+    text = tokenizer.decode([token_id]).encode()
+    return None if _INCOMPLETE.encode() in text else text
 
 
 def complete_prefix(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> int:
@@ -194,7 +192,9 @@ class IncrementalDetokenizer:
         self.ids.append(token_id)
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if len(new_text) <= len(prefix_text) or ends_unfinished(self.tokenizer, self.ids, self.skip_special_tokens):
+        # an unfinished character decodes to a trailing U+FFFD: only then are the bytes read (a literal one too)
+        if len(new_text) <= len(prefix_text) or (new_text.endswith(_INCOMPLETE) and ends_unfinished(
+                self.tokenizer, self.ids, self.skip_special_tokens)):
             return ""
         return self._release(prefix_text, new_text)
 
@@ -227,7 +227,7 @@ class IncrementalDetokenizer:
         """Text still held at the end, without a trailing incomplete character (never sent as U+FFFD)."""
         prefix_text = self._decode(self.ids[self.prefix_offset:self.read_offset])
         new_text = self._decode(self.ids[self.prefix_offset:])
-        if ends_unfinished(self.tokenizer, self.ids, self.skip_special_tokens):  # its U+FFFD, never sent
+        if new_text.endswith(_INCOMPLETE) and ends_unfinished(self.tokenizer, self.ids, self.skip_special_tokens):
             new_text = new_text.rstrip(_INCOMPLETE)
         if len(new_text) <= len(prefix_text):
             self.prefix_offset = self.read_offset = len(self.ids)
