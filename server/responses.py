@@ -34,7 +34,7 @@ from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation, until_done_or_gone
 from kvserve.server.reasoning import ReasoningSplit
 from kvserve.server.schemas import ChatCompletionRequest, StreamOptions, check_text_parts
-from kvserve.server.validation import BodyError, RequestModel
+from kvserve.server.validation import BodyError, RequestModel, checked_required
 from kvserve.server.state import ServerState
 
 
@@ -51,7 +51,7 @@ _TEXT_PARTS = ("input_text", "output_text", "text")
 class InputPart(RequestModel):
     model_config = ConfigDict(extra="ignore")
     type: str = Field(json_schema_extra={"enum": list(_TEXT_PARTS)})
-    text: str | None = None  # required of a text part (the message's check says which part lacks it)
+    text: str | None = checked_required()  # the message's check says which part lacks it
 
 
 class InputMessage(RequestModel):
@@ -61,7 +61,7 @@ class InputMessage(RequestModel):
     type: str = Field(default="message", json_schema_extra={"enum": ["message"]})
     role: str = Field(default="user", json_schema_extra={"enum": list(_ROLES)})
     # required, as on chat (a missing, null or empty content is a 400 naming it, never an empty turn)
-    content: str | list[InputPart] | None = Field(default=None, validate_default=True)
+    content: str | list[InputPart] | None = checked_required()
 
     @field_validator("content")
     @classmethod

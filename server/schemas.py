@@ -15,7 +15,7 @@ from typing import ClassVar, Literal
 
 from pydantic import ConfigDict, Field, StrictBool, ValidationInfo, field_validator, model_validator
 
-from kvserve.server.validation import BodyError, RequestModel
+from kvserve.server.validation import BodyError, RequestModel, checked_required
 
 
 # a logit_bias key: a token id written as ASCII digits and nothing else, as OpenAI requires (no spaces, no sign:
@@ -201,7 +201,7 @@ class ContentPart(RequestModel):
 
     model_config = ConfigDict(extra="ignore")
     type: str
-    text: str | None = None  # required on a text part (checked by ChatMessage, which knows the part's index)
+    text: str | None = checked_required()  # checked by ChatMessage, which knows the part's index
 
 
 _NULL_CONTENT_ROLES = ("assistant", "tool")  # roles whose content OpenAI's API takes as null

@@ -96,6 +96,23 @@ def test_openapi_documents_the_400_the_server_sends(server_url):
     assert set(detail["required"]) <= set(sent.json()["error"]) <= set(detail["properties"])
 
 
+def test_openapi_documents_a_message_content_and_a_text_part_as_required(server_url):
+    """A responses message's content and a text part's text are refused missing or null (by validators that name
+    them), so the document says they are required and not null; a chat message's content takes null (on an
+    assistant's tool calls)."""
+    schemas = httpx.get(server_url + "/openapi.json").json()["components"]["schemas"]
+    for name, field in (("InputMessage", "content"), ("InputPart", "text"), ("ContentPart", "text")):
+        assert field in schemas[name]["required"], name
+        prop = schemas[name]["properties"][field]
+        assert "default" not in prop and {"type": "null"} not in prop.get("anyOf", [prop]), name
+    assert {"type": "null"} in schemas["ChatMessage"]["properties"]["content"]["anyOf"]
+    for body, param in (({"input": [{"role": "user", "content": None}]}, "input.0.content"),
+                        ({"input": [{"role": "user"}]}, "input.0.content"),
+                        ({"input": [{"role": "user", "content": [{"type": "input_text"}]}]}, "input.0.content")):
+        sent = post(server_url, "/v1/responses", body)
+        assert sent.status_code == 400 and sent.json()["error"]["param"] == param, sent.text
+
+
 # -- 3. logprobs describe exactly the returned text ----------------------------------------------------------
 
 def _free_run(url: str, prompt: str) -> tuple[str, list[str]]:
