@@ -57,8 +57,9 @@ class Choice:
         constraint: its grammar matcher (the runner's constraint plug-in holds it while it runs; read here for the
             verdict once the request has ended), or None.
         arrival: when the request arrived (``time.perf_counter()`` s).
-        min_tokens: stop strings are looked for only in the text of tokens after the first ``min_tokens`` (as
-            vLLM's ``min_tokens`` holds back stop strings as well as stop tokens); one that begins before is not.
+        min_tokens: a stop string ends the choice only where it ends in the text of a token after the first
+            ``min_tokens`` (it may begin before), as vLLM's ``min_tokens`` holds back stop strings as well as stop
+            tokens.
 
     Attributes:
         completion_tokens: tokens returned (the core can compute more after a stop string: it computes on until
@@ -119,7 +120,7 @@ class Choice:
             if text:
                 self._settle()
             self.fed_chars += len(text)
-            released, hit = self.matcher.feed(text) if self.completion_tokens > self.min_tokens else (text, False)
+            released, hit = self.matcher.feed(text, stops_count=self.completion_tokens > self.min_tokens)
             update.text += released
             self.emitted_chars += len(released)
             self._release(update, everything=False)

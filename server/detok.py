@@ -253,41 +253,75 @@ def text_offsets(tokenizer: PreTrainedTokenizerBase, ids: list[int]) -> list[int
     return offsets + [done + len(text)] * (len(ids) - len(offsets))
 
 
+class _StopString:
+    """One stop string's state over the text fed so far: the length of the longest suffix of the text that
+    begins it (Knuth-Morris-Pratt: ``border[i]`` is the longest proper prefix of ``stop[:i + 1]`` that is also a
+    suffix of it), so each character fed costs O(1) amortized however long the stop string and the held text."""
+
+    __slots__ = ("stop", "border", "state")
+
+    def __init__(self, stop: str) -> None:
+        self.stop, self.state = stop, 0
+        self.border = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self.border[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self.border[i] = k
+
+    def step(self, char: str) -> bool:
+        """Feed one character; return whether the text now ends with the whole stop string (the state then
+        falls back to its longest border, so an overlapping next occurrence is still found)."""
+        stop, state = self.stop, self.state
+        while state and stop[state] != char:
+            state = self.border[state - 1]
+        if stop[state] == char:
+            state += 1
+        if state == len(stop):
+            self.state = self.border[state - 1]
+            return True
+        self.state = state
+        return False
+
+
 class StopStringMatcher:
     """Holds back text that could begin a stop string; cuts the text at the first stop string.
 
     No part of a stop string is ever emitted, even across several tokens; the text before it in the same
-    token is. Works on characters, after detokenization.
+    token is. Works on characters, after detokenization. The first stop string is the one that ends first in the
+    text (of two ending at the same character, the longer), so the cut does not depend on how the text arrives
+    in pieces. Each character costs O(1) amortized per stop string (``_StopString``), whatever their lengths.
 
     Args:
-        stops: up to 4 non-empty stop strings.
+        stops: the stop strings (empty ones are dropped: they stop nothing).
     """
 
     def __init__(self, stops: list[str]) -> None:
-        self.stops = [s for s in stops if s]
+        self._stops = [_StopString(s) for s in dict.fromkeys(stops) if s]
         self.buffer = ""
 
-    def _held_suffix_len(self) -> int:
-        """Length of the longest suffix of the buffer that is a proper prefix of some stop string."""
-        longest = 0
-        for stop in self.stops:
-            for size in range(min(len(stop) - 1, len(self.buffer)), longest, -1):
-                if self.buffer.endswith(stop[:size]):
-                    longest = size
-                    break
-        return longest
+    def feed(self, text: str, stops_count: bool = True) -> tuple[str, bool]:
+        """Add detokenized text; return (text safe to emit, whether a stop string was found).
 
-    def feed(self, text: str) -> tuple[str, bool]:
-        """Add detokenized text; return (text safe to emit, whether a stop string was found)."""
+        With ``stops_count`` False (a request's first ``min_tokens`` tokens) a stop string that ends in ``text``
+        is not a stop, but one that begins there and ends in later text is (vLLM's ``min_tokens``), so text
+        that could begin one is held back all the same."""
+        base = len(self.buffer)
         self.buffer += text
-        if not self.stops:
+        if not self._stops:
             out, self.buffer = self.buffer, ""
             return out, False
-        found = [i for i in (self.buffer.find(s) for s in self.stops) if i >= 0]
-        if found:
-            out, self.buffer = self.buffer[:min(found)], ""
-            return out, True
-        keep = self._held_suffix_len()
+        # a stop string not begun (state 0) whose first character is not in the text stays at 0: not stepped
+        active = [s for s in self._stops if s.state or s.stop[0] in text]
+        for at, char in enumerate(text if active else ""):
+            ended = [s for s in active if s.step(char)]
+            if ended and stops_count:
+                start = base + at + 1 - max(len(s.stop) for s in ended)
+                out, self.buffer = self.buffer[:start], ""
+                return out, True
+        keep = max(s.state for s in self._stops)
         cut = len(self.buffer) - keep
         out, self.buffer = self.buffer[:cut], self.buffer[cut:]
         return out, False

@@ -6,6 +6,7 @@ import json
 
 import httpx
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from kvserve.server.detok import IncrementalDetokenizer, StopStringMatcher, complete_prefix, whole_text
 
@@ -88,6 +89,56 @@ def test_held_text_that_never_becomes_a_stop_is_released():
     assert matcher.feed("ART") == ("START", False)
     assert matcher.feed("go S") == ("go ", False)
     assert matcher.flush() == "S"
+
+
+def _first_stop(text: str, stops: list[str], counted_from: int = 0) -> tuple[str, bool]:
+    """The reference: the stop string that ends first in ``text`` (at a character past ``counted_from``; of two
+    ending together the longer) cuts it; else the whole text."""
+    for end in range(max(counted_from, 0) + 1, len(text) + 1):
+        ended = [s for s in stops if s and text[:end].endswith(s)]
+        if ended:
+            return text[:end - max(map(len, ended))], True
+    return text, False
+
+
+def _fed(matcher: StopStringMatcher, pieces: list[str], uncounted: int = 0) -> tuple[str, bool]:
+    out = ""
+    for n, piece in enumerate(pieces):
+        released, hit = matcher.feed(piece, stops_count=n >= uncounted)
+        out += released
+        if hit:
+            return out, True
+    return out + matcher.flush(), False
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("abc", max_size=24), stops=st.lists(st.text("abc", max_size=5), max_size=4),
+       cuts=st.lists(st.integers(0, 24), max_size=6))
+def test_the_stop_string_that_ends_first_cuts_the_text_however_it_arrives(text, stops, cuts):
+    pieces = [text[i:j] for i, j in zip([0, *sorted(cuts)], [*sorted(cuts), len(text)])]
+    expected = _first_stop(text, stops)
+    assert _fed(StopStringMatcher(stops), pieces) == expected
+    assert _fed(StopStringMatcher(stops), list(text)) == expected
+
+
+@settings(max_examples=300, deadline=None)
+@given(text=st.text("ab", min_size=1, max_size=16), stops=st.lists(st.text("ab", min_size=1, max_size=4),
+                                                                   min_size=1, max_size=3),
+       uncounted=st.integers(0, 16))
+def test_a_stop_string_counts_where_it_ends_past_the_uncounted_text(text, stops, uncounted):
+    """vLLM's min_tokens: a stop string ending in the first pieces' text is not a stop; one that begins there and
+    ends later is, and cuts where it begins."""
+    pieces = list(text)
+    assert _fed(StopStringMatcher(stops), pieces, uncounted) == _first_stop(text, stops, counted_from=uncounted)
+
+
+def test_many_long_stop_strings_hold_only_what_could_begin_one():
+    stops = ["b" * 5000, "a" * 5000 + "x"] + [f"<stop {i}>" for i in range(62)]
+    matcher = StopStringMatcher(stops)
+    assert [matcher.feed("a") for _ in range(3)] == [("", False)] * 3
+    assert matcher.feed("y") == ("aaay", False)
+    assert matcher.feed("a" * 5000 + "x!") == ("", True)
+    assert _fed(StopStringMatcher(stops), ["one <stop", " 4", "1> two"]) == ("one ", True)
 
 
 def _cut_inside_an_emoji(tokenizer, text: str) -> tuple[list[int], list[int]]:

@@ -166,6 +166,27 @@ def test_min_tokens_and_ignore_eos_give_exact_lengths(server_url):
         assert body["usage"]["completion_tokens"] == n
 
 
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_stop_string_begun_within_min_tokens_stops_where_it_ends_past_them(server_url, stream):
+    """vLLM's min_tokens: a stop string that begins in the first min_tokens tokens' text and ends past it cuts
+    the text where it begins; one wholly within them does not stop. Six stops, as lm-eval sends, are served."""
+    body = {"prompt": "The capital of France is", "max_tokens": 12, "temperature": 0, "logprobs": 0}
+    free = post(server_url, COMPLETIONS, body).json()["choices"][0]
+    first, second = free["logprobs"]["tokens"][:2]
+    assert len(first) >= 2 and second and free["text"].startswith(first + second)
+    spanning, within = first[-1] + second[0], first[-2:]
+    assert free["text"].index(spanning) == len(first) - 1 and free["text"].index(within) == len(first) - 2
+    stops = [spanning, within, "\nclass", "\ndef", "\n#", "<|im_end|>"]
+    sent = post(server_url, COMPLETIONS, body | {"stop": stops, "min_tokens": 1, "stream": stream, "logprobs": None})
+    if stream:
+        events = [json.loads(line[6:]) for line in sent.text.splitlines() if line.startswith("data: {")]
+        text = "".join(e["choices"][0]["text"] for e in events if e["choices"])
+        finish = [e["choices"][0]["finish_reason"] for e in events if e["choices"]][-1]
+    else:
+        text, finish = sent.json()["choices"][0]["text"], sent.json()["choices"][0]["finish_reason"]
+    assert (text, finish) == (first[:-1], "stop")
+
 def test_same_seed_same_sample_and_n_choices(server_url):
     body = chat_body("Name a colour.", temperature=1.0, seed=1234, max_tokens=12, n=2)
     first, second = post(server_url, CHAT, body).json(), post(server_url, CHAT, body).json()
@@ -193,7 +214,7 @@ def test_logprobs_chat_and_completion_echo(server_url):
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "temperature": 5}, "temperature"),
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "top_p": 0}, "top_p"),
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "n": 0}, "n"),
-    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "stop": ["s%d" % i for i in range(65)]}, "stop"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": [{"role": "wizard", "content": "Hi"}]}, "messages"),
     (COMPLETIONS, {"prompt": "Hi", "max_tokens": 0}, "max_tokens"),
