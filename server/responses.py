@@ -301,10 +301,12 @@ def register(app: FastAPI, state: ServerState, dependencies: list) -> None:
             raise ApiError(400, f"input: {first.get('msg', 'invalid')}", param="input") from None
         try:
             generation = await admit(state, chat, request)
-        except ApiError as exc:  # chat's checks name chat's field: this route's is max_output_tokens
+        except ApiError as exc:  # chat's checks name chat's fields: this route's are max_output_tokens and input
             if exc.param in ("max_tokens", "max_completion_tokens"):
                 exc.message = re.sub(r"\bmax_(completion_)?tokens\b", "max_output_tokens", exc.message)
                 exc.param = "max_output_tokens"
+            elif exc.param is not None and exc.param.split(".")[0] == "messages":
+                exc.param = "input"  # the messages were made of instructions and input: their indexes differ
             raise
         builder = _ResponseBuilder(body, generation, request.state.request_id, state.model_name)
         if body.stream:

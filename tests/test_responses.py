@@ -77,6 +77,13 @@ def test_a_limit_past_the_context_names_max_output_tokens(server_url):
     assert "max_tokens" not in error["message"].replace("max_output_tokens", "")
 
 
+@pytest.mark.parametrize("instructions", [None, "Be brief."])
+def test_a_prompt_past_the_context_names_input(server_url, instructions):
+    body = {"model": MODEL, "input": [{"role": "user", "content": "x " * 9000}], "instructions": instructions}
+    error = httpx.post(server_url + "/v1/responses", json=body, timeout=60).json()["error"]
+    assert error["param"] == "input" and "prompt has" in error["message"]
+
+
 def test_store_false_and_metadata_are_accepted(server_url):
     body = {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "store": False, "metadata": {"k": "v"}}
     response = httpx.post(server_url + "/v1/responses", json=body, timeout=60)
