@@ -60,6 +60,8 @@ class Choice:
         min_tokens: a stop string ends the choice only where it ends in the text of a token after the first
             ``min_tokens`` (it may begin before), as vLLM's ``min_tokens`` holds back stop strings as well as stop
             tokens.
+        prompt_only: return no token (completions' echo with max_tokens 0: the request computes one, for the
+            prompt's logprobs); the choice ends with "length" when its request does.
 
     Attributes:
         completion_tokens: tokens returned (the core can compute more after a stop string: it computes on until
@@ -74,13 +76,15 @@ class Choice:
     """
 
     def __init__(self, index: int, tokenizer, prompt_ids: list[int], stop_strings: list[str],
-                 constraint: Constraint | None = None, arrival: float = 0.0, min_tokens: int = 0) -> None:
+                 constraint: Constraint | None = None, arrival: float = 0.0, min_tokens: int = 0,
+                 prompt_only: bool = False) -> None:
         self.index = index
         self.constraint = constraint
         self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
         self.matcher = StopStringMatcher(stop_strings)
         self.num_prompt_tokens = len(prompt_ids)
         self.min_tokens = min_tokens
+        self.prompt_only = prompt_only
         self.completion_tokens = 0
         self.finish_reason: str | None = None
         self.stop_matched = False
@@ -109,7 +113,7 @@ class Choice:
         missing = self.num_prompt_tokens - 1 - len(self.prompt_logprobs)  # a recompute repeats them
         self.prompt_logprobs.extend(output.prompt_logprobs[:max(missing, 0)])
         update = ChoiceUpdate(index=self.index)
-        for token in output.tokens:
+        for token in () if self.prompt_only else output.tokens:
             if self.times.first_token is None:
                 self.times.first_token = now
             self.completion_tokens += 1
@@ -136,6 +140,8 @@ class Choice:
         if finish is FinishReason.ABORT:
             self.finish_reason = "abort"
             return None
+        if finish is not None and self.prompt_only:
+            return self._finish(update, "length")  # the token it computed is not the client's
         if finish is not None:
             tail = self.detok.flush()
             if tail:

@@ -68,7 +68,7 @@ class Generation:
                           else None)
             self.choices[request.request_id] = Choice(index, state.tokenizer, prepared.prompt_ids,
                                                       prepared.stop_strings, constraint, arrival,
-                                                      prepared.min_tokens)
+                                                      prepared.min_tokens, prepared.prompt_only)
         self.created = int(time.time())
 
     @property
@@ -136,7 +136,7 @@ class Generation:
         if record is not None and choice.times.first_scheduled is None:
             choice.times.first_scheduled = record.started
         metrics = self.state.metrics
-        if output.tokens:
+        if output.tokens and not choice.prompt_only:
             metrics.tokens_returned(choice.times, choice.last_token_time, now, len(output.tokens))
         update = choice.on_output(output, now)
         if update is None or update.finish_reason is None:

@@ -39,6 +39,7 @@ class Prepared:
     tenant: str | None = None      # whose request, for --scheduling-policy fair (server.auth.ApiKeys.tenant)
     owner: str | None = None       # its API key's fingerprint (server.auth): whose live page lists its requests
     thinking: bool | None = None   # chat with a reasoning parser: the prompt opened <think> (None: no split)
+    prompt_only: bool = False      # completions' echo with max_tokens 0: one token computed, none returned
 
 
 def _check_text(text: str, param: str) -> None:
@@ -214,6 +215,8 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
                        param="min_tokens")
     check_token_ids(state, request.stop_token_ids, "stop_token_ids")
     check_token_ids(state, request.logit_bias_ids, "logit_bias")
+    prompt_only = max_tokens == 0  # the step that computes the prompt's logprobs samples a token: not returned
+    max_tokens = max(max_tokens, 1)
     total = len(prompt_ids) + max_tokens
     if total > state.max_model_len:
         raise ApiError(400, f"This model's maximum context length is {state.max_model_len} tokens. However, you "
@@ -233,4 +236,5 @@ def prepare(state: ServerState, request: ChatCompletionRequest | CompletionReque
     stop_ids = set(request.stop_token_ids) | (set() if request.ignore_eos else set(state.eos_ids))
     return Prepared(prompt_ids=prompt_ids, max_tokens=max_tokens, params=params, n=request.n,
                     stop_strings=request.stop_strings, stop_token_ids=frozenset(stop_ids),
-                    min_tokens=min(request.min_tokens, max_tokens), priority=request.priority, thinking=thinking)
+                    min_tokens=min(request.min_tokens, max_tokens), priority=request.priority, thinking=thinking,
+                    prompt_only=prompt_only)

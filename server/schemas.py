@@ -315,7 +315,9 @@ class ChatCompletionRequest(_SamplingRequest):
 class CompletionRequest(_SamplingRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
 
-    max_tokens: int = Field(default=16, ge=1)  # OpenAI's completions default, also when null
+    # OpenAI's completions default, also when null; 0 with echo: the prompt alone, its logprobs too (vLLM's and the
+    # legacy API's "echo without generation", as scoring harnesses send it)
+    max_tokens: int = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=20)
     echo: bool = False
 
@@ -359,6 +361,12 @@ class CompletionRequest(_SamplingRequest):
             if len(value) == 1:
                 return value[0]
         return value
+
+    @model_validator(mode="after")
+    def _generation_or_echo(self):
+        if self.max_tokens == 0 and not self.echo:
+            raise BodyError("max_tokens must be at least 1 (0 only with echo: the prompt alone)", "max_tokens")
+        return self
 
     @model_validator(mode="after")
     def _check_best_of(self):

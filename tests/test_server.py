@@ -187,6 +187,7 @@ def test_a_stop_string_begun_within_min_tokens_stops_where_it_ends_past_them(ser
         text, finish = sent.json()["choices"][0]["text"], sent.json()["choices"][0]["finish_reason"]
     assert (text, finish) == (first[:-1], "stop")
 
+
 def test_same_seed_same_sample_and_n_choices(server_url):
     body = chat_body("Name a colour.", temperature=1.0, seed=1234, max_tokens=12, n=2)
     first, second = post(server_url, CHAT, body).json(), post(server_url, CHAT, body).json()
@@ -208,6 +209,42 @@ def test_logprobs_chat_and_completion_echo(server_url):
     assert echo["choices"][0]["text"].startswith("The cat sat on the")
     assert len(lp["tokens"]) == prompt_len + 1
     assert lp["token_logprobs"][0] is None and all(v <= 0 for v in lp["token_logprobs"][1:])
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_echo_with_max_tokens_0_is_the_prompt_alone(server_url, stream):
+    """vLLM's and the legacy API's echo without generation (scoring harnesses): the prompt and its logprobs, as
+    the same request with one token has them, and no token; "length"; usage counts no completion token."""
+    prompts = ["Paris is in France.", "Tokyo is a city in"]
+    body = {"prompt": prompts, "echo": True, "logprobs": 2, "temperature": 0}
+    one = post(server_url, COMPLETIONS, body | {"max_tokens": 1}).json()
+    sent = post(server_url, COMPLETIONS, body | {"max_tokens": 0, "stream": stream, "n": 2} |
+                ({"stream_options": {"include_usage": True}} if stream else {}))
+    assert sent.status_code == 200, sent.text
+    if stream:
+        events = [json.loads(line[6:]) for line in sent.text.splitlines() if line.startswith("data: {")]
+        usage = events[-1]["usage"]
+        choices = {}
+        for event in events:
+            for c in event["choices"]:
+                got = choices.setdefault(c["index"], {"text": "", "logprobs": None, "finish_reason": None})
+                got["text"] += c["text"]
+                got["logprobs"] = got["logprobs"] or c["logprobs"]
+                got["finish_reason"] = c["finish_reason"] or got["finish_reason"]
+        choices = [choices[i] for i in sorted(choices)]
+    else:
+        choices, usage = sent.json()["choices"], sent.json()["usage"]
+    assert len(choices) == 4 and usage["completion_tokens"] == 0
+    assert usage["prompt_tokens"] == one["usage"]["prompt_tokens"]
+    for index, choice in enumerate(choices):
+        alike = one["choices"][index // 2]
+        prompt_tokens = len(alike["logprobs"]["tokens"]) - 1
+        assert choice["finish_reason"] == "length"
+        assert choice["text"] == alike["text"][:alike["logprobs"]["text_offset"][-1]]
+        assert choice["logprobs"]["tokens"] == alike["logprobs"]["tokens"][:prompt_tokens]
+        assert choice["logprobs"]["token_logprobs"] == alike["logprobs"]["token_logprobs"][:prompt_tokens]
+    refused = post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
 
 @pytest.mark.parametrize("path, body, param", [
