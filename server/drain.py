@@ -10,8 +10,11 @@ scale-in, a node drain. Stopping at once cuts every open stream. Instead, on the
 3. requests already admitted (streams included) run to completion, for at most ``grace_s`` seconds;
 4. streams still open then are cut cleanly (``Drain.cut``): each ends as the API says a cut reply ends (a final
    chunk with finish_reason ``abort``, then ``[DONE]``; a Responses stream with ``response.incomplete``);
-5. then uvicorn shuts down as usual, and the process exits 0 (a second SIGTERM, or SIGINT, skips the wait and
-   ends the process by that signal, as plain uvicorn does).
+5. then uvicorn shuts down as usual, and the process exits 0.
+
+``--drain-seconds 0``, a second SIGTERM and SIGINT skip the wait, not the cut: the open streams end at once as in
+step 4, then uvicorn shuts down. A second SIGTERM or a SIGINT then ends the process by that signal, as plain
+uvicorn does; ``--drain-seconds 0`` exits 0, as a drain does. A signal during that cut is uvicorn's own.
 
 Kubernetes gives a pod ``terminationGracePeriodSeconds`` between SIGTERM and SIGKILL; ``grace_s`` must be
 shorter than that (deploy/k8s/deployment.yaml: 30 s within 60 s).
@@ -135,48 +138,80 @@ class DrainingServer(uvicorn.Server):
 
     uvicorn installs ``handle_exit`` as its SIGINT/SIGTERM handler; the first SIGTERM here only starts the
     drain (on the event loop), which calls uvicorn's own ``handle_exit`` once nothing is in flight or
-    ``grace_s`` has passed. sse-starlette ends open streams from that call on, so it must come after them.
+    ``grace_s`` has passed. sse-starlette ends open streams from that call on, without their final events, so
+    every way out (the drain, ``grace_s`` 0, a second SIGTERM, SIGINT) cuts the open streams first.
     """
 
     def __init__(self, config: uvicorn.Config, drain: Drain) -> None:
         super().__init__(config)
         self.drain = drain
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._draining: asyncio.Task | None = None  # the first SIGTERM's drain, while it waits
+        self._stopping = False  # a stop at once is cutting the open streams
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        first_term = sig == signal.SIGTERM and not self.drain.draining and not self.should_exit
-        start = first_term and self.drain.grace_s > 0 and self._loop is not None
-        if not start:
+        if self._loop is None or self._stopping or self.should_exit:
+            # before start-up nothing is open; during the cut or after it, a further signal is uvicorn's own
+            # (a second SIGINT forces the exit)
             super().handle_exit(sig, frame)
-            if first_term:
-                self._stopped_as_asked(sig)
             return
-        self.drain.draining = True
-        log.info("SIGTERM: draining %d in-flight request(s), at most %.0f s", self.drain.inflight, self.drain.grace_s)
-        # a signal handler must not touch the loop's state directly; this is the thread-safe way in
-        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._finish(sig)))
+        first_term = sig == signal.SIGTERM and not self.drain.draining
+        self.drain.draining = True  # from now on new generation requests get 503
+        name = signal.Signals(sig).name
+        if first_term and self.drain.grace_s > 0:
+            log.info("%s: draining %d in-flight request(s), at most %.0f s", name, self.drain.inflight,
+                     self.drain.grace_s)
+            # a signal handler must not touch the loop's state directly; this is the thread-safe way in
+            self._loop.call_soon_threadsafe(self._start_drain, sig)
+            return
+        self._stopping = True
+        self._loop.call_soon_threadsafe(lambda: self._loop.create_task(self._stop_now(sig, managed=first_term)))
+
+    def _start_drain(self, sig: int) -> None:
+        if not self._stopping:  # a signal that stops at once may have come between the handler and this call
+            self._draining = self._loop.create_task(self._finish(sig))
 
     async def _finish(self, sig: int) -> None:
         start = time.monotonic()
         at_start = self.drain.inflight
-        while self.drain.inflight > 0 and time.monotonic() - start < self.drain.grace_s and not self.should_exit:
+        while self.drain.inflight > 0 and time.monotonic() - start < self.drain.grace_s:
             await asyncio.sleep(_POLL_S)
-        cut = self.drain.inflight
-        if cut and not self.should_exit:  # out of time: end the open streams with their final events, then exit
-            self.drain.cut()
-            until = time.monotonic() + _CUT_WAIT_S
-            while self.drain.inflight > 0 and time.monotonic() < until and not self.should_exit:
-                await asyncio.sleep(_POLL_S)
+        cut = await self._cut_open_streams()
         # one line with the outcome (python -m kvserve.loadtest cluster reads it from the replica's log)
         log.log(logging.WARNING if cut else logging.INFO,
                 "drain done in %.2f s: %d of %d in-flight request(s) finished, %d cut, %d new refused",
                 time.monotonic() - start, at_start - cut, at_start, cut, self.drain.refused)
+        self._draining = None
         super().handle_exit(sig, None)
         self._stopped_as_asked(sig)
+
+    async def _stop_now(self, sig: int, managed: bool) -> None:
+        """``grace_s`` 0, a second SIGTERM or SIGINT: no wait, but the open streams end with their final events
+        before uvicorn shuts down. ``managed``: the first SIGTERM, which exits 0 as a drain does."""
+        if self._draining is not None:  # the second signal ends the first one's wait
+            self._draining.cancel()
+            await asyncio.gather(self._draining, return_exceptions=True)
+        cut = await self._cut_open_streams()
+        log.log(logging.WARNING if cut else logging.INFO, "%s: stopping now: %d in-flight request(s) cut, "
+                "%d new refused", signal.Signals(sig).name, cut, self.drain.refused)
+        super().handle_exit(sig, None)
+        if managed:
+            self._stopped_as_asked(sig)
+
+    async def _cut_open_streams(self) -> int:
+        """End every open stream with its final events (``Drain.cut``) and give them ``_CUT_WAIT_S`` at most to
+        send them; returns how many requests were still in flight, i.e. cut."""
+        cut = self.drain.inflight
+        if cut:
+            self.drain.cut()
+            until = time.monotonic() + _CUT_WAIT_S
+            while self.drain.inflight > 0 and time.monotonic() < until:
+                await asyncio.sleep(_POLL_S)
+        return cut
 
     def _stopped_as_asked(self, sig: int) -> None:
         """The first SIGTERM stops the server the managed way (drained, or at once with ``grace_s`` 0): the

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve import environment
@@ -368,7 +370,21 @@ def load_draft(config: ServeConfig, served):
 def run(args: argparse.Namespace) -> int:
     """``kvserve serve``: check the options, load the model, serve until SIGTERM; returns 0, 2 on a bad option or
     a start that cannot work (said in one line naming the flag, before loading where it can be known before), 3 when
-    uvicorn could not start."""
+    uvicorn could not start. SIGINT (Ctrl-C), at any point, ends the process by that signal, with one log line."""
+    try:
+        return _run(args)
+    except KeyboardInterrupt:
+        # uvicorn.run swallows this; here it ends the process the way an unhandled one would (killed by SIGINT,
+        # status 130 in a shell), only without Python's traceback. Exiting by the signal at once also spares the
+        # wait for a model load still running on the engine thread, which a normal exit would join.
+        log.info("SIGINT: stopped")
+        logging.shutdown()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130  # not reached: the default action of SIGINT ends the process
+
+
+def _run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         for line in environment.check():  # every switch read once, before anything loads

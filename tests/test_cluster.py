@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -74,11 +76,12 @@ def test_draining_replica_is_unready_but_alive_and_refuses_new_requests_with_ret
         drain.draining = False
 
 
-def _stream_through_a_drain_deadline(smollm2, path: str, body: dict, drain_s: float = 3.0) -> list[str]:
-    """Start a long stream on a DrainingServer with a ``drain_s`` drain, SIGTERM it once the first event arrives;
-    returns the stream's data lines (the server exits after the deadline's cut). A drain of a second or more also
-    checks, inside it, that the stream counts as in flight and that a new request is refused (a shorter one may
-    end, and close the port, before a loaded machine gets to ask)."""
+def _stream_through_a_drain_deadline(smollm2, path: str, body: dict, drain_s: float = 3.0,
+                                     signals: tuple[int, ...] = (signal.SIGTERM,)) -> list[str]:
+    """Start a long stream on a DrainingServer with a ``drain_s`` drain, send it ``signals`` once the first event
+    arrives; returns the stream's data lines (the server exits after the deadline's cut). A drain of a second or
+    more also checks, after the first signal, that the stream counts as in flight and that a new request is refused
+    (a shorter one may end, and close the port, before a loaded machine gets to ask)."""
     from kvserve.server.drain import DrainingServer
     from kvserve.server.httpserver import uvicorn_config
 
@@ -95,12 +98,14 @@ def _stream_through_a_drain_deadline(smollm2, path: str, body: dict, drain_s: fl
             for line in response.iter_lines():
                 if line.startswith("data: "):
                     if not data:
-                        server.handle_exit(signal.SIGTERM, None)  # as the signal handler would
-                        if drain_s >= 1:
+                        server.handle_exit(signals[0], None)  # as the signal handler would
+                        if drain_s >= 1 and signals[0] == signal.SIGTERM:
                             time.sleep(0.1)
                             assert drain.inflight == 1  # the stream counts as in flight
                             refused = httpx.post(url + path, json=body)  # new requests are refused while draining
                             assert refused.status_code == 503 and refused.json()["error"]["code"] == "draining"
+                        for sig in signals[1:]:
+                            server.handle_exit(sig, None)
                     data.append(line[6:])
     finally:
         thread.join(timeout=15)
@@ -124,6 +129,83 @@ def test_drain_deadline_ends_a_stream_with_a_final_chunk_and_done(smollm2, path,
     final = json.loads(data[-2])["choices"][0]
     assert final["finish_reason"] == "abort"
     assert all(json.loads(d)["choices"][0]["finish_reason"] is None for d in data[:-2])
+
+
+@pytest.mark.parametrize("drain_s,signals", [
+    (0.0, (signal.SIGTERM,)),  # --drain-seconds 0: no wait
+    (30.0, (signal.SIGTERM, signal.SIGTERM)),  # a second SIGTERM ends the drain's wait
+    (30.0, (signal.SIGINT,)),  # Ctrl-C
+])
+def test_a_stop_at_once_still_ends_open_streams_with_abort_and_done(smollm2, caplog, drain_s, signals):
+    body = {"prompt": "Count from 1 to 10000:"} | LONG
+    with caplog.at_level("INFO", logger="kvserve.drain"):
+        data = _stream_through_a_drain_deadline(smollm2, "/v1/completions", body, drain_s, signals)
+    assert data[-1] == "[DONE]"
+    assert json.loads(data[-2])["choices"][0]["finish_reason"] == "abort"
+    name = signal.Signals(signals[-1]).name
+    assert f"{name}: stopping now: 1 in-flight request(s) cut" in caplog.text
+
+
+def _serve_process(log_path, *flags: str) -> tuple[subprocess.Popen, str]:
+    """A real ``kvserve serve`` process on a free port, its output in ``log_path``; returns it and its URL."""
+    port = free_port()
+    with open(log_path, "w") as out:
+        proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--port", str(port),
+                                 "--kv-cache-memory", "64MiB", *flags], stdout=out, stderr=subprocess.STDOUT)
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def _wait_for(proc: subprocess.Popen, ready, what: str, log_path) -> None:
+    deadline = time.monotonic() + 120
+    while not ready():
+        assert proc.poll() is None and time.monotonic() < deadline, f"no {what}: {log_path.read_text()}"
+        time.sleep(0.05)
+
+
+def test_ctrl_c_ends_open_streams_then_the_process_by_sigint_without_a_traceback(tmp_path):
+    log_path = tmp_path / "serve.log"
+    proc, url = _serve_process(log_path)
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(url + "/health", timeout=5).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        _wait_for(proc, healthy, "health", log_path)
+        data = []
+        body = {"prompt": "Count from 1 to 10000:", "stream": True} | LONG
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    if not data:
+                        proc.send_signal(signal.SIGINT)
+                    data.append(line[6:])
+        assert proc.wait(timeout=30) == -signal.SIGINT  # ended by the signal, as the docs say
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log_path.read_text()
+    assert data[-1] == "[DONE]" and json.loads(data[-2])["choices"][0]["finish_reason"] == "abort"
+    assert "SIGINT: stopping now: 1 in-flight request(s) cut" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
+
+
+def test_ctrl_c_while_the_model_loads_is_quiet(tmp_path):
+    log_path = tmp_path / "serve.log"
+    proc, _ = _serve_process(log_path)
+    try:
+        _wait_for(proc, lambda: "environment:" in log_path.read_text(), "start log", log_path)  # options checked
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == -signal.SIGINT
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    text = log_path.read_text()
+    assert "SIGINT: stopped" in text
+    assert "Traceback" not in text and "KeyboardInterrupt" not in text, text
 
 
 def test_drain_deadline_ends_a_responses_stream_with_its_terminal_event(smollm2):
