@@ -80,6 +80,15 @@ class KVEventsConfig:
         for name in ("buffer_steps", "hwm", "max_queue_size"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"kv events {name} must be an integer >= 1")
+        for name in ("endpoint", "replay_endpoint", "topic"):
+            value = getattr(self, name)
+            if not isinstance(value, str) and not (name == "replay_endpoint" and value is None):
+                raise ValueError(f"kv events {name} must be a string")
+        for name, bound in (("endpoint", _binds(self.endpoint)), ("replay_endpoint", True)):
+            endpoint = getattr(self, name)
+            problem = None if endpoint is None else _port_problem(endpoint, bound)
+            if problem:
+                raise ValueError(f"kv events {name} {endpoint!r}: {problem}")
 
     @property
     def enabled(self) -> bool:
@@ -205,6 +214,29 @@ def _binds(endpoint: str) -> bool:
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
 
 
+def _port_problem(endpoint: str, bound: bool) -> str | None:
+    """What is wrong with a ``tcp://`` endpoint's port, or None. zmq takes any number and wraps it into 16 bits
+    (``tcp://*:99999`` binds 34463), so a port outside 1-65535 is refused here; ``*`` or 0, on an endpoint that is
+    bound, asks for any free port (the one bound is logged)."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    address = endpoint.removeprefix("tcp://")
+    port = address.rsplit(":", 1)[1] if ":" in address else ""
+    if bound and port in ("*", "0"):
+        return None
+    if port.isascii() and port.isdigit() and 1 <= int(port) <= 65535:
+        return None
+    wildcard = "; * or 0 binds any free one" if bound else ""
+    return f"the port {port!r} is not a TCP port: give one from 1 to 65535{wildcard}"
+
+
+def _opened(sock: zmq.Socket, endpoint: str, bound: bool) -> str:
+    """The endpoint ``sock`` last bound, as zmq reports it, where ``endpoint`` was ``bound``; else ``endpoint``."""
+    if not bound:
+        return endpoint
+    return sock.getsockopt(zmq.LAST_ENDPOINT).decode() or endpoint
+
+
 class EventPublisher:
     """Publishes batches of KV events from a thread; ``publish`` never blocks.
 
@@ -214,6 +246,8 @@ class EventPublisher:
 
     Attributes:
         dropped_events: events dropped because the queue was full (``kvserve:kv_events_dropped``).
+        endpoint, replay_endpoint: the endpoints as opened: a bound one as zmq reports it (its port chosen where
+            the config gave ``*`` or 0, its wildcard host as ``0.0.0.0``), else as configured.
         needs_resync: a batch was dropped and no snapshot has been queued since: the next ``publish`` should carry
             the whole cache (``BlockManager.cached_snapshot``) with ``resync=True``.
 
@@ -235,10 +269,13 @@ class EventPublisher:
         self._replay = None
         try:
             (self._pub.bind if _binds(config.endpoint) else self._pub.connect)(config.endpoint)
+            self.endpoint = _opened(self._pub, config.endpoint, _binds(config.endpoint))
+            self.replay_endpoint = None
             if config.replay_endpoint is not None:
                 self._replay = ctx.socket(zmq.ROUTER)
                 self._replay.setsockopt(zmq.SNDHWM, 2 * (config.buffer_steps + 1))  # a whole replay and its marker
                 self._replay.bind(config.replay_endpoint)
+                self.replay_endpoint = _opened(self._replay, config.replay_endpoint, bound=True)
         except zmq.ZMQError as exc:
             self._close_sockets()
             raise OSError(f"--kv-events-config: cannot open {config.endpoint} / {config.replay_endpoint}: "

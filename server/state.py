@@ -127,6 +127,13 @@ def _physical_memory() -> int | None:
         return None
 
 
+def _as_opened(configured: str | None, opened: str | None) -> str:
+    """An endpoint for the log: as configured, with what zmq bound where that differs (a free port, 0.0.0.0)."""
+    if configured is None:
+        return "off"
+    return configured if opened in (None, configured) else f"{configured} (bound: {opened})"
+
+
 class ServerState:
     """Everything a request handler needs; one per app.
 
@@ -216,8 +223,9 @@ class ServerState:
         if self.kv_events is not None:
             self.metrics.count_kv_events_dropped(lambda: self.kv_events.dropped_events)
             log.info("KV events: publishing on %s (replay %s, topic %r, %s digests, %s-encoded events)",
-                     config.kv_events.endpoint, config.kv_events.replay_endpoint or "off", config.kv_events.topic,
-                     config.prefix_caching_hash_algo.value, config.kv_events.event_encoding)
+                     _as_opened(config.kv_events.endpoint, self.kv_events.endpoint),
+                     _as_opened(config.kv_events.replay_endpoint, self.kv_events.replay_endpoint),
+                     config.kv_events.topic, config.prefix_caching_hash_algo.value, config.kv_events.event_encoding)
 
     def _drafter(self, config: ServeConfig, draft: LoadedModel | None,
                  num_blocks: int) -> NgramDrafter | ModelDrafter:

@@ -3,7 +3,9 @@ abort, reset, salts), vLLM's sha256_cbor digests, the wire format and the replay
 
 from __future__ import annotations
 
+import dataclasses
 import random
+import re
 import time
 
 import msgspec
@@ -141,9 +143,17 @@ def test_the_config_is_vllms_json():
         "zmq", "kv", 10, 100_000, 100_000)
     assert parse_kv_events_config('{"enable_kv_cache_events": false}').publisher == "null"
     for bad, named in (('{"enable_kv_cache_events": true, "bogus": 1}', "bogus"), ('{"publisher": "kafka"}', "kafka"),
-                       ('{"buffer_steps": 0}', "buffer_steps"), ("[1]", "object"), ("{", "JSON")):
+                       ('{"buffer_steps": 0}', "buffer_steps"), ("[1]", "object"), ("{", "JSON"),
+                       # zmq would wrap these into 16 bits and bind another port; 0 means any only where bound
+                       ('{"endpoint": "tcp://*:99999"}', "endpoint 'tcp://[*]:99999': the port '99999'"),
+                       ('{"replay_endpoint": "tcp://127.0.0.1:65536"}', "replay_endpoint .*'65536'"),
+                       ('{"endpoint": "tcp://10.0.0.1:0"}', "the port '0'"),
+                       ('{"endpoint": "tcp://*:-1"}', "'-1'"), ('{"endpoint": "tcp://*"}', "the port ''"),
+                       ('{"endpoint": 5557}', "endpoint must be a string")):
         with pytest.raises(ValueError, match=named):
             parse_kv_events_config(bad)
+    for good in ("tcp://*:65535", "tcp://*:0", "tcp://*:*", "tcp://[::1]:1", "tcp://router.local:5557", "ipc:///x"):
+        assert parse_kv_events_config(f'{{"endpoint": "{good}"}}').endpoint == good
 
 
 def test_a_batch_encodes_as_vllms_structs_do():
@@ -243,22 +253,26 @@ def test_a_full_queue_drops_and_counts_then_asks_for_a_resync(tmp_path):
         publisher.shutdown()
 
 
-def test_a_server_publishes_the_digests_a_router_recomputes_the_gateway_metrics_and_a_reset(smollm2, tmp_path):
+def test_a_server_publishes_the_digests_a_router_recomputes_the_gateway_metrics_and_a_reset(smollm2, tmp_path,
+                                                                                            caplog):
     from prometheus_client.parser import text_string_to_metric_families
 
     from tests.serverutil import running_server
     from kvserve.server.config import ServeConfig
 
-    events = _config(tmp_path, buffer_steps=100)
+    events = dataclasses.replace(_config(tmp_path, buffer_steps=100), replay_endpoint="tcp://127.0.0.1:0")
     sub = zmq.Context.instance().socket(zmq.SUB)
     sub.connect(events.endpoint)
     sub.setsockopt(zmq.SUBSCRIBE, b"kv")
     config = ServeConfig(num_kv_blocks=64, block_size=16, kv_events=events, prefix_caching_hash_algo="sha256_cbor",
                          vllm_metric_names=True)
     prompt = list(range(1000, 1040))  # 40 tokens: two full blocks of 16
-    with running_server(smollm2, config) as url:
+    with caplog.at_level("INFO", logger="kvserve.server"), running_server(smollm2, config) as url:
         import httpx
 
+        # port 0: zmq picks a free one, and the log says which (as configured where nothing differs)
+        assert re.search(rf"KV events: publishing on {re.escape(events.endpoint)} \(replay tcp://127.0.0.1:0 \(bound: "
+                         r"tcp://127.0.0.1:[1-9]\d*\),", caplog.text), caplog.text
         time.sleep(0.3)  # let the subscription reach the PUB socket
         for salt in (None, "tenant-a"):
             body = {"prompt": prompt, "max_tokens": 2, "temperature": 0} | ({"cache_salt": salt} if salt else {})
