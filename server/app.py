@@ -104,7 +104,7 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
                            allow_methods=["GET", "HEAD", "POST", "OPTIONS"], allow_headers=["*"],
                            expose_headers=["x-request-id", "Retry-After"])
     app.add_middleware(HostGuard, policy=HostPolicy.for_server(state.config.host, state.config.allowed_hosts))
-    app.add_middleware(DrainGate, drain=drain)
+    app.add_middleware(DrainGate, drain=drain, on_refused=state.metrics.rejected.labels(reason="draining").inc)
     app.add_middleware(RequestIds)  # outermost: a 413 or 421 carries the request id too
     app.openapi = lambda: openapi_schema(app)  # 400 with OpenAI's error body, not FastAPI's 422
     v1 = [Depends(require_key)]

@@ -26,7 +26,7 @@ import asyncio
 import logging
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from types import FrameType
 from typing import TypeVar
 
@@ -111,12 +111,13 @@ class DrainGate:
     """ASGI middleware: counts in-flight generation requests, and refuses new ones with 503 while draining.
 
     A request counts from its arrival until the app has sent its last body byte, so an SSE stream counts
-    until its ``[DONE]`` (or its client goes away).
+    until its ``[DONE]`` (or its client goes away). ``on_refused`` is called for each 503 (the metrics count it).
     """
 
-    def __init__(self, app, drain: Drain) -> None:
+    def __init__(self, app, drain: Drain, on_refused: Callable[[], object] | None = None) -> None:
         self.app = app
         self.drain = drain
+        self.on_refused = on_refused
 
     async def __call__(self, scope, receive, send) -> None:
         if not _is_generation(scope):
@@ -124,6 +125,8 @@ class DrainGate:
             return
         if self.drain.draining:
             self.drain.refused += 1
+            if self.on_refused is not None:
+                self.on_refused()
             await self.drain.refusal().response()(scope, receive, send)
             return
         self.drain.inflight += 1

@@ -13,7 +13,7 @@ Names and buckets follow vLLM v1 (vllm/v1/metrics/loggers.py).
 from __future__ import annotations
 
 from collections.abc import Callable
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from kvserve.scheduler.service import SchedulerService
@@ -22,6 +22,10 @@ from kvserve.speculation.policy import DraftPolicy
 
 _P = "kvserve:"
 VLLM_PREFIX = "vllm:"
+# No ``*_created`` series (each counter's and histogram's start time, one more series per family and label set):
+# vLLM turns them off too, and no dashboard, rule or scrape of kvserve reads them. Process-wide, as
+# prometheus_client's switch is.
+disable_created_metrics()
 # Buckets (s) as vLLM's: TTFT and queue time span ms to minutes; ITL is ms-scale.
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
@@ -33,6 +37,11 @@ _TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 _REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                     240.0, 480.0, 960.0, 1920.0, 7680.0)
 _E2E_BUCKETS = _REQUEST_BUCKETS
+# request_success_total's finished_reason: vLLM's FinishReason values but error, which kvserve counts in
+# request_failure_total; abort: the client went away, or the drain cut the stream
+FINISH_REASONS = ("stop", "length", "abort")
+# requests_rejected_total's reason: queue_full (429, --max-queue), draining (503 after SIGTERM, server/drain.py)
+REJECT_REASONS = ("queue_full", "draining")
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 _N_BUCKETS = (1, 2, 5, 10, 20)
 
@@ -159,8 +168,9 @@ class Metrics:
         self.rejected = Counter(_P + "requests_rejected", "Requests refused before admission, by reason.",
                                 ["reason"], registry=r)
         # series exist from the start, so rate() sees the first increase too
-        self.rejected.labels(reason="queue_full")
-        for reason in ("stop", "length"):
+        for reason in REJECT_REASONS:
+            self.rejected.labels(reason=reason)
+        for reason in FINISH_REASONS:
             self.success.labels(finished_reason=reason)
         self._add_vllm_families(r, max_model_len, cache_info or {})
 
@@ -224,8 +234,9 @@ class Metrics:
 
     def choice_finished(self, times: ChoiceTimes, prompt_tokens: int, reason: str, generated: int,
                         now: float) -> None:
-        """Observe one choice finished other than by an error or an abort: e2e and queue time, its token counts,
-        its phases' durations (s), and the finish reason.
+        """Observe one choice finished other than by an error (``reason``: one of ``FINISH_REASONS``; an aborted
+        choice counts too, as vLLM counts it): e2e and queue time, its token counts, its phases' durations (s), and
+        the finish reason.
 
         Phases as vLLM times them: prefill = first scheduling to first token, decode = first token to the
         last, inference = their sum; ``now`` is the finish time on ``time.perf_counter``'s clock.

@@ -18,6 +18,7 @@ import time
 import httpx
 import pytest
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvserve.server.app import create_app
 from kvserve.server.config import ServeConfig
@@ -70,8 +71,13 @@ def test_draining_replica_is_unready_but_alive_and_refuses_new_requests_with_ret
         assert refused.status_code == 503 and refused.headers["retry-after"] == "1"
         assert refused.json()["error"]["code"] == "draining"
         assert httpx.post(url + "/tokenize", json={"prompt": "hi"}).status_code == 200  # not generation
-        assert httpx.get(url + "/metrics").status_code == 200  # still scraped while draining
+        metrics = httpx.get(url + "/metrics")
+        assert metrics.status_code == 200  # still scraped while draining
         assert drain.refused == 1
+        rejected = {s.labels["reason"]: s.value for f in text_string_to_metric_families(metrics.text)
+                    if f.name == "kvserve:requests_rejected" for s in f.samples}
+        assert rejected == {"queue_full": 0.0, "draining": 1.0}  # the 503 counted, beside the 429s
+        assert "_created" not in metrics.text  # no start-time series, as vLLM's /metrics
     finally:
         drain.draining = False
 

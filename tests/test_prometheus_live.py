@@ -181,7 +181,8 @@ def test_request_and_token_counts(scraped):
     prom, timings, _ = scraped
     by_reason = {r["metric"]["finished_reason"]: float(r["value"][1])
                  for r in prom.query("sum by (finished_reason) (kvserve:request_success_total)")}
-    assert sum(by_reason.values()) == N_STREAMS and set(by_reason) <= {"stop", "length"}
+    assert sum(by_reason.values()) == N_STREAMS and set(by_reason) <= {"stop", "length", "abort"}
+    assert by_reason.get("abort") == 0  # declared from the start, and no client went away
     assert prom.scalar('sum(kvserve:time_to_first_token_seconds_count{pod="kvserve-0"})') == N_STREAMS
     generated = prom.scalar('sum(kvserve:generation_tokens_total{pod="kvserve-0"})')
     assert generated == sum(t["completion_tokens"] for t in timings)
