@@ -12,8 +12,26 @@ import torch
 from kvserve.engine.plan import SeqWork, TokenLogprob
 from kvserve import native
 
-_SEED_STRIDE = 1_000_003  # mixes the output length into the seed: one generator per (seed, step)
-_SEED_MODULUS = 2**63 - 1  # torch generators take seeds below 2**64; stay in the signed range
+_MASK64 = 2**64 - 1  # torch generators take seeds in [0, 2**64)
+
+
+def _splitmix64(x: int) -> int:
+    """SplitMix64's step (Steele, Lea and Flood, "Fast splittable pseudorandom number generators", OOPSLA 2014):
+    a bijection of 64-bit integers whose outputs of nearby inputs look independent."""
+    z = (x + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def mix_seed(*values: int) -> int:
+    """One 64-bit generator seed from integers (a request's seed, a choice's index, a step), each taken modulo
+    2**64 (a negative seed too) and mixed in turn, so distinct tuples give distinct-looking seeds: seed 2**63 - 1
+    is not seed 0, and choice 1 of seed S is not choice 0 of seed S + 1."""
+    mixed = 0
+    for value in values:
+        mixed = _splitmix64(mixed ^ (value & _MASK64))
+    return mixed
 
 
 def apply_penalties(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
@@ -89,7 +107,7 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=logits.device)
-            generator.manual_seed((params.seed * _SEED_STRIDE + len(work.output_ids)) % _SEED_MODULUS)
+            generator.manual_seed(mix_seed(params.seed, len(work.output_ids)))  # one generator per (seed, step)
         token_id = int(torch.multinomial(processed.softmax(-1), 1, generator=generator))
         if params.processed_logprobs:
             logits = processed

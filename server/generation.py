@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator, Coroutine
 
 from kvserve.engine.plan import TokenLogprob
+from kvserve.engine.sampling import mix_seed
 from kvserve.scheduler.contract import EngineRequest
 from kvserve.scheduler.service import Delivery
 from kvserve.server.choice import Choice, ChoiceUpdate
@@ -54,8 +55,8 @@ class Generation:
         arrival = time.perf_counter()
         for index in range(prepared.n):
             params = prepared.params
-            if params.seed is not None and index:
-                params = dataclasses.replace(params, seed=params.seed + index)  # n choices must differ
+            if params.seed is not None and index:  # n choices must differ, and differ from other seeds' choices
+                params = dataclasses.replace(params, seed=mix_seed(params.seed, index))
             request = EngineRequest(request_id=state.next_id(), prompt_ids=prepared.prompt_ids, params=params,
                                     max_tokens=prepared.max_tokens, min_tokens=prepared.min_tokens,
                                     stop_token_ids=prepared.stop_token_ids, cache_salt=prepared.cache_salt,

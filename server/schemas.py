@@ -81,7 +81,7 @@ class _SamplingRequest(RequestModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=0, ge=-1)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, lt=2**63)
+    seed: int | None = Field(default=None, ge=-2**63, lt=2**63)  # a signed 64-bit integer, as OpenAI's and vLLM's
     n: int = Field(default=1, ge=1, le=16)
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)

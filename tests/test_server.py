@@ -379,6 +379,26 @@ def test_huge_seed_is_sampled_not_a_500(server_url):
     assert response.status_code == 200 and response.json()["choices"][0]["finish_reason"] in ("stop", "length")
 
 
+def test_every_signed_64_bit_seed_is_its_own_sample(server_url):
+    """OpenAI's and vLLM's seed is a signed 64-bit integer (clients send -1): each one samples its own tokens,
+    again the same; seed 2**63 - 1 is not seed 0, and choice 1 of seed S is not choice 0 of seed S + 1."""
+    def texts(seed, n=1):
+        body = {"prompt": "Once upon a time", "max_tokens": 24, "temperature": 1.5, "ignore_eos": True,
+                "seed": seed, "n": n}
+        response = post(server_url, COMPLETIONS, body)
+        assert response.status_code == 200, response.text
+        return [c["text"] for c in response.json()["choices"]]
+
+    seeds = [0, 1, -1, -2**63, 2**63 - 1]
+    samples = {seed: texts(seed)[0] for seed in seeds}
+    assert len(set(samples.values())) == len(seeds)
+    assert texts(-1) == [samples[-1]]
+    assert texts(0, n=2)[1] != samples[1] and texts(0, n=2)[0] == samples[0]
+    for seed in (2**63, -2**63 - 1):
+        refused = post(server_url, COMPLETIONS, {"prompt": "Hi", "seed": seed})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "seed"
+
+
 def test_completions_max_tokens_null_means_16(server_url):
     body = post(server_url, COMPLETIONS, {"prompt": "Once", "max_tokens": None, "ignore_eos": True}).json()
     assert body["usage"]["completion_tokens"] == 16
