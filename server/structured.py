@@ -237,6 +237,47 @@ def _response_format_spec(response_format: dict) -> GrammarSpec | None:
                             strict=spec.get("strict") is True)
 
 
+# a regex's shorthand classes as ASCII (the grammar compiler reads them as Unicode classes: \d took "🯸", a
+# segmented digit): in a class their members, outside one a class; a negated one inside a class a nested class
+_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": "\\t\\n\\x0B\\f\\r "}
+
+
+def ascii_shorthands(pattern: str) -> str:
+    """``pattern`` with ``\\d``, ``\\w``, ``\\s`` and their negations as ASCII classes (``[0-9]``, ``[^0-9]``, ...),
+    as vLLM's regex backends and JSON Schema's ``pattern`` read them (ECMA-262), where the grammar compiler (Rust's
+    regex-syntax, nested classes allowed) reads them as Unicode classes. Other escapes are left as written."""
+    out, depth, at = [], 0, 0
+    while at < len(pattern):
+        char = pattern[at]
+        if char == "\\" and at + 1 < len(pattern):
+            letter = pattern[at + 1]
+            members = _ASCII_CLASSES.get(letter.lower())
+            if members is None:
+                out.append(pattern[at:at + 2])
+            elif letter.islower():
+                out.append(members if depth else f"[{members}]")
+            else:
+                out.append(f"[^{members}]")
+            at += 2
+            continue
+        if char == "[":
+            depth += 1
+            out.append(char)
+            at += 1
+            if pattern.startswith("^", at):
+                out.append("^")
+                at += 1
+            if pattern.startswith("]", at) and pattern[at - 1] != ":":  # a leading "]" is a member
+                out.append("]")
+                at += 1
+            continue
+        if char == "]" and depth:
+            depth -= 1
+        out.append(char)
+        at += 1
+    return "".join(out)
+
+
 def _text_spec(kind: str, value, param: str) -> GrammarSpec:
     if kind == "json_schema":
         return json_schema_spec(value, param)
@@ -259,7 +300,7 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
     problem = repetition_problem(value) or (lark_problem(value) if kind == "lark" else None)
     if problem is not None:
         raise ApiError(400, f"{param} {problem}", param=param)
-    return GrammarSpec(kind, value)
+    return GrammarSpec(kind, ascii_shorthands(value) if kind == "regex" else value)
 
 
 def _readable(param: str, build: Callable[[], T]) -> T:

@@ -116,6 +116,31 @@ def test_vllm_guided_fields(server_url):
     assert text in ("yes", "no")
 
 
+@pytest.mark.parametrize("field, pattern", [
+    ("guided_regex", r"\w{1,5}"), ("guided_regex", r"[\w.]{1,4} \d{1,3}"), ("guided_regex", r"\d{1,3}\s\W\S"),
+    ("structured_outputs", r"[^\W]{3}\D"),
+])
+def test_a_regex_shorthand_class_is_ascii(server_url, field, pattern):
+    """\\d, \\w, \\s and their negations are ASCII classes, as in vLLM's regex backends and JSON Schema: "é" (a
+    Unicode word character, one token here) pushed by logit_bias is not a \\w."""
+    value = {"regex": pattern} if field == "structured_outputs" else pattern
+    body = {"messages": [{"role": "user", "content": "Answer"}], "max_tokens": 16, "temperature": 0,
+            "logit_bias": {"2756": 100}, field: value}
+    choice = httpx.post(server_url + CHAT, json=body, timeout=120).json()["choices"][0]
+    text = choice["message"]["content"]
+    assert choice["finish_reason"] == "stop" and re.fullmatch(pattern, text, re.ASCII), text
+
+
+def test_ascii_shorthands_keep_other_escapes_and_classes():
+    from kvserve.server.structured import ascii_shorthands
+
+    assert ascii_shorthands(r"\d{4}-\d\D") == r"[0-9]{4}-[0-9][^0-9]"
+    assert ascii_shorthands(r"[\d.]+[^\s]") == r"[0-9.]+[^\t\n\x0B\f\r ]"
+    assert ascii_shorthands(r"[]\w][^]\W][[:digit:]\S]") == \
+        r"[]0-9A-Za-z_][^][^0-9A-Za-z_]][[:digit:][^\t\n\x0B\f\r ]]"
+    assert ascii_shorthands(r"\\d\.\p{L}\x41\u00e9") == r"\\d\.\p{L}\x41\u00e9"
+
+
 @pytest.mark.parametrize("body, names", [
     ({"response_format": schema_format({"type": "object", "if": {"type": "object"}, "then": {}})}, "if"),
     ({"response_format": schema_format({"type": "strin"})}, "not a valid JSON Schema"),
