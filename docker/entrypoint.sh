@@ -42,7 +42,8 @@ VALUE_FLAGS=(
 # Switches: KVSERVE_<FLAG>=true|1|yes|on adds the flag; false|0|no|off|empty leaves it out.
 SWITCH_FLAGS=(no-prefix-caching vllm-metric-names allow-pickle no-ui share-cache-across-keys metrics-require-key)
 # KVSERVE_* variables that are read by kvserve itself (or by this script) rather than being flags.
-NOT_FLAGS=(KVSERVE_CACHE KVSERVE_KERNEL_CACHE KVSERVE_DRY_RUN KVSERVE_FASTPATH KVSERVE_ISA KVSERVE_NATIVE_KERNELS KVSERVE_QUANT_KERNELS KVSERVE_URL)
+NOT_FLAGS=(KVSERVE_CACHE KVSERVE_KERNEL_CACHE KVSERVE_DRY_RUN KVSERVE_FASTPATH KVSERVE_ISA KVSERVE_AMX KVSERVE_NATIVE_KERNELS
+  KVSERVE_QUANT_KERNELS KVSERVE_URL)
 
 die() {
   echo "kvserve entrypoint: $*" >&2

@@ -141,6 +141,18 @@ def test_entrypoint_warns_of_unknown_variables(tmp_path):
     assert "ignoring unknown variable KVSERVE_MAX_SEQS" in err
 
 
+def test_entrypoint_knows_every_variable_kvserve_reads(tmp_path):
+    """Each KVSERVE_ variable of kvserve/environment.py (the one module that reads them, earlier names too) passes
+    the entrypoint without the unknown-variable warning, and without becoming a flag unless it is one."""
+    from kvserve import environment
+
+    names = {n for v in environment.VARIABLES for n in (v.name, v.replaces) if n and n.startswith("KVSERVE_")}
+    assert "KVSERVE_AMX" in names
+    flags = {"KVSERVE_API_KEY"}  # the client's key, which the container hands kvserve serve as --api-key
+    rc, argv, err = run_entrypoint(tmp_path, {name: "0" for name in names - flags})
+    assert (rc, argv, err) == (0, ["serve"], "")
+
+
 def test_entrypoint_dry_run_prints_the_command(tmp_path):
     env = {"KVSERVE_DRY_RUN": "1", "KVSERVE_MAX_NUM_SEQS": "4", "KVSERVE_SERVED_MODEL_NAME": "a b"}
     proc = subprocess.run(["bash", str(ENTRYPOINT)], env={"PATH": "/usr/bin:/bin", **env},
