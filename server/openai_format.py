@@ -138,10 +138,12 @@ class Formatter:
             if not (content or tool_deltas or reasoning or reason or update.index not in self.sent_role
                     or (want_logprobs and update.tokens)):
                 return None
-            delta: dict = {"content": content}
+            # a forced tool call (tool_choice required or named) has no content to begin: null, as OpenAI's first
+            # delta of a call and the whole reply's message.content say, not "" (which a client accumulates)
+            delta: dict = {"content": content or (None if self.tools_constrained else content)}
             if update.index not in self.sent_role:
                 self.sent_role.add(update.index)
-                delta = {"role": "assistant", "content": content}
+                delta = {"role": "assistant", "content": delta["content"]}
             if reasoning:  # both names clients read (server.reasoning)
                 delta |= {"content": content or None, "reasoning_content": reasoning, "reasoning": reasoning}
             if tool_deltas:

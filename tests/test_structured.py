@@ -744,6 +744,11 @@ def test_streamed_and_whole_tool_calls_are_byte_identical(client, tool_choice):
             name_and_args[1] += delta.function.arguments or ""
     assert [[c.function.name, c.function.arguments] for c in whole] == [streamed[i] for i in sorted(streamed)]
     assert whole[0].function.arguments.startswith("{")
+    # no content: null in the whole message and in every delta (the SDK's stream helper then ends with null too)
+    with client.chat.completions.stream(**kw) as stream:
+        contents = [event.chunk.choices[0].delta.content for event in stream if event.type == "chunk"]
+        final = stream.get_final_completion().choices[0].message
+    assert contents and set(contents) == {None} and final.content is None and final.tool_calls
 
 
 def _reply(server_url: str, body: dict, stream: bool) -> tuple[str | None, list[list[str]], str]:
