@@ -153,6 +153,26 @@ def test_entrypoint_knows_every_variable_kvserve_reads(tmp_path):
     assert (rc, argv, err) == (0, ["serve"], "")
 
 
+def test_operations_doc_lists_every_container_variable_with_the_images_defaults():
+    """docs/operations.md's table of the container's variables has a row for each option's KVSERVE_ variable (the
+    entrypoint maps every option: test_entrypoint_covers_every_serve_flag) and each the image sets, with the value
+    the image gives it; the variables the entrypoint passes on as they are (NOT_FLAGS) are named there too."""
+    doc = (ROOT / "docs" / "operations.md").read_text()
+    section = doc.split("\n### Environment variables\n", 1)[1].split("\n## ", 1)[0]
+    rows: dict[str, str] = {}  # variable -> its row's "image default" cell
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in re.split(r"(?<!\\)\|", line)[1:-1]]
+        if len(cells) == 3 and cells[0].startswith("`KVSERVE_"):
+            rows |= dict.fromkeys(re.findall(r"`(KVSERVE_\w+)`", cells[0]), cells[2])
+    flags = {"KVSERVE_" + s[2:].upper().replace("-", "_") for a in serve_parser()._actions
+             if not isinstance(a, argparse._HelpAction) for s in a.option_strings if s.startswith("--")}
+    assert sorted(flags - set(rows)) == []
+    image = {name: value for name, value in _image_env().items() if name.startswith("KVSERVE_")}
+    assert {name: f"`{value}`" in rows.get(name, "") for name, value in image.items()} == dict.fromkeys(image, True)
+    passed_on = re.search(r"^NOT_FLAGS=\(([^)]*)\)", ENTRYPOINT.read_text(), re.M).group(1).split()
+    assert [name for name in passed_on if not re.search(rf"`{name}[`=]", section)] == []
+
+
 def test_entrypoint_dry_run_prints_the_command(tmp_path):
     env = {"KVSERVE_DRY_RUN": "1", "KVSERVE_MAX_NUM_SEQS": "4", "KVSERVE_SERVED_MODEL_NAME": "a b"}
     proc = subprocess.run(["bash", str(ENTRYPOINT)], env={"PATH": "/usr/bin:/bin", **env},
