@@ -8,6 +8,7 @@ no SSE byte is ever sent for it.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from contextlib import asynccontextmanager
 
@@ -164,7 +165,8 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
     async def metrics():
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    model_card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kvserve",
+    # created: when this server made the model servable (OpenAI's field is a Unix time; 0 read as 1970)
+    model_card = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
                   "max_model_len": state.max_request_tokens}
 
     @app.get("/v1/models", dependencies=v1)

@@ -33,7 +33,7 @@ from kvserve.server.drain import Drain
 from kvserve.server.errors import ApiError
 from kvserve.server.generation import Generation, until_done_or_gone
 from kvserve.server.reasoning import ReasoningSplit
-from kvserve.server.schemas import ChatCompletionRequest, StreamOptions, check_text_parts
+from kvserve.server.schemas import ChatCompletionRequest, ServiceTier, StreamOptions, check_text_parts
 from kvserve.server.validation import BodyError, RequestModel, checked_required
 from kvserve.server.state import ServerState
 
@@ -111,7 +111,7 @@ class ResponsesRequest(RequestModel):
     priority: int = Field(default=0, ge=-2**31, lt=2**31)       # vLLM's: see server.schemas
     # accepted without effect: kvserve runs every request at once, and there is one tier
     parallel_tool_calls: bool | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None   # the prefix cache needs no key
     safety_identifier: str | None = None
     stream_options: StreamOptions | None = None  # include_obfuscation false only (server.schemas.StreamOptions)

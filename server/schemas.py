@@ -60,10 +60,16 @@ class StreamOptions(RequestModel):
 # kvserve does not serve.
 NEUTRAL_AT = {"no_stop_trim": False, "skip_special_tokens": True, "spaces_between_special_tokens": True,
               "separate_reasoning": True, "stream_reasoning": True, "include_reasoning": True,
-              "return_hidden_states": False, "include_stop_str_in_output": False}
+              "return_hidden_states": False, "include_stop_str_in_output": False,
+              # OpenAI's chat fields for what kvserve does not serve (audio, predicted outputs, web search,
+              # reasoning effort, verbosity): null, as SDK wrappers send them unset, or text-only modalities
+              "audio": None, "prediction": None, "web_search_options": None, "reasoning_effort": None,
+              "verbosity": None, "modalities": ["text"]}
 
 
 MAX_STOP_STRINGS = 64  # a request's stop strings (see _bounded_stops)
+
+ServiceTier = Literal["auto", "default", "flex", "scale", "priority"]  # OpenAI's tiers: kvserve serves all as one
 
 
 class _SamplingRequest(RequestModel):
@@ -121,7 +127,7 @@ class _SamplingRequest(RequestModel):
     # so store: true is refused; its prefix cache needs no key; it has one service tier)
     store: bool = False
     metadata: dict[str, str] | None = None
-    service_tier: str | None = None
+    service_tier: ServiceTier | None = None
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 

@@ -297,6 +297,32 @@ def test_options_at_their_defaults_are_served(server_url, extra):
         assert text in ("a", "b")
 
 
+@pytest.mark.parametrize("path", [CHAT, "/v1/responses"])
+def test_openai_fields_for_what_is_not_served_are_taken_unset_and_refused_set(server_url, path):
+    """OpenAI's fields for audio, predicted outputs, web search, reasoning effort and verbosity, as SDK wrappers
+    send them unset (null; modalities ["text"]), ask for nothing: served. Set, each is a 400 naming it; so is a
+    service tier OpenAI does not have (its own tiers are served as kvserve's one)."""
+    base = ({"input": "Hi", "max_output_tokens": 2} if path != CHAT else
+            {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    unset = {"service_tier": "flex"} | ({"audio": None, "prediction": None, "web_search_options": None,
+                                         "reasoning_effort": None, "verbosity": None, "modalities": ["text"]}
+                                        if path == CHAT else {})
+    assert post(server_url, path, base | unset).status_code == 200
+    refused = [("service_tier", "bogus")]
+    if path == CHAT:
+        refused += [("audio", {"voice": "alloy", "format": "wav"}), ("modalities", ["text", "audio"]),
+                    ("prediction", {"type": "content", "content": "x"}), ("reasoning_effort", "low"),
+                    ("web_search_options", {}), ("verbosity", "low")]
+    for field, value in refused:
+        response = post(server_url, path, base | {field: value})
+        assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+
+
+def test_the_model_card_was_created_when_the_server_started(server_url):
+    card = httpx.get(server_url + "/v1/models").json()["data"][0]
+    assert time.time() - 86_400 < card["created"] <= time.time()
+
+
 def test_what_openai_accepts_is_still_served(server_url):
     for message in ({"role": "user", "content": ""}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}):
         body = {"messages": [message], "max_tokens": 2, "functions": None, "response_format": {"type": "text"}}
