@@ -17,6 +17,7 @@ from kvserve.speculation.policy import AUTO_MAX_DRAFT
 
 
 REASONING_PARSERS = ("auto", "think", "none")  # server.reasoning: auto follows the chat template
+DEFAULT_KV_CACHE_MEMORY = "1GiB"
 
 
 @dataclass(slots=True)
@@ -33,8 +34,8 @@ class ServeConfig:
     device: Device = Device.AUTO        # auto | cpu | cuda
     dtype: DType = DType.AUTO           # auto | float32 | bfloat16; auto picks bf16 where the CPU has it
     quantization: Scheme = Scheme.AUTO  # auto | none | gguf | int8 | int4 | nf4 (engine.weights: auto picks per model)
-    kv_cache_memory: str = "1GiB"       # KV pool budget; blocks = budget // (block_size * bytes/token)
-    num_kv_blocks: int | None = None    # overrides kv_cache_memory (tests use tiny pools)
+    kv_cache_memory: str = DEFAULT_KV_CACHE_MEMORY  # KV pool budget; blocks = budget // (block_size * bytes/token)
+    num_kv_blocks: int | None = None    # overrides kv_cache_memory, as vLLM's num_gpu_blocks_override (tests: tiny pools)
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # auto (the model's) | float32 | bfloat16 | int8 | int4
     block_size: int = 16                # tokens per KV block
     max_num_seqs: int = 32              # slots: sequences decoding at once
@@ -119,9 +120,14 @@ class ServeConfig:
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError("num_kv_blocks must be >= 1")
         try:
-            parse_bytes(self.kv_cache_memory)
+            budget = parse_bytes(self.kv_cache_memory)
         except ValueError as exc:
             raise ValueError(f"kv_cache_memory: {exc}") from None
+        if budget < 1 and self.num_kv_blocks is None:
+            raise ValueError(f"kv_cache_memory {self.kv_cache_memory!r} is no memory: give a size such as 512MiB or "
+                             "1GiB")
+        if self.metrics_require_key and not self.api_keys:
+            raise ValueError("--metrics-require-key needs API keys to ask for: give --api-key or --api-key-file too")
         # strings (tests, flags) become the enums; an unknown value raises ValueError naming it
         self.device, self.dtype, self.quantization = Device(self.device), DType(self.dtype), Scheme(self.quantization)
         self.policy = Policy(self.policy)

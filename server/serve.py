@@ -16,7 +16,7 @@ from kvserve.engine.options import Device, DType
 from kvserve.quant.options import Scheme
 from kvserve.scheduler.ordering import SchedulingPolicy
 from kvserve.server.auth import read_key_file
-from kvserve.server.config import REASONING_PARSERS, Policy, ServeConfig
+from kvserve.server.config import DEFAULT_KV_CACHE_MEMORY, REASONING_PARSERS, Policy, ServeConfig
 from kvserve.server import preflight
 from kvserve.server.httpserver import uvicorn_config, uvicorn_impls
 from kvserve.server.kv_events import KVEventsConfig, parse_kv_events_config
@@ -92,10 +92,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  "nf4: kvserve's own rounding of the float weights (int8 and int4 calibrate at start)")
 
     g = group["memory"]
-    _option(g, "--kv-cache-memory", default=d.kv_cache_memory, metavar="BYTES",
+    # None: not given (DEFAULT_KV_CACHE_MEMORY), so that --num-kv-blocks can say when it overrides a given budget
+    _option(g, "--kv-cache-memory", default=None, metavar="BYTES", default_text=DEFAULT_KV_CACHE_MEMORY,
             help="the KV pool's budget, e.g. 1GiB or 512MiB (a draft model's pool comes out of it too)")
     _option(g, "--num-kv-blocks", type=int, default=None, metavar="N", default_text="from --kv-cache-memory",
-            help="the pool's size in blocks instead of --kv-cache-memory (a draft model's pool gets as many)")
+            help="the pool's size in blocks; overrides --kv-cache-memory, as vLLM's --num-gpu-blocks-override "
+                 "overrides its memory budget (the start log says so when both are given; a draft model's pool "
+                 "gets as many)")
     _option(g, "--kv-cache-dtype", choices=[v.value for v in KVCacheDType], default=d.kv_cache_dtype.value,
             help="what the KV cache stores; auto: the activations' dtype (--dtype); bfloat16 under float32 "
                  "activations: 2x the tokens of float32, attended by bfloat16 dot products with float32 sums "
@@ -231,7 +234,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
-                       quantization=args.quantization, kv_cache_memory=args.kv_cache_memory,
+                       quantization=args.quantization,
+                       kv_cache_memory=args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
                        kv_cache_dtype=args.kv_cache_dtype,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -398,6 +402,10 @@ def _run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         log.error("invalid option: %s", preflight.in_flags(str(exc)))
         return 2
+    if args.num_kv_blocks is not None and args.kv_cache_memory is not None:
+        log.warning("--num-kv-blocks %d overrides --kv-cache-memory %s: the KV pool is %d blocks, whatever they "
+                    "take (as vLLM's --num-gpu-blocks-override overrides its memory budget)", args.num_kv_blocks,
+                    args.kv_cache_memory, args.num_kv_blocks)
     found = preflight.problems(config)  # a model path or a port that cannot work, before seconds of loading
     for line in found:
         log.error("cannot start: %s", line)

@@ -18,7 +18,7 @@ from kvserve.engine.loader import LoadedModel, attention_cost_context
 from kvserve.engine.runner import ModelRunner
 from kvserve.kvcache.block_manager import BlockManager, make_hasher
 from kvserve.kvcache.pool import KVPool, storage_dtype
-from kvserve.kvcache.sizing import KVShape, num_blocks_for_budget, parse_bytes
+from kvserve.kvcache.sizing import KVShape, parse_bytes
 from kvserve.scheduler.contract import EngineRequest, StepOutput, StepRecord
 from kvserve.scheduler.core import EngineCore
 from kvserve.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -84,7 +84,7 @@ def _allocate_pool(loaded: LoadedModel, num_blocks: int, block_size: int, what: 
         return KVPool(shape, num_blocks, block_size, storage_dtype(shape, loaded.dtype), loaded.device)
     except (RuntimeError, TypeError, OverflowError) as exc:  # more than the machine has, or than torch indexes
         raise ValueError(f"cannot allocate {what}KV pool of {num_blocks:,} blocks ({pool_bytes:,} bytes): lower "
-                         f"--kv-cache-memory or --num-kv-blocks ({type(exc).__name__})") from None
+                         f"--kv-cache-memory, --num-kv-blocks or --block-size ({type(exc).__name__})") from None
 
 
 def _num_blocks(config: ServeConfig, shape: KVShape, draft: LoadedModel | None) -> int:
@@ -98,13 +98,14 @@ def _num_blocks(config: ServeConfig, shape: KVShape, draft: LoadedModel | None) 
     if config.num_kv_blocks:
         return config.num_kv_blocks
     budget = parse_bytes(config.kv_cache_memory)
-    if draft is None:
-        return num_blocks_for_budget(shape, config.block_size, budget)
-    # bytes/token of both pools = the served model's + the draft's  (each 2*L*H_kv*d*b)
-    block_bytes = (shape.bytes_per_token + draft.kv_shape().bytes_per_token) * config.block_size
+    # bytes/token of the pools = the served model's (+ the draft's)  (each 2*L*H_kv*d*b)
+    bytes_per_token = shape.bytes_per_token + (draft.kv_shape().bytes_per_token if draft is not None else 0)
+    block_bytes = bytes_per_token * config.block_size
     if budget < block_bytes:
-        raise ValueError(f"KV budget of {budget:,} bytes holds no block of the served and the draft model's pools "
-                         f"({block_bytes:,} bytes)")
+        pools = "the KV pool" if draft is None else "the served and the draft model's KV pools"
+        raise ValueError(f"--kv-cache-memory {config.kv_cache_memory} ({budget:,} bytes) holds not one block of "
+                         f"{pools}: --block-size {config.block_size} tokens x {bytes_per_token:,} bytes/token = "
+                         f"{block_bytes:,} bytes; raise --kv-cache-memory or lower --block-size")
     return budget // block_bytes
 
 

@@ -135,6 +135,44 @@ def test_a_port_in_use_is_reported_before_loading(monkeypatch, caplog):
     assert "invalid option: --port must be in 1..65535, got 0" in caplog.text
 
 
+def test_memory_and_key_options_that_cannot_work_are_refused_before_loading(monkeypatch, caplog, tmp_path):
+    def no_loading(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(serve, "build_state", no_loading)
+    refused = {("--kv-cache-memory", "0"): "invalid option: --kv-cache-memory '0' is no memory",
+               ("--kv-cache-memory", "0.5"): "invalid option: --kv-cache-memory '0.5' is no memory",
+               ("--metrics-require-key",): "invalid option: --metrics-require-key needs API keys to ask for: give "
+                                           "--api-key or --api-key-file too"}
+    for argv, message in refused.items():
+        caplog.clear()
+        assert kvserve_main(["serve", *argv]) == 2, argv
+        errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
+        assert len(errors) == 1 and errors[0].startswith(message), errors  # one line, naming the option
+    assert ServeConfig(metrics_require_key=True, api_keys=("k",)).metrics_require_key  # with a key it is fine
+    # both sizes given: the block count wins, as vLLM's --num-gpu-blocks-override, and the log says so once
+    missing = str(tmp_path / "missing")  # stops the start after the options, before loading
+    for argv, said in ((["--num-kv-blocks", "10", "--kv-cache-memory", "2GiB"], 1), (["--num-kv-blocks", "10"], 0)):
+        caplog.clear()
+        assert kvserve_main(["serve", "--model", missing, *argv]) == 2
+        overrides = [r.getMessage() for r in caplog.records if "overrides" in r.getMessage()]
+        assert overrides == ["--num-kv-blocks 10 overrides --kv-cache-memory 2GiB: the KV pool is 10 blocks, whatever "
+                             "they take (as vLLM's --num-gpu-blocks-override overrides its memory budget)"][:said]
+
+
+def test_a_kv_pool_without_room_for_one_block_names_the_options_to_change():
+    from kvserve.kvcache.sizing import KVShape
+    from kvserve.server.state import _num_blocks
+
+    shape = KVShape(num_layers=30, num_kv_heads=3, head_dim=64, bytes_per_element=4)  # 46,080 bytes a token
+    assert _num_blocks(ServeConfig(kv_cache_memory="1MiB", block_size=16), shape, None) == 2**20 // (46_080 * 16)
+    with pytest.raises(ValueError) as caught:
+        _num_blocks(ServeConfig(block_size=100_000), shape, None)
+    assert str(caught.value) == ("--kv-cache-memory 1GiB (1,073,741,824 bytes) holds not one block of the KV pool: "
+                                 "--block-size 100000 tokens x 46,080 bytes/token = 4,608,000,000 bytes; raise "
+                                 "--kv-cache-memory or lower --block-size")
+
+
 def test_a_missing_model_fails_in_about_a_second_without_importing_torch(tmp_path):
     code = ("import sys; from kvserve.server.cli import main; rc = main(['serve', '--model', sys.argv[1]]); "
             "print('torch' in sys.modules); sys.exit(rc)")
