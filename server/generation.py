@@ -110,10 +110,15 @@ class Generation:
         self.state.metrics.request_admitted(self.prepared.n, self.prepared.max_tokens)
 
     def abort(self) -> None:
-        """Drop every unfinished choice (client gone)."""
+        """Drop every unfinished choice (client gone, or the drain's cut); each counts in the metrics as finished
+        by ``abort``, as vLLM counts an aborted request."""
+        now = time.perf_counter()
         for request_id, choice in self.choices.items():
             if choice.finish_reason is None:
                 self.state.service.abort(request_id)
+                choice.finish_reason = "abort"  # once: a second call finds it finished
+                self.state.metrics.choice_finished(choice.times, len(self.prepared.prompt_ids), "abort",
+                                                   choice.completion_tokens, now)
         self.release()
 
     @property

@@ -152,6 +152,27 @@ def test_a_stop_at_once_still_ends_open_streams_with_abort_and_done(smollm2, cap
     assert f"{name}: stopping now: 1 in-flight request(s) cut" in caplog.text
 
 
+def test_a_client_that_goes_away_counts_as_an_aborted_request(smollm2):
+    from tests.serverutil import running_server
+
+    def finished(url: str) -> dict[tuple[str, str | None], float]:
+        families = text_string_to_metric_families(httpx.get(url + "/metrics", timeout=10).text)
+        return {(s.name, s.labels.get("finished_reason")): s.value for f in families for s in f.samples
+                if s.name in ("kvserve:request_success_total", "kvserve:e2e_request_latency_seconds_count")}
+
+    with running_server(smollm2, ServeConfig(kv_cache_memory="64MiB")) as url:
+        body = {"prompt": "Count from 1 to 10000:", "stream": True} | LONG
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as response:
+            next(line for line in response.iter_lines() if line.startswith("data: "))  # then hang up
+        deadline = time.monotonic() + 30
+        while finished(url)[("kvserve:request_success_total", "abort")] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)  # the server notices the hang-up at its next send
+        counts = finished(url)
+    assert counts == {("kvserve:request_success_total", "stop"): 0.0, ("kvserve:request_success_total", "length"): 0.0,
+                      ("kvserve:request_success_total", "abort"): 1.0,
+                      ("kvserve:e2e_request_latency_seconds_count", None): 1.0}
+
+
 def _serve_process(log_path, *flags: str) -> tuple[subprocess.Popen, str]:
     """A real ``kvserve serve`` process on a free port, its output in ``log_path``; returns it and its URL."""
     port = free_port()
