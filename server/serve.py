@@ -149,7 +149,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                  "X-Tenant-ID header without keys)")
     _option(g, "--max-queue", type=int, default=d.max_queue, metavar="N",
             help="sequences waiting beyond the free slots before new requests get 429 (a request with n choices "
-                 "counts n; 0 refuses every request)")
+                 "counts n, and one that finds nobody waiting is admitted whatever its n, so it is never refused "
+                 "forever; 0 refuses every request)")
     _option(g, "--max-prompts-per-request", type=int, default=d.max_prompts_per_request, metavar="N",
             help="prompts one /v1/completions request may carry (400 beyond); prompts x choices above "
                  "--max-num-seqs + --max-queue is a 400 too, before any is queued")
