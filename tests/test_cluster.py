@@ -177,8 +177,11 @@ def _serve_process(log_path, *flags: str) -> tuple[subprocess.Popen, str]:
     """A real ``kvserve serve`` process on a free port, its output in ``log_path``; returns it and its URL."""
     port = free_port()
     with open(log_path, "w") as out:
+        # SIGINT at its default, as a terminal's process has it: a test run started in the background by a
+        # non-interactive shell (a CI script's `&`) ignores SIGINT, and a child inherits that
         proc = subprocess.Popen([sys.executable, "-m", "kvserve.server.cli", "serve", "--port", str(port),
-                                 "--kv-cache-memory", "64MiB", *flags], stdout=out, stderr=subprocess.STDOUT)
+                                 "--kv-cache-memory", "64MiB", *flags], stdout=out, stderr=subprocess.STDOUT,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     return proc, f"http://127.0.0.1:{port}"
 
 
