@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
+import signal
 import sys
 
 from kvserve import environment
@@ -43,7 +45,20 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvserve`` console script; returns the exit status."""
+    """Entry point of the ``kvserve`` console script; returns the exit status. SIGINT (Ctrl-C), at any point
+    (while the modules import, a model loads, or a server runs), ends the process by that signal, as an
+    unhandled KeyboardInterrupt would (status 130 in a shell), only without Python's traceback."""
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        # the default action of SIGINT ends the process at once, which also spares the wait for a model load
+        # still running on the engine thread that a normal exit would join
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        return 130  # not reached
+
+
+def _main(argv: list[str] | None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     # before any subcommand imports transformers or huggingface_hub, which read it once, at import (the server's
     # routes import transformers before engine.loader, which sets it too, for library users)

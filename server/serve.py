@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import signal
 from concurrent.futures import ThreadPoolExecutor
 
 from kvserve import environment
@@ -236,7 +234,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig(model=args.model, host=args.host, port=args.port, device=args.device, dtype=args.dtype,
                        quantization=args.quantization,
-                       kv_cache_memory=args.kv_cache_memory or DEFAULT_KV_CACHE_MEMORY,
+                       kv_cache_memory=DEFAULT_KV_CACHE_MEMORY if args.kv_cache_memory is None else args.kv_cache_memory,
                        kv_cache_dtype=args.kv_cache_dtype,
                        num_kv_blocks=args.num_kv_blocks, block_size=args.block_size,
                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
@@ -379,14 +377,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         return _run(args)
     except KeyboardInterrupt:
-        # uvicorn.run swallows this; here it ends the process the way an unhandled one would (killed by SIGINT,
-        # status 130 in a shell), only without Python's traceback. Exiting by the signal at once also spares the
-        # wait for a model load still running on the engine thread, which a normal exit would join.
+        # uvicorn.run swallows this; here it reaches server.cli.main, which ends the process by the signal
         log.info("SIGINT: stopped")
         logging.shutdown()
-        signal.signal(signal.SIGINT, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGINT)
-        return 130  # not reached: the default action of SIGINT ends the process
+        raise
 
 
 def _run(args: argparse.Namespace) -> int:

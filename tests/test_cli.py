@@ -142,6 +142,7 @@ def test_memory_and_key_options_that_cannot_work_are_refused_before_loading(monk
     monkeypatch.setattr(serve, "build_state", no_loading)
     refused = {("--kv-cache-memory", "0"): "invalid option: --kv-cache-memory '0' is no memory",
                ("--kv-cache-memory", "0.5"): "invalid option: --kv-cache-memory '0.5' is no memory",
+               ("--kv-cache-memory=",): "invalid option: --kv-cache-memory: cannot parse memory size ''",
                ("--metrics-require-key",): "invalid option: --metrics-require-key needs API keys to ask for: give "
                                            "--api-key or --api-key-file too"}
     for argv, message in refused.items():
@@ -158,6 +159,28 @@ def test_memory_and_key_options_that_cannot_work_are_refused_before_loading(monk
         overrides = [r.getMessage() for r in caplog.records if "overrides" in r.getMessage()]
         assert overrides == ["--num-kv-blocks 10 overrides --kv-cache-memory 2GiB: the KV pool is 10 blocks, whatever "
                              "they take (as vLLM's --num-gpu-blocks-override overrides its memory budget)"][:said]
+
+
+def test_ctrl_c_at_any_point_of_the_cli_ends_the_process_by_sigint(monkeypatch):
+    """A KeyboardInterrupt anywhere under main (here while the parser imports a subcommand's module) ends the
+    process by SIGINT at its default action, as an unhandled one would, without Python's traceback."""
+    import os
+    import signal
+
+    from kvserve.server import cli
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    killed = []
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    monkeypatch.setattr(os, "kill", lambda pid, sig: killed.append((pid, sig, signal.getsignal(signal.SIGINT))))
+    previous = signal.getsignal(signal.SIGINT)
+    try:
+        assert cli.main(["serve"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert killed == [(os.getpid(), signal.SIGINT, signal.SIG_DFL)]
 
 
 def test_a_kv_pool_without_room_for_one_block_names_the_options_to_change():
