@@ -238,26 +238,34 @@ def _response_format_spec(response_format: dict) -> GrammarSpec | None:
 
 
 # a regex's shorthand classes as ASCII (the grammar compiler reads them as Unicode classes: \d took "🯸", a
-# segmented digit): in a class their members, outside one a class; a negated one inside a class a nested class
-_ASCII_CLASSES = {"d": "0-9", "w": "0-9A-Za-z_", "s": "\\t\\n\\x0B\\f\\r "}
+# segmented digit): outside a class a class of their members; inside one the compiler's ASCII classes of the same
+# members, which stay one item (written out, "[\w-z]"'s last member "_" would begin a range "_-z")
+_ASCII_CLASSES = {"d": ("0-9", "digit"), "w": ("0-9A-Za-z_", "word"), "s": ("\\t\\n\\x0B\\f\\r ", "space")}
 
 
 def ascii_shorthands(pattern: str) -> str:
-    """``pattern`` with ``\\d``, ``\\w``, ``\\s`` and their negations as ASCII classes (``[0-9]``, ``[^0-9]``, ...),
-    as vLLM's regex backends and JSON Schema's ``pattern`` read them (ECMA-262), where the grammar compiler (Rust's
-    regex-syntax, nested classes allowed) reads them as Unicode classes. Other escapes are left as written."""
+    """``pattern`` with ``\\d``, ``\\w``, ``\\s`` and their negations as ASCII classes (``[0-9]``, ``[^0-9]``;
+    inside a class ``[:digit:]``, ``[:^digit:]``, ...), as vLLM's regex backends read them and as a JSON Schema
+    ``pattern`` reads ``\\d`` and ``\\w``, where the grammar compiler (Rust's regex-syntax) reads them as Unicode
+    classes. Other escapes are left as written.
+
+    Raises:
+        ValueError: the pattern ends in a lone backslash (an escape of nothing).
+    """
     out, depth, at = [], 0, 0
     while at < len(pattern):
         char = pattern[at]
-        if char == "\\" and at + 1 < len(pattern):
+        if char == "\\":
+            if at + 1 == len(pattern):
+                raise ValueError("ends in a lone backslash (write \\\\ for a backslash)")
             letter = pattern[at + 1]
-            members = _ASCII_CLASSES.get(letter.lower())
+            members, name = _ASCII_CLASSES.get(letter.lower(), (None, None))
             if members is None:
                 out.append(pattern[at:at + 2])
-            elif letter.islower():
-                out.append(members if depth else f"[{members}]")
+            elif depth:
+                out.append(f"[:{name}:]" if letter.islower() else f"[:^{name}:]")
             else:
-                out.append(f"[^{members}]")
+                out.append(f"[{members}]" if letter.islower() else f"[^{members}]")
             at += 2
             continue
         if char == "[":
@@ -300,7 +308,12 @@ def _text_spec(kind: str, value, param: str) -> GrammarSpec:
     problem = repetition_problem(value) or (lark_problem(value) if kind == "lark" else None)
     if problem is not None:
         raise ApiError(400, f"{param} {problem}", param=param)
-    return GrammarSpec(kind, ascii_shorthands(value) if kind == "regex" else value)
+    if kind == "regex":
+        try:
+            value = ascii_shorthands(value)
+        except ValueError as exc:
+            raise ApiError(400, f"{param} {exc}", param=param) from None
+    return GrammarSpec(kind, value)
 
 
 def _readable(param: str, build: Callable[[], T]) -> T:
