@@ -127,7 +127,8 @@ class ServeConfig:
             raise ValueError(f"kv_cache_memory {self.kv_cache_memory!r} is no memory: give a size such as 512MiB or "
                              "1GiB")
         if self.metrics_require_key and not self.api_keys:
-            raise ValueError("--metrics-require-key needs API keys to ask for: give --api-key or --api-key-file too")
+            raise ValueError("--metrics-require-key needs API keys to ask for: give --api-key, --api-key-file or "
+                             "--admin-key too")
         # strings (tests, flags) become the enums; an unknown value raises ValueError naming it
         self.device, self.dtype, self.quantization = Device(self.device), DType(self.dtype), Scheme(self.quantization)
         self.policy = Policy(self.policy)

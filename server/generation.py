@@ -107,7 +107,7 @@ class Generation:
         except BaseException:
             self.release()
             raise
-        self.state.metrics.request_admitted(self.prepared.n, self.prepared.max_tokens)
+        self.state.metrics.request_admitted(self.prepared.n, self.prepared.max_tokens_asked)
 
     def abort(self) -> None:
         """Drop every unfinished choice (client gone, or the drain's cut); each counts in the metrics as finished

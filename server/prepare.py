@@ -41,6 +41,11 @@ class Prepared:
     thinking: bool | None = None   # chat with a reasoning parser: the prompt opened <think> (None: no split)
     prompt_only: bool = False      # completions' echo with max_tokens 0: one token computed, none returned
 
+    @property
+    def max_tokens_asked(self) -> int:
+        """The client's max_tokens: ``max_tokens``, or 0 for a prompt-only echo (whose request computes one)."""
+        return 0 if self.prompt_only else self.max_tokens
+
 
 def _check_text(text: str, param: str) -> None:
     """Raise a 400 for text that is not valid Unicode (lone surrogates cannot be tokenized)."""

@@ -70,7 +70,7 @@ class PromptGroups:
                 generation.release()
             raise
         for generation in self.groups:
-            self.state.metrics.request_admitted(self.n, generation.prepared.max_tokens)
+            self.state.metrics.request_admitted(self.n, generation.prepared.max_tokens_asked)
 
     def abort(self) -> None:
         for generation in self.groups:

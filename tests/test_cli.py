@@ -144,7 +144,7 @@ def test_memory_and_key_options_that_cannot_work_are_refused_before_loading(monk
                ("--kv-cache-memory", "0.5"): "invalid option: --kv-cache-memory '0.5' is no memory",
                ("--kv-cache-memory=",): "invalid option: --kv-cache-memory: cannot parse memory size ''",
                ("--metrics-require-key",): "invalid option: --metrics-require-key needs API keys to ask for: give "
-                                           "--api-key or --api-key-file too"}
+                                           "--api-key, --api-key-file or --admin-key too"}
     for argv, message in refused.items():
         caplog.clear()
         assert kvserve_main(["serve", *argv]) == 2, argv

@@ -246,6 +246,15 @@ def test_echo_with_max_tokens_0_is_the_prompt_alone(server_url, stream):
     refused = post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
 
+    def asked() -> tuple[float, float]:  # the max_tokens histogram's count and sum
+        lines = httpx.get(server_url + "/metrics").text.splitlines()
+        return tuple(float(next(line for line in lines if line.startswith(f"kvserve:request_params_max_tokens_{k}"))
+                           .rsplit(" ", 1)[1]) for k in ("count", "sum"))
+
+    before = asked()
+    post(server_url, COMPLETIONS, {"prompt": "Hi", "max_tokens": 0, "echo": True})
+    assert asked() == (before[0] + 1, before[1])  # it asked for none (its request computes one)
+
 
 @pytest.mark.parametrize("path, body, param", [
     (CHAT, {"messages": [{"role": "user", "content": "Hi"}], "temperature": 5}, "temperature"),
