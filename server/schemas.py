@@ -80,6 +80,7 @@ class _SamplingRequest(RequestModel):
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     _is_body: ClassVar[bool] = True
     _completions: ClassVar[bool] = False  # CompletionRequest serves best_of and suffix
+    _accepted_at: ClassVar[dict] = NEUTRAL_AT  # in /openapi.json with the one value each is taken at
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)

@@ -63,7 +63,8 @@ def checked_required(**kwargs):
 def _document_nulls(schema: dict, cls: type[BaseModel]) -> None:
     """Say in the JSON schema (/openapi.json) what ``_drop_nulls`` does: a field with a default also takes
     ``null``. Schema-driven clients and fuzzers then neither avoid it nor expect it refused. A
-    ``checked_required`` field is documented as required instead."""
+    ``checked_required`` field is documented as required instead, and a class's ``_accepted_at`` fields (taken
+    only at one value or null, not model fields) with those values."""
     for name, info in cls.model_fields.items():
         prop = schema.get("properties", {}).get(name)
         if prop is not None and prop.pop(_CHECKED, False):
@@ -76,6 +77,11 @@ def _document_nulls(schema: dict, cls: type[BaseModel]) -> None:
             continue
         kept = {key: prop.pop(key) for key in ("title", "default", "description") if key in prop}
         schema["properties"][name] = kept | {"anyOf": [prop, {"type": "null"}]}
+    for name, value in getattr(cls, "_accepted_at", {}).items():  # fields taken only at a value that asks nothing
+        if name in cls.model_fields:
+            continue
+        schema.setdefault("properties", {})[name] = ({"type": "null"} if value is None else
+                                                     {"anyOf": [{"const": value}, {"type": "null"}]})
 
 
 def _takes_null(prop: dict) -> bool:

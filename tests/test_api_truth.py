@@ -316,6 +316,12 @@ def test_openai_fields_for_what_is_not_served_are_taken_unset_and_refused_set(se
     for field, value in refused:
         response = post(server_url, path, base | {field: value})
         assert response.status_code == 400 and response.json()["error"]["param"] == field, (field, response.text)
+    if path == CHAT:  # the document says which value each is taken at (it forbids properties it does not list)
+        schema = httpx.get(server_url + "/openapi.json").json()["components"]["schemas"]["ChatCompletionRequest"]
+        assert schema["additionalProperties"] is False
+        assert schema["properties"]["audio"] == {"type": "null"}
+        assert schema["properties"]["modalities"] == {"anyOf": [{"const": ["text"]}, {"type": "null"}]}
+        assert schema["properties"]["skip_special_tokens"] == {"anyOf": [{"const": True}, {"type": "null"}]}
 
 
 def test_the_model_card_was_created_when_the_server_started(server_url):
