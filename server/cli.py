@@ -45,9 +45,11 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``kvserve`` console script; returns the exit status. SIGINT (Ctrl-C), at any point
-    (while the modules import, a model loads, or a server runs), ends the process by that signal, as an
-    unhandled KeyboardInterrupt would (status 130 in a shell), only without Python's traceback."""
+    """Entry point of the ``kvserve`` console script; returns the exit status. SIGINT (Ctrl-C) from here on
+    (while the subcommand's modules import, a model loads, or a server runs) ends the process by that signal, as
+    an unhandled KeyboardInterrupt would (status 130 in a shell), only without Python's traceback; one in the
+    first tens of milliseconds, while Python starts and the console script imports this module, still gets
+    Python's own."""
     try:
         return _main(argv)
     except KeyboardInterrupt:

@@ -263,6 +263,8 @@ def ascii_shorthands(pattern: str) -> str:
             if members is None:
                 out.append(pattern[at:at + 2])
             elif depth:
+                if out and out[-1] == "-" and not (len(out) > 1 and out[-2] == "-"):  # not the "--" operator
+                    out[-1] = "\\-"  # "[+-\\d]" is "+", "-" or a digit (ECMA's reading), not a range to a class
                 out.append(f"[:{name}:]" if letter.islower() else f"[:^{name}:]")
             else:
                 out.append(f"[{members}]" if letter.islower() else f"[^{members}]")
