@@ -150,6 +150,19 @@ def test_compare_against_fake_servers(tmp_path):
     assert f"<!-- BEGIN compare{kernel_class()[0]} -->" in text and "| static |" in text and "| continuous |" in text
 
 
+def test_a_generic_cpu_name_gets_its_family_and_model():
+    """A VM's "AMD EPYC" covers Zen 4 (AVX-512 on 256-bit units) and Zen 5 (512-bit units): the machine line
+    names the family and model there, and leaves a name with a model number as it is."""
+    from kvserve.loadtest.publish.benchmarks_md import _cpu
+
+    info = "processor\t: 0\ncpu family\t: {family}\nmodel\t\t: {model}\nmodel name\t: {name}\nflags\t\t: fpu avx2 avx512f\n"
+    assert _cpu(info.format(family=26, model=2, name="AMD EPYC")) == ("AMD EPYC family 26 model 2",
+                                                                      {"fpu", "avx2", "avx512f"})
+    assert _cpu(info.format(family=25, model=17, name="AMD EPYC"))[0] == "AMD EPYC family 25 model 17"
+    assert _cpu(info.format(family=6, model=143, name="Intel(R) Xeon(R) Platinum 8480+"))[0] == \
+        "Intel(R) Xeon(R) Platinum 8480+"
+
+
 def test_a_cpu_section_is_one_per_kernel_path(tmp_path, monkeypatch):
     """An AVX2-only machine, or one with AMX tiles, writes its own section beside the AVX-512 machine's (the
     reference) instead of replacing it; a forced lesser path is that path's section, its command naming the

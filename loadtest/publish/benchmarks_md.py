@@ -21,18 +21,29 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "BENCHMARKS.md"
 _HEADER = "# kvserve benchmarks\n\nEvery figure below comes from the command printed with it; rerun it to refresh its section.\n"
 
 
-def _cpu() -> tuple[str, set[str]]:
-    """The CPU's model name and its /proc/cpuinfo flags (empty where there is no such file)."""
-    cpu, flags = platform.processor() or platform.machine(), set()
+def _cpu(cpuinfo: str | None = None) -> tuple[str, set[str]]:
+    """The CPU's model name and its /proc/cpuinfo flags (empty where there is no such file); ``cpuinfo``: that
+    file's text (this machine's when None).
+
+    A model name without a model number (a VM's "AMD EPYC") gets the CPU's family and model appended: under
+    that one name Zen 4 (family 25), which runs AVX-512 on 256-bit units, and Zen 5 (family 26), which runs it
+    on 512-bit ones, have both been seen here, and their AVX-512 figures differ."""
+    cpu, flags, ids = platform.processor() or platform.machine(), set(), {}
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
+        for line in (Path("/proc/cpuinfo").read_text() if cpuinfo is None else cpuinfo).splitlines():
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key == "model name":
+                cpu = value.strip()
+            elif key in ("cpu family", "model"):
+                ids[key] = value.strip()
+            elif key == "flags":
+                flags = set(value.split())
                 break
     except OSError:
         pass
+    if not re.search(r"\d", cpu) and len(ids) == 2:
+        cpu += f" family {ids['cpu family']} model {ids['model']}"
     return cpu, flags
 
 
