@@ -122,10 +122,10 @@ def test_bound_kernel_gives_the_bits_of_the_call():
             module.bind_ggml(packed, kind, 40, K)(torch.randn(2, 32))
 
 
-def test_the_one_row_prefetch_changes_no_bits_and_its_setting_is_checked():
-    """set_gguf_prefetch (the bytes a K-quant call of one row prefetches ahead; on by default on Intel's AVX-512
-    path) returns the previous value, refuses a distance outside 0..1 MiB, and a row's bits are the same with it
-    off, at 1 KB, and ahead past the call's panels."""
+def test_the_near_prefetch_changes_no_bits_and_its_setting_is_checked():
+    """set_gguf_prefetch (the bytes a K-quant call of one or two rows prefetches ahead; on by default on Intel's
+    and Zen 5's AVX-512 path) returns the previous value, refuses a distance outside 0..1 MiB, and the rows' bits
+    are the same with it off, at 1 KB, and ahead past the call's panels (two rows: Q6_K's tile of two panels)."""
     module = native.load()
     before = module.set_gguf_prefetch(0)
     try:
@@ -133,12 +133,14 @@ def test_the_one_row_prefetch_changes_no_bits_and_its_setting_is_checked():
         for kind in ("q4_k", "q5_k", "q6_k", "q4_1"):
             N, K = 40, 2048
             packed = module.ggml_pack(blocks(kind, N, K), kind)
-            x = activations(1, K)
-            off = module.ggml_linear(x, packed, kind, N, K)
-            for ahead in (1024, 1 << 20):
-                module.set_gguf_prefetch(ahead)
-                assert torch.equal(module.ggml_linear(x, packed, kind, N, K), off), (kind, ahead)
-            module.set_gguf_prefetch(0)
+            for rows in (1, 2):
+                x = activations(rows, K)
+                off = module.ggml_linear(x, packed, kind, N, K)
+                assert torch.equal(off[-1:], module.ggml_linear(x[-1:], packed, kind, N, K))  # a row as alone
+                for ahead in (1024, 1 << 20):
+                    module.set_gguf_prefetch(ahead)
+                    assert torch.equal(module.ggml_linear(x, packed, kind, N, K), off), (kind, rows, ahead)
+                module.set_gguf_prefetch(0)
         with pytest.raises(RuntimeError, match="prefetch distance must be 0..1048576 bytes, got -1"):
             module.set_gguf_prefetch(-1)
         assert module.gguf_prefetch() == 0  # the refused value was not taken

@@ -77,13 +77,38 @@ inline bool intel_avx512() {
 #endif
 }
 
-// The GGUF K-quant kernels' prefetch for a decode step of one row on the AVX-512 path (kv_ggml_args.ahead): bytes
-// ahead in the panel stream, 1024 on Intel CPUs, 0 (the hardware prefetchers alone) elsewhere. Measured on a
-// Sapphire Rapids VM (`python -m kvserve.loadtest kernelbench --ggml-model`, which times both side by side): a Q4_K_M
-// Llama-3.2-1B step's projections 1.08-1.12x at 1 row with it; 2048 bytes or more ahead no faster, Q4_1 and the
-// AVX2 path no faster or slower; on an AMD EPYC (Zen 4) prefetching a one-row tile's groups lost. linear_ggml.cpp
-// starts from this value (set_gguf_prefetch changes it).
-inline int gguf_prefetch_default() { return intel_avx512() ? 1024 : 0; }
+// The CPU's family as cpuid leaf 1 gives it (base family, plus the extended family where the base is 0xF): AMD's
+// Zen 4 is 0x19, Zen 5 0x1A. 0 where cpuid is not available.
+inline unsigned cpu_family() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+  const unsigned base = (a >> 8) & 0xFu;
+  return base == 0xFu ? base + ((a >> 20) & 0xFFu) : base;
+#else
+  return 0;
+#endif
+}
+
+// Whether the AVX-512 path runs on an AMD Zen 5 or later (family 0x1A+): 512-bit vector units, where Zen 4 splits
+// each 512-bit operation into two 256-bit halves, so its kernels consume the weights' stream about twice as fast.
+inline bool amd_full_width_avx512() {
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
+  static const bool full = chosen() == Isa::kAvx512 && __builtin_cpu_is("amd") && cpu_family() >= 0x1Au;
+  return full;
+#else
+  return false;
+#endif
+}
+
+// The GGUF K-quant kernels' prefetch for a decode step of one or two rows on the AVX-512 path (kv_ggml_args.ahead): bytes
+// ahead in the panel stream, 1024 on Intel CPUs and AMD's Zen 5 and later, 0 (the hardware prefetchers alone) on
+// Zen 4. Measured with `python -m kvserve.loadtest kernelbench --ggml-model`, which times both side by side: a
+// Q4_K_M Llama-3.2-1B step's projections at 1 row 1.08-1.12x with it on a Sapphire Rapids VM, at 1 and 2 rows
+// 1.3-1.4x on a Zen 5 EPYC (there the one-row tile reads the stream faster than the hardware prefetchers alone bring it);
+// 2048 bytes or more ahead no faster; Q4_1 and the AVX2 path no faster or slower; on a Zen 4 EPYC prefetching a
+// one-row tile's groups lost. linear_ggml.cpp starts from this value (set_gguf_prefetch changes it).
+inline int gguf_prefetch_default() { return intel_avx512() || amd_full_width_avx512() ? 1024 : 0; }
 
 // Whether the GGUF kernels' calls of many rows (prefill chunks, decode batches past a register tile) take Q5_K's and
 // Q6_K's groups unpacked once for every tile of rows on the AVX-512 path (kv_ggml_args.unpack): on Intel CPUs, where

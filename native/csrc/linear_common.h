@@ -110,11 +110,11 @@ std::function<torch::Tensor(const torch::Tensor&)> bind_ggml(const torch::Tensor
                                                              int64_t N, int64_t K);
 // ggml_linear bound to its weights as a ProjectionHandle (projection_handle.h) in a capsule, for the decode ops.
 py::capsule ggml_handle(const torch::Tensor& packed, const std::string& kind, int64_t N, int64_t K);
-// Sets the bytes ahead that a GGUF call of one row prefetches towards L1 (kv_ggml_args.ahead; 0: none) for every
+// Sets the bytes ahead that a GGUF call of one or two rows prefetches towards L1 (kv_ggml_args.ahead; 0: none) for every
 // call from now on, and returns the previous value (at start cpu.h's gguf_prefetch_default). Raises c10::Error
 // outside 0..1 MiB.
 int64_t set_gguf_prefetch(int64_t bytes);
-// The bytes a GGUF call of one row prefetches ahead now (set_gguf_prefetch's last value or cpu.h's default).
+// The bytes a GGUF call of one or two rows prefetches ahead now (set_gguf_prefetch's last value or cpu.h's default).
 int64_t gguf_prefetch();
 // Sets whether the GGUF calls of many rows take Q5_K's and Q6_K's groups unpacked once for every tile of rows
 // (kv_ggml_args.unpack; the AVX-512 path) from now on, and returns the previous value (at start cpu.h's

@@ -166,7 +166,7 @@ const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, int64_t gr
   return out;
 }
 
-// kv_ggml_args.ahead of a call of one row (cpu.h's gguf_prefetch_default until set_gguf_prefetch changes it).
+// kv_ggml_args.ahead of a call of one or two rows (cpu.h's gguf_prefetch_default until set_gguf_prefetch changes it).
 std::atomic<int> prefetch_bytes{cpu::gguf_prefetch_default()};
 // kv_ggml_args.unpack of a call of many rows (cpu.h's gguf_unpack_default until set_gguf_unpack changes it).
 std::atomic<bool> unpack_groups{cpu::gguf_unpack_default()};
@@ -203,7 +203,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
     a.nb = static_cast<int32_t>(nb);
     a.nr = static_cast<int32_t>(g.nr);
     a.ldw = panel_bytes;
-    a.ahead = M == 1 ? prefetch_bytes.load(std::memory_order_relaxed) : 0;
+    a.ahead = M <= 2 ? prefetch_bytes.load(std::memory_order_relaxed) : 0;
     a.unpack = unpack_groups.load(std::memory_order_relaxed) ? 1 : 0;
     for (int64_t p = p0; p < p1; p += chunk) {
       const int64_t n = std::min(chunk, p1 - p);

@@ -71,9 +71,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   }, "ggml_linear bound to (packed, kind, N, K), checked once");
   m.def("ggml_handle", &ggml_handle,
         "ggml_linear bound to (packed, kind, N, K) as a capsule the decode ops' layer stack calls without Python");
-  m.def("gguf_prefetch", &gguf_prefetch, "how far ahead a GGUF K-quant call of one row prefetches (bytes; 0: none)");
+  m.def("gguf_prefetch", &gguf_prefetch, "how far ahead a GGUF K-quant call of one or two rows prefetches (bytes; 0: none)");
   m.def("set_gguf_prefetch", &set_gguf_prefetch,
-        "bytes -> the previous value: how far ahead a GGUF K-quant call of one row prefetches (AVX-512; 0: none)");
+        "bytes -> the previous value: how far ahead a GGUF K-quant call of one or two rows prefetches (AVX-512; 0: none)");
   m.def("gguf_amx", &gguf_amx,
         "whether GGUF calls of gguf_amx_rows() rows or more take AMX-INT8 tiles (where the CPU runs them)");
   m.def("set_gguf_amx", &set_gguf_amx,

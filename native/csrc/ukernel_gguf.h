@@ -564,7 +564,8 @@ constexpr bool kUnpackGroups = false;
  * (its codes are one mask a chunk: not taken). */
 template <class Fmt>
 constexpr bool kUnpackable = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
-/* The K-quants' one-row tiles prefetch kv_ggml_args.ahead bytes ahead towards L1 (cpu.h's gguf_prefetch_default). */
+/* The K-quants' tiles of one and two rows prefetch kv_ggml_args.ahead bytes ahead towards L1 (cpu.h's
+ * gguf_prefetch_default). */
 constexpr bool kPrefetchL1 = true;
 
 #include "ukernel_gguf_body.h"
