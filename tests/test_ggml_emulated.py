@@ -33,7 +33,7 @@ def runner(request):
 def run(runner, symbol: str, packed: np.ndarray, nr: int, x: dict, N: int, K: int, together: bool,
         ahead: int = 0, unpack: int = 0) -> np.ndarray:
     """y float32 [M, N] from micro-kernel calls over all rows: one per panel, or (``together``) one for all panels;
-    ``ahead``: kv_ggml_args.ahead (the bytes a K-quant tile of one row prefetches ahead on AVX-512); ``unpack``:
+    ``ahead``: kv_ggml_args.ahead (the bytes a K-quant tile of one or two rows prefetches ahead on AVX-512); ``unpack``:
     kv_ggml_args.unpack (AVX-512 calls of many rows: Q5_K / Q6_K groups unpacked once)."""
     M, nb, panels = x["xq"].shape[0], K // 32, packed.shape[0]
     runner.reset_heap()
@@ -63,9 +63,9 @@ def test_vector_micro_kernels_give_the_scalar_bits_on_every_remainder(runner, ki
             x = quantized_activations(M, K, rng, leaves.ACT_GROUP[kind])
             scalar = run(runner, f"kv_{kind}_scalar", packed, nr, x, N, K, together=False)
             for together in (False, True):  # a panel a call, or every panel in one (tiles over several)
-                # one row: also with the prefetch ahead (a group's bytes and past the call's last panel); more
-                # rows than a tile: also with groups unpacked once
-                for ahead, unpack in ((0, 0), (1024, 0), (1 << 20, 0)) if M == 1 else ((0, 0), (0, 1)) if M > mr \
+                # one or two rows (Q6_K's two: a tile of two panels, together): also with the prefetch ahead (a
+                # group's bytes and past the call's last panel); more rows than a tile: also with groups unpacked
+                for ahead, unpack in ((0, 0), (1024, 0), (1 << 20, 0)) if M <= 2 else ((0, 0), (0, 1)) if M > mr \
                         else ((0, 0),):
                     vector = run(runner, f"kv_{kind}_{isa}", packed, nr, x, N, K, together, ahead, unpack)
                     assert np.array_equal(vector.view(np.uint32), scalar.view(np.uint32)), \

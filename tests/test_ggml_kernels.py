@@ -127,7 +127,8 @@ def test_the_near_prefetch_changes_no_bits_and_its_setting_is_checked():
     and Zen 5's AVX-512 path) returns the previous value, refuses a distance outside 0..1 MiB, and the rows' bits
     are the same with it off, at 1 KB, and ahead past the call's panels (two rows: Q6_K's tile of two panels)."""
     module = native.load()
-    before = module.set_gguf_prefetch(0)
+    before, threads = module.set_gguf_prefetch(0), torch.get_num_threads()
+    torch.set_num_threads(1)  # every panel in one call: Q6_K's two rows then take tiles of two panels
     try:
         assert module.set_gguf_prefetch(0) == 0 and module.gguf_prefetch() == 0
         for kind in ("q4_k", "q5_k", "q6_k", "q4_1"):
@@ -146,6 +147,7 @@ def test_the_near_prefetch_changes_no_bits_and_its_setting_is_checked():
         assert module.gguf_prefetch() == 0  # the refused value was not taken
     finally:
         module.set_gguf_prefetch(before)
+        torch.set_num_threads(threads)
 
 
 def test_unpacked_groups_change_no_bits_and_the_setting_round_trips():

@@ -211,10 +211,10 @@ PREFILL_ROWS = 64  # ggml_model's rows from which a step is a prefill chunk (the
 
 
 @torch.inference_mode()
-def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True) -> None:
+def ggml_model(rows_list: tuple[int, ...] = (1, 2, 8, 32, 512), write: bool = True) -> None:
     """A Q4_K_M Llama-3.2-1B step's projections with the server's threads on ``rows_list`` rows (decode batches
     against the read bound; 512: a prefill chunk), each of this CPU's kernel settings that matter at those rows
-    side by side with it off (one row's prefetch, Q5_K / Q6_K groups unpacked, AMX tiles); writes "ggml-model"
+    side by side with it off (the prefetch of one and two rows, Q5_K / Q6_K groups unpacked, AMX tiles); writes "ggml-model"
     unless ``write`` is False."""
     from kvserve import native
     from kvserve.loadtest.publish.benchmarks_md import update_section
@@ -265,10 +265,10 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
             return (time.process_time() - cpu0) / threads / n, (time.perf_counter() - wall0) / n
 
         # this CPU's settings side by side with the one that differs at these rows off, in alternating rounds (the
-        # best of each): one row's prefetch; past a register tile (8 rows), Q5_K / Q6_K groups unpacked once
+        # best of each): the prefetch of one and two rows; past a register tile (8 rows), Q5_K / Q6_K groups unpacked once
         # from 32 rows, AMX tiles where they run; at decode's rows the weights on 4 KiB pages
         settings = [("", prefetch, unpack, amx, step_fns)]
-        if rows == 1 and prefetch:
+        if rows <= 2 and prefetch:
             settings.append((", no prefetch", 0, unpack, amx, step_fns))
         if rows <= 8:
             settings.append((", 4 KiB pages", prefetch, unpack, amx, small_fns))
@@ -300,7 +300,7 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 8, 32, 512), write: bool = True)
         lines += ["", f"{PREFILL_ROWS}+ rows: a prefill chunk, the LM head on its last row only (as a prefill runs it); "
                   "its time is its arithmetic's, not the read's."]
     if prefetch:
-        lines += ["", f"At 1 row the K-quant kernels prefetch {prefetch} bytes ahead of the group they read towards "
+        lines += ["", f"At 1 and 2 rows the K-quant kernels prefetch {prefetch} bytes ahead of the group they read towards "
                   "L1 (this CPU's default, native/csrc/cpu.h); \"no prefetch\" is the same step with it off, the two "
                   f"timed in {ROUNDS} alternating rounds (the best of each)."]
     if small_pages:

@@ -90,9 +90,11 @@ inline unsigned cpu_family() {
 #endif
 }
 
-// Whether the AVX-512 path runs on an AMD Zen 5 or later (family 0x1A+): 512-bit vector units, where Zen 4 splits
-// each 512-bit operation into two 256-bit halves, so its kernels consume the weights' stream about twice as fast.
-inline bool amd_full_width_avx512() {
+// Whether the AVX-512 path runs on an AMD Zen 5 or later (family 0x1A+). The EPYC (Turin) of the measurements below
+// has 512-bit vector units, where Zen 4 splits each 512-bit operation into two 256-bit halves, so its kernels
+// consume the weights' stream about twice as fast; the laptop parts of the family (Strix Point) keep 256-bit units
+// and were not measured.
+inline bool amd_zen5_avx512() {
 #if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__)
   static const bool full = chosen() == Isa::kAvx512 && __builtin_cpu_is("amd") && cpu_family() >= 0x1Au;
   return full;
@@ -101,14 +103,15 @@ inline bool amd_full_width_avx512() {
 #endif
 }
 
-// The GGUF K-quant kernels' prefetch for a decode step of one or two rows on the AVX-512 path (kv_ggml_args.ahead): bytes
-// ahead in the panel stream, 1024 on Intel CPUs and AMD's Zen 5 and later, 0 (the hardware prefetchers alone) on
-// Zen 4. Measured with `python -m kvserve.loadtest kernelbench --ggml-model`, which times both side by side: a
-// Q4_K_M Llama-3.2-1B step's projections at 1 row 1.08-1.12x with it on a Sapphire Rapids VM, at 1 and 2 rows
-// 1.3-1.4x on a Zen 5 EPYC (there the one-row tile reads the stream faster than the hardware prefetchers alone bring it);
-// 2048 bytes or more ahead no faster; Q4_1 and the AVX2 path no faster or slower; on a Zen 4 EPYC prefetching a
-// one-row tile's groups lost. linear_ggml.cpp starts from this value (set_gguf_prefetch changes it).
-inline int gguf_prefetch_default() { return intel_avx512() || amd_full_width_avx512() ? 1024 : 0; }
+// The GGUF K-quant kernels' prefetch for a decode step of one or two rows on the AVX-512 path (kv_ggml_args.ahead):
+// bytes ahead in the panel stream, 1024 on Intel CPUs and AMD's Zen 5 and later, 0 (the hardware prefetchers alone)
+// elsewhere. Measured with `python -m kvserve.loadtest kernelbench --ggml-model`, which times both side by side: a
+// Q4_K_M Llama-3.2-1B step's projections at 1 row 1.08-1.12x with it on a Sapphire Rapids VM (2 rows level); on a
+// Zen 5 EPYC 1 row 1.3x (1.6x on the served model's fused projections) and 2 rows 1.35x, its tiles reading the
+// stream faster than the hardware prefetchers alone bring it; 2048 bytes or more ahead no faster; Q4_1 and the AVX2
+// path no faster or slower; on a Zen 4 EPYC prefetching a one-row tile's groups lost. linear_ggml.cpp starts from
+// this value (set_gguf_prefetch changes it).
+inline int gguf_prefetch_default() { return intel_avx512() || amd_zen5_avx512() ? 1024 : 0; }
 
 // Whether the GGUF kernels' calls of many rows (prefill chunks, decode batches past a register tile) take Q5_K's and
 // Q6_K's groups unpacked once for every tile of rows on the AVX-512 path (kv_ggml_args.unpack): on Intel CPUs, where

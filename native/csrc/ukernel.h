@@ -45,8 +45,9 @@ typedef struct kv_ggml_args {
   const int32_t* xoff16; /* -32 * qsum per 16 codes [rows][2 * ldb]: Q6_K's offset times the codes (read by Q6_K) */
   int64_t ldw;           /* bytes from one panel to the next */
   int32_t panels;        /* panels of the call, >= 1 */
-  int32_t ahead;         /* AVX-512 K-quant tiles of one row: bytes ahead of the group being read that each group
-                          * prefetches towards L1 (within the call's panels), or 0: the hardware prefetchers alone */
+  int32_t ahead;         /* AVX-512 K-quant tiles of one or two rows: bytes ahead of the group being read that each
+                          * group prefetches towards L1 in each panel of the tile (within the call's panels), or 0:
+                          * the hardware prefetchers alone */
   int32_t unpack;        /* AVX-512, calls of more than KV_MR_AVX512 rows: 1 takes Q5_K's and Q6_K's groups unpacked
                           * once for every tile of rows (Q6_K's scales in float), 0 makes the codes per tile */
   const int16_t* xsum16; /* qsum [rows][ldb] as int16 (read by Q4_K and Q5_K: their minimums' sums, in pairs) */

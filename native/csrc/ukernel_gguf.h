@@ -434,7 +434,8 @@ template <class Fmt>
 constexpr bool kUnpackGroups = Fmt::kKind == kQ5_K || Fmt::kKind == kQ6_K;
 template <class Fmt>
 constexpr bool kUnpackable = false;  // kv_ggml_args.unpack changes nothing here
-/* One-row tiles ignore kv_ggml_args.ahead: prefetching them towards L1 made Q4_K's slower on a Sapphire Rapids VM. */
+/* Tiles of one and two rows ignore kv_ggml_args.ahead: prefetching one-row tiles towards L1 made Q4_K's slower on a
+ * Sapphire Rapids VM. */
 constexpr bool kPrefetchL1 = false;
 
 #include "ukernel_gguf_body.h"

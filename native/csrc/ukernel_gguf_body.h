@@ -311,7 +311,7 @@ KV_INLINE void prefetch(const uint8_t* p, int bytes) {
   for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char*)(p + at), _MM_HINT_T1);
 }
 
-/* Every cache line of the `bytes` at p towards L1 (prefetcht0): one-row tiles, a->ahead bytes ahead. */
+/* Every cache line of the `bytes` at p towards L1 (prefetcht0): tiles of one and two rows, a->ahead bytes ahead. */
 KV_INLINE void prefetch_l1(const uint8_t* p, int bytes) {
   for (int at = 0; at < bytes; at += 64) _mm_prefetch((const char*)(p + at), _MM_HINT_T0);
 }
