@@ -170,8 +170,12 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) inline void softmax_s
 // the final scaling 16 lanes at a time (exp16 on two of a row's 8-float groups, their sum still added to the row's
 // 8 lanes one group after the other). Why: a row's maximum and sum are chains of dependent operations (one max,
 // one add per 8 scores), whose latency bound one row alone; R rows run R chains side by side.
-template <int R>
-__attribute__((target("avx512f,avx2,fma"))) inline void softmax_avx512(float* const* s, const int64_t* span) {
+//
+// Unscaled (a caller that reads every weight once more anyway): each row's exponentials left in place and 1 / sum
+// into inv[r], the caller to take x * inv[r] for each, the product scale_scores would have stored.
+template <int R, bool Unscaled = false>
+__attribute__((target("avx512f,avx2,fma"))) inline void softmax_avx512(float* const* s, const int64_t* span,
+                                                                       float* inv = nullptr) {
   int64_t common = span[0];
   for (int r = 1; r < R; ++r) common = std::min(common, span[r]);
   __m256 mx8[R];
@@ -209,7 +213,8 @@ __attribute__((target("avx512f,avx2,fma"))) inline void softmax_avx512(float* co
       x[k] = exp1(x[k] - mx[r]);
       sum += x[k];
     }
-    scale_scores(x, span[r], 1.f / sum);
+    if constexpr (Unscaled) inv[r] = 1.f / sum;
+    else scale_scores(x, span[r], 1.f / sum);
   }
 }
 
