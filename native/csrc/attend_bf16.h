@@ -445,7 +445,7 @@ KV_BF16_512 void scores_transposed(const uint16_t* const* q, const uint32_t* kt,
 // kG loads for kQ kG dot products, where one group at a time loads kQ + 1 for kQ), the same pair steps and
 // additions in the same order for every score; the x_l go through xs (L1), kQ kG registers at a time.
 // kScoreGroups: two groups for D = 64 (measured on a Zen 5 EPYC, the attention of a 512-row prefill chunk with
-// SmolLM2's and Llama-3.2-1B's heads: 1.07-1.1x with the scale folded into pack_pairs, four groups slower: the
+// SmolLM2's and Llama-3.2-1B's heads: 1.09-1.1x with the scale folded into pack_pairs, four groups slower: the
 // registers spill); D = 128's longer chains gained nothing (one group).
 template <int64_t kD>
 constexpr int kScoreGroups = kD == 64 ? 2 : 1;
@@ -488,7 +488,8 @@ KV_BF16_512 void scores_transposed_groups(const uint32_t* const* qp, const uint3
 }
 
 // scores_group over a chunk whose first `groups` groups of 16 keys are transposed in kt: kQ at a time over the
-// whole groups all of them attend (scores_transposed), each alone (scores_block) over its other keys.
+// whole groups all of them attend (kScoreGroups groups at a time: scores_transposed_groups, then one at a time:
+// scores_transposed), each alone (scores_block) over its other keys.
 template <int64_t kD, int kQ>
 KV_BF16_512 void scores_group_transposed(const TileQuery* qs, const uint16_t* qb, const Tile& chunk, int64_t c0,
                                          int64_t c1, const uint32_t* kt, int64_t groups) {

@@ -172,7 +172,8 @@ __attribute__((target("avx512f,avx2,fma"), always_inline)) inline void softmax_s
 // one add per 8 scores), whose latency bound one row alone; R rows run R chains side by side.
 //
 // Unscaled (a caller that reads every weight once more anyway): each row's exponentials left in place and 1 / sum
-// into inv[r], the caller to take x * inv[r] for each, the product scale_scores would have stored.
+// into inv[r] (inv: R floats, required), the caller to take x * inv[r] for each, the product scale_scores would
+// have stored.
 template <int R, bool Unscaled = false>
 __attribute__((target("avx512f,avx2,fma"))) inline void softmax_avx512(float* const* s, const int64_t* span,
                                                                        float* inv = nullptr) {
