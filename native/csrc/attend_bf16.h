@@ -394,56 +394,14 @@ KV_BF16_512 void transpose_pairs(const Tile& chunk, int64_t c0, int64_t m, uint3
     }
 }
 
-// The scores of kQ query vectors against the 16 keys of one transposed group (kt: its column 0), lanes over the
-// keys. Lane partial l of a key (the vdpbf16ps chain over pairs p = l, l + 16, ... from zero) is one register's
-// lane here, built with the same pair steps in the same order; then, as scores_of, x_l = partial l + partial
-// l + 8, hsum8's ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), times scale: every addition of a row's
-// score, done for 16 keys at once with no shuffles.
-// x[j] = lane partial l + partial l + 8 of query j (32-bit pairs qp[j]) over a transposed group (scores_transposed).
-template <int64_t kD, int kQ>
-KV_BF16_512 void partial_pair(const uint32_t* const* qp, const uint32_t* kt, int l, __m512* x) {
-  for (int half = 0; half < 2; ++half) {
-    __m512 acc[kQ];
-    for (int j = 0; j < kQ; ++j) acc[j] = _mm512_setzero_ps();
-    for (int64_t p = l + 8 * half; p < kD / 2; p += 16) {
-      __m512i k = _mm512_load_si512(kt + p * kChunk);
-      kvserve::decode::keep_in_register(*reinterpret_cast<__m512*>(&k));
-      for (int j = 0; j < kQ; ++j) acc[j] = dot(acc[j], _mm512_set1_epi32(static_cast<int>(qp[j][p])), k);
-    }
-    for (int j = 0; j < kQ; ++j) x[j] = half == 0 ? acc[j] : _mm512_add_ps(x[j], acc[j]);
-  }
-}
-
-// The scores of kQ query vectors against the 16 keys of one transposed group (kt: its column 0), lanes over the
-// keys. Lane partial l of a key (the vdpbf16ps chain over pairs p = l, l + 16, ... from zero) is one register's
-// lane here, built with the same pair steps in the same order; then, as scores_of, x_l = partial l + partial
-// l + 8, hsum8's ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), times scale: every addition of a row's
-// score, done for 16 keys at once with no shuffles.
-template <int64_t kD, int kQ>
-KV_BF16_512 void scores_transposed(const uint16_t* const* q, const uint32_t* kt, float scale, float* const* out) {
-  const uint32_t* qp[kQ];
-  for (int j = 0; j < kQ; ++j) qp[j] = reinterpret_cast<const uint32_t*>(q[j]);
-  __m512 x0[kQ], x4[kQ], x2[kQ], x6[kQ], z0[kQ];
-  partial_pair<kD, kQ>(qp, kt, 0, x0);
-  partial_pair<kD, kQ>(qp, kt, 4, x4);
-  partial_pair<kD, kQ>(qp, kt, 2, x2);
-  partial_pair<kD, kQ>(qp, kt, 6, x6);
-  for (int j = 0; j < kQ; ++j) z0[j] = _mm512_add_ps(_mm512_add_ps(x0[j], x4[j]), _mm512_add_ps(x2[j], x6[j]));
-  __m512 x1[kQ], x5[kQ], x3[kQ], x7[kQ];
-  partial_pair<kD, kQ>(qp, kt, 1, x1);
-  partial_pair<kD, kQ>(qp, kt, 5, x5);
-  partial_pair<kD, kQ>(qp, kt, 3, x3);
-  partial_pair<kD, kQ>(qp, kt, 7, x7);
-  for (int j = 0; j < kQ; ++j) {
-    const __m512 z1 = _mm512_add_ps(_mm512_add_ps(x1[j], x5[j]), _mm512_add_ps(x3[j], x7[j]));
-    _mm512_storeu_ps(out[j], _mm512_mul_ps(_mm512_add_ps(z0[j], z1), _mm512_set1_ps(scale)));
-  }
-}
-
-// scores_transposed over kG groups of 16 keys at once (kt: the first group's column 0, the others 16 columns
-// apart): each query pair broadcast once for the kG groups, each K register loaded once for the kQ queries (kQ +
-// kG loads for kQ kG dot products, where one group at a time loads kQ + 1 for kQ), the same pair steps and
-// additions in the same order for every score; the x_l go through xs (L1), kQ kG registers at a time.
+// The scores of kQ query vectors (qp[j]: query j's bfloat16 pairs as 32-bit words) against kG groups of 16
+// keys transposed by pairs (kt: the first group's column 0, the others 16 columns apart), lanes over the keys.
+// Lane partial l of a key (the vdpbf16ps chain over pairs p = l, l + 16, ... from zero) is one register's lane
+// here, built with the same pair steps in the same order; then, as scores_of, x_l = partial l + partial l + 8,
+// hsum8's ((x0 + x4) + (x2 + x6)) + ((x1 + x5) + (x3 + x7)), times scale: every addition of a row's score, done for
+// 16 keys at once with no shuffles. Each query pair is broadcast once for the kG groups and each K register loaded
+// once for the kQ queries (kQ + kG loads for kQ kG dot products); the x_l go through xs (L1), kQ kG registers at a
+// time.
 // kScoreGroups: two groups for D = 64 (measured on a Zen 5 EPYC, the attention of a 512-row prefill chunk with
 // SmolLM2's and Llama-3.2-1B's heads: 1.09-1.1x with the scale folded into pack_pairs, four groups slower: the
 // registers spill); D = 128's longer chains gained nothing (one group).
@@ -488,8 +446,8 @@ KV_BF16_512 void scores_transposed_groups(const uint32_t* const* qp, const uint3
 }
 
 // scores_group over a chunk whose first `groups` groups of 16 keys are transposed in kt: kQ at a time over the
-// whole groups all of them attend (kScoreGroups groups at a time: scores_transposed_groups, then one at a time:
-// scores_transposed), each alone (scores_block) over its other keys.
+// whole groups all of them attend (scores_transposed_groups, kScoreGroups groups at a time, then one), each alone
+// (scores_block) over its other keys.
 template <int64_t kD, int kQ>
 KV_BF16_512 void scores_group_transposed(const TileQuery* qs, const uint16_t* qb, const Tile& chunk, int64_t c0,
                                          int64_t c1, const uint32_t* kt, int64_t groups) {
@@ -506,20 +464,19 @@ KV_BF16_512 void scores_group_transposed(const TileQuery* qs, const uint16_t* qb
   }
   const int64_t b0 = c0 + std::min(groups, (s0 - c0 + 15) / 16) * 16;
   const int64_t b1 = std::max(b0, c0 + std::min(groups, std::max<int64_t>(0, s1 - c0) / 16) * 16);
+  const uint32_t* qp[kQ];
+  for (int j = 0; j < kQ; ++j) qp[j] = reinterpret_cast<const uint32_t*>(q[j]);
   int64_t t = b0;
-  if constexpr (kScoreGroups<kD> > 1) {
-    const uint32_t* qp[kQ];
-    for (int j = 0; j < kQ; ++j) qp[j] = reinterpret_cast<const uint32_t*>(q[j]);
+  if constexpr (kScoreGroups<kD> > 1)
     for (; t + 16 * kScoreGroups<kD> <= b1; t += 16 * kScoreGroups<kD>) {
       float* out[kQ];
       for (int j = 0; j < kQ; ++j) out[j] = s[j] + t;
       scores_transposed_groups<kD, kQ, kScoreGroups<kD>>(qp, kt + (t - c0), chunk.scale, out);
     }
-  }
   for (; t < b1; t += 16) {
     float* out[kQ];
     for (int j = 0; j < kQ; ++j) out[j] = s[j] + t;
-    scores_transposed<kD, kQ>(q, kt + (t - c0), chunk.scale, out);
+    scores_transposed_groups<kD, kQ, 1>(qp, kt + (t - c0), chunk.scale, out);
   }
   for (int j = 0; j < kQ; ++j) {
     if (b1 > b0) {
