@@ -96,6 +96,10 @@ def test_the_leaves_are_the_extensions_tile(runner):
     ops = native.load_ops()
     if ops is None:
         pytest.skip("the native extension is not built here")
+    module = native.load()
+    if module is None or module.isa() == "scalar":
+        pytest.skip("the extension's float32 attention runs no tile on the scalar path (KVSERVE_ISA=scalar or no "
+                    "AVX2): its portable loops, with std::exp, have their own order")
     for index, shape in enumerate(TILES):
         case = tile_case(shape, 10 + index)
         theirs = attendutil.extension_tile(ops, case, torch.from_numpy(case["k"]), torch.from_numpy(case["v"]))
