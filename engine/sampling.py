@@ -46,14 +46,14 @@ def apply_penalties(logits: torch.Tensor, work: SeqWork) -> torch.Tensor:
         picked = logits[seen]
         logits[seen] = torch.where(picked > 0, picked / params.repetition_penalty,
                                    picked * params.repetition_penalty)
-    return _finite(logits)
+    return finite_logits(logits)
 
 
-def _finite(logits: torch.Tensor) -> torch.Tensor:
+def finite_logits(logits: torch.Tensor) -> torch.Tensor:
     """``logits`` with +inf (a tiny repetition penalty or temperature overflowing float32) at the dtype's largest
     value and NaN masked out, so the limit of such a value is what samples (the largest logits win) and
     softmax never sees inf - inf. Masked tokens (-inf) stay masked."""
-    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tensor:
@@ -63,7 +63,7 @@ def apply_logit_bias(logits: torch.Tensor, bias: dict[int, float]) -> torch.Tens
     return logits.index_add(0, ids, values)
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
     """Mask ``logits`` ``[vocab]`` outside top-k, the top-p nucleus (Holtzman et al. 2020) and min-p."""
     if top_k > 0 and top_k < logits.numel():
         kth = torch.topk(logits, top_k).values[-1]
@@ -103,15 +103,67 @@ def sample_token(logits: torch.Tensor, work: SeqWork) -> TokenLogprob:
     if params.greedy:
         token_id = int(torch.argmax(logits))
     else:
-        processed = _filter(_finite(logits / params.temperature), params.top_k, params.top_p, params.min_p)
-        generator = None
-        if params.seed is not None:
-            generator = torch.Generator(device=logits.device)
-            generator.manual_seed(mix_seed(params.seed, len(work.output_ids)))  # one generator per (seed, step)
-        token_id = int(torch.multinomial(processed.softmax(-1), 1, generator=generator))
+        scaled = finite_logits(logits / params.temperature)
+        u = uniform(params.seed, len(work.output_ids), logits.device)  # one generator per (seed, step)
+        token_id, processed = draw(scaled, params.top_k, params.top_p, params.min_p, u, params.processed_logprobs)
         if params.processed_logprobs:
             logits = processed
-    return token_logprob(log_softmax(logits), token_id, params.logprobs or 0)
+    num_top = params.logprobs or 0
+    ops = _ops(logits)
+    if num_top == 0 and ops is not None:  # one token's logprob: log_softmax's bits, without the other V - 1
+        return TokenLogprob(token_id=token_id, logprob=_reportable(ops.token_logprob(logits.contiguous(), token_id)))
+    return token_logprob(log_softmax(logits), token_id, num_top)
+
+
+def uniform(seed: int | None, step: int, device: torch.device) -> float:
+    """One draw from U[0, 1) in float64: from a generator seeded by ``(seed, step)`` (``mix_seed``) for a seeded
+    request, so a preempted and recomputed sequence draws the same; else from torch's default generator."""
+    generator = None
+    if seed is not None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(mix_seed(seed, step))
+    return float(torch.rand((), dtype=torch.float64, generator=generator, device=device))
+
+
+def draw(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
+         want_processed: bool = False) -> tuple[int, torch.Tensor | None]:
+    """The token at ``u`` of the filtered distribution's CDF, in index order (inverse transform sampling).
+
+    Args:
+        scaled: ``[vocab]`` float32 logits over the temperature, NaN-free (``finite_logits``).
+        top_k, top_p, min_p: the filters, in that order (``filter_logits``'s semantics).
+        u: a draw from U[0, 1) (``uniform``).
+        want_processed: also return ``scaled`` with every token the filters removed at -inf.
+
+    Returns:
+        ``(token, processed or None)``: the first token ``i`` whose kept probabilities up to and including it
+        sum past ``u``. On a CPU with the built ops, native/csrc/sample_row.cpp (a few passes over the row: no sort
+        of the vocabulary, no torch.multinomial; docs/kernels.md, "Sampling a token"); else ``draw_torch``.
+
+    Raises:
+        RuntimeError: every token is masked.
+    """
+    ops = _ops(scaled)
+    if ops is not None:
+        return ops.sample_row(scaled.contiguous(), top_k, top_p, min_p, u, want_processed)
+    return draw_torch(scaled, top_k, top_p, min_p, u, want_processed)
+
+
+def draw_torch(scaled: torch.Tensor, top_k: int, top_p: float, min_p: float, u: float,
+               want_processed: bool = False) -> tuple[int, torch.Tensor | None]:
+    """``draw`` with torch's ops (any device): ``filter_logits`` in float64, the weights' cumulative sum and a
+    binary search for ``u`` times their total. Arguments, result and errors as ``draw``'s."""
+    # in float64, as the kernel sums: over Llama 3's 128,256 tokens a float32 cumulative sum moves top_p 0.999's
+    # cut by ~160 tokens (processed holds scaled's own values or -inf, so the cast back is exact)
+    processed = filter_logits(scaled.double(), top_k, top_p, min_p).to(scaled.dtype)
+    weights = (processed.double() - processed.max().double()).exp()  # [vocab]; masked tokens 0
+    if not bool(weights.sum() > 0):
+        raise RuntimeError("every token is masked (-inf)")
+    cdf = weights.cumsum(-1)
+    token = int(torch.searchsorted(cdf, u * cdf[-1], right=True))  # the first i with cdf[i] > u * total
+    if token >= weights.numel():  # rounding left u * total at the total: the last kept token
+        token = int(weights.nonzero()[-1])
+    return token, processed if want_processed else None
 
 
 def _ops(logits: torch.Tensor):

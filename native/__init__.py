@@ -41,7 +41,8 @@ _SOURCES = {
     "kvserve_qlinear": [_CSRC / f for f in ("linear_module.cpp", "linear_f32.cpp", "linear_int8.cpp",
                                            "linear_int4.cpp", "linear_lut4.cpp", "linear_ggml.cpp",
                                            "linear_bf16.cpp")],
-    "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp", _CSRC / "decode_layers.cpp"],
+    "kvserve_decode_ops": [_CSRC / "decode_ops.cpp", _CSRC / "kv_quant.cpp", _CSRC / "decode_layers.cpp",
+                          _CSRC / "sample_row.cpp"],
 }
 # kv_quant.cpp's attention gives the same bits on every ISA path: its fused multiply-adds are written out
 # (intrinsics, std::fma); no other multiply and add may fuse into one on one path only (native/kv_leaves.py builds

@@ -119,6 +119,26 @@ def test_float32_cache_attention_has_the_same_bits_on_the_avx2_and_avx512_paths(
 
 
 @needs_kernels
+@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+def test_a_sampled_row_picks_the_same_token_on_every_path(isa, tmp_path):
+    """sample_row (csrc/sample_row.cpp: exp8's weights on AVX2, exp1's same operations on the portable path, sums
+    in float64 in one order) keeps the same tokens and draws the same one on each forced lesser path as on the best,
+    over tests/test_sampling.sample_row_cases (vocabularies up to 128,256, every filter)."""
+    from tests.test_sampling import sample_row_results
+
+    if isa not in native.native_isas() or os.environ.get("KVSERVE_ISA") == isa or _best_isa() == isa:
+        pytest.skip(f"{isa} is not a lesser path here")
+    code = "import sys, torch; from tests.test_sampling import sample_row_results; torch.save(sample_row_results(), sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(tmp_path / f"{isa}.pt")], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "KVSERVE_ISA": isa})
+    assert done.returncode == 0, done.stderr[-2000:]
+    forced = torch.load(tmp_path / f"{isa}.pt")
+    ours = sample_row_results()
+    assert [token for token, _ in forced] == [token for token, _ in ours]
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(forced, ours, strict=True))
+
+
+@needs_kernels
 @pytest.mark.skipif(os.environ.get("KVSERVE_ISA") == "scalar", reason="already on the scalar path")
 def test_kernel_tests_pass_on_the_scalar_path():
     """The kernel test files (against the PyTorch reference, batch invariance, thread invariance) on the forced

@@ -148,3 +148,140 @@ def test_more_alternatives_than_the_vocabulary_are_all_of_it():
     logprobs = torch.log_softmax(torch.tensor([0.5, 2.0, -1.0, 0.0, 1.0]), -1)
     picked = token_logprob(logprobs, 1, 20)
     assert [token for token, _ in picked.top] == [1, 4, 0, 3, 2]
+
+
+# -- a sampled token: top-k, min-p and top-p without a sort, then the inverse CDF at u (sample_row.cpp) -----------
+_FILTERS = [(0, 1.0, 0.0), (40, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0.8, 0.01), (-1, 0.999, 0.0),
+            (1, 1.0, 0.0), (0, 1e-30, 0.0)]
+
+
+def sample_row_cases() -> list[tuple[torch.Tensor, int, float, float, float]]:
+    """(scaled logits [V], top_k, top_p, min_p, u) over vocabularies of 50 to Llama 3's 128,256, a tenth of each
+    masked (-inf), every filter of ``_FILTERS`` and draws at the ends of [0, 1) and inside it."""
+    g = torch.Generator().manual_seed(7)
+    cases = []
+    for vocab, spread in [(50, 1.0), (1000, 3.0), (49152, 2.0), (128256, 4.0)]:
+        logits = torch.randn(vocab, generator=g) * spread
+        logits[torch.randint(vocab, (vocab // 10,), generator=g)] = float("-inf")
+        for top_k, top_p, min_p in _FILTERS:
+            for u in (0.0, 0.37, 0.999999):
+                cases.append((logits, top_k, top_p, min_p, u))
+    return cases
+
+
+def sample_row_results() -> list[tuple[int, torch.Tensor]]:
+    """What the built ops' sample_row gives each of ``sample_row_cases`` (token, processed row)."""
+    from kvserve import native
+
+    ops = native.load_ops(build=False)
+    return [ops.sample_row(logits, top_k, top_p, min_p, u, True) for logits, top_k, top_p, min_p, u in
+            sample_row_cases()]
+
+
+def _native_ops():
+    from kvserve import native
+
+    ops = native.load_ops(build=False)
+    if ops is None:
+        pytest.skip("the native ops are not built here")
+    return ops
+
+
+@pytest.fixture(params=["kernel", "torch"])
+def draw(request, monkeypatch):
+    """engine.sampling.draw on the kernel's path (sample_row.cpp) and on torch's (no built ops, or a GPU)."""
+    from kvserve.engine import sampling
+
+    if request.param == "kernel":
+        _native_ops()
+    else:
+        monkeypatch.setattr(sampling, "_ops", lambda logits: None)
+    return sampling.draw
+
+
+def _assert_token_at(processed: torch.Tensor, token: int, u: float) -> None:
+    """``token`` is where ``u`` falls in softmax(processed)'s CDF in index order (float64; 1e-6 relative slack for
+    the kernel's float32 weights)."""
+    weights = (processed.double() - processed.max().double()).exp()
+    cdf = weights.cumsum(-1)
+    target = u * float(cdf[-1])
+    assert weights[token] > 0
+    assert float(cdf[token]) >= target * (1 - 1e-6)
+    assert token == 0 or float(cdf[token - 1]) <= target * (1 + 1e-6) + 1e-12
+
+
+def test_sample_row_keeps_what_the_torch_filter_keeps_and_picks_the_inverse_cdf_token():
+    from kvserve.engine.sampling import filter_logits
+
+    ops = _native_ops()
+    for logits, top_k, top_p, min_p, u in sample_row_cases():
+        token, processed = ops.sample_row(logits, top_k, top_p, min_p, u, True)
+        reference = filter_logits(logits.double(), top_k, top_p, min_p)  # float64: the kernel's sums
+        case = (logits.numel(), top_k, top_p, min_p, u)
+        assert torch.equal(processed.isinf(), reference.isinf()), case
+        assert torch.equal(processed[~processed.isinf()], logits[~processed.isinf()]), case
+        _assert_token_at(processed, token, u)
+
+
+def test_the_torch_path_draws_what_the_kernel_draws(monkeypatch):
+    """Without the built ops (or on a GPU) ``draw`` filters with torch and takes the same inverse CDF."""
+    from kvserve.engine import sampling
+
+    ops = _native_ops()
+    cases = sample_row_cases()[::5]
+    native = [ops.sample_row(*case, False)[0] for case in cases]
+    monkeypatch.setattr(sampling, "_ops", lambda logits: None)
+    assert [sampling.draw(*case)[0] for case in cases] == native
+
+
+def test_draws_on_a_grid_of_u_land_in_proportion_to_the_kept_probabilities(draw):
+    """u at (j + 1/2) / N for j < N lands on each token N p_i times, give or take one: the inverse CDF samples
+    the filtered distribution (here top-k 5 of 10, renormalized), with no randomness to make the test flaky."""
+    logits = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.0, 2.5, -0.5, 1.0, 0.7, -2.0])
+    n = 4000
+    counts = torch.zeros(10)
+    for j in range(n):
+        counts[draw(logits, 5, 1.0, 0.0, (j + 0.5) / n)[0]] += 1
+    kept = torch.zeros(10, dtype=torch.bool)
+    kept[logits.topk(5).indices] = True
+    expected = torch.where(kept, logits, torch.tensor(float("-inf"))).double().softmax(-1) * n
+    assert (counts - expected).abs().max() <= 1.0, (counts, expected)
+
+
+def test_top_p_ties_keep_the_lowest_index_and_every_filter_keeps_the_most_likely_token(draw):
+    logits = torch.tensor([1.0, 3.0, 0.5, 3.0, 3.0, -1.0])
+    for u in (0.0, 0.5, 0.999):
+        assert draw(logits, 0, 1e-9, 0.0, u)[0] == 1  # the first of the tied maxima
+        assert draw(logits, 0, 1.0, 1.0, u)[0] in (1, 3, 4)  # min_p 1: the maxima alone
+        assert draw(logits, 2, 1.0, 0.0, u)[0] in (1, 3, 4)  # top-k 2 keeps all three tied at the threshold
+    _, processed = draw(logits, 0, 1.0, 1.0, 0.5, True)
+    assert processed.isinf().tolist() == [True, False, True, False, False, True]
+
+
+def test_a_row_with_every_token_masked_fails_alone(draw):
+    with pytest.raises(RuntimeError, match="masked"):
+        draw(torch.full((8,), float("-inf")), 0, 1.0, 0.0, 0.5)
+    masked = work(0, SamplingParams(temperature=1.0, seed=1), suppress=list(range(50)))
+    with pytest.raises(RuntimeError, match="masked"):
+        sample_token(torch.randn(50), masked)
+
+
+def test_a_seeded_sample_is_reproducible_and_a_sampled_logprob_is_log_softmaxs():
+    logits = torch.randn(1000) * 3
+    params = SamplingParams(temperature=0.8, top_p=0.95, seed=11)
+    first = sample_token(logits, work(0, params))
+    assert sample_token(logits, work(0, params)) == first
+    assert first.logprob == float(torch.log_softmax(logits, -1)[first.token_id]) or \
+        abs(first.logprob - float(torch.log_softmax(logits, -1)[first.token_id])) < 1e-5
+    asked = sample_token(logits, work(0, SamplingParams(temperature=0.8, top_p=0.95, seed=11, logprobs=2)))
+    assert (asked.token_id, asked.logprob) == (first.token_id, first.logprob)  # the same bits either way
+
+
+def test_a_token_far_below_the_maximum_is_kept_but_never_drawn(draw):
+    """88 nats or more below the maximum a weight is 0 (exp(-87.3) ~ 1e-38 is where the kernel's exp stops): such a
+    token stays in the processed row (no filter removed it) and is never the draw; a masked one (-inf) is gone."""
+    logits = torch.tensor([0.0, -200.0, 5.0, float("-inf"), -90.0])
+    for u in (0.0, 0.5, 0.9999999):
+        token, processed = draw(logits, 0, 1.0, 0.0, u, True)
+        assert token in (0, 2)
+        assert processed.isinf().tolist() == [False, False, False, True, False]

@@ -16,6 +16,8 @@
    section.
 7. ``--attention``: the paged attention kernels alone on a prefill chunk, float32 and bfloat16 caches, against
    their measured peak (loadtest/engine/attnbench.py); written into BENCHMARKS.md's "attention-op" section.
+8. ``--sampling``: one sampled token's cost by vocabulary and filter, the kernel against torch's ops
+   (loadtest/engine/samplebench.py); written into BENCHMARKS.md's "sampling" section.
 """
 
 from __future__ import annotations
@@ -194,25 +196,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--bf16", action="store_true", help="only the bfloat16-weight kernel against its peak")
     parser.add_argument("--attention", action="store_true",
                         help="only the paged attention kernels on a prefill chunk against their peak")
+    parser.add_argument("--sampling", action="store_true",
+                        help="only a sampled token's cost by vocabulary and filter, the kernel against torch's ops")
+    parser.add_argument("--model", default=None,
+                        help="--sampling: also serve this model (as kvserve serve --model) and compare greedy and "
+                             "sampled tok/s at 1 and 32 streams")
     parser.add_argument("--kinds", default=",".join(ggmlbench.KINDS),
                         help="--ggml: the formats to measure, comma-separated (default: all)")
     parser.add_argument("--stream-mb", type=int, default=ggmlbench.STREAM_BYTES >> 20,
                         help="--ggml: MB of weights cycled at 1 row (past the L3)")
     parser.add_argument("--budget-s", type=float, default=0.3, help="--ggml: CPU seconds per measurement")
     parser.add_argument("--no-write", action="store_true",
-                        help="--ggml, --ggml-model, --attention: print only, leave BENCHMARKS.md alone")
+                        help="--ggml, --ggml-model, --attention, --sampling: print only, leave BENCHMARKS.md alone")
     parser.add_argument("--mode", choices=["one-thread", "split", "ggml"], help=argparse.SUPPRESS)
 
 
 def run(args: argparse.Namespace) -> int:
-    """The measurements ``args`` asks for (all but ``--ggml``, ``--ggml-model``, ``--bf16`` and ``--attention`` by
-    default), printed.
+    """The measurements ``args`` asks for (all but ``--ggml``, ``--ggml-model``, ``--bf16``, ``--attention`` and
+    ``--sampling`` by default), printed.
 
     Raises:
         UsageError: ``--kinds`` names a format without a kernel.
     """
     if args.bf16:
         bf16_kernel()
+        return 0
+    if args.sampling:
+        from kvserve.loadtest.engine import samplebench
+
+        samplebench.measure(write=not args.no_write, model=args.model)
         return 0
     if args.attention:
         from kvserve.loadtest.engine import attnbench

@@ -22,6 +22,8 @@
 //   silu_mul(gate, up)                     silu(gate) * up (SwiGLU), with torch's own kernels
 //   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
 //   log_softmax(logits)                    the same log-softmax for every token (sampled and top tokens)
+//   token_logprob(logits, token)           one token's value of it
+//   sample_row(...)                        a sampled token (sample_row.cpp)
 //   DecodeLayers                           every layer of an all-decode step in one call (decode_layers.cpp),
 //                                          with these loops on raw rows (decode_rows.h)
 //
@@ -463,6 +465,17 @@ torch::Tensor log_softmax(const torch::Tensor& logits) {
   return out;
 }
 
+// logits [V] float32 (contiguous), token -> its log_softmax value: log_softmax's bits for that token, without
+// writing the other V - 1 (a sampled row that asked for no alternatives).
+double token_logprob(const torch::Tensor& logits, int64_t token) {
+  check_f32(logits, "logits");
+  KV_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.numel() > 0, "logits must be contiguous [V]");
+  KV_CHECK(token >= 0 && token < logits.numel(), "token out of range");
+  const float* x = logits.data_ptr<float>();
+  const Normalizer n = row_normalizer(x, logits.numel());
+  return n.nan ? std::numeric_limits<float>::quiet_NaN() : (x[token] - n.mx) - n.log_sum;
+}
+
 // logits [R, V] float32 (contiguous) -> (tokens int64 [R], logprobs float32 [R]); see greedy_row.
 std::tuple<torch::Tensor, torch::Tensor> greedy_pick(const torch::Tensor& logits) {
   check_f32(logits, "logits");
@@ -496,6 +509,8 @@ using NoGil = py::call_guard<py::gil_scoped_release>;
 
 // DecodeLayers, the whole layer stack of an all-decode step in one call (decode_layers.cpp).
 void bind_decode_layers(py::module& m);
+// sample_row, a sampled token without a sort or torch.multinomial (sample_row.cpp).
+void bind_sample_row(py::module& m);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm, NoGil(), "x [T,H] f32, w [H], eps -> rms_norm(x) * w");
@@ -518,5 +533,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_pick", &greedy_pick, NoGil(),
         "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
   m.def("log_softmax", &log_softmax, NoGil(), "logits [R,V] f32 -> log_softmax [R,V] (greedy_pick's normalizer)");
+  m.def("token_logprob", &token_logprob, NoGil(), "logits [V] f32, token -> log_softmax(logits)[token]");
   bind_decode_layers(m);
+  bind_sample_row(m);
 }

@@ -1,0 +1,305 @@
+// One sampled token from a row of logits (engine/sampling.py's sample_token on a CPU), without sorting the
+// vocabulary and without torch.multinomial.
+//
+// Over Llama 3's 128,256-token vocabulary, torch's CPU multinomial took ~4 ms a token and top-p's full sort
+// ~50 ms (a 1B model's whole decode step is ~20 ms). Here a row costs a few passes over its logits:
+//
+//   mx = max_i s_i;  w_i = exp(s_i - mx), 0 below exp(-87.3)  s: logits / temperature (the caller's), w: weights
+//   top-k:  keep s_i >= the k-th largest s (ties kept, as torch.topk's threshold keeps them)
+//   min-p:  keep w_i >= min_p                                 (p_i / p_max = w_i: the maximum's weight is 1)
+//   top-p:  keep the shortest prefix of the kept tokens by s descending (ties by index) whose mass reaches
+//           top_p of theirs: a token stays while the mass before it is below top_p (Holtzman et al. 2020),
+//           the first always
+//   token:  the first i with sum_{j <= i, kept} w_j > u * sum_{kept} w_j     (inverse CDF, index order)
+//
+// The k-th largest value and the top-p cut are found by a histogram of the tokens over buckets of 1/32 nat below
+// mx (bucket = floor((mx - s) * 32), monotone in s), a walk down the buckets to the one where the count or the
+// mass crosses, and a sort of that bucket's tokens alone. The weights are exp8's (decode_core.h) on the AVX2 path
+// and exp1's (its same operations) on the portable one, and every sum is in double in a fixed order, so a row
+// picks the same token on every path. Reference: engine/sampling.py's torch path (_filter, then the same inverse
+// CDF); tests/test_sampling.py compares them.
+#include <torch/extension.h>
+
+#include "check.h"
+#include "cpu.h"
+#include "decode_core.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <limits>
+#include <utility>
+#include <vector>
+
+namespace {
+
+constexpr int kBuckets = 4096;
+constexpr float kPerNat = 32.f;  // buckets per nat below the row's maximum: 128 nats, then one for the rest
+constexpr float kInf = std::numeric_limits<float>::infinity();
+// A token more than 87.3 nats below the maximum weighs 0 (a masked one, at -inf, too): exp8 clamps its
+// argument there (to ~1e-38), which would give every such token that weight instead of nearly none.
+constexpr float kLeast = -87.3f;
+
+#define KV_BODY inline __attribute__((always_inline))
+
+// The bucket of s (not NaN): 0 for the maximum, the last for 128 nats or more below it and for -inf.
+inline int bucket_of(float s, float mx) {
+  const float d = (mx - s) * kPerNat;
+  return d < static_cast<float>(kBuckets - 1) ? static_cast<int>(d) : kBuckets - 1;
+}
+
+#ifdef KV_X86
+using kvserve::decode::exp8;
+using kvserve::decode::hmax8;
+
+// w[0 .. 8k) = exp8(s - mx), 0 where s - mx < kLeast; returns 8k (k as large as fits in n).
+__attribute__((target("avx2,fma"))) int64_t weights_avx2(const float* s, int64_t n, float mx, float* w) {
+  const __m256 m = _mm256_set1_ps(mx), least = _mm256_set1_ps(kLeast);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_sub_ps(_mm256_loadu_ps(s + i), m);
+    _mm256_storeu_ps(w + i, _mm256_andnot_ps(_mm256_cmp_ps(d, least, _CMP_LT_OQ), exp8(d)));
+  }
+  return i;
+}
+
+// max of s[0 .. 8k), whether any was NaN; *done = 8k.
+__attribute__((target("avx2,fma"))) float max_avx2(const float* s, int64_t n, int64_t* done, bool* nan) {
+  __m256 m8 = _mm256_set1_ps(-kInf), bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(s + i);
+    m8 = _mm256_max_ps(m8, v);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  *done = i;
+  *nan = _mm256_movemask_ps(bad) != 0;
+  return hmax8(m8);
+}
+#endif
+
+// The row's maximum (the first pass); NaN anywhere is an error (the caller maps NaN to -inf first).
+float row_max(const float* s, int64_t V) {
+  float mx = -kInf;
+  bool nan = false;
+  int64_t i = 0;
+#ifdef KV_X86
+  if (kvserve::cpu::avx2()) mx = max_avx2(s, V, &i, &nan);
+#endif
+  for (; i < V; ++i) {
+    mx = std::max(mx, s[i]);
+    nan = nan || std::isnan(s[i]);
+  }
+  KV_CHECK(!nan, "sample_row: the logits hold NaN");
+  KV_CHECK(mx > -kInf, "sample_row: every token is masked (-inf)");
+  return mx;
+}
+
+void row_weights(const float* s, int64_t V, float mx, float* w) {
+  int64_t i = 0;
+#ifdef KV_X86
+  if (kvserve::cpu::avx2()) i = weights_avx2(s, V, mx, w);
+#endif
+  for (; i < V; ++i) {
+    const float d = s[i] - mx;
+    w[i] = d < kLeast ? 0.f : kvserve::decode::exp1(d);
+  }
+}
+
+// bucket[i] = bucket_of(s[i], mx) for every token (a pass the compiler vectorizes; top-k and top-p read it twice).
+KV_BODY void buckets_body(const float* s, int64_t V, float mx, uint16_t* bucket) {
+  for (int64_t i = 0; i < V; ++i) bucket[i] = static_cast<uint16_t>(bucket_of(s[i], mx));
+}
+#ifdef KV_X86
+__attribute__((target("avx2,fma"))) void buckets_avx2(const float* s, int64_t V, float mx, uint16_t* bucket) {
+  buckets_body(s, V, mx, bucket);
+}
+#endif
+void buckets(const float* s, int64_t V, float mx, uint16_t* bucket) {
+#ifdef KV_X86
+  if (kvserve::cpu::avx2()) return buckets_avx2(s, V, mx, bucket);
+#endif
+  buckets_body(s, V, mx, bucket);
+}
+
+// The k-th largest of s[0 .. V) (0 < k < V), -inf entries counted as torch.topk counts them.
+float kth_largest(const float* s, const uint16_t* bucket, int64_t V, int64_t k) {
+  std::array<int64_t, kBuckets> count{};
+  for (int64_t i = 0; i < V; ++i) ++count[bucket[i]];
+  int b = 0;
+  int64_t above = 0;
+  for (; b < kBuckets - 1 && above + count[b] < k; ++b) above += count[b];
+  std::vector<float> in;
+  in.reserve(count[b]);
+  for (int64_t i = 0; i < V; ++i)
+    if (bucket[i] == b) in.push_back(s[i]);
+  const int64_t r = k - above - 1;  // its rank within the bucket, 0 the largest
+  std::nth_element(in.begin(), in.begin() + r, in.end(), std::greater<float>());
+  return in[r];
+}
+
+// Which tokens a row keeps: s > -inf (not masked), s >= lo (top-k), w >= min_p; then the top-p cut (cut_s,
+// cut_i): s > cut_s, or s == cut_s and index <= cut_i. (A kept token of weight 0, 87.3 nats or more below the
+// maximum, is kept but never drawn.)
+struct Keep {
+  const float* s;
+  const float* w;
+  float lo = -kInf;
+  float least_w = 0.f;  // the least float >= min_p (w >= min_p exactly when w >= least_w)
+  float cut_s = -kInf;
+  int64_t cut_i = std::numeric_limits<int64_t>::max();
+
+  void set_min_p(double min_p) {
+    min_p = std::min(min_p, 1.0);  // the maximum (weight 1) always stays
+    least_w = static_cast<float>(min_p);
+    if (static_cast<double>(least_w) < min_p) least_w = std::nextafter(least_w, kInf);
+  }
+  // Without branches (& not &&), so the zeroing loop below vectorizes.
+  bool filtered(int64_t i) const { return (s[i] > -kInf) & (s[i] >= lo) & (w[i] >= least_w); }
+  bool operator()(int64_t i) const {
+    return filtered(i) & ((s[i] > cut_s) | ((s[i] == cut_s) & (i <= cut_i)));
+  }
+};
+
+// w[i] = 0 where keep does not keep token i.
+KV_BODY void zero_dropped_body(const Keep& keep, float* w, int64_t V) {
+  for (int64_t i = 0; i < V; ++i) w[i] = keep(i) ? w[i] : 0.f;
+}
+#ifdef KV_X86
+__attribute__((target("avx2,fma"))) void zero_dropped_avx2(const Keep& keep, float* w, int64_t V) {
+  zero_dropped_body(keep, w, V);
+}
+#endif
+void zero_dropped(const Keep& keep, float* w, int64_t V) {
+#ifdef KV_X86
+  if (kvserve::cpu::avx2()) return zero_dropped_avx2(keep, w, V);
+#endif
+  zero_dropped_body(keep, w, V);
+}
+
+// Sets keep's top-p cut: the tokens kept so far in order of s descending (ties by index), up to and including
+// the one at which the mass before it first reaches top_p of their total.
+void nucleus(Keep& keep, const uint16_t* bucket, int64_t V, double top_p) {
+  std::array<double, kBuckets> mass{};
+  for (int64_t i = 0; i < V; ++i)
+    if (keep.filtered(i)) mass[bucket[i]] += keep.w[i];
+  double total = 0.0;
+  for (int b = 0; b < kBuckets; ++b) total += mass[b];
+  const double target = top_p * total;
+  int b = 0;
+  double before = 0.0;
+  for (; b < kBuckets - 1 && before + mass[b] < target; ++b) before += mass[b];
+  std::vector<std::pair<float, int64_t>> in;  // (s, index) of the bucket where the mass crosses
+  for (int64_t i = 0; i < V; ++i)
+    if (bucket[i] == b && keep.filtered(i)) in.emplace_back(keep.s[i], i);
+  if (in.empty()) return;  // the sums' rounding ran past the last bucket: every kept token stays
+  std::sort(in.begin(), in.end(), [](const auto& a, const auto& c) {
+    return a.first > c.first || (a.first == c.first && a.second < c.second);
+  });
+  bool any = before > 0.0;  // a kept token in an earlier bucket (the maximum's, of weight 1, is in bucket 0)
+  for (const auto& [s, i] : in) {
+    if (any && before >= target) break;
+    keep.cut_s = s;
+    keep.cut_i = i;
+    before += keep.w[i];
+    any = true;
+  }
+}
+
+// The sum of w[0 .. n) in float64 over 8 lanes (lane l: w[l], w[l + 8], ...), the lanes added pairwise: the same
+// operations on every path (the compiler may put the lanes in vector registers, never reorder them).
+KV_BODY double lane_sum_body(const float* w, int64_t n) {
+  double a[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int l = 0; l < 8; ++l) a[l] += w[i + l];
+  for (int l = 0; i < n; ++i, ++l) a[l] += w[i];
+  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+#ifdef KV_X86
+__attribute__((target("avx2,fma"))) double lane_sum_avx2(const float* w, int64_t n) { return lane_sum_body(w, n); }
+#endif
+double lane_sum(const float* w, int64_t n) {
+#ifdef KV_X86
+  if (kvserve::cpu::avx2()) return lane_sum_avx2(w, n);
+#endif
+  return lane_sum_body(w, n);
+}
+
+// The first i whose weights w[0 .. i] sum past u times their total (w >= 0, not all 0): the total from sums of
+// chunks of kChunk (lane_sum), then the chunk where the running sum crosses, token by token. Where rounding keeps a
+// chunk's own running sum from crossing its sum's mark, the walk goes on; past the end, the last token of weight
+// > 0 (u * total rounded to the total).
+int64_t inverse_cdf(const float* w, int64_t V, double u) {
+  constexpr int64_t kChunk = 64;
+  const int64_t chunks = (V + kChunk - 1) / kChunk;
+  thread_local std::vector<double> sums;
+  sums.resize(chunks);
+  double total = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    sums[c] = lane_sum(w + c * kChunk, std::min(kChunk, V - c * kChunk));
+    total += sums[c];
+  }
+  const double target = u * total;
+  double cum = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) {
+    if (!(cum + sums[c] > target)) {
+      cum += sums[c];
+      continue;
+    }
+    for (int64_t i = c * kChunk; i < std::min(V, (c + 1) * kChunk); ++i) {
+      cum += w[i];
+      if (w[i] > 0.f && cum > target) return i;
+    }
+  }
+  int64_t last = V - 1;
+  while (last > 0 && !(w[last] > 0.f)) --last;
+  return last;
+}
+
+// logits s [V] (float32, contiguous, no NaN: the caller's logits / temperature), top_k (<= 0 or >= V: off),
+// top_p (>= 1: off), min_p (<= 0: off), u in [0, 1) -> (token, the row with every token it did not keep at
+// -inf when want_processed, else an empty tensor).
+std::tuple<int64_t, torch::Tensor> sample_row(const torch::Tensor& logits, int64_t top_k, double top_p,
+                                              double min_p, double u, bool want_processed) {
+  KV_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_cpu() && logits.dim() == 1 &&
+               logits.is_contiguous() && logits.numel() > 0,
+           "sample_row: logits must be a contiguous non-empty float32 CPU vector");
+  KV_CHECK(u >= 0.0 && u < 1.0, "sample_row: u must be in [0, 1)");
+  const int64_t V = logits.numel();
+  const float* s = logits.data_ptr<float>();
+  torch::Tensor processed = want_processed ? torch::empty_like(logits) : torch::Tensor();
+  thread_local std::vector<float> weights;
+  py::gil_scoped_release released;
+  const float mx = row_max(s, V);
+  weights.resize(V);
+  row_weights(s, V, mx, weights.data());
+  Keep keep{s, weights.data()};
+  thread_local std::vector<uint16_t> bucket;
+  const bool top_k_on = top_k > 0 && top_k < V;
+  if (top_k_on || top_p < 1.0) {
+    bucket.resize(V);
+    buckets(s, V, mx, bucket.data());
+  }
+  if (top_k_on) keep.lo = kth_largest(s, bucket.data(), V, top_k);
+  keep.set_min_p(min_p);
+  if (top_p < 1.0) nucleus(keep, bucket.data(), V, top_p);
+  if (want_processed) {
+    float* p = processed.data_ptr<float>();
+    for (int64_t i = 0; i < V; ++i) p[i] = keep(i) ? s[i] : -kInf;
+  }
+  if (top_k_on || min_p > 0.0 || top_p < 1.0)
+    zero_dropped(keep, weights.data(), V);  // (masked tokens weigh 0 already)
+  const int64_t token = inverse_cdf(weights.data(), V, u);
+  return {token, processed};
+}
+
+}  // namespace
+
+void bind_sample_row(py::module& m) {
+  m.def("sample_row", &sample_row, py::arg("logits"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
+        py::arg("u"), py::arg("want_processed"),
+        "logits [V] f32 (already / temperature, no NaN), top_k, top_p, min_p, u in [0, 1), want_processed -> "
+        "(token: top-k, min-p, top-p, then the inverse CDF at u over the kept weights in index order; the row "
+        "with what it did not keep at -inf, or an empty tensor)");
+}
