@@ -15,7 +15,8 @@ from kvserve.engine.masks import apply_masks, fill_masks_async
 from kvserve.engine.fastpath import fast_decoder
 from kvserve.engine.loader import LoadedModel
 from kvserve.engine.plan import SamplingParams, SeqResult, SeqWork, StepPlan, TokenLogprob
-from kvserve.engine.sampling import greedy_tokens, log_softmax, plain_greedy, sample_token, token_logprob
+from kvserve.engine.sampling import (greedy_tokens, log_softmax, plain_greedy, plain_sampled, sample_token,
+                                     sampled_tokens, token_logprob)
 from kvserve.kvcache.pool import KVPool
 
 
@@ -221,7 +222,7 @@ class ModelRunner:
         has probability p(x) = min(1, p(x)/q(x)), and the sample on a mismatch is distributed as
         max(0, p - q) normalised, Leviathan et al. 2023's rule.
         """
-        batched = self._greedy_rows(plan, spans, logits)
+        batched = self._greedy_rows(plan, spans, logits) | self._sampled_rows(plan, spans, logits)
         results: list[SeqResult] = []
         for w, (first, n) in zip(plan.work, spans):
             result = SeqResult(seq_id=w.seq_id)
@@ -270,6 +271,26 @@ class ModelRunner:
         picked = logits if len(rows) == logits.shape[0] else logits[rows]  # [len(rows), vocab]
         tokens = iter(greedy_tokens(picked, suppress))
         return {w.seq_id: [next(tokens) for _ in range(w.num_sampled_rows)] for w in works}
+
+    @staticmethod
+    def _sampled_rows(plan: StepPlan, spans: list[tuple[int, int]],
+                      logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """Tokens of the plain sampled sequences without drafts (a step of sampled chat streams), in one call whose
+        rows run on the threads; {} where sampled_tokens does not apply (each row is then sampled alone)."""
+        rows: list[int] = []
+        suppress: list[list[int]] = []
+        works: list[SeqWork] = []
+        vocab = logits.shape[-1]
+        for w, (first, n) in zip(plan.work, spans):
+            if (not (w.params.prompt_logprobs and not w.is_decode) and plain_sampled(w) and w.num_sampled_rows == 1
+                    and all(0 <= t < vocab for t in w.suppress_ids)):
+                rows.append(first + n - 1)
+                suppress.append(w.suppress_ids)
+                works.append(w)
+        if not rows:
+            return {}
+        picked = sampled_tokens(logits[rows], works, suppress)  # [len(rows), vocab] rows
+        return {} if picked is None else {w.seq_id: [token] for w, token in zip(works, picked)}
 
     @staticmethod
     def _prompt_logprobs(w: SeqWork, rows: torch.Tensor) -> list[TokenLogprob]:

@@ -57,12 +57,17 @@ def test_a_step_batches_plain_greedy_rows_and_samples_the_rest_alone(monkeypatch
         return real(logits, w)
 
     monkeypatch.setattr(runner_module, "sample_token", counting)
-    plan = StepPlan([work(0), work(1, suppress=[2]), work(2, SamplingParams(temperature=0.7, seed=3)),
-                     work(3, SamplingParams(temperature=0.0, logprobs=2)), work(4, suppress=[10**6]), work(5)])
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, seed=3)
+    plan = StepPlan([work(0), work(1, suppress=[2]), work(2, sampled), work(3, SamplingParams(temperature=0.0, logprobs=2)),
+                     work(4, suppress=[10**6]), work(5), work(6, SamplingParams(temperature=1.3, top_k=5, seed=8),
+                                                             suppress=[0, 1]),
+                     work(7, SamplingParams(temperature=0.9, seed=5, logprobs=1))])
     results = runner.execute(plan)
-    assert alone == [2, 3, 4]  # seeded, top alternatives, and an out-of-range id that fails alone
+    # top alternatives (greedy and sampled), and an out-of-range id that fails alone; the plain sampled rows (2, 6)
+    # are drawn together (sampled_tokens)
+    assert alone == [3, 4, 7]
     assert results[4].error is not None and results[4].token is None
-    for i in (0, 1, 5):
+    for i in (0, 1, 2, 5, 6):
         expected = real(captured["logits"][i], plan.work[i])
         assert results[i].token.token_id == expected.token_id
         assert results[i].token.logprob == expected.logprob
@@ -155,17 +160,18 @@ _FILTERS = [(0, 1.0, 0.0), (40, 1.0, 0.0), (0, 0.9, 0.0), (0, 1.0, 0.05), (50, 0
             (1, 1.0, 0.0), (0, 1e-30, 0.0)]
 
 
-def sample_row_cases() -> list[tuple[torch.Tensor, int, float, float, float]]:
-    """(scaled logits [V], top_k, top_p, min_p, u) over vocabularies of 50 to Llama 3's 128,256, a tenth of each
-    masked (-inf), every filter of ``_FILTERS`` and draws at the ends of [0, 1) and inside it."""
+def sample_row_cases() -> list[tuple[torch.Tensor, float, int, float, float, float]]:
+    """(logits [V], temperature, top_k, top_p, min_p, u) over vocabularies of 50 to Llama 3's 128,256, a tenth of
+    each masked (-inf), temperatures 1, 0.7 and 1.3, every filter of ``_FILTERS`` and draws at the ends of [0, 1)
+    and inside it."""
     g = torch.Generator().manual_seed(7)
     cases = []
     for vocab, spread in [(50, 1.0), (1000, 3.0), (49152, 2.0), (128256, 4.0)]:
         logits = torch.randn(vocab, generator=g) * spread
         logits[torch.randint(vocab, (vocab // 10,), generator=g)] = float("-inf")
-        for top_k, top_p, min_p in _FILTERS:
+        for i, (top_k, top_p, min_p) in enumerate(_FILTERS):
             for u in (0.0, 0.37, 0.999999):
-                cases.append((logits, top_k, top_p, min_p, u))
+                cases.append((logits, (1.0, 0.7, 1.3)[i % 3], top_k, top_p, min_p, u))
     return cases
 
 
@@ -174,8 +180,7 @@ def sample_row_results() -> list[tuple[int, torch.Tensor]]:
     from kvserve import native
 
     ops = native.load_ops(build=False)
-    return [ops.sample_row(logits, top_k, top_p, min_p, u, True) for logits, top_k, top_p, min_p, u in
-            sample_row_cases()]
+    return [ops.sample_row(*case, True) for case in sample_row_cases()]
 
 
 def _native_ops():
@@ -211,15 +216,16 @@ def _assert_token_at(processed: torch.Tensor, token: int, u: float) -> None:
 
 
 def test_sample_row_keeps_what_the_torch_filter_keeps_and_picks_the_inverse_cdf_token():
-    from kvserve.engine.sampling import filter_logits
+    from kvserve.engine.sampling import filter_logits, finite_logits
 
     ops = _native_ops()
-    for logits, top_k, top_p, min_p, u in sample_row_cases():
-        token, processed = ops.sample_row(logits, top_k, top_p, min_p, u, True)
-        reference = filter_logits(logits.double(), top_k, top_p, min_p)  # float64: the kernel's sums
-        case = (logits.numel(), top_k, top_p, min_p, u)
+    for logits, temperature, top_k, top_p, min_p, u in sample_row_cases():
+        token, processed = ops.sample_row(logits, temperature, top_k, top_p, min_p, u, True)
+        scaled = finite_logits(logits / temperature)  # the kernel's division has torch's bits
+        reference = filter_logits(scaled.double(), top_k, top_p, min_p)  # float64: the kernel's sums
+        case = (logits.numel(), temperature, top_k, top_p, min_p, u)
         assert torch.equal(processed.isinf(), reference.isinf()), case
-        assert torch.equal(processed[~processed.isinf()], logits[~processed.isinf()]), case
+        assert torch.equal(processed[~processed.isinf()], scaled[~processed.isinf()]), case
         _assert_token_at(processed, token, u)
 
 
@@ -241,7 +247,7 @@ def test_draws_on_a_grid_of_u_land_in_proportion_to_the_kept_probabilities(draw)
     n = 4000
     counts = torch.zeros(10)
     for j in range(n):
-        counts[draw(logits, 5, 1.0, 0.0, (j + 0.5) / n)[0]] += 1
+        counts[draw(logits, 1.0, 5, 1.0, 0.0, (j + 0.5) / n)[0]] += 1
     kept = torch.zeros(10, dtype=torch.bool)
     kept[logits.topk(5).indices] = True
     expected = torch.where(kept, logits, torch.tensor(float("-inf"))).double().softmax(-1) * n
@@ -251,16 +257,16 @@ def test_draws_on_a_grid_of_u_land_in_proportion_to_the_kept_probabilities(draw)
 def test_top_p_ties_keep_the_lowest_index_and_every_filter_keeps_the_most_likely_token(draw):
     logits = torch.tensor([1.0, 3.0, 0.5, 3.0, 3.0, -1.0])
     for u in (0.0, 0.5, 0.999):
-        assert draw(logits, 0, 1e-9, 0.0, u)[0] == 1  # the first of the tied maxima
-        assert draw(logits, 0, 1.0, 1.0, u)[0] in (1, 3, 4)  # min_p 1: the maxima alone
-        assert draw(logits, 2, 1.0, 0.0, u)[0] in (1, 3, 4)  # top-k 2 keeps all three tied at the threshold
-    _, processed = draw(logits, 0, 1.0, 1.0, 0.5, True)
+        assert draw(logits, 1.0, 0, 1e-9, 0.0, u)[0] == 1  # the first of the tied maxima
+        assert draw(logits, 1.0, 0, 1.0, 1.0, u)[0] in (1, 3, 4)  # min_p 1: the maxima alone
+        assert draw(logits, 1.0, 2, 1.0, 0.0, u)[0] in (1, 3, 4)  # top-k 2 keeps all three tied at the threshold
+    _, processed = draw(logits, 1.0, 0, 1.0, 1.0, 0.5, True)
     assert processed.isinf().tolist() == [True, False, True, False, False, True]
 
 
 def test_a_row_with_every_token_masked_fails_alone(draw):
     with pytest.raises(RuntimeError, match="masked"):
-        draw(torch.full((8,), float("-inf")), 0, 1.0, 0.0, 0.5)
+        draw(torch.full((8,), float("-inf")), 1.0, 0, 1.0, 0.0, 0.5)
     masked = work(0, SamplingParams(temperature=1.0, seed=1), suppress=list(range(50)))
     with pytest.raises(RuntimeError, match="masked"):
         sample_token(torch.randn(50), masked)
@@ -282,6 +288,27 @@ def test_a_token_far_below_the_maximum_is_kept_but_never_drawn(draw):
     token stays in the processed row (no filter removed it) and is never the draw; a masked one (-inf) is gone."""
     logits = torch.tensor([0.0, -200.0, 5.0, float("-inf"), -90.0])
     for u in (0.0, 0.5, 0.9999999):
-        token, processed = draw(logits, 0, 1.0, 0.0, u, True)
+        token, processed = draw(logits, 1.0, 0, 1.0, 0.0, u, True)
         assert token in (0, 2)
         assert processed.isinf().tolist() == [False, False, False, True, False]
+
+
+def test_sampled_tokens_equal_sample_token_row_by_row():
+    """The batched draw (rows over the threads) gives each seeded row sample_token's token and logprob bits, at
+    Llama 3's vocabulary, every filter, suppressed ids and temperatures whose float32 rounding differs from them."""
+    from kvserve.engine.sampling import sampled_tokens
+
+    _native_ops()
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 128256, generator=g) * 4
+    settings = [dict(temperature=0.7), dict(temperature=1.0, top_p=0.9), dict(temperature=1.3, top_k=40),
+                dict(temperature=0.31, min_p=0.05), dict(temperature=2.0, top_k=5, top_p=0.5, min_p=0.01),
+                dict(temperature=1e-4), dict(temperature=0.7, top_p=0.999), dict(temperature=1.0, top_k=-1),
+                dict(temperature=0.1 + 1e-9)]
+    works = [SeqWork(row, [7], 3, [row], [3], True, SamplingParams(seed=row * 7 + 1, **params), [5, 6], [9] * row,
+                     [row, 1000 + row] if row % 2 else []) for row, params in enumerate(settings)]
+    batched = sampled_tokens(logits, works, [w.suppress_ids for w in works])
+    assert batched == [sample_token(logits[row], w) for row, w in enumerate(works)]
+    masked = logits[:2].clone()
+    masked[1] = float("-inf")  # every token of a row masked: None, and sample_token fails that row alone
+    assert sampled_tokens(masked, works[:2], [[], []]) is None

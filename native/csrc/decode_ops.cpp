@@ -22,8 +22,8 @@
 //   silu_mul(gate, up)                     silu(gate) * up (SwiGLU), with torch's own kernels
 //   greedy_pick(logits)                    per row: argmax and its log-softmax value, in three passes
 //   log_softmax(logits)                    the same log-softmax for every token (sampled and top tokens)
-//   token_logprob(logits, token)           one token's value of it
-//   sample_row(...)                        a sampled token (sample_row.cpp)
+//   token_logprobs(logits, tokens)         one token's value of it per row
+//   sample_row(...), sample_rows(...)      sampled tokens (sample_row.cpp)
 //   DecodeLayers                           every layer of an all-decode step in one call (decode_layers.cpp),
 //                                          with these loops on raw rows (decode_rows.h)
 //
@@ -465,15 +465,26 @@ torch::Tensor log_softmax(const torch::Tensor& logits) {
   return out;
 }
 
-// logits [V] float32 (contiguous), token -> its log_softmax value: log_softmax's bits for that token, without
-// writing the other V - 1 (a sampled row that asked for no alternatives).
-double token_logprob(const torch::Tensor& logits, int64_t token) {
+// logits [R, V] float32 (contiguous), tokens int64 [R] -> each row's log_softmax value at its token, float32 [R]:
+// log_softmax's bits for that token, without writing the other V - 1 (sampled rows that asked for no alternatives).
+torch::Tensor token_logprobs(const torch::Tensor& logits, const torch::Tensor& tokens) {
   check_f32(logits, "logits");
-  KV_CHECK(logits.dim() == 1 && logits.is_contiguous() && logits.numel() > 0, "logits must be contiguous [V]");
-  KV_CHECK(token >= 0 && token < logits.numel(), "token out of range");
+  KV_CHECK(logits.dim() == 2 && logits.is_contiguous() && logits.size(1) > 0, "logits must be contiguous [R, V]");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  KV_CHECK(tokens.scalar_type() == torch::kLong && tokens.is_contiguous() && tokens.numel() == R,
+           "tokens must be int64 [R]");
+  const int64_t* tp = tokens.data_ptr<int64_t>();
+  for (int64_t r = 0; r < R; ++r) KV_CHECK(tp[r] >= 0 && tp[r] < V, "token out of range");
+  auto out = torch::empty({R}, logits.options());
   const float* x = logits.data_ptr<float>();
-  const Normalizer n = row_normalizer(x, logits.numel());
-  return n.nan ? std::numeric_limits<float>::quiet_NaN() : (x[token] - n.mx) - n.log_sum;
+  float* lp = out.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const Normalizer n = row_normalizer(x + r * V, V);
+      lp[r] = n.nan ? std::numeric_limits<float>::quiet_NaN() : (x[r * V + tp[r]] - n.mx) - n.log_sum;
+    }
+  });
+  return out;
 }
 
 // logits [R, V] float32 (contiguous) -> (tokens int64 [R], logprobs float32 [R]); see greedy_row.
@@ -533,7 +544,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_pick", &greedy_pick, NoGil(),
         "logits [R,V] f32 -> (argmax tokens int64 [R], their log-softmax f32 [R])");
   m.def("log_softmax", &log_softmax, NoGil(), "logits [R,V] f32 -> log_softmax [R,V] (greedy_pick's normalizer)");
-  m.def("token_logprob", &token_logprob, NoGil(), "logits [V] f32, token -> log_softmax(logits)[token]");
+  m.def("token_logprobs", &token_logprobs, NoGil(),
+        "logits [R,V] f32, tokens int64 [R] -> log_softmax(logits)[r, tokens[r]] f32 [R]");
   bind_decode_layers(m);
   bind_sample_row(m);
 }

@@ -4,7 +4,8 @@
 // Over Llama 3's 128,256-token vocabulary, torch's CPU multinomial took ~4 ms a token and top-p's full sort
 // ~50 ms (a 1B model's whole decode step is ~20 ms). Here a row costs a few passes over its logits:
 //
-//   mx = max_i s_i;  w_i = exp(s_i - mx), 0 below exp(-87.3)  s: logits / temperature (the caller's), w: weights
+//   s_i = x_i / T (torch's float32 division), NaN at -inf     x: the row's logits, T: its temperature
+//   mx = max_i s_i;  w_i = exp(s_i - mx), 0 below exp(-87.3)  w: the weights
 //   top-k:  keep s_i >= the k-th largest s (ties kept, as torch.topk's threshold keeps them)
 //   min-p:  keep w_i >= min_p                                 (p_i / p_max = w_i: the maximum's weight is 1)
 //   top-p:  keep the shortest prefix of the kept tokens by s descending (ties by index) whose mass reaches
@@ -18,6 +19,7 @@
 // and exp1's (its same operations) on the portable one, and every sum is in double in a fixed order, so a row
 // picks the same token on every path. Reference: engine/sampling.py's torch path (_filter, then the same inverse
 // CDF); tests/test_sampling.py compares them.
+#include <ATen/Parallel.h>
 #include <torch/extension.h>
 
 #include "check.h"
@@ -257,25 +259,41 @@ int64_t inverse_cdf(const float* w, int64_t V, double u) {
   return last;
 }
 
-// logits s [V] (float32, contiguous, no NaN: the caller's logits / temperature), top_k (<= 0 or >= V: off),
-// top_p (>= 1: off), min_p (<= 0: off), u in [0, 1) -> (token, the row with every token it did not keep at
-// -inf when want_processed, else an empty tensor).
-std::tuple<int64_t, torch::Tensor> sample_row(const torch::Tensor& logits, int64_t top_k, double top_p,
-                                              double min_p, double u, bool want_processed) {
-  KV_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_cpu() && logits.dim() == 1 &&
-               logits.is_contiguous() && logits.numel() > 0,
-           "sample_row: logits must be a contiguous non-empty float32 CPU vector");
-  KV_CHECK(u >= 0.0 && u < 1.0, "sample_row: u must be in [0, 1)");
-  const int64_t V = logits.numel();
-  const float* s = logits.data_ptr<float>();
-  torch::Tensor processed = want_processed ? torch::empty_like(logits) : torch::Tensor();
-  thread_local std::vector<float> weights;
-  py::gil_scoped_release released;
+// s[i] = x[i] / temperature in float32 (torch's x / temperature: the divisor rounded to float32, one IEEE
+// division), NaN at -inf and +inf at the largest float (engine/sampling.py's finite_logits).
+KV_BODY void scale_body(const float* x, int64_t V, float temperature, float* s) {
+  constexpr float kMax = std::numeric_limits<float>::max();
+  for (int64_t i = 0; i < V; ++i) {
+    const float v = x[i] / temperature;
+    s[i] = v != v ? -kInf : (v == kInf ? kMax : v);
+  }
+}
+#ifdef KV_X86
+__attribute__((target("avx2,fma"))) void scale_avx2(const float* x, int64_t V, float temperature, float* s) {
+  scale_body(x, V, temperature, s);
+}
+#endif
+void scale(const float* x, int64_t V, float temperature, float* s) {
+#ifdef KV_X86
+  if (kvserve::cpu::avx2()) return scale_avx2(x, V, temperature, s);
+#endif
+  scale_body(x, V, temperature, s);
+}
+
+// One row: logits x [V], temperature (> 0), top_k (<= 0 or >= V: off), top_p (>= 1: off), min_p (<= 0: off), u in
+// [0, 1) -> the token; processed (when not null) [V] <- the scaled row with every token it did not keep at -inf.
+// Scratch per thread, so rows may run on several threads at once.
+int64_t sample_one(const float* x, int64_t V, double temperature, int64_t top_k, double top_p, double min_p,
+                   double u, float* processed) {
+  thread_local std::vector<float> scaled, weights;
+  thread_local std::vector<uint16_t> bucket;
+  scaled.resize(V);
+  scale(x, V, static_cast<float>(temperature), scaled.data());
+  const float* s = scaled.data();
   const float mx = row_max(s, V);
   weights.resize(V);
   row_weights(s, V, mx, weights.data());
   Keep keep{s, weights.data()};
-  thread_local std::vector<uint16_t> bucket;
   const bool top_k_on = top_k > 0 && top_k < V;
   if (top_k_on || top_p < 1.0) {
     bucket.resize(V);
@@ -284,22 +302,70 @@ std::tuple<int64_t, torch::Tensor> sample_row(const torch::Tensor& logits, int64
   if (top_k_on) keep.lo = kth_largest(s, bucket.data(), V, top_k);
   keep.set_min_p(min_p);
   if (top_p < 1.0) nucleus(keep, bucket.data(), V, top_p);
-  if (want_processed) {
-    float* p = processed.data_ptr<float>();
-    for (int64_t i = 0; i < V; ++i) p[i] = keep(i) ? s[i] : -kInf;
-  }
+  if (processed != nullptr)
+    for (int64_t i = 0; i < V; ++i) processed[i] = keep(i) ? s[i] : -kInf;
   if (top_k_on || min_p > 0.0 || top_p < 1.0)
     zero_dropped(keep, weights.data(), V);  // (masked tokens weigh 0 already)
-  const int64_t token = inverse_cdf(weights.data(), V, u);
+  return inverse_cdf(weights.data(), V, u);
+}
+
+// logits [V] float32 (contiguous), temperature, top_k, top_p, min_p, u -> (token, the processed row when
+// want_processed, else an empty tensor); see sample_one.
+std::tuple<int64_t, torch::Tensor> sample_row(const torch::Tensor& logits, double temperature, int64_t top_k,
+                                              double top_p, double min_p, double u, bool want_processed) {
+  KV_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_cpu() && logits.dim() == 1 &&
+               logits.is_contiguous() && logits.numel() > 0,
+           "sample_row: logits must be a contiguous non-empty float32 CPU vector");
+  KV_CHECK(u >= 0.0 && u < 1.0, "sample_row: u must be in [0, 1)");
+  KV_CHECK(temperature > 0.0, "sample_row: temperature must be > 0");
+  torch::Tensor processed = want_processed ? torch::empty_like(logits) : torch::Tensor();
+  py::gil_scoped_release released;
+  const int64_t token = sample_one(logits.data_ptr<float>(), logits.numel(), temperature, top_k, top_p, min_p, u,
+                                   want_processed ? processed.data_ptr<float>() : nullptr);
   return {token, processed};
+}
+
+// logits [R, V] float32 (contiguous), temperature float64 [R], top_k int64 [R], top_p, min_p, u float64 [R] ->
+// tokens int64 [R]: each row as sample_row draws it, the rows spread over the threads (a decode step's sampled
+// sequences at once).
+torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temperature, const torch::Tensor& top_k,
+                          const torch::Tensor& top_p, const torch::Tensor& min_p, const torch::Tensor& u) {
+  KV_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_cpu() && logits.dim() == 2 &&
+               logits.is_contiguous() && logits.size(1) > 0,
+           "sample_rows: logits must be a contiguous float32 CPU [R, V]");
+  const int64_t R = logits.size(0), V = logits.size(1);
+  KV_CHECK(top_k.scalar_type() == torch::kLong && top_k.is_contiguous() && top_k.numel() == R,
+           "sample_rows: top_k must be int64 [R]");
+  for (const auto* t : {&temperature, &top_p, &min_p, &u})
+    KV_CHECK(t->scalar_type() == torch::kDouble && t->is_contiguous() && t->numel() == R,
+             "sample_rows: temperature, top_p, min_p and u must be float64 [R]");
+  const double *up = u.data_ptr<double>(), *tp = temperature.data_ptr<double>();
+  for (int64_t r = 0; r < R; ++r) {
+    KV_CHECK(up[r] >= 0.0 && up[r] < 1.0, "sample_rows: u must be in [0, 1)");
+    KV_CHECK(tp[r] > 0.0, "sample_rows: temperature must be > 0");
+  }
+  auto tokens = torch::empty({R}, top_k.options());
+  const float* x = logits.data_ptr<float>();
+  const int64_t* kp = top_k.data_ptr<int64_t>();
+  const double *pp = top_p.data_ptr<double>(), *mp = min_p.data_ptr<double>();
+  int64_t* out = tokens.data_ptr<int64_t>();
+  py::gil_scoped_release released;
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) out[r] = sample_one(x + r * V, V, tp[r], kp[r], pp[r], mp[r], up[r], nullptr);
+  });
+  return tokens;
 }
 
 }  // namespace
 
 void bind_sample_row(py::module& m) {
-  m.def("sample_row", &sample_row, py::arg("logits"), py::arg("top_k"), py::arg("top_p"), py::arg("min_p"),
-        py::arg("u"), py::arg("want_processed"),
-        "logits [V] f32 (already / temperature, no NaN), top_k, top_p, min_p, u in [0, 1), want_processed -> "
+  m.def("sample_row", &sample_row, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("min_p"), py::arg("u"), py::arg("want_processed"),
+        "logits [V] f32, temperature, top_k, top_p, min_p, u in [0, 1), want_processed -> "
         "(token: top-k, min-p, top-p, then the inverse CDF at u over the kept weights in index order; the row "
         "with what it did not keep at -inf, or an empty tensor)");
+  m.def("sample_rows", &sample_rows, py::arg("logits"), py::arg("temperature"), py::arg("top_k"), py::arg("top_p"),
+        py::arg("min_p"), py::arg("u"),
+        "logits [R,V] f32, temperature float64 [R], top_k int64 [R], top_p, min_p, u float64 [R] -> tokens int64 [R] "
+        "(each row as sample_row, the rows over the threads)");
 }
