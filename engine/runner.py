@@ -243,7 +243,7 @@ class ModelRunner:
                     view = w if i == 0 else dataclasses.replace(w, output_ids=w.output_ids + drafts[:i])
                     try:
                         token = sample_token(sampled[i], view)
-                    except (RuntimeError, ValueError, IndexError, OverflowError) as exc:  # one bad request
+                    except (RuntimeError, ValueError, TypeError, IndexError, OverflowError) as exc:  # one bad request
                         result.tokens, result.error = [], f"sampling failed: {exc}"
                         break
                 result.tokens.append(token)

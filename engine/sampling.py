@@ -161,10 +161,12 @@ def draw(logits: torch.Tensor, temperature: float, top_k: int, top_p: float, min
         of the vocabulary, no torch.multinomial; docs/kernels.md, "Sampling a token"); else ``draw_torch``.
 
     Raises:
-        RuntimeError: every token is masked.
+        RuntimeError: every token is masked; on the kernel's path also u outside [0, 1), a temperature <= 0, or a
+            NaN top_p or min_p (the API refuses them first).
     """
     ops = _ops(logits)
     if ops is not None:
+        top_k = _top_k(top_k, logits.shape[-1])
         return ops.sample_row(logits.contiguous(), temperature, top_k, top_p, min_p, u, want_processed)
     return draw_torch(finite_logits(logits / temperature), top_k, top_p, min_p, u, want_processed)
 
@@ -246,13 +248,20 @@ def sampled_tokens(logits: torch.Tensor, works: list[SeqWork], suppress: list[li
     u = [uniform(p.seed, len(w.output_ids), logits.device) for p, w in zip(params, works)]
     try:
         tokens = ops.sample_rows(logits, _column([p.temperature for p in params]),
-                                 _column([p.top_k for p in params], torch.int64), _column([p.top_p for p in params]),
+                                 _column([_top_k(p.top_k, logits.shape[-1]) for p in params], torch.int64),
+                                 _column([p.top_p for p in params]),
                                  _column([p.min_p for p in params]), _column(u))
     except RuntimeError:  # every token of some row masked: that row fails alone in sample_token
         return None
     logprobs = ops.token_logprobs(logits, tokens)
     return [TokenLogprob(token_id=token, logprob=_reportable(logprob))
             for token, logprob in zip(tokens.tolist(), logprobs.tolist())]
+
+
+def _top_k(top_k: int, vocab: int) -> int:
+    """``top_k`` as the kernel takes it: 0 (off) where it keeps every token (<= 0, or >= the vocabulary: the API
+    bounds it from below only, and 2**63 does not fit the kernel's int64)."""
+    return top_k if 0 < top_k < vocab else 0
 
 
 def _column(values: list, dtype: torch.dtype = torch.float64) -> torch.Tensor:

@@ -284,7 +284,7 @@ def test_a_seeded_sample_is_reproducible_and_a_sampled_logprob_is_log_softmaxs()
 
 
 def test_a_token_far_below_the_maximum_is_kept_but_never_drawn(draw):
-    """88 nats or more below the maximum a weight is 0 (exp(-87.3) ~ 1e-38 is where the kernel's exp stops): such a
+    """More than 87.3 nats below the maximum a weight is 0 (exp(-87.3) ~ 1e-38 is where the kernel's exp stops): such a
     token stays in the processed row (no filter removed it) and is never the draw; a masked one (-inf) is gone."""
     logits = torch.tensor([0.0, -200.0, 5.0, float("-inf"), -90.0])
     for u in (0.0, 0.5, 0.9999999):
@@ -312,3 +312,28 @@ def test_sampled_tokens_equal_sample_token_row_by_row():
     masked = logits[:2].clone()
     masked[1] = float("-inf")  # every token of a row masked: None, and sample_token fails that row alone
     assert sampled_tokens(masked, works[:2], [[], []]) is None
+
+
+@pytest.mark.parametrize("top_k", [2**63, 10**30, 50, 64])
+def test_a_top_k_past_the_vocabulary_keeps_every_token_alone_and_batched(top_k):
+    """The API bounds top_k from below only: one of the vocabulary's size or more is off (filter_logits' reading),
+    on the kernel's path too, where 2**63 does not fit an int64 (a crash there failed every request of the step)."""
+    from kvserve.engine.sampling import sampled_tokens
+
+    logits = torch.randn(2, 50, generator=torch.Generator().manual_seed(2))
+    works = [SeqWork(row, [7], 3, [row], [3], True, SamplingParams(temperature=1.0, top_k=top_k, seed=row), [5],
+                     [9], []) for row in range(2)]
+    off = [SeqWork(row, [7], 3, [row], [3], True, SamplingParams(temperature=1.0, seed=row), [5], [9], [])
+           for row in range(2)]
+    alone = [sample_token(logits[row], works[row]) for row in range(2)]
+    assert alone == [sample_token(logits[row], off[row]) for row in range(2)]
+    if _native_ops() is not None:
+        assert sampled_tokens(logits, works, [[], []]) == alone
+
+
+def test_the_kernel_refuses_nan_filters_instead_of_drawing_a_masked_token():
+    ops = _native_ops()
+    row = torch.tensor([float("-inf"), 0.0, 1.0])
+    for top_p, min_p in ((float("nan"), 0.0), (0.5, float("nan"))):
+        with pytest.raises(RuntimeError, match="NaN"):
+            ops.sample_row(row, 1.0, 0, top_p, min_p, 0.5, False)

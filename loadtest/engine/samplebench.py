@@ -8,8 +8,8 @@ and what sample_token ran before the kernel (``filter_logits`` in float32, ``tor
 softmax), with greedy's argmax for scale, and a row with a repetition penalty over 4,500 ids. Rows: SmolLM2's
 49,152-token vocabulary, Llama 3's 128,256 and Qwen2.5's 151,936; logits drawn as N(0, 3^2) with one token 12
 nats ahead (a peaked distribution, as a trained model's often is) and as N(0, 1) (flat: a random-weight model's,
-the worst case for top-p's crossing bucket). Median of 7 rounds of 20 calls each; the kernel and torch use
-``torch.get_num_threads()`` threads (the server's).
+the worst case for top-p's crossing bucket). Median of 7 rounds of 20 calls each; one row runs on one thread
+(sample_row; a step's rows spread over the threads in sample_rows), torch's ops on ``torch.get_num_threads()``.
 
 With ``--model FILE``, served too: ``kvserve serve --model FILE`` on 127.0.0.1, completions of 128 tokens
 (``ignore_eos``) at 1 and 32 streams, greedy, temperature 1 and temperature 0.7 with top-p 0.9, output tokens
@@ -175,7 +175,8 @@ def measure(reps: int = 20, write: bool = True, model: str | None = None) -> str
     if ops is None:
         raise RuntimeError("the native ops are not built: run `python -m kvserve.native --build` first")
 
-    lines = [f"ms per sampled token (wall, median of 7 rounds of {reps} calls), {torch.get_num_threads()} threads. "
+    lines = [f"ms per sampled token (wall, median of 7 rounds of {reps} calls); the kernel's row on one thread, torch's "
+             f"ops on {torch.get_num_threads()}. "
              "kernel: `sample_token` as served (sample_row.cpp); torch: the same without the built ops (what a GPU "
              "or a machine without them runs); before: the float32 filter and `torch.multinomial` it replaced. "
              "Greedy: `sample_token`'s argmax and logprob (the batched greedy path is cheaper still). The repetition "

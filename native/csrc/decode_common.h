@@ -144,6 +144,44 @@ void run_tiles(const DecodeCall& call, const std::vector<int64_t>& tiles, Task&&
   });
 }
 
+#ifdef KV_X86
+// max of x[0 .. 8k) (k as large as fits in n), whether any was NaN, *done = 8k.
+__attribute__((target("avx2,fma"))) inline float max_avx2(const float* x, int64_t n, int64_t* done, bool* nan) {
+  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), bad = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    m8 = _mm256_max_ps(m8, v);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  }
+  *done = i;
+  *nan = _mm256_movemask_ps(bad) != 0;
+  return hmax8(m8);
+}
+#endif
+
+// The maximum of x[0 .. V) and whether any x[i] is NaN (max_avx2, then the tail of fewer than 8 in order); where
+// no x[i] is NaN the maximum is the same on every path (a max is exact).
+inline float row_max(const float* x, int64_t V, bool* nan) {
+  float mx = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  *nan = false;
+#ifdef KV_X86
+  if (cpu::avx2()) mx = max_avx2(x, V, &i, nan);
+#endif
+  for (; i < V; ++i) {
+    mx = std::max(mx, x[i]);
+    *nan = *nan || std::isnan(x[i]);
+  }
+  return mx;
+}
+
+#ifdef KV_X86
+#define KV_AVX2 __attribute__((target("avx2,fma")))
+#else
+#define KV_AVX2
+#endif
+
 }  // namespace kvserve::decode
 
 // The int8 / int4 cache's ops (kv_quant.cpp), bound with the others in decode_ops.cpp.
@@ -156,3 +194,14 @@ void paged_decode_attention_quant(const torch::Tensor& q, const torch::Tensor& r
                                   torch::Tensor& out);
 // The ISA path paged_decode_attention_quant runs for `bits` and `group` elements per scale: avx512, avx2, scalar.
 std::string kv_quant_path(int64_t bits, int64_t group);
+
+// KV_TWO_PATHS(name, (params), (args)): name's always-inline body compiled twice, for AVX2+FMA (the compiler
+// vectorizes it) and for the baseline; name() runs the one native/csrc/cpu.h chose.
+#define KV_TWO_PATHS(name, params, args)                          \
+  KV_AVX2 void name##_avx2 params { name##_body args; }           \
+  void name##_base params { name##_body args; }                   \
+  inline void name params {                                       \
+    if (::kvserve::cpu::avx2()) name##_avx2 args; else name##_base args; \
+  }
+
+#define KV_BODY inline __attribute__((always_inline))

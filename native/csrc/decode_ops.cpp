@@ -38,23 +38,6 @@
 #include <atomic>
 #include <vector>
 
-#ifdef KV_X86
-#define KV_AVX2 __attribute__((target("avx2,fma")))
-#else
-#define KV_AVX2
-#endif
-
-// KV_TWO_PATHS(name, (params), (args)): name's always-inline body compiled twice, for AVX2+FMA (the compiler
-// vectorizes it) and for the baseline; name() runs the one native/csrc/cpu.h chose.
-#define KV_TWO_PATHS(name, params, args)                          \
-  KV_AVX2 void name##_avx2 params { name##_body args; }           \
-  void name##_base params { name##_body args; }                   \
-  inline void name params {                                       \
-    if (::kvserve::cpu::avx2()) name##_avx2 args; else name##_base args; \
-  }
-
-#define KV_BODY inline __attribute__((always_inline))
-
 namespace {
 
 using kvserve::decode::check_f32;
@@ -138,20 +121,6 @@ KV_TWO_PATHS(attend_loops,
              (q, q_head_stride, table, first, len, kp, vp, bs, H_kv, g, D, group, scale, scores, out))
 
 #ifdef KV_X86
-
-// max of x[0 .. 8k) (k as large as fits in n), whether any was NaN, *done = 8k.
-__attribute__((target("avx2,fma"))) float max_avx2(const float* x, int64_t n, int64_t* done, bool* nan) {
-  __m256 m8 = _mm256_set1_ps(-std::numeric_limits<float>::infinity()), bad = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(x + i);
-    m8 = _mm256_max_ps(m8, v);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  *done = i;
-  *nan = _mm256_movemask_ps(bad) != 0;
-  return hmax8(m8);
-}
 
 // sum of exp(x_i - mx) over x[0 .. 8k) (k as large as fits in n); *done = 8k.
 __attribute__((target("avx2,fma"))) float sum_exp_avx2(const float* x, int64_t n, float mx, int64_t* done) {
@@ -405,19 +374,11 @@ struct Normalizer {
 };
 
 static Normalizer row_normalizer(const float* x, int64_t V) {
-  float mx = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
   bool nan = false;
-#ifdef KV_X86
-  if (kvserve::cpu::avx2()) mx = max_avx2(x, V, &i, &nan);
-#endif
-  for (; i < V; ++i) {
-    mx = std::max(mx, x[i]);
-    nan = nan || std::isnan(x[i]);
-  }
+  const float mx = kvserve::decode::row_max(x, V, &nan);
   if (nan) return {mx, std::numeric_limits<float>::quiet_NaN(), true};
   float sum = 0.f;
-  i = 0;
+  int64_t i = 0;
 #ifdef KV_X86
   if (kvserve::cpu::avx2()) {
     sum = sum_exp_avx2(x, V, mx, &i);

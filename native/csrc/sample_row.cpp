@@ -1,10 +1,11 @@
 // One sampled token from a row of logits (engine/sampling.py's sample_token on a CPU), without sorting the
 // vocabulary and without torch.multinomial.
 //
-// Over Llama 3's 128,256-token vocabulary, torch's CPU multinomial took ~4 ms a token and top-p's full sort
-// ~50 ms (a 1B model's whole decode step is ~20 ms). Here a row costs a few passes over its logits:
+// Over Llama 3's 128,256-token vocabulary, torch's CPU multinomial took ~3-5 ms a token and top-p's full sort
+// ~15-20 ms (a 1B model's whole decode step is ~20 ms; BENCHMARKS.md, sampling). Here a row costs a few passes
+// over its logits:
 //
-//   s_i = x_i / T (torch's float32 division), NaN at -inf     x: the row's logits, T: its temperature
+//   s_i = x_i / T (torch's float32 division; NaN -> -inf)     x: the row's logits, T: its temperature
 //   mx = max_i s_i;  w_i = exp(s_i - mx), 0 below exp(-87.3)  w: the weights
 //   top-k:  keep s_i >= the k-th largest s (ties kept, as torch.topk's threshold keeps them)
 //   min-p:  keep w_i >= min_p                                 (p_i / p_max = w_i: the maximum's weight is 1)
@@ -15,16 +16,12 @@
 //
 // The k-th largest value and the top-p cut are found by a histogram of the tokens over buckets of 1/32 nat below
 // mx (bucket = floor((mx - s) * 32), monotone in s), a walk down the buckets to the one where the count or the
-// mass crosses, and a sort of that bucket's tokens alone. The weights are exp8's (decode_core.h) on the AVX2 path
+// mass crosses, and a sort of that bucket's tokens alone (all of them where every logit is equal: the worst case,
+// ~4x a typical row). The weights are exp8's (decode_core.h) on the AVX2 path
 // and exp1's (its same operations) on the portable one, and every sum is in double in a fixed order, so a row
-// picks the same token on every path. Reference: engine/sampling.py's torch path (_filter, then the same inverse
-// CDF); tests/test_sampling.py compares them.
-#include <ATen/Parallel.h>
-#include <torch/extension.h>
-
-#include "check.h"
-#include "cpu.h"
-#include "decode_core.h"
+// picks the same token on every path. Reference: engine/sampling.py's torch path (filter_logits, then the same
+// inverse CDF); tests/test_sampling.py compares them.
+#include "decode_common.h"
 
 #include <algorithm>
 #include <array>
@@ -42,8 +39,6 @@ constexpr float kInf = std::numeric_limits<float>::infinity();
 // argument there (to ~1e-38), which would give every such token that weight instead of nearly none.
 constexpr float kLeast = -87.3f;
 
-#define KV_BODY inline __attribute__((always_inline))
-
 // The bucket of s (not NaN): 0 for the maximum, the last for 128 nats or more below it and for -inf.
 inline int bucket_of(float s, float mx) {
   const float d = (mx - s) * kPerNat;
@@ -52,7 +47,6 @@ inline int bucket_of(float s, float mx) {
 
 #ifdef KV_X86
 using kvserve::decode::exp8;
-using kvserve::decode::hmax8;
 
 // w[0 .. 8k) = exp8(s - mx), 0 where s - mx < kLeast; returns 8k (k as large as fits in n).
 __attribute__((target("avx2,fma"))) int64_t weights_avx2(const float* s, int64_t n, float mx, float* w) {
@@ -64,34 +58,13 @@ __attribute__((target("avx2,fma"))) int64_t weights_avx2(const float* s, int64_t
   }
   return i;
 }
-
-// max of s[0 .. 8k), whether any was NaN; *done = 8k.
-__attribute__((target("avx2,fma"))) float max_avx2(const float* s, int64_t n, int64_t* done, bool* nan) {
-  __m256 m8 = _mm256_set1_ps(-kInf), bad = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
-    const __m256 v = _mm256_loadu_ps(s + i);
-    m8 = _mm256_max_ps(m8, v);
-    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
-  }
-  *done = i;
-  *nan = _mm256_movemask_ps(bad) != 0;
-  return hmax8(m8);
-}
 #endif
 
-// The row's maximum (the first pass); NaN anywhere is an error (the caller maps NaN to -inf first).
-float row_max(const float* s, int64_t V) {
-  float mx = -kInf;
+// The row's maximum (the first pass). NaN cannot come from scale (it maps NaN to -inf): the check guards the
+// function's own contract.
+float checked_max(const float* s, int64_t V) {
   bool nan = false;
-  int64_t i = 0;
-#ifdef KV_X86
-  if (kvserve::cpu::avx2()) mx = max_avx2(s, V, &i, &nan);
-#endif
-  for (; i < V; ++i) {
-    mx = std::max(mx, s[i]);
-    nan = nan || std::isnan(s[i]);
-  }
+  const float mx = kvserve::decode::row_max(s, V, &nan);
   KV_CHECK(!nan, "sample_row: the logits hold NaN");
   KV_CHECK(mx > -kInf, "sample_row: every token is masked (-inf)");
   return mx;
@@ -112,17 +85,7 @@ void row_weights(const float* s, int64_t V, float mx, float* w) {
 KV_BODY void buckets_body(const float* s, int64_t V, float mx, uint16_t* bucket) {
   for (int64_t i = 0; i < V; ++i) bucket[i] = static_cast<uint16_t>(bucket_of(s[i], mx));
 }
-#ifdef KV_X86
-__attribute__((target("avx2,fma"))) void buckets_avx2(const float* s, int64_t V, float mx, uint16_t* bucket) {
-  buckets_body(s, V, mx, bucket);
-}
-#endif
-void buckets(const float* s, int64_t V, float mx, uint16_t* bucket) {
-#ifdef KV_X86
-  if (kvserve::cpu::avx2()) return buckets_avx2(s, V, mx, bucket);
-#endif
-  buckets_body(s, V, mx, bucket);
-}
+KV_TWO_PATHS(buckets, (const float* s, int64_t V, float mx, uint16_t* bucket), (s, V, mx, bucket))
 
 // The k-th largest of s[0 .. V) (0 < k < V), -inf entries counted as torch.topk counts them.
 float kth_largest(const float* s, const uint16_t* bucket, int64_t V, int64_t k) {
@@ -167,17 +130,7 @@ struct Keep {
 KV_BODY void zero_dropped_body(const Keep& keep, float* w, int64_t V) {
   for (int64_t i = 0; i < V; ++i) w[i] = keep(i) ? w[i] : 0.f;
 }
-#ifdef KV_X86
-__attribute__((target("avx2,fma"))) void zero_dropped_avx2(const Keep& keep, float* w, int64_t V) {
-  zero_dropped_body(keep, w, V);
-}
-#endif
-void zero_dropped(const Keep& keep, float* w, int64_t V) {
-#ifdef KV_X86
-  if (kvserve::cpu::avx2()) return zero_dropped_avx2(keep, w, V);
-#endif
-  zero_dropped_body(keep, w, V);
-}
+KV_TWO_PATHS(zero_dropped, (const Keep& keep, float* w, int64_t V), (keep, w, V))
 
 // Sets keep's top-p cut: the tokens kept so far in order of s descending (ties by index), up to and including
 // the one at which the mass before it first reaches top_p of their total.
@@ -210,23 +163,15 @@ void nucleus(Keep& keep, const uint16_t* bucket, int64_t V, double top_p) {
 
 // The sum of w[0 .. n) in float64 over 8 lanes (lane l: w[l], w[l + 8], ...), the lanes added pairwise: the same
 // operations on every path (the compiler may put the lanes in vector registers, never reorder them).
-KV_BODY double lane_sum_body(const float* w, int64_t n) {
+KV_BODY void lane_sum_body(const float* w, int64_t n, double* sum) {
   double a[8] = {};
   int64_t i = 0;
   for (; i + 8 <= n; i += 8)
     for (int l = 0; l < 8; ++l) a[l] += w[i + l];
   for (int l = 0; i < n; ++i, ++l) a[l] += w[i];
-  return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+  *sum = ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
 }
-#ifdef KV_X86
-__attribute__((target("avx2,fma"))) double lane_sum_avx2(const float* w, int64_t n) { return lane_sum_body(w, n); }
-#endif
-double lane_sum(const float* w, int64_t n) {
-#ifdef KV_X86
-  if (kvserve::cpu::avx2()) return lane_sum_avx2(w, n);
-#endif
-  return lane_sum_body(w, n);
-}
+KV_TWO_PATHS(lane_sum, (const float* w, int64_t n, double* sum), (w, n, sum))
 
 // The first i whose weights w[0 .. i] sum past u times their total (w >= 0, not all 0): the total from sums of
 // chunks of kChunk (lane_sum), then the chunk where the running sum crosses, token by token. Where rounding keeps a
@@ -239,9 +184,10 @@ int64_t inverse_cdf(const float* w, int64_t V, double u) {
   sums.resize(chunks);
   double total = 0.0;
   for (int64_t c = 0; c < chunks; ++c) {
-    sums[c] = lane_sum(w + c * kChunk, std::min(kChunk, V - c * kChunk));
+    lane_sum(w + c * kChunk, std::min(kChunk, V - c * kChunk), &sums[c]);
     total += sums[c];
   }
+  KV_CHECK(total > 0.0, "sample_row: no token kept");  // the maximum always stays (weight 1): unreachable
   const double target = u * total;
   double cum = 0.0;
   for (int64_t c = 0; c < chunks; ++c) {
@@ -260,7 +206,7 @@ int64_t inverse_cdf(const float* w, int64_t V, double u) {
 }
 
 // s[i] = x[i] / temperature in float32 (torch's x / temperature: the divisor rounded to float32, one IEEE
-// division), NaN at -inf and +inf at the largest float (engine/sampling.py's finite_logits).
+// division), then NaN -> -inf and +inf -> the largest float (engine/sampling.py's finite_logits).
 KV_BODY void scale_body(const float* x, int64_t V, float temperature, float* s) {
   constexpr float kMax = std::numeric_limits<float>::max();
   for (int64_t i = 0; i < V; ++i) {
@@ -268,29 +214,22 @@ KV_BODY void scale_body(const float* x, int64_t V, float temperature, float* s) 
     s[i] = v != v ? -kInf : (v == kInf ? kMax : v);
   }
 }
-#ifdef KV_X86
-__attribute__((target("avx2,fma"))) void scale_avx2(const float* x, int64_t V, float temperature, float* s) {
-  scale_body(x, V, temperature, s);
-}
-#endif
-void scale(const float* x, int64_t V, float temperature, float* s) {
-#ifdef KV_X86
-  if (kvserve::cpu::avx2()) return scale_avx2(x, V, temperature, s);
-#endif
-  scale_body(x, V, temperature, s);
-}
+KV_TWO_PATHS(scale, (const float* x, int64_t V, float temperature, float* s), (x, V, temperature, s))
 
 // One row: logits x [V], temperature (> 0), top_k (<= 0 or >= V: off), top_p (>= 1: off), min_p (<= 0: off), u in
 // [0, 1) -> the token; processed (when not null) [V] <- the scaled row with every token it did not keep at -inf.
 // Scratch per thread, so rows may run on several threads at once.
 int64_t sample_one(const float* x, int64_t V, double temperature, int64_t top_k, double top_p, double min_p,
                    double u, float* processed) {
+  KV_CHECK(temperature > 0.0, "sample_row: temperature must be > 0");
+  KV_CHECK(u >= 0.0 && u < 1.0, "sample_row: u must be in [0, 1)");
+  KV_CHECK(!std::isnan(top_p) && !std::isnan(min_p), "sample_row: top_p and min_p must not be NaN");
   thread_local std::vector<float> scaled, weights;
   thread_local std::vector<uint16_t> bucket;
   scaled.resize(V);
   scale(x, V, static_cast<float>(temperature), scaled.data());
   const float* s = scaled.data();
-  const float mx = row_max(s, V);
+  const float mx = checked_max(s, V);
   weights.resize(V);
   row_weights(s, V, mx, weights.data());
   Keep keep{s, weights.data()};
@@ -316,8 +255,6 @@ std::tuple<int64_t, torch::Tensor> sample_row(const torch::Tensor& logits, doubl
   KV_CHECK(logits.scalar_type() == torch::kFloat32 && logits.is_cpu() && logits.dim() == 1 &&
                logits.is_contiguous() && logits.numel() > 0,
            "sample_row: logits must be a contiguous non-empty float32 CPU vector");
-  KV_CHECK(u >= 0.0 && u < 1.0, "sample_row: u must be in [0, 1)");
-  KV_CHECK(temperature > 0.0, "sample_row: temperature must be > 0");
   torch::Tensor processed = want_processed ? torch::empty_like(logits) : torch::Tensor();
   py::gil_scoped_release released;
   const int64_t token = sample_one(logits.data_ptr<float>(), logits.numel(), temperature, top_k, top_p, min_p, u,
@@ -340,10 +277,6 @@ torch::Tensor sample_rows(const torch::Tensor& logits, const torch::Tensor& temp
     KV_CHECK(t->scalar_type() == torch::kDouble && t->is_contiguous() && t->numel() == R,
              "sample_rows: temperature, top_p, min_p and u must be float64 [R]");
   const double *up = u.data_ptr<double>(), *tp = temperature.data_ptr<double>();
-  for (int64_t r = 0; r < R; ++r) {
-    KV_CHECK(up[r] >= 0.0 && up[r] < 1.0, "sample_rows: u must be in [0, 1)");
-    KV_CHECK(tp[r] > 0.0, "sample_rows: temperature must be > 0");
-  }
   auto tokens = torch::empty({R}, top_k.options());
   const float* x = logits.data_ptr<float>();
   const int64_t* kp = top_k.data_ptr<int64_t>();
