@@ -252,44 +252,43 @@ class ModelRunner:
         return results
 
     @staticmethod
-    def _greedy_rows(plan: StepPlan, spans: list[tuple[int, int]],
-                     logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
-        """Tokens of every sampled row of the plain greedy sequences (most of a typical step), in one call."""
+    def _rows_of(plan: StepPlan, spans: list[tuple[int, int]], vocab: int,
+                 plain) -> tuple[list[int], list[list[int]], list[SeqWork]]:
+        """The sequences ``plain(w)`` accepts, less any that returns prompt logprobs or suppresses an out-of-range
+        id (that stays with sample_token, which fails the sequence alone): their sampled rows' indices in the
+        logits, each row's suppressed ids, and the sequences."""
         rows: list[int] = []
         suppress: list[list[int]] = []
         works: list[SeqWork] = []
-        vocab = logits.shape[-1]
         for w, (first, n) in zip(plan.work, spans):
-            # an out-of-range id stays with sample_token, which fails that sequence alone
-            if (not (w.params.prompt_logprobs and not w.is_decode) and plain_greedy(w)
+            if (not (w.params.prompt_logprobs and not w.is_decode) and plain(w)
                     and all(0 <= t < vocab for t in w.suppress_ids)):
                 rows.extend(range(first + n - w.num_sampled_rows, first + n))
                 suppress.extend([w.suppress_ids] * w.num_sampled_rows)
                 works.append(w)
+        return rows, suppress, works
+
+    @classmethod
+    def _greedy_rows(cls, plan: StepPlan, spans: list[tuple[int, int]],
+                     logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
+        """Tokens of every sampled row of the plain greedy sequences (most of a typical step), in one call."""
+        rows, suppress, works = cls._rows_of(plan, spans, logits.shape[-1], plain_greedy)
         if not rows:
             return {}
         picked = logits if len(rows) == logits.shape[0] else logits[rows]  # [len(rows), vocab]
         tokens = iter(greedy_tokens(picked, suppress))
         return {w.seq_id: [next(tokens) for _ in range(w.num_sampled_rows)] for w in works}
 
-    @staticmethod
-    def _sampled_rows(plan: StepPlan, spans: list[tuple[int, int]],
+    @classmethod
+    def _sampled_rows(cls, plan: StepPlan, spans: list[tuple[int, int]],
                       logits: torch.Tensor) -> dict[int, list[TokenLogprob]]:
         """Tokens of the plain sampled sequences without drafts (a step of sampled chat streams), in one call whose
         rows run on the threads; {} where sampled_tokens does not apply (each row is then sampled alone)."""
-        rows: list[int] = []
-        suppress: list[list[int]] = []
-        works: list[SeqWork] = []
-        vocab = logits.shape[-1]
-        for w, (first, n) in zip(plan.work, spans):
-            if (not (w.params.prompt_logprobs and not w.is_decode) and plain_sampled(w) and w.num_sampled_rows == 1
-                    and all(0 <= t < vocab for t in w.suppress_ids)):
-                rows.append(first + n - 1)
-                suppress.append(w.suppress_ids)
-                works.append(w)
+        rows, suppress, works = cls._rows_of(plan, spans, logits.shape[-1],
+                                             lambda w: plain_sampled(w) and w.num_sampled_rows == 1)
         if not rows:
             return {}
-        picked = sampled_tokens(logits[rows], works, suppress)  # [len(rows), vocab] rows
+        picked = sampled_tokens(logits[rows], works, suppress)
         return {} if picked is None else {w.seq_id: [token] for w, token in zip(works, picked)}
 
     @staticmethod

@@ -238,13 +238,8 @@ def sampled_tokens(logits: torch.Tensor, works: list[SeqWork], suppress: list[li
     ops = _ops(logits)
     if ops is None:
         return None
-    pairs = [(row, token) for row, ids in enumerate(suppress) for token in ids]
-    if pairs:
-        logits = logits.clone()
-        rows, tokens = zip(*pairs)
-        logits[torch.tensor(rows), torch.tensor(tokens)] = float("-inf")
+    logits = _suppressed(logits, suppress).contiguous()
     params = [w.params for w in works]
-    logits = logits.contiguous()
     u = [uniform(p.seed, len(w.output_ids), logits.device) for p, w in zip(params, works)]
     try:
         tokens = ops.sample_rows(logits, _column([p.temperature for p in params]),
@@ -262,6 +257,17 @@ def _top_k(top_k: int, vocab: int) -> int:
     """``top_k`` as the kernel takes it: 0 (off) where it keeps every token (<= 0, or >= the vocabulary: the API
     bounds it from below only, and 2**63 does not fit the kernel's int64)."""
     return top_k if 0 < top_k < vocab else 0
+
+
+def _suppressed(logits: torch.Tensor, suppress: list[list[int]]) -> torch.Tensor:
+    """``logits`` ``[rows, vocab]`` with row r's ids ``suppress[r]`` at -inf (a copy where any are; else itself)."""
+    pairs = [(row, token) for row, ids in enumerate(suppress) for token in ids]
+    if not pairs:
+        return logits
+    logits = logits.clone()
+    rows, tokens = zip(*pairs)
+    logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
+    return logits
 
 
 def _column(values: list, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -284,11 +290,7 @@ def greedy_tokens(logits: torch.Tensor, suppress: list[list[int]]) -> list[Token
         Per row, the argmax token (first of equal maxima, as ``torch.argmax``) and its logprob under the
         distribution with the suppressed ids at minus infinity, as ``sample_token`` reports it.
     """
-    pairs = [(row, token) for row, ids in enumerate(suppress) for token in ids]
-    if pairs:
-        logits = logits.clone()
-        rows, tokens = zip(*pairs)
-        logits[torch.tensor(rows, device=logits.device), torch.tensor(tokens, device=logits.device)] = float("-inf")
+    logits = _suppressed(logits, suppress)
     ops = _ops(logits)
     if ops is not None:  # both in one C++ call
         picked, chosen = ops.greedy_pick(logits.contiguous())  # [rows] each

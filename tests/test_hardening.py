@@ -109,6 +109,20 @@ def test_integral_floats_are_integers(server_url, path, body):
     assert _post(server_url, path, body).status_code == 200
 
 
+@pytest.mark.parametrize("top_k", [2**63, 10**30])
+def test_a_top_k_past_int64_samples_beside_others(server_url, top_k):
+    """The API bounds top_k from below only; one past int64 reached the sampling kernel and failed every request of
+    its step. Now it keeps every token (off), and a request beside it is answered too."""
+    import concurrent.futures
+
+    bodies = [{"prompt": "Hi", "max_tokens": 4, "top_k": top_k, "seed": 1},
+              {"prompt": "Hello", "max_tokens": 4, "temperature": 0.9, "seed": 2}]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        responses = list(pool.map(lambda body: _post(server_url, COMPLETIONS, body), bodies))
+    assert [r.status_code for r in responses] == [200, 200], [r.text for r in responses]
+    assert all(r.json()["usage"]["completion_tokens"] == 4 for r in responses)
+
+
 def test_a_fractional_n_is_still_refused(server_url):
     response = _post(server_url, COMPLETIONS, {"prompt": "Hi", "n": 1.5})
     assert response.status_code == 400 and response.json()["error"]["param"] == "n"
