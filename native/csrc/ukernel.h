@@ -51,6 +51,8 @@ typedef struct kv_ggml_args {
   int32_t unpack;        /* AVX-512, calls of more than KV_MR_AVX512 rows: 1 takes Q5_K's and Q6_K's groups unpacked
                           * once for every tile of rows (Q6_K's scales in float), 0 makes the codes per tile */
   const int16_t* xsum16; /* qsum [rows][ldb] as int16 (read by Q4_K and Q5_K: their minimums' sums, in pairs) */
+  const int16_t* xsum16h; /* qsum per 16 codes [rows][2 * ldb] as int16 (read by Q6_K on the AVX-512 path: its
+                           * offset's sums, in pairs; the AVX2 path reads xoff16) */
 } kv_ggml_args;
 
 /* IEEE half -> float, exactly, by bit manipulation (the scalar kernels' twin of vcvtph2ps, NaNs quieted as

@@ -10,6 +10,7 @@
  *   madd16(acc, a, b)       acc + the int32 sums of a's and b's 16-bit lane pairs' products (vpdpwssd's)
  *   kScaledPairs, scaled_dots<R, P, B, MaxCode>(src, i0, x, ldq, c0, c1, sc16, isum), byte_pair_of, sbyte_pair_of
  *                           (AVX2) the K-quants' dots times their scales straight into the super-block's sums
+ *   kOffsetPairs, sbyte_pairs(v, t)   (AVX-512) Q6_K's offset once per super-block and row (fold_super)
  *
  * Layouts and the arithmetic: ukernel_gguf.h. */
 
@@ -111,6 +112,8 @@ struct UnitQ6K {
   KV_INLINE static int shift_of(int) { return 0; }
   KV_INLINE static I sc(const uint8_t* w, int j) { return sra(shift(ld(w + 2 * kW + (j / 4) * kChunk), 24 - 8 * (j % 4)), 24); }
   KV_INLINE static I sc16(const uint8_t* w, int j) { return sbyte_pair_of(ld(w + 2 * kW + (j / 4) * kChunk), j % 4); }
+  /* scales 2k and 2k + 1 as a 16-bit pair (kOffsetPairs) */
+  KV_INLINE static I scpair(const uint8_t* w, int k) { return sbyte_pairs(ld(w + 2 * kW + (k / 2) * kChunk), k % 2); }
 };
 
 /* Q8_0: d, then 8 chunks of signed codes (0..7 in order): as they are (kSignedDots), or + 128. */
@@ -162,6 +165,11 @@ struct Codes {
     if constexpr (Fmt::kFold == Fold::kSuper) return U::mpair(w, k);
     return zero_i();
   }
+  /* Q6_K's scales 2k and 2k + 1 as a 16-bit pair */
+  KV_INLINE I scpair(int k) const {
+    if constexpr (Fmt::kFold == Fold::kScale16) return U::scpair(w, k);
+    return zero_i();
+  }
 };
 
 /* ---- A K-quant panel's group unpacked once into memory for every tile of rows of a call that takes it (more rows
@@ -176,12 +184,14 @@ struct Unpacked {
   I scales[16];   // Q6_K's scale per 16 weights, sign-extended; Q4_K and Q5_K's 8 sub-block scales in the first 8
   I scales16[16]; // kScaledPairs: the same in both 16-bit halves of a lane (Q4_K and Q5_K: instead of scales)
   I mpairs[4];    // Q4_K and Q5_K: the minimums of sub-blocks 2k, 2k + 1 as 16-bit pairs
+  I scpairs[8];   // Q6_K with kOffsetPairs: its scales 2k, 2k + 1 as 16-bit pairs
   KV_INLINE I code(int i, int c) const { return codes[i][c]; }
   KV_INLINE F d(int i) const { return Fmt::kFold == Fold::kScaleMin ? D[i] : D[0]; }
   KV_INLINE F m(int i) const { return Fmt::kFold == Fold::kScaleMin ? Mn[i] : Mn[0]; }
   KV_INLINE I sc(int j) const { return scales[j]; }
   KV_INLINE I sc16(int j) const { return scales16[j]; }
   KV_INLINE I mpair(int k) const { return mpairs[k]; }
+  KV_INLINE I scpair(int k) const { return scpairs[k]; }
   KV_INLINE static int shift_of(int) { return 0; }
   /* From the group at w (8 blocks: K-quant groups are whole). */
   KV_INLINE void unpack(const uint8_t* w) {
@@ -195,6 +205,7 @@ struct Unpacked {
         scales[j] = U::sc(w, j);
         if constexpr (kScaledPairs) scales16[j] = U::sc16(w, j);
       }
+      if constexpr (kOffsetPairs) KV_UNROLL for (int k = 0; k < 8; ++k) scpairs[k] = U::scpair(w, k);
     } else {
       D[0] = U::d(w, 0);
       Mn[0] = U::m(w, 0);
@@ -220,8 +231,8 @@ constexpr int kBlocksAtOnce = [] {
 /* ---- Blocks i0..i0+B-1 of a group (global block b0 + i0 ...) for rows m..m+R-1 of P panels (src[p]: Codes or
  * Unpacked): their integer dots, then each block's float steps in block order (ukernel_gguf.h's order per output),
  * or for the K-quants their part of the super-block's integer sum isum (fold_super's); the activation values are
- * read once for all panels. Q6_K's offset is on the activation side: each half's dot starts from -32 qsum16
- * (xoff16), so it ends as sum (q - 32) x with no operation of its own. */
+ * read once for all panels. Q6_K's offset is on the activation side: with kOffsetPairs, fold_super takes it off
+ * the super-block's sum; else each half's dot starts from -32 qsum16 (xoff16), so it ends as sum (q - 32) x. */
 template <class Fmt, int R, int P, int B, class Src>
 KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0, int64_t m, F (*acc)[R],
                       I (*isum)[R]) {
@@ -247,7 +258,7 @@ KV_INLINE void blocks(const kv_ggml_args* a, const Src* src, int i0, int64_t b0,
         continue;
       }
       KV_UNROLL for (int b = 0; b < B; ++b) KV_UNROLL for (int r = 0; r < R; ++r) {
-        const I offset = b32(a->xoff16[2 * (at + b + r * a->ldb) + h]);
+        const I offset = kOffsetPairs ? zero_i() : b32(a->xoff16[2 * (at + b + r * a->ldb) + h]);
         KV_UNROLL for (int p = 0; p < P; ++p) dot[b][p][r] = offset;
       }
       dots<R, P, B, U::kMaxCode, U::kSigned>(src, i0, x, a->ldq, 4 * h, 4 * h + 4, dot);
@@ -338,6 +349,19 @@ KV_INLINE int panel_cols(const kv_ggml_args* a, int p) { return p == a->panels -
 template <class Fmt, int R, int P, class Src>
 KV_INLINE void fold_super(const kv_ggml_args* a, const Src* src, int64_t b0, int64_t m, I (*isum)[R], F (*acc)[R]) {
   if constexpr (Fmt::kFold == Fold::kScale16) {
+    if constexpr (kOffsetPairs) {
+      /* the offset's part, 32 sum_j sc_j qsum16_j (|sum_j| < 2^23, x 32 < 2^28: exact in int32), off the sum */
+      I sp[P][8];
+      KV_UNROLL for (int p = 0; p < P; ++p) KV_UNROLL for (int k = 0; k < 8; ++k) sp[p][k] = src[p].scpair(k);
+      KV_UNROLL for (int r = 0; r < R; ++r) {
+        const int16_t* sums = a->xsum16h + 2 * ((m + r) * a->ldb + b0);
+        KV_UNROLL for (int p = 0; p < P; ++p) {
+          I off = zero_i();
+          KV_UNROLL for (int k = 0; k < 8; ++k) off = madd16(off, sp[p][k], b32(kv_load_i32((const int8_t*)(sums + 2 * k))));
+          isum[p][r] = sub(isum[p][r], shift(off, 5));
+        }
+      }
+    }
     KV_UNROLL for (int r = 0; r < R; ++r) {
       const F xd = bset(a->xd[(m + r) * a->ldb + b0]);
       KV_UNROLL for (int p = 0; p < P; ++p) acc[p][r] = fma(src[p].d(0), mul(cvt(isum[p][r]), xd), acc[p][r]);
