@@ -58,7 +58,7 @@ class Args(ctypes.Structure):
                 ("xsum", ctypes.c_uint64), ("y", ctypes.c_uint64), ("ldq", ctypes.c_int64),
                 ("ldb", ctypes.c_int64), ("ldy", ctypes.c_int64), ("nb", ctypes.c_int32),
                 ("rows", ctypes.c_int32), ("cols", ctypes.c_int32), ("nr", ctypes.c_int32),
-                ("xoff16", ctypes.c_uint64), ("ldw", ctypes.c_int64), ("panels", ctypes.c_int32),
+                ("ldw", ctypes.c_int64), ("panels", ctypes.c_int32),
                 ("ahead", ctypes.c_int32), ("unpack", ctypes.c_int32), ("xsum16", ctypes.c_uint64),
                 ("xsum16h", ctypes.c_uint64)]
 

@@ -69,16 +69,16 @@ def magnitudes(raw: np.ndarray, kind: str) -> np.ndarray:
 def quantized_activations(M: int, K: int, rng: np.random.Generator, group: int = 32) -> dict[str, np.ndarray]:
     """Activations as the driver hands them to a micro-kernel: codes xq int8 [M, K] in -127..127, scales xd and
     xs = xd * qsum float32 [M, K/32] (``group`` 256: one scale per 256, repeated over its 8 blocks, as the K-quants
-    take them), qsum int32 [M, K/32] (and as int16, xsum16), -32 qsum per 16 codes [M, K/16] (Q6_K's offset on the
-    activation side, xoff16, for the AVX2 path) and qsum per 16 codes as int16 (xsum16h, for the AVX-512 path); row 0's
-    first block at -127 (the extreme dot with ``random_blocks``'s extreme unit)."""
+    take them), qsum int32 [M, K/32] (and as int16, xsum16), qsum per 16 codes as int16 [M, K/16] (xsum16h: Q6_K's
+    offset on the activation side); row 0's first block at -127 (the extreme dot with ``random_blocks``'s extreme
+    unit)."""
     nb = K // 32
     q = rng.integers(-127, 128, (M, K), dtype=np.int8)
     q[0, :32] = -127
     d = np.repeat(rng.uniform(0.0, 0.1, (M, K // group)).astype(np.float32), group // 32, axis=1)
     qsum = q.reshape(M, nb, 32).astype(np.int32).sum(-1, dtype=np.int32)
     qsum16 = q.reshape(M, 2 * nb, 16).astype(np.int32).sum(-1, dtype=np.int32)
-    return {"xq": q, "xd": d, "xs": d * qsum.astype(np.float32), "xsum": qsum, "xoff16": -32 * qsum16,
+    return {"xq": q, "xd": d, "xs": d * qsum.astype(np.float32), "xsum": qsum,
             "xsum16": qsum.astype(np.int16), "xsum16h": qsum16.astype(np.int16)}
 
 

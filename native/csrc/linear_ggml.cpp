@@ -113,23 +113,8 @@ GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, i
   return {packed, kind, N, K, nr, ukernel_for(kind), amx_for(kind)};
 }
 
-// Q6_K's offset on the activation side, -32 qsum per 16 activation codes [M, K / 16] (its scales cover 16
-// weights): where the micro-kernel's dots start, so they end as the sums of (q - 32) x. Reused across calls (per
-// thread).
-const int32_t* offsets16(const QuantizedX& qx, int64_t M, int64_t K) {
-  thread_local AlignedVector<int32_t> out;
-  out.resize(M * K / 16);
-  const int8_t* q = qx.q.data();
-  for (int64_t i = 0; i < M * K / 16; ++i) {
-    int32_t sum = 0;
-    for (int k = 0; k < 16; ++k) sum += q[16 * i + k];
-    out[i] = -32 * sum;
-  }
-  return out.data();
-}
-
 // Q6_K's code sums per 16 as int16 [M, K / 16] (|qsum16| <= 16 * 127), read in pairs against its scales' pairs
-// (vpdpwssd) by the AVX-512 tiles. Reused across calls (per thread).
+// (its offset on the activation side, ukernel_gguf.h). Reused across calls (per thread).
 const int16_t* sums16_per16(const QuantizedX& qx, int64_t M, int64_t K) {
   thread_local AlignedVector<int16_t> out;
   out.resize(M * K / 16);
@@ -198,10 +183,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const int64_t group = super ? 256 : 32;
   const QuantizedX& qx = M > kQuantizeRows ? quantize_rows(x, M, g.K, group, xs) : quantize_x(x, M, g.K, group);
   if (xs == nullptr) xs = group_shifts(qx, M, g.K, 32);  // groups of one block: xs = d_x * qsum
-  // Q6_K's offset: per 16 codes as int16 sums on the AVX-512 path (its tiles' kOffsetPairs), as -32 qsum else
-  const bool q6 = g.kind == gguf::kQ6_K, pairs = q6 && cpu::chosen() == cpu::Isa::kAvx512;
-  const int32_t* xoff16 = q6 && !pairs ? offsets16(qx, M, g.K) : nullptr;
-  const int16_t* xsum16h = pairs ? sums16_per16(qx, M, g.K) : nullptr;
+  const int16_t* xsum16h = g.kind == gguf::kQ6_K ? sums16_per16(qx, M, g.K) : nullptr;
   const int16_t* xsum16 = minimums ? sums16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
   const bool decode = M <= tile_rows();
@@ -233,7 +215,6 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
         a.xd = qx.d.data() + m * nb;
         a.xs = xs + m * nb;
         a.xsum = qx.qsum.data() + m * nb;
-        a.xoff16 = xoff16 == nullptr ? nullptr : xoff16 + 2 * m * nb;
         a.xsum16 = xsum16 == nullptr ? nullptr : xsum16 + m * nb;
         a.xsum16h = xsum16h == nullptr ? nullptr : xsum16h + 2 * m * nb;
         a.y = yp + m * g.N + p * g.nr;

@@ -42,7 +42,6 @@ typedef struct kv_ggml_args {
   int32_t rows;         /* any */
   int32_t cols;         /* 1..nr: the last panel's features stored (the others store nr) */
   int32_t nr;           /* panel width: KV_NR_AVX2 or KV_NR_AVX512 (the vector kernels assume their own) */
-  const int32_t* xoff16; /* -32 * qsum per 16 codes [rows][2 * ldb]: Q6_K's offset times the codes (read by Q6_K) */
   int64_t ldw;           /* bytes from one panel to the next */
   int32_t panels;        /* panels of the call, >= 1 */
   int32_t ahead;         /* AVX-512 K-quant tiles of one or two rows: bytes ahead of the group being read that each
@@ -51,8 +50,8 @@ typedef struct kv_ggml_args {
   int32_t unpack;        /* AVX-512, calls of more than KV_MR_AVX512 rows: 1 takes Q5_K's and Q6_K's groups unpacked
                           * once for every tile of rows (Q6_K's scales in float), 0 makes the codes per tile */
   const int16_t* xsum16; /* qsum [rows][ldb] as int16 (read by Q4_K and Q5_K: their minimums' sums, in pairs) */
-  const int16_t* xsum16h; /* qsum per 16 codes [rows][2 * ldb] as int16 (read by Q6_K on the AVX-512 path: its
-                           * offset's sums, in pairs; the AVX2 path reads xoff16) */
+  const int16_t* xsum16h; /* qsum per 16 codes [rows][2 * ldb] as int16 (read by Q6_K: its offset's sums, in
+                           * pairs) */
 } kv_ggml_args;
 
 /* IEEE half -> float, exactly, by bit manipulation (the scalar kernels' twin of vcvtph2ps, NaNs quieted as

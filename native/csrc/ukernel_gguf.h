@@ -31,9 +31,8 @@
  * ---- Activations (linear_ggml.cpp, act_quant.h): per row and block of 32 (llama.cpp's Q8_0 blocks), or for the
  *   K-quants per super-block of 256 (as llama.cpp's Q8_K: one scale per 256), int8 codes x = round(x / d_x) within
  *   +-127, d_x = max|x| / 127 (a super-block's d_x in each of its 8 blocks' xd); per block of 32 the codes' sum
- *   qsum (xsum; as int16 in xsum16, read by Q4_K and Q5_K), xs = d_x * (float)qsum, and for Q6_K (its offset on
- *   the activation side) -32 qsum per 16 codes (xoff16, the AVX2 path) or qsum per 16 codes as int16 (xsum16h, the
- *   AVX-512 path).
+ *   qsum (xsum; as int16 in xsum16, read by Q4_K and Q5_K), xs = d_x * (float)qsum, and qsum per 16 codes as
+ *   int16 (xsum16h, read by Q6_K: its offset on the activation side, -32 sum_j sc_j qsum16_j per super-block).
  *
  * ---- The arithmetic, the same bits on every path, tile position, number of rows and panels of a call, and
  *   batch: per output, acc = 0.0f, then per block b of 32 weights in K order, with exact integer dots of the codes
@@ -409,9 +408,12 @@ inline __attribute__((always_inline)) void dots(const Src* src, int i0, const in
  * so no int32 dot, vpmulld or sum of its own (as llama.cpp's AVX2 K-quant dots weight their pairs). Exact: a pair
  * sum times a scale is below 2^31, and so is the super-block's sum (ukernel_gguf.h). */
 constexpr bool kScaledPairs = true;
-/* Q6_K's offset in the scaled pairs, per half-block and row (xoff16) */
-constexpr bool kOffsetPairs = false;
-I sbyte_pairs(I v, int t);
+/* bytes 2t and 2t + 1 of each 32-bit lane, sign-extended into its low and high 16-bit halves */
+inline I sbyte_pairs(I v, int t) {
+  const int32_t b = (int32_t)(((uint32_t)(2 * t + 1) << 24) | 0x800000u | ((uint32_t)(2 * t) << 8) | 0x80u), n = 0x04000400;
+  return _mm256_srai_epi16(
+      _mm256_shuffle_epi8(v, _mm256_setr_epi32(b, b + n, b + 2 * n, b + 3 * n, b, b + n, b + 2 * n, b + 3 * n)), 8);
+}
 static_assert(!kHighInPlace, "scaled pairs take codes as they are (no dot shifted down)");
 template <int R, int P, int B, int MaxCode, bool Signed, class Src>
 inline __attribute__((always_inline)) void scaled_dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0,
@@ -483,12 +485,6 @@ I sbyte_pair_of(I v, int k);
 template <int R, int P, int B, int MaxCode, bool Signed, class Src>
 void scaled_dots(const Src* src, int i0, const int8_t* x, int64_t ldq, int c0, int c1, const I (*sc16)[P],
                  I (*out)[R]);
-/* Q6_K's offset as a sum per super-block and row (fold_super): its dots start from 0, and -32 sum_j sc_j qsum16_j
- * comes off the super-block's integer sum, from the scales' 16-bit pairs (sbyte_pairs) against the activations'
- * per-16 sums (xsum16h) by vpdpwssd, 8 a row, rather than each half-block's dot starting from its row's offset (a
- * broadcast and its address per half-block and row: measured on a Zen 5 EPYC, Q6_K's tiles of 512 rows 1.1-1.2x
- * faster without them) */
-constexpr bool kOffsetPairs = true;
 /* bytes 2t and 2t + 1 of each 32-bit lane, sign-extended into its low and high 16-bit halves: two int8 scales as
  * vpdpwssd's pair of multipliers */
 inline I sbyte_pairs(I v, int t) {

@@ -330,7 +330,6 @@ inline void amx_kernel(const kv_ggml_args* a) {
     rest.xs += tiled * a->ldb;
     rest.xsum += tiled * a->ldb;
     if (rest.xsum16 != nullptr) rest.xsum16 += tiled * a->ldb;
-    if (rest.xoff16 != nullptr) rest.xoff16 += 2 * tiled * a->ldb;
     if (rest.xsum16h != nullptr) rest.xsum16h += 2 * tiled * a->ldb;
     rest.y += tiled * a->ldy;
     kernel<Fmt>(&rest);
