@@ -2,7 +2,7 @@
 // time) and the driver around the micro-kernels of ukernel_gguf.h (formats, layouts and the exact arithmetic).
 //
 // The driver quantizes the activations once per call (act_quant.h's Q8 blocks of 32, for Q4_K and Q5_K one scale
-// per 256, plus xs = d_x * qsum per block, -32 qsum per 16 for Q6_K, and the sums as int16 for Q4_K and Q5_K; a
+// per 256, plus xs = d_x * qsum per block, the sums per 16 as int16 for Q6_K, and per block as int16 for Q4_K and Q5_K; a
 // prefill chunk's rows split over the threads) and threads over panels of output features (at::parallel_for: each
 // thread a run of consecutive panels). A decode batch (up to MR rows) is one micro-kernel call per thread, its
 // tiles covering several panels at once. More rows are blocked so that both operands stay in cache: chunks of

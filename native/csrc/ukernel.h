@@ -48,7 +48,7 @@ typedef struct kv_ggml_args {
                           * group prefetches towards L1 in each panel of the tile (within the call's panels), or 0:
                           * the hardware prefetchers alone */
   int32_t unpack;        /* AVX-512, calls of more than KV_MR_AVX512 rows: 1 takes Q5_K's and Q6_K's groups unpacked
-                          * once for every tile of rows (Q6_K's scales in float), 0 makes the codes per tile */
+                          * once for every tile of rows, 0 makes the codes per tile */
   const int16_t* xsum16; /* qsum [rows][ldb] as int16 (read by Q4_K and Q5_K: their minimums' sums, in pairs) */
   const int16_t* xsum16h; /* qsum per 16 codes [rows][2 * ldb] as int16 (read by Q6_K: its offset's sums, in
                            * pairs) */

@@ -42,7 +42,8 @@
  *   and per super-block of 256 (the K-quants) in integer: for Q4_K and Q5_K its 8 blocks' dots dot_j, 6-bit scales
  *   sc_j and minimums m_j, I = sum_j sc_j dot_j and Im = sum_j m_j qsum_j (|I| <= 63 * 31 * 127 * 256 < 2^31);
  *   for Q6_K its 16 int8 scales sc_j of 16 weights each, I = sum_j sc_j (dot_j - 32 qsum16_j), dot_j over those
- *   16 (|I| <= 128 * 32 * 127 * 256 < 2^31), then
+ *   16 (|I| <= 128 * 32 * 127 * 256 < 2^31; the vector paths form sum_j sc_j dot_j of the codes as stored, q up to
+ *   63, then take 32 sum_j sc_j qsum16_j off: |sum_j sc_j dot_j| <= 128 * 63 * 127 * 256 < 2^31 too), then
  *     super (Q4_K, Q5_K): acc = fmaf(d, (float)I * d_x, acc); acc = fmaf(-dmin, (float)Im * d_x, acc)
  *     scale16 (Q6_K):     acc = fmaf(d, (float)I * d_x, acc)
  *   (one or two float steps a super-block rather than one or two a block: what lets AMX tiles sum a super-block's

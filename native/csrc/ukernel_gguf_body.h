@@ -202,8 +202,8 @@ struct Unpacked {
     if constexpr (Fmt::kFold == Fold::kScale16) {
       D[0] = U::d(w, 0);
       KV_UNROLL for (int j = 0; j < 16; ++j) {
-        scales[j] = U::sc(w, j);
-        if constexpr (kScaledPairs) scales16[j] = U::sc16(w, j);
+        if constexpr (kScaledPairs) scales16[j] = U::sc16(w, j);  // their only form the scaled pairs read
+        else scales[j] = U::sc(w, j);
       }
       KV_UNROLL for (int k = 0; k < 8; ++k) scpairs[k] = U::scpair(w, k);
     } else {
