@@ -26,7 +26,9 @@ def _halves(kind: str) -> list[int]:
 def random_blocks(kind: str, N: int, K: int, rng: np.random.Generator, extreme: bool = True) -> np.ndarray:
     """``ggml_leaves.random_units``: random bytes with float16 fields of either sign in [2^-10, 2^-5). ``extreme``:
     feature 0's first unit at the codes' extreme, the largest integer dot (all code bits set; Q8_0 codes -128;
-    Q6_K codes 0 with scales -128, i.e. (q - 32) sc = 32 * 128)."""
+    Q6_K codes 0 with scales -128, i.e. (q - 32) sc = 32 * 128), and for Q6_K feature 1's at the other end, codes
+    63 with scales -128: the vector paths' sum of the codes as stored, before the offset comes off, at its largest
+    (63 * 128 per weight)."""
     raw = random_units(kind, N, K, rng)
     if extreme:
         halves = {b for offset in _halves(kind) for b in (offset, offset + 1)}
@@ -35,6 +37,9 @@ def random_blocks(kind: str, N: int, K: int, rng: np.random.Generator, extreme: 
         if kind == "q6_k":
             raw[0, :192] = 0
             raw[0, 192:208] = 0x80
+            if N > 1:
+                raw[1, :192] = 0xFF
+                raw[1, 192:208] = 0x80
     return raw
 
 
@@ -70,11 +75,11 @@ def quantized_activations(M: int, K: int, rng: np.random.Generator, group: int =
     """Activations as the driver hands them to a micro-kernel: codes xq int8 [M, K] in -127..127, scales xd and
     xs = xd * qsum float32 [M, K/32] (``group`` 256: one scale per 256, repeated over its 8 blocks, as the K-quants
     take them), qsum int32 [M, K/32] (and as int16, xsum16), qsum per 16 codes as int16 [M, K/16] (xsum16h: Q6_K's
-    offset on the activation side); row 0's first block at -127 (the extreme dot with ``random_blocks``'s extreme
-    unit)."""
+    offset on the activation side); row 0's first block (with ``group`` 256 its first super-block) at -127 (the
+    extreme dots with ``random_blocks``'s extreme units)."""
     nb = K // 32
     q = rng.integers(-127, 128, (M, K), dtype=np.int8)
-    q[0, :32] = -127
+    q[0, :min(group, K)] = -127
     d = np.repeat(rng.uniform(0.0, 0.1, (M, K // group)).astype(np.float32), group // 32, axis=1)
     qsum = q.reshape(M, nb, 32).astype(np.int32).sum(-1, dtype=np.int32)
     qsum16 = q.reshape(M, 2 * nb, 16).astype(np.int32).sum(-1, dtype=np.int32)
