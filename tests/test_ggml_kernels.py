@@ -178,7 +178,8 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
     unchanged; the K-quants' tiles sum a super-block, Q6_K's codes times their scales in a signed high piece): 16
     and 24 rows (Q6_K: one tile, and the AVX-512 kernel for the rest), 32 rows (a decode batch: 2 tiles of 16), 40
     (tiles and the AVX-512 kernel for the rest), 64 (4 tiles), 100 and 150 (150 in the driver's slices of 64), 512;
-    K of one block group, 18 blocks (SmolLM2's 576, a short last group), 2048 and (Q6_K) 4096."""
+    K of one block group, 18 blocks (SmolLM2's 576, a short last group), 2048 and (Q6_K) 4096; and the K-quants
+    at 300 features (19 panels: past the tiles' group of panels on each thread, a short last group and panel)."""
     module = native.load()
     before = module.set_gguf_amx(False)
     try:
@@ -199,6 +200,15 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
                     vector = module.ggml_linear(x, packed, kind, N, K)
                     assert module.set_gguf_amx(True) is False and module.gguf_amx() is True
                     assert torch.equal(module.ggml_linear(x, packed, kind, N, K), vector), (kind, K, rows)
+            if kind.endswith("_k"):
+                N, K = 300, 512
+                packed = module.ggml_pack(blocks(kind, N, K), kind)
+                for rows in (amx_rows, 100, 512):
+                    x = activations(rows, K)
+                    module.set_gguf_amx(False)
+                    vector = module.ggml_linear(x, packed, kind, N, K)
+                    module.set_gguf_amx(True)
+                    assert torch.equal(module.ggml_linear(x, packed, kind, N, K), vector), (kind, N, K, rows)
     finally:
         module.set_gguf_amx(before)
 

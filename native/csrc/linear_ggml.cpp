@@ -7,7 +7,8 @@
 // thread a run of consecutive panels). A decode batch (up to MR rows) is one micro-kernel call per thread, its
 // tiles covering several panels at once. More rows are blocked so that both operands stay in cache: chunks of
 // panels (kPanelChunkBytes of weights) x slices of kRowSlice rows, each call reusing its panels for every tile of
-// rows and its rows for every panel (Q4_K and Q5_K's calls on AMX tiles take all the rows). Every output is
+// rows and its rows for every panel (the K-quants' calls on AMX tiles take all the rows and all of a thread's
+// panels, blocking them themselves: ukernel_gguf_amx.h). Every output is
 // computed in ukernel_gguf.h's fixed order, so a row's bits depend neither on the batch, nor on the tile, slice or
 // chunk it falls in, nor on the threads.
 #include "act_quant.h"
@@ -190,11 +191,13 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const bool tiles = M >= (g.kind == gguf::kQ6_K ? kQ6kAmxRows : kAmxRows) && g.amx != nullptr &&
                      amx_tiles.load(std::memory_order_relaxed);
   const Ukernel ukernel = tiles ? g.amx : g.ukernel;
-  // The K-quants' AMX calls take all the rows: a panel made ready for the tiles once serves them all (its pieces
-  // cost about two tiles' work per super-block to make, Q6_K's more)
-  const int64_t rows_per_call = decode || (super && ukernel == g.amx) ? M : kRowSlice;
+  // The K-quants' AMX calls take all the rows and all of the thread's panels: a panel's super-block made ready for
+  // the tiles once serves all the rows (its pieces cost about two tiles' work per super-block to make, Q6_K's
+  // more), and the kernel takes the panels in groups that share each super-block's activations in L2
+  const bool all_rows = decode || (super && ukernel == g.amx);
+  const int64_t rows_per_call = all_rows ? M : kRowSlice;
   at::parallel_for(0, panels, 1, [&](int64_t p0, int64_t p1) {
-    const int64_t chunk = decode ? p1 - p0 : std::max<int64_t>(1, kPanelChunkBytes / panel_bytes);
+    const int64_t chunk = all_rows ? p1 - p0 : std::max<int64_t>(1, kPanelChunkBytes / panel_bytes);
     kv_ggml_args a;
     a.ldq = g.K;
     a.ldb = nb;

@@ -27,6 +27,7 @@
 #include "ukernel_gguf.h"
 
 #ifdef KV_UK_X86
+#include <algorithm>
 #include <vector>
 
 #include "aligned_vector.h"
@@ -141,9 +142,11 @@ inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m)
  * C a tile summed over the super-block's 256 codes (4 multiplies of 64). Then per super-block and row one store
  * of the dots and ukernel_gguf.h's two float steps (its minimums' integer sum from 16-bit pairs, as the AVX-512
  * kernel forms it), not two per block: the same bits as the AVX-512 kernel. Rows two tiles of 16 at a time (C:
- * 4 tiles, A: 2, B: the two pieces), so each piece's tile serves 32 rows; per panel, a super-block at a time for
- * all the call's rows (its 8 KB of pieces stay in L1; the accumulators wait in memory), the call taking all the
- * rows (linear_ggml.cpp), so the pieces are made once (docs/kernels.md has the measurements).
+ * 4 tiles, A: 2, B: the two pieces), so each piece's tile serves 32 rows; a group of panels a super-block at a
+ * time, each panel's super-block made ready for all the call's rows (its 8 KB of pieces stay in L1; the
+ * accumulators wait in memory) while the super-block's activations stay in L2 for the group, the call taking all
+ * the rows and all a thread's panels (linear_ggml.cpp), so the pieces are made once (docs/kernels.md has the
+ * measurements).
  *   Q6_K (Fold::kScale16) likewise, its integer part I = sum_j sc_j (dot_j - 32 qsum16_j) being a dot of the
  * activations with sc (q - 32) (int8 scales of 16 weights: |sc (q - 32)| <= 128 * 32, 14 bits), held as its low
  * byte, unsigned (TDPBSUD), and its high byte, signed (TDPBSSD), 2^8 apart; one float step per super-block. */
@@ -159,8 +162,8 @@ inline void amx_configure_super() {
   _tile_loadconfig(&c);
 }
 
-/* A panel's super-blocks made ready: per super-block, the two pieces' 4 B tiles each (tile t: blocks 2t, 2t + 1,
- * 8 chunks of 64 bytes each) and d, -dmin and the minimums' pairs as vectors (Q6_K: d). A thread's, reused across calls. */
+/* Super-blocks made ready: per super-block, the two pieces' 4 B tiles each (tile t: blocks 2t, 2t + 1, 8 chunks
+ * of 64 bytes each) and d, -dmin and the minimums' pairs as vectors (Q6_K: d). A thread's, reused across calls. */
 struct AmxSuperPanel {
   AlignedVector<uint8_t> bytes;
   int cap = 0;
@@ -187,42 +190,40 @@ inline __attribute__((always_inline)) void q6k_pieces(const uint8_t* w, int i, i
   st(hi, or_(_mm512_srli_epi16(even, 8), and_(odd, _mm512_set1_epi16((short)0xFF00))));
 }
 
+/* Super-block u of panel p made ready for the tiles into o (AmxSuperPanel::kBytes). */
 template <class Fmt>
-inline void amx_unpack_super(const kv_ggml_args* a, int p, AmxSuperPanel& out) {
+inline void amx_unpack_super(const kv_ggml_args* a, int p, int u, uint8_t* o) {
   using U = typename UnitOf<Fmt>::T;
-  for (int u = 0; u < a->nb / 8; ++u) {
-    const uint8_t* w = group_at(a, Fmt::kKind, p, 8 * u);
-    uint8_t* o = out.at(u);
-    if constexpr (Fmt::kFold == Fold::kScale16) {
-      KV_UNROLL for (int i = 0; i < 8; ++i) KV_UNROLL for (int c = 0; c < 8; ++c) {
-        uint8_t* row = o + 1024 * (i / 2) + 64 * (8 * (i & 1) + c);
-        q6k_pieces(w, i, c, row, row + 4096);
-      }
-    } else {
-      constexpr int s = Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
-      KV_UNROLL for (int i = 0; i < 8; ++i) {
-        const I sc = U::sc(w, i);
-        const I lo = and_(sc, b32((1 << s) - 1)), hi = srl(sc, s);
-        const I lo16 = or_(lo, shift(lo, 16)), hi16 = or_(hi, shift(hi, 16));  // the scale in both 16-bit halves
-        /* one 16-bit multiply makes both bytes' products: the low byte's (at most 255) cannot carry into the high
-         * one's, and the high one's (at most 255, times 256) stays within 16 bits */
-        KV_UNROLL for (int c = 0; c < 8; ++c) {
-          const I q = U::template code<false>(w, i, c);
-          uint8_t* row = o + 1024 * (i / 2) + 64 * (8 * (i & 1) + c);
-          st(row, _mm512_mullo_epi16(q, lo16));
-          st(row + 4096, _mm512_mullo_epi16(q, hi16));
-        }
-      }
-      KV_UNROLL for (int k = 0; k < 4; ++k) st(o + 8192 + 64 * k, U::mpair(w, k));
-      stf((float*)(o + 8192 + 320), U::m(w, 0));
+  const uint8_t* w = group_at(a, Fmt::kKind, p, 8 * u);
+  if constexpr (Fmt::kFold == Fold::kScale16) {
+    KV_UNROLL for (int i = 0; i < 8; ++i) KV_UNROLL for (int c = 0; c < 8; ++c) {
+      uint8_t* row = o + 1024 * (i / 2) + 64 * (8 * (i & 1) + c);
+      q6k_pieces(w, i, c, row, row + 4096);
     }
-    stf((float*)(o + 8192 + 256), U::d(w, 0));
+  } else {
+    constexpr int s = Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
+    KV_UNROLL for (int i = 0; i < 8; ++i) {
+      const I sc = U::sc(w, i);
+      const I lo = and_(sc, b32((1 << s) - 1)), hi = srl(sc, s);
+      const I lo16 = or_(lo, shift(lo, 16)), hi16 = or_(hi, shift(hi, 16));  // the scale in both 16-bit halves
+      /* one 16-bit multiply makes both bytes' products: the low byte's (at most 255) cannot carry into the high
+       * one's, and the high one's (at most 255, times 256) stays within 16 bits */
+      KV_UNROLL for (int c = 0; c < 8; ++c) {
+        const I q = U::template code<false>(w, i, c);
+        uint8_t* row = o + 1024 * (i / 2) + 64 * (8 * (i & 1) + c);
+        st(row, _mm512_mullo_epi16(q, lo16));
+        st(row + 4096, _mm512_mullo_epi16(q, hi16));
+      }
+    }
+    KV_UNROLL for (int k = 0; k < 4; ++k) st(o + 8192 + 64 * k, U::mpair(w, k));
+    stf((float*)(o + 8192 + 320), U::m(w, 0));
   }
+  stf((float*)(o + 8192 + 256), U::d(w, 0));
 }
 
 /* Super-block v of a panel (its pieces at `panel`) for rows m..m+16 T - 1 (T = 1 or 2 tiles of 16): the tiles'
- * dots, stored, then each row's float steps into its accumulator acc[r] (memory: every row's of the call, since a
- * panel's super-block is taken for all of them before the next, its B tiles staying in L1). */
+ * dots, stored, then each row's float steps into its accumulator acc[r] (memory: every row's of the call and
+ * panel, since a panel's super-block is taken for all of them before the next, its B tiles staying in L1). */
 template <class Fmt, int T>
 inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, int64_t m, float (*acc)[16]) {
   constexpr bool q6k = Fmt::kFold == Fold::kScale16;  // its high piece signed, 2^8 apart; no minimums
@@ -288,6 +289,11 @@ inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, 
   }
 }
 
+/* The K-quants' tiles take up to kAmxGroupPanels panels a super-block at a time, fewer where their accumulators
+ * would pass kAmxAccBytes. */
+constexpr int64_t kAmxGroupPanels = 8;
+constexpr int64_t kAmxAccBytes = 256 << 10;
+
 /* a->panels panels x a->rows rows: every 16 rows through the tiles, the rest (and calls of fewer than 16 rows)
  * through the AVX-512 kernel. */
 template <class Fmt>
@@ -295,21 +301,31 @@ inline void amx_kernel(const kv_ggml_args* a) {
   const int64_t tiled = a->rows / 16 * 16;
   if (tiled > 0) {
     if constexpr (Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16) {
+      /* G panels at a time, super-block by super-block: a super-block's activations for all the rows (tiled x
+       * 256 bytes) stay in L2 while the G panels take them, and each panel's super-block is made ready once, for
+       * all the rows (its 8 KB of pieces in L1); the accumulators (G x tiled x 64 bytes) wait in memory */
+      const int G = (int)std::max<int64_t>(1, std::min<int64_t>(kAmxGroupPanels, (kAmxAccBytes / 64) / tiled));
       thread_local AmxSuperPanel panel;
       thread_local AlignedVector<float> accs;
-      panel.resize(a->nb / 8);
-      accs.resize(tiled * 16);
-      float (*acc)[16] = (float (*)[16])accs.data();
+      panel.resize(1);
+      accs.resize((size_t)G * tiled * 16);
       amx_configure_super();
-      for (int p = 0; p < a->panels; ++p) {
-        amx_unpack_super<Fmt>(a, p, panel);
+      for (int p0 = 0; p0 < a->panels; p0 += G) {
+        const int g = a->panels - p0 < G ? a->panels - p0 : G;
         for (int v = 0; v < a->nb / 8; ++v) {
-          int64_t m = 0;
-          for (; m + 32 <= tiled; m += 32) amx_super_block<Fmt, 2>(a, panel.at(v), v, m, acc + m);
-          if (m < tiled) amx_super_block<Fmt, 1>(a, panel.at(v), v, m, acc + m);
+          for (int j = 0; j < g; ++j) {
+            float (*acc)[16] = (float (*)[16])accs.data() + j * tiled;
+            amx_unpack_super<Fmt>(a, p0 + j, v, panel.at(0));
+            int64_t m = 0;
+            for (; m + 32 <= tiled; m += 32) amx_super_block<Fmt, 2>(a, panel.at(0), v, m, acc + m);
+            if (m < tiled) amx_super_block<Fmt, 1>(a, panel.at(0), v, m, acc + m);
+          }
         }
-        const int cols = panel_cols(a, p);
-        for (int64_t r = 0; r < tiled; ++r) store_y(panel_y(a, p, r), ldf(acc[r]), cols);
+        for (int j = 0; j < g; ++j) {
+          const float (*acc)[16] = (const float (*)[16])accs.data() + j * tiled;
+          const int cols = panel_cols(a, p0 + j);
+          for (int64_t r = 0; r < tiled; ++r) store_y(panel_y(a, p0 + j, r), ldf(acc[r]), cols);
+        }
       }
     } else {
       thread_local AmxPanel panel;
