@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0  # the install must not fail over an optional speed-up
     print(f"linear kernels: built, {isa()}; bfloat16-weight kernel (AVX512-BF16): "
           + ("runs" if module.bf16_native() else "off (needs AVX512-BF16 on the avx512 path)")
-          + f"; GGUF calls of {module.gguf_amx_rows()} rows or more (Q6_K: 16) on AMX-INT8 tiles: "
+          + f"; GGUF calls of {module.gguf_amx_rows()} rows or more (Q6_K: 16, the 32-weight formats: 32) on AMX-INT8 tiles: "
           + ("yes" if module.gguf_amx() else "no (needs AMX on the avx512 path; KVSERVE_AMX=0 refuses it)"))
     ops = load_ops(build=True)
     print("engine decode ops: " + ("built" if ops is not None else "not built (torch ops will be used)"))

@@ -172,12 +172,13 @@ def test_unpacked_groups_change_no_bits_and_the_setting_round_trips():
 
 
 def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
-    """set_gguf_amx (whether calls of 32 rows or more, Q6_K's of 16 or more, take AMX-INT8 tiles where the CPU runs
-    them; the emulator runs no AMX, so the tiles are tested on a CPU that has them, skipped elsewhere) returns
-    whether they did, and every kind's rows have the AVX-512 kernel's bits either way (Q4_1 has no tiles:
-    unchanged; the K-quants' tiles sum a super-block, Q6_K's codes times their scales in a signed high piece): 16
-    and 24 rows (Q6_K: one tile, and the AVX-512 kernel for the rest), 32 rows (a decode batch: 2 tiles of 16), 40
-    (tiles and the AVX-512 kernel for the rest), 64 (4 tiles), 100 and 150 (150 in the driver's slices of 64), 512;
+    """set_gguf_amx (whether calls of 32 rows or more, Q6_K's of 16 or more, Q4_K's and Q5_K's of 8 or more, take
+    AMX-INT8 tiles where the CPU runs them; the emulator runs no AMX, so the tiles are tested on a CPU that has
+    them, skipped elsewhere) returns whether they did, and every kind's rows have the AVX-512 kernel's bits either
+    way (Q4_1 has no tiles: unchanged; the K-quants' tiles sum a super-block, Q6_K's codes times their scales in a
+    signed high piece): the K-quants at 8, 12, 16, 17, 24 and 31 rows (a call of fewer than 32 rows: one unit of
+    tiles of its rows), 32 rows (a decode batch: 2 tiles of 16), 40 (tiles and the AVX-512 kernel for the rest), 64
+    (4 tiles), 100 and 150 (150 in the driver's slices of 64), 512;
     K of one block group, 18 blocks (SmolLM2's 576, a short last group), 2048 and (Q6_K) 4096; and the K-quants
     at 300 features (19 panels: past the tiles' group of panels on each thread, a short last group and panel)."""
     module = native.load()
@@ -188,13 +189,13 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
         if not module.gguf_amx():
             pytest.skip("this CPU (or its virtual machine, or Linux) runs no AMX tiles")
         amx_rows = module.gguf_amx_rows()
-        assert amx_rows == 32
+        assert amx_rows == 8
         for kind in ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q4_k", "q5_k", "q6_k"):
             widths = (256, 2048, 4096) if kind == "q6_k" else (256, 2048) if kind.endswith("_k") else (256, 576, 2048)
             for K in widths:
                 N = 40
                 packed = module.ggml_pack(blocks(kind, N, K), kind)
-                for rows in ((16, 24) if kind == "q6_k" else ()) + (amx_rows, amx_rows + 8, 64, 100, 150, 512):
+                for rows in ((8, 12, 16, 17, 24, 31) if kind.endswith("_k") else ()) + (32, 40, 64, 100, 150, 512):
                     x = activations(rows, K)
                     module.set_gguf_amx(False)
                     vector = module.ggml_linear(x, packed, kind, N, K)
@@ -203,7 +204,7 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
             if kind.endswith("_k"):
                 N, K = 300, 512
                 packed = module.ggml_pack(blocks(kind, N, K), kind)
-                for rows in (amx_rows, 100, 512):
+                for rows in (amx_rows, 20, 32, 100, 512):
                     x = activations(rows, K)
                     module.set_gguf_amx(False)
                     vector = module.ggml_linear(x, packed, kind, N, K)

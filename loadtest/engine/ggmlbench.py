@@ -316,7 +316,7 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 2, 8, 32, 512), write: bool = Tr
                   "every tile of rows (this CPU's default, native/csrc/cpu.h); \"codes per tile\" is the same step "
                   f"with each tile making its codes from the panel, the two timed in {ROUNDS} alternating rounds."]
     if amx:
-        lines += ["", f"From {module.gguf_amx_rows()} rows (a decode batch of 32, a prefill chunk) the Q4_K and Q5_K "
+        lines += ["", f"From {module.gguf_amx_rows()} rows (decode batches, prefill chunks) the Q4_K and Q5_K "
                   "projections, and from 16 the Q6_K ones (here the LM head, some attn_v and ffn_down), run on "
                   "AMX-INT8 tiles, this CPU having them (native/csrc/ukernel_gguf_amx.h); \"no AMX\" is the same "
                   f"step on the AVX-512 kernel alone, the two timed in {ROUNDS} alternating rounds."]

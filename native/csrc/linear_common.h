@@ -122,13 +122,13 @@ int64_t gguf_prefetch();
 bool set_gguf_unpack(bool unpack);
 // Whether they do now.
 bool gguf_unpack();
-// Sets whether the GGUF calls of gguf_amx_rows() rows or more (decode batches of 32, prefill chunks) take AMX-INT8
-// tiles where the CPU runs them (cpu.h's amx(); the kinds linear_ggml.cpp's table names) from now on, and returns
+// Sets whether the GGUF calls of many rows (Q4_K and Q5_K from 8, Q6_K from 16, the others from 32: decode batches,
+// prefill chunks) take AMX-INT8 tiles where the CPU runs them (cpu.h's amx(); the kinds linear_ggml.cpp's table names) from now on, and returns
 // whether they did. The bits are the same either way.
 bool set_gguf_amx(bool on);
 // Whether they do now: the CPU runs AMX tiles (cpu::amx()) and set_gguf_amx has not turned them off.
 bool gguf_amx();
-// The fewest rows of a GGUF call that takes the AMX tiles (linear_ggml.cpp's kAmxRows).
+// The fewest rows of a GGUF call that takes the AMX tiles: Q4_K's and Q5_K's (linear_ggml.cpp's kKquantAmxRows).
 int64_t gguf_amx_rows();
 // bfloat16 weights (linear_bf16.cpp): w [N, K] <-> packed panels of 32 features.
 torch::Tensor bf16_pack(const torch::Tensor& w);

@@ -32,19 +32,25 @@ using Ukernel = void (*)(const kv_ggml_args*);
 constexpr int64_t kRowSlice = 64;
 constexpr int64_t kPanelChunkBytes = 256 << 10;
 
-// Calls of at least this many rows (decode batches of 32, prefill chunks) may take AMX tiles (cpu::amx()): a panel's
-// codes made ready for the tiles serve every tile of 16 rows, two at 32 rows (the tiles won there once the panel
-// sat on cache lines, aligned_vector.h); at 16 or 24 rows they were no faster than the AVX-512 kernel.
+// Calls of at least this many rows (decode batches of 32, prefill chunks) of the 32-weight formats may take AMX
+// tiles (cpu::amx()): a panel's codes made ready for the tiles serve every tile of 16 rows, two at 32 rows (the
+// tiles won there once the panel sat on cache lines, aligned_vector.h); at 16 or 24 rows they were no faster than
+// the AVX-512 kernel.
 constexpr int64_t kAmxRows = 32;
-// Q6_K's from 16: its AVX-512 kernel spends more operations per code than the others' (measured on a Sapphire
-// Rapids VM, one thread, its tiles against that kernel alternating in one process: 1.4-1.55x at 16 rows, 1.0-1.2x at
-// 24, 1.9-2.1x at 32).
+// Q4_K's and Q5_K's from 8 rows: their tiles take a call of fewer than 32 rows as one unit of tiles of as many
+// rows (ukernel_gguf_amx.h), whose super-blocks' pieces cost less than the AVX-512 kernel's vpdpbusd from 8 rows
+// on a Sapphire Rapids VM (2 threads, one Llama-3.2-1B projection, tiles against that kernel in 3 alternating
+// rounds: Q4_K 0.96-0.98x at 6 rows, 1.10x at 8, 1.4x at 12, 1.5-1.7x at 20-28; Q5_K 1.04x at 6, 1.09x at 8,
+// 1.3-1.5x at 12-28).
+constexpr int64_t kKquantAmxRows = 8;
+// Q6_K's from 16: its pieces cost more to make (0.66-0.71x at 6 and 8 rows, 0.95x at 12, 1.04x at 16, 1.1-1.3x at
+// 20-28, 1.9-2.1x at 32).
 constexpr int64_t kQ6kAmxRows = 16;
 
 struct KindInfo {
   const char* name;
   Ukernel scalar, avx2, avx512;
-  Ukernel amx;  // calls of kAmxRows or more on a CPU with AMX; nullptr: none (the AVX-512 kernel was as fast)
+  Ukernel amx;  // calls of amx_min_rows(kind) or more on a CPU with AMX; nullptr: none (the AVX-512 kernel was as fast)
 };
 
 #ifdef KV_UK_X86
@@ -87,7 +93,12 @@ Ukernel ukernel_for(Kind kind) {
   return kKinds[kind].scalar;
 }
 
-// The micro-kernel of the calls of kAmxRows rows or more (Q6_K: kQ6kAmxRows): AMX tiles where cpu::amx() says they run and the kind has
+// The rows from which a call of `kind` takes AMX tiles where it has them.
+int64_t amx_min_rows(Kind kind) {
+  return kind == gguf::kQ6_K ? kQ6kAmxRows : kind == gguf::kQ4_K || kind == gguf::kQ5_K ? kKquantAmxRows : kAmxRows;
+}
+
+// The micro-kernel of the calls of amx_min_rows(kind) rows or more: AMX tiles where cpu::amx() says they run and the kind has
 // them, else nullptr (ukernel_for's).
 Ukernel amx_for(Kind kind) { return cpu::amx() ? kKinds[kind].amx : nullptr; }
 
@@ -97,7 +108,7 @@ struct GgmlWeights {
   Kind kind;
   int64_t N, K, nr;
   Ukernel ukernel;
-  Ukernel amx;  // calls of kAmxRows or more (nullptr: ukernel)
+  Ukernel amx;  // calls of amx_min_rows(kind) or more (nullptr: ukernel)
 };
 
 GgmlWeights checked(const torch::Tensor& packed, const std::string& kind_name, int64_t N, int64_t K) {
@@ -170,7 +181,7 @@ const QuantizedX& quantize_rows(const float* x, int64_t M, int64_t K, int64_t gr
 std::atomic<int> prefetch_bytes{cpu::gguf_prefetch_default()};
 // kv_ggml_args.unpack of a call of many rows (cpu.h's gguf_unpack_default until set_gguf_unpack changes it).
 std::atomic<bool> unpack_groups{cpu::gguf_unpack_default()};
-// Whether calls of kAmxRows or more take AMX tiles where they run (set_gguf_amx; on from the start).
+// Whether calls of amx_min_rows(kind) or more take AMX tiles where they run (set_gguf_amx; on from the start).
 std::atomic<bool> amx_tiles{true};
 
 // y [M, N] <- x [M, K] @ W^T (x and y contiguous float32, checked by the caller).
@@ -188,7 +199,7 @@ void run_into(const GgmlWeights& g, const float* x, int64_t M, float* yp) {
   const int16_t* xsum16 = minimums ? sums16(qx, M, g.K) : nullptr;
   const uint8_t* wp = g.packed.data_ptr<uint8_t>();
   const bool decode = M <= tile_rows();
-  const bool tiles = M >= (g.kind == gguf::kQ6_K ? kQ6kAmxRows : kAmxRows) && g.amx != nullptr &&
+  const bool tiles = M >= amx_min_rows(g.kind) && g.amx != nullptr &&
                      amx_tiles.load(std::memory_order_relaxed);
   const Ukernel ukernel = tiles ? g.amx : g.ukernel;
   // The K-quants' AMX calls take all the rows and all of the thread's panels: a panel's super-block made ready for
@@ -258,7 +269,7 @@ bool set_gguf_unpack(bool unpack) { return unpack_groups.exchange(unpack); }
 
 bool gguf_amx() { return cpu::amx() && amx_tiles.load(); }
 
-int64_t gguf_amx_rows() { return kAmxRows; }
+int64_t gguf_amx_rows() { return kKquantAmxRows; }
 
 bool set_gguf_amx(bool on) {
   const bool before = gguf_amx();

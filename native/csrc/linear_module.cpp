@@ -75,10 +75,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_gguf_prefetch", &set_gguf_prefetch,
         "bytes -> the previous value: how far ahead a GGUF K-quant call of one or two rows prefetches (AVX-512; 0: none)");
   m.def("gguf_amx", &gguf_amx,
-        "whether GGUF calls of gguf_amx_rows() rows or more take AMX-INT8 tiles (where the CPU runs them)");
+        "whether GGUF calls of many rows (from gguf_amx_rows()) take AMX-INT8 tiles (where the CPU runs them)");
   m.def("set_gguf_amx", &set_gguf_amx,
-        "on -> whether they did: GGUF calls of gguf_amx_rows() rows or more take AMX-INT8 tiles where the CPU runs them");
-  m.def("gguf_amx_rows", &gguf_amx_rows, "the fewest rows of a GGUF call that takes the AMX-INT8 tiles");
+        "on -> whether they did: GGUF calls of many rows (from gguf_amx_rows()) take AMX-INT8 tiles where the CPU runs them");
+  m.def("gguf_amx_rows", &gguf_amx_rows, "the fewest rows of a GGUF call that takes the AMX-INT8 tiles (Q4_K, Q5_K; Q6_K from 16, the others from 32)");
   m.def("gguf_unpack", &gguf_unpack, "whether GGUF Q5_K / Q6_K calls of many rows unpack each group once (AVX-512)");
   m.def("set_gguf_unpack", &set_gguf_unpack,
         "unpack -> the previous value: whether GGUF Q5_K / Q6_K calls of many rows unpack each group once (AVX-512)");

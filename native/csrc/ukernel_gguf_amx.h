@@ -154,10 +154,13 @@ constexpr int kSuperShift4 = 4, kSuperShift5 = 3;
 
 /* Tiles: C lo and hi for rows 0-15 (0, 1) and 16-31 (2, 3), A rows 0-15 and 16-31 (4, 5), B lo and hi (6, 7);
  * every one 16 rows x 64 bytes. */
-inline void amx_configure_super() {
+inline void amx_configure_super(int rows0 = 16, int rows1 = 16) {
   AmxConfig c = {};
   c.palette = 1;
   for (int t = 0; t < 8; ++t) c.colsb[t] = 64, c.rows[t] = 16;
+  /* a call of fewer than 32 rows: rows0 in the first C and A tiles, rows1 in the second */
+  c.rows[0] = c.rows[1] = c.rows[4] = (uint8_t)rows0;
+  c.rows[2] = c.rows[3] = c.rows[5] = (uint8_t)rows1;
   __asm__ volatile("" : : "m"(c) : "memory");
   _tile_loadconfig(&c);
 }
@@ -225,7 +228,8 @@ inline void amx_unpack_super(const kv_ggml_args* a, int p, int u, uint8_t* o) {
  * dots, stored, then each row's float steps into its accumulator acc[r] (memory: every row's of the call and
  * panel, since a panel's super-block is taken for all of them before the next, its B tiles staying in L1). */
 template <class Fmt, int T>
-inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, int64_t m, float (*acc)[16]) {
+inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, int64_t m, float (*acc)[16],
+                            int rows = 16 * T) {
   constexpr bool q6k = Fmt::kFold == Fold::kScale16;  // its high piece signed, 2^8 apart; no minimums
   constexpr int s = q6k ? 8 : Fmt::kKind == kQ4_K ? kSuperShift4 : kSuperShift5;
   alignas(64) int32_t c[4][256];  // C lo, hi of rows 0-15, lo, hi of rows 16-31
@@ -265,7 +269,7 @@ inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, 
   const int16_t* pairs = a->xsum16 + m * ldb + 8 * v;
   const bool first = v == 0;
   if constexpr (q6k) {
-    for (int r = 0; r < 16 * T; ++r, xd += ldb) {
+    for (int r = 0; r < rows; ++r, xd += ldb) {
       const int32_t* lo = c[2 * (r / 16)] + 16 * (r % 16);
       const I sum = add(ld(lo), shift(ld(lo + 256), s));
       const F y = first ? zero_f() : ldf(acc[r]);
@@ -273,7 +277,7 @@ inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, 
     }
     return;
   }
-  for (int r = 0; r < 16 * T; ++r, xd += ldb, pairs += ldb) {
+  for (int r = 0; r < rows; ++r, xd += ldb, pairs += ldb) {
     const int32_t* lo = c[2 * (r / 16)] + 16 * (r % 16);
     const I sum = add(ld(lo), shift(ld(lo + 256), s));
     /* the minimums' sum in two chains */
@@ -298,9 +302,12 @@ constexpr int64_t kAmxAccBytes = 256 << 10;
  * through the AVX-512 kernel. */
 template <class Fmt>
 inline void amx_kernel(const kv_ggml_args* a) {
-  const int64_t tiled = a->rows / 16 * 16;
+  constexpr bool super = Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16;
+  /* the K-quants' calls of fewer than 32 rows: one unit of all their rows, in tiles of as many rows */
+  const bool small = super && a->rows < 32;
+  const int64_t tiled = small ? a->rows : a->rows / 16 * 16;
   if (tiled > 0) {
-    if constexpr (Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16) {
+    if constexpr (super) {
       /* G panels at a time, super-block by super-block: a super-block's activations for all the rows (tiled x
        * 256 bytes) stay in L2 while the G panels take them, and each panel's super-block is made ready once, for
        * all the rows (its 8 KB of pieces in L1); the accumulators (G x tiled x 64 bytes) wait in memory */
@@ -309,7 +316,8 @@ inline void amx_kernel(const kv_ggml_args* a) {
       thread_local AlignedVector<float> accs;
       panel.resize(1);
       accs.resize((size_t)G * tiled * 16);
-      amx_configure_super();
+      if (small) amx_configure_super(tiled < 16 ? (int)tiled : 16, tiled > 16 ? (int)tiled - 16 : 16);
+      else amx_configure_super();
       for (int p0 = 0; p0 < a->panels; p0 += G) {
         const int g = a->panels - p0 < G ? a->panels - p0 : G;
         for (int v = 0; v < a->nb / 8; ++v) {
@@ -318,7 +326,8 @@ inline void amx_kernel(const kv_ggml_args* a) {
             amx_unpack_super<Fmt>(a, p0 + j, v, panel.at(0));
             int64_t m = 0;
             for (; m + 32 <= tiled; m += 32) amx_super_block<Fmt, 2>(a, panel.at(0), v, m, acc + m);
-            if (m < tiled) amx_super_block<Fmt, 1>(a, panel.at(0), v, m, acc + m);
+            if (tiled - m > 16) amx_super_block<Fmt, 2>(a, panel.at(0), v, m, acc + m, (int)(tiled - m));  // small
+            else if (m < tiled) amx_super_block<Fmt, 1>(a, panel.at(0), v, m, acc + m, (int)(tiled - m));
           }
         }
         for (int j = 0; j < g; ++j) {
