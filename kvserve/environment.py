@@ -44,8 +44,8 @@ NATIVE_KERNELS = Variable("KVSERVE_NATIVE_KERNELS", "1", "0 turns off every C++ 
                           "attention): pure PyTorch, for debugging", ("0", "1"), replaces="KVSERVE_QUANT_KERNELS")
 ISA = Variable("KVSERVE_ISA", "the best the CPU has", "forces the kernels' instruction-set path (a lesser one on "
                "any CPU; a greater one than the CPU has falls back to the best it has)", ("scalar", "avx2", "avx512"))
-AMX = Variable("KVSERVE_AMX", "1", "0 keeps GGUF prefill chunks off AMX-INT8 tiles on a CPU that runs them (the same "
-               "bits either way; native/csrc/cpu.h reads it)", ("0", "1"))
+AMX = Variable("KVSERVE_AMX", "1", "0 keeps GGUF prefill chunks and decode batches off AMX-INT8 tiles on a CPU that "
+               "runs them (the same bits either way; native/csrc/cpu.h reads it)", ("0", "1"))
 CACHE = Variable("KVSERVE_CACHE", "~/.cache/kvserve", "where GGUF files' converted tokenizers (`gguf/`), quantized "
                  "codes and emulator builds are kept")
 KERNEL_CACHE = Variable("KVSERVE_KERNEL_CACHE", "$KVSERVE_CACHE/kernels", "where the C++ kernels are built, one folder "

@@ -177,11 +177,13 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
     them, skipped elsewhere) returns whether they did, and every kind's rows have the AVX-512 kernel's bits either
     way (Q4_1 has no tiles: unchanged; the K-quants' tiles sum a super-block, Q6_K's codes times their scales in a
     signed high piece): the K-quants at 8, 12, 16, 17, 24 and 31 rows (a call of fewer than 32 rows: one unit of
-    tiles of its rows), 32 rows (a decode batch: 2 tiles of 16), 40 (tiles and the AVX-512 kernel for the rest), 64
+    tiles of its rows; Q6_K's from 16), 32 rows (a decode batch: 2 tiles of 16), 40 (tiles and the AVX-512 kernel for the rest), 64
     (4 tiles), 100 and 150 (150 in the driver's slices of 64), 512;
     K of one block group, 18 blocks (SmolLM2's 576, a short last group), 2048 and (Q6_K) 4096; and the K-quants
-    at 300 features (19 panels: past the tiles' group of panels on each thread, a short last group and panel)."""
+    at 300 features (19 panels) on 1 and 2 threads: past the tiles' group of 8 panels on each thread, a short last
+    group and panel, and at 600 rows groups of fewer panels."""
     module = native.load()
+    threads_before = torch.get_num_threads()
     before = module.set_gguf_amx(False)
     try:
         assert module.gguf_amx() is False
@@ -204,14 +206,18 @@ def test_amx_tiles_give_the_avx512_kernels_bits_and_the_setting_round_trips():
             if kind.endswith("_k"):
                 N, K = 300, 512
                 packed = module.ggml_pack(blocks(kind, N, K), kind)
-                for rows in (amx_rows, 20, 32, 100, 512):
-                    x = activations(rows, K)
-                    module.set_gguf_amx(False)
-                    vector = module.ggml_linear(x, packed, kind, N, K)
-                    module.set_gguf_amx(True)
-                    assert torch.equal(module.ggml_linear(x, packed, kind, N, K), vector), (kind, N, K, rows)
+                for threads in (1, 2):  # 19 panels a thread (groups of 8, 8, 3) or 10 and 9 (8 + 2, 8 + 1)
+                    torch.set_num_threads(threads)
+                    for rows in (amx_rows, 20, 32, 100, 512, 600):  # 600: smaller groups, 8 rows left over
+                        x = activations(rows, K)
+                        module.set_gguf_amx(False)
+                        vector = module.ggml_linear(x, packed, kind, N, K)
+                        module.set_gguf_amx(True)
+                        assert torch.equal(module.ggml_linear(x, packed, kind, N, K), vector), (kind, threads, rows)
+                    torch.set_num_threads(threads_before)
     finally:
         module.set_gguf_amx(before)
+        torch.set_num_threads(threads_before)
 
 
 def test_a_chunks_activations_quantized_by_several_threads_give_the_bits_of_one():

@@ -266,7 +266,7 @@ def ggml_model(rows_list: tuple[int, ...] = (1, 2, 8, 32, 512), write: bool = Tr
 
         # this CPU's settings side by side with the one that differs at these rows off, in alternating rounds (the
         # best of each): the prefetch of one and two rows; past a register tile (8 rows), Q5_K / Q6_K groups unpacked once
-        # from 32 rows, AMX tiles where they run; at decode's rows the weights on 4 KiB pages
+        # from gguf_amx_rows(), AMX tiles where they run; at decode's rows the weights on 4 KiB pages
         settings = [("", prefetch, unpack, amx, step_fns)]
         if rows <= 2 and prefetch:
             settings.append((", no prefetch", 0, unpack, amx, step_fns))

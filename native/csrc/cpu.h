@@ -121,7 +121,7 @@ inline int gguf_prefetch_default() { return intel_avx512() || amd_zen5_avx512() 
 // linear_ggml.cpp starts from this value (set_gguf_unpack changes it).
 inline bool gguf_unpack_default() { return intel_avx512(); }
 
-// Whether the GGUF kernels' calls of many rows (prefill chunks) may run on AMX-INT8 tiles (ukernel_gguf_amx.h, the
+// Whether the GGUF kernels' calls of many rows (prefill chunks, decode batches) may run on AMX-INT8 tiles (ukernel_gguf_amx.h, the
 // AVX-512 kernels' bits): the AVX-512 path is chosen, KVSERVE_AMX is not 0, the CPU has
 // AMX-TILE and AMX-INT8 (cpuid leaf 7: EDX bits 24, 25; Sapphire Rapids and later), the OS saves the tile state
 // (XCR0 bits 17, 18) and Linux grants this process its use (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA,

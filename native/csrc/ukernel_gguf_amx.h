@@ -1,5 +1,6 @@
 /* GGUF's blocks through AMX-INT8 tiles (Sapphire Rapids and later Xeons): the calls of many rows (prefill
- * chunks), with the bits of the AVX-512 micro-kernels of ukernel_gguf.h.
+ * chunks, decode batches: linear_ggml.cpp's amx_min_rows), with the bits of the AVX-512 micro-kernels of
+ * ukernel_gguf.h.
  *
  * A tile multiply TDPBSUD takes 16 rows of signed bytes (A: 16 activation rows x one block's 32 codes) and a
  * matrix of unsigned bytes in groups of 4 along K (B: the panel's 16 features, 4 codes a 32-bit lane: the lanes
@@ -7,7 +8,7 @@
  * block of 32 one multiply gives the integer dots of 16 rows x 16 features, stored to memory, and only the
  * block's float steps remain for the vector units, in ukernel_gguf.h's order per output: the same bits as the
  * AVX-512 kernel (the dots are exact however they are formed), which takes the rows a call has beyond a multiple
- * of 16.
+ * of 16 (the K-quants': beyond a multiple of 16 in calls of 32 rows or more; a smaller call is all tiles).
  *
  * Per call (linear_ggml.cpp: up to kRowSlice rows x a chunk of panels) and panel: the panel's codes are made once
  * into a thread's buffer (a block's B tile: 8 rows of 64 bytes) with its scales as vectors, then every 16 rows take
@@ -153,7 +154,8 @@ inline void amx_rows(const kv_ggml_args* a, const AmxPanel& u, int p, int64_t m)
 constexpr int kSuperShift4 = 4, kSuperShift5 = 3;
 
 /* Tiles: C lo and hi for rows 0-15 (0, 1) and 16-31 (2, 3), A rows 0-15 and 16-31 (4, 5), B lo and hi (6, 7);
- * every one 16 rows x 64 bytes. */
+ * every one 16 rows x 64 bytes, but in a call of fewer than 32 rows the C and A tiles of its first (rows0) and
+ * second (rows1) tile of rows. */
 inline void amx_configure_super(int rows0 = 16, int rows1 = 16) {
   AmxConfig c = {};
   c.palette = 1;
@@ -224,7 +226,7 @@ inline void amx_unpack_super(const kv_ggml_args* a, int p, int u, uint8_t* o) {
   stf((float*)(o + 8192 + 256), U::d(w, 0));
 }
 
-/* Super-block v of a panel (its pieces at `panel`) for rows m..m+16 T - 1 (T = 1 or 2 tiles of 16): the tiles'
+/* Super-block v of a panel (its pieces at `panel`) for rows m..m+rows-1 (T = 1 or 2 tiles of up to 16 rows): the tiles'
  * dots, stored, then each row's float steps into its accumulator acc[r] (memory: every row's of the call and
  * panel, since a panel's super-block is taken for all of them before the next, its B tiles staying in L1). */
 template <class Fmt, int T>
@@ -298,8 +300,8 @@ inline void amx_super_block(const kv_ggml_args* a, const uint8_t* panel, int v, 
 constexpr int64_t kAmxGroupPanels = 8;
 constexpr int64_t kAmxAccBytes = 256 << 10;
 
-/* a->panels panels x a->rows rows: every 16 rows through the tiles, the rest (and calls of fewer than 16 rows)
- * through the AVX-512 kernel. */
+/* a->panels panels x a->rows rows: every 16 rows through the tiles, the rest (and the 32-weight formats' calls of
+ * fewer than 16 rows) through the AVX-512 kernel; the K-quants' calls of fewer than 32 rows all through the tiles. */
 template <class Fmt>
 inline void amx_kernel(const kv_ggml_args* a) {
   constexpr bool super = Fmt::kFold == Fold::kSuper || Fmt::kFold == Fold::kScale16;
@@ -315,7 +317,7 @@ inline void amx_kernel(const kv_ggml_args* a) {
       thread_local AmxSuperPanel panel;
       thread_local AlignedVector<float> accs;
       panel.resize(1);
-      accs.resize((size_t)G * tiled * 16);
+      if (accs.size() < (size_t)G * tiled * 16) accs.resize((size_t)G * tiled * 16);  // grown only: no refill
       if (small) amx_configure_super(tiled < 16 ? (int)tiled : 16, tiled > 16 ? (int)tiled - 16 : 16);
       else amx_configure_super();
       for (int p0 = 0; p0 < a->panels; p0 += G) {
