@@ -167,18 +167,15 @@ inline void amx_configure_super(int rows0 = 16, int rows1 = 16) {
   _tile_loadconfig(&c);
 }
 
-/* Super-blocks made ready: per super-block, the two pieces' 4 B tiles each (tile t: blocks 2t, 2t + 1, 8 chunks
- * of 64 bytes each) and d, -dmin and the minimums' pairs as vectors (Q6_K: d). A thread's, reused across calls. */
-struct AmxSuperPanel {
+/* One super-block of a panel made ready: the two pieces' 4 B tiles each (tile t: blocks 2t, 2t + 1, 8 chunks of 64
+ * bytes each) and d, -dmin and the minimums' pairs as vectors (Q6_K: d). A thread's, reused across calls; on cache
+ * lines (aligned_vector.h), so each 64-byte row a tile loads is one line. */
+struct AmxPieces {
+  static constexpr int kBytes = 2 * 4096 + 6 * 64;
   AlignedVector<uint8_t> bytes;
-  int cap = 0;
-  static constexpr int kBytes = 2 * 4096 + 6 * 64;  // per super-block
-  uint8_t* at(int u) { return bytes.data() + (size_t)u * kBytes; }
-  const uint8_t* at(int u) const { return bytes.data() + (size_t)u * kBytes; }
-  void resize(int units) {
-    if (units <= cap) return;
-    cap = units;
-    bytes.assign((size_t)units * kBytes, 0);
+  uint8_t* data() {
+    if (bytes.size() < (size_t)kBytes) bytes.assign(kBytes, 0);
+    return bytes.data();
   }
 };
 
@@ -195,7 +192,7 @@ inline __attribute__((always_inline)) void q6k_pieces(const uint8_t* w, int i, i
   st(hi, or_(_mm512_srli_epi16(even, 8), and_(odd, _mm512_set1_epi16((short)0xFF00))));
 }
 
-/* Super-block u of panel p made ready for the tiles into o (AmxSuperPanel::kBytes). */
+/* Super-block u of panel p made ready for the tiles into o (AmxPieces::kBytes). */
 template <class Fmt>
 inline void amx_unpack_super(const kv_ggml_args* a, int p, int u, uint8_t* o) {
   using U = typename UnitOf<Fmt>::T;
@@ -314,9 +311,9 @@ inline void amx_kernel(const kv_ggml_args* a) {
        * 256 bytes) stay in L2 while the G panels take them, and each panel's super-block is made ready once, for
        * all the rows (its 8 KB of pieces in L1); the accumulators (G x tiled x 64 bytes) wait in memory */
       const int G = (int)std::max<int64_t>(1, std::min<int64_t>(kAmxGroupPanels, (kAmxAccBytes / 64) / tiled));
-      thread_local AmxSuperPanel panel;
+      thread_local AmxPieces pieces;
+      uint8_t* const panel = pieces.data();
       thread_local AlignedVector<float> accs;
-      panel.resize(1);
       if (accs.size() < (size_t)G * tiled * 16) accs.resize((size_t)G * tiled * 16);  // grown only: no refill
       if (small) amx_configure_super(tiled < 16 ? (int)tiled : 16, tiled > 16 ? (int)tiled - 16 : 16);
       else amx_configure_super();
@@ -325,11 +322,11 @@ inline void amx_kernel(const kv_ggml_args* a) {
         for (int v = 0; v < a->nb / 8; ++v) {
           for (int j = 0; j < g; ++j) {
             float (*acc)[16] = (float (*)[16])accs.data() + j * tiled;
-            amx_unpack_super<Fmt>(a, p0 + j, v, panel.at(0));
+            amx_unpack_super<Fmt>(a, p0 + j, v, panel);
             int64_t m = 0;
-            for (; m + 32 <= tiled; m += 32) amx_super_block<Fmt, 2>(a, panel.at(0), v, m, acc + m);
-            if (tiled - m > 16) amx_super_block<Fmt, 2>(a, panel.at(0), v, m, acc + m, (int)(tiled - m));  // small
-            else if (m < tiled) amx_super_block<Fmt, 1>(a, panel.at(0), v, m, acc + m, (int)(tiled - m));
+            for (; m + 32 <= tiled; m += 32) amx_super_block<Fmt, 2>(a, panel, v, m, acc + m);
+            if (tiled - m > 16) amx_super_block<Fmt, 2>(a, panel, v, m, acc + m, (int)(tiled - m));  // small
+            else if (m < tiled) amx_super_block<Fmt, 1>(a, panel, v, m, acc + m, (int)(tiled - m));
           }
         }
         for (int j = 0; j < g; ++j) {
