@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import copy
 import json
+import re
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -375,7 +376,47 @@ def tokenizer_json(hf_tokenizer) -> str:
         backend = copy.copy(backend)
         backend.no_padding()
         backend.no_truncation()
-    return backend.to_str()
+    return _tags_as_text(backend.to_str(), plain_tags(hf_tokenizer))
+
+
+# an added token llguidance would take for a control token by its shape alone: <...>, printable ASCII, no space;
+# not <|...|>, the shape llama.cpp's converter takes for a control token's (its does_token_look_special)
+_TAG = re.compile(r"<[!-~]+>")
+
+
+def plain_tags(hf_tokenizer) -> dict[int, str]:
+    """The added tokens that are text, not control tokens (``special`` false), shaped like a tag but not like a
+    control token (``<think>``, not ``<|im_end|>``): ``{id: text}``.
+
+    Qwen2.5's and Qwen3's ``<tool_call>``, ``</tool_call>``, ``<think>`` and ``</think>`` are such tokens (in their
+    GGUF files, llama.cpp's converter marks them USER_DEFINED; in their tokenizer.json, ``special: false``): the
+    model writes them as text, one token each. llguidance (toktrie_hf_tokenizers, 1.x) takes every added token of
+    the form ``<...>`` for a special token, whose bytes no grammar's text matches: its mask then allowed the token
+    where a grammar's literal ``"<tool_call>"`` stood, while consuming it failed the grammar, so a forced tool call
+    on these files ended in an error at its first token.
+    """
+    return {i: t.content for i, t in hf_tokenizer.added_tokens_decoder.items()
+            if not t.special and _TAG.fullmatch(t.content)
+            and not (t.content.startswith("<|") and t.content.endswith("|>"))}
+
+
+def _tags_as_text(text: str, tags: dict[int, str]) -> str:
+    """The tokenizer JSON ``text`` with ``tags`` (``plain_tags``) moved from its added tokens into its BPE
+    vocabulary under the same ids (a GGUF file's converted vocabulary holds them there already), so llguidance
+    reads each as the bytes of its text. Their characters are printable ASCII, which byte-level and SentencePiece
+    vocabularies both spell as themselves. Left as they are where the model is not a BPE one, or for a tag whose
+    text the vocabulary holds under another id."""
+    if not tags:
+        return text
+    data = json.loads(text)
+    model = data.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") != "BPE" or not isinstance(vocab, dict):
+        return text
+    moved = {i: t for i, t in tags.items() if vocab.get(t, i) == i}
+    data["added_tokens"] = [t for t in data.get("added_tokens", []) if t.get("id") not in moved]
+    vocab.update({t: i for i, t in moved.items()})
+    return json.dumps(data, ensure_ascii=False)
 
 
 def _check_has_output(matcher: llguidance.LLMatcher) -> None:

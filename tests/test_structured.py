@@ -587,6 +587,46 @@ def test_the_grammar_tokenizer_is_llguidances_own_without_its_copy(smollm2):
     assert padded.backend_tokenizer.padding is not None  # turned off in a copy, not in the tokenizer given
 
 
+def test_tags_that_are_one_text_token_each_are_served_by_the_grammars(smollm2):
+    """Qwen2.5's and Qwen3's <tool_call>, </tool_call>, <think> and </think> are added tokens that are text
+    (``special`` false): a forced tool call's grammar walks to its end whether the model writes a tag as its one
+    token or the mask's spelling, and a thinking block the one token </think> ends starts the grammar after it.
+    Before, llguidance took them for control tokens: the mask allowed <tool_call>'s token, consuming it failed."""
+    import copy
+
+    from kvserve.engine.constraints import plain_tags
+    from kvserve.engine.masks import disallowed, fill_masks
+    from kvserve.server.tools import CLOSE, OPEN
+
+    tokenizer = copy.deepcopy(smollm2.tokenizer)
+    tags = [OPEN, CLOSE, "<think>", "</think>"]
+    tokenizer.add_tokens(tags, special_tokens=False)
+    tag_id = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in tags}
+    assert plain_tags(tokenizer) == {i: tag for tag, i in tag_id.items()}
+    assert tokenizer(OPEN, add_special_tokens=False)["input_ids"] == [tag_id[OPEN]]  # the model's one token
+    eos = tokenizer.eos_token_id
+    spec = GrammarSpec("lark", f'start: {json.dumps(OPEN)} "{{}}" {json.dumps(CLOSE)}')
+    grammar = GrammarCompiler(tokenizer, [eos]).compile(spec)
+
+    def walk(constraint, output: list[int], steps: int = 40) -> list[int]:
+        """``output`` then the mask's lowest allowed token each step, to EOS."""
+        for _ in range(steps):
+            allowed = (~disallowed(fill_masks([constraint], [output]))[0][:len(tokenizer)]).nonzero().flatten()
+            assert allowed.numel() > 0 and not constraint.matcher.is_error(), constraint.matcher.get_error()
+            if allowed[0] == eos:
+                return output
+            output = output + [int(allowed[0])]
+        raise AssertionError("no EOS")
+
+    for start in ([], [tag_id[OPEN]]):  # the mask's spelling of the tag, or the model's token
+        text = tokenizer.decode(walk(grammar.constraint(), start))
+        assert text == OPEN + "{}" + CLOSE, text
+    thought = tokenizer("Hmm", add_special_tokens=False)["input_ids"] + [tag_id["</think>"]]
+    gated = grammar.constraint(40, after=b"</think>")
+    fill_masks([gated], [thought])
+    assert not gated.thinking and gated.start == len(thought)
+
+
 def test_a_refused_token_leaves_only_eos(smollm2):
     """A matcher in its error state (a token the grammar refuses) allows only EOS, so the sequence ends."""
     from kvserve.engine.masks import disallowed, fill_masks
