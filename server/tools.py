@@ -6,8 +6,8 @@ message. Either way it is asked to answer with Hermes-style blocks, which is als
 
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
-``tool_choice``: ``none`` leaves the tools out of the prompt and parses nothing; ``auto`` parses the reply when it
-starts with ``<tool_call>``; ``required`` and a named function constrain the reply to that wrapper around the
+``tool_choice``: ``none`` leaves the tools out of the prompt and parses nothing; ``auto`` parses the reply from its
+first ``<tool_call>`` on (the text before it is content); ``required`` and a named function constrain the reply to that wrapper around the
 functions' parameter schemas (one call, or one or more with ``parallel_tool_calls``), so it always parses.
 """
 
@@ -230,7 +230,9 @@ class ToolCallStream:
     must not be taken back. A constrained reply (``tool_choice`` required or a named function: its grammar
     admits only calls of the request's functions) streams its calls as they form. An unconstrained one (``auto``)
     may name a function the request does not have, or cut its arguments short with a stop: its calls are held
-    until the reply ends, then sent whole, or the whole reply sent as content.
+    until the reply ends, then sent whole, or the rest of the reply sent as content. Its text before the first
+    ``<tool_call>`` is content, streamed as it comes (but a tail that may be the tag's start), as vLLM's Hermes
+    parser returns it ("Let me check.\n<tool_call>..."); a constrained reply starts with the tag.
 
     Args:
         names: the request's functions (a call must name one of them).
@@ -240,7 +242,7 @@ class ToolCallStream:
     def __init__(self, names: frozenset[str] = frozenset(), constrained: bool = False) -> None:
         self.names, self.constrained = names, constrained
         self.buffer = ""
-        self.mode = "undecided"   # then "content" (plain text) or "tools"
+        self.mode = "undecided"   # then "content" (text, until a call begins) or "tools"
         self.pos = 0               # tools mode: parsed up to here
         self.args_start: int | None = None  # tools mode: where the current call's arguments begin
         self.args_sent = 0
@@ -249,9 +251,7 @@ class ToolCallStream:
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.buffer += text
-        if self.mode == "content":
-            self.buffer = ""
-            return text, []
+        content = ""
         if self.mode == "undecided":
             head = self.buffer.lstrip()
             if head.startswith(OPEN):
@@ -260,10 +260,15 @@ class ToolCallStream:
                 return "", []  # maybe the start of a call: wait
             else:
                 self.mode = "content"
-                content, self.buffer = self.buffer, ""
+        if self.mode == "content":
+            at = self.buffer.find(OPEN)
+            if at < 0:  # all of it but a tail that may be the tag's start
+                held = next((k for k in range(len(OPEN) - 1, 0, -1) if self.buffer.endswith(OPEN[:k])), 0)
+                content, self.buffer = self.buffer[:len(self.buffer) - held], self.buffer[len(self.buffer) - held:]
                 return content, []
+            content, self.buffer, self.mode = self.buffer[:at], self.buffer[at:], "tools"
         deltas = _one_per_call(self._parse())
-        return "", deltas if self.constrained else []
+        return content, deltas if self.constrained else []
 
     def _parse(self) -> list[dict]:
         deltas: list[dict] = []
@@ -356,17 +361,17 @@ class ToolCallStream:
         return calls if calls and OPEN not in self.buffer[pos:] else None
 
     def finish(self, reason: str | None = None) -> tuple[str, list[dict]]:
-        """Flush at the end (``reason``: the finish_reason): undecided text is content; a tools-mode reply whose
-        calls ``verdict`` does not hand over, or that has a block left after them, is read again as blocks with
-        their keys in any order (``auto``: ``_blocks_in_any_order``), else is content, all of it if ``verdict``
-        failed; held calls are sent, one delta each."""
+        """Flush at the end (``reason``: the finish_reason): undecided or held text is content; a tools-mode reply
+        whose calls ``verdict`` does not hand over, or that has a block left after them, is read again as blocks
+        with their keys in any order (``auto``: ``_blocks_in_any_order``), else is content, all of it from the
+        first ``<tool_call>`` if ``verdict`` failed; held calls are sent, one delta each."""
         if self.mode == "tools" and not self.constrained and (not self.verdict(reason)
                                                               or OPEN in self.buffer[self.pos:]):
             reordered = self._blocks_in_any_order()
             if reordered is not None:
                 self.calls = reordered
                 return "", _whole_calls(reordered)
-        if self.mode == "undecided" or (self.mode == "tools" and not self.verdict(reason)):
+        if self.mode in ("undecided", "content") or (self.mode == "tools" and not self.verdict(reason)):
             content, self.buffer, self.mode, self.calls = self.buffer, "", "content", []
             return content, []
         if self.mode == "tools" and not self.constrained:

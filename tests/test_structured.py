@@ -503,6 +503,7 @@ def test_tool_call_stream_sends_one_entry_per_call_in_a_delta():
 
 
 CALL_F = '<tool_call>{"name": "f", "arguments": {"a": 1}}</tool_call>'
+OPEN_TAG = "<tool_call>"
 
 
 @pytest.mark.parametrize("text, reason, handed_over", [
@@ -554,8 +555,35 @@ def test_plain_reply_with_tools_stays_content():
 
     stream = ToolCallStream()
     assert stream.feed(" ") == ("", [])  # could still become a call
-    assert stream.feed("Hello <tool_call>") == (" Hello <tool_call>", [])
-    assert stream.finish() == ("", []) and stream.calls == []
+    assert stream.feed("Hello <tool") == (" Hello ", [])  # "<tool" may be a call's start: held
+    assert stream.feed("s> and <b>") == ("<tools> and <b>", [])
+    assert stream.feed(" <tool_call>") == (" ", [])
+    assert stream.finish() == ("<tool_call>", []) and stream.calls == []  # no call in it: content after all
+
+
+@pytest.mark.parametrize("size", [1, 3, 7, 1000])
+@pytest.mark.parametrize("after, handed_over", [
+    (CALL_F, True),
+    (CALL_F + "\n" + CALL_F.replace("1", "2"), True),       # two calls
+    (CALL_F.replace('"f"', '"h"'), False),                  # a function the request does not have
+    ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', False),
+])
+def test_text_before_a_call_is_content_and_the_call_is_a_call(size, after, handed_over):
+    # tool_choice auto, as vLLM's Hermes parser: "Let me check.\n<tool_call>..." is content "Let me check.\n"
+    # and the call, however the text arrives; a call that is not one leaves the whole reply content
+    from kvserve.server.tools import ToolCallStream
+
+    text = "Let me check <the> weather.\n" + after
+    stream = ToolCallStream(frozenset({"f"}))
+    sent = [stream.feed(text[i:i + size]) for i in range(0, len(text), size)]
+    tail, deltas = stream.finish("stop")
+    content = "".join(c for c, _ in sent) + tail
+    assert all(d == [] for _, d in sent)  # held to the end
+    if handed_over:
+        assert content == "Let me check <the> weather.\n"
+        assert [json.loads(d["function"]["arguments"])["a"] for d in deltas] == [1, 2][:after.count(OPEN_TAG)]
+    else:
+        assert (content, deltas, stream.calls) == (text, [], [])
 
 
 def test_the_grammar_tokenizer_is_llguidances_own_without_its_copy(smollm2):
