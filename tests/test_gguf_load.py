@@ -384,3 +384,43 @@ def test_without_the_lean_forward_a_gguf_files_blocks_run_in_transformers_module
     ids = loaded.tokenizer(TEXT)["input_ids"]
     tokens, _ = engine_greedy(loaded, [ids], 6)
     assert reference_shortfall(reference_model(loaded.model), ids, tokens[0]) <= NEAR_TIE_LOGITS
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_qwen_files_tags_are_one_text_token_each_and_a_forced_tool_call_is_served(tiny_gguf, stream):
+    """A Qwen3 file's <tool_call>, </tool_call>, <think> and </think> are USER_DEFINED tokens (as llama.cpp's
+    converter writes them): one token each, text (not special), and tool_choice required comes back as a call,
+    whole and streamed. Before, these tags failed every forced tool call at its first token (a 400 whole, an
+    error event streamed)."""
+    import json
+
+    import httpx
+
+    from kvserve.loadtest.fixtures.randgguf import TAGS
+    from tests.serverutil import running_server
+
+    loaded = load_model(str(tiny_gguf("tiny-qwen3", "Q8_0")), DType.AUTO, Device.CPU, quantized=True, blocks=True)
+    tokenizer = loaded.tokenizer
+    for tag in TAGS["qwen3"]:
+        ids = tokenizer(tag, add_special_tokens=False)["input_ids"]
+        assert len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == tag, (tag, ids)
+    body = {"messages": [{"role": "user", "content": "Weather in Paris?"}], "temperature": 0, "max_tokens": 40,
+            "tools": [{"type": "function", "function": {"name": "get_weather", "parameters": {
+                "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"]}}}],
+            "tool_choice": "required", "stream": stream}
+    with running_server(loaded) as url:
+        response = httpx.post(url + "/v1/chat/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    if stream:
+        events = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        assert not any("error" in e for e in events), events
+        names = [c["function"].get("name") for e in events for choice in e["choices"]
+                 for c in choice["delta"].get("tool_calls") or []]
+        reasons = [choice["finish_reason"] for e in events for choice in e["choices"] if choice["finish_reason"]]
+        assert "get_weather" in names and reasons == ["tool_calls"], events
+    else:
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls", choice
+        assert choice["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+        assert set(json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"])) == {"city"}
