@@ -166,18 +166,19 @@ def create_app(state: ServerState, drain: Drain | None = None) -> FastAPI:
         return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     # created: when this server made the model servable (OpenAI's field is a Unix time; 0 read as 1970)
-    model_card = {"id": state.model_name, "object": "model", "created": int(time.time()), "owned_by": "kvserve",
-                  "max_model_len": state.max_request_tokens}
+    created = int(time.time())
+    model_cards = {name: {"id": name, "object": "model", "created": created, "owned_by": "kvserve",
+                          "max_model_len": state.max_request_tokens} for name in state.model_names}
 
     @app.get("/v1/models", dependencies=v1)
     async def models():
-        return {"object": "list", "data": [model_card]}
+        return {"object": "list", "data": list(model_cards.values())}
 
     @app.get("/v1/models/{model_id:path}", dependencies=v1)
     async def model(model_id: str):
-        if model_id != state.model_name:
+        if model_id not in model_cards:
             raise ApiError(404, f"model {model_id!r} does not exist", param="model", code="model_not_found")
-        return model_card
+        return model_cards[model_id]
 
     async def pooling_not_served(request: Request):
         raise ApiError(400, f"{request.url.path} is not served: {state.model_name} is a generative model (it "

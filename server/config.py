@@ -58,7 +58,8 @@ class ServeConfig:
     api_key: str | None = None          # if set, /v1 routes need "Authorization: Bearer <key>"
     api_keys: tuple[str, ...] = ()      # more accepted keys (--api-key repeated, --api-key-file); api_key joins them
     share_cache_across_keys: bool = False  # with keys: one prefix cache for all (default: a partition per key)
-    served_model_name: str | None = None  # name in /v1/models; default from the model
+    served_model_name: tuple[str, ...] = ()  # names in /v1/models, requests may give any, responses carry the
+                                              # first (vLLM's); none: the model's own
     sse_ping_s: float = 15.0            # keep-alive comment interval on idle streams (s); 0 disables
     step_log: str | None = None         # if set, append one JSON line per engine step to this file
     drain_s: float = 30.0               # after SIGTERM: longest wait for in-flight requests (s); 0 stops at once

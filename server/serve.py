@@ -75,10 +75,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _option(g, "--model", default=None, metavar="DIR|FILE.gguf", default_text="the embedded SmolLM2-135M-Instruct",
             help="a local Hugging Face model directory (config.json and safetensors) or a Llama, Mistral, Qwen2 or "
                  "Qwen3 GGUF file (loaded directly, docs/gguf.md); nothing is downloaded")
-    _option(g, "--served-model-name", type=_model_name, default=None, metavar="NAME",
+    _option(g, "--served-model-name", type=_model_name, nargs="+", default=None, metavar="NAME",
             default_text="the model's own name",
             help="the model's id in /v1/models and the `model` field requests give (the model's own name: a GGUF "
-                 "file's general.name, else its file name; docs/api.md)")
+                 "file's general.name, else its file name; docs/api.md); several names, as vLLM takes them: "
+                 "requests may give any, responses name the first")
     _option(g, "--device", choices=[v.value for v in Device], default=d.device.value,
             help="where the model runs; auto: a CUDA GPU when torch sees one, else the CPU")
     _option(g, "--dtype", choices=[v.value for v in DType], default=d.dtype.value,
@@ -250,7 +251,8 @@ def config_from_args(args: argparse.Namespace) -> ServeConfig:
                        prefix_caching_hash_algo=HashAlgo(args.prefix_caching_hash_algo), kv_events=args.kv_events_config,
                        api_keys=_api_keys(args),
                        share_cache_across_keys=args.share_cache_across_keys,
-                       served_model_name=args.served_model_name, sse_ping_s=args.sse_ping_seconds,
+                       served_model_name=tuple(dict.fromkeys(args.served_model_name or ())),
+                       sse_ping_s=args.sse_ping_seconds,
                        step_log=args.step_log, drain_s=args.drain_seconds,
                        vllm_metric_names=args.vllm_metric_names, ui=not args.no_ui, allowed_hosts=args.allowed_hosts,
                        header_timeout_s=args.header_timeout_seconds, allow_pickle=args.allow_pickle,

@@ -159,7 +159,9 @@ class ServerState:
         self.loaded = loaded
         self.config = config
         self.tokenizer = loaded.tokenizer
-        self.model_name = config.served_model_name or loaded.name
+        # every name a request may give, the first the one responses carry (vLLM's --served-model-name)
+        self.model_names = config.served_model_name or (loaded.name,)
+        self.model_name = self.model_names[0]
         shape = loaded.kv_shape(config.kv_cache_dtype)
         num_blocks = _num_blocks(config, shape, draft if config.speculative is Drafter.DRAFT else None)
         self.pool = _allocate_pool(loaded, num_blocks, config.block_size, what="a ", shape=shape)

@@ -329,6 +329,20 @@ def test_the_model_card_was_created_when_the_server_started(server_url):
     assert time.time() - 86_400 < card["created"] <= time.time()
 
 
+def test_several_served_names_are_each_listed_and_accepted_and_responses_carry_the_first(smollm2):
+    # vLLM's --served-model-name A B: every name in /v1/models and accepted as `model`; the first in responses
+    with running_server(smollm2, ServeConfig(num_kv_blocks=32, served_model_name=("smol", "gpt-4o-mini"))) as url:
+        assert [card["id"] for card in httpx.get(url + "/v1/models").json()["data"]] == ["smol", "gpt-4o-mini"]
+        assert httpx.get(url + "/v1/models/gpt-4o-mini").json()["id"] == "gpt-4o-mini"
+        body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}
+        for name in ("smol", "gpt-4o-mini", "default"):
+            response = post(url, CHAT, body | {"model": name})
+            assert response.status_code == 200 and response.json()["model"] == "smol", response.text
+        refused = post(url, CHAT, body | {"model": "other"})
+        assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
+        assert "smol" in refused.json()["error"]["message"]
+
+
 def test_what_openai_accepts_is_still_served(server_url):
     for message in ({"role": "user", "content": ""}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}):
         body = {"messages": [message], "max_tokens": 2, "functions": None, "response_format": {"type": "text"}}

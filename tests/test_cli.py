@@ -67,7 +67,8 @@ def test_every_config_field_has_its_flag_and_errors_name_flags_as_typed():
 
 def test_a_served_model_name_must_be_a_name(capsys):
     parser = options_table.serve_parser()
-    assert parser.parse_args(["--served-model-name", "my model"]).served_model_name == "my model"
+    assert parser.parse_args(["--served-model-name", "my model"]).served_model_name == ["my model"]
+    assert parser.parse_args(["--served-model-name", "a", "b"]).served_model_name == ["a", "b"]  # vLLM takes several
     for bad in ("", "  ", "two\nlines"):
         with pytest.raises(SystemExit):
             parser.parse_args(["--served-model-name", bad])

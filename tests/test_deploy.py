@@ -225,8 +225,8 @@ def test_entrypoint_covers_every_serve_flag(tmp_path):
             if getattr(action.type, "__name__", "") == "_kv_events_config":  # a JSON object
                 value = '{"enable_kv_cache_events": true, "topic": "kv events"}'
             env[name], expected[action.dest] = value, (action.type or str)(value)
-            if isinstance(action, argparse._AppendAction):  # --api-key may be repeated
-                expected[action.dest] = [expected[action.dest]]
+            if isinstance(action, argparse._AppendAction) or action.nargs == "+":  # --api-key may be repeated;
+                expected[action.dest] = [expected[action.dest]]  # --served-model-name takes several names
     rc, argv, err = run_entrypoint(tmp_path, env)
     assert (rc, err) == (0, "")
     assert argv[0] == "serve"
