@@ -7,8 +7,9 @@ message. Either way it is asked to answer with Hermes-style blocks, which is als
     <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>
 
 ``tool_choice``: ``none`` leaves the tools out of the prompt and parses nothing; ``auto`` parses the reply from its
-first ``<tool_call>`` on (the text before it is content); ``required`` and a named function constrain the reply to that wrapper around the
-functions' parameter schemas (one call, or one or more with ``parallel_tool_calls``), so it always parses.
+first ``<tool_call>`` on (the text before it is content); ``required`` and a named function constrain the reply to
+that wrapper around the functions' parameter schemas (one call, or one or more with ``parallel_tool_calls``), so it
+always parses.
 """
 
 from __future__ import annotations
