@@ -41,7 +41,8 @@ class CompileSandbox:
 
     def __init__(self, hf_tokenizer, eos_ids: list[int], timeout_s: float = 30.0) -> None:
         self._tokenizer = hf_tokenizer
-        self._eos = sorted(eos_ids) or hf_tokenizer.eos_token_id
+        self._stop_ids = sorted(eos_ids)
+        self._eos = self._stop_ids or hf_tokenizer.eos_token_id
         self._timeout_s = timeout_s
         self._process: subprocess.Popen | None = None
         self._lock = threading.Lock()  # one compile at a time: the worker answers in order
@@ -88,7 +89,8 @@ class CompileSandbox:
             process = subprocess.Popen([sys.executable, "-m", "kvserve.engine.compile_worker"],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, encoding="utf-8")
             self._process = process
-            hello = {"tokenizer": tokenizer_json(self._tokenizer), "vocab_size": len(self._tokenizer), "eos": self._eos}
+            hello = {"tokenizer": tokenizer_json(self._tokenizer, self._stop_ids), "vocab_size": len(self._tokenizer),
+                     "eos": self._eos}
             try:
                 process.stdin.write(json.dumps(hello) + "\n")
                 process.stdin.flush()

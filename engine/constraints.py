@@ -28,6 +28,7 @@ import json
 import re
 import threading
 from collections import OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import llguidance
@@ -294,8 +295,8 @@ class GrammarCompiler:
         with self._build_lock:
             if self._tokenizer is None:
                 eos = self._eos_ids or self._hf_tokenizer.eos_token_id
-                tokenizer = llguidance.LLTokenizer(tokenizer_json(self._hf_tokenizer), n_vocab=self.vocab_size,
-                                                   eos_token=eos)  # llguidance.hf.from_tokenizer's, less a copy
+                tokenizer = llguidance.LLTokenizer(tokenizer_json(self._hf_tokenizer, self._eos_ids),
+                                                   n_vocab=self.vocab_size, eos_token=eos)
                 table = TokenTable(tokenizer, self.vocab_size, self._closing_eos())
                 with self._lock:
                     self._tokenizer, self._table = tokenizer, table
@@ -367,16 +368,17 @@ def compiled(tokenizer: llguidance.LLTokenizer, spec: GrammarSpec) -> llguidance
     return matcher
 
 
-def tokenizer_json(hf_tokenizer) -> str:
-    """The fast tokenizer serialized as ``llguidance.hf.from_tokenizer`` serializes it (padding and truncation
-    off). That copies the Rust tokenizer first, a second one held while it serializes (~45 MiB of a 128k
-    vocabulary): needed only where padding or truncation is on, to turn them off in the copy."""
+def tokenizer_json(hf_tokenizer, stop_ids: Iterable[int] = ()) -> str:
+    """The fast tokenizer serialized for llguidance: as ``llguidance.hf.from_tokenizer`` serializes it (padding
+    and truncation off), with the tags that are text (``plain_tags``; not ``stop_ids``, the tokens that end a
+    reply) read as text. from_tokenizer copies the Rust tokenizer first, a second one held while it serializes
+    (~45 MiB of a 128k vocabulary): here only where padding or truncation is on, to turn them off in the copy."""
     backend = hf_tokenizer.backend_tokenizer
     if backend.padding is not None or backend.truncation is not None:
         backend = copy.copy(backend)
         backend.no_padding()
         backend.no_truncation()
-    return _tags_as_text(backend.to_str(), plain_tags(hf_tokenizer))
+    return _tags_as_text(backend.to_str(), plain_tags(hf_tokenizer, stop_ids))
 
 
 # an added token llguidance would take for a control token by its shape alone: <...>, printable ASCII, no space;
@@ -384,9 +386,10 @@ def tokenizer_json(hf_tokenizer) -> str:
 _TAG = re.compile(r"<[!-~]+>")
 
 
-def plain_tags(hf_tokenizer) -> dict[int, str]:
-    """The added tokens that are text, not control tokens (``special`` false), shaped like a tag but not like a
-    control token (``<think>``, not ``<|im_end|>``): ``{id: text}``.
+def plain_tags(hf_tokenizer, stop_ids: Iterable[int] = ()) -> dict[int, str]:
+    """The added tokens that are text, not control tokens (``special`` false, none of the tokenizer's special
+    tokens or ``stop_ids``), shaped like a tag but not like a control token (``<think>``, not ``<|im_end|>``):
+    ``{id: text}``.
 
     Qwen2.5's and Qwen3's ``<tool_call>``, ``</tool_call>``, ``<think>`` and ``</think>`` are such tokens (in their
     GGUF files, llama.cpp's converter marks them USER_DEFINED; in their tokenizer.json, ``special: false``): the
@@ -395,8 +398,9 @@ def plain_tags(hf_tokenizer) -> dict[int, str]:
     where a grammar's literal ``"<tool_call>"`` stood, while consuming it failed the grammar, so a forced tool call
     on these files ended in an error at its first token.
     """
+    control = {*hf_tokenizer.all_special_ids, *stop_ids}
     return {i: t.content for i, t in hf_tokenizer.added_tokens_decoder.items()
-            if not t.special and _TAG.fullmatch(t.content)
+            if not t.special and i not in control and _TAG.fullmatch(t.content)
             and not (t.content.startswith("<|") and t.content.endswith("|>"))}
 
 
@@ -404,8 +408,11 @@ def _tags_as_text(text: str, tags: dict[int, str]) -> str:
     """The tokenizer JSON ``text`` with ``tags`` (``plain_tags``) moved from its added tokens into its BPE
     vocabulary under the same ids (a GGUF file's converted vocabulary holds them there already), so llguidance
     reads each as the bytes of its text. Their characters are printable ASCII, which byte-level and SentencePiece
-    vocabularies both spell as themselves. Left as they are where the model is not a BPE one, or for a tag whose
-    text the vocabulary holds under another id."""
+    vocabularies both spell as themselves. Every added token that stays gets a vocabulary entry under its own id
+    too: the tokenizers library numbers an added token missing from the vocabulary from the vocabulary's size on,
+    so a tag moved from below it (Qwen's own tokenizer.json: its special tokens 151643-151656, <tool_call> at
+    151657, more after it) would leave it a gap to be renumbered into. Left as they are where the model is not a
+    BPE one, or for a tag whose text the vocabulary holds under another id."""
     if not tags:
         return text
     data = json.loads(text)
@@ -416,6 +423,8 @@ def _tags_as_text(text: str, tags: dict[int, str]) -> str:
     moved = {i: t for i, t in tags.items() if vocab.get(t, i) == i}
     data["added_tokens"] = [t for t in data.get("added_tokens", []) if t.get("id") not in moved]
     vocab.update({t: i for i, t in moved.items()})
+    for token in data["added_tokens"]:
+        vocab.setdefault(token["content"], token["id"])
     return json.dumps(data, ensure_ascii=False)
 
 

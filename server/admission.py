@@ -41,10 +41,11 @@ def check_model(state: ServerState, model: str | None) -> None:
     """A request's ``model``: none, one of this server's served names or ``default``.
 
     Raises:
-        ApiError: 404 (OpenAI's model_not_found) naming the model this server serves.
+        ApiError: 404 (OpenAI's model_not_found) naming the models this server serves.
     """
     if model is not None and model not in (*state.model_names, "default"):
-        raise ApiError(404, f"model {model!r} does not exist; this server serves {state.model_name!r}",
+        raise ApiError(404, f"model {model!r} does not exist; this server serves "
+                            f"{' or '.join(repr(name) for name in state.model_names)}",
                        param="model", code="model_not_found")
 
 

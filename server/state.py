@@ -160,7 +160,8 @@ class ServerState:
         self.config = config
         self.tokenizer = loaded.tokenizer
         # every name a request may give, the first the one responses carry (vLLM's --served-model-name)
-        self.model_names = config.served_model_name or (loaded.name,)
+        names = config.served_model_name
+        self.model_names = ((names,) if isinstance(names, str) else tuple(names)) or (loaded.name,)
         self.model_name = self.model_names[0]
         shape = loaded.kv_shape(config.kv_cache_dtype)
         num_blocks = _num_blocks(config, shape, draft if config.speculative is Drafter.DRAFT else None)

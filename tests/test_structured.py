@@ -619,7 +619,9 @@ def test_tags_that_are_one_text_token_each_are_served_by_the_grammars(smollm2):
     """Qwen2.5's and Qwen3's <tool_call>, </tool_call>, <think> and </think> are added tokens that are text
     (``special`` false): a forced tool call's grammar walks to its end whether the model writes a tag as its one
     token or the mask's spelling, and a thinking block the one token </think> ends starts the grammar after it.
-    Before, llguidance took them for control tokens: the mask allowed <tool_call>'s token, consuming it failed."""
+    Before, llguidance took them for control tokens: the mask allowed <tool_call>'s token, consuming it failed.
+    Laid out as Qwen's own tokenizer.json lays them out (special tokens before and after the tags, added past the
+    vocabulary), every token keeps its id; a tag that is a stop token stays a control token."""
     import copy
 
     from kvserve.engine.constraints import plain_tags
@@ -628,13 +630,21 @@ def test_tags_that_are_one_text_token_each_are_served_by_the_grammars(smollm2):
 
     tokenizer = copy.deepcopy(smollm2.tokenizer)
     tags = [OPEN, CLOSE, "<think>", "</think>"]
-    tokenizer.add_tokens(tags, special_tokens=False)
+    tokenizer.add_tokens(["<|q_start|>", "<|q_end|>"], special_tokens=True)
+    tokenizer.add_tokens(tags[:2] + ["<|fim_x|>"], special_tokens=False)
+    tokenizer.add_tokens(tags[2:] + ["<eot>"], special_tokens=False)
     tag_id = {tag: tokenizer.convert_tokens_to_ids(tag) for tag in tags}
-    assert plain_tags(tokenizer) == {i: tag for tag, i in tag_id.items()}
+    eos, eot = tokenizer.convert_tokens_to_ids("<|q_end|>"), tokenizer.convert_tokens_to_ids("<eot>")
+    assert plain_tags(tokenizer, [eot]) == {i: tag for tag, i in tag_id.items()}
     assert tokenizer(OPEN, add_special_tokens=False)["input_ids"] == [tag_id[OPEN]]  # the model's one token
-    eos = tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, [eos, eot])
+    ids = {i: t.content for i, t in tokenizer.added_tokens_decoder.items() if i >= len(smollm2.tokenizer)}
+    assert {i: compiler.tokenizer().decode_bytes([i]) for i in ids} == {i: t.encode() for i, t in ids.items()}
     spec = GrammarSpec("lark", f'start: {json.dumps(OPEN)} "{{}}" {json.dumps(CLOSE)}')
-    grammar = GrammarCompiler(tokenizer, [eos]).compile(spec)
+    grammar = compiler.compile(spec)
+    inside = GrammarCompiler(tokenizer, [eos, eot]).compile(GrammarSpec("regex", '"[a-z<>]*"')).constraint()
+    banned = disallowed(fill_masks([inside], [tokenizer('"a', add_special_tokens=False)["input_ids"]]))[0]
+    assert banned[eot] and not banned[tag_id["<think>"]]  # a stop token is not text inside a string; a tag is
 
     def walk(constraint, output: list[int], steps: int = 40) -> list[int]:
         """``output`` then the mask's lowest allowed token each step, to EOS."""
