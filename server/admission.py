@@ -44,8 +44,11 @@ def check_model(state: ServerState, model: str | None) -> None:
         ApiError: 404 (OpenAI's model_not_found) naming the models this server serves.
     """
     if model is not None and model not in (*state.model_names, "default"):
-        raise ApiError(404, f"model {model!r} does not exist; this server serves "
-                            f"{' or '.join(repr(name) for name in state.model_names)}",
+        named = " or ".join(repr(name) for name in state.model_names[:4])
+        more = len(state.model_names) - 4
+        # a client's name echoed at most 80 characters long (a megabyte of it is not sent back)
+        raise ApiError(404, f"model {model[:80]!r}{'...' if len(model) > 80 else ''} does not exist; this server "
+                            f"serves {named}{f' (and {more} more: GET /v1/models)' if more > 0 else ''}",
                        param="model", code="model_not_found")
 
 

@@ -44,7 +44,7 @@ def opens_thinking(prompt_text: str, continued: str | None = None) -> bool:
     return continued is not None and continued.rfind(START) > continued.rfind(END)
 
 
-def _held(text: str, tag: str) -> int:
+def held(text: str, tag: str) -> int:
     """Length of the longest suffix of ``text`` that is a proper prefix of ``tag`` (may be completed later)."""
     for size in range(min(len(tag) - 1, len(text)), 0, -1):
         if text.endswith(tag[:size]):
@@ -79,7 +79,7 @@ class ReasoningSplit:
         if self.state == "reasoning":
             end = self.buffer.find(END)
             if end < 0:
-                keep = _held(self.buffer, END)
+                keep = held(self.buffer, END)
                 reasoning, self.buffer = self.buffer[:len(self.buffer) - keep], self.buffer[len(self.buffer) - keep:]
                 self.reasoning_seen = self.reasoning_seen or bool(reasoning)
                 return reasoning, ""

@@ -25,6 +25,7 @@ import jinja2.meta
 
 from kvserve.engine.constraints import JSON_OPTIONS, GrammarSpec
 from kvserve.server.errors import ApiError
+from kvserve.server.reasoning import held
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
@@ -264,8 +265,8 @@ class ToolCallStream:
         if self.mode == "content":
             at = self.buffer.find(OPEN)
             if at < 0:  # all of it but a tail that may be the tag's start
-                held = next((k for k in range(len(OPEN) - 1, 0, -1) if self.buffer.endswith(OPEN[:k])), 0)
-                content, self.buffer = self.buffer[:len(self.buffer) - held], self.buffer[len(self.buffer) - held:]
+                cut = len(self.buffer) - held(self.buffer, OPEN)
+                content, self.buffer = self.buffer[:cut], self.buffer[cut:]
                 return content, []
             content, self.buffer, self.mode = self.buffer[:at], self.buffer[at:], "tools"
         deltas = _one_per_call(self._parse())

@@ -341,6 +341,8 @@ def test_several_served_names_are_each_listed_and_accepted_and_responses_carry_t
         refused = post(url, CHAT, body | {"model": "other"})
         assert refused.status_code == 404 and refused.json()["error"]["code"] == "model_not_found"
         assert "'smol' or 'gpt-4o-mini'" in refused.json()["error"]["message"]
+        long = post(url, CHAT, body | {"model": "x" * 100_000}).json()["error"]["message"]
+        assert long.startswith("model '" + "x" * 80 + "'...") and len(long) < 200  # not echoed whole
 
 
 def test_what_openai_accepts_is_still_served(server_url):
